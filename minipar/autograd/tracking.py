@@ -1,0 +1,37 @@
+"""Where the autograd engine reports what it costs.
+
+The engine knows two things a cluster simulator needs: the FLOPs of every op it runs,
+and the arrays each op saves for backward. It reports both to the *current device*:
+an object that `minipar.dist` installs for each virtual rank (a contextvar, so every
+rank's thread sees its own device and nothing is shared). Outside a launch there is
+no device and nothing is recorded, so the engine also works as a plain library.
+
+A device is anything with
+    device.compute(flops: float, kind: str)      # kind: "forward" | "backward"
+    device.memory.hold(array, category: str)     # "params" | "grads" | "optimizer" |
+    device.memory.release(array)                 # "activations" | "buffers"
+(`minipar.dist.Device` is the real one.) Keeping the protocol here, and the bookkeeping
+in `minipar.dist`, keeps the engine free of ledgers and clocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+_current_device: contextvars.ContextVar = contextvars.ContextVar("minipar_device", default=None)
+
+
+def current_device():
+    """The device of the running virtual rank, or None outside `minipar.dist.launch`."""
+    return _current_device.get()
+
+
+@contextlib.contextmanager
+def use_device(device):
+    """Make `device` the current device inside the `with` block (this thread/context only)."""
+    token = _current_device.set(device)
+    try:
+        yield device
+    finally:
+        _current_device.reset(token)

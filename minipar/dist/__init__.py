@@ -1,0 +1,85 @@
+"""minipar.dist: a virtual GPU cluster in one process, shaped like torch.distributed.
+
+    from minipar import dist
+
+    def worker(x):
+        mesh = dist.DeviceMesh(dp=2, tp=2)
+        return dist.all_reduce(x * dist.get_rank(), group=mesh.dp_group())
+
+    results = dist.launch(worker, 4, np.ones(3))            # one result per rank
+    results, devices = dist.launch(worker, 4, np.ones(3), return_devices=True)
+    devices[0].summary()          # memory, bytes sent/received, simulated time of rank 0
+
+Modules: launch (threads and rank context), cluster (rendezvous, deadlock detection),
+collectives, p2p, ring (collectives on send/recv), groups and mesh, device (one rank's
+ledgers), memory, clock, comm_log (the byte ledger), errors.
+"""
+
+from __future__ import annotations
+
+from .clock import Clock, DeviceProfile, TimelineEvent, collective_time
+from .cluster import Cluster
+from .collectives import (
+    all_gather,
+    all_reduce,
+    all_reduce_bytes,
+    barrier,
+    broadcast,
+    reduce,
+    reduce_scatter,
+    ring_chunk_bytes,
+)
+from .comm_log import GROUP_KINDS, PHASES, CommLedger, CommRecord, traffic_matrix
+from .context import get_device, get_rank, get_world_size
+from .device import Device
+from .errors import CollectiveMismatchError, DeadlockError, DistError, RankAborted
+from .groups import ProcessGroup, new_group
+from .launch import launch, phase
+from .memory import CATEGORIES, MemoryLedger
+from .mesh import DeviceMesh
+from .p2p import Work, irecv, isend, recv, send
+from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+__all__ = [
+    "CATEGORIES",
+    "GROUP_KINDS",
+    "PHASES",
+    "Clock",
+    "Cluster",
+    "CollectiveMismatchError",
+    "CommLedger",
+    "CommRecord",
+    "DeadlockError",
+    "Device",
+    "DeviceMesh",
+    "DeviceProfile",
+    "DistError",
+    "MemoryLedger",
+    "ProcessGroup",
+    "RankAborted",
+    "TimelineEvent",
+    "Work",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_bytes",
+    "barrier",
+    "broadcast",
+    "collective_time",
+    "get_device",
+    "get_rank",
+    "get_world_size",
+    "irecv",
+    "isend",
+    "launch",
+    "new_group",
+    "phase",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_chunk_bytes",
+    "ring_reduce_scatter",
+    "send",
+    "traffic_matrix",
+]

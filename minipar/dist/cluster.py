@@ -1,0 +1,283 @@
+"""The shared state of one launch: who waits for what, and the rendezvous of collectives.
+
+All of it sits behind one lock (simple beats clever). A rank that must wait records
+*what* it waits for, then sleeps on its own condition variable; whoever completes that
+wait clears the record and wakes it. So at any instant a rank is running, waiting (and
+we know on whom), or returned, and a deadlock is a fact we can check the moment it
+happens: every live rank is waiting, or some rank waits on one that has returned.
+No timeouts, no polling.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from .clock import DeviceProfile
+from .device import Device
+from .errors import CollectiveMismatchError, DeadlockError, RankAborted
+from .groups import ProcessGroup
+
+
+class Call:
+    """One rank's side of a collective: what it asked for, its data, when it arrived.
+
+    signature = (op, shape, dtype, ((param, value), ...), group kind); ranks whose
+    signatures differ made different calls.
+    """
+
+    __slots__ = ("signature", "group", "array", "arrival")
+
+    def __init__(self, signature: tuple, group: ProcessGroup, array, arrival: float) -> None:
+        self.signature = signature
+        self.group = group
+        self.array = array
+        self.arrival = arrival  # the rank's simulated clock when it called
+
+    @property
+    def text(self) -> str:
+        """The call as the user wrote it, e.g. "all_reduce(shape=(4,), dtype=float32,
+        op='sum') on dp group [0, 2]" (built only for error messages)."""
+        op, shape, dtype, params, _ = self.signature
+        described = [] if shape is None else [f"shape={shape}", f"dtype={dtype}"]
+        described += [f"{k}={v!r}" for k, v in params]
+        return f"{op}({', '.join(described)}) on {self.group}"
+
+
+class Rendezvous:
+    """The k-th collective call of every member of one group."""
+
+    __slots__ = ("group", "number", "calls", "results", "start", "done")
+
+    def __init__(self, group: ProcessGroup, number: int) -> None:
+        self.group = group
+        self.number = number
+        self.calls: dict[int, Call] = {}
+        self.results = None  # per-rank results, in group order, set by the last arrival
+        self.start = 0.0  # simulated start: the latest arrival
+        self.done = False
+
+
+class Transfer:
+    """One point-to-point message, from its first posted side to its matching."""
+
+    __slots__ = ("src", "dst", "tag", "array", "send_time", "recv_time", "start", "end")
+
+    def __init__(self, src: int, dst: int, tag: int) -> None:
+        self.src, self.dst, self.tag = src, dst, tag
+        self.array = None
+        self.send_time = None  # sender's clock when it posted (None: not posted yet)
+        self.recv_time = None
+        self.start = self.end = 0.0
+
+    @property
+    def matched(self) -> bool:
+        return self.send_time is not None and self.recv_time is not None
+
+
+class Wait:
+    """What a blocked rank waits for: `target` (a Rendezvous or Transfer) and a description."""
+
+    __slots__ = ("rank", "target", "side")
+
+    def __init__(self, rank: int, target, side: str = "") -> None:
+        self.rank, self.target, self.side = rank, target, side
+
+    def peers(self) -> list[int]:
+        """The ranks that could end this wait."""
+        if isinstance(self.target, Rendezvous):
+            return [r for r in self.target.group.ranks if r not in self.target.calls]
+        return [self.target.dst if self.side == "send" else self.target.src]
+
+    def __str__(self) -> str:
+        t = self.target
+        if isinstance(t, Rendezvous):
+            op = t.calls[self.rank].signature[0]
+            missing = ", ".join(map(str, self.peers()))
+            return f"rank {self.rank} waits {op} #{t.number} on {t.group} for rank(s) {missing}"
+        if self.side == "send":
+            return f"rank {self.rank} waits send to {t.dst} (tag {t.tag}, no matching recv)"
+        return f"rank {self.rank} waits recv from {t.src} (tag {t.tag}, no matching send)"
+
+
+class Cluster:
+    """World size, node layout, device profile, the ranks' Devices and the sync state."""
+
+    def __init__(
+        self, world_size: int, gpus_per_node: int = 8, profile: DeviceProfile | None = None
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+        if profile is not None and not isinstance(profile, DeviceProfile):
+            raise TypeError(f"device must be a minipar.dist.DeviceProfile, got {profile!r}")
+        self.world_size = world_size
+        self.gpus_per_node = gpus_per_node
+        self.profile = profile if profile is not None else DeviceProfile()
+        self.devices = [
+            Device(r, world_size, gpus_per_node, self.profile, cluster=self)
+            for r in range(world_size)
+        ]
+        self.world = ProcessGroup(tuple(range(world_size)), "other")
+        self.failure: BaseException | None = None  # the first error; aborts every rank
+        self.failed_rank: int | None = None
+        self.lock = threading.Lock()
+        self._wakeup = [threading.Condition(self.lock) for _ in range(world_size)]
+        self._waiting: list[Wait | None] = [None] * world_size
+        self._returned = [False] * world_size
+        self._any_returned = False
+        self._running = world_size  # live ranks not waiting: 0 means deadlock
+        self._rendezvous: dict[tuple, Rendezvous] = {}
+        self._channels: dict[tuple[int, int, int], deque[Transfer]] = {}
+        self._links: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    # --- placement ---------------------------------------------------------------------------
+    def link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(alpha, bandwidth) of the slowest link between `ranks`: NVLink if they share a
+        node, else the inter-node network."""
+        if ranks not in self._links:
+            same_node = len({r // self.gpus_per_node for r in ranks}) == 1
+            self._links[ranks] = self.profile.link(same_node)
+        return self._links[ranks]
+
+    # --- waiting, waking, failing (all with self.lock held) ----------------------------------
+    def _wait(self, wait: Wait, done) -> None:
+        """Block `wait.rank` until done() is true; raises RankAborted if the launch fails."""
+        rank = wait.rank
+        while not done():
+            if self.failure is not None:
+                raise RankAborted
+            if self._waiting[rank] is None:  # (not after a spurious wake-up)
+                self._waiting[rank] = wait
+                self._running -= 1
+                # Only this new wait can have created a deadlock: check it now.
+                if self._running == 0 or (
+                    self._any_returned and any(self._returned[p] for p in wait.peers())
+                ):
+                    self._report_deadlock()
+                    raise RankAborted
+            self._wakeup[rank].wait()
+
+    def _wake(self, target, ranks) -> None:
+        """Wake those of `ranks` whose wait was on `target` (it is complete now)."""
+        for rank in ranks:
+            wait = self._waiting[rank]
+            if wait is not None and wait.target is target:
+                self._waiting[rank] = None
+                self._running += 1
+                self._wakeup[rank].notify()
+
+    def fail(self, error: BaseException, rank: int | None) -> None:
+        """Record the first failure and wake every rank so that it aborts."""
+        if self.failure is None:
+            self.failure, self.failed_rank = error, rank
+        for condition in self._wakeup:
+            condition.notify_all()
+
+    def check_alive(self) -> None:
+        if self.failure is not None:
+            raise RankAborted
+
+    def rank_returned(self, rank: int) -> None:
+        """Mark `rank` as returned: it may leave the others with nobody to wait for."""
+        self._returned[rank] = True
+        self._any_returned = True
+        self._running -= 1
+        if self.failure is not None:
+            return
+        waits = [w for w in self._waiting if w is not None]
+        if waits and (self._running == 0 or any(rank in w.peers() for w in waits)):
+            self._report_deadlock()
+
+    def _report_deadlock(self) -> None:
+        """Fail the launch with the wait-for graph (or the blocked collective calls)."""
+        waits = [w for w in self._waiting if w is not None]
+        on_returned = [w for w in waits if any(self._returned[p] for p in w.peers())]
+        lines = [str(w) for w in waits]
+        lines += [f"rank {r} has returned" for r in range(self.world_size) if self._returned[r]]
+        graph = "; ".join(lines)
+        if not on_returned and all(isinstance(w.target, Rendezvous) for w in waits):
+            # Every rank sits in a collective but no group is complete: they called
+            # collectives on different groups (or in a different order).
+            calls = "\n".join(f"  rank {w.rank}: {w.target.calls[w.rank].text}" for w in waits)
+            error = CollectiveMismatchError(
+                "ranks are blocked in collectives that can never complete: they called "
+                "different collectives or used different groups, in this order:\n"
+                f"{calls}\nwait-for graph: {graph}"
+            )
+        else:
+            error = DeadlockError(f"deadlock: {graph}")
+        self.fail(error, None)
+
+    # --- collectives ---------------------------------------------------------------------------
+    def collective(self, rank: int, group: ProcessGroup, number: int, call: Call, combine):
+        """Join the `number`-th collective on `group`; return the completed Rendezvous.
+
+        combine(list of arrays in group order) -> list of per-rank results. The last member
+        to arrive checks that all calls agree, then runs `combine` (outside the lock): the
+        reduction order is the group order, whatever order the threads arrived in.
+        """
+        key = (group.ranks, number)
+        with self.lock:
+            self.check_alive()
+            rendezvous = self._rendezvous.get(key)
+            if rendezvous is None:
+                rendezvous = self._rendezvous[key] = Rendezvous(group, number)
+            rendezvous.calls[rank] = call
+            if len(rendezvous.calls) < group.size:
+                self._wait(Wait(rank, rendezvous), lambda: rendezvous.done)
+                return rendezvous
+            del self._rendezvous[key]
+            calls = [rendezvous.calls[r] for r in group.ranks]
+            if any(c.signature != calls[0].signature for c in calls):
+                lines = "\n".join(
+                    f"  rank {r}: {c.text}" for r, c in zip(group.ranks, calls, strict=True)
+                )
+                self.fail(
+                    CollectiveMismatchError(
+                        f"collective call #{number} on ranks {list(group.ranks)} differs "
+                        f"between ranks:\n{lines}"
+                    ),
+                    None,
+                )
+                raise RankAborted
+        rendezvous.results = combine([c.array for c in calls])
+        rendezvous.start = max(c.arrival for c in calls)
+        with self.lock:
+            rendezvous.done = True
+            self._wake(rendezvous, group.ranks)
+        return rendezvous
+
+    # --- point to point ---------------------------------------------------------------------
+    def post(self, side: str, src: int, dst: int, tag: int, array, now: float) -> Transfer:
+        """Post one side ("send" with its array, or "recv") of a message src -> dst.
+
+        Messages of one (src, dst, tag) channel match in posting order, like MPI and NCCL.
+        """
+        key = (src, dst, tag)
+        with self.lock:
+            self.check_alive()
+            queue = self._channels.setdefault(key, deque())
+            # The queue holds posts of one side only: a post of the other side matches.
+            if queue and (queue[0].send_time is None) == (side == "send"):
+                transfer = queue.popleft()
+            else:
+                transfer = Transfer(src, dst, tag)
+                queue.append(transfer)
+            if side == "send":
+                transfer.array, transfer.send_time = array, now
+            else:
+                transfer.recv_time = now
+            if transfer.matched:
+                # The transfer starts when both sides are there: alpha + S / B.
+                alpha, bandwidth = self.link((src, dst) if src < dst else (dst, src))
+                transfer.start = max(transfer.send_time, transfer.recv_time)
+                transfer.end = transfer.start + alpha + transfer.array.nbytes / bandwidth
+                self._wake(transfer, (src, dst))
+            return transfer
+
+    def wait_transfer(self, rank: int, transfer: Transfer, side: str) -> None:
+        """Block until `transfer` is matched by its peer."""
+        with self.lock:
+            self._wait(Wait(rank, transfer, side), lambda: transfer.matched)

@@ -1,0 +1,236 @@
+"""Collectives on NumPy arrays, functional: each returns its result, inputs are untouched.
+
+    all_reduce(x, op="sum")       every rank gets op over the group       (same shape as x)
+    all_gather(x, dim=0)          every rank gets the concatenation        (n x along dim)
+    reduce_scatter(x, op, dim=0)  rank i gets chunk i of the reduction     (x / n along dim)
+    broadcast(x, src)             every rank gets src's x
+    reduce(x, dst, op)            dst gets the reduction, the others None
+    barrier()                     returns when every member has arrived
+
+`group=None` means the world. Reductions run in group-rank order (x_0 + x_1 + ... in
+that order), so results are bit-identical whatever order the threads arrive in.
+
+Each call books, on the calling rank, the bytes the ring algorithm (Patarasuk & Yuan
+2009) makes it send and receive, and advances its clock by the alpha-beta ring time.
+`ring.py` runs the same ring with send/recv and books the same bytes (a test checks it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .clock import collective_time
+from .cluster import Call
+from .comm_log import CommRecord
+from .context import current
+from .groups import ProcessGroup
+
+REDUCE_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+
+
+# --- bytes each rank moves under the ring algorithm --------------------------------------
+def ring_chunk_bytes(numel: int, itemsize: int, n: int) -> list[int]:
+    """Bytes of the n chunks `np.array_split` cuts a flat tensor of `numel` items into."""
+    base, extra = divmod(numel, n)
+    return [(base + (i < extra)) * itemsize for i in range(n)]
+
+
+def all_reduce_bytes(numel: int, itemsize: int, n: int, i: int) -> tuple[int, int]:
+    """(sent, received) bytes of ring position i in a ring all-reduce over n ranks.
+
+    Reduce-scatter step s = 0..n-2: position i sends chunk (i-s) and receives chunk
+    (i-s-1) (mod n); then it owns the reduced chunk (i+1). All-gather step s: it sends
+    chunk (i+1-s) and receives (i-s). So it sends every chunk twice except chunks i+1 and
+    i+2 once, and receives every chunk twice except chunks i and i+1 once:
+    2(n-1)/n S each when n divides the size, 2(n-1) S summed over ranks in any case.
+    """
+    c = ring_chunk_bytes(numel, itemsize, n)
+    total = sum(c)
+    return 2 * total - c[(i + 1) % n] - c[(i + 2) % n], 2 * total - c[i] - c[(i + 1) % n]
+
+
+def chain_bytes(nbytes: int, n: int, position: int) -> tuple[int, int]:
+    """(sent, received) of the rank at `position` along a chain of n ranks (broadcast and
+    reduce): the head only sends S, the tail only receives S, everyone else both."""
+    return (nbytes if position < n - 1 else 0), (nbytes if position > 0 else 0)
+
+
+# --- the common path ---------------------------------------------------------------------
+class _Collective:
+    """One rank's call of collective `api` on `group`: validation, rendezvous, booking."""
+
+    def __init__(self, api: str, group: ProcessGroup | None) -> None:
+        self.api = api
+        self.cluster, self.device = current(f"{api}()")
+        if group is None:
+            group = self.cluster.world
+        elif not isinstance(group, ProcessGroup):
+            raise TypeError(f"{api}: group must be a ProcessGroup (new_group or a DeviceMesh)")
+        if self.device.rank not in group:
+            raise ValueError(
+                f"rank {self.device.rank} called {api} on {group}, which it is not part of"
+            )
+        self.group, self.n = group, group.size
+        self.index = group.group_rank(self.device.rank)  # position on the ring
+
+    def run(self, x: np.ndarray | None, params: dict, combine):
+        """Rendezvous with the group; return (this rank's result, simulated start time).
+
+        combine(list of the members' x in group order) -> list of per-rank results.
+        """
+        shape, dtype = (None, None) if x is None else (x.shape, x.dtype)
+        signature = (self.api, shape, dtype, tuple(params.items()), self.group.kind)
+        call = Call(signature, self.group, x, self.device.clock.now)
+        number = self.device.next_call_number(self.group.ranks)
+        rendezvous = self.cluster.collective(self.device.rank, self.group, number, call, combine)
+        return rendezvous.results[self.index], rendezvous.start
+
+    def book(self, sent: int, received: int, full_nbytes: int, start: float) -> None:
+        """Record the call in the rank's byte ledger and advance its clock to the end."""
+        device, group = self.device, self.group
+        alpha, bandwidth = self.cluster.link(group.ranks)
+        end = start + collective_time(self.api, self.n, full_nbytes, alpha, bandwidth)
+        successor = group.ranks[(self.index + 1) % self.n]
+        device.clock.communicate(start, end, f"{self.api} {group.kind}")
+        device.comm.record(
+            CommRecord(
+                op=self.api,
+                group_kind=group.kind,
+                group_ranks=group.ranks,
+                sent_bytes=sent,
+                recv_bytes=received,
+                sent_to=((successor, sent),) if sent else (),
+                phase=device.phase,
+                start=start,
+                end=end,
+            )
+        )
+
+
+def _check_reduce_op(api: str, op: str, x: np.ndarray) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{api}: op={op!r} is not one of {tuple(REDUCE_OPS)}")
+    if op == "avg" and x.dtype.kind in "biu":
+        raise TypeError(f"{api}: op='avg' needs a floating dtype, got {x.dtype}")
+
+
+def _reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    """Reduce in list (= group rank) order into a fresh array of the inputs' dtype."""
+    ufunc = REDUCE_OPS[op]
+    result = arrays[0].copy()
+    for a in arrays[1:]:
+        ufunc(result, a, out=result)
+    if op == "avg":
+        np.divide(result, np.array(len(arrays), dtype=result.dtype), out=result)
+    return result
+
+
+def _copies(array: np.ndarray, n: int) -> list[np.ndarray]:
+    """n arrays with equal contents: every rank owns its result, as on separate GPUs."""
+    return [array] + [array.copy() for _ in range(n - 1)]
+
+
+def _dim(api: str, x: np.ndarray, dim: int) -> int:
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"{api}: dim={dim} is out of range for an array of shape {x.shape}")
+    return dim % x.ndim
+
+
+# --- the collectives -------------------------------------------------------------------------
+def all_reduce(x, op: str = "sum", group: ProcessGroup | None = None) -> np.ndarray:
+    """op ("sum" | "avg" | "max" | "min") over the group's x, on every rank. Shape of x."""
+    c = _Collective("all_reduce", group)
+    x = np.asarray(x)
+    _check_reduce_op("all_reduce", op, x)
+    if c.n == 1:
+        return x.copy()
+    result, start = c.run(x, {"op": op}, lambda arrays: _copies(_reduce(arrays, op), c.n))
+    sent, received = all_reduce_bytes(x.size, x.itemsize, c.n, c.index)
+    c.book(sent, received, x.nbytes, start)
+    return result
+
+
+def all_gather(x, group: ProcessGroup | None = None, dim: int = 0) -> np.ndarray:
+    """Concatenation of the group's x along dim, in group order: shape[dim] grows n-fold."""
+    c = _Collective("all_gather", group)
+    x = np.asarray(x)
+    dim = _dim("all_gather", x, dim)
+    if c.n == 1:
+        return x.copy()
+    result, start = c.run(
+        x, {"dim": dim}, lambda arrays: _copies(np.concatenate(arrays, axis=dim), c.n)
+    )
+    # Ring: n-1 steps, each passing on one rank's piece (x.nbytes) = (n-1)/n of the output.
+    piece_bytes = (c.n - 1) * x.nbytes
+    c.book(piece_bytes, piece_bytes, c.n * x.nbytes, start)
+    return result
+
+
+def reduce_scatter(
+    x, op: str = "sum", group: ProcessGroup | None = None, dim: int = 0
+) -> np.ndarray:
+    """Group rank i gets chunk i (along dim) of op over the group's x: shape[dim] / n."""
+    c = _Collective("reduce_scatter", group)
+    x = np.asarray(x)
+    _check_reduce_op("reduce_scatter", op, x)
+    dim = _dim("reduce_scatter", x, dim)
+    if x.shape[dim] % c.n:
+        raise ValueError(
+            f"reduce_scatter: dim {dim} of shape {x.shape} is not divisible by the group "
+            f"size {c.n}; pad the tensor to a multiple of {c.n}"
+        )
+    if c.n == 1:
+        return x.copy()
+
+    def combine(arrays):
+        # Copies, so each rank's chunk owns its memory (a view would keep the whole sum).
+        return [chunk.copy() for chunk in np.split(_reduce(arrays, op), c.n, axis=dim)]
+
+    result, start = c.run(x, {"op": op, "dim": dim}, combine)
+    # Ring: n-1 steps, each passing on one partially reduced chunk of S/n.
+    chunk_bytes = (c.n - 1) * (x.nbytes // c.n)
+    c.book(chunk_bytes, chunk_bytes, x.nbytes, start)
+    return result
+
+
+def broadcast(x, src: int, group: ProcessGroup | None = None) -> np.ndarray:
+    """src's x on every rank (src is a global rank). Every rank passes an array of the
+    same shape and dtype, as in torch.distributed; only src's values matter."""
+    c = _Collective("broadcast", group)
+    x = np.asarray(x)
+    root = c.group.group_rank(src)  # raises if src is not in the group
+    if c.n == 1:
+        return x.copy()
+    result, start = c.run(x, {"src": src}, lambda arrays: _copies(arrays[root].copy(), c.n))
+    # A chain along the ring from src: src sends S, the last rank only receives S.
+    sent, received = chain_bytes(x.nbytes, c.n, (c.index - root) % c.n)
+    c.book(sent, received, x.nbytes, start)
+    return result
+
+
+def reduce(x, dst: int, op: str = "sum", group: ProcessGroup | None = None):
+    """op over the group's x on global rank dst; None on the other ranks."""
+    c = _Collective("reduce", group)
+    x = np.asarray(x)
+    _check_reduce_op("reduce", op, x)
+    root = c.group.group_rank(dst)  # raises if dst is not in the group
+    if c.n == 1:
+        return x.copy()
+
+    def combine(arrays):
+        return [_reduce(arrays, op) if i == root else None for i in range(c.n)]
+
+    result, start = c.run(x, {"dst": dst, "op": op}, combine)
+    # A chain along the ring ending at dst: it starts at dst's successor.
+    sent, received = chain_bytes(x.nbytes, c.n, (c.index - root - 1) % c.n)
+    c.book(sent, received, x.nbytes, start)
+    return result
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Return once every member of the group has called barrier (moves no bytes)."""
+    c = _Collective("barrier", group)
+    if c.n == 1:
+        return
+    _, start = c.run(None, {}, lambda arrays: [None] * len(arrays))
+    c.book(0, 0, 0, start)

@@ -1,0 +1,93 @@
+"""The byte ledger: what every communication call of a rank moved, and when.
+
+One `CommRecord` per call and rank. Bytes are those the ring algorithm moves for *this*
+rank (see `collectives.ring_chunk_bytes`), so they add up across ranks to the traffic on
+the wires, and `ring.py`, which really runs the ring on send/recv, books the same figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP_KINDS = ("dp", "tp", "pp", "other")
+PHASES = ("forward", "backward", "optimizer", "other")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One communication call as seen by one rank.
+
+    op          all_reduce | all_gather | reduce_scatter | broadcast | reduce | barrier
+                | send | recv
+    group_kind  dp | tp | pp | other (who the bytes are charged to)
+    group_ranks global ranks of the group, in ring order
+    sent_bytes, recv_bytes   bytes this rank put on / took off the wire
+    sent_to     ((peer global rank, bytes), ...): where the sent bytes went
+    phase       forward | backward | optimizer | other (set with `minipar.dist.phase`)
+    start, end  simulated seconds: the transfer's start (its last member arrived) and end
+    """
+
+    op: str
+    group_kind: str
+    group_ranks: tuple[int, ...]
+    sent_bytes: int
+    recv_bytes: int
+    sent_to: tuple[tuple[int, int], ...]
+    phase: str
+    start: float
+    end: float
+
+
+class CommLedger:
+    """All CommRecords of one rank, with running totals."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.sent_by_op: dict[str, int] = {}
+        self.recv_by_op: dict[str, int] = {}
+        self.sent_by_group = dict.fromkeys(GROUP_KINDS, 0)
+        self.recv_by_group = dict.fromkeys(GROUP_KINDS, 0)
+
+    def record(self, record: CommRecord) -> None:
+        self.records.append(record)
+        self.sent_bytes += record.sent_bytes
+        self.recv_bytes += record.recv_bytes
+        self.sent_by_op[record.op] = self.sent_by_op.get(record.op, 0) + record.sent_bytes
+        self.recv_by_op[record.op] = self.recv_by_op.get(record.op, 0) + record.recv_bytes
+        self.sent_by_group[record.group_kind] += record.sent_bytes
+        self.recv_by_group[record.group_kind] += record.recv_bytes
+
+    @property
+    def calls(self) -> int:
+        return len(self.records)
+
+    def summary(self) -> dict:
+        """The report's "comm" entry. by_op and by_group count bytes *sent*; the matching
+        received bytes are under recv_by_op and recv_by_group."""
+        return {
+            "sent_bytes": self.sent_bytes,
+            "recv_bytes": self.recv_bytes,
+            "calls": self.calls,
+            "by_op": dict(self.sent_by_op),
+            "by_group": dict(self.sent_by_group),
+            "recv_by_op": dict(self.recv_by_op),
+            "recv_by_group": dict(self.recv_by_group),
+        }
+
+
+def traffic_matrix(ledgers: list[CommLedger]) -> np.ndarray:
+    """(world_size, world_size) int64 matrix: [i, j] = bytes rank i sent to rank j.
+
+    `ledgers` are the ranks' CommLedgers in rank order (e.g. `[d.comm for d in devices]`).
+    Row sums are each rank's sent_bytes, column sums its recv_bytes.
+    """
+    matrix = np.zeros((len(ledgers), len(ledgers)), dtype=np.int64)
+    for src, ledger in enumerate(ledgers):
+        for record in ledger.records:
+            for dst, nbytes in record.sent_to:
+                matrix[src, dst] += nbytes
+    return matrix

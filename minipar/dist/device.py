@@ -1,0 +1,80 @@
+"""One virtual GPU: its rank and node, and what it measured (memory, time, bytes).
+
+A Device is what `minipar.autograd.tracking.current_device()` returns inside a rank: the
+autograd engine calls `device.compute(flops, kind)` for every op and `device.memory.hold`
+/ `release` for the arrays it keeps. The collectives book their bytes in `device.comm`
+and their time on `device.clock`. A Device is only ever touched by its own rank's thread.
+"""
+
+from __future__ import annotations
+
+from .clock import COMPUTE_KINDS, Clock, DeviceProfile
+from .comm_log import PHASES, CommLedger
+from .errors import RankAborted
+from .memory import MemoryLedger
+
+
+class Device:
+    """rank, world_size, node (= rank // gpus_per_node), profile, memory, clock, comm, phase."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        gpus_per_node: int = 8,
+        profile: DeviceProfile | None = None,
+        cluster=None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.gpus_per_node = gpus_per_node
+        self.node = rank // gpus_per_node
+        self.profile = profile if profile is not None else DeviceProfile()
+        self.memory = MemoryLedger()
+        self.clock = Clock()
+        self.comm = CommLedger()
+        self._phase = "other"
+        # The Cluster of the running launch (None for a stand-alone device). Only read here
+        # to stop promptly when another rank failed.
+        self._cluster = cluster
+        self._calls_per_group: dict[tuple[int, ...], int] = {}  # collective sequence numbers
+        self._pending_works: dict[int, object] = {}  # isend/irecv not yet waited, by id
+
+    # --- the autograd device protocol --------------------------------------------------
+    def compute(self, flops: float, kind: str) -> None:
+        """Advance this rank's clock by `flops` of work of `kind` (forward|backward|optimizer)."""
+        if self._cluster is not None and self._cluster.failure is not None:
+            raise RankAborted  # another rank failed: stop here rather than compute on
+        if kind not in COMPUTE_KINDS:
+            raise ValueError(f"compute kind {kind!r} is not one of {COMPUTE_KINDS}")
+        self.clock.compute(flops / self.profile.flops, kind)
+
+    # --- the phase communication is charged to -----------------------------------------
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        if name not in PHASES:
+            raise ValueError(f"phase {name!r} is not one of {PHASES}")
+        self._phase = name
+
+    def next_call_number(self, group_ranks: tuple[int, ...]) -> int:
+        """Sequence number of this rank's next collective on the group with these ranks."""
+        number = self._calls_per_group.get(group_ranks, 0)
+        self._calls_per_group[group_ranks] = number + 1
+        return number
+
+    def summary(self) -> dict:
+        """One entry of the report's "ranks" list (the caller adds "coords")."""
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "memory": self.memory.summary(),
+            "comm": self.comm.summary(),
+            "time": self.clock.summary(),
+        }
+
+    def __repr__(self) -> str:
+        return f"Device(rank={self.rank}, world_size={self.world_size}, node={self.node})"

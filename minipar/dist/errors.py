@@ -1,0 +1,35 @@
+"""What goes wrong in a distributed program, named so the fix is obvious.
+
+Real clusters hang when ranks disagree: NCCL waits forever for a peer that called a
+different collective. The emulator sees every rank at once, so it turns each such hang
+into an exception that says who waited for whom.
+"""
+
+from __future__ import annotations
+
+
+class DistError(RuntimeError):
+    """Base class of every error raised by `minipar.dist` itself."""
+
+
+class CollectiveMismatchError(DistError):
+    """Ranks of one group made different collective calls (op, shape, dtype, root, ...).
+
+    The message lists what each rank called, so the rank with the odd call stands out.
+    """
+
+
+class DeadlockError(DistError):
+    """Every live rank waits for another one: a cycle of waits, or a wait for a rank that
+    has already returned. The message is the wait-for graph, one line per rank, e.g.
+    "rank 0 waits recv from 1; rank 1 waits recv from 0".
+    """
+
+
+class RankAborted(BaseException):  # noqa: N818 (not an error of its own: a signal to stop)
+    """Raised inside a rank's thread when another rank failed and the launch is aborting.
+
+    A BaseException (like KeyboardInterrupt), so that a user's `except Exception:` in the
+    rank function cannot swallow the abort and keep the rank running. `launch` never lets
+    it escape: it re-raises the failing rank's own exception instead.
+    """

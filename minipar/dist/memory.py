@@ -1,0 +1,85 @@
+"""A per-rank ledger of the bytes a rank actually holds, by category.
+
+The autograd engine and the parallel strategies call `hold(array, category)` when an
+array starts living on the rank and `release(array)` when it stops. Bytes come from
+`ndarray.nbytes` of the array that owns the buffer, never from a formula, so the ZeRO
+savings a student sees are the bytes NumPy really allocated.
+
+Views share memory with their base, so the ledger tracks *root buffers*: it follows
+`.base` to the array that owns the memory and reference-counts that. Holding a view of a
+held array (or the same array twice, in any category) adds no bytes; the bytes leave the
+ledger when the last hold of the root is released. The first hold decides the category.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def root_array(array: np.ndarray) -> np.ndarray:
+    """The ndarray that owns `array`'s memory (follows `.base` through views)."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root
+
+
+class MemoryLedger:
+    """Current and peak bytes per category for one rank.
+
+    current[c]  bytes held now in category c
+    peak[c]     the largest current[c] ever seen
+    peak_total  the largest sum over categories at one instant (not the sum of peaks)
+    """
+
+    def __init__(self) -> None:
+        self.current = dict.fromkeys(CATEGORIES, 0)
+        self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.peak_total = 0
+        # id(root) -> [root, category, count]. Keeping `root` alive keeps its id unique.
+        self._held: dict[int, list] = {}
+
+    def hold(self, array: np.ndarray, category: str) -> None:
+        """Start counting `array` (its root buffer) under `category`."""
+        entry = self._held.get(id(root := root_array(array)))
+        if entry is not None:
+            entry[2] += 1
+            return
+        if category not in self.current:
+            raise ValueError(f"memory category {category!r} is not one of {CATEGORIES}")
+        self._held[id(root)] = [root, category, 1]
+        self.current[category] += root.nbytes
+        self.total += root.nbytes
+        if self.current[category] > self.peak[category]:
+            self.peak[category] = self.current[category]
+        if self.total > self.peak_total:
+            self.peak_total = self.total
+
+    def release(self, array: np.ndarray) -> None:
+        """Drop one hold of `array`'s root buffer; its bytes leave at the last release."""
+        key = id(root_array(array))
+        entry = self._held.get(key)
+        if entry is None:
+            raise ValueError(
+                f"release() of an array that is not held (shape {array.shape}, "
+                f"dtype {array.dtype}): hold() it first, or release it only once per hold"
+            )
+        entry[2] -= 1
+        if entry[2] == 0:
+            root, category, _ = self._held.pop(key)
+            self.current[category] -= root.nbytes
+            self.total -= root.nbytes
+
+    def is_held(self, array: np.ndarray) -> bool:
+        return id(root_array(array)) in self._held
+
+    def summary(self) -> dict:
+        """Peak bytes per category and the peak of the total, as in the report."""
+        return {**self.peak, "peak_total": self.peak_total}
+
+    def __repr__(self) -> str:
+        held = ", ".join(f"{c}={b}" for c, b in self.current.items() if b)
+        return f"MemoryLedger({held or 'empty'}; peak_total={self.peak_total})"

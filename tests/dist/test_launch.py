@@ -1,0 +1,53 @@
+"""launch: one thread per rank, results by rank, rank and world size inside."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from minipar import dist
+
+
+def test_results_by_rank_args_and_kwargs():
+    def worker(a, b=0):
+        return (dist.get_rank(), dist.get_world_size(), a, b, threading.current_thread().name)
+
+    results = dist.launch(worker, 3, "x", b=5)
+    assert [r[:4] for r in results] == [(r, 3, "x", 5) for r in range(3)]
+    assert len({r[4] for r in results}) == 3  # a thread per rank
+
+
+def test_get_rank_within_a_group():
+    def worker():
+        group = dist.new_group([1, 2])
+        return dist.get_rank(group) if dist.get_rank() in group else None, dist.get_world_size(
+            group
+        )
+
+    assert dist.launch(worker, 3) == [(None, 2), (0, 2), (1, 2)]
+
+
+def test_back_to_back_launches_are_independent():
+    first, devices_a = dist.launch(lambda: dist.all_reduce(np.ones(2)), 2, return_devices=True)
+    second, devices_b = dist.launch(lambda: dist.all_reduce(np.ones(2)), 4, return_devices=True)
+    assert float(first[0][0]) == 2.0 and float(second[0][0]) == 4.0
+    assert all(d.comm.calls == 1 for d in devices_a + devices_b)
+    assert devices_a[0] is not devices_b[0]
+
+
+def test_nested_launch_inside_a_rank():
+    def inner():
+        return dist.get_rank()
+
+    def outer():
+        return dist.get_rank(), dist.launch(inner, 2), dist.get_rank()
+
+    assert dist.launch(outer, 2) == [(0, [0, 1], 0), (1, [0, 1], 1)]
+
+
+def test_bad_world_size():
+    import pytest
+
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        dist.launch(lambda: None, 0)

@@ -1,0 +1,59 @@
+"""DeviceMesh: Megatron/picotron layout (tp fastest), coordinates, groups, nodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipar import dist
+
+
+def test_layout_matches_a_dp_pp_tp_grid():
+    mesh = dist.DeviceMesh(dp=2, pp=3, tp=4)
+    grid = np.arange(24).reshape(2, 3, 4)  # picotron: torch.arange(world).view(dp, pp, tp)
+    for (d, p, t), rank in np.ndenumerate(grid):
+        assert mesh.coords(int(rank)) == {"dp": d, "pp": p, "tp": t}
+        assert mesh.rank_at(d, p, t) == rank
+        assert mesh.tp_group(int(rank)).ranks == tuple(int(r) for r in grid[d, p, :])
+        assert mesh.pp_group(int(rank)).ranks == tuple(int(r) for r in grid[d, :, t])
+        assert mesh.dp_group(int(rank)).ranks == tuple(int(r) for r in grid[:, p, t])
+
+
+def test_groups_of_a_2x2x2_mesh_and_their_kinds():
+    mesh = dist.DeviceMesh(dp=2, pp=2, tp=2)
+    assert [g.ranks for g in mesh.all_groups("tp")] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [g.ranks for g in mesh.all_groups("pp")] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert [g.ranks for g in mesh.all_groups("dp")] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert {g.kind for g in mesh.all_groups("dp")} == {"dp"}
+    assert mesh.tp_group(5).kind == "tp" and mesh.pp_group(5).kind == "pp"
+
+
+def test_mesh_inside_a_launch_and_nodes():
+    def worker():
+        mesh = dist.DeviceMesh(dp=4, tp=4)
+        return mesh.coords(), mesh.node(), mesh.tp_rank, dist.get_rank(mesh.dp_group())
+
+    results = dist.launch(worker, 16, gpus_per_node=8)
+    for rank, (coords, node, tp_rank, dp_index) in enumerate(results):
+        assert coords == {"dp": rank // 4, "pp": 0, "tp": rank % 4}
+        assert node == rank // 8 and tp_rank == rank % 4 and dp_index == rank // 4
+
+
+def test_mesh_product_must_be_the_world_size():
+    with pytest.raises(ValueError, match="dp=2 x pp=1 x tp=2 = 4 ranks, but the world has 8"):
+        dist.launch(lambda: dist.DeviceMesh(dp=2, tp=2), 8)
+    with pytest.raises(ValueError, match="every size must be an int >= 1"):
+        dist.DeviceMesh(dp=0)
+    with pytest.raises(ValueError, match="product is 6"):
+        dist.DeviceMesh(dp=2, tp=2, world_size=6)
+
+
+def test_groups_are_validated():
+    with pytest.raises(ValueError, match=r"rank\(s\) \[4\] outside the world of 4 ranks"):
+        dist.launch(lambda: dist.new_group([0, 4]), 4)
+    with pytest.raises(ValueError, match="duplicates"):
+        dist.launch(lambda: dist.new_group([1, 1]), 4)
+    with pytest.raises(ValueError, match="group kind 'data'"):
+        dist.launch(lambda: dist.new_group([0, 1], kind="data"), 4)
+    group = dist.launch(lambda: dist.new_group([3, 1], kind="tp"), 4)[0]
+    assert group.ranks == (1, 3) and group.group_rank(3) == 1 and 2 not in group
