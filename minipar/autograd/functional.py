@@ -1,0 +1,455 @@
+"""Fused neural-network ops: what GPT-2 is made of, one `Function` each.
+
+Fusing an op (LayerNorm, softmax attention, cross-entropy) into one node saves Python
+overhead, temporaries and saved activations, as fused GPU kernels do. The elementary
+pieces in ops.py compose to the same results and the tests check that they agree.
+
+bf16 inputs are computed in fp32 and the results rounded to bf16 (fused kernels keep
+their internals in fp32); the loss itself is fp32.
+
+FLOP counts (reported to the device): matmuls 2*M*K*N forward and 4*M*K*N backward;
+elementwise work a few FLOPs per element, as noted on each op.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from minipar.autograd.precision import bfloat16, compute_dtype, float32
+from minipar.autograd.tensor import Function, Tensor
+
+
+# ---------------------------------------------------------------------------- Linear
+class Linear(Function):
+    """y = x @ W + b with x (..., in), W (in, out) as in HF GPT-2's Conv1D.
+
+    With `transpose_weight`, W is stored (out, in) and y = x @ W.T (the LM head tied to
+    the token embedding (vocab, d_model)).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, transpose_weight):
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)
+        w = weight.T if transpose_weight else weight
+        if w.shape[0] != in_features:
+            raise ValueError(
+                f"linear: input has {in_features} features but the weight is {weight.shape}"
+                f"{' (transposed)' if transpose_weight else ''}"
+            )
+        if x.dtype == bfloat16:  # tensor core: bf16 in, fp32 accumulate (+ bias), bf16 out
+            y = x2.astype(float32) @ w.astype(float32)
+            if bias is not None:
+                y += bias.astype(float32)
+            y = y.astype(bfloat16)
+        else:
+            y = x2 @ w
+            if bias is not None:
+                y += bias
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        ctx.x_shape = x.shape
+        ctx.transpose_weight = transpose_weight
+        m, n = y.shape
+        ctx.flops_forward = 2 * m * in_features * n + (m * n if bias is not None else 0)
+        ctx.flops_backward = 4 * m * in_features * n + (m * n if bias is not None else 0)
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        bf16 = grad.dtype == bfloat16
+        if bf16:
+            g2 = g2.astype(float32)
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            w = weight.astype(float32) if bf16 else weight
+            grad_x = (g2 @ (w if ctx.transpose_weight else w.T)).reshape(ctx.x_shape)
+        if need_w:
+            x = x.reshape(-1, x.shape[-1])
+            if bf16:
+                x = x.astype(float32)
+            grad_w = g2.T @ x if ctx.transpose_weight else x.T @ g2
+        if need_b:
+            grad_b = g2.sum(axis=0)
+        if bf16:
+            grad_x, grad_w, grad_b = (None if g is None else g.astype(bfloat16)
+                                      for g in (grad_x, grad_w, grad_b))
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           transpose_weight: bool = False) -> Tensor:
+    """x @ W + b (W stored (in, out)); see `Linear`."""
+    return Linear.apply(x, weight, bias, transpose_weight)
+
+
+# ---------------------------------------------------------------------------- LayerNorm
+class LayerNorm(Function):
+    """LayerNorm over the last axis (Ba, Kiros & Hinton 2016), GPT-2's eps 1e-5.
+
+    Saves the normalised input xhat and 1/std, the two things backward needs:
+    dx = (1/std) * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        d = x.shape[-1]
+        work = compute_dtype(x.dtype)
+        x2 = x.reshape(-1, d).astype(work, copy=False)
+        xhat = x2 - x2.mean(axis=1, keepdims=True)
+        variance = np.einsum("ij,ij->i", xhat, xhat) / d
+        rstd = 1.0 / np.sqrt(variance + eps)
+        xhat *= rstd[:, None]
+        y = xhat * weight.astype(work, copy=False)
+        y += bias.astype(work, copy=False)
+        ctx.save_for_backward(xhat.astype(x.dtype, copy=False), rstd, weight)
+        ctx.x_shape = x.shape
+        ctx.flops_forward = 8 * x.size
+        ctx.flops_backward = 12 * x.size
+        return y.astype(x.dtype, copy=False).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd, weight = ctx.saved_tensors
+        work = compute_dtype(grad.dtype)
+        d = xhat.shape[-1]
+        g2 = grad.reshape(-1, d).astype(work, copy=False)
+        xhat = xhat.astype(work, copy=False)
+        grad_w = np.einsum("ij,ij->j", g2, xhat)
+        grad_b = g2.sum(axis=0)
+        dxhat = g2 * weight.astype(work, copy=False)
+        mean_dxhat = dxhat.mean(axis=1, keepdims=True)
+        mean_dxhat_xhat = (np.einsum("ij,ij->i", dxhat, xhat) / d)[:, None]
+        grad_x = dxhat - mean_dxhat
+        grad_x -= xhat * mean_dxhat_xhat
+        grad_x *= rstd[:, None]
+        dtype = grad.dtype
+        return (grad_x.astype(dtype, copy=False).reshape(ctx.x_shape),
+                grad_w.astype(dtype, copy=False), grad_b.astype(dtype, copy=False), None)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    return LayerNorm.apply(x, weight, bias, eps)
+
+
+# ---------------------------------------------------------------------------- GELU
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
+
+
+class GELU(Function):
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016), as GPT-2 uses it:
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Saves only x, like PyTorch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        work = compute_dtype(x.dtype)
+        xw = x.astype(work, copy=False)
+        t = xw * xw
+        t *= _GELU_C * _GELU_K
+        t += _GELU_C
+        t *= xw
+        np.tanh(t, out=t)  # t = tanh(c (x + k x^3))
+        t += 1.0
+        t *= xw
+        t *= 0.5
+        ctx.save_for_backward(x)
+        ctx.flops_forward = 8 * x.size
+        ctx.flops_backward = 14 * x.size
+        return t.astype(x.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        work = compute_dtype(x.dtype)
+        xw = x.astype(work, copy=False)
+        x_squared = xw * xw
+        t = x_squared * (_GELU_C * _GELU_K)
+        t += _GELU_C
+        t *= xw
+        np.tanh(t, out=t)
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2)
+        x_squared *= 3 * _GELU_C * _GELU_K
+        x_squared += _GELU_C
+        x_squared *= xw
+        sech_squared = t * t
+        np.subtract(1.0, sech_squared, out=sech_squared)
+        x_squared *= sech_squared
+        t += 1.0
+        t += x_squared
+        t *= 0.5
+        t *= grad
+        return t.astype(x.dtype, copy=False)
+
+
+def gelu(x: Tensor) -> Tensor:
+    return GELU.apply(x)
+
+
+# ---------------------------------------------------------------------------- softmax
+@functools.lru_cache(maxsize=64)
+def causal_mask(length: int, dtype_name: str) -> np.ndarray:
+    """(length, length) additive mask: 0 on and below the diagonal, -inf above it,
+    so position t attends to positions <= t (read-only, cached)."""
+    mask = np.triu(np.full((length, length), -np.inf, dtype=np.dtype(dtype_name)), k=1)
+    mask.flags.writeable = False
+    return mask
+
+
+def _softmax_inplace(scores: np.ndarray) -> np.ndarray:
+    """Numerically stable softmax over the last axis, overwriting `scores`."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+class Softmax(Function):
+    """Softmax over the last axis; with `causal`, the last two axes (T, T) are masked
+    so that row t only sees columns <= t."""
+
+    @staticmethod
+    def forward(ctx, x, causal):
+        probs = x.astype(compute_dtype(x.dtype), copy=True)
+        if causal:
+            probs += causal_mask(x.shape[-1], probs.dtype.name)
+        _softmax_inplace(probs)
+        probs = probs.astype(x.dtype, copy=False)
+        ctx.save_for_backward(probs)
+        ctx.flops_forward = 5 * x.size
+        ctx.flops_backward = 4 * x.size
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        work = compute_dtype(grad.dtype)
+        p = probs.astype(work, copy=False)
+        g = grad.astype(work, copy=False) * p
+        g -= p * g.sum(axis=-1, keepdims=True)  # p * (grad - sum(grad * p))
+        return g.astype(grad.dtype, copy=False), None
+
+
+def softmax(x: Tensor, causal: bool = False) -> Tensor:
+    return Softmax.apply(x, causal)
+
+
+# ---------------------------------------------------------------------------- attention
+class CausalSelfAttention(Function):
+    """Fused causal multi-head attention (Vaswani et al. 2017, GPT-2's masking).
+
+    qkv: (B, T, 3*H*head_dim), columns [q heads | k heads | v heads] as HF GPT-2's
+    c_attn output; returns (B, T, H*head_dim) with heads merged. H is read off the width
+    of qkv, so a tensor-parallel rank holding a subset of heads needs no change.
+    Equal to softmax(causal(q k^T / sqrt(head_dim))) @ v per head. Saves qkv and the
+    attention probabilities (B, H, T, T).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, head_dim, dropout_p, generator):
+        batch, length, width = qkv.shape
+        if width % (3 * head_dim):
+            raise ValueError(
+                f"attention: qkv width {width} is not a multiple of 3 * head_dim "
+                f"({3 * head_dim})"
+            )
+        n_heads = width // (3 * head_dim)
+        work = compute_dtype(qkv.dtype)
+        heads = qkv.astype(work, copy=False).reshape(batch, length, 3, n_heads, head_dim)
+        q = heads[:, :, 0].transpose(0, 2, 1, 3)  # (B, H, T, hd), views
+        k = heads[:, :, 1].transpose(0, 2, 1, 3)
+        v = heads[:, :, 2].transpose(0, 2, 1, 3)
+        scale = 1.0 / math.sqrt(head_dim)
+        att = (q * scale) @ k.swapaxes(-1, -2)  # (B, H, T, T)
+        att += causal_mask(length, work.name)
+        _softmax_inplace(att)
+        keep = None
+        if dropout_p > 0.0:
+            keep = generator.random(att.shape, dtype=np.float32) >= dropout_p
+            y = (att * keep) @ v
+            y *= 1.0 / (1.0 - dropout_p)
+        else:
+            y = att @ v  # (B, H, T, hd)
+        out = y.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * head_dim)
+        ctx.save_for_backward(qkv, att.astype(qkv.dtype, copy=False), keep)
+        ctx.head_dim, ctx.dropout_p = head_dim, dropout_p
+        flops = 4 * batch * n_heads * length * length * head_dim  # two matmuls
+        ctx.flops_forward = flops + 5 * att.size
+        ctx.flops_backward = 2 * flops + 4 * att.size
+        return out.astype(qkv.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, att, keep = ctx.saved_tensors
+        head_dim, dropout_p = ctx.head_dim, ctx.dropout_p
+        batch, length, width = qkv.shape
+        n_heads = width // (3 * head_dim)
+        work = compute_dtype(qkv.dtype)
+        heads = qkv.astype(work, copy=False).reshape(batch, length, 3, n_heads, head_dim)
+        q = heads[:, :, 0].transpose(0, 2, 1, 3)
+        k = heads[:, :, 1].transpose(0, 2, 1, 3)
+        v = heads[:, :, 2].transpose(0, 2, 1, 3)
+        att = att.astype(work, copy=False)
+        dy = grad.astype(work, copy=False).reshape(batch, length, n_heads, head_dim)
+        dy = dy.transpose(0, 2, 1, 3)  # (B, H, T, hd)
+        scale = 1.0 / math.sqrt(head_dim)
+
+        grad_qkv = np.empty((batch, length, 3, n_heads, head_dim), dtype=work)
+        dq = grad_qkv[:, :, 0].transpose(0, 2, 1, 3)  # views to write into
+        dk = grad_qkv[:, :, 1].transpose(0, 2, 1, 3)
+        dv = grad_qkv[:, :, 2].transpose(0, 2, 1, 3)
+        datt = dy @ v.swapaxes(-1, -2)  # (B, H, T, T)
+        if keep is not None:
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            np.matmul((att * keep).swapaxes(-1, -2), dy, out=dv)
+            dv *= inv_keep
+            datt *= keep
+            datt *= inv_keep
+        else:
+            np.matmul(att.swapaxes(-1, -2), dy, out=dv)
+        # softmax backward: ds = p * (dp - sum_j dp_j p_j); masked entries have p = 0
+        datt -= np.einsum("bhij,bhij->bhi", datt, att)[..., None]
+        datt *= att
+        datt *= scale  # scores = scale * q k^T
+        np.matmul(datt, k, out=dq)
+        np.matmul(datt.swapaxes(-1, -2), q, out=dk)
+        return (grad_qkv.reshape(batch, length, width).astype(qkv.dtype, copy=False),
+                None, None, None)
+
+
+def causal_self_attention(qkv: Tensor, head_dim: int, dropout_p: float = 0.0,
+                          generator: np.random.Generator | None = None) -> Tensor:
+    """Fused causal self-attention on HF-layout qkv; see `CausalSelfAttention`."""
+    if dropout_p > 0.0 and generator is None:
+        raise ValueError("attention dropout needs a seeded numpy Generator (generator=...)")
+    return CausalSelfAttention.apply(qkv, head_dim, dropout_p, generator)
+
+
+# ---------------------------------------------------------------------------- loss
+class CrossEntropy(Function):
+    """Mean cross-entropy of logits (..., V) against integer targets (...).
+
+    loss = mean(logsumexp(z) - z[target]), with the max subtracted before exp
+    (log-sum-exp in fp32 for bf16 and fp32, fp64 for fp64). Saves the softmax,
+    because d loss / d z = (softmax(z) - onehot(target)) / N.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        vocab = logits.shape[-1]
+        targets = np.asarray(targets)
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError(f"cross_entropy: targets shape {targets.shape} does not match "
+                             f"logits shape {logits.shape} without the vocab axis")
+        if targets.dtype.kind not in "iu":
+            raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+        flat_targets = targets.reshape(-1)
+        if flat_targets.size and (flat_targets.min() < 0 or flat_targets.max() >= vocab):
+            raise ValueError(f"cross_entropy: targets must lie in [0, {vocab}), got values "
+                             f"in [{flat_targets.min()}, {flat_targets.max()}]")
+        work = compute_dtype(logits.dtype)
+        z = logits.reshape(-1, vocab).astype(work, copy=True)
+        rows = np.arange(z.shape[0])
+        z -= z.max(axis=1, keepdims=True)
+        target_logit = z[rows, flat_targets]
+        np.exp(z, out=z)
+        total = z.sum(axis=1)
+        loss = np.mean(np.log(total) - target_logit)
+        z /= total[:, None]  # softmax
+        ctx.save_for_backward(z.astype(logits.dtype, copy=False), flat_targets)
+        ctx.logits_shape = logits.shape
+        ctx.flops_forward = 5 * z.size
+        ctx.flops_backward = 2 * z.size
+        return np.asarray(loss, dtype=work)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, flat_targets = ctx.saved_tensors
+        work = compute_dtype(probs.dtype)
+        g = probs.astype(work, copy=True)
+        g[np.arange(g.shape[0]), flat_targets] -= 1.0
+        g *= np.asarray(grad, dtype=work) / g.shape[0]
+        return g.astype(probs.dtype, copy=False).reshape(ctx.logits_shape), None
+
+
+def cross_entropy(logits: Tensor, targets) -> Tensor:
+    """Mean cross-entropy; see `CrossEntropy`. `targets` is an int array or Tensor."""
+    if isinstance(targets, Tensor):
+        targets = targets.data
+    return CrossEntropy.apply(logits, targets)
+
+
+# ---------------------------------------------------------------------------- embedding
+class Embedding(Function):
+    """weight[idx]: rows of a (V, d) table. Backward scatter-adds the output gradient
+    into the rows that were used (a token used twice gets both contributions)."""
+
+    @staticmethod
+    def forward(ctx, idx, weight):
+        idx = np.asarray(idx)
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"embedding: indices must be integers, got {idx.dtype}")
+        vocab = weight.shape[0]
+        if idx.size and (idx.min() < 0 or idx.max() >= vocab):
+            raise ValueError(f"embedding: indices must lie in [0, {vocab}), got values in "
+                             f"[{idx.min()}, {idx.max()}]")
+        ctx.save_for_backward(idx)
+        ctx.weight_shape, ctx.dtype = weight.shape, weight.dtype
+        ctx.flops_backward = idx.size * weight.shape[1]
+        return weight.take(idx, axis=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        work = compute_dtype(ctx.dtype)
+        grad_weight = np.zeros(ctx.weight_shape, dtype=work)
+        rows = grad.reshape(-1, ctx.weight_shape[1]).astype(work, copy=False)
+        np.add.at(grad_weight, idx.reshape(-1), rows)
+        return None, grad_weight.astype(ctx.dtype, copy=False)
+
+
+def embedding(idx, weight: Tensor) -> Tensor:
+    """Look up rows `idx` (int array (...)) of `weight` (V, d) -> (..., d)."""
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    return Embedding.apply(idx, weight)
+
+
+# ---------------------------------------------------------------------------- dropout
+class Dropout(Function):
+    """Zero each element with probability p, scale the rest by 1/(1-p)
+    (Srivastava et al. 2014, "inverted" dropout). Saves the boolean keep-mask."""
+
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = generator.random(x.shape, dtype=np.float32) >= p
+        scale = np.asarray(1.0 / (1.0 - p), dtype=x.dtype)
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        ctx.flops_forward = ctx.flops_backward = 2 * x.size
+        return x * keep * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep * ctx.scale, None, None
+
+
+def dropout(x: Tensor, p: float, generator: np.random.Generator | None,
+            training: bool = True) -> Tensor:
+    """Dropout with a seeded generator; the identity (no graph node) when p == 0 or
+    not training."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if p == 0.0 or not training:
+        return x
+    if generator is None:
+        raise ValueError("dropout needs a seeded numpy Generator (generator=...)")
+    return Dropout.apply(x, p, generator)
+

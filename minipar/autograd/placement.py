@@ -1,0 +1,88 @@
+"""Placements: how a rank's array relates to the full (single-device) tensor.
+
+The vocabulary is PyTorch DTensor's (torch.distributed.tensor):
+
+    Replicate()   every rank of the group holds the whole tensor
+    Shard(dim)    the tensor is cut into equal pieces along `dim`; rank i holds piece i
+    Partial()     every rank holds a summand; the full tensor is their sum (after an
+                  all-reduce / reduce-scatter)
+
+A parallel parameter carries its placement over one group (`param.placement`,
+`param.placement_group`, a group kind such as "tp" or "dp"). Consolidation (the
+single-device state dict of a parallel run), checkpoint resharding and the sharding
+pictures all read placements instead of guessing from shapes, and code that needs a
+replicated value can refuse a Partial one (`require_replicated`), so a forgotten
+all-reduce is a loud error instead of a silently wrong gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        return f"Partial({self.reduce_op})"
+
+
+Placement = Replicate | Shard | Partial
+
+
+class PlacementError(RuntimeError):
+    """A value with the wrong placement was used (e.g. a Partial sum where a replicated
+    value is needed: an all-reduce is missing)."""
+
+
+def shard(full: np.ndarray, placement: Placement, index: int, count: int) -> np.ndarray:
+    """The piece of `full` that rank `index` of `count` holds under `placement`."""
+    if isinstance(placement, Replicate):
+        return full.copy()
+    if isinstance(placement, Shard):
+        size = full.shape[placement.dim]
+        if size % count:
+            raise ValueError(f"cannot Shard({placement.dim}) a dimension of size {size} "
+                             f"into {count} equal pieces")
+        piece = size // count
+        return np.take(full, np.arange(index * piece, (index + 1) * piece),
+                       axis=placement.dim).copy()
+    raise PlacementError(f"cannot cut a full tensor into a {placement} placement")
+
+
+def unshard(pieces: list[np.ndarray], placement: Placement) -> np.ndarray:
+    """The full tensor from every rank's piece (in group-rank order)."""
+    if isinstance(placement, Replicate):
+        return pieces[0].copy()
+    if isinstance(placement, Shard):
+        return np.concatenate(pieces, axis=placement.dim)
+    if isinstance(placement, Partial):
+        total = pieces[0].copy()
+        for piece in pieces[1:]:
+            total = total + piece
+        return total
+    raise TypeError(f"unknown placement {placement!r}")
+
+
+def require_replicated(name: str, placement: Placement) -> None:
+    """Refuse a non-replicated value where a replicated one is needed."""
+    if not isinstance(placement, Replicate):
+        raise PlacementError(f"{name} is {placement} but must be Replicate() here: "
+                             "a reduction (all-reduce or all-gather) is missing before it")

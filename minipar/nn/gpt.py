@@ -1,0 +1,240 @@
+"""GPT-2 (Radford et al. 2019) at toy scale, with Hugging Face's names and layouts.
+
+    x = wte[idx] + wpe[:T]                          embed(idx)        (B, T, d)
+    for block in h:                                 h[i](x)
+        x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))    (pre-LayerNorm)
+    loss = CE(ln_f(x) @ wte.T, targets)             head(x, targets)
+
+`embed`, the blocks and `head` are separate so pipeline stages can run their share.
+Attention reads its number of heads off the width of its `c_attn` output, so a
+column-parallel `c_attn` that holds a subset of heads works unchanged.
+
+Initialisation is a pure function of (parameter name, seed): `init_parameter` draws each
+parameter from its own generator seeded with (seed, crc32(name)). The same seed gives
+the same full weights whatever is built, in whatever order: a pipeline stage that builds
+only some blocks, or a tensor-parallel rank that slices a weight, agrees with the
+single-device model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar.autograd import functional as F
+from minipar.autograd.checkpoint import checkpoint
+from minipar.autograd.grad_mode import is_grad_enabled
+from minipar.autograd.precision import get_policy
+from minipar.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from minipar.nn.module import Module, ModuleList, Parameter
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape. `seq_len` is the context length (rows of wpe)."""
+
+    vocab_size: int = 65
+    seq_len: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
+                    or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}; "
+                "pick n_head dividing d_model"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's HF GPT-2 name and full shape, in `named_parameters()` order."""
+    d, v = config.d_model, config.vocab_size
+    shapes = {"wte.weight": (v, d), "wpe.weight": (config.seq_len, d)}
+    for i in range(config.n_layer):
+        p = f"h.{i}."
+        shapes.update({
+            p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
+            p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
+            p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
+            p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
+            p + "mlp.c_fc.weight": (d, 4 * d), p + "mlp.c_fc.bias": (4 * d,),
+            p + "mlp.c_proj.weight": (4 * d, d), p + "mlp.c_proj.bias": (d,),
+        })
+    shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def init_parameter(name: str, shape: tuple[int, ...], config: GPTConfig,
+                   seed: int) -> np.ndarray:
+    """The initial value (fp64) of the full parameter `name`, GPT-2's scheme.
+
+    LayerNorm weight 1, bias 0; other biases 0; weights and embeddings normal(0, 0.02);
+    residual projections (`c_proj.weight`) normal(0, 0.02 / sqrt(2 n_layer)), the GPT-2
+    paper's scaling for the 2 residual additions per layer.
+    """
+    module, _, kind = name.rpartition(".")
+    module = module.rpartition(".")[2]
+    if module.startswith("ln_"):
+        return np.ones(shape) if kind == "weight" else np.zeros(shape)
+    if kind == "bias":
+        return np.zeros(shape)
+    std = 0.02
+    if module == "c_proj":
+        std /= math.sqrt(2 * config.n_layer)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.normal(0.0, std, size=shape)
+
+
+def initialize_parameters(module: Module, config: GPTConfig, seed: int,
+                          prefix: str = "") -> None:
+    """Set every parameter of `module` to `init_parameter(prefix + name)` (cast to its
+    dtype). `prefix` places a part in the full model, e.g. "h.3." for block 3."""
+    for name, p in module.named_parameters():
+        p.data[...] = init_parameter(prefix + name, p.shape, config, seed).astype(p.dtype)
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention: c_attn (d, 3d) -> fused attention -> c_proj."""
+
+    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
+        super().__init__()
+        d = config.d_model
+        self.head_dim = config.head_dim
+        self.dropout_p = config.dropout
+        self.generator = generator
+        self.c_attn = Linear(d, 3 * d, dtype=dtype)
+        self.c_proj = Linear(d, d, dtype=dtype)
+        self.resid_dropout = Dropout(config.dropout, generator)
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # (B, T, 3 * local_heads * head_dim)
+        p = self.dropout_p if self.training else 0.0
+        y = F.causal_self_attention(qkv, self.head_dim, p, self.generator)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(Module):
+    """c_fc (d, 4d) -> GELU (tanh) -> c_proj (4d, d)."""
+
+    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
+        super().__init__()
+        d = config.d_model
+        self.c_fc = Linear(d, 4 * d, dtype=dtype)
+        self.c_proj = Linear(4 * d, d, dtype=dtype)
+        self.dropout = Dropout(config.dropout, generator)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(Module):
+    """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
+        super().__init__()
+        d = config.d_model
+        self.ln_1 = LayerNorm(d, dtype=dtype)
+        self.attn = CausalSelfAttention(config, dtype=dtype, generator=generator)
+        self.ln_2 = LayerNorm(d, dtype=dtype)
+        self.mlp = MLP(config, dtype=dtype, generator=generator)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LMHead(Module):
+    """Untied output projection; weight (vocab, d_model) as HF's lm_head, logits = x @ W.T."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, dtype=np.float64):
+        super().__init__()
+        self.weight = Parameter(np.zeros((vocab_size, d_model), dtype=dtype))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, None, transpose_weight=True)
+
+
+class GPT(Module):
+    """The model: `loss = model(idx, targets)`, or logits (B, T, V) without targets.
+
+    precision: "fp64", "fp32" or "bf16-mixed" (parameter and activation dtype; see
+    minipar.autograd.precision). activation_checkpointing: recompute each block in
+    backward instead of keeping its activations.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0, precision: str = "fp64",
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.seed = seed
+        self.policy = get_policy(precision)
+        self.activation_checkpointing = activation_checkpointing
+        dtype = self.policy.param_dtype
+        # One generator for every dropout mask, seeded apart from the weights.
+        self.dropout_generator = np.random.default_rng([seed, zlib.crc32(b"dropout")])
+        gen = self.dropout_generator
+        self.wte = Embedding(config.vocab_size, config.d_model, dtype=dtype)
+        self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
+        self.drop = Dropout(config.dropout, gen)
+        self.h = ModuleList(Block(config, dtype=dtype, generator=gen)
+                            for _ in range(config.n_layer))
+        self.ln_f = LayerNorm(config.d_model, dtype=dtype)
+        if not config.tie_embeddings:
+            self.lm_head = LMHead(config.vocab_size, config.d_model, dtype=dtype)
+        initialize_parameters(self, config, seed)
+
+    @staticmethod
+    def initial_state_dict(config: GPTConfig, seed: int = 0) -> dict[str, np.ndarray]:
+        """The full initial weights (fp64) by name, without building a model."""
+        return {name: init_parameter(name, shape, config, seed)
+                for name, shape in parameter_shapes(config).items()}
+
+    def embed(self, idx) -> object:
+        """Token plus position embeddings: idx (B, T) ints -> x (B, T, d)."""
+        idx = np.asarray(idx.data if hasattr(idx, "data") else idx)
+        if idx.ndim != 2 or idx.dtype.kind not in "iu":
+            raise ValueError(f"GPT: idx must be an integer array (B, T), got shape "
+                             f"{idx.shape} dtype {idx.dtype}")
+        length = idx.shape[1]
+        if length > self.config.seq_len:
+            raise ValueError(f"GPT: sequence length {length} exceeds seq_len "
+                             f"{self.config.seq_len} of the config")
+        x = self.wte(idx) + self.wpe.weight[:length]
+        return self.drop(x)
+
+    def head(self, x, targets=None):
+        """Final LayerNorm and LM head: x (B, T, d) -> mean cross-entropy against
+        targets (B, T), or the logits (B, T, V) when targets is None."""
+        x = self.ln_f(x)
+        weight = self.wte.weight if self.config.tie_embeddings else self.lm_head.weight
+        logits = F.linear(x, weight, None, transpose_weight=True)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits, targets)
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        use_checkpoint = self.activation_checkpointing and is_grad_enabled()
+        generator = self.dropout_generator if self.config.dropout > 0 else None
+        for block in self.h:
+            x = checkpoint(block, x, generator=generator) if use_checkpoint else block(x)
+        return self.head(x, targets)

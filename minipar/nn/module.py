@@ -1,0 +1,205 @@
+"""`Module`, `ModuleList` and `Parameter`, shaped like `torch.nn`.
+
+Assigning a `Parameter` or a `Module` to an attribute registers it under that name, so
+`named_parameters()` yields dotted paths ("h.0.attn.c_attn.weight") that are the keys of
+`state_dict()`. Registered children are plain attributes, so the hot path reads them at
+full speed, and later code can swap one for another (`block.attn.c_attn =
+ColumnParallelLinear(...)`) and the new one is registered under the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from minipar.autograd.placement import Replicate
+from minipar.autograd.tensor import Tensor
+
+
+class Parameter(Tensor):
+    """A leaf Tensor that is a trainable weight (requires grad by default).
+
+    `placement` says how this rank's `data` relates to the full single-device weight over
+    the group of kind `placement_group` ("tp", "dp", ...): see minipar.autograd.placement.
+    A plain single-device parameter is `Replicate()` over no group. `grad_category` is
+    the memory-ledger category its `.grad` is booked under when backward creates it.
+    """
+
+    __slots__ = ("placement", "placement_group", "grad_category")
+
+    def __init__(self, data, requires_grad: bool = True, placement=None, placement_group=None):
+        super().__init__(data, requires_grad=requires_grad)
+        self.placement = Replicate() if placement is None else placement
+        self.placement_group = placement_group
+        # The ledger category of the .grad that backward creates (ZeRO-2/3: "buffers").
+        self.grad_category = "grads"
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={self.shape}, dtype={self.dtype})"
+
+
+class Module:
+    """Base class of layers and models. Subclasses call `super().__init__()` first and
+    define `forward`; `module(x)` calls `forward(x)`."""
+
+    def __init__(self):
+        object.__setattr__(self, "_parameter_names", [])
+        object.__setattr__(self, "_module_names", [])
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        try:
+            parameter_names = self._parameter_names
+            module_names = self._module_names
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__}: call super().__init__() before assigning attributes"
+            ) from None
+        if isinstance(value, Parameter):
+            if name in module_names:
+                module_names.remove(name)
+            if name not in parameter_names:
+                parameter_names.append(name)
+        elif isinstance(value, Module):
+            if name in parameter_names:
+                parameter_names.remove(name)
+            if name not in module_names:
+                module_names.append(name)
+        else:
+            if name in parameter_names:
+                parameter_names.remove(name)
+            if name in module_names:
+                module_names.remove(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        for names in (self._parameter_names, self._module_names):
+            if name in names:
+                names.remove(name)
+        object.__delattr__(self, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+
+    # ------------------------------------------------------------------ traversal
+    def named_children(self) -> Iterator[tuple[str, Module]]:
+        for name in self._module_names:
+            yield name, getattr(self, name)
+
+    def children(self) -> Iterator[Module]:
+        for _, module in self.named_children():
+            yield module
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        """This module and every submodule, depth first, with dotted names."""
+        stack = [(prefix, self)]
+        while stack:
+            name, module = stack.pop()
+            yield name, module
+            children = [(f"{name}.{child_name}" if name else child_name, child)
+                        for child_name, child in module.named_children()]
+            stack.extend(reversed(children))
+
+    def modules(self) -> Iterator[Module]:
+        for _, module in self.named_modules():
+            yield module
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """(dotted name, Parameter) in registration order; a shared Parameter once."""
+        seen = set()
+        for module_name, module in self.named_modules(prefix):
+            for name in module._parameter_names:
+                parameter = getattr(module, name)
+                if id(parameter) in seen:
+                    continue
+                seen.add(id(parameter))
+                yield (f"{module_name}.{name}" if module_name else name), parameter
+
+    def parameters(self) -> Iterator[Parameter]:
+        for _, parameter in self.named_parameters():
+            yield parameter
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """{name: copy of the parameter's array}."""
+        return {name: p.data.copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Copy arrays into the parameters (in place, cast to each parameter's dtype).
+
+        With `strict`, the keys must match `named_parameters()` exactly. A shape mismatch
+        is always an error. Returns (missing_keys, unexpected_keys).
+        """
+        own = dict(self.named_parameters())
+        missing = [name for name in own if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected} "
+                "(pass strict=False to load a subset)"
+            )
+        mismatched = [
+            f"{name}: checkpoint {np.shape(array)} vs model {own[name].shape}"
+            for name, array in state_dict.items()
+            if name in own and np.shape(array) != own[name].shape
+        ]
+        if mismatched:
+            raise ValueError("load_state_dict: shape mismatch for " + "; ".join(mismatched))
+        for name, array in state_dict.items():
+            if name in own:
+                parameter = own[name]
+                parameter.data[...] = np.asarray(array).astype(parameter.dtype, copy=False)
+        return missing, unexpected
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every parameter's gradient (released from the device ledger) or, with
+        `set_to_none=False`, fill it with zeros."""
+        for p in self.parameters():
+            if set_to_none:
+                p.release_grad()
+            elif p.grad is not None:
+                p.grad[...] = 0
+
+    def train(self, mode: bool = True) -> Module:
+        for module in self.modules():
+            object.__setattr__(module, "training", mode)
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+
+class ModuleList(Module):
+    """A list of modules registered as "0", "1", ... (GPT-2's `h.0`, `h.1`, ...)."""
+
+    def __init__(self, modules=()):
+        super().__init__()
+        self._items: list[Module] = []
+        for module in modules:
+            self.append(module)
+
+    def append(self, module: Module) -> ModuleList:
+        setattr(self, str(len(self._items)), module)
+        self._items.append(module)
+        return self
+
+    def __getitem__(self, index: int) -> Module:
+        return self._items[index]
+
+    def __setitem__(self, index: int, module: Module) -> None:
+        index = range(len(self._items))[index]
+        setattr(self, str(index), module)
+        self._items[index] = module
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._items)

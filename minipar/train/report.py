@@ -1,0 +1,127 @@
+"""The report: what a run measured, in the schema `minipar.report/1` (DESIGN.md).
+
+This is the public contract: notebooks, widgets, the CLI and checks outside the repo read
+it. Add fields freely; rename none. `report.schema.json` beside this file is the JSON
+Schema; `validate_report()` checks a report dict against it without extra dependencies
+(the tests also validate with the `jsonschema` package when it is installed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = "minipar.report/1"
+SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass
+class Report:
+    config: dict
+    world_size: int
+    n_params: int
+    steps: list[dict] = field(default_factory=list)
+    ranks: list[dict] = field(default_factory=list)
+    pipeline: dict | None = None
+    equivalence: dict | None = None
+    # Not part of the JSON contract: per-rank timeline events (for plots) and the final
+    # consolidated single-device state dict (for equivalence checks and inspection).
+    timelines: list[list[dict]] | None = field(default=None, repr=False)
+    state_dict: dict | None = field(default=None, repr=False)
+
+    # -------------------------------------------------------------- reading helpers
+    @property
+    def losses(self) -> list[float]:
+        return [s["loss"] for s in self.steps]
+
+    def memory(self, category: str) -> list[int]:
+        """Peak bytes of one memory category, per rank."""
+        return [r["memory"][category] for r in self.ranks]
+
+    def sent_bytes(self, group: str | None = None) -> list[float]:
+        """Bytes each rank sent, in total or in one group kind ("dp", "tp", "pp")."""
+        if group is None:
+            return [r["comm"]["sent_bytes"] for r in self.ranks]
+        return [r["comm"]["by_group"].get(group, 0) for r in self.ranks]
+
+    # -------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict:
+        out = {
+            "schema": SCHEMA,
+            "config": self.config,
+            "world_size": self.world_size,
+            "n_params": self.n_params,
+            "steps": self.steps,
+            "ranks": self.ranks,
+        }
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline
+        if self.equivalence is not None:
+            out["equivalence"] = self.equivalence
+        return out
+
+    def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
+        """The report as JSON text; also written to `path` when given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Report:
+        validate_report(data)
+        return cls(config=data["config"], world_size=data["world_size"],
+                   n_params=data["n_params"], steps=data["steps"], ranks=data["ranks"],
+                   pipeline=data.get("pipeline"), equivalence=data.get("equivalence"))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Report:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def load_schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def validate_report(data: dict) -> None:
+    """Raise ValueError naming the first field that breaks `report.schema.json`.
+
+    A small validator for the subset of JSON Schema the file uses (type, required,
+    properties, items, enum, const, minimum), so the library needs no extra dependency."""
+    _validate(data, load_schema(), "report")
+
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+          "integer": int, "number": (int, float)}
+
+
+def _validate(value, schema: dict, where: str) -> None:
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        ok = any(isinstance(value, _TYPES[t]) and not (t in ("integer", "number")
+                 and isinstance(value, bool)) for t in types)
+        if not ok:
+            raise ValueError(f"{where}: expected {' or '.join(types)}, got {type(value).__name__}")
+    if "const" in schema and value != schema["const"]:
+        raise ValueError(f"{where}: expected {schema['const']!r}, got {value!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ValueError(f"{where}: {value!r} is not one of {schema['enum']}")
+    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
+        raise ValueError(f"{where}: {value} is below the minimum {schema['minimum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                raise ValueError(f"{where}: missing required field {key!r}")
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                _validate(value[key], sub, f"{where}.{key}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in set(value) - set(schema.get("properties", {})):
+                _validate(value[key], extra, f"{where}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _validate(item, schema["items"], f"{where}[{i}]")

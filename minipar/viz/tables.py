@@ -1,0 +1,55 @@
+"""Plain-text tables of a report: what the CLI prints and notebooks can show."""
+
+from __future__ import annotations
+
+from minipar.train.report import MEMORY_CATEGORIES, Report
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, as memory is counted)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """A fixed-width table; `align` is one of 'l'/'r' per column (default: first left)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    align = align or "l" + "r" * (len(headers) - 1)
+
+    def line(row):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                         for c, w, a in zip(row, widths, align, strict=True))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def loss_table(report: Report, max_rows: int = 12) -> str:
+    """Loss, learning rate and gradient norm per step (the middle elided on long runs)."""
+    steps = report.steps
+    if len(steps) > max_rows:
+        half = max_rows // 2
+        shown = steps[:half] + [None] + steps[-half:]
+    else:
+        shown = steps
+    rows = [["...", "", "", ""] if s is None else
+            [s["step"], f"{s['loss']:.4f}", f"{s['lr']:.2e}", f"{s['grad_norm']:.3f}"]
+            for s in shown]
+    return format_table(["step", "loss", "lr", "grad_norm"], rows)
+
+
+def memory_table(report: Report) -> str:
+    """Peak bytes per memory category, one row per rank (measured by each rank's ledger)."""
+    headers = ["rank", "dp/pp/tp", *MEMORY_CATEGORIES, "peak_total"]
+    rows = []
+    for r in report.ranks:
+        c = r["coords"]
+        rows.append([r["rank"], f"{c['dp']}/{c['pp']}/{c['tp']}",
+                     *(human_bytes(r["memory"][k]) for k in MEMORY_CATEGORIES),
+                     human_bytes(r["memory"]["peak_total"])])
+    return format_table(headers, rows)

@@ -1,0 +1,63 @@
+"""A tiny stand-in for a virtual GPU: the device protocol of minipar.autograd.tracking
+with a ledger that follows the semantics of minipar.dist.memory (root buffers,
+reference counts, per-category peaks)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from minipar.autograd.tracking import use_device
+
+
+class FakeLedger:
+    def __init__(self):
+        self.entries = {}  # id(root) -> [root, count, category]
+        self.current = defaultdict(int)
+        self.peak = defaultdict(int)
+        self.peak_total = 0
+
+    @staticmethod
+    def _root(array):
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        return array
+
+    def hold(self, array, category):
+        root = self._root(array)
+        entry = self.entries.get(id(root))
+        if entry is not None:
+            entry[1] += 1
+            return
+        self.entries[id(root)] = [root, 1, category]
+        self.current[category] += root.nbytes
+        self.peak[category] = max(self.peak[category], self.current[category])
+        self.peak_total = max(self.peak_total, sum(self.current.values()))
+
+    def release(self, array):
+        root = self._root(array)
+        entry = self.entries[id(root)]  # KeyError: released something never held
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.entries[id(root)]
+            self.current[entry[2]] -= root.nbytes
+
+
+class FakeDevice:
+    def __init__(self):
+        self.memory = FakeLedger()
+        self.flops = defaultdict(float)
+
+    def compute(self, flops, kind):
+        assert kind in ("forward", "backward", "optimizer"), kind
+        self.flops[kind] += flops
+
+
+@pytest.fixture
+def device():
+    """A FakeDevice installed as the current device for the test."""
+    fake = FakeDevice()
+    with use_device(fake):
+        yield fake

@@ -1,0 +1,227 @@
+"""The GPT-2 model: HF names and shapes, initialisation, loss at init, determinism,
+precision, checkpointing and the memory it reports."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from minipar.autograd import Tensor, bfloat16
+from minipar.nn import (
+    GPT,
+    AdamW,
+    Block,
+    GPTConfig,
+    Linear,
+    init_parameter,
+    initialize_parameters,
+)
+
+CONFIG = GPTConfig(vocab_size=65, seq_len=32, n_layer=2, n_head=4, d_model=64)
+
+
+def batch(config=CONFIG, batch_size=4, seed=0):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, config.vocab_size, size=(batch_size, config.seq_len))
+    targets = rng.integers(0, config.vocab_size, size=(batch_size, config.seq_len))
+    return idx, targets
+
+
+def expected_shapes(v, t, d, n_layer, tied):
+    """Written out from DESIGN.md (HF GPT-2 names, weights stored (in, out))."""
+    shapes = {"wte.weight": (v, d), "wpe.weight": (t, d)}
+    for i in range(n_layer):
+        shapes[f"h.{i}.ln_1.weight"] = (d,)
+        shapes[f"h.{i}.ln_1.bias"] = (d,)
+        shapes[f"h.{i}.attn.c_attn.weight"] = (d, 3 * d)
+        shapes[f"h.{i}.attn.c_attn.bias"] = (3 * d,)
+        shapes[f"h.{i}.attn.c_proj.weight"] = (d, d)
+        shapes[f"h.{i}.attn.c_proj.bias"] = (d,)
+        shapes[f"h.{i}.ln_2.weight"] = (d,)
+        shapes[f"h.{i}.ln_2.bias"] = (d,)
+        shapes[f"h.{i}.mlp.c_fc.weight"] = (d, 4 * d)
+        shapes[f"h.{i}.mlp.c_fc.bias"] = (4 * d,)
+        shapes[f"h.{i}.mlp.c_proj.weight"] = (4 * d, d)
+        shapes[f"h.{i}.mlp.c_proj.bias"] = (d,)
+    shapes["ln_f.weight"] = (d,)
+    shapes["ln_f.bias"] = (d,)
+    if not tied:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_state_dict_has_exactly_the_hf_names_and_shapes(tied):
+    config = GPTConfig(vocab_size=11, seq_len=8, n_layer=3, n_head=2, d_model=16,
+                       tie_embeddings=tied)
+    model = GPT(config)
+    sd = model.state_dict()
+    assert {k: v.shape for k, v in sd.items()} == expected_shapes(11, 8, 16, 3, tied)
+    assert [n for n, _ in model.named_parameters()] == list(sd)
+    assert model.num_parameters() == sum(math.prod(s) for s in
+                                         expected_shapes(11, 8, 16, 3, tied).values())
+
+
+def test_loss_at_init_is_about_log_vocab():
+    idx, targets = batch()
+    loss = GPT(CONFIG, seed=3)(idx, targets)
+    assert loss.shape == () and abs(loss.item() - math.log(65)) < 0.1
+
+
+def test_logits_without_targets():
+    idx, _ = batch()
+    logits = GPT(CONFIG)(idx[:, :10])
+    assert logits.shape == (4, 10, 65)
+
+
+def train(model, steps=3, lr=3e-3):
+    optimizer = AdamW(model.named_parameters(), lr=lr)
+    idx, targets = batch()
+    losses = []
+    for _ in range(steps):
+        model.zero_grad()
+        loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_same_seed_gives_bit_identical_losses():
+    config = GPTConfig(dropout=0.1)
+    assert train(GPT(config, seed=5)) == train(GPT(config, seed=5))
+    assert train(GPT(config, seed=5)) != train(GPT(config, seed=6))
+
+
+def test_a_few_adamw_steps_lower_the_loss():
+    losses = train(GPT(CONFIG, seed=0), steps=8)
+    assert losses[-1] < losses[0] - 0.3
+
+
+def test_initialisation_is_a_function_of_name_and_seed():
+    model = GPT(CONFIG, seed=4)
+    initial = GPT.initial_state_dict(CONFIG, seed=4)
+    for name, array in model.state_dict().items():
+        np.testing.assert_array_equal(array, initial[name])
+    # a pipeline stage that builds block 1 alone gets the same weights
+    block = Block(CONFIG)
+    initialize_parameters(block, CONFIG, seed=4, prefix="h.1.")
+    for name, p in block.named_parameters():
+        np.testing.assert_array_equal(p.data, initial["h.1." + name])
+    np.testing.assert_array_equal(init_parameter("h.1.mlp.c_fc.weight", (64, 256), CONFIG, 4),
+                                  initial["h.1.mlp.c_fc.weight"])
+    assert not np.array_equal(GPT.initial_state_dict(CONFIG, 5)["wte.weight"],
+                              initial["wte.weight"])
+
+
+def test_gpt2_initialisation_statistics():
+    config = GPTConfig(vocab_size=512, seq_len=64, n_layer=8, n_head=4, d_model=128)
+    sd = GPT.initial_state_dict(config, seed=0)
+    assert sd["wte.weight"].std() == pytest.approx(0.02, rel=0.02)
+    assert sd["h.0.attn.c_attn.weight"].std() == pytest.approx(0.02, rel=0.03)
+    residual_std = 0.02 / math.sqrt(2 * 8)  # GPT-2 paper: scale by 1/sqrt(N residuals)
+    assert sd["h.3.mlp.c_proj.weight"].std() == pytest.approx(residual_std, rel=0.03)
+    assert sd["h.3.attn.c_proj.weight"].std() == pytest.approx(residual_std, rel=0.05)
+    assert np.all(sd["h.2.ln_1.weight"] == 1) and np.all(sd["ln_f.bias"] == 0)
+    assert np.all(sd["h.2.attn.c_attn.bias"] == 0)
+
+
+def test_attention_takes_its_head_count_from_c_attn():
+    """Megatron's column/row split: two "ranks" holding 2 of 4 heads each, whose partial
+    c_proj outputs sum to the full attention output (the bias added once)."""
+    config = GPTConfig(vocab_size=11, seq_len=6, n_layer=1, n_head=4, d_model=16)
+    attn = GPT(config, seed=1).h[0].attn
+    d, hd = 16, 4
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 6, d)))
+    full = attn(x).data
+    w, b = attn.c_attn.weight.data, attn.c_attn.bias.data
+    total = np.zeros_like(full)
+    for heads in (slice(0, 8), slice(8, 16)):  # heads {0,1} and {2,3}
+        columns = np.concatenate([np.arange(d)[heads] + offset for offset in (0, d, 2 * d)])
+        part = GPT(config, seed=1).h[0].attn
+        part.c_attn = Linear(d, len(columns))
+        part.c_attn.weight.data[...] = w[:, columns]
+        part.c_attn.bias.data[...] = b[columns]
+        part.c_proj = Linear(len(columns) // 3, d)
+        part.c_proj.weight.data[...] = attn.c_proj.weight.data[heads]
+        part.c_proj.bias.data[...] = attn.c_proj.bias.data / 2
+        assert part.c_attn.weight.shape[1] // (3 * hd) == 2
+        total += part(x).data
+    np.testing.assert_allclose(total, full, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"d_model": 10, "n_head": 4}, "divisible by n_head"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"n_layer": 1.5}, "n_layer"),
+    ({"dropout": 1.0}, "dropout"),
+])
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_bad_inputs_are_explained():
+    model = GPT(CONFIG)
+    with pytest.raises(ValueError, match="exceeds seq_len"):
+        model(np.zeros((1, 33), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        model(np.zeros(5, dtype=np.int64))
+    with pytest.raises(ValueError, match="precision"):
+        GPT(CONFIG, precision="fp8")
+
+
+def test_bf16_mixed_stays_close_to_fp64():
+    idx, targets = batch()
+    loss64 = GPT(CONFIG, seed=0)(idx, targets).item()
+    model16 = GPT(CONFIG, seed=0, precision="bf16-mixed")
+    assert model16.wte.weight.dtype == bfloat16
+    losses16 = train(model16, steps=4)
+    losses64 = train(GPT(CONFIG, seed=0), steps=4)
+    assert abs(losses16[0] - loss64) < 0.02
+    np.testing.assert_allclose(losses16, losses64, atol=0.05)
+    assert all(p.grad.dtype == bfloat16 for p in model16.parameters())
+
+
+def test_activations_return_to_zero_and_grads_are_held(device):
+    model = GPT(CONFIG, seed=0)
+    idx, targets = batch()
+    loss = model(idx, targets)
+    assert device.memory.current["activations"] > 0
+    loss.backward()
+    assert device.memory.current["activations"] == 0
+    param_bytes = sum(p.data.nbytes for p in model.parameters())
+    assert device.memory.current["grads"] == param_bytes
+    model.zero_grad()
+    assert device.memory.current["grads"] == 0
+
+
+def test_activation_checkpointing_same_gradients_lower_peak(device):
+    idx, targets = batch()
+    grads, peaks, flops = [], [], []
+    for use in (False, True):
+        device.memory.peak.clear()
+        device.flops.clear()
+        model = GPT(CONFIG, seed=0, activation_checkpointing=use)
+        loss = model(idx, targets)
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        peaks.append(device.memory.peak["activations"])
+        flops.append(device.flops["forward"])
+        model.zero_grad()
+        assert device.memory.current["activations"] == 0
+    for name in grads[0]:
+        np.testing.assert_allclose(grads[1][name], grads[0][name], rtol=1e-10, atol=1e-15)
+    assert peaks[1] < 0.75 * peaks[0]
+    assert flops[1] > 1.5 * flops[0]  # the blocks' forward runs twice
+
+
+def test_dropout_is_seeded_and_off_in_eval():
+    config = GPTConfig(dropout=0.2)
+    idx, targets = batch()
+    a, b = GPT(config, seed=1), GPT(config, seed=1)
+    assert a(idx, targets).item() == b(idx, targets).item()
+    a.eval()
+    assert a(idx, targets).item() == GPT(CONFIG, seed=1)(idx, targets).item()

@@ -1,0 +1,74 @@
+"""The report (public contract, schema minipar.report/1) from a real single-device run."""
+
+import json
+
+import numpy as np
+import pytest
+
+from minipar.train import TrainConfig, train, validate_report
+from minipar.train.report import Report, load_schema
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return train(TrainConfig(steps=3, seq_len=16, n_layer=2, d_model=32, n_head=4,
+                             micro_batch_size=2, grad_accum_steps=2, precision="fp64"))
+
+
+def test_report_validates_against_the_json_schema(report):
+    data = json.loads(report.to_json())
+    jsonschema.validate(data, load_schema())
+    validate_report(data)  # the dependency-free validator agrees
+    assert data["schema"] == "minipar.report/1"
+
+
+def test_config_section_is_flat_and_complete(report):
+    config = report.config
+    for key in ("dp", "tp", "pp", "zero", "schedule", "micro_batch_size", "grad_accum_steps",
+                "global_batch_size", "precision", "seed", "steps", "n_layer", "d_model"):
+        assert key in config
+    assert config["global_batch_size"] == 4
+    assert all(not isinstance(v, dict) for v in config.values())
+
+
+def test_one_entry_per_step_and_per_rank(report):
+    assert [s["step"] for s in report.steps] == [0, 1, 2]
+    assert report.world_size == 1 and len(report.ranks) == 1
+    assert report.ranks[0]["coords"] == {"dp": 0, "pp": 0, "tp": 0}
+
+
+def test_n_params_counts_the_full_model(report):
+    assert report.n_params == sum(a.size for a in report.state_dict.values())
+
+
+def test_params_memory_is_the_bytes_of_the_parameters(report):
+    expected = sum(a.nbytes for a in report.state_dict.values())
+    assert report.ranks[0]["memory"]["params"] == expected
+
+
+def test_round_trip_through_json(report, tmp_path):
+    path = tmp_path / "out.json"
+    report.to_json(path)
+    again = Report.from_json(path)
+    assert again.to_dict() == report.to_dict()
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda d: d.pop("ranks"), "ranks"),
+    (lambda d: d.update(schema="minipar.report/0"), "schema"),
+    (lambda d: d["ranks"][0]["memory"].pop("peak_total"), "peak_total"),
+    (lambda d: d["steps"][0].update(loss="low"), "loss"),
+])
+def test_broken_reports_are_rejected_naming_the_field(report, mutate, where):
+    data = json.loads(report.to_json())
+    mutate(data)
+    with pytest.raises(ValueError, match=where):
+        validate_report(data)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, load_schema())
+
+
+def test_losses_are_finite(report):
+    assert np.all(np.isfinite(report.losses))
