@@ -34,7 +34,7 @@ from .context import get_device, get_rank, get_world_size
 from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, DistError, RankAborted
 from .groups import ProcessGroup, new_group
-from .launch import launch, phase
+from .launch import launch, phase, timeline_label
 from .memory import CATEGORIES, MemoryLedger
 from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
@@ -81,5 +81,6 @@ __all__ = [
     "ring_chunk_bytes",
     "ring_reduce_scatter",
     "send",
+    "timeline_label",
     "traffic_matrix",
 ]

@@ -101,12 +101,16 @@ class Clock:
     compute_s  time spent computing (forward, backward, optimizer)
     comm_s     time blocked while data moves
     idle_s     time waiting for peers to arrive (a collective starts with its last member)
+    compute_label  text attached to compute events (e.g. "F3": forward of micro-batch 3),
+                   set with `minipar.dist.timeline_label`; compute under another label
+                   starts a new event, so a plot can name each micro-batch
     """
 
     now: float = 0.0
     compute_s: float = 0.0
     comm_s: float = 0.0
     idle_s: float = 0.0
+    compute_label: str = ""
     events: list[TimelineEvent] = field(default_factory=list)
 
     def _append(self, kind: str, start: float, end: float, label: str = "") -> None:
@@ -125,7 +129,7 @@ class Clock:
         start = self.now
         self.now = start + seconds
         self.compute_s += seconds
-        self._append(kind, start, self.now)
+        self._append(kind, start, self.now, self.compute_label)
 
     def wait_until(self, t: float) -> None:
         """Idle until simulated time t (no-op if already past it)."""

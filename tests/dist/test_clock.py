@@ -116,3 +116,16 @@ def test_timeline_events_for_plots():
         ("backward", ""),
     ]
     assert events[1] == [("forward", ""), ("comm", "all_reduce other"), ("backward", "")]
+
+
+def test_timeline_labels_name_compute_events():
+    def worker():
+        device = dist.get_device()
+        for label in ("F0", "F1"):
+            with dist.timeline_label(label):
+                device.compute(1e12, "forward")  # back to back, but two events
+        device.compute(1e12, "forward")  # the label is gone after the block
+        return [(e.kind, e.label, e.duration) for e in device.clock.events]
+
+    (events,) = dist.launch(worker, 1, device=dist.DeviceProfile(flops=1e12))
+    assert events == [("forward", "F0", 1.0), ("forward", "F1", 1.0), ("forward", "", 1.0)]

@@ -1,0 +1,478 @@
+"""Pipeline parallelism: the model cut into stages of consecutive layers, one per rank.
+
+    pipe = Pipeline(gpt_config, pp_group=mesh.pp_group(), schedule="1f1b", micro_batches=8)
+    optimizer = AdamW(pipe.named_parameters())
+    loss = pipe.forward_backward(micro_batches)   # [(inputs, targets), ...] of one step
+    optimizer.step(); optimizer.zero_grad()
+
+What a stage holds (Huang et al. 2019, GPipe; Megatron-LM's `get_model` with
+pre_process / post_process). The layers are cut into pp * v contiguous pieces, v the
+virtual stages per rank (1 unless the schedule is interleaved); chunk c of pipeline rank r
+is virtual stage c * pp + r:
+    first virtual stage   wte, wpe (+ dropout)   then its blocks
+    every virtual stage   blocks h.{i}, registered under their *global* index i
+    last virtual stage    its blocks, then ln_f and the LM head and the loss
+So `named_parameters()` of a stage yields the single-device (Hugging Face) names, and
+consolidation is a union of dictionaries. With a tied LM head (GPT-2's default) the last
+stage keeps its own copy of wte; after every step's backward the first and last stage
+all-reduce the gradient of their copies (Megatron's "embedding group"), so both copies
+receive the same update and stay equal.
+
+One step, from one rank's point of view: run the schedule's actions in order
+(schedules.py). A forward receives the (b, s, h) activation from the previous stage,
+runs the chunk and sends its output on; a backward receives the gradient of that output,
+backpropagates and sends the gradient of its input back. Sends are `isend`s (the dist
+layer's blocking send is a rendezvous, as with NCCL, so two neighbours that both send
+first would deadlock), waited for at the end of the step, so a sender only pays for a
+transfer still in flight then; a receive blocks until its message is there, which is
+where the pipeline bubble shows up on the simulated clock.
+
+Loss: the last stage computes each micro-batch's mean cross-entropy and backpropagates
+it scaled by 1/m, so the accumulated gradients are those of the step's mean loss, as in
+single-device gradient accumulation. `forward_backward` returns that mean on every rank of
+the pipeline: the last stage broadcasts it over the pp group (8 bytes per step).
+
+Memory: received activations and gradients are "buffers" in the ledger, from their
+arrival until the backward that consumes them; what the chunks save for backward is
+"activations". Micro-batch tokens are copied when their forward runs, as a data loader
+moves each micro-batch to the GPU.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from minipar import dist
+from minipar.autograd import Tensor, checkpoint, is_grad_enabled
+from minipar.autograd import functional as F
+from minipar.autograd.precision import get_policy
+from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
+from minipar.nn.gpt import initialize_parameters, parameter_shapes
+from minipar.nn.layers import Dropout
+from minipar.parallel.schedules import (
+    Backward,
+    Forward,
+    PipelineError,
+    RecvActivation,
+    RecvGrad,
+    Schedule,
+    SendActivation,
+    SendGrad,
+    make_schedule,
+    validate,
+)
+
+
+# --------------------------------------------------------------------------- stages
+def split_layers(n_layer: int, num_stages: int, layer_split=None) -> list[range]:
+    """The global layer indices of each of `num_stages` virtual stages, contiguous.
+
+    Balanced by default: every stage gets n_layer // num_stages layers and the first
+    n_layer % num_stages one more (the last stage also runs the head and loss, the
+    heaviest extra). `layer_split` gives the counts explicitly, e.g. (3, 1); the first and
+    last stage may be empty (they still hold the embedding / the head), the others not.
+    """
+    if layer_split is None:
+        if num_stages > n_layer:
+            raise PipelineError(
+                f"--pp: {num_stages} pipeline stages (pp x virtual_stages) but the model has "
+                f"{n_layer} layers (--n-layer): every stage needs at least one layer; use "
+                f"at most {n_layer} stages or --n-layer {num_stages} or more")
+        base, extra = divmod(n_layer, num_stages)
+        counts = [base + (s < extra) for s in range(num_stages)]
+    else:
+        counts = [int(c) for c in layer_split]
+        if len(counts) != num_stages:
+            raise PipelineError(
+                f"layer_split {tuple(counts)} has {len(counts)} entries for {num_stages} "
+                f"stages (pp x virtual_stages): give one layer count per stage")
+        if sum(counts) != n_layer:
+            raise PipelineError(
+                f"layer_split {tuple(counts)} adds up to {sum(counts)} layers but the model "
+                f"has {n_layer} (--n-layer): make the counts add up to {n_layer}")
+        for s, c in enumerate(counts):
+            if c < 0 or (c == 0 and 0 < s < num_stages - 1):
+                raise PipelineError(
+                    f"layer_split {tuple(counts)}: stage {s} gets {c} layers; a middle stage "
+                    f"needs at least 1 (only the first and last may be empty)")
+    starts = np.cumsum([0] + counts)
+    return [range(int(starts[s]), int(starts[s + 1])) for s in range(num_stages)]
+
+
+class StageBlocks(Module):
+    """A stage's transformer blocks, registered under their global layer index, so that
+    parameter names read "h.5.attn.c_attn.weight" on whichever stage holds layer 5."""
+
+    def __init__(self, blocks: dict[int, Block]):
+        super().__init__()
+        for index, block in blocks.items():
+            setattr(self, str(index), block)
+        self.blocks = list(blocks.values())
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+class PipelineStage(Module):
+    """Virtual stage `stage` of `num_stages`: the blocks `layers` (global indices), plus the
+    embedding if it is the first stage and ln_f, head and loss if it is the last.
+
+    forward(x, targets=None): x is idx (B, T) ints on the first stage, else the (B, T, d)
+    activation of the previous stage. Returns the (B, T, d) output, or on the last stage the
+    mean cross-entropy (logits (B, T, V) without targets). Built from the full fp64 initial
+    weights (`init_parameter` by global name), so it starts equal to that part of `GPT`.
+    """
+
+    def __init__(self, config: GPTConfig, stage: int, num_stages: int, layers: range, *,
+                 seed: int = 0, precision: str = "fp64",
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.stage, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.layers = layers
+        self.activation_checkpointing = activation_checkpointing
+        dtype = get_policy(precision).param_dtype
+        # Dropout masks are drawn per stage, so with dropout > 0 they differ from a
+        # single-device run's (equivalence is checked with dropout 0).
+        self.dropout_generator = np.random.default_rng([seed, zlib.crc32(b"dropout"), stage])
+        gen = self.dropout_generator
+        # True on the last stage's own copy of a tied embedding (kept equal to stage 0's).
+        self.holds_tied_copy = False
+        if self.is_first:
+            self.wte = Embedding(config.vocab_size, config.d_model, dtype=dtype)
+            self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
+            self.drop = Dropout(config.dropout, gen)
+        self.h = StageBlocks({i: Block(config, dtype=dtype, generator=gen) for i in layers})
+        if self.is_last:
+            self.ln_f = LayerNorm(config.d_model, dtype=dtype)
+            if not config.tie_embeddings:
+                self.lm_head = LMHead(config.vocab_size, config.d_model, dtype=dtype)
+            elif not self.is_first:
+                self.wte = Embedding(config.vocab_size, config.d_model, dtype=dtype)
+                self.holds_tied_copy = True
+        initialize_parameters(self, config, seed)  # names are global: "wte.weight", "h.5..."
+
+    def embed(self, idx):
+        """Token plus position embeddings, as GPT.embed: idx (B, T) ints -> (B, T, d)."""
+        idx = np.asarray(idx)
+        if idx.ndim != 2 or idx.dtype.kind not in "iu":
+            raise ValueError(f"pipeline stage 0: inputs must be an integer array (B, T), got "
+                             f"shape {idx.shape} dtype {idx.dtype}")
+        length = idx.shape[1]
+        if length > self.config.seq_len:
+            raise ValueError(f"pipeline stage 0: sequence length {length} exceeds seq_len "
+                             f"{self.config.seq_len} of the config")
+        return self.drop(self.wte(idx) + self.wpe.weight[:length])
+
+    def head(self, x, targets=None):
+        """Final LayerNorm, LM head and loss, as GPT.head: (B, T, d) -> loss (or logits)."""
+        x = self.ln_f(x)
+        weight = self.wte.weight if self.config.tie_embeddings else self.lm_head.weight
+        logits = F.linear(x, weight, None, transpose_weight=True)
+        return logits if targets is None else F.cross_entropy(logits, targets)
+
+    def forward(self, x, targets=None):
+        if self.is_first:
+            x = self.embed(x)
+        use_checkpoint = self.activation_checkpointing and is_grad_enabled()
+        generator = self.dropout_generator if self.config.dropout > 0 else None
+        for block in self.h:
+            x = checkpoint(block, x, generator=generator) if use_checkpoint else block(x)
+        return self.head(x, targets) if self.is_last else x
+
+
+class StageInput(Tensor):
+    """A received activation: a leaf whose gradient is sent back to the previous stage.
+    Its .grad is a transient "buffers" array, not a parameter gradient."""
+
+    __slots__ = ()
+    grad_category = "buffers"
+
+
+# --------------------------------------------------------------------------- one rank
+class Pipeline:
+    """One pipeline rank's model chunks, its schedule and the group it talks to.
+
+    config: the GPT shape; pp_group: this rank's pipeline group (`mesh.pp_group()`; None =
+    every rank of the launch); schedule: "gpipe" | "1f1b" | "interleaved" or a Schedule;
+    micro_batches: m per optimizer step (= grad_accum_steps); virtual_stages: model chunks
+    per rank (interleaved); layer_split: layers per virtual stage (default balanced);
+    validate_schedule: check a given Schedule before running it (leave on);
+    stage_class: the chunk Module to build (a subclass of PipelineStage can override
+    `embed` / `head`, e.g. with tensor-parallel versions, as TensorParallelGPT does GPT's).
+    Build it inside `minipar.dist.launch`; every rank of the group builds its own share.
+    """
+
+    def __init__(self, config: GPTConfig, *, pp_group: dist.ProcessGroup | None = None,
+                 schedule: str | Schedule = "1f1b", micro_batches: int = 1,
+                 virtual_stages: int = 1, layer_split=None, seed: int = 0,
+                 precision: str = "fp64", activation_checkpointing: bool = False,
+                 validate_schedule: bool = True, stage_class: type = None):
+        stage_class = PipelineStage if stage_class is None else stage_class
+        if pp_group is None:
+            pp_group = dist.new_group(range(dist.get_world_size()), kind="pp")
+        self.config, self.group = config, pp_group
+        self.pp, self.pp_rank = pp_group.size, pp_group.group_rank(dist.get_rank())
+        if isinstance(schedule, Schedule):
+            if validate_schedule:
+                validate(schedule)
+            virtual_stages = schedule.virtual_stages
+            if (schedule.pp, schedule.micro_batches) != (self.pp, micro_batches):
+                raise PipelineError(
+                    f"the {schedule.name} schedule is for pp={schedule.pp}, "
+                    f"micro_batches={schedule.micro_batches} but this pipeline has "
+                    f"pp={self.pp}, micro_batches={micro_batches}")
+        else:
+            schedule = make_schedule(schedule, self.pp, micro_batches, virtual_stages)
+        self.schedule = schedule
+        self.actions = schedule[self.pp_rank]
+        self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
+        num_stages = self.pp * virtual_stages
+        ranges = split_layers(config.n_layer, num_stages, layer_split)
+        if config.tie_embeddings and self.pp == 1 and num_stages > 1:
+            raise PipelineError("a tied embedding needs the first and last virtual stage on "
+                                "different ranks: use pp >= 2 or one virtual stage")
+        self.chunks = [
+            stage_class(config, stage, num_stages, ranges[stage], seed=seed,
+                        precision=precision, activation_checkpointing=activation_checkpointing)
+            for stage in (c * self.pp + self.pp_rank for c in range(virtual_stages))
+        ]
+        # Megatron's embedding group: the ranks holding the two copies of a tied wte.
+        first, last = pp_group.ranks[0], pp_group.ranks[-1]
+        self.embedding_group = None
+        if config.tie_embeddings and first != last:
+            self.embedding_group = dist.new_group([first, last], kind="pp")
+
+    # ------------------------------------------------------------------ parameters
+    def named_parameters(self, include_tied_copy: bool = True):
+        """(global HF name, Parameter) of every chunk on this rank."""
+        seen = set()
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) in seen or (chunk.holds_tied_copy and name == "wte.weight"
+                                     and not include_tied_copy):
+                    continue
+                seen.add(id(p))
+                yield name, p
+
+    def parameters(self, include_tied_copy: bool = True):
+        return [p for _, p in self.named_parameters(include_tied_copy)]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """This rank's parameters by global name, without the tied copy of wte (the first
+        stage's is the same): the union over the pp group is the single-device dict."""
+        return {name: p.data.copy() for name, p in self.named_parameters(False)}
+
+    def grad_norm_squared(self) -> float:
+        """Sum of squared gradients of this rank's parameters, the tied copy counted once
+        (on the first stage). Sum it over the pp group for the squared global norm."""
+        total = 0.0
+        for p in self.parameters(include_tied_copy=False):
+            if p.grad is not None:
+                g = p.grad.astype(np.float64, copy=False)
+                total += float(np.sum(g * g))
+        return total
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, micro_batches) -> float:
+        """Run this rank's schedule over one step's micro-batches; return the step's loss.
+
+        micro_batches: m pairs (inputs, targets), each (b, T) ints. Only the first stage
+        reads inputs and only the last reads targets: other ranks may pass None for them.
+        Afterwards every parameter's .grad holds d(mean loss over the m micro-batches)/dp,
+        the tied embedding copies agree, and the mean loss is returned on every rank.
+        """
+        m = self.micro_batches
+        if len(micro_batches) != m:
+            raise PipelineError(
+                f"forward_backward got {len(micro_batches)} micro-batches but the "
+                f"{self.schedule.name} schedule was built for {m} (grad_accum_steps)")
+        step = _Step(self, micro_batches)
+        for action in self.actions:
+            step.run(action)
+        step.finish_sends()
+        self._all_reduce_tied_embedding()
+        return self._broadcast_loss(step.losses)
+
+    def _all_reduce_tied_embedding(self) -> None:
+        """Sum the gradients of the first and last stage's copies of a tied wte
+        (Megatron-LM's `_allreduce_embedding_grads`): both then see embedding + head."""
+        if self.embedding_group is None or self.pp_rank not in (0, self.pp - 1):
+            return
+        chunk = self.chunks[0] if self.pp_rank == 0 else self.chunks[-1]
+        weight = chunk.wte.weight
+        with dist.phase("backward"):
+            weight.grad[...] = dist.all_reduce(weight.grad, "sum", group=self.embedding_group)
+
+    def _broadcast_loss(self, losses) -> float:
+        last = self.group.ranks[-1]
+        mean = np.asarray(np.mean(losses) if self.pp_rank == self.pp - 1 else 0.0, np.float64)
+        with dist.phase("other"):
+            return float(dist.broadcast(mean, src=last, group=self.group))
+
+
+class _Step:
+    """The state of one forward_backward: tensors waiting for their backward, messages."""
+
+    def __init__(self, pipe: Pipeline, micro_batches):
+        self.pipe = pipe
+        self.batches = micro_batches
+        self.device = dist.get_device()
+        self.inputs: dict = {}  # (micro_batch, chunk) -> StageInput received
+        self.outputs: dict = {}  # (micro_batch, chunk) -> output Tensor (or the loss)
+        self.out_grads: dict = {}  # (micro_batch, chunk) -> received gradient of the output
+        self.losses = [None] * pipe.micro_batches
+        self.sends = {"forward": [], "backward": []}
+        self.scale = 1.0 / pipe.micro_batches
+        self.num_stages = pipe.pp * pipe.virtual_stages
+
+    def tag(self, kind: int, micro_batch: int, boundary: int) -> int:
+        """A tag per message (activation: kind 0; gradient: 1), so every receive matches
+        exactly its send whatever order a custom schedule posts them in."""
+        return (micro_batch * self.num_stages + boundary) * 2 + kind
+
+    def peer(self, action) -> int:
+        return self.pipe.group.ranks[action.peer]
+
+    def run(self, action) -> None:
+        key = (action.micro_batch, action.chunk)
+        chunk = self.pipe.chunks[action.chunk]
+        stage = chunk.stage
+        kind = type(action)
+        if kind is Forward:
+            self.forward(key, chunk, action)
+        elif kind is Backward:
+            self.backward(key, chunk, action)
+        elif kind is RecvActivation:
+            with dist.phase("forward"):
+                data = dist.recv(self.peer(action), self.pipe.group,
+                                 self.tag(0, key[0], stage - 1))
+            self.device.memory.hold(data, "buffers")
+            self.inputs[key] = StageInput(data, requires_grad=True)
+        elif kind is SendActivation:
+            self.sends["forward"].append(dist.isend(
+                self.outputs[key].data, self.peer(action), self.pipe.group,
+                self.tag(0, key[0], stage)))
+        elif kind is RecvGrad:
+            with dist.phase("backward"):
+                grad = dist.recv(self.peer(action), self.pipe.group,
+                                 self.tag(1, key[0], stage))
+            self.device.memory.hold(grad, "buffers")
+            self.out_grads[key] = grad
+        elif kind is SendGrad:
+            x = self.inputs.pop(key)
+            self.sends["backward"].append(dist.isend(
+                x.grad, self.peer(action), self.pipe.group, self.tag(1, key[0], stage - 1)))
+            x.release_grad()
+            self.device.memory.release(x.data)
+        else:
+            raise PipelineError(f"not a pipeline action: {action!r}")
+
+    def forward(self, key, chunk: PipelineStage, action) -> None:
+        inputs, targets = self.batches[key[0]]
+        if chunk.is_first:
+            if inputs is None:
+                raise PipelineError("the first pipeline stage needs the micro-batch inputs")
+            x = np.array(inputs, copy=True)  # this micro-batch's tokens, on the device
+        else:
+            x = self.inputs[key]
+        if chunk.is_last:
+            if targets is None:
+                raise PipelineError("the last pipeline stage needs the micro-batch targets")
+            targets = np.array(targets, copy=True)
+        with dist.phase("forward"), dist.timeline_label(str(action)):
+            out = chunk(x, targets if chunk.is_last else None)
+        self.outputs[key] = out
+        if chunk.is_last:
+            self.losses[key[0]] = float(out.data)
+
+    def backward(self, key, chunk: PipelineStage, action) -> None:
+        out = self.outputs.pop(key)
+        with dist.phase("backward"), dist.timeline_label(str(action)):
+            if chunk.is_last:
+                # d(mean over the m micro-batches)/d(loss_i) = 1/m
+                out.backward(np.asarray(self.scale, dtype=out.data.dtype))
+            else:
+                grad = self.out_grads.pop(key)
+                out.backward(grad)
+                self.device.memory.release(grad)
+
+    def finish_sends(self) -> None:
+        """Wait for the step's sends (their bytes are booked under their phase)."""
+        for phase, works in self.sends.items():
+            with dist.phase(phase):
+                for work in works:
+                    work.wait()
+
+
+# --------------------------------------------------------------------------- whole runs
+def consolidate_state_dicts(pieces, config: GPTConfig) -> dict[str, np.ndarray]:
+    """The single-device state dict from the pp ranks' `Pipeline.state_dict()`s, keys in
+    `GPT.state_dict()` order. Raises if a parameter is missing or held twice."""
+    merged: dict[str, np.ndarray] = {}
+    for rank, piece in enumerate(pieces):
+        for name, array in piece.items():
+            if name in merged:
+                raise PipelineError(f"consolidate: {name} is held by two pipeline ranks "
+                                    f"(the second is rank {rank})")
+            merged[name] = array
+    names = list(parameter_shapes(config))
+    missing = [n for n in names if n not in merged]
+    unexpected = [n for n in merged if n not in names]
+    if missing or unexpected:
+        raise PipelineError(f"consolidate: missing {missing}, unexpected {unexpected}")
+    return {name: merged[name] for name in names}
+
+
+def _events(timeline):
+    for event in timeline:
+        if isinstance(event, dict):
+            yield event["kind"], event["start"], event["end"]
+        else:
+            yield event.kind, event.start, event.end
+
+
+def time_breakdown(timelines, start: float | None = None,
+                   end: float | None = None) -> list[dict[str, float]]:
+    """Per rank, seconds of compute, comm and idle within [start, end] (default: from the
+    first event of any rank to the last). Time a rank has no event for (it returned
+    before the slowest rank) is idle."""
+    events = [list(_events(t)) for t in timelines]
+    if start is None:
+        start = min((e[1] for t in events for e in t), default=0.0)
+    if end is None:
+        end = max((e[2] for t in events for e in t), default=start)
+    rows = []
+    for timeline in events:
+        compute = comm = 0.0
+        for kind, s, e in timeline:
+            overlap = min(e, end) - max(s, start)
+            if overlap <= 0 or kind == "idle":
+                continue
+            if kind == "comm":
+                comm += overlap
+            else:
+                compute += overlap
+        rows.append({"compute_s": compute, "comm_s": comm,
+                     "idle_s": max(0.0, (end - start) - compute - comm)})
+    return rows
+
+
+def bubble_fraction(timelines, start: float | None = None, end: float | None = None) -> float:
+    """Idle time / total time, summed over ranks, from the simulated clocks' timelines
+    (lists of TimelineEvent or of {"kind", "start", "end"} dicts, one per rank).
+
+    Idle is time neither computing nor communicating: waiting for a neighbour's
+    activation or gradient (the pipeline bubble), for a collective's last member, or
+    after finishing early. With uniform stages and free communication this is
+    (p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) / (v m + p - 1) interleaved.
+    """
+    rows = time_breakdown(timelines, start, end)
+    total = sum(r["compute_s"] + r["comm_s"] + r["idle_s"] for r in rows)
+    return 0.0 if total <= 0 else sum(r["idle_s"] for r in rows) / total

@@ -1,0 +1,113 @@
+"""A Gantt chart of the ranks' simulated timelines: what each virtual GPU did, and when.
+
+    fig = plot_timeline(report.timelines)          # or plot_timeline(report)
+    fig.savefig("timeline.png")
+
+One row per rank: forward, backward, optimizer and communication bars on an idle
+background, so the pipeline bubble is the grey. Compute bars carry their label when the
+run set one (the pipeline labels each micro-batch: F3 = forward of micro-batch 3,
+B3.1 = backward of micro-batch 3 on model chunk 1); later chunks of an interleaved schedule
+are drawn lighter, as in Figure 4 of Narayanan et al. 2021.
+
+Built on `matplotlib.figure.Figure`, never pyplot, so it works without a display and a
+notebook shows each figure once.
+"""
+
+from __future__ import annotations
+
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from minipar.parallel.pipeline import bubble_fraction
+
+COLORS = {
+    "forward": "#3b75af",
+    "backward": "#e1812c",
+    "optimizer": "#3a923a",
+    "comm": "#c03d3e",
+    "idle": "#e6e6e6",
+}
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+
+
+def _events(timeline):
+    """(kind, start, end, label) of TimelineEvent objects or report-style dicts."""
+    for event in timeline:
+        if isinstance(event, dict):
+            yield event["kind"], event["start"], event["end"], event.get("label", "")
+        else:
+            yield event.kind, event.start, event.end, event.label
+
+
+def _chunk(label: str) -> int:
+    """Model chunk of a pipeline label ("F3" -> 0, "B3.1" -> 1)."""
+    _, dot, chunk = label.partition(".")
+    return int(chunk) if dot and chunk.isdigit() else 0
+
+
+def _lighter(color: str, amount: float) -> tuple:
+    return tuple(c + (1.0 - c) * amount for c in to_rgb(color))
+
+
+def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
+                  start: float | None = None, end: float | None = None,
+                  show_labels: bool = True, width: float = 10.0) -> Figure:
+    """A Gantt chart of per-rank timelines (one list of events per rank, or a Report).
+
+    title: default names the ranks and the bubble fraction (idle / total over ranks);
+    rank_labels: one y-axis label per rank (default "rank r"); start, end: the time window
+    in seconds (default the whole run); show_labels: write micro-batch labels on bars
+    wide enough to hold them. Returns a matplotlib.figure.Figure.
+    """
+    if hasattr(timelines, "timelines"):  # a Report
+        timelines = timelines.timelines
+    if not timelines:
+        raise ValueError("plot_timeline: no timelines (a report from minipar.train carries "
+                         "report.timelines; JSON reports do not)")
+    rows = [list(_events(t)) for t in timelines]
+    t0 = min((e[1] for row in rows for e in row), default=0.0) if start is None else start
+    t1 = max((e[2] for row in rows for e in row), default=t0) if end is None else end
+    if t1 <= t0:
+        raise ValueError(f"plot_timeline: empty time window [{t0}, {t1}]")
+    unit, scale = next(((u, s) for u, s in TIME_UNITS if (t1 - t0) >= 2 * s), TIME_UNITS[-1])
+    n = len(rows)
+    if rank_labels is None:
+        rank_labels = [f"rank {r}" for r in range(n)]
+    if len(rank_labels) != n:
+        raise ValueError(f"plot_timeline: {len(rank_labels)} rank labels for {n} ranks")
+    max_chunk = max((_chunk(e[3]) for row in rows for e in row), default=0)
+
+    fig = Figure(figsize=(width, 1.4 + 0.45 * n), layout="constrained")
+    ax = fig.subplots()
+    min_text_width = (t1 - t0) / 40  # label a bar only if it is wider than this
+    for y, row in enumerate(rows):
+        ax.broken_barh([((0.0), (t1 - t0) / scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
+        bars: dict[tuple, list] = {}
+        for kind, s, e, label in row:
+            s, e = max(s, t0), min(e, t1)
+            if e <= s or kind == "idle":
+                continue
+            color = COLORS.get(kind, "#999999")
+            if max_chunk and kind in ("forward", "backward"):
+                color = _lighter(color, 0.5 * _chunk(label) / max_chunk)
+            bars.setdefault(color, []).append(((s - t0) / scale, (e - s) / scale))
+            if show_labels and label and kind != "comm" and e - s >= min_text_width:
+                r, g, b = to_rgb(color)
+                text_color = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "white"
+                ax.text((s + e - 2 * t0) / 2 / scale, y, label, ha="center", va="center",
+                        fontsize=7, color=text_color, clip_on=True)
+        for color, spans in bars.items():
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=[color], edgecolor="white",
+                           linewidth=0.3)
+    ax.set_yticks(range(n), rank_labels)
+    ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlim(0, (t1 - t0) / scale)
+    ax.set_xlabel(f"simulated time ({unit})")
+    if title is None:
+        bubble = bubble_fraction(timelines, t0, t1)
+        title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
+    ax.set_title(title)
+    fig.legend(handles=[Patch(facecolor=c, label=k) for k, c in COLORS.items()],
+               loc="outside lower center", ncol=len(COLORS), frameon=False, fontsize=8)
+    return fig

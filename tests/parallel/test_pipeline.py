@@ -1,0 +1,356 @@
+"""Pipeline parallelism, run: stages hold the right layers under their single-device names,
+training equals single-device training in fp64, the simulated bubble and the measured
+activation memory follow the papers, neighbours exchange b*s*h per micro-batch, and bad
+settings are clear errors (never a hang)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from minipar import dist
+from minipar.autograd.tensor import Context
+from minipar.autograd.tracking import use_device
+from minipar.nn import GPT, AdamW, GPTConfig, clip_grad_norm_
+from minipar.nn.optim import scale_grads_
+from minipar.parallel.pipeline import (
+    Pipeline,
+    PipelineError,
+    bubble_fraction,
+    consolidate_state_dicts,
+    split_layers,
+    time_breakdown,
+)
+from minipar.parallel.schedules import (
+    Backward,
+    Forward,
+    RecvActivation,
+    RecvGrad,
+    Schedule,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+)
+from minipar.train.data import micro_batch, synthetic_stream
+
+SEED, B, T, D, VOCAB = 0, 2, 8, 16, 32
+LR, CLIP, STEPS = 1e-2, 0.5, 2
+STREAM = synthetic_stream(VOCAB)
+# Free communication: no latency, infinite bandwidth.
+FREE = dist.DeviceProfile(intra_node_latency=0.0, inter_node_latency=0.0,
+                          intra_node_bandwidth=math.inf, inter_node_bandwidth=math.inf)
+
+
+def gpt_config(n_layer: int, tied: bool = True) -> GPTConfig:
+    return GPTConfig(vocab_size=VOCAB, seq_len=T, n_layer=n_layer, n_head=2, d_model=D,
+                     tie_embeddings=tied)
+
+
+def random_micro_batches(m: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, VOCAB, (B, T)), rng.integers(0, VOCAB, (B, T))) for _ in range(m)]
+
+
+# --------------------------------------------------------------------------- stages
+def test_layers_are_split_contiguously_balanced_or_as_asked():
+    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_layers(4, 2, layer_split=(3, 1)) == [range(0, 3), range(3, 4)]
+    assert split_layers(4, 3, layer_split=(0, 4, 0)) == [range(0, 0), range(0, 4), range(4, 4)]
+
+
+@pytest.mark.parametrize("args, match", [
+    ((2, 4, None), r"--pp: 4 pipeline stages.*2 layers \(--n-layer\).*at most 2 stages"),
+    ((4, 2, (3, 2)), r"adds up to 5 layers but the model has 4.*add up to 4"),
+    ((4, 2, (4,)), r"1 entries for 2 stages.*one layer count per stage"),
+    ((4, 3, (2, 0, 2)), r"stage 1 gets 0 layers; a middle stage needs at least 1"),
+])
+def test_bad_layer_splits_name_the_fix(args, match):
+    with pytest.raises(PipelineError, match=match):
+        split_layers(*args)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_stages_hold_their_layers_under_single_device_names_and_weights(tied):
+    config = gpt_config(5, tied)
+    full = GPT(config, seed=SEED).state_dict()
+
+    def rank():
+        pipe = Pipeline(config, micro_batches=1, seed=SEED)
+        return {name: p.data.copy() for name, p in pipe.named_parameters()}, pipe.state_dict()
+
+    (first, first_sd), (last, last_sd) = dist.launch(rank, 2)
+    layer = {name: int(name.split(".")[1]) for name in full if name.startswith("h.")}
+    assert set(first) == {"wte.weight", "wpe.weight"} | {n for n, i in layer.items() if i < 3}
+    head = {"wte.weight"} if tied else {"lm_head.weight"}
+    assert set(last) == {"ln_f.weight", "ln_f.bias"} | head | {n for n, i in layer.items()
+                                                               if i >= 3}
+    for name, value in {**first, **last}.items():
+        np.testing.assert_array_equal(value, full[name])  # same initial weights
+    merged = consolidate_state_dicts([first_sd, last_sd], config)
+    assert list(merged) == list(full)  # the tied copy is left out: no duplicates
+
+
+def test_interleaved_chunk_c_of_rank_r_is_virtual_stage_c_times_p_plus_r():
+    config = gpt_config(8)
+
+    def rank():
+        pipe = Pipeline(config, schedule="interleaved", micro_batches=4, virtual_stages=2)
+        return [sorted({int(n.split(".")[1]) for n, _ in chunk.named_parameters()
+                        if n.startswith("h.")}) for chunk in pipe.chunks]
+
+    assert dist.launch(rank, 4) == [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]
+
+
+# --------------------------------------------------------------------------- equivalence
+@functools.cache
+def single_device(n_layer: int, m: int, dp: int, tied: bool = True):
+    """The reference: one GPT, m * dp micro-batches accumulated per step, clipping, AdamW."""
+    model = GPT(gpt_config(n_layer, tied), seed=SEED, precision="fp64")
+    optimizer = AdamW(model.named_parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = STREAM.global_batch(step, B * m * dp, T, SEED)
+        step_losses = []
+        for k in range(m * dp):
+            x, y = micro_batch(inputs, targets, dp_rank=0, micro_step=k, micro_batch_size=B,
+                               grad_accum_steps=m * dp)
+            loss = model(x, y)
+            loss.backward(np.asarray(1.0 / (m * dp)))
+            step_losses.append(float(loss.data))
+        clip_grad_norm_(list(model.parameters()), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(np.mean(step_losses)))
+    return losses, model.state_dict()
+
+
+def pipeline_rank(config, schedule, pp, m, dp, v, **options):
+    """One rank's training loop: pipeline schedule, DP average, global-norm clipping, AdamW."""
+    mesh = dist.DeviceMesh(dp=dp, pp=pp)
+    pipe = Pipeline(config, pp_group=mesh.pp_group(), schedule=schedule, micro_batches=m,
+                    virtual_stages=v, seed=SEED, precision="fp64", **options)
+    device = dist.get_device()
+    for p in pipe.parameters():
+        device.memory.hold(p.data, "params")
+    optimizer = AdamW(pipe.named_parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = STREAM.global_batch(step, B * m * dp, T, SEED)
+        batches = [micro_batch(inputs, targets, dp_rank=mesh.dp_rank, micro_step=k,
+                               micro_batch_size=B, grad_accum_steps=m) for k in range(m)]
+        loss = pipe.forward_backward(batches)
+        if dp > 1:  # plain data parallelism: average gradients and losses over replicas
+            for p in pipe.parameters():
+                p.grad[...] = dist.all_reduce(p.grad, "avg", group=mesh.dp_group())
+            loss = float(dist.all_reduce(np.asarray(loss), "avg", group=mesh.dp_group()))
+        norm_squared = dist.all_reduce(np.asarray(pipe.grad_norm_squared()),
+                                       group=mesh.pp_group())
+        scale_grads_([p.grad for p in pipe.parameters()],
+                     CLIP / (math.sqrt(float(norm_squared)) + 1e-6))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss)
+    copies = [c.wte.weight.data.copy() for c in pipe.chunks if hasattr(c, "wte")]
+    return {"losses": losses, "state": pipe.state_dict(), "coords": mesh.coords(),
+            "wte_copies": copies}
+
+
+def check_equivalent(config, schedule, pp, m, dp, v=1, **options):
+    results = dist.launch(pipeline_rank, dp * pp, config, schedule, pp, m, dp, v, **options)
+    ref_losses, ref_state = single_device(config.n_layer, m, dp, config.tie_embeddings)
+    for r in results:  # every rank reports the step loss
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-12)
+    replica = [r["state"] for r in results if r["coords"]["dp"] == 0]
+    state = consolidate_state_dicts(replica, config)
+    assert list(state) == list(ref_state)
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+    if config.tie_embeddings and pp > 1:  # first and last stage kept equal copies
+        first, last = results[0]["wte_copies"][0], results[pp - 1]["wte_copies"][-1]
+        np.testing.assert_array_equal(first, last)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipeline_training_equals_single_device_in_fp64(schedule, pp, m, dp):
+    v = 2 if schedule == "interleaved" else 1
+    config = gpt_config(pp * v if schedule == "interleaved" else 4)
+    if schedule == "interleaved" and m % pp:
+        with pytest.raises(ScheduleError, match=f"multiple of {pp}"):
+            dist.launch(pipeline_rank, dp * pp, config, schedule, pp, m, dp, v)
+        return
+    check_equivalent(config, schedule, pp, m, dp, v)
+
+
+def test_untied_head_uneven_split_one_stage_and_checkpointing_are_equivalent_too():
+    check_equivalent(gpt_config(4, tied=False), "1f1b", 2, 4, 1)
+    check_equivalent(gpt_config(4), "1f1b", 1, 4, 1)  # pp = 1: gradient accumulation
+    check_equivalent(gpt_config(4), "gpipe", 2, 4, 1, layer_split=(3, 1))
+    check_equivalent(gpt_config(4), "1f1b", 2, 4, 1, activation_checkpointing=True)
+
+
+# --------------------------------------------------------------------------- bubble
+class NoCompute:
+    """Test-only device: keeps the memory ledger, charges no time."""
+
+    def __init__(self, device):
+        self.memory = device.memory
+
+    def compute(self, flops, kind):
+        pass
+
+
+def zero_backward_flops(output, stop=None):
+    """Make the backward of the graph nodes between `output` and `stop` cost nothing."""
+    stack, seen = [output._ctx], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or (stop is not None and node is stop._ctx):
+            continue
+        seen.add(id(node))
+        node.flops_backward = 0
+        stack += [e[0] for e in node.edges if e is not None and type(e[0]) is Context]
+
+
+def charge_blocks_only(chunk):
+    """Make a stage's embedding, final LayerNorm, head and loss free (forward and backward),
+    so that every stage costs exactly its blocks: the papers' uniform stages."""
+    embed, head = chunk.embed, chunk.head
+
+    def free_embed(idx):
+        with use_device(NoCompute(dist.get_device())):
+            x = embed(idx)
+        zero_backward_flops(x)
+        return x
+
+    def free_head(x, targets=None):
+        with use_device(NoCompute(dist.get_device())):
+            loss = head(x, targets)
+        zero_backward_flops(loss, stop=x)
+        return loss
+
+    chunk.embed, chunk.head = free_embed, free_head
+
+
+def one_step(config, schedule, m, v, uniform, layer_split=None):
+    pipe = Pipeline(config, schedule=schedule, micro_batches=m, virtual_stages=v,
+                    layer_split=layer_split)
+    if uniform:
+        for chunk in pipe.chunks:
+            charge_blocks_only(chunk)
+    pipe.forward_backward(random_micro_batches(m))
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [
+    ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 2, 1, 1),
+    ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3),
+])
+def test_uniform_stages_have_the_papers_bubble(schedule, p, m, v):
+    """Every chunk holds one block, the extras are free and so is communication: the
+    measured idle / total is (p-1)/(m+p-1), or (p-1)/(v m+p-1) interleaved (Narayanan et
+    al. 2021, section 2.2)."""
+    config = gpt_config(p * v)
+    _, devices = dist.launch(one_step, p, config, schedule, m, v, True, device=FREE,
+                             return_devices=True)
+    measured = bubble_fraction([d.clock.events for d in devices])
+    assert measured == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-9)
+    # and the bubble is what the ranks' clocks call idle (none ran past the flush)
+    idle = sum(d.clock.idle_s for d in devices)
+    total = sum(d.clock.now for d in devices)
+    assert idle / total == pytest.approx(measured, rel=1e-9)
+
+
+def test_real_stages_deviate_the_embedding_head_and_loss_are_not_free():
+    p, m = 4, 8
+    _, devices = dist.launch(one_step, p, gpt_config(p), "1f1b", m, 1, False, device=FREE,
+                             return_devices=True)
+    assert bubble_fraction([d.clock.events for d in devices]) > (p - 1) / (m + p - 1) + 0.01
+
+
+# --------------------------------------------------------------------------- memory, bytes
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 2)])
+def test_gpipe_holds_m_micro_batches_of_activations_1f1b_at_most_p_minus_stage(p, m):
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        _, devices = dist.launch(one_step, p, gpt_config(p), schedule, m, 1, False,
+                                 return_devices=True)
+        peaks[schedule] = [d.memory.peak["activations"] for d in devices]
+    for stage in range(p):
+        assert peaks["gpipe"][stage] / peaks["1f1b"][stage] == pytest.approx(
+            m / min(m, p - stage), rel=1e-12)
+
+
+def test_neighbours_exchange_b_s_h_per_micro_batch_each_way():
+    p, m = 3, 4
+    _, devices = dist.launch(one_step, p, gpt_config(p), "1f1b", m, 1, False,
+                             return_devices=True)
+    message = B * T * D * 8  # one fp64 activation (or its gradient)
+    for stage, device in enumerate(devices):
+        sends = [r for r in device.comm.records if r.op == "send"]
+        assert all(r.sent_bytes == message and r.group_kind == "pp" for r in sends)
+        forward = [r for r in sends if r.phase == "forward"]
+        backward = [r for r in sends if r.phase == "backward"]
+        assert len(forward) == (m if stage < p - 1 else 0)  # activations to stage + 1
+        assert len(backward) == (m if stage > 0 else 0)  # their gradients to stage - 1
+        assert all(r.sent_to[0][0] == stage + 1 for r in forward)
+
+
+def test_timeline_events_carry_micro_batch_labels():
+    _, devices = dist.launch(one_step, 2, gpt_config(2), "1f1b", 2, 1, False,
+                             return_devices=True)
+    labels = [e.label for e in devices[0].clock.events if e.kind in ("forward", "backward")]
+    assert [k for i, k in enumerate(labels) if i == 0 or labels[i - 1] != k] == [
+        "F0", "F1", "B0", "B1"]
+
+
+def test_bubble_fraction_counts_idle_and_time_after_a_rank_finished():
+    timelines = [
+        [{"kind": "forward", "start": 0.0, "end": 3.0}],
+        [{"kind": "idle", "start": 0.0, "end": 1.0}, {"kind": "comm", "start": 1.0, "end": 1.5},
+         {"kind": "backward", "start": 1.5, "end": 2.0}],  # then nothing until 3.0
+    ]
+    assert bubble_fraction(timelines) == pytest.approx(2.0 / 6.0)
+    assert time_breakdown(timelines)[1] == pytest.approx(
+        {"compute_s": 0.5, "comm_s": 0.5, "idle_s": 2.0})
+    assert bubble_fraction(timelines, start=0.0, end=1.0) == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- errors
+def test_bad_settings_are_clear_errors_not_hangs():
+    with pytest.raises(PipelineError, match=r"--pp: 4 pipeline stages.*--n-layer"):
+        dist.launch(lambda: Pipeline(gpt_config(2), micro_batches=1), 4)
+    with pytest.raises(ScheduleError, match=r"--grad-accum-steps.*multiple of 4"):
+        dist.launch(lambda: Pipeline(gpt_config(8), schedule="interleaved", micro_batches=6,
+                                     virtual_stages=2), 4)
+
+    def wrong_count():
+        Pipeline(gpt_config(2), micro_batches=4).forward_backward(random_micro_batches(3))
+
+    with pytest.raises(PipelineError, match=r"got 3 micro-batches.*built for 4"):
+        dist.launch(wrong_count, 2)
+
+
+DEADLOCK = Schedule("custom", 2, 1, 1, (
+    (Forward(0), RecvGrad(0, 0, 1), SendActivation(0, 0, 1), Backward(0)),
+    (RecvActivation(0, 0, 0), Forward(0), Backward(0), SendGrad(0, 0, 0)),
+))
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_deadlocking_schedule_is_refused_or_caught(validate):
+    def rank():
+        pipe = Pipeline(gpt_config(2), schedule=DEADLOCK, micro_batches=1,
+                        validate_schedule=validate)
+        pipe.forward_backward(random_micro_batches(1))
+
+    # Validated: refused before anything runs. Not validated: the dist layer sees every
+    # rank blocked in a receive and names the cycle.
+    error = ScheduleError if validate else dist.DeadlockError
+    with pytest.raises(error, match=r"deadlock.*rank 0 waits.*recv"):
+        dist.launch(rank, 2)
