@@ -6,6 +6,10 @@ The vocabulary is PyTorch DTensor's (torch.distributed.tensor):
     Shard(dim)    the tensor is cut into equal pieces along `dim`; rank i holds piece i
     Partial()     every rank holds a summand; the full tensor is their sum (after an
                   all-reduce / reduce-scatter)
+    StridedShard(dim, stride)
+                  `dim` is `stride` equal blocks side by side (q | k | v of a fused
+                  attention weight); each block is cut as Shard(dim) and rank i holds
+                  piece i of every block, concatenated (Megatron-LM's `stride`)
 
 A parallel parameter carries its placement over one group (`param.placement`,
 `param.placement_group`, a group kind such as "tp" or "dp"). Consolidation (the
@@ -37,6 +41,23 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class StridedShard:
+    """Shard(dim) applied to each of `stride` equal blocks of `dim`, pieces concatenated.
+
+    A column-parallel fused QKV weight (d, 3d) with columns [q | k | v] gives rank i its
+    heads' q, k and v columns: [q_i | k_i | v_i] = StridedShard(1, stride=3), which is
+    not a contiguous slice of the full matrix (Megatron-LM `ColumnParallelLinear(...,
+    stride=3)`; Shoeybi et al. 2019). StridedShard(dim, 1) is Shard(dim).
+    """
+
+    dim: int
+    stride: int
+
+    def __str__(self) -> str:
+        return f"StridedShard({self.dim}, stride={self.stride})"
+
+
+@dataclass(frozen=True)
 class Partial:
     reduce_op: str = "sum"
 
@@ -44,7 +65,7 @@ class Partial:
         return f"Partial({self.reduce_op})"
 
 
-Placement = Replicate | Shard | Partial
+Placement = Replicate | Shard | StridedShard | Partial
 
 
 class PlacementError(RuntimeError):
@@ -64,6 +85,10 @@ def shard(full: np.ndarray, placement: Placement, index: int, count: int) -> np.
         piece = size // count
         return np.take(full, np.arange(index * piece, (index + 1) * piece),
                        axis=placement.dim).copy()
+    if isinstance(placement, StridedShard):
+        blocks = _blocks(full, placement)
+        return np.concatenate([shard(b, Shard(placement.dim), index, count) for b in blocks],
+                              axis=placement.dim)
     raise PlacementError(f"cannot cut a full tensor into a {placement} placement")
 
 
@@ -73,12 +98,25 @@ def unshard(pieces: list[np.ndarray], placement: Placement) -> np.ndarray:
         return pieces[0].copy()
     if isinstance(placement, Shard):
         return np.concatenate(pieces, axis=placement.dim)
+    if isinstance(placement, StridedShard):
+        # Block j of the full tensor is the concatenation of block j of every piece.
+        per_rank = [_blocks(piece, placement) for piece in pieces]
+        return np.concatenate([np.concatenate(column, axis=placement.dim)
+                               for column in zip(*per_rank, strict=True)], axis=placement.dim)
     if isinstance(placement, Partial):
         total = pieces[0].copy()
         for piece in pieces[1:]:
             total = total + piece
         return total
     raise TypeError(f"unknown placement {placement!r}")
+
+
+def _blocks(array: np.ndarray, placement: StridedShard) -> list[np.ndarray]:
+    size = array.shape[placement.dim]
+    if size % placement.stride:
+        raise ValueError(f"cannot cut a dimension of size {size} into {placement.stride} "
+                         f"equal blocks for {placement}")
+    return np.split(array, placement.stride, axis=placement.dim)
 
 
 def require_replicated(name: str, placement: Placement) -> None:

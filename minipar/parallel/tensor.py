@@ -1,0 +1,447 @@
+"""Megatron tensor parallelism (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
+Parameter Language Models Using Model Parallelism"), from one rank's point of view.
+
+A matmul Y = X A splits two ways over the t ranks of a TP group:
+
+    column-parallel  A = [A_1 | ... | A_t]      Y_i = X A_i        (Y comes out split)
+    row-parallel     A = [A_1; ...; A_t]        Y = sum_i X_i A_i  (X goes in split)
+
+Column then row needs no communication in between: the MLP's c_fc (d, 4d) is column-
+parallel, GELU runs on rank i's 4d/t hidden units, c_proj (4d, d) is row-parallel and
+one all-reduce sums the partial outputs (the paper's figure 3a). Attention splits the
+same way by heads: c_attn column-parallel (rank i computes q, k, v of its n_head/t
+heads), c_proj row-parallel (figure 3b). Two conjugate operators mark the edges:
+
+    f: identity forward, all-reduce backward    entering a parallel region
+    g: all-reduce forward, identity backward    leaving it
+
+so a layer costs 2 all-reduces of (B, T, d) forward (two g) and 2 backward (two f).
+
+The token embedding and the tied LM head are split by vocabulary rows, and the loss is
+a vocabulary-parallel cross-entropy, so the full (B, T, V) logits never exist (vocab.py).
+LayerNorms, wpe and the row-parallel biases are replicated: they act on the replicated
+residual stream, so their gradients come out identical on every TP rank without any
+communication.
+
+With `sequence_parallel` (Korthikanti et al. 2022; see sequence.py) the replicated
+regions are cut along the sequence and g / f become reduce-scatter / all-gather. The
+LayerNorm weights and row-parallel biases then see only 1/t of the tokens, so their
+gradients are partial sums: they enter the graph through f, whose backward all-reduces
+them, and come out identical on every TP rank (Megatron all-reduces them once per step
+instead; we pay one small all-reduce per parameter and micro-batch, and nothing outside
+backward has to remember to do it).
+
+Entry points: `tensor_parallel_gpt(...)` builds a rank's model; `parallelize_tensor`
+converts any module tree holding GPT pieces and `TensorParallelMixin` gives a pipeline
+stage the matching embed/head; `consolidate_tensor_parallel` rebuilds the single-device
+state dict; `tensor_parallel_grad_norm_squared` counts every element once, for clipping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar import dist
+from minipar.autograd import functional as F
+from minipar.autograd.placement import Replicate, Shard, StridedShard, shard, unshard
+from minipar.autograd.tensor import Function, Tensor
+from minipar.nn import (
+    GPT,
+    Block,
+    Embedding,
+    GPTConfig,
+    LayerNorm,
+    Linear,
+    LMHead,
+    Module,
+    Parameter,
+    grad_norm_squared,
+)
+from minipar.nn.optim import scale_grads_
+from minipar.parallel.sequence import (
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    sequence_parallel_linear,
+)
+
+
+# ---------------------------------------------------------------------------- f and g
+class CopyToTensorParallelRegion(Function):
+    """f: identity forward, all-reduce of the gradient backward (Shoeybi et al. 2019,
+    figure 3). Every rank uses the same X in its own part of the computation, so
+    dL/dX is the sum of every rank's contribution."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return dist.all_reduce(grad, group=ctx.group), None
+
+
+class ReduceFromTensorParallelRegion(Function):
+    """g: all-reduce forward (sum the partial outputs), identity backward (every rank
+    then holds the same output, so the gradient is already the one each rank needs)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return dist.all_reduce(x, group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTensorParallelRegion(Function):
+    """All-gather along the last dim (forward), keep my slice of the gradient
+    (backward). Only for looking at full logits (generation); training never gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return dist.all_gather(x, group=group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        width = grad.shape[-1] // ctx.group.size
+        start = dist.get_rank(ctx.group) * width
+        return np.ascontiguousarray(grad[..., start:start + width]), None
+
+
+def copy_to_tensor_parallel_region(x: Tensor, group) -> Tensor:
+    """f (identity forward, all-reduce backward)."""
+    return CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: Tensor, group) -> Tensor:
+    """g (all-reduce forward, identity backward)."""
+    return ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: Tensor, group) -> Tensor:
+    return GatherFromTensorParallelRegion.apply(x, group)
+
+
+# ---------------------------------------------------------------------------- layers
+def shard_parameter(full: np.ndarray, placement, group) -> Parameter:
+    """A Parameter holding my piece of `full` under `placement` over the TP group."""
+    piece = shard(full, placement, dist.get_rank(group), group.size)
+    return Parameter(piece, placement=placement, placement_group="tp")
+
+
+def _check_divisible(what: str, size: int, t: int) -> None:
+    if size % t:
+        raise ValueError(f"tensor parallelism: {what} ({size}) is not divisible by --tp {t}; "
+                         f"choose --tp among {[d for d in range(1, size + 1) if size % d == 0]}")
+
+
+class ColumnParallelLinear(Module):
+    """Y_i = X A_i + b_i: the weight (in, out) split by columns, Y comes out split.
+
+    x: (B, T, in) replicated (or (B, T/t, in) with sequence parallelism) ->
+    (B, T, out/t). `stride` > 1 splits each of `stride` column blocks separately: the
+    fused c_attn (d, 3d) = [q | k | v] uses stride 3, so rank i holds [q_i | k_i | v_i]
+    of its heads (placement StridedShard(1, 3)).
+    """
+
+    def __init__(self, weight: Parameter, bias: Parameter | None, group, *,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    @classmethod
+    def from_linear(cls, linear: Linear, group, *, stride: int = 1,
+                    sequence_parallel: bool = False) -> ColumnParallelLinear:
+        """My columns of a full `Linear`."""
+        width = linear.weight.shape[1]
+        what = "the output width" if stride == 1 else f"each of the {stride} column blocks"
+        _check_divisible(what, width // stride, group.size)
+        weight_placement = Shard(1) if stride == 1 else StridedShard(1, stride)
+        bias_placement = Shard(0) if stride == 1 else StridedShard(0, stride)
+        weight = shard_parameter(linear.weight.data, weight_placement, group)
+        bias = None if linear.bias is None else shard_parameter(linear.bias.data,
+                                                              bias_placement, group)
+        return cls(weight, bias, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(Module):
+    """Y = sum_i X_i A_i + b: the weight (in, out) split by rows, X comes in split.
+
+    x: (B, T, in/t) -> (B, T, out) replicated, or (B, T/t, out) with sequence
+    parallelism (reduce-scatter instead of all-reduce). The bias is replicated and added
+    once, after the reduction.
+    """
+
+    def __init__(self, weight: Parameter, bias: Parameter | None, group, *,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    @classmethod
+    def from_linear(cls, linear: Linear, group, *,
+                    sequence_parallel: bool = False) -> RowParallelLinear:
+        """My rows of a full `Linear`; the bias is replicated."""
+        _check_divisible("the input width", linear.weight.shape[0], group.size)
+        weight = shard_parameter(linear.weight.data, Shard(0), group)
+        bias = None if linear.bias is None else shard_parameter(linear.bias.data, Replicate(),
+                                                              group)
+        return cls(weight, bias, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        partial = F.linear(x, self.weight)  # Partial(): my rows' share of the sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.group)
+            # The bias meets only my tokens: its gradient is a partial sum (f sums it).
+            bias = None if self.bias is None else copy_to_tensor_parallel_region(
+                self.bias, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.group)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm on a sequence piece (B, T/t, d). Weight and bias are replicated but see
+    only my tokens, so they enter through f: backward all-reduces their gradients over
+    the TP group (Megatron's all-reduce of `sequence_parallel` parameters)."""
+
+    def __init__(self, layer_norm: LayerNorm, group):
+        super().__init__(layer_norm.weight.shape[0], layer_norm.eps,
+                         dtype=layer_norm.weight.dtype)
+        self.weight = layer_norm.weight
+        self.bias = layer_norm.bias
+        self.group = group
+
+    def forward(self, x):
+        return F.layer_norm(x, copy_to_tensor_parallel_region(self.weight, self.group),
+                            copy_to_tensor_parallel_region(self.bias, self.group), self.eps)
+
+
+# ---------------------------------------------------------------------------- the model
+def validate_tensor_parallel(config: GPTConfig, tp: int, sequence_parallel: bool = False):
+    """Refuse a model that does not split over `tp` ranks, naming the setting and fix."""
+    if config.n_head % tp:
+        options = [t for t in range(1, config.n_head + 1) if config.n_head % t == 0]
+        raise ValueError(f"--tp {tp}: n_head={config.n_head} is not divisible by tp, and "
+                         f"each rank must hold whole attention heads; choose --tp among "
+                         f"{options} or --n-head a multiple of {tp}")
+    if 4 * config.d_model % tp:  # implied by the heads check for a GPTConfig
+        raise ValueError(f"--tp {tp}: the MLP width 4*d_model={4 * config.d_model} is not "
+                         "divisible by tp; choose --d-model so that it is")
+    if config.vocab_size % tp:
+        padded = vocab.pad_vocab_size(config.vocab_size, tp)
+        raise ValueError(f"--tp {tp}: vocab_size={config.vocab_size} is not divisible by tp, "
+                         "so the vocabulary-parallel embedding cannot split it; pad it as "
+                         f"Megatron does: --vocab-size {padded} (ids the data never uses)")
+    if sequence_parallel and config.seq_len % tp:
+        raise ValueError(f"--sequence-parallel: seq_len={config.seq_len} is not divisible by "
+                         f"--tp {tp}; choose --seq-len a multiple of {tp}")
+    if config.dropout > 0 and tp > 1:
+        raise ValueError(
+            f"--dropout {config.dropout} with --tp {tp}: dropout under tensor parallelism "
+            "needs Megatron's RNG tracker (same masks in replicated regions, different "
+            "ones in split regions) and is not implemented; use --dropout 0")
+
+
+def parallelize_tensor(module: Module, config: GPTConfig, tp_group, *,
+                       sequence_parallel: bool = False) -> Module:
+    """Swap, in place, the GPT pieces of `module` for their tensor-parallel versions and
+    keep this rank's slices of their current (full) weights. Returns `module`.
+
+    Handles any tree (a whole GPT or a pipeline stage): every Block's c_attn / c_fc
+    (column-parallel) and c_proj (row-parallel), an Embedding named `wte`
+    (vocabulary-parallel), an LMHead, and, with sequence parallelism, every Block's
+    LayerNorms and a LayerNorm named `ln_f`. Every parameter gets placement_group "tp";
+    those left whole are Replicate(). The code that calls the embedding and the head
+    must use the sequence-parallel and vocabulary-parallel functions (sequence.py,
+    vocab.py), as `TensorParallelGPT.embed` and `.head` do.
+    """
+    validate_tensor_parallel(config, tp_group.size, sequence_parallel)
+    sp = sequence_parallel
+    for _, parent in list(module.named_modules()):
+        if isinstance(parent, Block):
+            attn, mlp = parent.attn, parent.mlp
+            attn.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, tp_group, stride=3,
+                                                           sequence_parallel=sp)
+            attn.c_proj = RowParallelLinear.from_linear(attn.c_proj, tp_group,
+                                                        sequence_parallel=sp)
+            mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp_group,
+                                                        sequence_parallel=sp)
+            mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp_group,
+                                                       sequence_parallel=sp)
+            if sp:
+                parent.ln_1 = SequenceParallelLayerNorm(parent.ln_1, tp_group)
+                parent.ln_2 = SequenceParallelLayerNorm(parent.ln_2, tp_group)
+            continue
+        for name, child in list(parent.named_children()):
+            if name == "wte" and type(child) is Embedding:
+                setattr(parent, name, vocab.VocabParallelEmbedding(child, tp_group))
+            elif type(child) is LMHead:
+                setattr(parent, name, vocab.VocabParallelLMHead(child, tp_group))
+            elif sp and name == "ln_f" and type(child) is LayerNorm:
+                setattr(parent, name, SequenceParallelLayerNorm(child, tp_group))
+    for p in module.parameters():
+        p.placement_group = "tp"
+    return module
+
+
+class TensorParallelMixin:
+    """`embed` and `head` of one TP rank, for any Module shaped like GPT (a GPT, or a
+    pipeline stage with GPT's embed/head: wte, wpe, drop, ln_f, lm_head, config).
+
+        class TensorParallelStage(TensorParallelMixin, PipelineStage): ...
+        stage = TensorParallelStage(...).tensor_parallel(tp_group, sequence_parallel)
+    """
+
+    tp_group = None
+    sequence_parallel = False
+
+    def tensor_parallel(self, tp_group, sequence_parallel: bool = False):
+        """Convert this module in place (`parallelize_tensor`); returns it."""
+        parallelize_tensor(self, self.config, tp_group, sequence_parallel=sequence_parallel)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        return self
+
+    def embed(self, idx):
+        """idx (B, T) -> (B, T, d) replicated, or my (B, T/t, d) sequence piece."""
+        x = super().embed(idx)  # wte's g makes the token embedding whole on every rank
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        return x
+
+    def head(self, x, targets=None):
+        """Mean cross-entropy from my vocabulary slice of the logits; without targets,
+        the full logits (B, T, V), all-gathered (for generation only)."""
+        x = self.ln_f(x)
+        if self.config.tie_embeddings:
+            weight, vocab_start = self.wte.weight, self.wte.vocab_start
+        else:
+            weight, vocab_start = self.lm_head.weight, self.lm_head.vocab_start
+        logits = vocab.vocab_parallel_logits(x, weight, self.tp_group, self.sequence_parallel)
+        if targets is None:
+            return gather_from_tensor_parallel_region(logits, self.tp_group)
+        return vocab.vocab_parallel_cross_entropy(logits, targets, vocab_start, self.tp_group)
+
+
+class TensorParallelGPT(TensorParallelMixin, GPT):
+    """One TP rank's GPT: same names and forward as `GPT`, its weights this rank's
+    pieces. `model(idx, targets)` returns the same loss on every rank of the group."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0, precision: str = "fp64", *,
+                 tp_group, sequence_parallel: bool = False,
+                 activation_checkpointing: bool = False):
+        validate_tensor_parallel(config, tp_group.size, sequence_parallel)
+        # The full model first (the same initial weights as single-device), then my slices.
+        super().__init__(config, seed, precision, activation_checkpointing)
+        self.tensor_parallel(tp_group, sequence_parallel)
+
+
+def tensor_parallel_gpt(config: GPTConfig, seed: int, precision: str, tp_group,
+                        sequence_parallel: bool = False,
+                        activation_checkpointing: bool = False) -> TensorParallelGPT:
+    """This rank's tensor-parallel GPT (the training loop's entry point)."""
+    return TensorParallelGPT(config, seed, precision, tp_group=tp_group,
+                             sequence_parallel=sequence_parallel,
+                             activation_checkpointing=activation_checkpointing)
+
+
+# ---------------------------------------------------------------------------- state
+def tensor_parallel_placements(module: Module) -> dict:
+    """{parameter name: placement} of a (tensor-parallel) module."""
+    return {name: p.placement for name, p in module.named_parameters()}
+
+
+def consolidate_tensor_parallel(pieces_by_tp_rank: list[dict], placements: dict,
+                                check_replicas: bool = True) -> dict[str, np.ndarray]:
+    """The single-device state dict (HF names and shapes) from every TP rank's
+    `state_dict()`, in TP-rank order. With `check_replicas`, replicated parameters must
+    be bit-identical on all ranks (else a gradient reduction is missing somewhere)."""
+    full = {}
+    for name, placement in placements.items():
+        pieces = [state[name] for state in pieces_by_tp_rank]
+        if check_replicas and isinstance(placement, Replicate):
+            for rank, piece in enumerate(pieces[1:], start=1):
+                if not np.array_equal(piece, pieces[0]):
+                    raise RuntimeError(
+                        f"{name} is Replicate() over the TP group but TP rank {rank} holds "
+                        f"different values than rank 0 (max difference "
+                        f"{np.max(np.abs(piece - pieces[0])):.3g}): its gradient was not "
+                        "reduced the same way on every rank")
+        full[name] = unshard(pieces, placement)
+    return full
+
+
+def shard_tensor_parallel(full_state: dict, placements: dict, tp_rank: int,
+                          tp: int) -> dict[str, np.ndarray]:
+    """Rank `tp_rank`'s pieces of a single-device state dict (the inverse of
+    `consolidate_tensor_parallel`; e.g. to load a checkpoint into a TP model)."""
+    return {name: shard(np.asarray(full_state[name]), placement, tp_rank, tp)
+            for name, placement in placements.items()}
+
+
+# ---------------------------------------------------------------------------- clipping
+def counts_once_in_norm(parameter: Parameter, tp_rank: int) -> bool:
+    """Does this rank's piece count towards the global gradient norm? Split pieces on
+    every rank (they are disjoint), replicated ones only on TP rank 0 (else they would
+    count t times)."""
+    split = isinstance(parameter.placement, (Shard, StridedShard))
+    return split or tp_rank == 0
+
+
+def tensor_parallel_grad_norm_squared(params, tp_group) -> float:
+    """Sum of squares of the full model's gradients, from this rank's pieces: my counted
+    pieces (see `counts_once_in_norm`), summed over the TP group by one all-reduce.
+    Equal on every rank of the group, and to the single-device value."""
+    rank = dist.get_rank(tp_group)
+    local = grad_norm_squared(p.grad for p in params
+                              if p.grad is not None and counts_once_in_norm(p, rank))
+    return float(dist.all_reduce(np.asarray(local, dtype=np.float64), group=tp_group))
+
+
+def clip_grad_norm_tensor_parallel_(params, max_norm: float, tp_group) -> float:
+    """`clip_grad_norm_` for a TP rank: the same global norm and coefficient as a single
+    device. Returns the norm before clipping."""
+    params = list(params)
+    total_norm = math.sqrt(tensor_parallel_grad_norm_squared(params, tp_group))
+    scale_grads_([p.grad for p in params if p.grad is not None],
+                 max_norm / (total_norm + 1e-6))
+    return total_norm
+
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CopyToTensorParallelRegion",
+    "ReduceFromTensorParallelRegion",
+    "RowParallelLinear",
+    "SequenceParallelLayerNorm",
+    "TensorParallelGPT",
+    "TensorParallelMixin",
+    "clip_grad_norm_tensor_parallel_",
+    "consolidate_tensor_parallel",
+    "copy_to_tensor_parallel_region",
+    "counts_once_in_norm",
+    "gather_from_tensor_parallel_region",
+    "parallelize_tensor",
+    "reduce_from_tensor_parallel_region",
+    "shard_parameter",
+    "shard_tensor_parallel",
+    "tensor_parallel_gpt",
+    "tensor_parallel_grad_norm_squared",
+    "tensor_parallel_placements",
+    "validate_tensor_parallel",
+]
+
+# vocab.py builds on f and g above, and the conversion above uses its layers: import it
+# last (as a module, so that importing vocab.py first works too).
+from minipar.parallel import vocab  # noqa: E402
