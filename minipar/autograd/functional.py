@@ -22,6 +22,17 @@ from minipar.autograd.precision import bfloat16, compute_dtype, float32
 from minipar.autograd.tensor import Function, Tensor
 
 
+def row_sum(x: np.ndarray) -> np.ndarray:
+    """Sums over the last axis, keeping it (size 1). `einsum` is ~3x faster here than
+    `x.sum(-1)`, whose reduction pays a fixed cost per short row (rows of T or d)."""
+    return np.einsum("...j->...", x)[..., None]
+
+
+def row_dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """sum(x * y) over the last axis, keeping it, without materialising x * y."""
+    return np.einsum("...j,...j->...", x, y)[..., None]
+
+
 # ---------------------------------------------------------------------------- Linear
 class Linear(Function):
     """y = x @ W + b with x (..., in), W (in, out) as in HF GPT-2's Conv1D.
@@ -102,10 +113,10 @@ class LayerNorm(Function):
         d = x.shape[-1]
         work = compute_dtype(x.dtype)
         x2 = x.reshape(-1, d).astype(work, copy=False)
-        xhat = x2 - x2.mean(axis=1, keepdims=True)
-        variance = np.einsum("ij,ij->i", xhat, xhat) / d
-        rstd = 1.0 / np.sqrt(variance + eps)
-        xhat *= rstd[:, None]
+        xhat = x2 - row_sum(x2) / d
+        variance = row_dot(xhat, xhat) / d
+        rstd = 1.0 / np.sqrt(variance + eps)  # (N, 1)
+        xhat *= rstd
         y = xhat * weight.astype(work, copy=False)
         y += bias.astype(work, copy=False)
         ctx.save_for_backward(xhat.astype(x.dtype, copy=False), rstd, weight)
@@ -124,11 +135,9 @@ class LayerNorm(Function):
         grad_w = np.einsum("ij,ij->j", g2, xhat)
         grad_b = g2.sum(axis=0)
         dxhat = g2 * weight.astype(work, copy=False)
-        mean_dxhat = dxhat.mean(axis=1, keepdims=True)
-        mean_dxhat_xhat = (np.einsum("ij,ij->i", dxhat, xhat) / d)[:, None]
-        grad_x = dxhat - mean_dxhat
-        grad_x -= xhat * mean_dxhat_xhat
-        grad_x *= rstd[:, None]
+        grad_x = dxhat - row_sum(dxhat) / d
+        grad_x -= xhat * (row_dot(dxhat, xhat) / d)
+        grad_x *= rstd
         dtype = grad.dtype
         return (grad_x.astype(dtype, copy=False).reshape(ctx.x_shape),
                 grad_w.astype(dtype, copy=False), grad_b.astype(dtype, copy=False), None)
@@ -206,7 +215,7 @@ def _softmax_inplace(scores: np.ndarray) -> np.ndarray:
     """Numerically stable softmax over the last axis, overwriting `scores`."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores /= row_sum(scores)
     return scores
 
 
@@ -232,7 +241,7 @@ class Softmax(Function):
         work = compute_dtype(grad.dtype)
         p = probs.astype(work, copy=False)
         g = grad.astype(work, copy=False) * p
-        g -= p * g.sum(axis=-1, keepdims=True)  # p * (grad - sum(grad * p))
+        g -= p * row_sum(g)  # p * (grad - sum(grad * p))
         return g.astype(grad.dtype, copy=False), None
 
 
@@ -314,7 +323,7 @@ class CausalSelfAttention(Function):
         else:
             np.matmul(att.swapaxes(-1, -2), dy, out=dv)
         # softmax backward: ds = p * (dp - sum_j dp_j p_j); masked entries have p = 0
-        datt -= np.einsum("bhij,bhij->bhi", datt, att)[..., None]
+        datt -= row_dot(datt, att)
         datt *= att
         datt *= scale  # scores = scale * q k^T
         np.matmul(datt, k, out=dq)
@@ -359,9 +368,9 @@ class CrossEntropy(Function):
         z -= z.max(axis=1, keepdims=True)
         target_logit = z[rows, flat_targets]
         np.exp(z, out=z)
-        total = z.sum(axis=1)
-        loss = np.mean(np.log(total) - target_logit)
-        z /= total[:, None]  # softmax
+        total = row_sum(z)  # (N, 1)
+        loss = np.mean(np.log(total[:, 0]) - target_logit)
+        z /= total  # softmax
         ctx.save_for_backward(z.astype(logits.dtype, copy=False), flat_targets)
         ctx.logits_shape = logits.shape
         ctx.flops_forward = 5 * z.size

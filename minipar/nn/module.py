@@ -120,8 +120,18 @@ class Module:
                 yield (f"{module_name}.{name}" if module_name else name), parameter
 
     def parameters(self) -> Iterator[Parameter]:
-        for _, parameter in self.named_parameters():
-            yield parameter
+        """The parameters of `named_parameters()`, without building their names (this
+        runs every step in `zero_grad`)."""
+        seen = set()
+        stack = [self]
+        while stack:
+            module = stack.pop()
+            for name in module._parameter_names:
+                parameter = getattr(module, name)
+                if id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    yield parameter
+            stack.extend(getattr(module, name) for name in reversed(module._module_names))
 
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters())

@@ -225,3 +225,27 @@ def test_dropout_is_seeded_and_off_in_eval():
     assert a(idx, targets).item() == b(idx, targets).item()
     a.eval()
     assert a(idx, targets).item() == GPT(CONFIG, seed=1)(idx, targets).item()
+
+
+def test_state_dict_round_trip_reproduces_the_loss():
+    idx, targets = batch()
+    trained = GPT(CONFIG, seed=0)
+    train(trained, steps=2)
+    fresh = GPT(CONFIG, seed=9)
+    fresh.load_state_dict(trained.state_dict())
+    assert fresh(idx, targets).item() == trained(idx, targets).item()
+
+
+def test_post_accumulate_hooks_fire_once_per_parameter_including_tied_wte():
+    model = GPT(CONFIG, seed=0)
+    fired = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, name=name: fired.append(
+            (name, t.grad.copy())))
+    idx, targets = batch()
+    model(idx, targets).backward()
+    names = [name for name, _ in fired]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    # the tied embedding's hook saw the complete gradient (lookup + LM head)
+    wte_grad = dict(fired)["wte.weight"]
+    np.testing.assert_array_equal(wte_grad, model.wte.weight.grad)

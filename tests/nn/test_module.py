@@ -99,3 +99,8 @@ def test_forgetting_super_init_is_explained():
 
     with pytest.raises(AttributeError, match=r"super\(\).__init__\(\)"):
         Broken()
+
+
+def test_parameters_follow_named_parameters_order():
+    model = Tiny()
+    assert [id(p) for p in model.parameters()] == [id(p) for _, p in model.named_parameters()]
