@@ -1,4 +1,4 @@
-"""The `minipar` command line: `minipar train ...`.
+"""The `minipar` command line: `minipar train ...`, `minipar consolidate CKPT OUT.npz`.
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
@@ -30,6 +30,7 @@ HELP = {
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
+    "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
     "micro_batch_size": "sequences per micro-batch on one data-parallel rank",
     "grad_accum_steps": "micro-batches per optimizer step (or give --global-batch-size)",
     "global_batch_size": "sequences per optimizer step = micro x accum x dp",
@@ -45,6 +46,7 @@ HELP = {
     "activation_checkpointing": "recompute each block's activations in backward",
     "data": "training data: the built-in corpus or a synthetic Markov task",
     "seed": "seed of weights and batches",
+    "check": "also train the single-device reference and compare every step",
 }
 CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "data": ("corpus", "synthetic")}
 
@@ -91,30 +93,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(train)
     train.add_argument("--json", metavar="PATH", help="write the report (minipar.report/1)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or tables")
+    train.add_argument("--save", metavar="DIR",
+                       help="write sharded checkpoints to DIR/step-NNNNNN (at the end)")
+    train.add_argument("--save-every", metavar="N", type=int, default=0,
+                       help="also checkpoint every N steps (with --save)")
+    train.add_argument("--resume", metavar="CKPT",
+                       help="continue from a checkpoint (or the latest one in a --save DIR), "
+                            "saved under any --dp / --zero")
+    consolidate = commands.add_parser(
+        "consolidate", help="merge a sharded checkpoint into one single-device state dict")
+    consolidate.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    consolidate.add_argument("output", metavar="OUT.npz", help="where to write the .npz")
     return parser
 
 
 def cmd_train(args) -> int:
+    from minipar.train.checkpoint import read_manifest
     from minipar.train.loop import train
     from minipar.viz.tables import loss_table, memory_table
 
     config = config_from_args(args)
+    if args.save_every and not args.save:
+        raise ConfigError("save_every", "needs --save DIR (where to write the checkpoints)")
     bar = None
     if not args.quiet:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=config.steps, desc="train", unit="step", disable=None)
+        start = read_manifest(args.resume)["step"] if args.resume else 0
+        bar = tqdm(total=config.steps, initial=start, desc="train", unit="step",
+                   disable=None)
 
     def progress(step, record):
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    report = train(config, progress=progress)
+    report = train(config, progress=progress, save_dir=args.save, save_every=args.save_every,
+                   resume_from=args.resume)
     if bar is not None:
         bar.close()
     if args.json:
         report.to_json(args.json)
+    check = report.equivalence
     if not args.quiet:
         print(f"\nminipar: {report.world_size} rank(s), {report.n_params:,} parameters, "
               f"precision {config.precision}, global batch {config.global_batch_size} "
@@ -123,17 +143,51 @@ def cmd_train(args) -> int:
         print(loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
         print(memory_table(report))
+        if check is not None:
+            print(f"\n{equivalence_line(check)}")
+        if args.save:
+            print(f"checkpoints written to {args.save}")
         if args.json:
             print(f"\nreport written to {args.json}")
+    if check is not None and not check["passed"]:
+        if args.quiet:
+            print(equivalence_line(check), file=sys.stderr)
+        return 1
+    return 0
+
+
+def equivalence_line(check: dict) -> str:
+    """One line on the equivalence check: passed, or where the runs first differ."""
+    if check["passed"]:
+        return (f"equivalence with single-device training: passed (max relative parameter "
+                f"difference {check['max_rel_param_diff_per_step']:.2e}, loss "
+                f"{check['max_rel_loss_diff']:.2e}, tolerance {check['tolerance']:.0e})")
+    first = check["first_mismatch"]
+    where = "" if first["rank"] is None else f" on rank {first['rank']}"
+    return (f"equivalence with single-device training: FAILED: step {first['step']}, "
+            f"{first['tensor']}{where} differs by {first['rel_diff']:.2e} (tolerance "
+            f"{check['tolerance']:.0e})")
+
+
+def cmd_consolidate(args) -> int:
+    from minipar.train.checkpoint import consolidate, save_state_dict
+
+    state_dict = consolidate(args.checkpoint)
+    save_state_dict(args.output, state_dict)
+    n = sum(a.size for a in state_dict.values())
+    print(f"{args.output}: {len(state_dict)} tensors, {n:,} parameters "
+          f"(single-device names, {next(iter(state_dict.values())).dtype})")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from minipar.train.checkpoint import CheckpointError
+
     try:
-        return {"train": cmd_train}[args.command](args)
-    except (ConfigError, NotImplementedError) as err:
+        return {"train": cmd_train, "consolidate": cmd_consolidate}[args.command](args)
+    except (ConfigError, NotImplementedError, CheckpointError) as err:
         print(f"minipar {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from .clock import Clock, DeviceProfile, TimelineEvent, collective_time
 from .cluster import Cluster
 from .collectives import (
+    CollectiveWork,
     all_gather,
     all_reduce,
     all_reduce_bytes,
@@ -48,6 +49,7 @@ __all__ = [
     "Cluster",
     "CollectiveMismatchError",
     "CommLedger",
+    "CollectiveWork",
     "CommRecord",
     "DeadlockError",
     "Device",

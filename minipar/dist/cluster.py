@@ -23,16 +23,19 @@ class Call:
     """One rank's side of a collective: what it asked for, its data, when it arrived.
 
     signature = (op, shape, dtype, ((param, value), ...), group kind); ranks whose
-    signatures differ made different calls.
+    signatures differ made different calls. duration: simulated seconds the transfer takes
+    once it starts (the same on every member, as the signatures agree).
     """
 
-    __slots__ = ("signature", "group", "array", "arrival")
+    __slots__ = ("signature", "group", "array", "arrival", "duration")
 
-    def __init__(self, signature: tuple, group: ProcessGroup, array, arrival: float) -> None:
+    def __init__(self, signature: tuple, group: ProcessGroup, array, arrival: float,
+                 duration: float = 0.0) -> None:
         self.signature = signature
         self.group = group
         self.array = array
         self.arrival = arrival  # the rank's simulated clock when it called
+        self.duration = duration
 
     @property
     def text(self) -> str:
@@ -47,14 +50,15 @@ class Call:
 class Rendezvous:
     """The k-th collective call of every member of one group."""
 
-    __slots__ = ("group", "number", "calls", "results", "start", "done")
+    __slots__ = ("group", "number", "calls", "results", "start", "end", "done")
 
     def __init__(self, group: ProcessGroup, number: int) -> None:
         self.group = group
         self.number = number
         self.calls: dict[int, Call] = {}
         self.results = None  # per-rank results, in group order, set by the last arrival
-        self.start = 0.0  # simulated start: the latest arrival
+        self.start = 0.0  # simulated start: the latest arrival (or the group's stream frees)
+        self.end = 0.0  # simulated end: start + the call's duration
         self.done = False
 
 
@@ -131,6 +135,10 @@ class Cluster:
         self._rendezvous: dict[tuple, Rendezvous] = {}
         self._channels: dict[tuple[int, int, int], deque[Transfer]] = {}
         self._links: dict[tuple[int, ...], tuple[float, float]] = {}
+        # Simulated time at which each group's last collective ends. Collectives of one
+        # group run one after another, as on the single NCCL stream of a communicator, so
+        # an asynchronous collective (async_op=True) queues behind the previous one.
+        self._group_busy_until: dict[tuple[int, ...], float] = {}
 
     # --- placement ---------------------------------------------------------------------------
     def link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
@@ -211,12 +219,15 @@ class Cluster:
         self.fail(error, None)
 
     # --- collectives ---------------------------------------------------------------------------
-    def collective(self, rank: int, group: ProcessGroup, number: int, call: Call, combine):
-        """Join the `number`-th collective on `group`; return the completed Rendezvous.
+    def collective(self, rank: int, group: ProcessGroup, number: int, call: Call, combine,
+                   wait: bool = True) -> Rendezvous:
+        """Join the `number`-th collective on `group`; return its Rendezvous.
 
         combine(list of arrays in group order) -> list of per-rank results. The last member
         to arrive checks that all calls agree, then runs `combine` (outside the lock): the
         reduction order is the group order, whatever order the threads arrived in.
+        With wait=False (an asynchronous collective) a member that is not the last returns
+        at once; `wait_collective` blocks later until the results are there.
         """
         key = (group.ranks, number)
         with self.lock:
@@ -226,7 +237,8 @@ class Cluster:
                 rendezvous = self._rendezvous[key] = Rendezvous(group, number)
             rendezvous.calls[rank] = call
             if len(rendezvous.calls) < group.size:
-                self._wait(Wait(rank, rendezvous), lambda: rendezvous.done)
+                if wait:
+                    self._wait(Wait(rank, rendezvous), lambda: rendezvous.done)
                 return rendezvous
             del self._rendezvous[key]
             calls = [rendezvous.calls[r] for r in group.ranks]
@@ -242,12 +254,22 @@ class Cluster:
                     None,
                 )
                 raise RankAborted
+            # Start when the last member is there and the group's previous collective is
+            # over; collectives of one group complete in call order, so this is determined.
+            rendezvous.start = max(max(c.arrival for c in calls),
+                                   self._group_busy_until.get(group.ranks, 0.0))
+            rendezvous.end = rendezvous.start + calls[0].duration
+            self._group_busy_until[group.ranks] = rendezvous.end
         rendezvous.results = combine([c.array for c in calls])
-        rendezvous.start = max(c.arrival for c in calls)
         with self.lock:
             rendezvous.done = True
             self._wake(rendezvous, group.ranks)
         return rendezvous
+
+    def wait_collective(self, rank: int, rendezvous: Rendezvous) -> None:
+        """Block until an asynchronous collective that `rank` joined has its results."""
+        with self.lock:
+            self._wait(Wait(rank, rendezvous), lambda: rendezvous.done)
 
     # --- point to point ---------------------------------------------------------------------
     def post(self, side: str, src: int, dst: int, tag: int, array, now: float) -> Transfer:

@@ -7,6 +7,10 @@
     reduce(x, dst, op)            dst gets the reduction, the others None
     barrier()                     returns when every member has arrived
 
+all_reduce, all_gather and reduce_scatter take `async_op=True` (as in torch.distributed):
+they return a `CollectiveWork` at once and `work.wait()` returns the result, so a rank can
+compute while the transfer runs (gradient buckets overlapping backward).
+
 `group=None` means the world. Reductions run in group-rank order (x_0 + x_1 + ... in
 that order), so results are bit-identical whatever order the threads arrive in.
 
@@ -72,24 +76,31 @@ class _Collective:
             )
         self.group, self.n = group, group.size
         self.index = group.group_rank(self.device.rank)  # position on the ring
+        self.phase = self.device.phase  # charged to the phase the call was made in
 
-    def run(self, x: np.ndarray | None, params: dict, combine):
-        """Rendezvous with the group; return (this rank's result, simulated start time).
+    def run(self, x: np.ndarray | None, params: dict, combine, full_nbytes: int,
+            sent: int, received: int, async_op: bool = False):
+        """Rendezvous with the group and return this rank's result, or with async_op a
+        `CollectiveWork` whose wait() returns it.
 
-        combine(list of the members' x in group order) -> list of per-rank results.
+        combine(list of the members' x in group order) -> list of per-rank results;
+        full_nbytes is the size S of the full tensor (for the ring time); sent/received
+        are this rank's bytes.
         """
         shape, dtype = (None, None) if x is None else (x.shape, x.dtype)
         signature = (self.api, shape, dtype, tuple(params.items()), self.group.kind)
-        call = Call(signature, self.group, x, self.device.clock.now)
+        alpha, bandwidth = self.cluster.link(self.group.ranks)
+        duration = collective_time(self.api, self.n, full_nbytes, alpha, bandwidth)
+        call = Call(signature, self.group, x, self.device.clock.now, duration)
         number = self.device.next_call_number(self.group.ranks)
-        rendezvous = self.cluster.collective(self.device.rank, self.group, number, call, combine)
-        return rendezvous.results[self.index], rendezvous.start
+        rendezvous = self.cluster.collective(self.device.rank, self.group, number, call,
+                                             combine, not async_op)
+        work = CollectiveWork(self, rendezvous, sent, received, async_op)
+        return work if async_op else work.wait()
 
-    def book(self, sent: int, received: int, full_nbytes: int, start: float) -> None:
+    def book(self, sent: int, received: int, start: float, end: float) -> None:
         """Record the call in the rank's byte ledger and advance its clock to the end."""
         device, group = self.device, self.group
-        alpha, bandwidth = self.cluster.link(group.ranks)
-        end = start + collective_time(self.api, self.n, full_nbytes, alpha, bandwidth)
         successor = group.ranks[(self.index + 1) % self.n]
         device.clock.communicate(start, end, f"{self.api} {group.kind}")
         device.comm.record(
@@ -100,11 +111,58 @@ class _Collective:
                 sent_bytes=sent,
                 recv_bytes=received,
                 sent_to=((successor, sent),) if sent else (),
-                phase=device.phase,
+                phase=self.phase,
                 start=start,
                 end=end,
             )
         )
+
+
+class CollectiveWork:
+    """Handle of a collective started with `async_op=True` (torch.distributed's Work).
+
+    The call is posted at once and the rank computes on; `wait()` blocks until every
+    member has posted, books the bytes, and returns the result. On the simulated clock the
+    transfer runs from its start (the last member's arrival, or the end of the group's
+    previous collective) for the ring time; a rank that computed past its end waits for
+    nothing. That is how gradient buckets overlap communication with backward.
+    Do not modify the input array before wait(): the last member to post reads it.
+    """
+
+    def __init__(self, collective: _Collective | None, rendezvous, sent: int, received: int,
+                 register: bool, result=None) -> None:
+        self._collective, self._rendezvous = collective, rendezvous
+        self._sent, self._received = sent, received
+        self._result = result
+        self._finished = collective is None
+        if register and not self._finished:
+            # launch waits for works a rank forgets, so their bytes are still booked
+            collective.device._pending_works[id(self)] = self
+
+    @classmethod
+    def completed(cls, result) -> CollectiveWork:
+        """A work that is already done (a collective over a group of one rank)."""
+        return cls(None, None, 0, 0, register=False, result=result)
+
+    def is_completed(self) -> bool:
+        return self._finished
+
+    def wait(self):
+        if not self._finished:
+            c, rendezvous = self._collective, self._rendezvous
+            c.cluster.wait_collective(c.device.rank, rendezvous)
+            self._finished = True
+            c.device._pending_works.pop(id(self), None)
+            c.book(self._sent, self._received, rendezvous.start, rendezvous.end)
+            self._result = rendezvous.results[c.index]
+            self._rendezvous = None
+        return self._result
+
+
+def _alone(x, async_op: bool):
+    """The result of a collective over one rank: a copy of x (no bytes, no time)."""
+    result = None if x is None else x.copy()
+    return CollectiveWork.completed(result) if async_op else result
 
 
 def _check_reduce_op(api: str, op: str, x: np.ndarray) -> None:
@@ -137,39 +195,42 @@ def _dim(api: str, x: np.ndarray, dim: int) -> int:
 
 
 # --- the collectives -------------------------------------------------------------------------
-def all_reduce(x, op: str = "sum", group: ProcessGroup | None = None) -> np.ndarray:
-    """op ("sum" | "avg" | "max" | "min") over the group's x, on every rank. Shape of x."""
+def all_reduce(x, op: str = "sum", group: ProcessGroup | None = None,
+               async_op: bool = False) -> np.ndarray | CollectiveWork:
+    """op ("sum" | "avg" | "max" | "min") over the group's x, on every rank. Shape of x.
+    With async_op=True, returns a CollectiveWork; its wait() returns the result."""
     c = _Collective("all_reduce", group)
     x = np.asarray(x)
     _check_reduce_op("all_reduce", op, x)
     if c.n == 1:
-        return x.copy()
-    result, start = c.run(x, {"op": op}, lambda arrays: _copies(_reduce(arrays, op), c.n))
+        return _alone(x, async_op)
     sent, received = all_reduce_bytes(x.size, x.itemsize, c.n, c.index)
-    c.book(sent, received, x.nbytes, start)
-    return result
+    return c.run(x, {"op": op}, lambda arrays: _copies(_reduce(arrays, op), c.n), x.nbytes,
+                 sent, received, async_op)
 
 
-def all_gather(x, group: ProcessGroup | None = None, dim: int = 0) -> np.ndarray:
-    """Concatenation of the group's x along dim, in group order: shape[dim] grows n-fold."""
+def all_gather(x, group: ProcessGroup | None = None, dim: int = 0,
+               async_op: bool = False) -> np.ndarray | CollectiveWork:
+    """Concatenation of the group's x along dim, in group order: shape[dim] grows n-fold.
+    With async_op=True, returns a CollectiveWork; its wait() returns the result."""
     c = _Collective("all_gather", group)
     x = np.asarray(x)
     dim = _dim("all_gather", x, dim)
     if c.n == 1:
-        return x.copy()
-    result, start = c.run(
-        x, {"dim": dim}, lambda arrays: _copies(np.concatenate(arrays, axis=dim), c.n)
-    )
+        return _alone(x, async_op)
     # Ring: n-1 steps, each passing on one rank's piece (x.nbytes) = (n-1)/n of the output.
     piece_bytes = (c.n - 1) * x.nbytes
-    c.book(piece_bytes, piece_bytes, c.n * x.nbytes, start)
-    return result
+    return c.run(x, {"dim": dim},
+                 lambda arrays: _copies(np.concatenate(arrays, axis=dim), c.n),
+                 c.n * x.nbytes, piece_bytes, piece_bytes, async_op)
 
 
 def reduce_scatter(
-    x, op: str = "sum", group: ProcessGroup | None = None, dim: int = 0
-) -> np.ndarray:
-    """Group rank i gets chunk i (along dim) of op over the group's x: shape[dim] / n."""
+    x, op: str = "sum", group: ProcessGroup | None = None, dim: int = 0,
+    async_op: bool = False,
+) -> np.ndarray | CollectiveWork:
+    """Group rank i gets chunk i (along dim) of op over the group's x: shape[dim] / n.
+    With async_op=True, returns a CollectiveWork; its wait() returns the result."""
     c = _Collective("reduce_scatter", group)
     x = np.asarray(x)
     _check_reduce_op("reduce_scatter", op, x)
@@ -180,17 +241,16 @@ def reduce_scatter(
             f"size {c.n}; pad the tensor to a multiple of {c.n}"
         )
     if c.n == 1:
-        return x.copy()
+        return _alone(x, async_op)
 
     def combine(arrays):
         # Copies, so each rank's chunk owns its memory (a view would keep the whole sum).
         return [chunk.copy() for chunk in np.split(_reduce(arrays, op), c.n, axis=dim)]
 
-    result, start = c.run(x, {"op": op, "dim": dim}, combine)
     # Ring: n-1 steps, each passing on one partially reduced chunk of S/n.
     chunk_bytes = (c.n - 1) * (x.nbytes // c.n)
-    c.book(chunk_bytes, chunk_bytes, x.nbytes, start)
-    return result
+    return c.run(x, {"op": op, "dim": dim}, combine, x.nbytes, chunk_bytes, chunk_bytes,
+                 async_op)
 
 
 def broadcast(x, src: int, group: ProcessGroup | None = None) -> np.ndarray:
@@ -201,11 +261,10 @@ def broadcast(x, src: int, group: ProcessGroup | None = None) -> np.ndarray:
     root = c.group.group_rank(src)  # raises if src is not in the group
     if c.n == 1:
         return x.copy()
-    result, start = c.run(x, {"src": src}, lambda arrays: _copies(arrays[root].copy(), c.n))
     # A chain along the ring from src: src sends S, the last rank only receives S.
     sent, received = chain_bytes(x.nbytes, c.n, (c.index - root) % c.n)
-    c.book(sent, received, x.nbytes, start)
-    return result
+    return c.run(x, {"src": src}, lambda arrays: _copies(arrays[root].copy(), c.n),
+                 x.nbytes, sent, received)
 
 
 def reduce(x, dst: int, op: str = "sum", group: ProcessGroup | None = None):
@@ -220,11 +279,9 @@ def reduce(x, dst: int, op: str = "sum", group: ProcessGroup | None = None):
     def combine(arrays):
         return [_reduce(arrays, op) if i == root else None for i in range(c.n)]
 
-    result, start = c.run(x, {"dst": dst, "op": op}, combine)
     # A chain along the ring ending at dst: it starts at dst's successor.
     sent, received = chain_bytes(x.nbytes, c.n, (c.index - root - 1) % c.n)
-    c.book(sent, received, x.nbytes, start)
-    return result
+    return c.run(x, {"dst": dst, "op": op}, combine, x.nbytes, sent, received)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -232,5 +289,4 @@ def barrier(group: ProcessGroup | None = None) -> None:
     c = _Collective("barrier", group)
     if c.n == 1:
         return
-    _, start = c.run(None, {}, lambda arrays: [None] * len(arrays))
-    c.book(0, 0, 0, start)
+    c.run(None, {}, lambda arrays: [None] * len(arrays), 0, 0, 0)

@@ -42,8 +42,10 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
     """
     if grad.dtype != param.dtype:
         grad = grad.astype(param.dtype)
-    if np.any(weight_decay):
-        param *= 1.0 - lr * np.asarray(weight_decay, dtype=param.dtype)
+    if isinstance(weight_decay, np.ndarray):
+        param *= (1.0 - lr * weight_decay).astype(param.dtype, copy=False)
+    elif weight_decay:
+        param *= 1.0 - lr * weight_decay
     exp_avg *= beta1
     exp_avg += (1.0 - beta1) * grad
     exp_avg_sq *= beta2

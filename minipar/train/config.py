@@ -53,6 +53,9 @@ class TrainConfig:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     gpus_per_node: int = 8
+    # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
+    # bucket reduced after backward, > 0 = buckets reduced while backward goes on
+    bucket_size_mb: float = 0.0
     # batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
     micro_batch_size: int = 4
     grad_accum_steps: int | None = None
@@ -72,6 +75,8 @@ class TrainConfig:
     # data and reproducibility
     data: str = "corpus"
     seed: int = 0
+    # also train the single-device reference and compare every step (equivalence.py)
+    check: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -109,6 +114,9 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if not isinstance(self.bucket_size_mb, (int, float)) or self.bucket_size_mb < 0:
+            raise ConfigError("bucket_size_mb", f"must be >= 0 (0 = one bucket), got "
+                              f"{self.bucket_size_mb!r}")
         if self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
         self._resolve_batch()

@@ -75,6 +75,32 @@ def test_activation_checkpointing_lowers_the_activation_peak_and_adds_flops():
     np.testing.assert_allclose(ckpt.losses, plain.losses, rtol=1e-5)
 
 
-def test_parallel_settings_not_yet_supported_are_refused_clearly():
-    with pytest.raises(NotImplementedError, match="single device"):
-        train(TrainConfig(steps=1, dp=2, **SMALL))
+def test_a_run_shorter_than_the_warmup_warms_up_over_its_steps():
+    report = train(TrainConfig(steps=1, warmup_steps=5, **SMALL))
+    assert report.steps[0]["lr"] == pytest.approx(report.config["lr"])
+
+
+def test_data_parallel_ranks_report_their_mesh_coordinates():
+    report = train(TrainConfig(steps=2, dp=4, gpus_per_node=2, precision="fp64", **SMALL))
+    assert report.world_size == 4 and len(report.ranks) == 4
+    assert [r["coords"] for r in report.ranks] == [{"dp": i, "pp": 0, "tp": 0}
+                                                   for i in range(4)]
+    assert [r["node"] for r in report.ranks] == [0, 0, 1, 1]
+    assert report.config["global_batch_size"] == 4 * SMALL["micro_batch_size"]
+
+
+def test_data_parallel_trains_like_one_device_with_the_same_global_batch():
+    """dp=4 x micro 2 sees the same 8 sequences per step as one device with 4 micro-
+    batches of 2: same losses and weights up to fp64 rounding."""
+    config = TrainConfig(steps=3, precision="fp64", **{**SMALL, "micro_batch_size": 2})
+    parallel = train(config.replace(dp=4))
+    single = train(config.replace(grad_accum_steps=4))
+    np.testing.assert_allclose(parallel.losses, single.losses, rtol=1e-12)
+    for name, value in single.state_dict.items():
+        np.testing.assert_allclose(parallel.state_dict[name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_tensor_and_pipeline_parallelism_are_refused_clearly():
+    for setting in ({"tp": 2}, {"pp": 2}):
+        with pytest.raises(NotImplementedError, match="--tp 1 --pp 1"):
+            train(TrainConfig(steps=1, **setting, **SMALL))

@@ -1,0 +1,287 @@
+"""Data parallelism: a replica per rank, gradients averaged once per optimizer step.
+
+Every rank of a data-parallel (DP) group holds the whole model and its own slice of the
+global batch (`minipar.train.data.micro_batch`). After backward, the ranks average their
+gradients with an all-reduce, so every replica takes the same optimizer step and the
+replicas stay equal. This is PyTorch's DistributedDataParallel (Li et al. 2020,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB), from
+one rank's point of view:
+
+    engine = DataParallel(model.named_parameters(), mesh.dp_group(), bucket_bytes=...)
+    for k in range(grad_accum_steps):
+        engine.require_backward_grad_sync = k == grad_accum_steps - 1   # DDP's no_sync
+        model(x_k, y_k).backward(1 / grad_accum_steps)
+        engine.finish_gradient_synchronization()
+    engine.clip_grad_norm_(max_norm); engine.step(lr); engine.zero_grad()
+
+Two ideas of DDP live here:
+- Accumulation without synchronisation: the micro-batches of one step add their
+  gradients into `p.grad` locally, and only the last one's backward reduces (DDP's
+  `no_sync`). Reducing every micro-batch would move the same bytes grad_accum_steps times
+  for the same result.
+- Gradient buckets (Li et al. 2020, section 3.2.3): parameters are grouped, in reverse
+  registration order (about the order backward finishes their gradients), into buckets
+  of at most `bucket_bytes`. As soon as every gradient of a bucket is complete, its
+  all-reduce starts asynchronously while backward goes on with earlier layers; on the
+  simulated clock the transfer overlaps the compute. One bucket (bucket_bytes=0) reduces
+  everything after backward, with nothing to overlap.
+
+`Bucket` (a flat layout of parameters padded to a multiple of the group size) is also
+the unit that ZeRO shards (zero.py), and `Piece` is how both describe what a rank holds
+to checkpoints and equivalence checks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar import dist
+from minipar.autograd.placement import Placement, Replicate
+from minipar.nn.optim import AdamW, grad_norm_squared, scale_grads_
+
+# ZeRO's reductions in flight at once: a rank waits for the oldest before starting a
+# third, so at most two flat copies of gradients exist (DeepSpeed double-buffers its
+# reduction bucket when overlap_comm is on). DDP needs no limit: every bucket has its own
+# buffer, which DDP keeps for the whole run.
+MAX_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A flat range of one tensor of the training state, as one rank holds it.
+
+    kind: "param" | "exp_avg" | "exp_avg_sq" | "master"; name: the parameter's name
+    (DESIGN.md's Hugging Face names); shape: the rank's local tensor (the full tensor
+    unless tensor parallelism cut it); start, stop: the range of the flattened local
+    tensor held; values: (stop - start,) array; placement, placement_group: how the
+    local tensor relates to the full one (the parameter's, see autograd/placement.py).
+    """
+
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    values: np.ndarray
+    placement: Placement = Replicate()
+    placement_group: str | None = None
+
+
+class Bucket:
+    """Parameters laid end to end in one flat buffer of `padded_numel` elements.
+
+    Parameter i occupies flat[offsets[i] : offsets[i] + sizes[i]]. The tail is zero
+    padding up to a multiple of `shards` (the DP size), so the buffer splits into equal
+    pieces of `shard_numel` for reduce-scatter and all-gather (ZeRO; DeepSpeed pads its
+    flat partitions the same way). For plain DP, shards = 1 and there is no padding.
+    """
+
+    def __init__(self, index: int, named_params: list, shards: int):
+        self.index = index
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shapes = [p.shape for p in self.params]
+        self.sizes = [p.size for p in self.params]
+        self.offsets = list(np.cumsum([0] + self.sizes[:-1]).tolist())
+        self.numel = sum(self.sizes)
+        self.shards = shards
+        self.padded_numel = -(-self.numel // shards) * shards  # round up
+        self.shard_numel = self.padded_numel // shards
+        self.ready = 0  # gradients completed in the running backward
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def flatten(self, arrays, dtype) -> np.ndarray:
+        """One padded flat array (padded_numel,) from one array per parameter."""
+        parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
+        if self.padding:
+            parts.append(np.zeros(self.padding, dtype=dtype))
+        return np.concatenate(parts)
+
+    def flatten_grads(self) -> np.ndarray:
+        grads = [p.grad for p in self.params]
+        return self.flatten(grads, grads[0].dtype)
+
+    def view(self, flat: np.ndarray, i: int) -> np.ndarray:
+        """Parameter i's part of a flat buffer, shaped like the parameter (a view)."""
+        return flat[self.offsets[i]:self.offsets[i] + self.sizes[i]].reshape(self.shapes[i])
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """[start, stop) of shard `shard` in the flat buffer."""
+        return shard * self.shard_numel, (shard + 1) * self.shard_numel
+
+    def overlaps(self, start: int, stop: int):
+        """The parameters that overlap flat[start:stop], as
+        (i, first element in parameter i, last + 1, same range in flat coordinates)."""
+        for i, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            lo, hi = max(start, offset), min(stop, offset + size)
+            if lo < hi:
+                yield i, lo - offset, hi - offset, lo, hi
+
+    def pieces(self, kind: str, flat_shard: np.ndarray, shard: int) -> list[Piece]:
+        """The Pieces that `flat_shard` (this rank's shard of a flat buffer) holds."""
+        start, stop = self.shard_range(shard)
+        return [Piece(kind, self.names[i], self.shapes[i], lo, hi,
+                      flat_shard[flat_lo - start:flat_hi - start],
+                      self.params[i].placement, self.params[i].placement_group)
+                for i, lo, hi, flat_lo, flat_hi in self.overlaps(start, stop)]
+
+
+def build_buckets(named_params: list, bucket_bytes: float, shards: int) -> list[Bucket]:
+    """Group parameters into buckets of at most `bucket_bytes` (a parameter larger than
+    that gets a bucket of its own), in reverse registration order like DDP: backward
+    finishes the last layers' gradients first. bucket_bytes <= 0: one bucket of all."""
+    ordered = list(reversed(named_params))
+    if bucket_bytes <= 0:
+        return [Bucket(0, ordered, shards)]
+    groups, current, size = [], [], 0
+    for name, p in ordered:
+        if current and size + p.data.nbytes > bucket_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append((name, p))
+        size += p.data.nbytes
+    groups.append(current)
+    return [Bucket(i, group, shards) for i, group in enumerate(groups)]
+
+
+class DataParallel:
+    """DDP plus a replicated AdamW: ZeRO stage 0 from one rank's point of view.
+
+    named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup;
+    bucket_bytes: gradient bucket capacity in bytes (0 = one bucket); adamw: keyword
+    arguments of `minipar.nn.AdamW` (betas, eps, weight_decay).
+    Holds the parameters in the rank's ledger as "params"; AdamW holds its state as
+    "optimizer"; backward books `p.grad` as "grads"; bucket buffers are "buffers".
+    """
+
+    stage = 0
+
+    def __init__(self, named_params, group, *, bucket_bytes: float = 0, adamw: dict):
+        named_params = list(named_params)
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group = group
+        self.world = group.size
+        self.device = dist.get_device()
+        for p in self.params:
+            self.device.memory.hold(p.data, "params")
+        self.optimizer = AdamW(named_params, **adamw)
+        self.buckets = build_buckets(named_params, bucket_bytes, shards=1)
+        self._bucket_of = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p)] = bucket
+                p.register_post_accumulate_grad_hook(self._on_gradient_ready)
+        self._pending = []  # (bucket, flat gradients, CollectiveWork) being reduced
+        # DDP's flag: False inside `no_sync`, i.e. on every micro-batch but the last.
+        self.require_backward_grad_sync = True
+
+    # -------------------------------------------------------------- gradient sync
+    def _on_gradient_ready(self, param) -> None:
+        """Post-accumulate-grad hook: launch a bucket's all-reduce once it is full."""
+        if not self.require_backward_grad_sync or self.world == 1:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            bucket.ready = 0
+            flat = bucket.flatten_grads()
+            self.device.memory.hold(flat, "buffers")
+            # Average, as DDP does: each rank's loss is a mean over its share of the batch.
+            work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True)
+            self._pending.append((bucket, flat, work))
+
+    def _complete(self, bucket: Bucket, flat: np.ndarray, work) -> None:
+        """Wait for one bucket's all-reduce and write the averages into p.grad."""
+        memory = self.device.memory
+        averaged = work.wait()
+        memory.hold(averaged, "buffers")
+        for i, p in enumerate(bucket.params):
+            p.grad[...] = bucket.view(averaged, i)
+        memory.release(averaged)
+        memory.release(flat)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the outstanding all-reduces (DDP does this in a callback at the end
+        of backward)."""
+        for pending in self._pending:
+            self._complete(*pending)
+        self._pending = []
+        _check_all_reduced(self.buckets)
+
+    # -------------------------------------------------------------- optimizer
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global gradient norm (identical on every replica after the all-reduce);
+        gradients are scaled to `max_norm` when it is > 0 and exceeded."""
+        grads = [p.grad for p in self.params]
+        norm = math.sqrt(grad_norm_squared(grads))
+        if max_norm > 0:
+            scale_grads_(grads, max_norm / (norm + 1e-6))
+        return norm
+
+    def step(self, lr: float) -> None:
+        self.optimizer.lr = lr
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    # -------------------------------------------------------------- state
+    def parameter_pieces(self) -> list[Piece]:
+        """The parameter values this rank holds (its whole replica)."""
+        return [_whole("param", name, p.data, p) for name, p in zip(self.names, self.params,
+                                                                     strict=True)]
+
+    def state_pieces(self) -> list[Piece]:
+        """Parameters and optimizer state, for a checkpoint (every replica saves its own)."""
+        pieces = self.parameter_pieces()
+        opt = self.optimizer
+        for name, p, master, m, v in zip(self.names, self.params, opt.master, opt.exp_avg,
+                                         opt.exp_avg_sq, strict=True):
+            pieces += [_whole("exp_avg", name, m, p), _whole("exp_avg_sq", name, v, p)]
+            if master is not None:
+                pieces.append(_whole("master", name, master, p))
+        return pieces
+
+    def load_optimizer_state(self, step: int, state: dict[str, dict[str, np.ndarray]]) -> None:
+        """Restore AdamW from full local tensors: state[kind][name] for kind in
+        exp_avg, exp_avg_sq and (mixed precision) master."""
+        flat = {"step": np.asarray(step, dtype=np.int64)}
+        for key in self.optimizer.state_dict():
+            if key != "step":
+                kind, name = key.split(".", 1)
+                flat[key] = state[kind][name]
+        self.optimizer.load_state_dict(flat)
+
+    def describe(self) -> dict:
+        """How this rank's state is laid out (the report's ranks[i]["sharding"])."""
+        numel = sum(p.size for p in self.params)
+        return {"zero_stage": 0, "buckets": len(self.buckets), "numel": numel,
+                "padded_numel": numel, "padding_elements": 0}
+
+
+def _whole(kind: str, name: str, array: np.ndarray, param) -> Piece:
+    return Piece(kind, name, array.shape, 0, array.size, array.reshape(-1),
+                 param.placement, param.placement_group)
+
+
+def _check_all_reduced(buckets: list[Bucket]) -> None:
+    """After backward every bucket must have been complete: a parameter that got no
+    gradient would leave its bucket unreduced and the replicas silently apart."""
+    for bucket in buckets:
+        if bucket.ready:
+            raise RuntimeError(
+                f"data parallelism: only {bucket.ready} of the {len(bucket.params)} "
+                f"parameters of gradient bucket {bucket.index} ({', '.join(bucket.names)}) "
+                "got a gradient in this backward; every parameter must take part in the loss "
+                "(DDP's find_unused_parameters is not supported)")
