@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from threadpoolctl import threadpool_limits
+
 from minipar.autograd.tracking import use_device
 
 from .clock import DeviceProfile
@@ -66,17 +68,22 @@ def launch(
         )
         for rank in range(world_size)
     ]
-    for thread in threads:
-        thread.start()
-    try:
+    # One BLAS thread per rank. The ranks are already the parallelism: letting each of N
+    # rank threads also fan every matmul out to OpenBLAS's own pool oversubscribes the
+    # cores and made an 8-rank step ~80x slower on a busy 2-core machine (and a
+    # 1-rank step ~25x). threadpool_limits restores the previous setting on exit.
+    with threadpool_limits(limits=1, user_api="blas"):
         for thread in threads:
-            thread.join()
-    except BaseException as interrupt:  # e.g. KeyboardInterrupt in a notebook
-        with cluster.lock:
-            cluster.fail(interrupt, None)
-        for thread in threads:
-            thread.join()
-        raise
+            thread.start()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException as interrupt:  # e.g. KeyboardInterrupt in a notebook
+            with cluster.lock:
+                cluster.fail(interrupt, None)
+            for thread in threads:
+                thread.join()
+            raise
     if cluster.failure is not None:
         error, rank = cluster.failure, cluster.failed_rank
         if rank is not None and not isinstance(error, DistError):
