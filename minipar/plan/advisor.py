@@ -1,0 +1,260 @@
+"""The advisor: search the parallel layouts of N GPUs, rank those that fit by step time,
+and explain the best one the way the 3D-parallelism interview answer does.
+
+The search follows the rules of thumb the answer gives, as constraints rather than
+guesses, and lets the estimate decide between what remains:
+- tensor parallelism only inside a node (tp divides gpus_per_node): it communicates in
+  every layer, forward and backward, and needs NVLink (Narayanan et al. 2021, section
+  3.3 and Figure 13);
+- pipeline and data parallelism across nodes, pp dividing the GPUs left, at most one
+  stage per layer;
+- ZeRO 0-3 inside the data-parallel group; with pp > 1 only ZeRO 0-1 (DeepSpeed's
+  pipeline engine and Megatron's distributed optimizer stop there);
+- micro-batch sizes 1, 2, 4, 8 that split the global batch; interleaving with 2 chunks
+  per rank when the layers and micro-batches allow it;
+- sequence parallelism whenever tp > 1 (same traffic as plain TP, less activation
+  memory: Korthikanti et al. 2022, section 4.2.2);
+- activation checkpointing both off and on: it costs about a third more compute, so it
+  only wins when activations do not fit otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.plan.cluster import ClusterSpec
+from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
+from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layout
+from minipar.plan.shapes import ModelShape
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass
+class Advice:
+    """The ranked layouts that fit (best first) and how many were tried."""
+
+    shape: ModelShape
+    cluster: ClusterSpec
+    gpus: int
+    global_batch_size: int
+    ranked: list[Estimate]
+    searched: int
+    not_fitting: list[Estimate]
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def explain(self) -> str:
+        return explain(self)
+
+    def to_dict(self, top: int = 5) -> dict:
+        return {
+            "schema": "minipar.plan.advice/1",
+            "model": self.shape.name,
+            "gpus": self.gpus,
+            "global_batch_size": self.global_batch_size,
+            "searched": self.searched,
+            "fitting": len(self.ranked),
+            "ranked": [e.to_dict() for e in self.ranked[:top]],
+            "explanation": self.explain(),
+        }
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
+                      global_batch_size: int, precision: str = "bf16-mixed",
+                      flash_attention: bool = True, lr: float | None = None):
+    """Every layout of `gpus` GPUs the search considers (see the module docstring)."""
+    for tp in divisors(min(gpus_per_node, gpus)):
+        if gpus % tp or gpus_per_node % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if pp > shape.n_layer:
+                continue
+            dp = gpus // (tp * pp)
+            for micro in MICRO_BATCH_SIZES:
+                if global_batch_size % (micro * dp):
+                    continue
+                m = global_batch_size // (micro * dp)
+                schedules = [("1f1b", 1)]
+                if pp > 1 and m % pp == 0 and shape.n_layer % (2 * pp) == 0:
+                    schedules.append(("interleaved", 2))
+                for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                    for schedule, v in schedules:
+                        for checkpointing in (False, True):
+                            try:
+                                config = ParallelConfig(
+                                    dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
+                                    virtual_stages=v, sequence_parallel=tp > 1,
+                                    micro_batch_size=micro, global_batch_size=global_batch_size,
+                                    precision=precision, activation_checkpointing=checkpointing,
+                                    flash_attention=flash_attention, lr=lr)
+                                check_model_fits_layout(shape, config)
+                            except PlanError:
+                                continue
+                            yield config
+
+
+def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
+           precision: str = "bf16-mixed", flash_attention: bool = True,
+           lr: float | None = None) -> Advice:
+    """Rank every candidate layout of `gpus` GPUs that fits by predicted step time."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise PlanError("gpus", f"must be a positive integer, got {gpus!r}")
+    if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
+        raise PlanError("gpus", f"{gpus} GPUs is not a whole number of "
+                        f"{cluster.gpus_per_node}-GPU nodes")
+    fitting, not_fitting, searched = [], [], 0
+    for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
+                                    precision, flash_attention, lr):
+        searched += 1
+        est = estimate(shape, config, cluster, exact_pipeline=False)
+        (fitting if est.fits else not_fitting).append(est)
+    if not searched:
+        raise PlanError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
+                        f"of {global_batch_size} into micro-batches of "
+                        f"{MICRO_BATCH_SIZES}: use a multiple of {gpus}")
+    fitting.sort(key=lambda e: (e.step_time, e.memory["peak_total"]))
+    not_fitting.sort(key=lambda e: e.memory["peak_total"])
+    return Advice(shape, cluster, gpus, global_batch_size, fitting, searched, not_fitting)
+
+
+# ------------------------------------------------------------------ explanation
+def _best_where(advice: Advice, predicate) -> Estimate | None:
+    return next((e for e in advice.ranked if predicate(e.config)), None)
+
+
+def explain(advice: Advice) -> str:
+    """Why the best layout looks the way it does, in the interview answer's terms."""
+    est = advice.best
+    shape, cluster = advice.shape, advice.cluster
+    if est is None:
+        closest = advice.not_fitting[0] if advice.not_fitting else None
+        text = (f"No layout of {advice.gpus} GPUs fits {shape.name} in "
+                f"{human_bytes(cluster.usable_memory)} per GPU ({advice.searched} tried).")
+        if closest is not None:
+            text += (f" The closest, dp={closest.config.dp} tp={closest.config.tp} "
+                     f"pp={closest.config.pp} ZeRO-{closest.config.zero}, needs "
+                     f"{human_bytes(closest.memory['peak_total'])}: use more GPUs, more "
+                     "memory per GPU, or a smaller micro-batch / shorter sequence.")
+        return text
+    c, mem, t = est.config, est.memory, est.time
+    comm = est.comm_time_by_group()
+    gpn = cluster.gpus_per_node
+    nodes = -(-advice.gpus // gpn)
+    state = mem["params"] + mem["grads"] + mem["optimizer"]
+    replica = (c.bytes.param + c.bytes.grad + c.bytes.optimizer) * shape.n_params
+    split = replica > cluster.usable_memory
+    lines = [
+        f"Best of {len(advice.ranked)} fitting layouts ({advice.searched} tried) for "
+        f"{shape.name} ({shape.n_params / 1e9:.1f}B parameters) on {advice.gpus} GPUs "
+        f"({nodes} node{'s' * (nodes > 1)} of {gpn}): dp={c.dp} x tp={c.tp} x pp={c.pp}, "
+        f"ZeRO-{c.zero}, micro-batch {c.micro_batch_size}, "
+        f"{'activation checkpointing, ' if c.activation_checkpointing else ''}"
+        f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}.",
+        "",
+        f"- The model state (parameters, gradients, optimizer) is "
+        f"{human_bytes(replica)} in {c.precision} ({c.bytes.param} + {c.bytes.grad} + "
+        f"{c.bytes.optimizer} bytes per parameter, the ZeRO paper's count): "
+        + (f"more than one GPU's {human_bytes(cluster.usable_memory)}, so it has to be "
+           f"split; this layout leaves {human_bytes(state)} of it per GPU."
+           if split else f"it fits on one GPU, so splitting it is optional ("
+           f"{human_bytes(state)} per GPU here)."),
+    ]
+    if c.tp > 1:
+        lines.append(
+            f"- Tensor parallelism (tp={c.tp}) stays inside a node: it splits every layer's "
+            f"matrices and heads over {c.tp} GPUs and all-reduces activations in every layer, "
+            f"forward and backward ({human_bytes(est.traffic['tp'])} per GPU per step, "
+            f"{human_seconds(comm['tp'])} on NVLink). Across nodes the same traffic would "
+            f"run {cluster.intra_node_bandwidth / cluster.inter_node_bandwidth:.0f}x slower."
+            + (" Sequence parallelism splits the norms' and dropouts' activations too, for "
+               "the same traffic." if c.sequence_parallel else ""))
+    else:
+        lines.append("- No tensor parallelism: every layer fits on one GPU, so there is no "
+                     "need to pay its per-layer all-reduces.")
+    if c.pp > 1:
+        lines.append(
+            f"- Pipeline parallelism (pp={c.pp}) cuts the {shape.n_layer} layers into {c.pp} "
+            f"stages{' across nodes' if est.links['pp'] else ''}; only (b, s, h) activations "
+            f"cross a stage boundary ({human_bytes(est.traffic['pp'])} per GPU per step). "
+            f"{c.micro_batches} micro-batches per step keep the bubble at "
+            f"{t['bubble_fraction']:.1%} ({c.schedule}"
+            + (f", {c.virtual_stages} chunks per GPU" if c.virtual_stages > 1 else "") + ").")
+    else:
+        lines.append("- No pipeline parallelism: the model's layers fit without being cut "
+                     "into stages, so there is no bubble.")
+    zero_text = {0: "keeps a full replica of the optimizer state on every GPU",
+                 1: "shards the optimizer state (12 of the 16 bytes per parameter)",
+                 2: "shards the optimizer state and the gradients",
+                 3: "shards parameters, gradients and optimizer state (gathering "
+                    "parameters layer by layer)"}[c.zero]
+    if c.dp > 1:
+        lines.append(
+            f"- Data parallelism (dp={c.dp}) {'across nodes ' if est.links['dp'] else ''}"
+            f"multiplies throughput; ZeRO-{c.zero} inside the DP group {zero_text}. Gradient "
+            f"synchronisation moves {human_bytes(est.traffic['dp'])} per GPU per step "
+            f"({human_seconds(comm['dp'])}).")
+        lower = _best_where(advice, lambda x: x.zero < c.zero and x.dp == c.dp
+                            and x.tp == c.tp and x.pp == c.pp)
+        if c.zero > 0 and lower is None:
+            lines.append("  No lower ZeRO stage fits with the same dp/tp/pp: ZeRO is what "
+                         "makes this layout possible.")
+        elif c.zero > 0:
+            lines.append(f"  ZeRO-{lower.config.zero} would fit too, at "
+                         f"{human_seconds(lower.step_time)} per step; ZeRO-{c.zero} is "
+                         "as fast or faster and leaves more memory free.")
+    else:
+        lines.append("- No data parallelism: all GPUs are needed to hold one model replica.")
+    if c.activation_checkpointing:
+        without = estimate(shape, c.replace(activation_checkpointing=False), cluster)
+        lines.append(
+            f"- Activation checkpointing is on because without it this layout would need "
+            f"{human_bytes(without.memory['peak_total'])} per GPU (activations "
+            f"{human_bytes(without.memory['activations'])}), more than the "
+            f"{human_bytes(cluster.usable_memory)} usable; recomputing each layer costs "
+            "about a third more compute.")
+    else:
+        lines.append(f"- Activation checkpointing is off: the activations "
+                     f"({human_bytes(mem['activations'])}) fit, so recomputation would only "
+                     "cost time.")
+    lines.append(
+        f"- Global batch {c.global_batch_size} = micro-batch {c.micro_batch_size} x "
+        f"{c.micro_batches} accumulation steps x dp {c.dp}; memory per GPU "
+        f"{human_bytes(mem['peak_total'])} of {human_bytes(cluster.usable_memory)}.")
+    runner_up = advice.ranked[1] if len(advice.ranked) > 1 else None
+    if runner_up is not None:
+        r = runner_up.config
+        lines.append(
+            f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp} ZeRO-{r.zero} micro-batch "
+            f"{r.micro_batch_size}{' with checkpointing' if r.activation_checkpointing else ''}"
+            f", step {human_seconds(runner_up.step_time)} "
+            f"(+{runner_up.step_time / est.step_time - 1:.1%}).")
+    return "\n".join(lines)
+
+
+def format_ranking(advice: Advice, top: int = 5) -> str:
+    """A table of the `top` fitting layouts."""
+    header = ["#", "dp", "tp", "pp", "zero", "sched", "mb", "accum", "ckpt", "memory",
+              "step", "bubble", "MFU"]
+    rows = [header]
+    for i, e in enumerate(advice.ranked[:top], start=1):
+        c = e.config
+        sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule}x{c.virtual_stages}"
+        rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.zero), sched,
+                     str(c.micro_batch_size), str(c.micro_batches),
+                     "yes" if c.activation_checkpointing else "no",
+                     human_bytes(e.memory["peak_total"]), human_seconds(e.step_time),
+                     f"{e.time['bubble_fraction']:.1%}", f"{e.mfu:.1%}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""`minipar plan`: the planner on the command line.
+
+    minipar plan --model llama2-70b --gpus 64 --gpu-mem 80        search, rank, explain
+    minipar plan --model gpt2-xl --dp 4 --tp 2 --zero 1 ...        estimate and lint a layout
+    minipar plan --example bloom                                   the BLOOM-176B layout
+    ... --json [PATH]        the same as JSON (stdout without PATH)
+    ... --export DIR         ds_config.json, megatron_args.txt and launch.sh of the layout
+
+The lead wires it into minipar.cli: `add_plan_command(subparsers)` adds the subcommand,
+`run_plan(args)` runs it and returns the exit status (2 for bad settings, with a one-line
+message naming the flag, as `minipar train` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from minipar.plan import presets
+from minipar.plan.advisor import advise, format_ranking
+from minipar.plan.estimate import estimate
+from minipar.plan.export import write_export
+from minipar.plan.layout import PRECISIONS, SCHEDULES, ParallelConfig, PlanError
+from minipar.plan.lint import lint
+from minipar.plan.shapes import ModelShape
+
+LAYOUT_FLAGS = ("dp", "tp", "pp")
+
+
+def add_plan_command(subparsers) -> argparse.ArgumentParser:
+    """Add `plan` to an argparse subparsers object; returns its parser."""
+    plan = subparsers.add_parser(
+        "plan", help="predict memory, traffic and step time of a parallel layout; search "
+                     "and explain the best one",
+        description="Analytic planner (ZeRO paper, Megatron 2019/2021, Korthikanti 2022) "
+                    "proved against minipar's emulator.")
+    model = plan.add_argument_group("model")
+    model.add_argument("--model", help=f"preset: {', '.join(presets.MODELS)}")
+    model.add_argument("--example", choices=("bloom",),
+                       help="a published configuration (bloom: BLOOM-176B on 384 A100s)")
+    for name, help_text in (("n_layer", "layers (custom model)"),
+                            ("d_model", "hidden size (custom model)"),
+                            ("n_head", "attention heads (custom model)"),
+                            ("vocab_size", "vocabulary (custom model)"),
+                            ("seq_len", "sequence length (overrides the preset's)")):
+        model.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=help_text)
+    hardware = plan.add_argument_group("cluster")
+    hardware.add_argument("--cluster", default="h100-80gb",
+                          help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb; "
+                               "'emulated' is the cluster `minipar train` simulates)")
+    hardware.add_argument("--gpus", type=int, help="GPUs to plan for")
+    hardware.add_argument("--gpu-mem", type=float, dest="gpu_mem",
+                          help="memory per GPU in GiB (default: the preset's)")
+    hardware.add_argument("--gpus-per-node", type=int, dest="gpus_per_node")
+    hardware.add_argument("--efficiency", type=float,
+                          help="fraction of peak FLOP/s the kernels sustain (default: preset)")
+    layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
+                                     "searching)")
+    for name in LAYOUT_FLAGS:
+        layout.add_argument("--" + name, type=int, dest=name)
+    layout.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
+    layout.add_argument("--schedule", choices=SCHEDULES, default=None)
+    layout.add_argument("--virtual-stages", type=int, dest="virtual_stages", default=None)
+    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                        dest="sequence_parallel", default=None)
+    layout.add_argument("--micro-batch-size", type=int, dest="micro_batch_size")
+    layout.add_argument("--grad-accum-steps", type=int, dest="grad_accum_steps")
+    layout.add_argument("--global-batch-size", type=int, dest="global_batch_size",
+                        help="sequences per step (default: the preset's published one)")
+    layout.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                        dest="activation_checkpointing", default=None)
+    layout.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
+                        dest="flash_attention", default=None,
+                        help="attention that does not keep the (s x s) probabilities "
+                             "(default: on for model presets, off for a custom shape, "
+                             "as minipar's own attention)")
+    layout.add_argument("--layer-split", dest="layer_split",
+                        help="layers per pipeline stage, e.g. 5,6,6,5")
+    layout.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
+    layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
+    layout.add_argument("--reference-global-batch-size", type=int,
+                        dest="reference_global_batch_size",
+                        help="global batch the lr was tuned for (lint)")
+    layout.add_argument("--reference-lr", type=float, dest="reference_lr",
+                        help="lr tuned for the reference global batch (lint)")
+    output = plan.add_argument_group("output")
+    output.add_argument("--top", type=int, default=5, help="layouts to list when searching")
+    output.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write JSON to PATH (stdout without PATH) instead of tables")
+    output.add_argument("--export", metavar="DIR",
+                        help="write the (best) layout as DeepSpeed / Megatron-LM files")
+    output.add_argument("--all-stages", action="store_true", dest="all_stages",
+                        help="list every pipeline rank (default: first, second, last)")
+    return plan
+
+
+# ------------------------------------------------------------------ building blocks
+def _shape(args) -> ModelShape:
+    if args.example == "bloom":
+        shape = presets.MODELS["bloom-176b"]
+    elif args.model:
+        try:
+            shape = presets.model(args.model)
+        except KeyError as err:
+            raise PlanError("model", err.args[0]) from None
+    else:
+        missing = [n for n in ("n_layer", "d_model", "n_head", "vocab_size")
+                   if getattr(args, n) is None]
+        if missing:
+            raise PlanError("model", "give a preset (--model NAME) or a custom shape; "
+                            f"missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
+        try:
+            shape = ModelShape(name="custom", n_layer=args.n_layer, d_model=args.d_model,
+                               n_head=args.n_head, vocab_size=args.vocab_size,
+                               seq_len=args.seq_len or 1024)
+        except ValueError as err:
+            raise PlanError("model", str(err)) from None
+    if args.seq_len is not None and args.seq_len != shape.seq_len:
+        shape = shape.with_seq_len(args.seq_len)
+    return shape
+
+
+def _cluster(args):
+    name = "a100-80gb" if args.example == "bloom" else args.cluster
+    try:
+        spec = presets.cluster(name, args.gpu_mem)
+    except KeyError as err:
+        raise PlanError("cluster", err.args[0]) from None
+    if args.gpus_per_node is not None:
+        spec = replace(spec, gpus_per_node=args.gpus_per_node)
+    if args.efficiency is not None:
+        spec = replace(spec, efficiency=args.efficiency)
+    return spec
+
+
+def _global_batch(args, shape: ModelShape, gpus: int) -> int:
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    return presets.GLOBAL_BATCH.get(shape.name, 4 * gpus)
+
+
+def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
+    """The layout asked for: the example's ParallelConfig, or the settings as a dict
+    (possibly inconsistent, for the lint to report)."""
+    if args.example == "bloom":
+        base = presets.BLOOM_176B
+        changes = {k: getattr(args, k) for k in ("zero", "micro_batch_size",
+                                                 "activation_checkpointing",
+                                                 "sequence_parallel")
+                   if getattr(args, k) is not None}
+        return base.replace(**changes) if changes else base
+    dp, tp, pp = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
+    values = dict(dp=dp, tp=tp, pp=pp, zero=args.zero or 0,
+                  schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
+                  sequence_parallel=bool(args.sequence_parallel),
+                  micro_batch_size=args.micro_batch_size or 1,
+                  grad_accum_steps=args.grad_accum_steps,
+                  global_batch_size=args.global_batch_size, precision=args.precision,
+                  activation_checkpointing=bool(args.activation_checkpointing),
+                  flash_attention=args.flash_attention, lr=args.lr)
+    if args.layer_split:
+        try:
+            values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
+        except ValueError:
+            raise PlanError("layer_split", f"{args.layer_split!r} is not a comma-separated "
+                            "list of layer counts") from None
+    if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
+        values["global_batch_size"] = _global_batch(args, shape, dp * tp * pp)
+    return values
+
+
+def _emit_json(args, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, default=str)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+# ------------------------------------------------------------------ the command
+def run_plan(args) -> int:
+    """Run `minipar plan` with parsed `args`; returns the exit status."""
+    try:
+        return _run(args)
+    except PlanError as err:
+        print(f"minipar plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    shape = _shape(args)
+    cluster = _cluster(args)
+    if args.flash_attention is None:
+        args.flash_attention = shape.name != "custom"
+    evaluate = args.example is not None or any(getattr(args, k) is not None
+                                               for k in LAYOUT_FLAGS)
+    if evaluate:
+        values = _layout(args, shape)
+        reference = None
+        if args.reference_global_batch_size and args.reference_lr:
+            reference = {"global_batch_size": args.reference_global_batch_size,
+                         "lr": args.reference_lr}
+        raw = values.to_dict() if isinstance(values, ParallelConfig) else values
+        findings = lint(shape, raw, cluster, reference=reference)
+        if any(f.code == "INVALID_LAYOUT" for f in findings):
+            if args.json:
+                _emit_json(args, {"findings": [f.to_dict() for f in findings]})
+            else:
+                _print_findings(findings)
+            return 2
+        config = values if isinstance(values, ParallelConfig) else _consistent(values)
+        if args.gpus is not None and args.gpus != config.world_size:
+            raise PlanError("gpus", f"{args.gpus} GPUs but dp x tp x pp = "
+                            f"{config.world_size}; drop --gpus or change the layout")
+        est = estimate(shape, config, cluster, all_stages=args.all_stages)
+        if args.json:
+            _emit_json(args, {**est.to_dict(), "findings": [f.to_dict() for f in findings]})
+        else:
+            print(est.table())
+            _print_findings(findings)
+        chosen = config
+    else:
+        if args.gpus is None:
+            raise PlanError("gpus", "give --gpus N to search layouts, or --dp/--tp/--pp to "
+                            "evaluate one")
+        advice = advise(shape, args.gpus, cluster,
+                        global_batch_size=_global_batch(args, shape, args.gpus),
+                        precision=args.precision, flash_attention=args.flash_attention,
+                        lr=args.lr)
+        if args.json:
+            payload = advice.to_dict(top=args.top)
+            if advice.best is not None:
+                payload["findings"] = [f.to_dict() for f in
+                                       lint(shape, advice.best.config, cluster)]
+            _emit_json(args, payload)
+        else:
+            if advice.ranked:
+                print(f"{len(advice.ranked)} of {advice.searched} layouts fit; the fastest "
+                      f"{min(args.top, len(advice.ranked))}:\n")
+                print(format_ranking(advice, args.top))
+                print()
+            print(advice.explain())
+            if advice.best is not None:
+                print()
+                print(advice.best.table())
+                _print_findings(lint(shape, advice.best.config, cluster))
+        if advice.best is None:
+            return 1
+        chosen = advice.best.config
+    if args.export:
+        files = write_export(args.export, shape, chosen, cluster)
+        if not args.json or args.json != "-":
+            print("\nexported: " + ", ".join(str(p) for p in files.values()))
+    return 0
+
+
+def _consistent(values: dict) -> ParallelConfig:
+    """The ParallelConfig of possibly inconsistent settings (lint reported the batch)."""
+    try:
+        return ParallelConfig(**values)
+    except PlanError as err:
+        if err.setting != "global_batch_size" or values.get("grad_accum_steps") is None:
+            raise
+        return ParallelConfig(**{**values, "global_batch_size": None})
+
+
+def _print_findings(findings) -> None:
+    if not findings:
+        print("\nlint: no findings")
+        return
+    print("\nlint:")
+    for f in findings:
+        print(f"  [{f.severity}] {f.code}: {f.message}\n      fix: {f.fix}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (`python -m minipar.plan.cli ...`), for before the lead
+    wires `plan` into `minipar`."""
+    parser = argparse.ArgumentParser(prog="minipar")
+    add_plan_command(parser.add_subparsers(dest="command", required=True))
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,163 @@
+"""The hardware a plan runs on, and what moving bytes over it costs.
+
+`ClusterSpec` is one GPU type in nodes of `gpus_per_node`, with a fast link inside the
+node (NVLink) and a slower one between nodes (InfiniBand): the two-level topology every
+3D-parallel layout is designed around. The world size is not part of it; a parallel
+config (dp x tp x pp) says how many GPUs a plan uses.
+
+Bytes per rank follow the ring algorithm (Patarasuk & Yuan 2009), which is also what
+minipar's emulator books (minipar/dist/collectives.py), including how `np.array_split`
+cuts a tensor that does not divide evenly, so small tensors are exact too:
+
+    all-reduce      2(n-1)/n S     reduce-scatter, all-gather   (n-1)/n S
+    broadcast       S (every member but the chain's tail)       send/recv   S
+
+Time is the alpha-beta model of minipar.dist.clock.collective_time (Hockney 1994;
+Thakur, Rabenseifner & Gropp 2005), with the bandwidth of the slowest link the group
+crosses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from minipar.dist.clock import DeviceProfile, collective_time
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One kind of GPU in nodes of `gpus_per_node`.
+
+    memory_bytes: device memory per GPU. usable_memory_fraction: the part a plan may fill
+        (the CUDA context, NCCL buffers and allocator fragmentation take the rest;
+        1.0 for the emulator, whose ledger counts only arrays).
+    peak_flops: dense 16-bit tensor-core peak per GPU (datasheet).
+    efficiency: the fraction of peak the kernels sustain (an explicit assumption; the
+        emulator charges every FLOP at `peak_flops * efficiency`).
+    intra_node_bandwidth, inter_node_bandwidth: bytes/s one GPU sends in one direction.
+    intra_node_latency, inter_node_latency: seconds per ring step (alpha).
+    """
+
+    name: str
+    gpus_per_node: int
+    memory_bytes: float
+    peak_flops: float
+    efficiency: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float = 3e-6
+    inter_node_latency: float = 8e-6
+    usable_memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"ClusterSpec.gpus_per_node must be a positive integer, got "
+                             f"{self.gpus_per_node!r}")
+        for name in ("memory_bytes", "peak_flops", "intra_node_bandwidth",
+                     "inter_node_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ClusterSpec.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("efficiency", "usable_memory_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"ClusterSpec.{name} must be in (0, 1], got "
+                                 f"{getattr(self, name)}")
+
+    @property
+    def sustained_flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def link(self, crosses_nodes: bool) -> tuple[float, float]:
+        """(alpha in s, bandwidth in bytes/s) of a group inside one node or across nodes."""
+        if crosses_nodes:
+            return self.inter_node_latency, self.inter_node_bandwidth
+        return self.intra_node_latency, self.intra_node_bandwidth
+
+    def collective_time(self, op: str, n: int, nbytes: float, crosses_nodes: bool) -> float:
+        """Alpha-beta time of a ring collective of a full tensor of nbytes over n ranks."""
+        alpha, bandwidth = self.link(crosses_nodes)
+        return collective_time(op, n, nbytes, alpha, bandwidth)
+
+    def with_memory(self, memory_bytes: float) -> ClusterSpec:
+        return replace(self, memory_bytes=memory_bytes)
+
+    @classmethod
+    def from_device_profile(cls, profile: DeviceProfile | None = None, gpus_per_node: int = 8,
+                            memory_bytes: float = 80 * GIB) -> ClusterSpec:
+        """The cluster minipar's emulator simulates: every FLOP at `profile.flops`
+        (efficiency 1), all of the memory usable."""
+        profile = DeviceProfile() if profile is None else profile
+        return cls(name=f"emulated {profile.name}", gpus_per_node=gpus_per_node,
+                   memory_bytes=memory_bytes, peak_flops=profile.flops, efficiency=1.0,
+                   intra_node_bandwidth=profile.intra_node_bandwidth,
+                   inter_node_bandwidth=profile.inter_node_bandwidth,
+                   intra_node_latency=profile.intra_node_latency,
+                   inter_node_latency=profile.inter_node_latency,
+                   usable_memory_fraction=1.0)
+
+
+# ---------------------------------------------------------------------- bytes per rank
+def ring_chunks(numel: int, n: int) -> list[int]:
+    """Element counts of the n chunks a ring cuts a flat tensor into (np.array_split)."""
+    base, extra = divmod(numel, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def all_reduce_sent(numel: int, itemsize: int, n: int, position: int = 0) -> int:
+    """Bytes ring position `position` sends in a ring all-reduce of numel elements:
+    every chunk twice except chunks position+1 and position+2 once (2(n-1)/n S when n
+    divides the tensor)."""
+    if n <= 1:
+        return 0
+    chunks = ring_chunks(numel, n)
+    return itemsize * (2 * numel - chunks[(position + 1) % n] - chunks[(position + 2) % n])
+
+
+def all_gather_sent(piece_numel: int, itemsize: int, n: int) -> int:
+    """Bytes a rank sends in a ring all-gather of equal pieces: (n-1) pieces."""
+    return 0 if n <= 1 else (n - 1) * piece_numel * itemsize
+
+
+def reduce_scatter_sent(numel: int, itemsize: int, n: int) -> int:
+    """Bytes a rank sends in a ring reduce-scatter of a tensor of numel elements (n | numel):
+    (n-1) chunks of numel/n."""
+    return 0 if n <= 1 else (n - 1) * (numel // n) * itemsize
+
+
+def broadcast_sent(nbytes: int, n: int, position_from_root: int) -> int:
+    """Bytes a rank sends in a chain broadcast: all but the chain's tail send S."""
+    return nbytes if n > 1 and position_from_root < n - 1 else 0
+
+
+# ---------------------------------------------------------------------- topology
+def group_crosses_nodes(size: int, stride: int, world: int, gpus_per_node: int) -> bool:
+    """Does any group of `size` ranks spaced `stride` apart cross a node boundary?
+
+    Groups of a dp x pp x tp mesh (rank = (dp_i pp + pp_i) tp + tp_i, tp fastest; see
+    minipar.dist.mesh) fill blocks of size x stride consecutive ranks, one group per
+    offset 0 .. stride-1 of each block. A group spans [first, first + (size - 1) stride];
+    it stays in one node only if that interval does. Nodes hold ranks
+    [k gpus_per_node, (k+1) gpus_per_node).
+    """
+    if size <= 1:
+        return False
+    span = (size - 1) * stride + 1
+    if span > gpus_per_node:
+        return True
+    block = size * stride
+    if gpus_per_node % block == 0:
+        return False  # blocks tile the nodes exactly
+    # The pattern repeats every lcm(block, gpus_per_node) ranks: check one period.
+    period = min(world, math.lcm(block, gpus_per_node))
+    for start in range(0, period, block):
+        for offset in range(stride):
+            first = start + offset
+            if first // gpus_per_node != (first + span - 1) // gpus_per_node:
+                return True
+    return False

@@ -1,0 +1,205 @@
+"""`estimate(shape, config, cluster)`: memory, traffic, time and MFU of one training step.
+
+    from minipar.plan import estimate, presets
+    est = estimate(presets.model("gpt2-xl"), ParallelConfig(dp=8, zero=1, ...),
+                   presets.cluster("a100-80gb"))
+    est.memory            # the fullest rank's peak bytes by category (+ peak_total)
+    est.traffic           # bytes per step the busiest rank sends, by group (dp, tp, pp)
+    est.time              # step_s, bubble_fraction, mfu, tokens_per_s
+    est.fits              # peak_total <= the GPU's usable memory
+    est.stages            # the same per pipeline rank (first, second, last by default)
+    print(est.table())
+
+Everything is per rank: the rank at dp 0, tp 0 of each pipeline stage (all ranks of a
+stage hold and run the same amounts; ring positions only change a few bytes of small
+tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minipar.plan.cluster import GIB, ClusterSpec
+from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
+from minipar.plan.memory import CATEGORIES, stage_memory
+from minipar.plan.shapes import ModelShape
+from minipar.plan.timing import (
+    group_links,
+    simulated_step_time,
+    stage_time,
+    step_time,
+    transfer_time,
+)
+from minipar.plan.traffic import sent_by_group, stage_traffic
+
+
+@dataclass
+class StageEstimate:
+    rank: int  # pipeline rank
+    layers: int
+    in_flight: int
+    memory: dict
+    traffic: dict  # bytes sent per step by group
+    transfers: list
+    time: dict
+
+
+@dataclass
+class Estimate:
+    shape: ModelShape
+    config: ParallelConfig
+    cluster: ClusterSpec
+    stages: list[StageEstimate]
+    time: dict
+    links: dict = field(default_factory=dict)
+
+    @property
+    def worst_stage(self) -> StageEstimate:
+        return max(self.stages, key=lambda s: s.memory["peak_total"])
+
+    @property
+    def memory(self) -> dict:
+        """Peak bytes by category on the fullest rank."""
+        return {k: v for k, v in self.worst_stage.memory.items() if k != "detail"}
+
+    @property
+    def traffic(self) -> dict:
+        """Bytes per step the busiest rank sends, per group."""
+        return {group: max(s.traffic[group] for s in self.stages) for group in ("dp", "tp",
+                                                                              "pp")}
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["peak_total"] <= self.cluster.usable_memory
+
+    @property
+    def step_time(self) -> float:
+        return self.time["step_s"]
+
+    @property
+    def mfu(self) -> float:
+        return self.time["mfu"]
+
+    def comm_time_by_group(self) -> dict[str, float]:
+        """Seconds per step the slowest rank spends in each group's collectives."""
+        totals = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+        for stage in self.stages:
+            per = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+            for tr in stage.transfers:
+                per[tr.group] += tr.count * transfer_time(tr, self.cluster,
+                                                          self.links[tr.group])
+            for group in totals:
+                totals[group] = max(totals[group], per[group])
+        return totals
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": "minipar.plan/1",
+            "model": {**self.shape.__dict__, "n_params": self.shape.n_params},
+            "config": self.config.to_dict(),
+            "cluster": dict(self.cluster.__dict__),
+            "world_size": self.config.world_size,
+            "fits": self.fits,
+            "memory": self.memory,
+            "traffic": self.traffic,
+            "time": self.time,
+            "comm_time": self.comm_time_by_group(),
+            "links_cross_nodes": self.links,
+            "stages": [{"pp_rank": s.rank, "layers": s.layers, "in_flight": s.in_flight,
+                        "memory": {k: v for k, v in s.memory.items() if k != "detail"},
+                        "traffic": s.traffic,
+                        "time": {k: v for k, v in s.time.items() if k != "flops"},
+                        "flops_per_micro_batch": s.time["flops"]} for s in self.stages],
+        }
+
+    def table(self) -> str:
+        return format_estimate(self)
+
+
+def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
+             all_stages: bool = False, exact_pipeline: bool = True) -> Estimate:
+    """Predict one optimizer step of `shape` trained with `config` on `cluster`.
+
+    all_stages: estimate every pipeline rank (default: the first, second and last, which
+    bound the others). exact_pipeline: time a pipeline by simulating its schedule
+    (pipeline_time.py; O(p m v)); False uses the closed form (Narayanan et al. 2021),
+    which the advisor uses to search fast and which agrees when compute dominates.
+    """
+    check_model_fits_layout(shape, config)
+    plans = stage_plans(shape, config, all_ranks=all_stages)
+    stages = []
+    for plan in plans:
+        transfers = stage_traffic(shape, config, plan)
+        stages.append(StageEstimate(
+            rank=plan.rank, layers=plan.layers, in_flight=plan.in_flight,
+            memory=stage_memory(shape, config, plan), traffic=sent_by_group(transfers),
+            transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers)))
+    if exact_pipeline and config.pp > 1:
+        time = simulated_step_time(shape, config, cluster)
+    else:
+        time = step_time(config, [s.time for s in stages], shape, cluster,
+                         [p.rank for p in plans])
+    return Estimate(shape, config, cluster, stages, time, links=group_links(config, cluster))
+
+
+# ------------------------------------------------------------------ text
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.2f} us"
+
+
+def format_estimate(est: Estimate) -> str:
+    """A plain-text table: memory per pipeline rank by category, traffic, time."""
+    c, shape = est.config, est.shape
+    lines = [
+        f"{shape.name}: {shape.n_params / 1e9:.2f}B parameters, {shape.n_layer} layers, "
+        f"h={shape.d_model}, seq {shape.seq_len}, vocab {shape.vocab_size}",
+        f"layout: dp={c.dp} tp={c.tp} pp={c.pp} ({c.world_size} GPUs on {est.cluster.name}, "
+        f"{est.cluster.gpus_per_node}/node), ZeRO-{c.zero}, {c.schedule}"
+        + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
+        + f", micro-batch {c.micro_batch_size} x {c.micro_batches} accum x dp {c.dp} = "
+          f"global {c.global_batch_size}, {c.precision}"
+        + (", activation checkpointing" if c.activation_checkpointing else "")
+        + (", sequence parallel" if c.sequence_parallel else "")
+        + (", flash attention" if c.flash_attention else ""),
+        "",
+    ]
+    header = ["pp rank", "layers", "in flight", *CATEGORIES, "total", "dp sent", "tp sent",
+              "pp sent"]
+    rows = [header]
+    for s in est.stages:
+        rows.append([str(s.rank), str(s.layers), str(s.in_flight)]
+                    + [human_bytes(s.memory[k]) for k in CATEGORIES]
+                    + [human_bytes(s.memory["peak_total"])]
+                    + [human_bytes(s.traffic[g]) for g in ("dp", "tp", "pp")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    t = est.time
+    usable = est.cluster.usable_memory
+    lines += [
+        "",
+        f"memory: {human_bytes(est.memory['peak_total'])} of {human_bytes(usable)} usable "
+        f"per GPU -> {'fits' if est.fits else 'DOES NOT FIT'}",
+        f"step: {human_seconds(t['step_s'])} (pipeline {human_seconds(t['pipeline_s'])}, "
+        f"after the last backward {human_seconds(t['tail_s'])}), bubble "
+        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} at {est.cluster.efficiency:.0%} "
+        f"kernel efficiency, {t['tokens_per_s']:,.0f} tokens/s",
+    ]
+    comm = est.comm_time_by_group()
+    lines.append("communication per step: " + ", ".join(
+        f"{g} {human_seconds(comm[g])}" + (" (crosses nodes)" if est.links[g] else "")
+        for g in ("dp", "tp", "pp")))
+    return "\n".join(lines)

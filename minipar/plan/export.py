@@ -1,0 +1,214 @@
+"""Carry a plan to a real cluster: a DeepSpeed config, Megatron-LM arguments, a launcher.
+
+    files = write_export("out/", shape, config, cluster)
+    # out/ds_config.json    DeepSpeed: batch sizes, bf16, ZeRO stage, optimizer
+    # out/megatron_args.txt Megatron-LM: model shape, tp / pp / sequence parallel,
+    #                       micro and global batch, recomputation, precision
+    # out/megatron_deepspeed_args.txt   the same for Megatron-DeepSpeed (--zero-stage)
+    # out/launch.sh         torchrun (Megatron-LM) or deepspeed (Megatron-DeepSpeed)
+
+Megatron-LM sets the parallel sizes and derives data parallelism from the world size:
+dp = world / (tp x pp). DeepSpeed checks train_batch_size = micro-batch x accumulation x
+dp, so the three batch numbers and the three parallel sizes must agree everywhere; the
+tests read the files back and check that they do.
+
+Flag names are those of Megatron-LM's arguments.py (core_r0.x) and of DeepSpeed's config
+JSON (deepspeed.ai/docs/config-json). Megatron-LM's own ZeRO-1 is its distributed
+optimizer; ZeRO-2/3 need DeepSpeed (Megatron-DeepSpeed passes --zero-stage and reads the
+JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from minipar.plan.cluster import ClusterSpec
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.shapes import ModelShape
+
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+DEFAULT_LR = 3e-4
+
+
+def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
+    """The DeepSpeed config JSON (as a dict) of `config`."""
+    ds = {
+        "train_batch_size": config.global_batch_size,
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.micro_batches,
+        "gradient_clipping": GRAD_CLIP,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": config.lr if config.lr is not None else DEFAULT_LR,
+            "betas": list(BETAS), "eps": 1e-8, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {"stage": config.zero, "overlap_comm": True,
+                              "contiguous_gradients": True,
+                              "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+    }
+    if config.precision == "bf16-mixed":
+        ds["bf16"] = {"enabled": True}
+    if config.activation_checkpointing:
+        ds["activation_checkpointing"] = {"partition_activations": config.tp > 1,
+                                          "contiguous_memory_optimization": False,
+                                          "cpu_checkpointing": False}
+    if config.pp > 1:  # DeepSpeed's pipeline engine reads these from the same file
+        ds["pipeline"] = {"stages": config.pp, "partition": "type:transformer"}
+    return ds
+
+
+FLAVORS = ("megatron-lm", "megatron-deepspeed")
+
+
+def megatron_args(shape: ModelShape, config: ParallelConfig,
+                  flavor: str = "megatron-lm") -> list[str]:
+    """Command-line arguments of `config` for pretrain_gpt.py.
+
+    flavor "megatron-lm" (NVIDIA's Megatron-LM): ZeRO-1 is its distributed optimizer,
+    uneven pipeline stages are --decoder-first/last-pipeline-num-layers. "megatron-
+    deepspeed" (Microsoft's fork, used for BLOOM): ZeRO comes from the DeepSpeed JSON
+    (--zero-stage), uneven stages from --pp-partition-method, and it has BLOOM's ALiBi
+    and embedding LayerNorm.
+    """
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
+    deepspeed = flavor == "megatron-deepspeed"
+    args = [
+        "--num-layers", str(shape.n_layer),
+        "--hidden-size", str(shape.d_model),
+        "--num-attention-heads", str(shape.n_head),
+        "--ffn-hidden-size", str(shape.ffn),
+        "--seq-length", str(shape.seq_len),
+        "--max-position-embeddings", str(shape.seq_len),
+        "--tensor-model-parallel-size", str(config.tp),
+        "--pipeline-model-parallel-size", str(config.pp),
+        "--micro-batch-size", str(config.micro_batch_size),
+        "--global-batch-size", str(config.global_batch_size),
+        "--lr", f"{config.lr if config.lr is not None else DEFAULT_LR:g}",
+        "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]),
+        "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(GRAD_CLIP),
+    ]
+    if shape.kv_heads != shape.n_head:
+        args += ["--group-query-attention", "--num-query-groups", str(shape.kv_heads)]
+    if shape.mlp == "swiglu":
+        args.append("--swiglu")
+    if shape.norm == "rmsnorm":
+        args += ["--normalization", "RMSNorm"]
+    if not shape.bias:
+        args.append("--disable-bias-linear")
+    if shape.position in ("rope", "alibi"):  # alibi: Megatron-DeepSpeed only (BLOOM)
+        args += ["--position-embedding-type", shape.position]
+    if shape.embedding_norm:
+        args.append("--embed-layernorm")  # Megatron-DeepSpeed only (BLOOM)
+    if not shape.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if config.virtual_stages > 1:
+        per_chunk = shape.n_layer // (config.pp * config.virtual_stages)
+        args += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
+    if config.sequence_parallel:
+        args.append("--sequence-parallel")
+    if config.activation_checkpointing:
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    if config.flash_attention:
+        args.append("--use-flash-attn")
+    if config.precision == "bf16-mixed":
+        args.append("--bf16")
+    if deepspeed:
+        args += ["--zero-stage", str(config.zero)]
+        if config.layer_split is not None:
+            # the embedding and the head count as layers when partitioning (BLOOM)
+            args += ["--pp-partition-method", "type:transformer|embedding"]
+    else:
+        if config.zero == 1:
+            args.append("--use-distributed-optimizer")  # Megatron's ZeRO-1
+        if config.layer_split is not None and config.virtual_stages == 1:
+            args += ["--decoder-first-pipeline-num-layers", str(config.layer_split[0]),
+                     "--decoder-last-pipeline-num-layers", str(config.layer_split[-1])]
+    return args
+
+
+def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec) -> str:
+    """A shell script that launches the run on every node: torchrun for Megatron-LM, or
+    (LAUNCHER=deepspeed) the deepspeed launcher for Megatron-DeepSpeed with
+    ds_config.json."""
+    gpn = cluster.gpus_per_node
+    nodes = -(-config.world_size // gpn)
+    per_node = min(gpn, config.world_size)
+    lm = "\n    ".join(_pairs(megatron_args(shape, config, "megatron-lm")))
+    ds = "\n    ".join(_pairs(megatron_args(shape, config, "megatron-deepspeed")))
+    note = ("" if config.zero <= 1 else
+            f"# Megatron-LM has no ZeRO-{config.zero}: use LAUNCHER=deepspeed.\n")
+    return f"""#!/usr/bin/env bash
+# Written by `minipar plan --export`: {shape.name} on {config.world_size} GPUs
+# ({nodes} node(s) x {per_node}) = dp {config.dp} x tp {config.tp} x pp {config.pp}.
+# Global batch {config.global_batch_size} = micro-batch {config.micro_batch_size} x \
+{config.micro_batches} accumulation steps x dp {config.dp}.
+# Set MASTER_ADDR and NODE_RANK on each node; add your data and tokenizer arguments.
+{note}set -euo pipefail
+NNODES={nodes}
+GPUS_PER_NODE={per_node}
+MASTER_ADDR=${{MASTER_ADDR:-localhost}}
+MASTER_PORT=${{MASTER_PORT:-6000}}
+NODE_RANK=${{NODE_RANK:-0}}
+LAUNCHER=${{LAUNCHER:-torchrun}}
+
+MEGATRON_LM_ARGS=(
+    {lm}
+)
+MEGATRON_DEEPSPEED_ARGS=(
+    {ds}
+)
+
+if [ "$LAUNCHER" = "torchrun" ]; then
+    # NVIDIA Megatron-LM
+    torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK" \\
+        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \\
+        pretrain_gpt.py "${{MEGATRON_LM_ARGS[@]}}" "$@"
+else
+    # Microsoft Megatron-DeepSpeed (batch sizes and ZeRO stage also in ds_config.json)
+    deepspeed --num_nodes "$NNODES" --num_gpus "$GPUS_PER_NODE" --hostfile hostfile \\
+        pretrain_gpt.py "${{MEGATRON_DEEPSPEED_ARGS[@]}}" --deepspeed \\
+        --deepspeed_config ds_config.json "$@"
+fi
+"""
+
+
+def _pairs(args: list[str]) -> list[str]:
+    """Group "--flag value" pairs on one line each, quoted for the shell."""
+    lines, i = [], 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            lines.append(f"{args[i]} {shlex.quote(args[i + 1])}")
+            i += 2
+        else:
+            lines.append(args[i])
+            i += 1
+    return lines
+
+
+def write_export(directory, shape: ModelShape, config: ParallelConfig,
+                 cluster: ClusterSpec) -> dict[str, Path]:
+    """Write ds_config.json, megatron_args.txt (Megatron-LM), megatron_deepspeed_args.txt
+    and launch.sh into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        "deepspeed": directory / "ds_config.json",
+        "megatron": directory / "megatron_args.txt",
+        "megatron_deepspeed": directory / "megatron_deepspeed_args.txt",
+        "launch": directory / "launch.sh",
+    }
+    files["deepspeed"].write_text(json.dumps(deepspeed_config(shape, config), indent=2) + "\n",
+                                  encoding="utf-8")
+    for key, flavor in (("megatron", "megatron-lm"),
+                        ("megatron_deepspeed", "megatron-deepspeed")):
+        lines = _pairs(megatron_args(shape, config, flavor))
+        files[key].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    files["launch"].write_text(launch_script(shape, config, cluster), encoding="utf-8")
+    files["launch"].chmod(0o755)
+    return files

@@ -1,0 +1,269 @@
+"""A parallel configuration, and what it gives each pipeline rank to hold and run.
+
+`ParallelConfig` carries the settings of minipar's TrainConfig that shape memory, traffic
+and time (same names: dp, tp, pp, zero, schedule, virtual_stages, sequence_parallel,
+micro_batch_size, grad_accum_steps, global_batch_size, precision,
+activation_checkpointing, bucket_size_mb), plus two a real cluster needs: a FlashAttention
+kernel (Dao et al. 2022) and an explicit pipeline `layer_split`.
+
+The batch arithmetic is TrainConfig's: global_batch_size = micro_batch_size x
+grad_accum_steps x dp (give one of the last two, or both consistently).
+
+`stage_plans` says, for each pipeline rank, which layers it holds (the same balanced
+split as minipar.parallel.pipeline.split_layers: n_layer // stages each, the first
+n_layer % stages one more), whether it holds the embedding, the head or a tied copy of
+the embedding, and how many micro-batches it keeps activations for at once:
+
+    GPipe                 m                                (Huang et al. 2019)
+    1F1B                  min(p - r, m)                    (Narayanan et al. 2021, 2.2.1)
+    interleaved (chunks)  min(2(p - r - 1) + (v - 1)p + 1, v m), all v m if m = p
+                          (Megatron-LM's warm-up; Korthikanti et al. 2022, 4.2.3:
+                          rank 0 holds 1 + (p-1)/(p v) times one model's activations)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from minipar.plan.shapes import ModelShape
+
+PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class PlanError(ValueError):
+    """A setting the planner cannot use; `setting` names it (the CLI flag is --setting)."""
+
+    def __init__(self, setting: str, message: str):
+        self.setting = setting
+        super().__init__(f"--{setting.replace('_', '-')}: {message}")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state (the ZeRO paper's 2 + 2 + 12 for mixed
+    precision with Adam: Rajbhandari et al. 2020, section 3.1). `compute` is the dtype of
+    norm statistics and the loss (fp32 under bf16)."""
+
+    param: int
+    grad: int
+    optimizer: int
+    activation: int
+    compute: int
+
+
+PRECISION_BYTES = {
+    "fp64": Precision(param=8, grad=8, optimizer=16, activation=8, compute=8),
+    "fp32": Precision(param=4, grad=4, optimizer=8, activation=4, compute=4),
+    "bf16-mixed": Precision(param=2, grad=2, optimizer=12, activation=2, compute=4),
+}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    grad_accum_steps: int | None = None
+    global_batch_size: int | None = None
+    precision: str = "bf16-mixed"
+    activation_checkpointing: bool = False
+    flash_attention: bool = False
+    layer_split: tuple[int, ...] | None = None
+    bucket_size_mb: float = 0.0
+    lr: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(name, f"must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.precision not in PRECISIONS:
+            raise PlanError("precision", f"must be one of {', '.join(PRECISIONS)}, got "
+                            f"{self.precision!r}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError("schedule", f"must be one of {', '.join(SCHEDULES)}, got "
+                            f"{self.schedule!r}")
+        if self.schedule == "interleaved" and (self.virtual_stages < 2 or self.pp < 2):
+            raise PlanError("virtual_stages", "the interleaved schedule needs --pp >= 2 and "
+                            "--virtual-stages >= 2; use --schedule 1f1b otherwise")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise PlanError("virtual_stages", f"{self.virtual_stages} model chunks per rank "
+                            "need --schedule interleaved")
+        if self.bucket_size_mb < 0:
+            raise PlanError("bucket_size_mb", f"must be >= 0, got {self.bucket_size_mb}")
+        self._resolve_batch()
+        if self.schedule == "interleaved" and self.micro_batches % self.pp:
+            raise PlanError("grad_accum_steps", f"the interleaved schedule needs the "
+                            f"micro-batch count ({self.micro_batches}) to be a multiple of "
+                            f"pp={self.pp} (Megatron-LM's rule)")
+
+    def _resolve_batch(self) -> None:
+        per_step = self.micro_batch_size * self.dp
+        accum, global_batch = self.grad_accum_steps, self.global_batch_size
+        if accum is not None and (not isinstance(accum, int) or accum < 1):
+            raise PlanError("grad_accum_steps", f"must be a positive integer, got {accum!r}")
+        if global_batch is None:
+            accum = 1 if accum is None else accum
+            object.__setattr__(self, "grad_accum_steps", accum)
+            object.__setattr__(self, "global_batch_size", per_step * accum)
+            return
+        if global_batch % per_step:
+            raise PlanError("global_batch_size",
+                            f"{global_batch} is not a multiple of micro_batch_size x dp = "
+                            f"{self.micro_batch_size} x {self.dp} = {per_step}")
+        if accum is not None and accum * per_step != global_batch:
+            raise PlanError("global_batch_size",
+                            f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
+                            f"{self.micro_batch_size} x {accum} x {self.dp} = "
+                            f"{accum * per_step}")
+        object.__setattr__(self, "grad_accum_steps", global_batch // per_step)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each DP rank (= grad_accum_steps; the
+        pipeline's m)."""
+        return self.grad_accum_steps
+
+    @property
+    def bytes(self) -> Precision:
+        return PRECISION_BYTES[self.precision]
+
+    def replace(self, **changes) -> ParallelConfig:
+        """A copy with some settings changed; the batch is re-derived as in TrainConfig."""
+        values = asdict(self)
+        if "global_batch_size" not in changes and {"dp", "micro_batch_size",
+                                                   "grad_accum_steps"} & set(changes):
+            values["global_batch_size"] = None
+        if "grad_accum_steps" not in changes and "global_batch_size" in changes:
+            values["grad_accum_steps"] = None
+        values.update(changes)
+        return ParallelConfig(**values)
+
+    def to_dict(self) -> dict:
+        values = asdict(self)
+        if values["layer_split"] is not None:
+            values["layer_split"] = list(values["layer_split"])
+        return values
+
+    @classmethod
+    def from_train_config(cls, config) -> ParallelConfig:
+        """The parallel part of a minipar TrainConfig."""
+        return cls(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero,
+                   schedule=config.schedule, virtual_stages=config.virtual_stages,
+                   sequence_parallel=config.sequence_parallel,
+                   micro_batch_size=config.micro_batch_size,
+                   grad_accum_steps=config.grad_accum_steps, precision=config.precision,
+                   activation_checkpointing=config.activation_checkpointing,
+                   bucket_size_mb=config.bucket_size_mb, lr=config.lr)
+
+
+def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
+    """Raise PlanError if the model does not split the way `config` asks."""
+    t = config.tp
+    if shape.n_head % t:
+        raise PlanError("tp", f"n_head={shape.n_head} is not divisible by tp={t}: every TP "
+                        "rank must hold whole attention heads")
+    if shape.kv_heads % t:
+        raise PlanError("tp", f"n_kv_head={shape.kv_heads} is not divisible by tp={t}: every "
+                        "TP rank must hold whole key/value heads (Megatron's rule)")
+    if shape.ffn % t:
+        raise PlanError("tp", f"the MLP width {shape.ffn} is not divisible by tp={t}")
+    if config.sequence_parallel and shape.seq_len % t:
+        raise PlanError("sequence_parallel", f"seq_len={shape.seq_len} is not divisible by "
+                        f"tp={t}")
+    stages = config.pp * config.virtual_stages
+    if config.layer_split is not None:
+        split = tuple(config.layer_split)
+        if len(split) != stages or sum(split) != shape.n_layer or min(split) < 0:
+            raise PlanError("layer_split", f"{split} must give {stages} non-negative layer "
+                            f"counts (pp x virtual_stages) summing to n_layer={shape.n_layer}")
+    elif stages > shape.n_layer:
+        raise PlanError("pp", f"{stages} pipeline stages (pp x virtual_stages) but only "
+                        f"{shape.n_layer} layers; use fewer stages")
+
+
+def layer_counts(n_layer: int, stages: int, layer_split=None) -> list[int]:
+    """Layers of each virtual stage: `layer_split`, or balanced (the first
+    n_layer % stages stages one more), as minipar.parallel.pipeline.split_layers."""
+    if layer_split is not None:
+        return list(layer_split)
+    base, extra = divmod(n_layer, stages)
+    return [base + (s < extra) for s in range(stages)]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What pipeline rank `rank` holds and runs.
+
+    chunk_layers: layers of each of its v model chunks (virtual stage c p + rank);
+    first: it runs the embedding (virtual stage 0); last: it runs the head (the last
+    virtual stage); tied_copy: it holds its own copy of a tied embedding (the last stage
+    when pp > 1: Megatron's embedding group); in_flight: chunk forwards whose backward has
+    not run yet, at the peak (micro-batches of activations held).
+    """
+
+    rank: int
+    chunk_layers: tuple[int, ...]
+    first: bool
+    last: bool
+    tied_copy: bool
+    in_flight: int
+
+    @property
+    def layers(self) -> int:
+        return sum(self.chunk_layers)
+
+
+def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual_stages: int) -> int:
+    """Peak micro-batch chunks whose activations pipeline rank `rank` holds at once."""
+    m, p, v = micro_batches, pp, virtual_stages
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    total = m * v
+    if m == p:
+        return total
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, total)
+
+
+def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePlan:
+    p, v = config.pp, config.virtual_stages
+    counts = layer_counts(shape.n_layer, p * v, config.layer_split)
+    return StagePlan(
+        rank=rank,
+        chunk_layers=tuple(counts[c * p + rank] for c in range(v)),
+        first=rank == 0,
+        last=rank == p - 1,
+        tied_copy=shape.tie_embeddings and p > 1 and rank == p - 1,
+        in_flight=in_flight(config.schedule, p, rank, config.micro_batches, v),
+    )
+
+
+def representative_ranks(pp: int) -> list[int]:
+    """Pipeline ranks whose estimates bound every rank's: the first (embedding, most
+    micro-batches in flight), the second (the most of both among the inner ranks: the
+    balanced split gives earlier stages the extra layers) and the last (the head)."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def stage_plans(shape: ModelShape, config: ParallelConfig, all_ranks: bool = False
+                ) -> list[StagePlan]:
+    """Plans of every pipeline rank, or (default) of the representative ranks, which bound
+    the others when the split is the balanced one."""
+    every = all_ranks or config.layer_split is not None
+    ranks = range(config.pp) if every else representative_ranks(config.pp)
+    return [stage_plan(shape, config, r) for r in ranks]

@@ -1,0 +1,326 @@
+"""The classic mistakes of a 3D-parallel configuration, found before the cluster does.
+
+    findings = lint(shape, config, cluster, reference={"global_batch_size": 256, "lr": 3e-4})
+    for f in findings:
+        print(f.code, f.message, f.fix)
+
+Each `Finding` has a stable `code`, a `severity` (error: the run is wrong or will not
+start; warning: it runs but wastes time or changes the training; info), a `message`
+saying what is wrong with the numbers that show it, and a `fix`. The checks are the
+"most common configuration mistakes" of the interview answer:
+
+    GLOBAL_BATCH_MISMATCH    global batch != micro-batch x accumulation x dp
+    LR_NOT_RESCALED          the global batch changed but the learning rate did not
+    TP_ACROSS_NODES          a tensor-parallel group spans nodes (InfiniBand, not NVLink)
+    PIPELINE_UNBALANCED      one pipeline stage is much slower than the average
+    TOO_FEW_MICRO_BATCHES    the pipeline bubble eats the step (m < p, or a large bubble)
+    ZERO_COMM_DOMINATES      the ZeRO stage's traffic is a large share of the step and a
+                             lower stage would fit
+    UNNEEDED_CHECKPOINTING   activation checkpointing on although activations fit
+    DOES_NOT_FIT             the fullest rank exceeds the GPU's usable memory
+    ZERO_WITH_PIPELINE       ZeRO-2/3 with pp > 1 (DeepSpeed's pipeline engine refuses)
+    INVALID_LAYOUT           the model does not split as asked (heads, layers, widths)
+    SEQUENCE_PARALLEL_OFF    tp > 1 without sequence parallelism (free activation savings)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
+from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
+from minipar.plan.layout import (
+    ParallelConfig,
+    PlanError,
+    check_model_fits_layout,
+    layer_counts,
+    stage_plans,
+)
+from minipar.plan.shapes import ModelShape
+from minipar.plan.timing import stage_time, transfer_time
+from minipar.plan.traffic import stage_traffic
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str
+    message: str
+    fix: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lint(shape: ModelShape, config: ParallelConfig | Mapping, cluster: ClusterSpec, *,
+         reference: Mapping | None = None, zero_comm_share: float = 0.15,
+         balance_tolerance: float = 0.10, bubble_limit: float = 0.20) -> list[Finding]:
+    """Findings for `config` (a ParallelConfig, or a mapping of its settings, which may
+    be inconsistent), most severe first.
+
+    reference: {"global_batch_size": G0, "lr": lr0} of the run whose hyper-parameters were
+    tuned (the single-GPU baseline), for the learning-rate check.
+    """
+    findings: list[Finding] = []
+    config = _as_config(config, findings)
+    findings += _check_learning_rate(config, reference)
+    findings += _check_tensor_parallel_placement(config, cluster)
+    if config.zero >= 2 and config.pp > 1:
+        findings.append(Finding(
+            "ZERO_WITH_PIPELINE", "warning",
+            f"ZeRO-{config.zero} with pp={config.pp}: DeepSpeed's pipeline engine supports "
+            "only ZeRO-1 (stage 2 reduce-scatters gradients every micro-batch, which "
+            "collides with the pipeline's gradient accumulation), and Megatron's "
+            "distributed optimizer is ZeRO-1.",
+            "use --zero 1 with pipeline parallelism, or --pp 1 with ZeRO-2/3"))
+    if config.sequence_parallel and config.tp == 1:
+        findings.append(Finding(
+            "SEQUENCE_PARALLEL_OFF", "info",
+            "--sequence-parallel with tp=1 does nothing: it splits the tensor-parallel "
+            "group's replicated activations.", "drop --sequence-parallel or use --tp > 1"))
+    try:
+        check_model_fits_layout(shape, config)
+    except PlanError as err:  # nothing below can be estimated
+        findings.append(Finding("INVALID_LAYOUT", "error", str(err),
+                                f"choose --{err.setting.replace('_', '-')} so that the model "
+                                "splits evenly"))
+        return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))
+    findings += _check_pipeline(shape, config, cluster, balance_tolerance, bubble_limit)
+    est = estimate(shape, config, cluster)
+    findings += _check_memory(shape, config, cluster, est)
+    findings += _check_zero_traffic(shape, config, cluster, est, zero_comm_share)
+    if config.tp > 1 and not config.sequence_parallel:
+        with_sp = estimate(shape, config.replace(sequence_parallel=True), cluster)
+        saved = est.memory["activations"] - with_sp.memory["activations"]
+        findings.append(Finding(
+            "SEQUENCE_PARALLEL_OFF", "info",
+            f"tp={config.tp} without sequence parallelism keeps the norms' activations "
+            f"replicated on every TP rank; sequence parallelism would save "
+            f"{human_bytes(saved)} of activations per GPU for the same traffic "
+            "(Korthikanti et al. 2022, section 4.2.2).", "add --sequence-parallel"))
+    return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))
+
+
+# ------------------------------------------------------------------ the checks
+def _as_config(config, findings: list[Finding]) -> ParallelConfig:
+    if isinstance(config, ParallelConfig):
+        return config
+    if not isinstance(config, Mapping):  # a minipar TrainConfig
+        return ParallelConfig.from_train_config(config)
+    values = {k: v for k, v in config.items() if k in ParallelConfig.__dataclass_fields__}
+    micro, dp = values.get("micro_batch_size", 1), values.get("dp", 1)
+    accum, global_batch = values.get("grad_accum_steps"), values.get("global_batch_size")
+    if accum is not None and global_batch is not None and micro * accum * dp != global_batch:
+        per_step = micro * dp
+        fix = (f"set --grad-accum-steps {global_batch // per_step}" if global_batch % per_step
+               == 0 else f"set --global-batch-size {micro * accum * dp}, or a multiple of "
+               f"micro_batch_size x dp = {per_step}")
+        findings.append(Finding(
+            "GLOBAL_BATCH_MISMATCH", "error",
+            f"global batch {global_batch} != micro-batch {micro} x accumulation {accum} x "
+            f"dp {dp} = {micro * accum * dp}: DeepSpeed refuses to start (train_batch_size "
+            "check) and Megatron recomputes the accumulation, so the run would not train "
+            "with the batch you tuned for.", fix))
+        values["global_batch_size"] = None  # go on with the accumulation as given
+    elif accum is None and global_batch is not None and global_batch % (micro * dp):
+        findings.append(Finding(
+            "GLOBAL_BATCH_MISMATCH", "error",
+            f"global batch {global_batch} is not a multiple of micro-batch {micro} x dp {dp}"
+            f" = {micro * dp}, so it cannot be split into micro-batches.",
+            f"use --global-batch-size {max(micro * dp, global_batch // (micro * dp) * micro * dp)}"
+            f" or change --micro-batch-size / --dp"))
+        values["global_batch_size"] = None
+    if values.get("layer_split") is not None:
+        values["layer_split"] = tuple(values["layer_split"])
+    return ParallelConfig(**values)
+
+
+def _check_learning_rate(config: ParallelConfig, reference: Mapping | None) -> list[Finding]:
+    if not reference or config.lr is None:
+        return []
+    base_batch, base_lr = reference.get("global_batch_size"), reference.get("lr")
+    if not base_batch or not base_lr or base_batch == config.global_batch_size:
+        return []
+    ratio = config.global_batch_size / base_batch
+    if abs(config.lr / base_lr - 1) > 1e-9:
+        return []
+    linear, square_root = base_lr * ratio, base_lr * ratio**0.5
+    return [Finding(
+        "LR_NOT_RESCALED", "warning",
+        f"the global batch changed from {base_batch} to {config.global_batch_size} "
+        f"({ratio:g}x) but the learning rate stayed {config.lr:g}: each step now averages "
+        f"{ratio:g}x {'more' if ratio > 1 else 'fewer'} sequences, so the same lr takes "
+        "relatively smaller (or larger) steps and the run no longer matches the baseline.",
+        f"rescale the lr: linear rule (Goyal et al. 2017) {linear:.3g}, square-root rule "
+        f"often used with Adam (Malladi et al. 2022) {square_root:.3g}; re-check the warm-up")]
+
+
+def _check_tensor_parallel_placement(config: ParallelConfig,
+                                     cluster: ClusterSpec) -> list[Finding]:
+    gpn = cluster.gpus_per_node
+    if not group_crosses_nodes(config.tp, 1, config.world_size, gpn):
+        return []
+    ratio = cluster.intra_node_bandwidth / cluster.inter_node_bandwidth
+    inside = max(t for t in range(1, gpn + 1) if gpn % t == 0 and config.tp % t == 0)
+    return [Finding(
+        "TP_ACROSS_NODES", "warning",
+        f"tp={config.tp} with {gpn} GPUs per node: tensor-parallel groups span nodes, so "
+        f"the per-layer all-reduces (forward and backward) run over InfiniBand, "
+        f"{ratio:.0f}x slower than NVLink.",
+        f"keep tp inside a node (a divisor of {gpn}, e.g. --tp {inside}) and move the "
+        f"factor {config.tp // inside} to pipeline or data parallelism")]
+
+
+def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Finding]:
+    p, m = config.pp, config.micro_batches
+    if p == 1:
+        return []
+    findings = []
+    plans = stage_plans(shape, config, all_ranks=True)
+    times = [stage_time(shape, config, cluster, plan, stage_traffic(shape, config, plan))
+             ["micro_batch_s"] for plan in plans]
+    mean = sum(times) / p
+    slowest = max(range(p), key=times.__getitem__)
+    suggestion = _balanced_split(shape, config, cluster)
+    if times[slowest] > (1 + tolerance) * mean and suggestion != layer_counts(
+            shape.n_layer, p, config.layer_split) and config.virtual_stages == 1:
+        balanced = config.replace(layer_split=tuple(suggestion))
+        new_times = [stage_time(shape, balanced, cluster, plan,
+                                stage_traffic(shape, balanced, plan))["micro_batch_s"]
+                     for plan in stage_plans(shape, balanced, all_ranks=True)]
+        if max(new_times) < 0.97 * times[slowest]:
+            plan = plans[slowest]
+            holds = [f"{plan.layers} layers"]
+            if plan.first:
+                holds.append("the embedding")
+            if plan.last:
+                holds.append(f"the LM head and loss over {shape.vocab_size} words")
+            findings.append(Finding(
+                "PIPELINE_UNBALANCED", "warning",
+                f"pipeline stage {slowest} ({', '.join(holds)}) takes "
+                f"{times[slowest] / mean:.2f}x the mean stage time per micro-batch; every "
+                "stage waits for the slowest, so the others idle on every micro-batch.",
+                f"move layers off stage {slowest}: --layer-split "
+                f"{','.join(map(str, suggestion))} brings the slowest stage to "
+                f"{max(new_times) / mean:.2f}x (Megatron: --decoder-first/last-pipeline-"
+                "num-layers; DeepSpeed: partition_method)"))
+    v = config.virtual_stages
+    bubble = (p - 1) / (v * m + p - 1)  # uniform stages (Narayanan et al. 2021, 2.2)
+    if m < p or bubble > bubble_limit:
+        want = math.ceil((p - 1) * (1 / bubble_limit - 1) / v)
+        want = max(want, p)
+        findings.append(Finding(
+            "TOO_FEW_MICRO_BATCHES", "warning",
+            f"{m} micro-batches for {p} pipeline stages: the bubble is {bubble:.0%} of the "
+            f"step ((p-1)/({'v ' if v > 1 else ''}m+p-1) for uniform stages; Narayanan et "
+            "al. 2021 need m >> p)"
+            + ("; with m < p the pipeline never even fills." if m < p else "."),
+            f"raise --grad-accum-steps to >= {want} (global batch "
+            f"{config.micro_batch_size * want * config.dp}), or keep the global batch and "
+            "lower --micro-batch-size"
+            + (", or use --schedule interleaved" if v == 1 else "")))
+    return findings
+
+
+def _balanced_split(shape, config, cluster) -> list[int]:
+    """Layers per stage that even out the stage times, counting the embedding and the
+    head as fractions of a layer (DeepSpeed's partition_method "parameters" idea)."""
+    p, b, t = config.pp, config.micro_batch_size, config.tp
+    sp = config.sequence_parallel
+    layer = sum(shape.layer_flops(b, t, sp))
+    embedding = sum(shape.embedding_flops(b, t)) / layer
+    head = sum(shape.head_flops(b, t, sp)) / layer
+    target = (shape.n_layer + embedding + head) / p
+    split = [0] * p
+    remaining = shape.n_layer
+    split[0] = max(0, min(remaining, round(target - embedding)))
+    remaining -= split[0]
+    if p > 1:
+        split[-1] = max(0, min(remaining, round(target - head)))
+        remaining -= split[-1]
+    inner = p - 2
+    for i in range(1, p - 1):
+        share = remaining // inner + (i - 1 < remaining % inner)
+        split[i] = share
+    if p == 2:
+        split[0] += remaining
+    return split
+
+
+def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
+    findings = []
+    usable = cluster.usable_memory
+    peak = est.memory["peak_total"]
+    if peak > usable:
+        options = []
+        if not config.activation_checkpointing:
+            ck = estimate(shape, config.replace(activation_checkpointing=True), cluster)
+            if ck.fits:
+                options.append(f"--activation-checkpointing "
+                               f"({human_bytes(ck.memory['peak_total'])})")
+        for stage in range(config.zero + 1, 4 if config.pp == 1 else 2):
+            z = estimate(shape, config.replace(zero=stage), cluster)
+            if z.fits:
+                options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
+                break
+        options.append("more tensor/pipeline parallelism or a smaller --micro-batch-size")
+        biggest = max(("params", "grads", "optimizer", "activations", "buffers"),
+                      key=lambda k: est.memory[k])
+        findings.append(Finding(
+            "DOES_NOT_FIT", "error",
+            f"the fullest rank needs {human_bytes(peak)} but a GPU has "
+            f"{human_bytes(usable)} usable; the largest part is {biggest} "
+            f"({human_bytes(est.memory[biggest])}).", "; or ".join(options)))
+    elif config.activation_checkpointing:
+        off = estimate(shape, config.replace(activation_checkpointing=False), cluster)
+        if off.fits:
+            findings.append(Finding(
+                "UNNEEDED_CHECKPOINTING", "warning",
+                f"activation checkpointing is on, but without it the fullest rank needs "
+                f"{human_bytes(off.memory['peak_total'])} of {human_bytes(usable)}: memory "
+                f"was not short, and recomputing every layer costs "
+                f"{est.step_time / off.step_time - 1:.0%} more time per step "
+                f"({human_seconds(est.step_time)} vs {human_seconds(off.step_time)}).",
+                "drop --activation-checkpointing (or checkpoint only some layers / use "
+                "selective recomputation of attention, Korthikanti et al. 2022 section 5)"))
+    return findings
+
+
+def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
+    if config.zero == 0 or config.dp == 1:
+        return []
+    dp_seconds = max(sum(tr.count * transfer_time(tr, cluster, est.links["dp"])
+                         for tr in stage.transfers if tr.group == "dp")
+                     for stage in est.stages)
+    baseline = estimate(shape, config.replace(zero=0), cluster)
+    base_seconds = baseline.comm_time_by_group()["dp"]
+    extra = dp_seconds - base_seconds
+    if extra <= share * est.step_time:
+        return []
+    lower = None
+    for stage in range(config.zero - 1, -1, -1):
+        candidate = estimate(shape, config.replace(zero=stage), cluster)
+        if candidate.fits:
+            lower = candidate
+            break
+    why = {1: "", 2: f" (the gradients are reduce-scattered on every one of the "
+                     f"{config.micro_batches} micro-batches)",
+           3: f" (parameters are all-gathered before every forward and backward of every "
+              f"one of the {config.micro_batches} micro-batches)"}[config.zero]
+    message = (f"ZeRO-{config.zero}'s data-parallel traffic takes {human_seconds(dp_seconds)} "
+               f"of the {human_seconds(est.step_time)} step ({dp_seconds / est.step_time:.0%}"
+               f"), {human_seconds(extra)} more than plain data parallelism{why}.")
+    if lower is None:
+        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits.",
+                        "accept it, or reduce accumulation steps / use more GPUs per "
+                        "replica (tp, pp) so a lower ZeRO stage fits")]
+    return [Finding(
+        "ZERO_COMM_DOMINATES", "warning",
+        message + f" ZeRO-{lower.config.zero} fits ({human_bytes(lower.memory['peak_total'])}"
+        f") and takes {human_seconds(lower.step_time)} per step.",
+        f"use --zero {lower.config.zero}")]
+

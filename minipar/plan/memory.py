@@ -1,0 +1,214 @@
+"""Predicted memory of one rank, by the ledger's categories.
+
+    params, grads, optimizer   the model state (Rajbhandari et al. 2020, "ZeRO", section
+                               3.1 and Figure 1): with mixed precision and Adam,
+                               2 + 2 + 12 bytes per parameter; ZeRO-1 divides the 12 by
+                               the DP size N, ZeRO-2 also the gradients, ZeRO-3 all 16
+    activations                what the layers save for backward (Korthikanti et al. 2022,
+                               section 4; see shapes.py), times the micro-batches a
+                               pipeline rank keeps in flight (layout.py); with full
+                               recomputation only each layer's input plus one layer's
+                               working set (their section 5: "2sbhL" + one layer)
+    buffers                    transient: gradient buckets being reduced, ZeRO-3's
+                               gathered parameters, received pipeline activations
+
+Parameters per rank are the model's share after TP (Shoeybi et al. 2019's column/row
+split, replicated norms; layout in shapes.py) and PP (the rank's layers, the embedding on
+the first rank, the head on the last, plus Megatron's copy of a tied embedding on the
+last rank when pp > 1).
+
+ZeRO shards flat buffers padded to a multiple of N (DeepSpeed's flat partitions):
+stages 1-2 one buffer of the rank's parameters (minipar's `bucket_size_mb` 0; with
+buckets the padding of each is ignored, at most N - 1 elements per bucket), stage 3 one
+per gather unit (the embedding, each layer, the head), each padded separately. So
+ZeRO-1/2 keep the padded flat buffer as their parameters.
+
+Two minipar specifics are modelled because the emulator measures them, each a property
+of real frameworks too: the gradient of a recomputed layer's input is a leaf gradient
+while that layer's backward runs (torch.utils.checkpoint's reentrant variant), so
+checkpointing adds one layer input to "grads" (exact once all parameter gradients exist,
+i.e. with gradient accumulation; an upper bound for one micro-batch); and a pipeline
+rank's received activation is a buffer, so it is not counted again as the first
+checkpointed layer's input.
+
+Predictions for params, grads and optimizer are exact for minipar's layouts; activations
+are exact for one pipeline stage, GPipe and 1F1B; buffers and the total are an estimate:
+the total adds the persistent state to the larger of the activation peak and the
+gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
+across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.shapes import ModelShape
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """Parameter elements one rank of a pipeline stage holds (its TP share).
+
+    units: element counts of ZeRO-3's gather units in forward order (embedding, tied
+    copy, layers, head), their sum is `numel`.
+    """
+
+    numel: int
+    units: tuple[int, ...]
+    embedding_unit: int  # elements of the embedding unit (0 if not on this rank)
+    tied_unit: int  # elements of the tied copy (last rank, pp > 1)
+
+
+def stage_parameters(shape: ModelShape, config: ParallelConfig,
+                     stage: StagePlan) -> StageParameters:
+    t = config.tp
+    layer = sum(shape.layer_params(t))
+    units = []
+    embedding = sum(shape.embedding_params(t)) if stage.first else 0
+    tied = shape.embedding_params(t)[0] if stage.tied_copy else 0
+    if embedding:
+        units.append(embedding)
+    if tied:
+        units.append(tied)
+    units += [layer] * stage.layers
+    if stage.last:
+        units.append(sum(shape.head_params(t)))
+    return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
+                           tied_unit=tied)
+
+
+def shard(numel: int, n: int) -> int:
+    """Elements of one rank's piece of a flat buffer of `numel` padded to a multiple of n."""
+    return -(-numel // n)
+
+
+def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
+    """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer; 3: per unit)."""
+    n = config.dp
+    if config.zero == 3:
+        return sum(shard(u, n) for u in params.units)
+    return shard(params.numel, n)
+
+
+def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> dict:
+    """Peak bytes of each category (and `peak_total`) on one rank of pipeline stage
+    `stage`. Also returns the parts behind them under "detail"."""
+    nbytes = config.bytes
+    n, zero = config.dp, config.zero
+    params = stage_parameters(shape, config, stage)
+    local = params.numel
+    sharded = sharded_numel(params, config)
+
+    if zero == 0:
+        param_elements, grad_elements, optimizer_elements = local, local, local
+    elif zero in (1, 2):
+        padded = shard(local, n) * n
+        param_elements = padded
+        grad_elements = local if zero == 1 else sharded
+        optimizer_elements = sharded
+    else:
+        param_elements = grad_elements = optimizer_elements = sharded
+
+    b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+    layer_input = shape.layer_input_bytes(b, t, sp, nbytes.activation)
+    grads = grad_elements * nbytes.grad
+    if config.activation_checkpointing and stage.layers:
+        grads += layer_input  # the recomputed layer's input gradient (see above)
+
+    activations, forward_buffers = _activations(shape, config, stage, layer_input)
+    sync_buffers = _sync_buffers(config, params, sharded)
+    state = param_elements * nbytes.param + optimizer_elements * nbytes.optimizer
+    buffers = max(forward_buffers, sync_buffers)
+    if zero <= 1 and config.micro_batches == 1:
+        # zero_grad frees the gradients after each step (set_to_none), so with one
+        # micro-batch they are born in backward as the activations die: the peak is the
+        # larger of the forward's end and the gradient synchronisation.
+        total = state + max(activations + forward_buffers, grads + sync_buffers)
+    else:  # the gradients stay from the first micro-batch's backward to the step
+        total = state + grads + max(activations + forward_buffers, sync_buffers)
+    return {
+        "params": param_elements * nbytes.param,
+        "grads": grads,
+        "optimizer": optimizer_elements * nbytes.optimizer,
+        "activations": activations,
+        "buffers": buffers,
+        "peak_total": total,
+        "detail": {"parameters": local, "shard": sharded, "layer_input": layer_input,
+                   "forward_buffers": forward_buffers, "sync_buffers": sync_buffers},
+    }
+
+
+def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
+                 layer_input: int) -> tuple[int, int]:
+    """(activation bytes, buffers held alongside them) of one rank at its forward peak."""
+    nbytes = config.bytes
+    b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+    a, c = nbytes.activation, nbytes.compute
+    layer = shape.layer_activation_bytes(b, t, sp, a, c, config.flash_attention)
+    embedding = shape.embedding_activation_bytes(b, t) if stage.first else 0
+    head = shape.head_activation_bytes(b, t, sp, a, c) if stage.last else 0
+    v, k = config.virtual_stages, stage.in_flight
+    # Of the k chunk micro-batches in flight, those of the first virtual stage hold the
+    # embedding's ids; every other one arrived from the previous stage as a buffer.
+    per_chunk = math.ceil(k / v)
+    with_embedding = per_chunk if stage.first else 0
+    received = k - with_embedding
+    # The last chunk runs each micro-batch's backward right after its forward (1F1B), so
+    # it holds one head unless every forward runs first (GPipe, or m = p interleaved).
+    if not stage.last:
+        with_head = 0
+    elif v == 1:
+        with_head = k
+    else:
+        with_head = config.micro_batches if config.micro_batches == config.pp else 1
+    if config.activation_checkpointing:
+        # Each chunk keeps its layers' inputs; a received input is already a buffer.
+        # One layer (or the head) at a time is recomputed and holds its full working set;
+        # the head's activations of the other micro-batches in flight stay.
+        inputs = (k * stage.layers // v - received) * layer_input
+        working = max(layer if stage.layers else 0, head)
+        activations = (with_embedding * embedding + inputs + working
+                       + max(0, with_head - 1) * head)
+    else:
+        activations = (k * stage.layers * layer // v + with_embedding * embedding
+                       + with_head * head)
+    # Received activations wait for their backward as buffers; during a backward a
+    # received output gradient and the input gradient being sent back are buffers too.
+    forward_buffers = received * layer_input
+    if config.pp > 1:
+        forward_buffers += layer_input * ((not stage.last) + (not stage.first))
+    if config.zero == 3:
+        # gathered full parameters of the running unit (and of a tied embedding the head
+        # uses), held while the unit computes
+        params = stage_parameters(shape, config, stage)
+        largest = max(params.units) if params.units else 0
+        forward_buffers += largest * nbytes.param
+    return activations, forward_buffers
+
+
+def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int) -> int:
+    """Peak transient bytes of gradient synchronisation over the DP group.
+
+    ZeRO-0: the flat gradient and its averaged copy (DDP with one bucket); ZeRO-1: the
+    flat gradient and my reduced piece; ZeRO-2: the full gradients and their flat copy
+    (freed after the reduce-scatter); ZeRO-3: the flat gradients of every unit awaiting
+    its reduce-scatter, plus one unit's gathered parameters and gradients.
+    """
+    nbytes = config.bytes
+    n, g, local = config.dp, nbytes.grad, params.numel
+    if config.zero == 0:
+        if n == 1:
+            return 0
+        bucket = config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0 else local
+        return int(local * g + min(bucket, local) * g)
+    if config.zero == 1:
+        return local * g + sharded * g
+    if config.zero == 2:
+        return 2 * local * g
+    largest = max(params.units) if params.units else 0
+    return ((local - params.embedding_unit) * g + largest * (nbytes.param + g)
+            + params.embedding_unit * nbytes.param)

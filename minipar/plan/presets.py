@@ -1,0 +1,125 @@
+"""Real models, real clusters, and one published configuration to check the planner on.
+
+Model shapes are from the papers and released configs:
+- GPT-2 small/medium/large/XL (Radford et al. 2019, Table 2; Hugging Face config.json):
+  vocab 50257, context 1024, 12/24/36/48 layers of 768/1024/1280/1600 with 12/16/20/25
+  heads; 124M, 355M, 774M, 1.5B parameters.
+- Llama-2 7B/13B/70B (Touvron et al. 2023, Table 1 and the released params.json):
+  vocab 32000, context 4096, RMSNorm, SwiGLU of width 11008/13824/28672, rotary
+  positions, no biases, untied output layer, 70B with 8 key/value heads (GQA).
+- GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads, context 2048,
+  the GPT-2 tokenizer.
+- BLOOM-176B (BigScience, Le Scao et al. 2022, Table 3): 70 layers, h 14336, 112 heads,
+  vocab 250880 (padded), context 2048, ALiBi, a LayerNorm on the embedding, tied head.
+
+GPU datasheet figures (dense BF16 tensor-core peak, no sparsity; per-GPU links):
+- A100 SXM 80GB: 312 TFLOP/s; NVLink 3 600 GB/s total bidirectional (300 GB/s each way);
+  DGX A100: one 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s each way).
+  (NVIDIA A100 datasheet; DGX A100 system architecture white paper.)
+- H100 SXM 80GB: 989 TFLOP/s; NVLink 4 900 GB/s bidirectional (450 GB/s each way);
+  DGX H100: one 400 Gb/s NDR ConnectX-7 per GPU (50 GB/s each way).
+  (NVIDIA H100 datasheet; DGX H100 user guide.)
+Efficiency (an explicit assumption): kernels sustain 60% of peak on A100 and 50% on H100.
+End to end, Megatron-LM reached 52% of A100 peak on a 1T model (Narayanan et al. 2021,
+Table 1: 163 TFLOP/s per GPU) and BLOOM ~48% ("about 150 TFLOPs", BigScience); Llama 3
+reports 38-43% MFU on H100 (Dubey et al. 2024, Table 4). The planner then subtracts
+communication and the bubble, so its MFU lands near those figures for their layouts.
+Usable memory: 90% of 80 GiB (the CUDA context, NCCL buffers and fragmentation take the
+rest).
+"""
+
+from __future__ import annotations
+
+from minipar.plan.cluster import GIB, ClusterSpec
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.shapes import ModelShape
+
+
+def _gpt2(name, n_layer, d_model, n_head):
+    return ModelShape(name=name, n_layer=n_layer, d_model=d_model, n_head=n_head,
+                      vocab_size=50257, seq_len=1024)
+
+
+def _llama2(name, n_layer, d_model, n_head, d_ff, n_kv_head=None):
+    return ModelShape(name=name, n_layer=n_layer, d_model=d_model, n_head=n_head,
+                      n_kv_head=n_kv_head, d_ff=d_ff, vocab_size=32000, seq_len=4096,
+                      mlp="swiglu", norm="rmsnorm", bias=False, position="rope",
+                      tie_embeddings=False)
+
+
+MODELS: dict[str, ModelShape] = {
+    "gpt2": _gpt2("gpt2", 12, 768, 12),
+    "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
+    "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
+    "gpt2-xl": _gpt2("gpt2-xl", 48, 1600, 25),
+    "llama2-7b": _llama2("llama2-7b", 32, 4096, 32, 11008),
+    "llama2-13b": _llama2("llama2-13b", 40, 5120, 40, 13824),
+    "llama2-70b": _llama2("llama2-70b", 80, 8192, 64, 28672, n_kv_head=8),
+    "gpt3-175b": ModelShape(name="gpt3-175b", n_layer=96, d_model=12288, n_head=96,
+                            vocab_size=50257, seq_len=2048),
+    "bloom-176b": ModelShape(name="bloom-176b", n_layer=70, d_model=14336, n_head=112,
+                             vocab_size=250880, seq_len=2048, position="alibi",
+                             embedding_norm=True),
+}
+ALIASES = {"gpt2-small": "gpt2", "gpt3": "gpt3-175b", "bloom": "bloom-176b"}
+
+# Sequences per optimizer step of the published runs: GPT-2 512 (Radford et al. 2019,
+# section 2.3); Llama-2 4M tokens = 1024 x 4096 (Touvron et al. 2023, section 2.2);
+# GPT-3 175B 3.2M tokens = 1536 x 2048 (Brown et al. 2020, Table 2.1); BLOOM 2048.
+GLOBAL_BATCH = {"gpt2": 512, "gpt2-medium": 512, "gpt2-large": 512, "gpt2-xl": 512,
+                "llama2-7b": 1024, "llama2-13b": 1024, "llama2-70b": 1024,
+                "gpt3-175b": 1536, "bloom-176b": 2048}
+
+CLUSTERS: dict[str, ClusterSpec] = {
+    "a100-80gb": ClusterSpec(
+        name="8x A100-SXM-80GB, NVLink 3, 200 Gb/s HDR IB per GPU", gpus_per_node=8,
+        memory_bytes=80 * GIB, peak_flops=312e12, efficiency=0.6,
+        intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
+        intra_node_latency=3e-6, inter_node_latency=8e-6),
+    "h100-80gb": ClusterSpec(
+        name="8x H100-SXM-80GB, NVLink 4, 400 Gb/s NDR IB per GPU", gpus_per_node=8,
+        memory_bytes=80 * GIB, peak_flops=989e12, efficiency=0.5,
+        intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+        intra_node_latency=3e-6, inter_node_latency=8e-6),
+    # The cluster minipar's emulator simulates (minipar.dist.DeviceProfile's defaults, every
+    # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
+    "emulated": ClusterSpec.from_device_profile(),
+}
+CLUSTER_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb"}
+
+
+def model(name: str) -> ModelShape:
+    """A model preset by name (see MODELS), e.g. "llama2-70b"."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in MODELS:
+        raise KeyError(f"unknown model preset {name!r}; choose one of "
+                       f"{', '.join(sorted(MODELS))}")
+    return MODELS[key]
+
+
+def cluster(name: str, memory_gib: float | None = None) -> ClusterSpec:
+    """A cluster preset by name (see CLUSTERS), optionally with another memory size."""
+    key = CLUSTER_ALIASES.get(name.lower(), name.lower())
+    if key not in CLUSTERS:
+        raise KeyError(f"unknown cluster preset {name!r}; choose one of "
+                       f"{', '.join(sorted(CLUSTERS))}")
+    spec = CLUSTERS[key]
+    return spec if memory_gib is None else spec.with_memory(memory_gib * GIB)
+
+
+# ---------------------------------------------------------------------- BLOOM-176B
+# The published layout (BigScience's Megatron-DeepSpeed launch script tr11-176B-ml and
+# the BLOOM paper, section 3.4, "Engineering"): 384 A100-80GB in 48 nodes, TP 4 inside a
+# node, PP 12, DP 8 with ZeRO stage 1, micro-batch 2, global batch 2048 sequences of 2048
+# tokens (after the batch-size ramp-up), bf16, activation checkpointing. The pipeline is
+# partitioned "type:transformer|embedding": the two embedding ends count as layers, so
+# the first and last of the 12 stages get 5 transformer layers and the others 6.
+BLOOM_176B = ParallelConfig(
+    dp=8, tp=4, pp=12, zero=1, schedule="1f1b", micro_batch_size=2,
+    global_batch_size=2048, precision="bf16-mixed", activation_checkpointing=True,
+    layer_split=(5,) + (6,) * 10 + (5,), lr=6e-5)
+
+
+def bloom_example():
+    """(shape, config, cluster) of the BLOOM-176B worked example."""
+    return MODELS["bloom-176b"], BLOOM_176B, CLUSTERS["a100-80gb"]

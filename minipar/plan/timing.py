@@ -1,0 +1,220 @@
+"""Predicted time of one optimizer step, its pipeline bubble and MFU.
+
+One micro-batch on pipeline rank r costs t_r = (forward + backward FLOPs) / sustained
+FLOP/s, plus the tensor-parallel collectives and ZeRO-3 gathers it waits for (minipar's
+collectives block; Megatron also runs TP communication on the critical path). With full
+recomputation the backward also redoes the layers' forward (Chen et al. 2016; Korthikanti
+et al. 2022, section 5: +33% of a transformer's compute, ~ 1 forward on 3).
+
+A flushing pipeline of p ranks and m micro-batches (Narayanan et al. 2021, section 2.2)
+takes, for GPipe and 1F1B,
+
+    T_pipe = sum_r t_r + (m - 1) max_r t_r        (= (m + p - 1) t for uniform stages)
+
+and for the interleaved schedule with v chunks per rank T_pipe = (m + (p - 1)/v) max_r t_r,
+plus one point-to-point hop per stage boundary on the way in and on the way out. The
+bubble is the idle share of all ranks' time: (p - 1)/(m + p - 1) for uniform stages,
+(p - 1)/(v m + p - 1) interleaved, as minipar.parallel.pipeline.bubble_fraction measures.
+
+After the last backward come the step's collectives (DP gradient reduction and parameter
+all-gather, gradient-norm all-reduces, the tied embedding's all-reduce, the loss
+broadcast) and the optimizer: AdamW's 14 FLOPs per parameter of the rank's shard.
+None of it overlaps with compute (minipar's default of one gradient bucket), so for a
+framework that overlaps the gradient reduction with backward this is pessimistic.
+
+MFU (Chowdhery et al. 2022, PaLM, appendix B) = model FLOPs per step (three forward
+passes' matmuls, no recomputation; shapes.model_flops_per_sequence) / (step time x GPUs
+x peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
+from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
+from minipar.plan.memory import sharded_numel, stage_parameters
+from minipar.plan.pipeline_time import simulate_schedule
+from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
+from minipar.plan.traffic import Transfer, stage_traffic
+
+
+def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
+    """Whether the dp, tp and pp groups cross nodes (minipar.dist.mesh's rank order)."""
+    world, gpn = config.world_size, cluster.gpus_per_node
+    return {
+        "tp": group_crosses_nodes(config.tp, 1, world, gpn),
+        "pp": group_crosses_nodes(config.pp, config.tp, world, gpn),
+        "dp": group_crosses_nodes(config.dp, config.tp * config.pp, world, gpn),
+    }
+
+
+def transfer_time(transfer: Transfer, cluster: ClusterSpec, crosses_nodes: bool) -> float:
+    """Seconds of one call of `transfer` (alpha-beta; a send is alpha + S/B)."""
+    if transfer.op == "send":
+        alpha, bandwidth = cluster.link(crosses_nodes)
+        return alpha + transfer.nbytes / bandwidth
+    return cluster.collective_time(transfer.op, transfer.group_size, transfer.nbytes,
+                                   crosses_nodes)
+
+
+def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
+                  ) -> dict[str, float]:
+    """FLOPs of one micro-batch (forward, backward incl. recomputation) and of the
+    optimizer step on one rank of pipeline stage `stage`."""
+    b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+    layer_f, layer_b = shape.layer_flops(b, t, sp)
+    forward = stage.layers * layer_f
+    backward = stage.layers * layer_b
+    if config.activation_checkpointing:
+        backward += stage.layers * layer_f
+    if stage.first:
+        f, bw = shape.embedding_flops(b, t)
+        forward, backward = forward + f, backward + bw
+    if stage.last:
+        f, bw = shape.head_flops(b, t, sp)
+        forward, backward = forward + f, backward + bw
+    params = stage_parameters(shape, config, stage)
+    optimizer_elements = params.numel if config.zero == 0 else min(
+        sharded_numel(params, config), params.numel)
+    return {"forward": forward, "backward": backward,
+            "optimizer": ADAMW_FLOPS_PER_PARAMETER * optimizer_elements}
+
+
+def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+               stage: StagePlan, transfers: list[Transfer]) -> dict[str, float]:
+    """Seconds of one micro-batch (t_r) and of the step's tail on one rank."""
+    flops = stage_compute(shape, config, stage)
+    speed = cluster.sustained_flops
+    links = group_links(config, cluster)
+    m = config.micro_batches
+    per_micro_comm = step_comm = p2p = 0.0
+    for transfer in transfers:
+        seconds = transfer_time(transfer, cluster, links[transfer.group])
+        if transfer.op == "send":
+            p2p = max(p2p, seconds)
+        elif transfer.phase == "step":
+            step_comm += transfer.count * seconds
+        else:
+            per_micro_comm += transfer.count * seconds / m
+    compute = (flops["forward"] + flops["backward"]) / speed
+    return {
+        "micro_batch_compute_s": compute,
+        "micro_batch_comm_s": per_micro_comm,
+        "micro_batch_s": compute + per_micro_comm,
+        "p2p_s": p2p,
+        "step_comm_s": step_comm,
+        "optimizer_s": flops["optimizer"] / speed,
+        "flops": flops,
+    }
+
+
+def step_time(config: ParallelConfig, stage_times: list[dict], shape: ModelShape,
+              cluster: ClusterSpec, stage_ranks: list[int]) -> dict[str, float]:
+    """Step time, bubble and MFU from the representative ranks' stage times."""
+    p, m, v = config.pp, config.micro_batches, config.virtual_stages
+    per_micro = [s["micro_batch_s"] for s in stage_times]
+    slowest = max(per_micro)
+    # Sum over all p ranks, with the inner ranks like the representative inner rank.
+    by_rank = dict(zip(stage_ranks, per_micro, strict=True))
+    inner = by_rank.get(1, slowest)
+    total_over_ranks = sum(by_rank.get(r, inner) for r in range(p))
+    hop = max(s["p2p_s"] for s in stage_times)
+    if p == 1:
+        pipeline = m * slowest
+    elif v == 1:
+        pipeline = total_over_ranks + (m - 1) * slowest + 2 * (p - 1) * hop
+    else:
+        pipeline = (m + (p - 1) / v) * slowest + 2 * (p - 1) * hop
+    tail = max(s["step_comm_s"] + s["optimizer_s"] for s in stage_times)
+    step = pipeline + tail
+    busy = m * total_over_ranks / p  # mean busy time of a rank in the pipeline section
+    bubble = 0.0 if p == 1 else max(0.0, 1 - busy / pipeline)
+    model_flops = shape.model_flops_per_sequence() * config.global_batch_size
+    return {
+        "step_s": step,
+        "pipeline_s": pipeline,
+        "tail_s": tail,
+        "bubble_fraction": bubble,
+        "model_flops": model_flops,
+        "mfu": model_flops / (step * config.world_size * cluster.peak_flops),
+        "tokens_per_s": config.global_batch_size * shape.seq_len / step,
+    }
+
+
+# ------------------------------------------------------------------ exact pipeline time
+def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
+                ) -> tuple[list[list[float]], list[list[float]]]:
+    """Seconds of one micro-batch's forward and backward of every (rank, chunk), with the
+    tensor-parallel collectives and ZeRO-3 gathers it waits for."""
+    p, v, m = config.pp, config.virtual_stages, config.micro_batches
+    counts = layer_counts(shape.n_layer, p * v, config.layer_split)
+    links = group_links(config, cluster)
+    speed = cluster.sustained_flops
+    forward = [[0.0] * v for _ in range(p)]
+    backward = [[0.0] * v for _ in range(p)]
+    for r in range(p):
+        for c in range(v):
+            chunk = StagePlan(rank=r, chunk_layers=(counts[c * p + r],),
+                              first=r == 0 and c == 0, last=r == p - 1 and c == v - 1,
+                              tied_copy=False, in_flight=1)
+            flops = stage_compute(shape, config, chunk)
+            seconds = {"forward": flops["forward"] / speed,
+                       "backward": flops["backward"] / speed}
+            for transfer in stage_traffic(shape, config, chunk):
+                if transfer.phase in seconds and transfer.group != "pp":
+                    seconds[transfer.phase] += (transfer.count / m * transfer_time(
+                        transfer, cluster, links[transfer.group]))
+            forward[r][c], backward[r][c] = seconds["forward"], seconds["backward"]
+    return forward, backward
+
+
+def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
+                        ) -> dict[str, float]:
+    """Step time of a pipelined config from a simulation of its schedule (pipeline_time),
+    then the step's collectives in the order minipar runs them: the tied embedding's
+    all-reduce (first and last rank), the loss broadcast (all ranks), then each rank's
+    data-parallel reduction and optimizer."""
+    p = config.pp
+    forward, backward = chunk_costs(shape, config, cluster)
+    links = group_links(config, cluster)
+    tokens = config.micro_batch_size * shape.seq_len
+    if config.sequence_parallel:
+        tokens //= config.tp
+    alpha, bandwidth = cluster.link(links["pp"])
+    message = alpha + tokens * shape.d_model * config.bytes.activation / bandwidth
+    run = simulate_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
+                            forward, backward, message)
+    clock = list(run["finish"])
+    pipeline = max(clock)
+    tails = []
+    for r in range(p):
+        plan = stage_plan(shape, config, r)
+        transfers = stage_traffic(shape, config, plan)
+        tied = sum(transfer_time(t, cluster, links["pp"]) for t in transfers
+                   if t.label.startswith("tied"))
+        broadcast = sum(transfer_time(t, cluster, links["pp"]) for t in transfers
+                        if t.op == "broadcast")
+        rest = sum(t.count * transfer_time(t, cluster, links[t.group]) for t in transfers
+                   if t.phase == "step" and t.group != "pp")
+        optimizer = stage_compute(shape, config, plan)["optimizer"] / cluster.sustained_flops
+        tails.append((tied, broadcast, rest + optimizer))
+    if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
+        start = max(clock[0], clock[-1])
+        clock[0] = clock[-1] = start + tails[0][0]
+    start = max(clock)  # the loss broadcast starts with its last member
+    clock = [start + tails[r][1] for r in range(p)]
+    end = [clock[r] + tails[r][2] for r in range(p)]
+    step = max(end)
+    # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
+    # pipeline's span (a rank that finished early idles until the last one does).
+    busy = sum(run["compute"]) + sum(run["comm"])
+    total = p * pipeline
+    model_flops = shape.model_flops_per_sequence() * config.global_batch_size
+    return {
+        "step_s": step,
+        "pipeline_s": pipeline,
+        "tail_s": step - pipeline,
+        "bubble_fraction": 1 - busy / total if total > 0 else 0.0,
+        "model_flops": model_flops,
+        "mfu": model_flops / (step * config.world_size * cluster.peak_flops),
+        "tokens_per_s": config.global_batch_size * shape.seq_len / step,
+    }

@@ -1,0 +1,236 @@
+"""Predicted communication of one rank per optimizer step: every collective it joins.
+
+A plan's traffic is a list of `Transfer`s (op, group kind, full tensor bytes, how many
+times per step, bytes this rank sends each time). Summing `sent` by group gives the
+report's comm.by_group; the op and the tensor size give the alpha-beta time.
+
+Data parallelism (group "dp", once per step unless noted):
+    ZeRO-0    all-reduce of the gradients                     2(N-1)/N 2Psi   (DDP)
+    ZeRO-1    reduce-scatter of the gradients, all-gather of the parameters: the same
+              2(N-1)/N 2Psi (Rajbhandari et al. 2020, section 7.2.1)
+    ZeRO-2    the reduce-scatter on every micro-batch (DeepSpeed reduces each
+              micro-batch's gradients into the shard), the all-gather once
+    ZeRO-3    every micro-batch: an all-gather of each unit before its forward and again
+              before its backward (the ZeRO paper's 1.5x of DP: 3 (N-1)/N 2Psi), a
+              reduce-scatter of each unit's gradients; with a tied LM head the embedding
+              is gathered once more for the head. No all-gather after the step.
+    ZeRO-1..3 also all-reduce one fp64 number, the squared gradient norm, for clipping.
+Tensor parallelism (group "tp", per micro-batch; Shoeybi et al. 2019, section 3):
+    each layer all-reduces the (b, s, h) activation twice forward (g after attention and
+    MLP) and its gradient twice backward (f before them); the vocabulary-parallel
+    embedding once forward, the logits' input once backward, and the cross-entropy
+    two (b, s) statistics forward. With sequence parallelism (Korthikanti et al. 2022,
+    section 4.2.2) each all-reduce becomes an all-gather plus a reduce-scatter, the
+    column-parallel layers gather their input again in backward, and the norms' and
+    row-parallel biases' gradients are all-reduced. Recomputation repeats the forward's.
+Pipeline parallelism (group "pp", per micro-batch; Narayanan et al. 2021, section 2.2):
+    each chunk sends its (b, s, h) output forward and its input's gradient back; per step
+    the first and last rank all-reduce the tied embedding's gradient (Megatron's
+    embedding group) and the last rank broadcasts the loss (one fp64 number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.plan.cluster import (
+    all_gather_sent,
+    all_reduce_sent,
+    broadcast_sent,
+    reduce_scatter_sent,
+)
+from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.memory import shard, stage_parameters
+from minipar.plan.shapes import ModelShape, padded_vocab
+
+NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective a rank joins.
+
+    op: all_reduce | all_gather | reduce_scatter | broadcast | send; group: dp | tp | pp;
+    group_size: ranks in the group; nbytes: the full tensor S (what the alpha-beta time
+    uses; for a send, the message); count: calls per optimizer step; sent: bytes this
+    rank sends per call; phase: forward | backward (every micro-batch) | step (after
+    the last backward). Sends are isends overlapping compute; the rest block the rank.
+    """
+
+    op: str
+    group: str
+    group_size: int
+    nbytes: float
+    count: int
+    sent: int
+    phase: str
+    label: str
+
+    @property
+    def sent_per_step(self) -> int:
+        return self.count * self.sent
+
+
+def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> list[Transfer]:
+    """Every transfer of the first rank (dp 0, tp 0) of pipeline stage `stage`."""
+    return (_data_parallel(shape, config, stage) + _tensor_parallel(shape, config, stage)
+            + _pipeline(shape, config, stage))
+
+
+def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
+    totals = {"dp": 0, "tp": 0, "pp": 0}
+    for transfer in transfers:
+        totals[transfer.group] += transfer.sent_per_step
+    return totals
+
+
+# ------------------------------------------------------------------ data parallel
+def _data_parallel(shape, config, stage) -> list[Transfer]:
+    n, m, zero = config.dp, config.micro_batches, config.zero
+    if n == 1:
+        return []
+    nbytes = config.bytes
+    g, p = nbytes.grad, nbytes.param
+    params = stage_parameters(shape, config, stage)
+    local = params.numel
+    if zero == 0:
+        return [Transfer("all_reduce", "dp", n, local * g, 1,
+                         all_reduce_sent(local, g, n), "step", "gradient all-reduce")]
+    norm = Transfer("all_reduce", "dp", n, NORM_BYTES, 1, all_reduce_sent(1, NORM_BYTES, n),
+                    "step", "gradient norm")
+    if zero in (1, 2):
+        piece = shard(local, n)
+        reduce_count, reduce_phase = (1, "step") if zero == 1 else (m, "backward")
+        return [
+            Transfer("reduce_scatter", "dp", n, piece * n * g, reduce_count,
+                     reduce_scatter_sent(piece * n, g, n), reduce_phase,
+                     "gradient reduce-scatter"),
+            norm,
+            Transfer("all_gather", "dp", n, piece * n * p, 1, all_gather_sent(piece, p, n),
+                     "step", "parameter all-gather"),
+        ]
+    transfers = []
+    tied_head = shape.tie_embeddings and stage.first and stage.last
+    for i, unit in enumerate(params.units):
+        piece = shard(unit, n)
+        is_embedding = stage.first and i == 0
+        gathers = 2 + (1 if is_embedding and tied_head else 0)
+        transfers.append(Transfer("all_gather", "dp", n, piece * n * p, gathers * m,
+                                  all_gather_sent(piece, p, n), "forward",
+                                  "ZeRO-3 parameter all-gather"))
+        transfers.append(Transfer("reduce_scatter", "dp", n, piece * n * g, m,
+                                  reduce_scatter_sent(piece * n, g, n), "backward",
+                                  "ZeRO-3 gradient reduce-scatter"))
+    transfers.append(norm)
+    return _merge(transfers)
+
+
+# ------------------------------------------------------------------ tensor parallel
+def _tensor_parallel(shape, config, stage) -> list[Transfer]:
+    t = config.tp
+    if t == 1:
+        return []
+    nbytes = config.bytes
+    a, c = nbytes.activation, nbytes.compute
+    m, b, s, h = config.micro_batches, config.micro_batch_size, shape.seq_len, shape.d_model
+    numel = b * s * h  # the full (b, s, h) activation
+    piece = numel // t
+    layers = stage.layers
+    recompute = config.activation_checkpointing
+    per_layer_forward = 2 * (2 if recompute else 1)  # g twice, again when recomputed
+    transfers = []
+
+    def add(op, count, nbytes_full, sent, phase, label):
+        if count:
+            transfers.append(Transfer(op, "tp", t, nbytes_full, count * m, sent, phase, label))
+
+    if not config.sequence_parallel:
+        full = all_reduce_sent(numel, a, t)
+        add("all_reduce", per_layer_forward * layers, numel * a, full, "forward",
+            "layer output all-reduce (g)")
+        add("all_reduce", 2 * layers, numel * a, full, "backward",
+            "layer input-gradient all-reduce (f)")
+        if stage.first:
+            add("all_reduce", 1, numel * a, full, "forward", "vocab-parallel embedding")
+        if stage.last:
+            add("all_reduce", 1, numel * a, full, "backward", "logits input gradient")
+    else:
+        gather, scatter = all_gather_sent(piece, a, t), reduce_scatter_sent(numel, a, t)
+        norms = 2 * (2 if shape.norm == "layernorm" else 1)
+        small = norms + (2 if shape.bias else 0)  # norm weights/biases, row-parallel biases
+        add("all_gather", per_layer_forward * layers, numel * a, gather, "forward",
+            "sequence-parallel all-gather (g)")
+        add("reduce_scatter", per_layer_forward * layers, numel * a, scatter, "forward",
+            "sequence-parallel reduce-scatter")
+        add("all_gather", 4 * layers, numel * a, gather, "backward",
+            "input re-gather and gradient all-gather")
+        add("reduce_scatter", 2 * layers, numel * a, scatter, "backward",
+            "input-gradient reduce-scatter")
+        add("all_reduce", small * layers, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
+            "backward", "norm and bias gradient all-reduce")
+        if stage.first:
+            add("all_reduce", 1, numel * a, all_reduce_sent(numel, a, t), "forward",
+                "vocab-parallel embedding")
+            add("all_gather", 1, numel * a, gather, "backward", "embedding gradient gather")
+        if stage.last:
+            add("all_reduce", norms // 2, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
+                "backward", "final norm gradient all-reduce")
+            add("all_gather", 1, numel * a, gather, "forward", "logits input all-gather")
+            add("all_gather", 1, numel * a, gather, "backward", "logits input re-gather")
+            add("reduce_scatter", 1, numel * a, scatter, "backward",
+                "logits input-gradient reduce-scatter")
+    if stage.last:  # vocabulary-parallel cross-entropy: max, then (sum exp, target logit)
+        tokens = b * s
+        add("all_reduce", 1, tokens * c, all_reduce_sent(tokens, c, t), "forward",
+            "cross-entropy max")
+        add("all_reduce", 1, 2 * tokens * c, all_reduce_sent(2 * tokens, c, t), "forward",
+            "cross-entropy sums")
+    transfers.append(Transfer("all_reduce", "tp", t, NORM_BYTES, 1,
+                              all_reduce_sent(1, NORM_BYTES, t), "step", "gradient norm"))
+    return transfers
+
+
+# ------------------------------------------------------------------ pipeline
+def _pipeline(shape, config, stage) -> list[Transfer]:
+    p = config.pp
+    if p == 1:
+        return []
+    nbytes = config.bytes
+    m, v = config.micro_batches, config.virtual_stages
+    tokens = config.micro_batch_size * shape.seq_len
+    if config.sequence_parallel:
+        tokens //= config.tp
+    message = tokens * shape.d_model * nbytes.activation
+    forward_sends = v - (1 if stage.last else 0)
+    backward_sends = v - (1 if stage.first else 0)
+    transfers = []
+    if forward_sends:
+        transfers.append(Transfer("send", "pp", 2, message, forward_sends * m, message,
+                                  "forward", "activation send"))
+    if backward_sends:
+        transfers.append(Transfer("send", "pp", 2, message, backward_sends * m, message,
+                                  "backward", "gradient send"))
+    if shape.tie_embeddings and (stage.first or stage.last):
+        rows = padded_vocab(shape.vocab_size, config.tp) // config.tp * shape.d_model
+        position = 0 if stage.first else 1
+        transfers.append(Transfer("all_reduce", "pp", 2, rows * nbytes.grad, 1,
+                                  all_reduce_sent(rows, nbytes.grad, 2, position), "step",
+                                  "tied embedding gradient all-reduce"))
+    position = (stage.rank - (p - 1)) % p  # along the chain from the last rank
+    transfers.append(Transfer("broadcast", "pp", p, NORM_BYTES, 1,
+                              broadcast_sent(NORM_BYTES, p, position), "step", "loss broadcast"))
+    return transfers
+
+
+def _merge(transfers: list[Transfer]) -> list[Transfer]:
+    """Merge transfers that differ only in count (same op, size and phase)."""
+    merged: dict[tuple, Transfer] = {}
+    for tr in transfers:
+        key = (tr.op, tr.group, tr.nbytes, tr.sent, tr.phase, tr.label)
+        if key in merged:
+            old = merged[key]
+            merged[key] = Transfer(old.op, old.group, old.group_size, old.nbytes,
+                                   old.count + tr.count, old.sent, old.phase, old.label)
+        else:
+            merged[key] = tr
+    return list(merged.values())

@@ -1,0 +1,110 @@
+"""`minipar plan` (minipar.plan.cli): search, evaluate, JSON, export, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from minipar.plan.cli import add_plan_command, main, run_plan
+
+
+def run(capsys, *argv):
+    status = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_search_prints_the_ranking_and_the_explanation(capsys):
+    status, out, _ = run(capsys, "--model", "llama2-70b", "--gpus", "64", "--gpu-mem", "80",
+                         "--cluster", "a100")
+    assert status == 0
+    assert "layouts fit" in out and "Tensor parallelism" in out and "MFU" in out
+    assert "lint:" in out
+
+
+def test_search_as_json(capsys):
+    status, out, _ = run(capsys, "--model", "llama2-70b", "--gpus", "64", "--json")
+    assert status == 0
+    advice = json.loads(out)
+    assert advice["schema"] == "minipar.plan.advice/1" and advice["gpus"] == 64
+    best = advice["ranked"][0]
+    config = best["config"]
+    assert config["dp"] * config["tp"] * config["pp"] == 64 and best["fits"]
+    assert best["memory"]["peak_total"] <= best["cluster"]["memory_bytes"]
+    assert isinstance(advice["findings"], list) and advice["explanation"]
+
+
+def test_evaluate_a_layout_lints_it(capsys):
+    status, out, _ = run(capsys, "--model", "gpt2-xl", "--dp", "2", "--pp", "4",
+                         "--micro-batch-size", "4", "--grad-accum-steps", "16", "--all-stages")
+    assert status == 0
+    assert "PIPELINE_UNBALANCED" in out and "pp rank" in out
+    assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) >= 4
+
+
+def test_inconsistent_batch_is_reported_not_crashed(capsys):
+    status, out, _ = run(capsys, "--model", "gpt2", "--dp", "4", "--micro-batch-size", "2",
+                         "--grad-accum-steps", "4", "--global-batch-size", "64")
+    assert status == 0 and "GLOBAL_BATCH_MISMATCH" in out
+
+
+def test_bloom_example_fits_as_json(capsys, tmp_path):
+    path = tmp_path / "bloom.json"
+    status, _, _ = run(capsys, "--example", "bloom", "--json", str(path))
+    assert status == 0
+    plan = json.loads(path.read_text())
+    assert plan["fits"] and plan["world_size"] == 384 and plan["schema"] == "minipar.plan/1"
+
+
+def test_export_writes_the_files(capsys, tmp_path):
+    status, out, _ = run(capsys, "--model", "gpt2", "--gpus", "8", "--export", str(tmp_path))
+    assert status == 0 and "exported" in out
+    assert {p.name for p in tmp_path.iterdir()} == {"ds_config.json", "megatron_args.txt",
+                                                    "megatron_deepspeed_args.txt",
+                                                    "launch.sh"}
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--model", "llama9"], "--model"),
+    (["--model", "gpt2"], "--gpus"),
+    (["--model", "gpt2", "--dp", "2", "--gpus", "8"], "--gpus"),
+    (["--n-layer", "2"], "--model"),
+    (["--model", "gpt2", "--pp", "2", "--schedule", "interleaved"], "--virtual-stages"),
+])
+def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert err.count("\n") == 1 and flag in err and "Traceback" not in err
+
+
+def test_invalid_layout_exits_2_with_the_finding(capsys):
+    status, out, _ = run(capsys, "--model", "llama2-70b", "--tp", "16")
+    assert status == 2 and "INVALID_LAYOUT" in out
+
+
+def test_add_plan_command_plugs_into_any_subparsers():
+    parser = argparse.ArgumentParser(prog="minipar")
+    commands = parser.add_subparsers(dest="command")
+    add_plan_command(commands)
+    args = parser.parse_args(["plan", "--model", "gpt2", "--gpus", "8", "--json", "-"])
+    assert args.command == "plan" and args.gpus == 8 and args.json == "-"
+    assert callable(run_plan)
+
+
+def test_plan_on_the_emulated_cluster_predicts_minipar_train(capsys):
+    from minipar.train import TrainConfig, train
+
+    settings = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, dp=2, zero=3,
+                    precision="fp32", micro_batch_size=2, grad_accum_steps=2)
+    report = train(TrainConfig(**settings, steps=1, data="synthetic"))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    status, out, _ = run(capsys, "--cluster", "emulated", "--vocab-size",
+                         str(report.config["vocab_size"]), *flags, "--json")
+    assert status == 0
+    plan, measured = json.loads(out), report.ranks[0]
+    for category in ("params", "grads", "optimizer", "activations"):
+        assert plan["memory"][category] == measured["memory"][category]
+    assert plan["traffic"]["dp"] == measured["comm"]["by_group"]["dp"]
+    assert plan["time"]["step_s"] == pytest.approx(sum(measured["time"].values()), rel=1e-6)

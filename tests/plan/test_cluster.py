@@ -1,0 +1,77 @@
+"""ClusterSpec, ring bytes per rank, and which mesh groups cross node boundaries."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from minipar.dist import DeviceMesh, DeviceProfile, all_reduce_bytes
+from minipar.plan.cluster import (
+    GIB,
+    ClusterSpec,
+    all_gather_sent,
+    all_reduce_sent,
+    broadcast_sent,
+    group_crosses_nodes,
+    reduce_scatter_sent,
+)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("numel", [1, 7, 64, 1000, 1001])
+def test_all_reduce_bytes_are_the_ring_algorithms(n, numel):
+    itemsize = 4
+    sent = [all_reduce_sent(numel, itemsize, n, i) for i in range(n)]
+    # Summed over the ring every element travels 2(n - 1) times (Patarasuk & Yuan 2009).
+    assert sum(sent) == 2 * (n - 1) * numel * itemsize
+    if numel % n == 0:
+        assert set(sent) == {2 * (n - 1) * numel * itemsize // n}
+    # ... and the emulator books the same per position.
+    assert sent == [all_reduce_bytes(numel, itemsize, n, i)[0] for i in range(n)]
+
+
+def test_other_collectives_send_n_minus_one_pieces():
+    assert all_gather_sent(10, 2, 4) == 3 * 10 * 2
+    assert reduce_scatter_sent(40, 2, 4) == 3 * 10 * 2
+    assert all_gather_sent(10, 2, 1) == reduce_scatter_sent(40, 2, 1) == 0
+    assert [broadcast_sent(8, 3, k) for k in range(3)] == [8, 8, 0]
+
+
+def crosses_by_enumeration(dp, pp, tp, gpus_per_node, axis):
+    mesh = DeviceMesh(dp=dp, pp=pp, tp=tp, gpus_per_node=gpus_per_node)
+    return any(len({r // gpus_per_node for r in group.ranks}) > 1
+               for group in mesh.all_groups(axis))
+
+
+@pytest.mark.parametrize("dp,pp,tp,gpn", [
+    (d, p, t, g) for d, p, t, g in itertools.product((1, 2, 3), (1, 2, 4), (1, 2, 3, 4, 8),
+                                                      (4, 6, 8))])
+def test_group_placement_matches_the_device_mesh(dp, pp, tp, gpn):
+    world = dp * pp * tp
+    assert group_crosses_nodes(tp, 1, world, gpn) == crosses_by_enumeration(dp, pp, tp, gpn,
+                                                                            "tp")
+    assert group_crosses_nodes(pp, tp, world, gpn) == crosses_by_enumeration(dp, pp, tp, gpn,
+                                                                             "pp")
+    assert group_crosses_nodes(dp, pp * tp, world, gpn) == crosses_by_enumeration(
+        dp, pp, tp, gpn, "dp")
+
+
+def test_emulated_cluster_is_the_device_profile():
+    profile = DeviceProfile()
+    spec = ClusterSpec.from_device_profile(profile, gpus_per_node=4, memory_bytes=GIB)
+    assert spec.sustained_flops == profile.flops
+    assert spec.link(False) == profile.link(True)
+    assert spec.link(True) == profile.link(False)
+    assert spec.usable_memory == GIB
+
+
+def test_bad_cluster_settings_are_named():
+    good = dict(name="x", gpus_per_node=8, memory_bytes=GIB, peak_flops=1e12, efficiency=0.5,
+                intra_node_bandwidth=1e9, inter_node_bandwidth=1e9)
+    with pytest.raises(ValueError, match="efficiency"):
+        ClusterSpec(**{**good, "efficiency": 1.5})
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        ClusterSpec(**{**good, "gpus_per_node": 0})
+    with pytest.raises(ValueError, match="peak_flops"):
+        ClusterSpec(**{**good, "peak_flops": 0})

@@ -1,0 +1,205 @@
+"""The planner, fed minipar's own model sizes, against what the emulator measures.
+
+Where they differ, the planner is wrong, not the test. Stated tolerances:
+- params, grads, optimizer bytes and bytes sent per group: exact;
+- activations: exact for one pipeline stage, GPipe and 1F1B; within 5% for the
+  interleaved schedule (whose peak mix of chunks the planner takes from a formula);
+- simulated time: within 0.1% (the planner prices the same FLOPs and alpha-beta costs);
+- buffers and peak_total (transient, estimated): within 10%.
+
+Two sources of measurements: `minipar.train` (report.ranks[i]: memory, comm.by_group,
+time) for the layouts the training loop accepts, and the strategy modules launched
+directly (TensorParallelGPT, Pipeline) for tensor and pipeline parallelism, one step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipar import dist
+from minipar.nn import GPTConfig
+from minipar.parallel.pipeline import Pipeline
+from minipar.parallel.tensor import tensor_parallel_gpt
+from minipar.plan.cluster import ClusterSpec
+from minipar.plan.estimate import estimate
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.shapes import ModelShape, from_train_config
+from minipar.train import TrainConfig, train
+
+EXACT = ("params", "grads", "optimizer")
+ACTIVATION_TOLERANCE = 0.0
+INTERLEAVED_ACTIVATION_TOLERANCE = 0.05
+TIME_TOLERANCE = 1e-3
+TRANSIENT_TOLERANCE = 0.10
+STEPS = 2
+TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=STEPS)
+EMULATED = ClusterSpec.from_device_profile(gpus_per_node=8)
+
+MICRO_BATCH_ONE_BUG = pytest.mark.xfail(
+    strict=True, reason="loop.py keeps a view of the global batch when micro_batch_size "
+    "is 1: np.ascontiguousarray does not copy a one-row view")
+
+
+def case(name, marks=(), **settings):
+    return pytest.param(settings, id=name, marks=marks)
+
+
+GRID = [
+    case("single fp32 accum 2", micro_batch_size=2, grad_accum_steps=2),
+    case("single fp64", precision="fp64", micro_batch_size=3),
+    case("single bf16 checkpointing", precision="bf16-mixed", micro_batch_size=2,
+         grad_accum_steps=2, activation_checkpointing=True),
+    case("single dropout untied", dropout=0.1, tie_embeddings=False, micro_batch_size=2),
+    case("dp2", dp=2, micro_batch_size=2, grad_accum_steps=2),
+    case("dp2 zero1", dp=2, zero=1, micro_batch_size=2, grad_accum_steps=2),
+    case("dp2 zero2 checkpointing", dp=2, zero=2, micro_batch_size=2, grad_accum_steps=2,
+         activation_checkpointing=True),
+    case("dp2 zero3", dp=2, zero=3, micro_batch_size=2, grad_accum_steps=2),
+    case("dp3 zero2 padded", dp=3, zero=2, micro_batch_size=2, grad_accum_steps=2),
+    case("dp4 zero3 bf16", dp=4, zero=3, precision="bf16-mixed", micro_batch_size=2),
+    case("dp2 zero1 bf16 untied", dp=2, zero=1, precision="bf16-mixed",
+         tie_embeddings=False, micro_batch_size=2, grad_accum_steps=3),
+    # With micro-batch size 1 the loop's np.ascontiguousarray(x) does not copy (a one-row
+    # view is contiguous), so the rank keeps a view of the global batch's whole token
+    # array and its ledger counts all of it as activations. Strict: once loop.py copies,
+    # this passes and the mark must go.
+    case("micro-batch 1", marks=MICRO_BATCH_ONE_BUG, dp=2, micro_batch_size=1,
+         grad_accum_steps=2),
+    # Layouts the training loop does not accept yet: skipped with the loop's own reason
+    # until it does, then checked like the others.
+    case("tp2", tp=2, micro_batch_size=2, grad_accum_steps=2),
+    case("tp2 sequence parallel", tp=2, sequence_parallel=True, micro_batch_size=2),
+    case("pp2 1f1b", pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4),
+    case("dp2 tp2 pp2 zero1", dp=2, tp=2, pp=2, zero=1, n_layer=4, micro_batch_size=2,
+         grad_accum_steps=4),
+]
+
+
+def relative(measured, predicted):
+    return abs(predicted - measured) / max(abs(measured), 1)
+
+
+def check_rank(measured: dict, stage, label: str) -> None:
+    memory = measured["memory"]
+    for category in EXACT:
+        assert stage.memory[category] == memory[category], f"{label}: {category}"
+    assert stage.memory["activations"] == memory["activations"], f"{label}: activations"
+    for category in ("buffers", "peak_total"):
+        assert relative(memory[category], stage.memory[category]) <= TRANSIENT_TOLERANCE, (
+            f"{label}: {category} measured {memory[category]} predicted "
+            f"{stage.memory[category]}")
+
+
+@pytest.mark.parametrize("settings", GRID)
+def test_planner_predicts_the_training_loop(settings, request):
+    name = request.node.callspec.id
+    config = TrainConfig(**{**TINY, **settings})
+    try:
+        report = train(config)
+    except NotImplementedError as err:
+        pytest.skip(f"minipar.train does not run this layout yet: {err}")
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED, all_stages=True)
+    for stage in est.stages:
+        coords = {"dp": 0, "pp": stage.rank, "tp": 0}
+        (measured,) = [r for r in report.ranks if r["coords"] == coords]
+        label = f"{name}, pipeline rank {stage.rank}"
+        check_rank(measured, stage, label)
+        for group in ("dp", "tp", "pp"):
+            assert STEPS * stage.traffic[group] == measured["comm"]["by_group"][group], (
+                f"{label}: {group} bytes")
+        spent = sum(measured["time"].values())
+        assert relative(spent, STEPS * est.step_time) <= TIME_TOLERANCE, f"{label}: time"
+
+
+# ------------------------------------------------------------------ strategies, directly
+def tiny_gpt(**changes) -> GPTConfig:
+    return GPTConfig(**{**dict(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32),
+                        **changes})
+
+
+def as_shape(gpt: GPTConfig) -> ModelShape:
+    return ModelShape(n_layer=gpt.n_layer, d_model=gpt.d_model, n_head=gpt.n_head,
+                      vocab_size=gpt.vocab_size, seq_len=gpt.seq_len,
+                      tie_embeddings=gpt.tie_embeddings)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_planner_predicts_tensor_parallelism(tp, sequence_parallel, checkpointing):
+    gpt, b = tiny_gpt(), 2
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, gpt.vocab_size, size=(b, gpt.seq_len)) for _ in range(2))
+
+    def rank_program():
+        mesh = dist.DeviceMesh(tp=tp)
+        model = tensor_parallel_gpt(gpt, 0, "fp32", mesh.tp_group(),
+                                    sequence_parallel=sequence_parallel,
+                                    activation_checkpointing=checkpointing)
+        for p in model.parameters():
+            dist.get_device().memory.hold(p.data, "params")
+        with dist.phase("forward"):
+            loss = model(np.ascontiguousarray(x), np.ascontiguousarray(y))
+        with dist.phase("backward"):
+            loss.backward()
+
+    _, devices = dist.launch(rank_program, tp, return_devices=True)
+    config = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel, precision="fp32",
+                            activation_checkpointing=checkpointing, micro_batch_size=b)
+    est = estimate(as_shape(gpt), config, EMULATED)
+    (stage,) = est.stages
+    # one micro-batch, no optimizer step: everything but the step's gradient-norm
+    # all-reduce and AdamW
+    micro = [t for t in stage.transfers if t.phase != "step"]
+    flops = stage.time["flops"]
+    for device in devices:
+        measured = device.summary()
+        assert measured["memory"]["params"] == stage.memory["params"]
+        assert measured["memory"]["activations"] == stage.memory["activations"]
+        assert measured["comm"]["by_group"]["tp"] == sum(t.sent_per_step for t in micro)
+        predicted_s = (flops["forward"] + flops["backward"]) / EMULATED.sustained_flops
+        assert relative(measured["time"]["compute_s"], predicted_s) <= TIME_TOLERANCE
+
+
+@pytest.mark.parametrize("pp,schedule,m,v,checkpointing,tie,layers", [
+    (2, "1f1b", 4, 1, False, True, 4),
+    (4, "1f1b", 8, 1, False, True, 6),
+    (4, "gpipe", 4, 1, False, True, 4),
+    (2, "interleaved", 4, 2, False, True, 4),
+    (2, "1f1b", 4, 1, True, True, 4),
+    (2, "1f1b", 3, 1, False, False, 3),
+])
+def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing, tie,
+                                               layers):
+    gpt, b = tiny_gpt(n_layer=layers, tie_embeddings=tie), 2
+    rng = np.random.default_rng(1)
+    batches = [tuple(rng.integers(0, gpt.vocab_size, size=(b, gpt.seq_len))
+                     for _ in range(2)) for _ in range(m)]
+
+    def rank_program():
+        pipe = Pipeline(gpt, schedule=schedule, micro_batches=m, virtual_stages=v,
+                        precision="fp32", activation_checkpointing=checkpointing)
+        for p in pipe.parameters():
+            dist.get_device().memory.hold(p.data, "params")
+        pipe.forward_backward(batches)
+
+    _, devices = dist.launch(rank_program, pp, return_devices=True)
+    config = ParallelConfig(pp=pp, schedule=schedule, virtual_stages=v, grad_accum_steps=m,
+                            micro_batch_size=b, precision="fp32",
+                            activation_checkpointing=checkpointing)
+    est = estimate(as_shape(gpt), config, EMULATED, all_stages=True)
+    tolerance = INTERLEAVED_ACTIVATION_TOLERANCE if v > 1 else ACTIVATION_TOLERANCE
+    for stage, device in zip(est.stages, devices, strict=True):
+        measured = device.summary()
+        label = f"pipeline rank {stage.rank}"
+        assert measured["memory"]["params"] == stage.memory["params"], label
+        assert measured["comm"]["by_group"]["pp"] == stage.traffic["pp"], label
+        assert relative(measured["memory"]["activations"],
+                        stage.memory["activations"]) <= tolerance, label
+        if v == 1:
+            assert measured["memory"]["buffers"] == stage.memory["buffers"], label
+        # one step, no optimizer: the pipeline, tied-embedding all-reduce, loss broadcast
+        spent = sum(measured["time"].values())
+        assert relative(spent, est.step_time - stage.time["optimizer_s"]) <= TIME_TOLERANCE

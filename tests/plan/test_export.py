@@ -1,0 +1,106 @@
+"""The exported DeepSpeed config, Megatron-LM arguments and launch script agree with
+each other and with the plan on every batch and parallel size."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from minipar.plan import presets
+from minipar.plan.export import deepspeed_config, megatron_args, write_export
+from minipar.plan.layout import ParallelConfig
+
+LAYOUTS = {
+    "bloom": presets.bloom_example(),
+    "llama2-70b interleaved": (
+        presets.model("llama2-70b"),
+        ParallelConfig(dp=8, tp=4, pp=2, zero=1, schedule="interleaved", virtual_stages=2,
+                       micro_batch_size=1, global_batch_size=1024, sequence_parallel=True,
+                       flash_attention=True, lr=1.5e-4),
+        presets.cluster("h100")),
+    "gpt2 zero3": (presets.model("gpt2"), ParallelConfig(dp=8, zero=3, micro_batch_size=8,
+                                                         global_batch_size=512),
+                   presets.cluster("a100")),
+}
+
+
+def parse_flags(text: str) -> dict[str, str | bool]:
+    tokens = shlex.split(text)
+    flags, i = {}, 0
+    while i < len(tokens):
+        if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            flags[tokens[i]] = tokens[i + 1]
+            i += 2
+        else:
+            flags[tokens[i]] = True
+            i += 1
+    return flags
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_exported_files_agree_on_batch_and_parallel_sizes(name, tmp_path):
+    shape, config, cluster = LAYOUTS[name]
+    files = write_export(tmp_path, shape, config, cluster)
+    ds = json.loads(files["deepspeed"].read_text())
+    args = parse_flags(files["megatron"].read_text())
+    launch = files["launch"].read_text()
+    tp = int(args["--tensor-model-parallel-size"])
+    pp = int(args["--pipeline-model-parallel-size"])
+    nodes = int(re.search(r"^NNODES=(\d+)$", launch, re.M).group(1))
+    per_node = int(re.search(r"^GPUS_PER_NODE=(\d+)$", launch, re.M).group(1))
+    world = nodes * per_node
+    dp = world // (tp * pp)  # how Megatron-LM and DeepSpeed derive it
+    assert (dp, tp, pp, world) == (config.dp, config.tp, config.pp, config.world_size)
+    # DeepSpeed's own check, and Megatron's global batch the same number
+    assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"]
+                                      * ds["gradient_accumulation_steps"] * dp)
+    assert ds["train_batch_size"] == int(args["--global-batch-size"]) == \
+        config.global_batch_size
+    assert ds["train_micro_batch_size_per_gpu"] == int(args["--micro-batch-size"])
+    assert ds["zero_optimization"]["stage"] == config.zero
+    assert f"--zero-stage {config.zero}" in launch
+    assert int(args["--num-layers"]) == shape.n_layer
+    assert float(args["--lr"]) == pytest.approx(ds["optimizer"]["params"]["lr"])
+    if "--num-layers-per-virtual-pipeline-stage" in args:
+        chunk = int(args["--num-layers-per-virtual-pipeline-stage"])
+        assert chunk * pp * config.virtual_stages == shape.n_layer
+    # the Megatron-DeepSpeed arguments and the launch script carry the same sizes
+    ds_args = parse_flags(files["megatron_deepspeed"].read_text())
+    assert int(ds_args["--zero-stage"]) == config.zero
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--micro-batch-size", "--global-batch-size"):
+        assert ds_args[flag] == args[flag]
+        assert launch.count(f"{flag} {args[flag]}") == 2  # both launchers
+
+
+def test_llama_architecture_flags():
+    shape, config, _ = LAYOUTS["llama2-70b interleaved"]
+    args = parse_flags(" ".join(megatron_args(shape, config)))
+    assert args["--num-query-groups"] == "8" and args["--ffn-hidden-size"] == "28672"
+    for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--sequence-parallel", "--use-flash-attn", "--bf16",
+                 "--use-distributed-optimizer"):
+        assert args[flag] is True
+    assert args["--normalization"] == "RMSNorm"
+    assert args["--position-embedding-type"] == "rope"
+
+
+def test_bloom_recomputation_and_stage_split():
+    shape, config, _ = LAYOUTS["bloom"]
+    args = parse_flags(" ".join(megatron_args(shape, config)))
+    assert args["--recompute-granularity"] == "full"
+    assert args["--decoder-first-pipeline-num-layers"] == "5"
+    assert args["--decoder-last-pipeline-num-layers"] == "5"
+    ds = deepspeed_config(shape, config)
+    assert ds["bf16"] == {"enabled": True} and ds["pipeline"]["stages"] == 12
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_launch_script_is_valid_bash(tmp_path):
+    files = write_export(tmp_path, *LAYOUTS["bloom"])
+    subprocess.run(["bash", "-n", str(files["launch"])], check=True)

@@ -1,0 +1,97 @@
+"""ParallelConfig's batch arithmetic and validation, and what each pipeline rank holds,
+checked against the schedules minipar's pipeline runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from minipar.parallel.pipeline import split_layers
+from minipar.parallel.schedules import in_flight_peak, make_schedule
+from minipar.plan import presets
+from minipar.plan.layout import (
+    ParallelConfig,
+    PlanError,
+    check_model_fits_layout,
+    in_flight,
+    layer_counts,
+    representative_ranks,
+    stage_plans,
+)
+from minipar.train import TrainConfig
+
+
+def test_global_batch_is_micro_times_accumulation_times_dp():
+    config = ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=64)
+    assert config.grad_accum_steps == 8
+    config = ParallelConfig(dp=4, micro_batch_size=2, grad_accum_steps=3)
+    assert config.global_batch_size == 24
+    assert config.replace(dp=8).global_batch_size == 48  # accumulation kept
+
+
+@pytest.mark.parametrize("changes,setting", [
+    (dict(dp=4, micro_batch_size=2, global_batch_size=60), "global_batch_size"),
+    (dict(micro_batch_size=2, grad_accum_steps=3, global_batch_size=8), "global_batch_size"),
+    (dict(zero=4), "zero"),
+    (dict(precision="fp16"), "precision"),
+    (dict(schedule="interleaved", pp=2, virtual_stages=1), "virtual_stages"),
+    (dict(virtual_stages=2), "virtual_stages"),
+    (dict(schedule="interleaved", pp=4, virtual_stages=2, grad_accum_steps=6),
+     "grad_accum_steps"),
+    (dict(tp=0), "tp"),
+])
+def test_bad_settings_name_the_flag(changes, setting):
+    with pytest.raises(PlanError) as info:
+        ParallelConfig(**changes)
+    assert info.value.setting == setting
+    assert f"--{setting.replace('_', '-')}" in str(info.value)
+
+
+def test_from_train_config_keeps_the_layout():
+    train = TrainConfig(dp=2, tp=1, pp=1, zero=2, micro_batch_size=3, grad_accum_steps=5,
+                        precision="bf16-mixed", activation_checkpointing=True)
+    config = ParallelConfig.from_train_config(train)
+    assert (config.dp, config.zero, config.micro_batch_size, config.micro_batches,
+            config.global_batch_size) == (2, 2, 3, 5, 30)
+    assert config.activation_checkpointing and config.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("layers,stages", [(4, 2), (7, 3), (12, 5), (70, 12), (3, 3)])
+def test_layer_split_is_minipars(layers, stages):
+    assert layer_counts(layers, stages) == [len(r) for r in split_layers(layers, stages)]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [
+    ("gpipe", 4, 6, 1), ("1f1b", 4, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 5, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 4, 3),
+    ("interleaved", 3, 9, 2),
+])
+def test_micro_batches_in_flight_match_the_schedule(schedule, p, m, v):
+    made = make_schedule(schedule, p, m, v)
+    for rank in range(p):
+        assert in_flight(schedule, p, rank, m, v) == in_flight_peak(made, rank)
+
+
+def test_first_pipeline_rank_holds_the_embedding_and_the_last_the_head():
+    shape = presets.model("gpt2")
+    plans = stage_plans(shape, ParallelConfig(pp=4, grad_accum_steps=8), all_ranks=True)
+    assert [p.first for p in plans] == [True, False, False, False]
+    assert [p.last for p in plans] == [False, False, False, True]
+    assert [p.tied_copy for p in plans] == [False, False, False, True]  # tied GPT-2 head
+    assert sum(p.layers for p in plans) == shape.n_layer
+    assert representative_ranks(4) == [0, 1, 3] and representative_ranks(1) == [0]
+
+
+@pytest.mark.parametrize("model,tp,setting", [("llama2-70b", 16, "tp"), ("gpt2", 5, "tp")])
+def test_model_must_split_over_the_layout(model, tp, setting):
+    with pytest.raises(PlanError) as info:
+        check_model_fits_layout(presets.model(model), ParallelConfig(tp=tp))
+    assert info.value.setting == setting
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(PlanError, match="stages"):
+        check_model_fits_layout(presets.model("gpt2"), ParallelConfig(pp=16,
+                                                                       grad_accum_steps=16))
+    with pytest.raises(PlanError, match="layer-split"):
+        check_model_fits_layout(presets.model("gpt2"),
+                                ParallelConfig(pp=2, layer_split=(5, 6), grad_accum_steps=2))

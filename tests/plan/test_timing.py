@@ -1,0 +1,83 @@
+"""Step time, bubble and MFU: the closed forms, and the exact simulation agreeing with
+them when compute dominates."""
+
+from __future__ import annotations
+
+import pytest
+
+from minipar.plan import presets
+from minipar.plan.cluster import ClusterSpec
+from minipar.plan.estimate import estimate
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
+from minipar.plan.timing import step_time
+
+CLUSTER = presets.cluster("a100")
+
+
+def fake_stage(seconds):
+    return {"micro_batch_s": seconds, "p2p_s": 0.0, "step_comm_s": 0.0, "optimizer_s": 0.0}
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 16), (8, 8)])
+def test_closed_form_bubble_for_uniform_stages(p, m):
+    shape = presets.model("gpt2")
+    config = ParallelConfig(pp=p, grad_accum_steps=m)
+    ranks = sorted({0, 1, p - 1})
+    time = step_time(config, [fake_stage(1.0)] * len(ranks), shape, CLUSTER, ranks)
+    assert time["step_s"] == pytest.approx(m + p - 1)
+    assert time["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_closed_form_interleaved_bubble_shrinks_by_v():
+    p, m, v = 4, 8, 2
+    config = ParallelConfig(pp=p, grad_accum_steps=m, schedule="interleaved",
+                            virtual_stages=v)
+    time = step_time(config, [fake_stage(1.0)] * 3, presets.model("gpt2"), CLUSTER, [0, 1, 3])
+    assert time["step_s"] == pytest.approx(m + (p - 1) / v)
+
+
+def test_single_gpu_step_is_flops_over_sustained_rate():
+    shape = ModelShape(n_layer=4, d_model=256, n_head=4, vocab_size=1000, seq_len=128)
+    config = ParallelConfig(micro_batch_size=2, grad_accum_steps=3, precision="fp32")
+    est = estimate(shape, config, CLUSTER)
+    layer_f, layer_b = shape.layer_flops(2)
+    micro = (shape.n_layer * (layer_f + layer_b) + sum(shape.embedding_flops(2))
+             + sum(shape.head_flops(2)))
+    flops = 3 * micro + ADAMW_FLOPS_PER_PARAMETER * shape.n_params
+    assert est.step_time == pytest.approx(flops / CLUSTER.sustained_flops, rel=1e-12)
+
+
+def test_mfu_is_efficiency_times_model_over_executed_flops_on_one_gpu():
+    shape = presets.model("gpt2-xl")
+    config = ParallelConfig(micro_batch_size=4, grad_accum_steps=8)
+    est = estimate(shape, config, CLUSTER)
+    executed = est.step_time * CLUSTER.sustained_flops
+    model = shape.model_flops_per_sequence() * config.global_batch_size
+    assert est.mfu == pytest.approx(CLUSTER.efficiency * model / executed, rel=1e-12)
+    assert 0.9 * CLUSTER.efficiency < est.mfu < CLUSTER.efficiency
+    # full recomputation runs the forward twice: ~3/4 of the MFU (Korthikanti, section 5)
+    recomputed = estimate(shape, config.replace(activation_checkpointing=True), CLUSTER)
+    assert recomputed.mfu / est.mfu == pytest.approx(0.75, rel=0.02)
+
+
+@pytest.mark.parametrize("name,config", [
+    ("gpt3-175b", ParallelConfig(dp=8, tp=8, pp=8, zero=1, micro_batch_size=1,
+                                 global_batch_size=1536, sequence_parallel=True,
+                                 flash_attention=True)),
+    ("llama2-70b", ParallelConfig(dp=8, tp=4, pp=2, zero=1, schedule="interleaved",
+                                  virtual_stages=2, global_batch_size=1024,
+                                  sequence_parallel=True, flash_attention=True)),
+])
+def test_closed_form_agrees_with_the_simulation_when_compute_dominates(name, config):
+    shape = presets.model(name)
+    exact = estimate(shape, config, CLUSTER)
+    fast = estimate(shape, config, CLUSTER, exact_pipeline=False)
+    assert fast.step_time == pytest.approx(exact.step_time, rel=0.01)
+
+
+def test_emulated_cluster_prices_compute_at_the_profile_rate():
+    spec = ClusterSpec.from_device_profile()
+    shape = ModelShape(n_layer=1, d_model=32, n_head=4, vocab_size=32, seq_len=8)
+    est = estimate(shape, ParallelConfig(precision="fp32"), spec)
+    assert est.time["tokens_per_s"] == pytest.approx(8 / est.step_time)
