@@ -107,4 +107,7 @@ def micro_batch(inputs: np.ndarray, targets: np.ndarray, *, dp_rank: int, micro_
     (see the module docstring). Returns (inputs, targets), each (micro_batch_size, T)."""
     start = (dp_rank * grad_accum_steps + micro_step) * micro_batch_size
     rows = slice(start, start + micro_batch_size)
-    return inputs[rows], targets[rows]
+    # Copies, as if each rank had loaded its own rows: a view would keep the whole global
+    # batch alive, and the memory ledger (which counts a view's whole buffer) would book
+    # it as this rank's activations.
+    return inputs[rows].copy(), targets[rows].copy()

@@ -36,11 +36,6 @@ STEPS = 2
 TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=STEPS)
 EMULATED = ClusterSpec.from_device_profile(gpus_per_node=8)
 
-MICRO_BATCH_ONE_BUG = pytest.mark.xfail(
-    strict=True, reason="loop.py keeps a view of the global batch when micro_batch_size "
-    "is 1: np.ascontiguousarray does not copy a one-row view")
-
-
 def case(name, marks=(), **settings):
     return pytest.param(settings, id=name, marks=marks)
 
@@ -60,11 +55,8 @@ GRID = [
     case("dp4 zero3 bf16", dp=4, zero=3, precision="bf16-mixed", micro_batch_size=2),
     case("dp2 zero1 bf16 untied", dp=2, zero=1, precision="bf16-mixed",
          tie_embeddings=False, micro_batch_size=2, grad_accum_steps=3),
-    # With micro-batch size 1 the loop's np.ascontiguousarray(x) does not copy (a one-row
-    # view is contiguous), so the rank keeps a view of the global batch's whole token
-    # array and its ledger counts all of it as activations. Strict: once loop.py copies,
-    # this passes and the mark must go.
-    case("micro-batch 1", marks=MICRO_BATCH_ONE_BUG, dp=2, micro_batch_size=1,
+    # A one-row micro-batch must be a copy, not a view that keeps the global batch alive.
+    case("micro-batch 1", dp=2, micro_batch_size=1,
          grad_accum_steps=2),
     # Layouts the training loop does not accept yet: skipped with the loop's own reason
     # until it does, then checked like the others.

@@ -68,3 +68,10 @@ def test_too_long_sequences_name_the_flag():
     stream = synthetic_stream(vocab_size=8, length=50)
     with pytest.raises(ConfigError, match="--seq-len"):
         stream.global_batch(step=0, size=2, seq_len=64, seed=0)
+
+
+def test_micro_batches_are_copies_not_views_of_the_global_batch():
+    x = np.arange(12).reshape(6, 2)
+    xs, ys = micro_batch(x, x, dp_rank=1, micro_step=0, micro_batch_size=1, grad_accum_steps=1)
+    assert xs.base is None and ys.base is None
+    assert xs.nbytes == x.nbytes // 6
