@@ -7,7 +7,7 @@ rank's thread sees its own device and nothing is shared). Outside a launch there
 no device and nothing is recorded, so the engine also works as a plain library.
 
 A device is anything with
-    device.compute(flops: float, kind: str)      # kind: "forward" | "backward"
+    device.compute(flops: float, kind: str)      # "forward" | "backward" | "optimizer"
     device.memory.hold(array, category: str)     # "params" | "grads" | "optimizer" |
     device.memory.release(array)                 # "activations" | "buffers"
 (`minipar.dist.Device` is the real one.) Keeping the protocol here, and the bookkeeping

@@ -28,6 +28,7 @@ from minipar.autograd import functional as F
 from minipar.autograd.checkpoint import checkpoint
 from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.precision import get_policy
+from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minipar.nn.module import Module, ModuleList, Parameter
 
@@ -208,9 +209,9 @@ class GPT(Module):
         return {name: init_parameter(name, shape, config, seed)
                 for name, shape in parameter_shapes(config).items()}
 
-    def embed(self, idx) -> object:
+    def embed(self, idx) -> Tensor:
         """Token plus position embeddings: idx (B, T) ints -> x (B, T, d)."""
-        idx = np.asarray(idx.data if hasattr(idx, "data") else idx)
+        idx = np.asarray(idx.data if isinstance(idx, Tensor) else idx)
         if idx.ndim != 2 or idx.dtype.kind not in "iu":
             raise ValueError(f"GPT: idx must be an integer array (B, T), got shape "
                              f"{idx.shape} dtype {idx.dtype}")
