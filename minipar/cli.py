@@ -1,4 +1,10 @@
-"""The `minipar` command line: `minipar train ...`, `minipar consolidate CKPT OUT.npz`.
+"""The `minipar` command line.
+
+    minipar demo [--out DIR]                 dp2 x tp2 x pp2 ZeRO-1 on 8 virtual GPUs, explained
+    minipar train [flags] [--json PATH]      train any mix and print what each rank measured
+    minipar check [--quick]                  the equivalence matrix against single device
+    minipar timeline [flags] --out PNG       train, then draw the ranks' Gantt chart
+    minipar consolidate CKPT OUT.npz         a sharded checkpoint -> one state dict
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
@@ -85,12 +91,36 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+DEVICES = ("h100", "demo")
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=DEVICES, default="h100",
+                        help="the simulated GPU: h100 (default; toy models are latency-bound "
+                             "on it) or demo (compute scaled to toy models, see `minipar "
+                             "demo`)")
+
+
+def device_profile(name: str):
+    if name == "demo":
+        from minipar.train.demo import DEMO_PROFILE
+
+        return DEMO_PROFILE
+    return None  # the default: minipar.dist.DeviceProfile(), an H100 SXM
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="minipar",
                            description="3D parallelism and ZeRO on N virtual GPUs.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    demo = commands.add_parser(
+        "demo", help="train dp2 x tp2 x pp2 ZeRO-1 on 8 virtual GPUs, check it against one "
+                     "GPU, and explain which parallelism cut which memory at what traffic")
+    demo.add_argument("--out", metavar="DIR", default="minipar-demo",
+                      help="folder for the figures (default: ./minipar-demo)")
     train = commands.add_parser("train", help="train and print what each rank measured")
     add_config_flags(train)
+    add_device_flag(train)
     train.add_argument("--json", metavar="PATH", help="write the report (minipar.report/1)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or tables")
     train.add_argument("--save", metavar="DIR",
@@ -100,6 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="CKPT",
                        help="continue from a checkpoint (or the latest one in a --save DIR), "
                             "saved under any --dp / --zero")
+    check = commands.add_parser(
+        "check", help="train a grid of dp x tp x pp x ZeRO layouts in fp64 and compare each "
+                      "with single-device training, step by step")
+    check.add_argument("--quick", action="store_true",
+                       help="only the representative cases (as the tests do)")
+    check.add_argument("--steps", type=int, default=None, help="steps per case (default 3)")
+    timeline = commands.add_parser(
+        "timeline", help="train, then draw each rank's simulated timeline (Gantt chart)")
+    add_config_flags(timeline)
+    add_device_flag(timeline)
+    timeline.add_argument("--out", metavar="PNG", default="timeline.png",
+                          help="where to save the figure (default: timeline.png)")
+    timeline.add_argument("--step", type=int, default=-1,
+                          help="which optimizer step to draw (default: the last)")
+    timeline.add_argument("--all-steps", action="store_true", help="draw the whole run")
     consolidate = commands.add_parser(
         "consolidate", help="merge a sharded checkpoint into one single-device state dict")
     consolidate.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
@@ -110,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     from minipar.train.checkpoint import read_manifest
     from minipar.train.loop import train
-    from minipar.viz.tables import loss_table, memory_table
+    from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
 
     config = config_from_args(args)
     if args.save_every and not args.save:
@@ -129,7 +174,7 @@ def cmd_train(args) -> int:
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     report = train(config, progress=progress, save_dir=args.save, save_every=args.save_every,
-                   resume_from=args.resume)
+                   resume_from=args.resume, device=device_profile(args.device))
     if bar is not None:
         bar.close()
     if args.json:
@@ -143,6 +188,15 @@ def cmd_train(args) -> int:
         print(loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
         print(memory_table(report))
+        if report.world_size > 1:
+            print("\nTraffic per rank and step, by group and collective (bytes sent):")
+            print(traffic_table(report))
+            print("\nSimulated time per rank over the run:")
+            print(time_table(report))
+        if report.pipeline is not None:
+            print(pipeline_line(report.pipeline))
+        for warning in report.warnings:
+            print(f"warning: {warning}")
         if check is not None:
             print(f"\n{equivalence_line(check)}")
         if args.save:
@@ -153,6 +207,67 @@ def cmd_train(args) -> int:
         if args.quiet:
             print(equivalence_line(check), file=sys.stderr)
         return 1
+    return 0
+
+
+def pipeline_line(pipeline: dict) -> str:
+    return (f"pipeline: {pipeline['schedule']}, {pipeline['micro_batches']} micro-batches, "
+            f"layers per stage {pipeline['layers_per_stage']}: bubble (idle share of "
+            f"rank-time) {pipeline['bubble_fraction']:.1%}; uniform stages with free "
+            f"communication would give {pipeline['uniform_bubble_fraction']:.1%}")
+
+
+def cmd_demo(args) -> int:
+    from minipar.train.demo import run_demo
+
+    result = run_demo(args.out)
+    checks = (result.report.equivalence, result.exact.equivalence)
+    return 0 if all(c["passed"] for c in checks) else 1
+
+
+def cmd_check(args) -> int:
+    from minipar.train.grid import GRID, REPRESENTATIVE, grid_table, run_grid
+
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError("steps", f"must be a positive integer, got {args.steps}")
+    cases = [c for c in GRID if not args.quick or c.name in REPRESENTATIVE]
+    overrides = {} if args.steps is None else {"steps": args.steps}
+    print(f"equivalence matrix: {len(cases)} layouts, each against single-device training "
+          "(fp64, same seed, same global batch, every step)")
+
+    def progress(result):
+        print(f"  {result.case.name}: {'ok' if result.passed else 'FAILED'}", flush=True)
+
+    results = run_grid(cases, progress=progress, **overrides)
+    print()
+    print(grid_table(results))
+    failed = [r for r in results if not r.passed]
+    print(f"\n{len(results) - len(failed)} of {len(results)} as expected"
+          + (f"; FAILED: {', '.join(r.case.name for r in failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def cmd_timeline(args) -> int:
+    from minipar.train.loop import train
+    from minipar.viz.timeline import plot_timeline
+
+    config = config_from_args(args)
+    report = train(config, device=device_profile(args.device))
+    start = end = None
+    what = "the whole run"
+    if not args.all_steps:
+        if not -config.steps <= args.step < config.steps:
+            raise ConfigError("steps", f"--step {args.step} is outside the run's "
+                              f"{config.steps} steps")
+        start, end = report.step_window(args.step)
+        what = f"step {args.step % config.steps}"
+    fig = plot_timeline(report.timelines, start=start, end=end)
+    fig.savefig(args.out, dpi=110)
+    print(f"{args.out}: timeline of {report.world_size} rank(s), {what}")
+    if report.pipeline is not None:
+        print(pipeline_line(report.pipeline))
+    for warning in report.warnings:
+        print(f"warning: {warning}")
     return 0
 
 
@@ -186,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     from minipar.train.checkpoint import CheckpointError
 
     try:
-        return {"train": cmd_train, "consolidate": cmd_consolidate}[args.command](args)
+        commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
+                    "check": cmd_check, "timeline": cmd_timeline}
+        return commands[args.command](args)
     except (ConfigError, NotImplementedError, CheckpointError) as err:
         print(f"minipar {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -51,3 +51,67 @@ def test_every_config_field_is_a_flag():
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     for f in dataclasses.fields(TrainConfig):
         assert "--" + f.name.replace("_", "-") in help_text
+
+
+# ------------------------------------------------------------------ 3D, demo, check, timeline
+def test_demo_trains_8_ranks_checks_explains_and_saves_three_figures(tmp_path):
+    out = tmp_path / "figs"
+    result = run("demo", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "DP 2 x TP 2 x PP 2 + ZeRO-1 on 8 virtual GPUs" in text
+    assert text.count("check against single-device training") == 2
+    assert "FAILED" not in text and "passed" in text
+    for table_header in ("peak_total", "sent/step", "idle %", "pipeline bubble"):
+        assert table_header in text
+    assert "Which parallelism cut which memory" in text
+    for run_name in ("1 GPU", "DP 2 + ZeRO-1", "TP 2", "PP 2"):
+        assert f"\n{run_name} " in text
+    for name in ("timeline.png", "memory.png", "traffic.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    seconds = float(text.split("(demo took ")[1].split(" s")[0])
+    assert seconds < 60
+
+
+def test_check_quick_prints_the_matrix_and_passes():
+    result = run("check", "--quick", "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert "dp2 tp2 pp2 zero1 (8 ranks)" in result.stdout
+    assert "max rel param diff" in result.stdout and "refused" in result.stdout
+    assert "3 of 3 as expected" in result.stdout
+
+
+def test_timeline_trains_and_saves_the_gantt_chart(tmp_path):
+    out = tmp_path / "t.png"
+    result = run("timeline", "--pp", "2", "--grad-accum-steps", "4", "--steps", "2",
+                 "--device", "demo", "--out", str(out), *SMALL, "--n-layer", "2")
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step 1" in result.stdout and "bubble" in result.stdout
+
+
+def test_train_3d_prints_traffic_time_and_bubble_and_flags_cross_node_tp(tmp_path):
+    out = tmp_path / "r.json"
+    result = run("train", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1",
+                 "--n-layer", "2", "--grad-accum-steps", "2", "--steps", "2",
+                 "--gpus-per-node", "1", "--json", str(out), *SMALL[:4], "--micro-batch-size",
+                 "1")
+    assert result.returncode == 0, result.stderr
+    for words in ("sent/step", "idle %", "pipeline: 1f1b", "warning: tensor-parallel"):
+        assert words in result.stdout
+    report = json.loads(out.read_text())
+    validate_report(report)
+    assert report["layout"]["tp_group_crosses_nodes"] is True
+    assert report["pipeline"]["schedule"] == "1f1b"
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--dp", "2", "--pp", "2", "--zero", "2"], "--zero 2"),
+    (["--sequence-parallel"], "--sequence-parallel"),
+    (["--tp", "3"], "--tp 3"),
+])
+def test_refused_mixes_are_one_line_errors(args, flag):
+    result = run("train", *args, *SMALL)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0], result.stderr

@@ -29,6 +29,18 @@ Two ideas of DDP live here:
 `Bucket` (a flat layout of parameters padded to a multiple of the group size) is also
 the unit that ZeRO shards (zero.py), and `Piece` is how both describe what a rank holds
 to checkpoints and equivalence checks.
+
+Composed with tensor and pipeline parallelism (minipar/train/build.py), a rank's
+parameters are its TP pieces of its pipeline stage, and two things change:
+- The global gradient norm sums pieces that live on other ranks too: each rank adds the
+  squares of the elements it `counts_in_norm` (a TP-replicated parameter on TP rank 0
+  only, a pipeline's tied embedding copy on the first stage only), then all-reduces the
+  sum over the `norm_groups` (the TP and PP groups), as Megatron-LM's
+  `clip_grad_norm_fp32` does over its model-parallel group.
+- A pipeline runs its micro-batches' backwards inside its schedule and all-reduces the
+  tied embedding's gradient after the last one, so the loop turns the hooks off
+  (`require_backward_grad_sync = False`) and calls `synchronize_gradients()` once the
+  pipeline has flushed.
 """
 
 from __future__ import annotations
@@ -155,20 +167,25 @@ class DataParallel:
 
     named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup;
     bucket_bytes: gradient bucket capacity in bytes (0 = one bucket); adamw: keyword
-    arguments of `minipar.nn.AdamW` (betas, eps, weight_decay).
+    arguments of `minipar.nn.AdamW` (betas, eps, weight_decay); norm_groups: the groups
+    whose ranks hold the rest of the model (TP, PP), over which the squared gradient norm
+    is summed; counts_in_norm(param) -> bool: does my copy of `param` count in that sum.
     Holds the parameters in the rank's ledger as "params"; AdamW holds its state as
     "optimizer"; backward books `p.grad` as "grads"; bucket buffers are "buffers".
     """
 
     stage = 0
 
-    def __init__(self, named_params, group, *, bucket_bytes: float = 0, adamw: dict):
+    def __init__(self, named_params, group, *, bucket_bytes: float = 0, adamw: dict,
+                 norm_groups=(), counts_in_norm=None):
         named_params = list(named_params)
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group = group
         self.world = group.size
         self.device = dist.get_device()
+        self.norm_groups = tuple(norm_groups)
+        self.counts_in_norm = counts_in_norm if counts_in_norm is not None else _always
         for p in self.params:
             self.device.memory.hold(p.data, "params")
         self.optimizer = AdamW(named_params, **adamw)
@@ -191,11 +208,23 @@ class DataParallel:
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.ready = 0
-            flat = bucket.flatten_grads()
-            self.device.memory.hold(flat, "buffers")
-            # Average, as DDP does: each rank's loss is a mean over its share of the batch.
-            work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True)
-            self._pending.append((bucket, flat, work))
+            self._reduce(bucket)
+
+    def _reduce(self, bucket: Bucket) -> None:
+        """Start the asynchronous all-reduce of one bucket's gradients."""
+        flat = bucket.flatten_grads()
+        self.device.memory.hold(flat, "buffers")
+        # Average, as DDP does: each rank's loss is a mean over its share of the batch.
+        work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True)
+        self._pending.append((bucket, flat, work))
+
+    def synchronize_gradients(self) -> None:
+        """Average every bucket's accumulated gradients now (after a pipeline flush, with
+        the hooks turned off by require_backward_grad_sync = False) and wait."""
+        if self.world > 1:
+            for bucket in self.buckets:
+                self._reduce(bucket)
+        self.finish_gradient_synchronization()
 
     def _complete(self, bucket: Bucket, flat: np.ndarray, work) -> None:
         """Wait for one bucket's all-reduce and write the averages into p.grad."""
@@ -220,7 +249,8 @@ class DataParallel:
         """Global gradient norm (identical on every replica after the all-reduce);
         gradients are scaled to `max_norm` when it is > 0 and exceeded."""
         grads = [p.grad for p in self.params]
-        norm = math.sqrt(grad_norm_squared(grads))
+        counted = [p.grad for p in self.params if self.counts_in_norm(p)]
+        norm = math.sqrt(sum_over_groups(grad_norm_squared(counted), self.norm_groups))
         if max_norm > 0:
             scale_grads_(grads, max_norm / (norm + 1e-6))
         return norm
@@ -268,6 +298,19 @@ class DataParallel:
         numel = sum(p.size for p in self.params)
         return {"zero_stage": 0, "buckets": len(self.buckets), "numel": numel,
                 "padded_numel": numel, "padding_elements": 0}
+
+
+def _always(param) -> bool:
+    return True
+
+
+def sum_over_groups(value: float, groups) -> float:
+    """`value` summed over each group in turn (one fp64 all-reduce per group): a rank's
+    share of a squared gradient norm -> the whole model's."""
+    for group in groups:
+        if group.size > 1:
+            value = float(dist.all_reduce(np.array([value]), op="sum", group=group)[0])
+    return value
 
 
 def _whole(kind: str, name: str, array: np.ndarray, param) -> Piece:

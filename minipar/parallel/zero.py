@@ -54,7 +54,14 @@ from minipar import dist
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Function, Tensor
 from minipar.nn.optim import ADAMW_FLOPS_PER_ELEMENT, adamw_update, grad_norm_squared, scale_grads_
-from minipar.parallel.data import MAX_IN_FLIGHT, Bucket, DataParallel, Piece, build_buckets
+from minipar.parallel.data import (
+    MAX_IN_FLIGHT,
+    Bucket,
+    DataParallel,
+    Piece,
+    build_buckets,
+    sum_over_groups,
+)
 
 _CHECK_MESSAGE = ("every parameter must take part in the loss (DeepSpeed and FSDP need "
                   "the same)")
@@ -72,9 +79,12 @@ class ShardedBucket:
     grad_shard   my piece of the averaged gradient (stage 2/3: persistent, accumulated
                  over micro-batches; stage 1: the result of the step's reduce-scatter)
     segments     (start, stop, weight_decay) runs of the shard; padding is in none
+    norm_segments  (start, stop) runs of the shard that count in the global gradient
+                 norm (all of it, unless TP replicas or a tied copy must count once)
     """
 
-    def __init__(self, bucket: Bucket, shard: int, stage: int, weight_decay: float):
+    def __init__(self, bucket: Bucket, shard: int, stage: int, weight_decay: float,
+                 counts_in_norm=None):
         self.bucket, self.shard, self.stage = bucket, shard, stage
         self.start, self.stop = bucket.shard_range(shard)
         self.flat_params = None
@@ -83,7 +93,10 @@ class ShardedBucket:
         self.placeholders = None
         self.master = self.exp_avg = self.exp_avg_sq = self.grad_shard = None
         self.segments = []
+        self.norm_segments = []
         for i, _, _, lo, hi in bucket.overlaps(self.start, self.stop):
+            if counts_in_norm is None or counts_in_norm(bucket.params[i]):
+                _append_run(self.norm_segments, lo - self.start, hi - self.start)
             decay = weight_decay if len(bucket.shapes[i]) >= 2 else 0.0  # matrices only
             lo, hi = lo - self.start, hi - self.start
             if self.segments and self.segments[-1][1] == lo and self.segments[-1][2] == decay:
@@ -92,20 +105,30 @@ class ShardedBucket:
                 self.segments.append((lo, hi, decay))
 
 
+def _append_run(runs: list, lo: int, hi: int) -> None:
+    """Append [lo, hi) to a list of (start, stop) runs, merging touching runs."""
+    if runs and runs[-1][1] == lo:
+        runs[-1] = (runs[-1][0], hi)
+    else:
+        runs.append((lo, hi))
+
+
 class ZeroOptimizer:
     """ZeRO stage 1, 2 or 3 over the data-parallel group, with AdamW.
 
     named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup;
     bucket_bytes: bucket capacity for stages 1/2 (0 = one flat bucket); units: stage 3's
     gather units, [(unit name, [(name, Parameter), ...]), ...] in forward order (see
-    `gpt_units`); adamw: lr, betas, eps, weight_decay as for `minipar.nn.AdamW`.
+    `gpt_units`); adamw: lr, betas, eps, weight_decay as for `minipar.nn.AdamW`;
+    norm_groups, counts_in_norm: as for `DataParallel` (the TP / PP groups the gradient
+    norm is also summed over, and which of my elements count in it).
 
     Same interface as `DataParallel`: require_backward_grad_sync,
     finish_gradient_synchronization(), clip_grad_norm_(max_norm), step(lr), zero_grad().
     """
 
     def __init__(self, named_params, group, *, stage: int, bucket_bytes: float = 0,
-                 units=None, adamw: dict):
+                 units=None, adamw: dict, norm_groups=(), counts_in_norm=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
         named_params = list(named_params)
@@ -118,6 +141,7 @@ class ZeroOptimizer:
         self.weight_decay = adamw.get("weight_decay", 0.1)
         self.step_count = 0
         self.require_backward_grad_sync = True
+        self.norm_groups = tuple(norm_groups)
         self.param_dtype = named_params[0][1].dtype
         # Mixed precision keeps fp32 master weights; fp32/fp64 update the parameters.
         self.mixed = self.param_dtype == bfloat16
@@ -132,7 +156,8 @@ class ZeroOptimizer:
             self.unit_names = [name for name, _ in units]
         else:
             buckets = build_buckets(named_params, bucket_bytes, self.world)
-        self.shards = [ShardedBucket(b, self.rank, stage, self.weight_decay) for b in buckets]
+        self.shards = [ShardedBucket(b, self.rank, stage, self.weight_decay, counts_in_norm)
+                       for b in buckets]
         self._shard_of = {}
         for sb in self.shards:
             self._allocate(sb)
@@ -189,6 +214,11 @@ class ZeroOptimizer:
         if bucket.ready < len(bucket.params):
             return
         bucket.ready = 0
+        self._reduce_scatter(sb)
+
+    def _reduce_scatter(self, sb: ShardedBucket) -> None:
+        """Start the asynchronous reduce-scatter of one bucket's gradients."""
+        bucket = sb.bucket
         if len(self._pending) == MAX_IN_FLIGHT:
             self._complete(*self._pending.pop(0))
         memory = self.device.memory
@@ -215,6 +245,19 @@ class ZeroOptimizer:
             sb.grad_shard += piece
             memory.release(piece)
 
+    def synchronize_gradients(self) -> None:
+        """Stage 1: reduce-scatter every bucket's accumulated gradients now (after a
+        pipeline flush, the hooks turned off by require_backward_grad_sync = False) and
+        wait. Stages 2 and 3 reduce inside every backward, so they cannot wait until a
+        pipeline has run all its micro-batches (see minipar/train/build.py)."""
+        if self.stage != 1:
+            raise RuntimeError(f"ZeRO-{self.stage} reduce-scatters each micro-batch's "
+                               "gradients during backward; only ZeRO-1 (and DP) can "
+                               "synchronize after a pipeline flush")
+        for sb in self.shards:
+            self._reduce_scatter(sb)
+        self.finish_gradient_synchronization()
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for the outstanding reduce-scatters (at the end of every backward)."""
         for pending in self._pending:
@@ -233,14 +276,17 @@ class ZeroOptimizer:
 
     # -------------------------------------------------------------- optimizer
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """The global gradient norm: my shard's sum of squares, all-reduced over the DP
-        group (padding is zero and adds nothing); scale my shard if it exceeds max_norm."""
+        """The global gradient norm: my shard's sum of squares (its counted runs;
+        padding is zero and adds nothing), all-reduced over the DP group and then the
+        norm groups; scale my shard if it exceeds max_norm."""
         grads = [sb.grad_shard for sb in self.shards]
         if any(g is None for g in grads):
             raise RuntimeError("ZeRO-1: no reduced gradient: run backward with "
                                "require_backward_grad_sync=True on the last micro-batch")
-        partial = np.array([grad_norm_squared(grads)])
-        norm = math.sqrt(float(dist.all_reduce(partial, op="sum", group=self.group)[0]))
+        counted = [sb.grad_shard[lo:hi] for sb in self.shards for lo, hi in sb.norm_segments]
+        partial = np.array([grad_norm_squared(counted)])
+        total = float(dist.all_reduce(partial, op="sum", group=self.group)[0])
+        norm = math.sqrt(sum_over_groups(total, self.norm_groups))
         if max_norm > 0:
             scale_grads_(grads, max_norm / (norm + 1e-6))
         return norm
@@ -419,17 +465,21 @@ def gpt_units(model, named_params) -> tuple[list, list]:
 
 
 def data_parallel_engine(model, named_params, group, *, zero_stage: int,
-                         bucket_bytes: float, adamw: dict):
+                         bucket_bytes: float, adamw: dict, norm_groups=(),
+                         counts_in_norm=None):
     """The engine of one DP rank: `DataParallel` for stage 0, `ZeroOptimizer` for stages
-    1-3 (stage 3 also hooks the model's embed, blocks and head to gather parameters)."""
+    1-3 (stage 3 also hooks the model's embed, blocks and head to gather parameters).
+    norm_groups, counts_in_norm: see `DataParallel` (for TP / PP ranks)."""
     named_params = list(named_params)
+    norm = {"norm_groups": norm_groups, "counts_in_norm": counts_in_norm}
     if zero_stage == 0:
-        return DataParallel(named_params, group, bucket_bytes=bucket_bytes, adamw=adamw)
+        return DataParallel(named_params, group, bucket_bytes=bucket_bytes, adamw=adamw,
+                            **norm)
     if zero_stage < 3:
         return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
-                             adamw=adamw)
+                             adamw=adamw, **norm)
     units, sites = gpt_units(model, named_params)
-    engine = ZeroOptimizer(named_params, group, stage=3, units=units, adamw=adamw)
+    engine = ZeroOptimizer(named_params, group, stage=3, units=units, adamw=adamw, **norm)
     for owner, attribute, unit_names in sites:
         engine.hook_module(owner, attribute, unit_names)
     return engine

@@ -5,7 +5,9 @@ same initial weights), the same global batch cut into the same micro-batches, th
 AdamW settings, one rank. It keeps the reference's parameters after every step. Then, in
 the parallel run, every rank compares after every step the parameter values it holds (a
 replica, or its ZeRO shard) with the reference's values of the same elements. So a
-mismatch names the first step, tensor and rank that differ: that is where the bug is.
+mismatch names the first step, tensor and rank that differ (at that step, the piece that
+differs most: with clipping, one wrong gradient moves every tensor a little through the
+global norm): that is where the bug is.
 At the end the losses of every step and the consolidated parameters are compared too.
 
 Differences are relative to a scale: max |x - x_ref| / max |x_ref| over the tensor (an
@@ -42,7 +44,8 @@ def reference_config(config: TrainConfig) -> TrainConfig:
     """The single-device run a parallel run must match: one rank, the same micro-batches
     (micro_batch_size x grad_accum_steps x dp of them per step), everything else equal."""
     return config.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False, check=False,
-                          virtual_stages=1, micro_batch_size=config.micro_batch_size,
+                          schedule="1f1b", virtual_stages=1,
+                          micro_batch_size=config.micro_batch_size,
                           grad_accum_steps=config.grad_accum_steps * config.dp,
                           global_batch_size=config.global_batch_size)
 
@@ -94,7 +97,7 @@ class StepChecker:
             for piece in pieces:
                 diff = self._difference(step, piece)
                 self.max_rel_param_diff = max(self.max_rel_param_diff, diff)
-                if not diff <= self.tolerance and self._earlier(step, is_owned):
+                if not diff <= self.tolerance and self._earlier(step, is_owned, diff):
                     self.first_mismatch = {"step": step, "tensor": piece.name,
                                            "rank": self.rank, "owned": is_owned,
                                            "rel_diff": diff}
@@ -110,9 +113,14 @@ class StepChecker:
         expected = local.reshape(-1)[piece.start:piece.stop]
         return relative_difference(piece.values, expected, self._scales[step][piece.name])
 
-    def _earlier(self, step: int, owned: bool) -> bool:
+    def _earlier(self, step: int, owned: bool, diff: float) -> bool:
+        """Is this mismatch a better culprit than the one kept: an earlier step, then an
+        owned piece, then the larger difference (with gradient clipping, one wrong
+        gradient changes the global norm and so, slightly, every tensor: the one that
+        differs most is where the bug is)."""
         first = self.first_mismatch
-        return first is None or (step, not owned) < (first["step"], not first["owned"])
+        return first is None or (step, not owned, -diff) < (
+            first["step"], not first["owned"], -first["rel_diff"])
 
     def summary(self) -> dict:
         return {"max_rel_param_diff": self.max_rel_param_diff,
@@ -149,9 +157,9 @@ def compare_runs(steps: list[dict], reference_steps: list[dict], state_dict: dic
             candidates.append({"step": steps[-1]["step"], "tensor": name, "rank": None,
                                "rel_diff": diff})
     # Earliest step first; at one step, a rank's own piece, then a received copy, then
-    # the loss and the final comparison; then the lowest rank.
+    # the loss and the final comparison; then the largest difference, the lowest rank.
     first = min(candidates, key=lambda c: (c["step"], not c.get("owned", False),
-                                           c["rank"] is None, c["rank"] or 0),
+                                           c["rank"] is None, -c["rel_diff"], c["rank"] or 0),
                 default=None)
     per_rank = max((s["max_rel_param_diff"] for s in rank_summaries), default=0.0)
     return {

@@ -3,25 +3,26 @@
 Every run, even a single-device one, goes through `minipar.dist.launch`, so the same
 ledger and clock measure a 1-rank and an 8-rank run and their reports compare directly.
 
-One optimizer step, from one rank's point of view (nanoGPT's train.py, written as DDP /
-DeepSpeed code is):
+One optimizer step, from one rank's point of view (nanoGPT's train.py, written as
+Megatron-LM / DeepSpeed code is):
 
-    for k in range(grad_accum_steps):
-        x, y = my micro-batch k of the global batch           (rank-major split, data.py)
-        engine.require_backward_grad_sync = (k is the last)   (DDP's no_sync)
-        loss = model(x, y)                                    forward
-        backward(loss / grad_accum_steps)                     grads accumulate (or shard)
-        engine.finish_gradient_synchronization()              DP all-reduce / ZeRO reduce-scatter
-    grad_norm = engine.clip_grad_norm_(grad_clip)            global norm, even when sharded
-    engine.step(lr); engine.zero_grad()                       AdamW on my replica or shard
+    micro_batches = my DP rank's grad_accum_steps micro-batches of the global batch
+    loss = rank.forward_backward(micro_batches)   # pp = 1: forward + backward each,
+                                                  #   DDP's no_sync until the last;
+                                                  # pp > 1: the pipeline schedule, then
+                                                  #   the DP reduction after the flush
+    grad_norm = engine.clip_grad_norm_(grad_clip)  # global norm over DP shards, TP, PP
+    engine.step(lr); engine.zero_grad()             # AdamW on my replica or shard
 
-What differs between data parallelism and the ZeRO stages lives in minipar.parallel
-(data.py, zero.py); this file only drives the steps, saves checkpoints, runs the
-single-device reference for `check`, and turns what the ranks measured into a Report.
+What a rank builds for its mesh coordinates (GPT, its TP slices, its pipeline stage) and
+which mixes are refused lives in build.py; each strategy in minipar.parallel. This file
+drives the steps, saves checkpoints, runs the single-device reference for `check`, and
+turns what the ranks measured into a Report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,20 +30,17 @@ from pathlib import Path
 import numpy as np
 
 from minipar import dist
-from minipar.nn import GPT, GPTConfig, lr_schedule
+from minipar.dist.comm_log import GROUP_KINDS
+from minipar.nn import lr_schedule
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.zero import data_parallel_engine
+from minipar.parallel.pipeline import bubble_fraction, split_layers
 from minipar.train import checkpoint, equivalence
+from minipar.train.build import build_rank_model, check_layout, gpt_config
 from minipar.train.config import ConfigError, TrainConfig
 from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.report import Report
 
-
-def gpt_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The model part of a TrainConfig."""
-    return GPTConfig(vocab_size=vocab_size, seq_len=config.seq_len, n_layer=config.n_layer,
-                     n_head=config.n_head, d_model=config.d_model, dropout=config.dropout,
-                     tie_embeddings=config.tie_embeddings)
+__all__ = ["Reference", "gpt_config", "learning_rate", "reference_run", "train"]
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -50,13 +48,6 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     over all its steps (so `--steps 1` works with the default --warmup-steps)."""
     return lr_schedule(step, lr=config.lr, warmup_steps=min(config.warmup_steps, config.steps),
                        total_steps=config.steps, min_lr=config.min_lr)
-
-
-def _check_supported(config: TrainConfig) -> None:
-    if config.tp > 1 or config.pp > 1:
-        raise NotImplementedError(
-            "this build of minipar trains with data parallelism and ZeRO only (--tp 1 "
-            "--pp 1); tensor and pipeline parallelism land in the next releases")
 
 
 @dataclass
@@ -74,33 +65,12 @@ class RunOptions:
 
 
 # ------------------------------------------------------------------ the rank program
-def _build(config: TrainConfig, options: RunOptions, mesh: dist.DeviceMesh):
-    """My replica of the model (initial or resumed weights) and its DP / ZeRO engine."""
-    model = GPT(gpt_config(config, options.stream.vocab_size), seed=config.seed,
-                precision=config.precision,
-                activation_checkpointing=config.activation_checkpointing)
-    start = options.start
-    if start is not None:
-        model.load_state_dict(start.tensors["param"])
-        # My saved dropout-generator state (rank 0's if the checkpoint had fewer ranks).
-        rank = dist.get_rank()
-        rngs = start.rng_states
-        model.dropout_generator.bit_generator.state = rngs[rank if rank < len(rngs) else 0]
-    adamw = {"lr": config.lr, "betas": (config.beta1, config.beta2),
-             "weight_decay": config.weight_decay}
-    engine = data_parallel_engine(model, model.named_parameters(), mesh.dp_group(),
-                                  zero_stage=config.zero,
-                                  bucket_bytes=config.bucket_size_mb * 2**20, adamw=adamw)
-    if start is not None:
-        engine.load_optimizer_state(start.step, start.tensors)
-    return model, engine
-
-
 def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
-    """What every rank runs (SPMD): build my replica, wrap it for DP / ZeRO, train."""
+    """What every rank runs (SPMD): build my share of the model and its engine, train."""
     mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp)
     rank = dist.get_rank()
-    model, engine = _build(config, options, mesh)
+    rank_model = build_rank_model(config, mesh, options.start)
+    engine = rank_model.engine
     start_step = 0 if options.start is None else options.start.step
     checker = None
     if options.reference_states is not None:
@@ -108,36 +78,24 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             options.reference_states, equivalence.TOLERANCES[config.precision], rank,
             mesh.coords(), dict(zip(("dp", "pp", "tp"), mesh.shape, strict=True)),
             scale=equivalence.SCALES[config.precision])
-    history, states = [], {}
+    history, states, step_ends = [], {}, []
+    clock = dist.get_device().clock
     accum = config.grad_accum_steps
     for step in range(start_step, config.steps):
         lr = learning_rate(config, step)
         inputs, targets = options.stream.global_batch(step, config.global_batch_size,
                                                       config.seq_len, config.seed)
-        micro_losses = []
-        for k in range(accum):
-            x, y = micro_batch(inputs, targets, dp_rank=mesh.dp_rank, micro_step=k,
-                               micro_batch_size=config.micro_batch_size,
-                               grad_accum_steps=accum)
-            # Only the last micro-batch's backward reduces gradients (DDP's no_sync);
-            # ZeRO-2/3 reduce-scatter every micro-batch (DeepSpeed).
-            engine.require_backward_grad_sync = k == accum - 1
-            with dist.phase("forward"):
-                # Copy my rows, as a data loader moves a micro-batch to the GPU.
-                loss = model(np.ascontiguousarray(x), np.ascontiguousarray(y))
-            with dist.phase("backward"):
-                # d(mean over the global batch)/d(loss_k) = 1 / (accum x dp); the DP
-                # average supplies the 1 / dp.
-                loss.backward(np.asarray(1.0 / accum, dtype=loss.data.dtype))
-                engine.finish_gradient_synchronization()
-            micro_losses.append(float(loss.data))
+        micro_batches = [micro_batch(inputs, targets, dp_rank=mesh.dp_rank, micro_step=k,
+                                     micro_batch_size=config.micro_batch_size,
+                                     grad_accum_steps=accum) for k in range(accum)]
+        loss = rank_model.forward_backward(micro_batches)
         with dist.phase("optimizer"):
             grad_norm = engine.clip_grad_norm_(config.grad_clip)
             engine.step(lr)
             engine.zero_grad()
-        record = {"step": step, "loss": float(np.mean(micro_losses)), "lr": lr,
-                  "grad_norm": float(grad_norm)}
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
         history.append(record)
+        step_ends.append(clock.now)
         if checker is not None:
             owned = [p for p in engine.state_pieces() if p.kind == "param"]
             checker.compare(step, owned, engine.parameter_pieces())
@@ -148,10 +106,11 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             checkpoint.save_checkpoint(
                 options.save_dir / f"step-{step + 1:06d}", step=step + 1,
                 config=config.to_dict(), pieces=engine.state_pieces(), coords=mesh.coords(),
-                rng_state=model.dropout_generator.bit_generator.state)
+                rng_state=rank_model.dropout_generator.bit_generator.state)
         if options.progress is not None:
             options.progress.report(rank, record)
-    return {"steps": history, "coords": mesh.coords(), "pieces": engine.parameter_pieces(),
+    return {"steps": history, "step_ends": step_ends, "coords": mesh.coords(),
+            "pieces": engine.parameter_pieces(),
             "sharding": engine.describe(), "states": states,
             "check": None if checker is None else checker.summary()}
 
@@ -200,6 +159,7 @@ def _launch(config: TrainConfig, options: RunOptions):
         summary = device.summary()
         summary["coords"] = result["coords"]
         summary["sharding"] = result["sharding"]
+        summary["flops"] = _flops(device)
         ranks.append(summary)
     held = [(f"rank {rank}", result["coords"], piece)
             for rank, result in enumerate(results) for piece in result["pieces"]]
@@ -207,11 +167,63 @@ def _launch(config: TrainConfig, options: RunOptions):
     state_dict = checkpoint.assemble(held, config.to_dict(), strict=not config.check)["param"]
     shapes = parameter_shapes(gpt_config(config, config.vocab_size))
     state_dict = {name: state_dict[name] for name in shapes}
+    timelines = [device.clock.events for device in devices]
     report = Report(config=config.to_dict(), world_size=config.world_size,
                     n_params=int(sum(np.prod(s) for s in shapes.values())), steps=steps,
-                    ranks=ranks, timelines=[device.clock.events for device in devices],
-                    state_dict=state_dict)
+                    ranks=ranks, timelines=timelines, state_dict=state_dict,
+                    layout=_layout(config), warnings=check_layout(config),
+                    traffic=_traffic(devices), device=dataclasses.asdict(devices[0].profile),
+                    step_end_s=[max(ends) for ends in zip(*(r["step_ends"] for r in results),
+                                                          strict=True)])
+    if config.pp > 1:
+        p, m, v = config.pp, config.grad_accum_steps, config.virtual_stages
+        report.pipeline = {
+            "schedule": config.schedule,
+            # Idle rank-time / total rank-time over the run, from the simulated clocks.
+            "bubble_fraction": bubble_fraction(timelines),
+            "micro_batches": m, "virtual_stages": v,
+            # Uniform stages and free communication (Narayanan et al. 2021, section 2.2).
+            "uniform_bubble_fraction": (p - 1) / (v * m + p - 1),
+            "layers_per_stage": [len(r) for r in split_layers(config.n_layer, p * v)],
+        }
     return report, results
+
+
+def _flops(device) -> dict[str, float]:
+    """FLOPs a rank computed, by kind, from its simulated clock (time x FLOP/s)."""
+    seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
+    for event in device.clock.events:
+        if event.kind in seconds:
+            seconds[event.kind] += event.end - event.start
+    return {kind: s * device.profile.flops for kind, s in seconds.items()}
+
+
+def _layout(config: TrainConfig) -> dict:
+    """Where the ranks are: the mesh, the nodes, every group, and whether a TP group
+    spans nodes (its all-reduces then cross the slow inter-node network)."""
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
+                           gpus_per_node=config.gpus_per_node)
+    per_node = config.gpus_per_node
+    groups = {axis: [list(g.ranks) for g in mesh.all_groups(axis)]
+              for axis in ("dp", "pp", "tp")}
+    return {"mesh": {"dp": config.dp, "pp": config.pp, "tp": config.tp},
+            "gpus_per_node": per_node, "nodes": -(-config.world_size // per_node),
+            "groups": groups,
+            "tp_group_crosses_nodes": any(len({r // per_node for r in g}) > 1
+                                          for g in groups["tp"])}
+
+
+def _traffic(devices) -> dict:
+    """Bytes rank i sent to rank j ("matrix"), and the same split by group kind."""
+    world = len(devices)
+    by_group = {kind: np.zeros((world, world), np.int64) for kind in GROUP_KINDS}
+    for src, device in enumerate(devices):
+        for record in device.comm.records:
+            for dst, nbytes in record.sent_to:
+                by_group[record.group_kind][src, dst] += nbytes
+    total = sum(by_group.values())
+    return {"matrix": total.tolist(),
+            "by_group": {kind: m.tolist() for kind, m in by_group.items() if m.any()}}
 
 
 def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
@@ -230,45 +242,72 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
     return state
 
 
+@dataclass
+class Reference:
+    """A single-device run recorded for equivalence checks: its config, its report and
+    its parameters after every step. Several checked runs with the same reference config
+    (the same global batch and micro-batches) can share one (`minipar check` does)."""
+
+    config: TrainConfig
+    report: Report
+    states: dict[int, dict[str, np.ndarray]]
+
+
+def reference_run(config: TrainConfig, *, resume_from=None,
+                  device: dist.DeviceProfile | None = None) -> Reference:
+    """Train the single-device reference of `config` (equivalence.reference_config)."""
+    stream = make_stream(config.data, config.vocab_size)
+    config = config.replace(vocab_size=stream.vocab_size)
+    start = None if resume_from is None else _resume_state(config, resume_from)
+    single = equivalence.reference_config(config)
+    report, results = _launch(single, RunOptions(stream, start=start, record_states=True,
+                                                 device=device))
+    return Reference(single, report, results[0]["states"])
+
+
 def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
           save_every: int = 0, resume_from=None, device: dist.DeviceProfile | None = None,
-          **overrides) -> Report:
+          reference: Reference | None = None, **overrides) -> Report:
     """Train the model described by `config` and return its measured Report.
 
     progress(step, record): called after every optimizer step (the CLI's progress bar).
     save_dir: write sharded checkpoints to save_dir/step-NNNNNN at the end and every
     `save_every` steps. resume_from: a checkpoint directory (or a save_dir: its latest)
-    to continue from, saved under any dp / ZeRO layout. device: the DeviceProfile every
-    rank simulates (default: an H100 SXM; see minipar.dist.clock). Keyword overrides build or
-    modify the config: `train(steps=5, precision="fp64")`.
-    With config.check, the single-device reference is trained first and the report gets
-    an `equivalence` section."""
+    to continue from, saved under any dp / tp / pp / ZeRO layout. device: the
+    DeviceProfile every rank simulates (default: an H100 SXM; see minipar.dist.clock).
+    Keyword overrides build or modify the config: `train(steps=5, precision="fp64")`.
+    With config.check, the single-device reference is trained first (or `reference`, a
+    `reference_run` of the same reference config, is reused) and the report gets an
+    `equivalence` section; `report.reference` is the reference's own report."""
     if config is None:
         config = TrainConfig(**overrides)
     elif overrides:
         config = config.replace(**overrides)
-    _check_supported(config)
     if save_every < 0:
         raise ConfigError("save_every", f"must be >= 0, got {save_every}")
     stream = make_stream(config.data, config.vocab_size)
     config = config.replace(vocab_size=stream.vocab_size)
+    check_layout(config)  # refuse an unsupported mix before anything runs
     start = None if resume_from is None else _resume_state(config, resume_from)
-
-    reference = reference_results = None
     if config.check:
-        reference, reference_results = _launch(
-            equivalence.reference_config(config),
-            RunOptions(stream, start=start, record_states=True, device=device))
+        expected = equivalence.reference_config(config)
+        if reference is None:
+            reference = reference_run(config, resume_from=resume_from, device=device)
+        elif reference.config.to_dict() != expected.to_dict():
+            raise ValueError("train(reference=...): the reference was trained with another "
+                             "config than this run's single-device reference; build it with "
+                             "reference_run(config)")
     options = RunOptions(
         stream, start=start,
-        reference_states=None if reference is None else reference_results[0]["states"],
+        reference_states=None if reference is None else reference.states,
         save_dir=None if save_dir is None else Path(save_dir), save_every=save_every,
         progress=None if progress is None else _StepLog(progress, config.world_size),
         device=device)
     report, results = _launch(config, options)
-    if reference is not None:
+    if config.check:
+        report.reference = reference.report
         report.equivalence = equivalence.compare_runs(
-            report.steps, reference.steps, report.state_dict, reference.state_dict,
-            [r["check"] for r in results], equivalence.TOLERANCES[config.precision],
-            equivalence.SCALES[config.precision])
+            report.steps, reference.report.steps, report.state_dict,
+            reference.report.state_dict, [r["check"] for r in results],
+            equivalence.TOLERANCES[config.precision], equivalence.SCALES[config.precision])
     return report

@@ -26,10 +26,16 @@ class Report:
     ranks: list[dict] = field(default_factory=list)
     pipeline: dict | None = None
     equivalence: dict | None = None
+    layout: dict | None = None  # mesh, nodes, groups, tp_group_crosses_nodes
+    warnings: list[str] = field(default_factory=list)  # runs, but costs more than needed
+    traffic: dict | None = None  # {"matrix": bytes rank i sent to j, "by_group": {...}}
+    step_end_s: list[float] | None = None  # simulated time when each step ended (all ranks)
+    device: dict | None = None  # the simulated GPU (minipar.dist.DeviceProfile's fields)
     # Not part of the JSON contract: per-rank timeline events (for plots) and the final
     # consolidated single-device state dict (for equivalence checks and inspection).
     timelines: list[list[dict]] | None = field(default=None, repr=False)
     state_dict: dict | None = field(default=None, repr=False)
+    reference: Report | None = field(default=None, repr=False)  # check: the 1-device run
 
     # -------------------------------------------------------------- reading helpers
     @property
@@ -39,6 +45,15 @@ class Report:
     def memory(self, category: str) -> list[int]:
         """Peak bytes of one memory category, per rank."""
         return [r["memory"][category] for r in self.ranks]
+
+    def step_window(self, step: int = -1) -> tuple[float, float]:
+        """[start, end] of one optimizer step on the simulated clock (default: the last),
+        from the slowest rank's end of the previous step to the slowest rank's end of it."""
+        ends = self.step_end_s
+        if not ends:
+            raise ValueError("this report has no step times (step_end_s)")
+        index = step % len(ends)
+        return (ends[index - 1] if index else 0.0), ends[index]
 
     def sent_bytes(self, group: str | None = None) -> list[float]:
         """Bytes each rank sent, in total or in one group kind ("dp", "tp", "pp")."""
@@ -60,6 +75,15 @@ class Report:
             out["pipeline"] = self.pipeline
         if self.equivalence is not None:
             out["equivalence"] = self.equivalence
+        if self.layout is not None:
+            out["layout"] = self.layout
+        out["warnings"] = self.warnings
+        if self.traffic is not None:
+            out["traffic"] = self.traffic
+        if self.step_end_s is not None:
+            out["step_end_s"] = self.step_end_s
+        if self.device is not None:
+            out["device"] = self.device
         return out
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -74,7 +98,10 @@ class Report:
         validate_report(data)
         return cls(config=data["config"], world_size=data["world_size"],
                    n_params=data["n_params"], steps=data["steps"], ranks=data["ranks"],
-                   pipeline=data.get("pipeline"), equivalence=data.get("equivalence"))
+                   pipeline=data.get("pipeline"), equivalence=data.get("equivalence"),
+                   layout=data.get("layout"), warnings=data.get("warnings", []),
+                   traffic=data.get("traffic"), step_end_s=data.get("step_end_s"),
+                   device=data.get("device"))
 
     @classmethod
     def from_json(cls, path: str | Path) -> Report:

@@ -23,7 +23,7 @@ def format_table(headers: list[str], rows: list[list], align: str | None = None)
 
     def line(row):
         return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
-                         for c, w, a in zip(row, widths, align, strict=True))
+                         for c, w, a in zip(row, widths, align, strict=True)).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
@@ -52,4 +52,51 @@ def memory_table(report: Report) -> str:
         rows.append([r["rank"], f"{c['dp']}/{c['pp']}/{c['tp']}",
                      *(human_bytes(r["memory"][k]) for k in MEMORY_CATEGORIES),
                      human_bytes(r["memory"]["peak_total"])])
+    return format_table(headers, rows)
+
+
+def _coords(rank: dict) -> str:
+    c = rank["coords"]
+    return f"{c['dp']}/{c['pp']}/{c['tp']}"
+
+
+def traffic_table(report: Report) -> str:
+    """Bytes each rank sent per optimizer step, by group kind and by collective."""
+    steps = max(1, len(report.steps))
+    groups = [g for g in ("dp", "tp", "pp", "other")
+              if any(r["comm"]["by_group"].get(g, 0) for r in report.ranks)]
+    ops = sorted({op for r in report.ranks for op, b in r["comm"]["by_op"].items() if b})
+    headers = ["rank", "dp/pp/tp", "node", *(f"{g} group" for g in groups), *ops,
+               "sent/step", "calls/step"]
+    rows = []
+    for r in report.ranks:
+        comm = r["comm"]
+        rows.append([r["rank"], _coords(r), r["node"],
+                     *(human_bytes(comm["by_group"].get(g, 0) / steps) for g in groups),
+                     *(human_bytes(comm["by_op"].get(op, 0) / steps) for op in ops),
+                     human_bytes(comm["sent_bytes"] / steps), f"{comm['calls'] / steps:g}"])
+    return format_table(headers, rows)
+
+
+def human_seconds(seconds: float) -> str:
+    """0.00012 -> '120.0 us' (simulated time)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        if abs(seconds) >= scale or unit == "ns":
+            return f"{seconds / scale:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def time_table(report: Report) -> str:
+    """Simulated seconds each rank spent computing, communicating and idle (waiting for
+    a peer: the pipeline bubble, a collective's last member), over the run."""
+    headers = ["rank", "dp/pp/tp", "compute", "comm", "idle", "compute %", "comm %",
+               "idle %"]
+    rows = []
+    for r in report.ranks:
+        t = r["time"]
+        total = t["compute_s"] + t["comm_s"] + t["idle_s"]
+        share = [f"{100 * t[k] / total:.0f}%" if total else "-"
+                 for k in ("compute_s", "comm_s", "idle_s")]
+        rows.append([r["rank"], _coords(r), human_seconds(t["compute_s"]),
+                     human_seconds(t["comm_s"]), human_seconds(t["idle_s"]), *share])
     return format_table(headers, rows)

@@ -84,6 +84,7 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
     for y, row in enumerate(rows):
         ax.broken_barh([((0.0), (t1 - t0) / scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
         bars: dict[tuple, list] = {}
+        spans: list[list] = []  # [label, start, end, color] of labelled compute
         for kind, s, e, label in row:
             s, e = max(s, t0), min(e, t1)
             if e <= s or kind == "idle":
@@ -92,7 +93,15 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
             if max_chunk and kind in ("forward", "backward"):
                 color = _lighter(color, 0.5 * _chunk(label) / max_chunk)
             bars.setdefault(color, []).append(((s - t0) / scale, (e - s) / scale))
-            if show_labels and label and kind != "comm" and e - s >= min_text_width:
+            if label and kind != "comm":
+                # One label per micro-batch's compute, even when a tensor-parallel
+                # all-reduce cuts it into slivers: extend the span while the label holds.
+                if spans and spans[-1][0] == label:
+                    spans[-1][2] = e
+                else:
+                    spans.append([label, s, e, color])
+        for label, s, e, color in spans if show_labels else ():
+            if e - s >= min_text_width:
                 r, g, b = to_rgb(color)
                 text_color = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "white"
                 ax.text((s + e - 2 * t0) / 2 / scale, y, label, ha="center", va="center",

@@ -238,3 +238,78 @@ def test_bad_stage_or_units_are_clear_errors():
         dist.launch(worker, 1, stage=3)
     with pytest.raises(ValueError, match="missing"):
         dist.launch(worker, 1, stage=3, units=[("embed", [])])
+
+
+# ------------------------------------------------------------------ composing with TP / PP
+def _grads_after(zero: int, after_flush: bool, accum: int = 2):
+    """Every DP rank's reduced gradient (DP: p.grad; ZeRO-1: its shard) after `accum`
+    micro-batches, reduced by the hooks on the last one or, as under a pipeline, by
+    synchronize_gradients() after all of them."""
+    config = GPTConfig(vocab_size=VOCAB, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, VOCAB, size=(2, 2, 8)) for _ in range(accum)]
+
+    def rank():
+        model = GPT(config, seed=0, precision="fp64")
+        engine = data_parallel_engine(model, model.named_parameters(), dist.DeviceMesh(dp=2)
+                                      .dp_group(), zero_stage=zero, bucket_bytes=0, adamw={})
+        me = dist.get_rank()
+        for k, (x, y) in enumerate(batches):
+            engine.require_backward_grad_sync = not after_flush and k == accum - 1
+            model(x[me:me + 1], y[me:me + 1]).backward(np.asarray(1.0 / accum))
+            engine.finish_gradient_synchronization()
+        if after_flush:
+            engine.synchronize_gradients()
+        if zero == 0:
+            return np.concatenate([p.grad.reshape(-1) for p in model.parameters()])
+        return np.concatenate([sb.grad_shard for sb in engine.shards])
+
+    return dist.launch(rank, 2)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_synchronizing_after_a_pipeline_flush_reduces_like_the_hooks(zero):
+    hooks, flush = _grads_after(zero, False), _grads_after(zero, True)
+    for a, b in zip(hooks, flush, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_zero2_cannot_wait_for_a_pipeline_flush():
+    def rank():
+        model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=8, n_layer=1, n_head=2, d_model=16))
+        engine = data_parallel_engine(model, model.named_parameters(), dist.DeviceMesh(dp=2)
+                                      .dp_group(), zero_stage=2, bucket_bytes=0, adamw={})
+        engine.synchronize_gradients()
+
+    with pytest.raises(RuntimeError, match="only ZeRO-1"):
+        dist.launch(rank, 2)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_gradient_norm_sums_only_counted_pieces_over_the_norm_groups(zero):
+    """Two model-parallel ranks (each its own DP group of 1 for DP, or a DP pair for
+    ZeRO-1) hold different gradients; the global norm adds the squares of the counted
+    ones over the norm group, as a NumPy sum over both ranks."""
+    world = 2 if zero == 0 else 4
+    grads = np.random.default_rng(5).normal(size=(world, 3, 4))
+
+    def rank():
+        from minipar.nn import Parameter
+
+        me = dist.get_rank()
+        mesh = dist.DeviceMesh(dp=world // 2, tp=2)
+        params = [Parameter(np.zeros(4)) for _ in range(3)]
+        for p, g in zip(params, grads[mesh.tp_rank], strict=True):  # DP replicas agree
+            p.grad = g.copy()
+        skip = params[2]  # e.g. a tied copy: counted elsewhere
+        engine = data_parallel_engine(None, [(f"p{i}", p) for i, p in enumerate(params)],
+                                      mesh.dp_group(), zero_stage=zero, bucket_bytes=0,
+                                      adamw={}, norm_groups=(mesh.tp_group(),),
+                                      counts_in_norm=lambda p: p is not skip)
+        if zero:
+            engine.synchronize_gradients()
+        return engine.clip_grad_norm_(0.0), me
+
+    expected = np.sqrt(np.sum(grads[:2, :2] ** 2))
+    for norm, _ in dist.launch(rank, world):
+        assert norm == pytest.approx(expected, rel=1e-12)

@@ -100,7 +100,88 @@ def test_data_parallel_trains_like_one_device_with_the_same_global_batch():
         np.testing.assert_allclose(parallel.state_dict[name], value, rtol=1e-9, atol=1e-12)
 
 
-def test_tensor_and_pipeline_parallelism_are_refused_clearly():
-    for setting in ({"tp": 2}, {"pp": 2}):
-        with pytest.raises(NotImplementedError, match="--tp 1 --pp 1"):
-            train(TrainConfig(steps=1, **setting, **SMALL))
+# ------------------------------------------------------------------ 3D: dp x tp x pp
+LAYOUT_3D = {**SMALL, "micro_batch_size": 2, "n_layer": 4, "dp": 2, "tp": 2, "pp": 2,
+             "zero": 1, "grad_accum_steps": 2}
+
+
+def test_3d_parallel_ranks_report_mesh_coordinates_nodes_and_groups():
+    report = train(TrainConfig(steps=1, gpus_per_node=4, **LAYOUT_3D))
+    # rank = (dp * pp + pp_index) * tp + tp_index: tp fastest (Megatron, picotron)
+    expected = [{"dp": d, "pp": p, "tp": t} for d in range(2) for p in range(2)
+                for t in range(2)]
+    assert [r["coords"] for r in report.ranks] == expected
+    assert [r["node"] for r in report.ranks] == [0, 0, 0, 0, 1, 1, 1, 1]
+    groups = report.layout["groups"]
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert report.layout["nodes"] == 2 and not report.layout["tp_group_crosses_nodes"]
+
+
+def test_3d_traffic_matrix_adds_up_to_each_ranks_sent_and_received_bytes():
+    report = train(TrainConfig(steps=1, **LAYOUT_3D))
+    matrix = np.array(report.traffic["matrix"])
+    assert matrix.shape == (8, 8) and np.all(np.diag(matrix) == 0)
+    np.testing.assert_array_equal(matrix.sum(axis=1), report.sent_bytes())
+    np.testing.assert_array_equal(matrix.sum(axis=0),
+                                  [r["comm"]["recv_bytes"] for r in report.ranks])
+    for kind, part in report.traffic["by_group"].items():
+        np.testing.assert_array_equal(np.array(part).sum(axis=1), report.sent_bytes(kind))
+    # TP traffic stays inside TP groups, pipeline traffic inside pipeline groups
+    tp = np.array(report.traffic["by_group"]["tp"])
+    assert all(tp[i, j] == 0 for i in range(8) for j in range(8) if i // 2 != j // 2)
+
+
+def test_the_pipeline_section_reports_the_schedule_and_the_measured_bubble():
+    report = train(TrainConfig(steps=1, **{**LAYOUT_3D, "grad_accum_steps": 4}))
+    pipeline = report.pipeline
+    assert pipeline["schedule"] == "1f1b" and pipeline["micro_batches"] == 4
+    assert pipeline["layers_per_stage"] == [2, 2]
+    assert pipeline["uniform_bubble_fraction"] == pytest.approx(1 / 5)
+    idle = sum(r["time"]["idle_s"] for r in report.ranks)
+    assert 0 < pipeline["bubble_fraction"] < 1 and idle > 0
+    assert train(TrainConfig(steps=1, **SMALL)).pipeline is None
+
+
+def test_step_windows_cover_the_run_on_the_simulated_clock():
+    report = train(TrainConfig(steps=3, **LAYOUT_3D))
+    ends = report.step_end_s
+    assert len(ends) == 3 and ends == sorted(ends) and ends[0] > 0
+    assert report.step_window(0) == (0.0, ends[0])
+    assert report.step_window(-1) == (ends[1], ends[2])
+    longest = max(sum(r["time"].values()) for r in report.ranks)
+    assert ends[-1] == pytest.approx(longest)
+
+
+@pytest.mark.parametrize("settings", [
+    LAYOUT_3D,
+    {**SMALL, "tp": 2, "pp": 2, "sequence_parallel": True, "schedule": "gpipe",
+     "grad_accum_steps": 2, "activation_checkpointing": True},
+    {**SMALL, "dp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2,
+     "grad_accum_steps": 2, "n_layer": 4, "tie_embeddings": False},
+])
+def test_3d_layouts_train_like_one_device_with_the_same_global_batch(settings):
+    config = TrainConfig(steps=3, precision="fp64", **settings)
+    parallel = train(config)
+    single = train(config.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
+                                  schedule="1f1b", virtual_stages=1,
+                                  grad_accum_steps=config.grad_accum_steps * config.dp,
+                                  global_batch_size=config.global_batch_size))
+    np.testing.assert_allclose(parallel.losses, single.losses, rtol=1e-12)
+    assert set(parallel.state_dict) == set(single.state_dict)
+    for name, value in single.state_dict.items():
+        np.testing.assert_allclose(parallel.state_dict[name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_3d_checkpoints_resume_under_another_layout(tmp_path):
+    # (the first run stops after the 2 warm-up steps: the schedule up to there does not
+    # depend on the total number of steps)
+    config = TrainConfig(steps=3, warmup_steps=2, precision="fp64", **LAYOUT_3D)
+    full = train(config)
+    train(config.replace(steps=2), save_dir=tmp_path)
+    other = config.replace(dp=1, tp=2, pp=1, zero=0, grad_accum_steps=4)
+    resumed = train(other, resume_from=tmp_path)
+    np.testing.assert_allclose(resumed.losses, full.losses[2:], rtol=1e-12)
+    for name, value in full.state_dict.items():
+        np.testing.assert_allclose(resumed.state_dict[name], value, rtol=1e-9, atol=1e-13)

@@ -72,3 +72,48 @@ def test_broken_reports_are_rejected_naming_the_field(report, mutate, where):
 
 def test_losses_are_finite(report):
     assert np.all(np.isfinite(report.losses))
+
+
+@pytest.fixture(scope="module")
+def report_3d():
+    return train(TrainConfig(steps=2, seq_len=8, n_layer=2, d_model=16, n_head=2,
+                             micro_batch_size=1, grad_accum_steps=2, dp=2, tp=2, pp=2,
+                             zero=1, gpus_per_node=1, precision="fp64", check=True))
+
+
+def test_a_3d_report_validates_with_its_added_sections(report_3d):
+    data = json.loads(report_3d.to_json())
+    jsonschema.validate(data, load_schema())
+    validate_report(data)
+    assert {"pipeline", "layout", "warnings", "traffic", "step_end_s", "equivalence",
+            "device"} <= set(data)
+    assert data["device"]["flops"] == 400e12  # the default H100 profile
+    assert data["pipeline"]["schedule"] == "1f1b"
+    assert data["layout"]["tp_group_crosses_nodes"] is True and data["warnings"]
+    assert len(data["traffic"]["matrix"]) == 8
+    assert all(set(r["flops"]) == {"forward", "backward", "optimizer"} for r in data["ranks"])
+    again = Report.from_dict(data)
+    assert again.to_dict() == data
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda d: d["pipeline"].pop("bubble_fraction"), "bubble_fraction"),
+    (lambda d: d["layout"].update(tp_group_crosses_nodes="yes"), "tp_group_crosses_nodes"),
+    (lambda d: d["traffic"].update(matrix=[[-1]]), "matrix"),
+    (lambda d: d["ranks"][0]["flops"].pop("forward"), "forward"),
+])
+def test_broken_3d_sections_are_rejected(report_3d, mutate, where):
+    data = json.loads(report_3d.to_json())
+    mutate(data)
+    with pytest.raises(ValueError, match=where):
+        validate_report(data)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, load_schema())
+
+
+def test_flops_per_rank_match_the_simulated_compute_time(report_3d):
+    for r in report_3d.ranks:
+        flops = sum(r["flops"].values())
+        assert flops > 0
+        rate = report_3d.device["flops"]
+        assert flops / rate == pytest.approx(r["time"]["compute_s"], rel=1e-9)

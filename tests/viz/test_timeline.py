@@ -93,3 +93,14 @@ def test_bad_input_is_a_clear_error():
         plot_timeline([])
     with pytest.raises(ValueError, match="1 rank labels for 2 ranks"):
         plot_timeline(TIMELINES, rank_labels=["a"])
+
+
+def test_a_micro_batch_cut_by_tensor_parallel_all_reduces_gets_one_label():
+    """Forward of micro-batch 0 interrupted twice by an all-reduce: three blue slivers,
+    one "F0" label, centred on the whole span."""
+    row = [TimelineEvent("forward", 0.0, 1.0, "F0"), TimelineEvent("comm", 1.0, 1.2, "ar"),
+           TimelineEvent("forward", 1.2, 2.0, "F0"), TimelineEvent("comm", 2.0, 2.2, "ar"),
+           TimelineEvent("forward", 2.2, 3.0, "F0"), TimelineEvent("backward", 3.0, 4.0, "B0")]
+    (ax,) = plot_timeline([row]).axes
+    labels = [(t.get_text(), t.get_position()[0]) for t in ax.texts]
+    assert labels == [("F0", pytest.approx(1.5)), ("B0", pytest.approx(3.5))]

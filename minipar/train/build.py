@@ -1,0 +1,266 @@
+"""One rank's share of the model on the device mesh, and how it runs one step.
+
+The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape):
+
+                pp = 1                    pp > 1
+    tp = 1      GPT                       Pipeline of PipelineStage (my layers)
+    tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
+                                          their matrices, embedding and head cut over TP)
+
+and then the data-parallel engine (DDP or ZeRO-1/2/3, minipar/parallel/zero.py) wraps
+whatever parameters the rank ended up with, over its DP group. Every rank builds its
+pieces from the same full initial weights, so every layout starts where a single device
+starts.
+
+    rank = build_rank_model(config, mesh)          # inside minipar.dist.launch
+    loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
+    rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
+
+`check_layout(config)` decides, before anything runs, whether a mix is supported; it
+raises a `ConfigError` that names the setting and the fix, or returns warnings (a TP
+group across nodes, a pipeline that never fills) that the report carries.
+
+ZeRO-2/3 with pipeline parallelism is refused, as DeepSpeed refuses it
+(`PipelineEngine` asserts `zero_optimization_stage() < 2`). A pipeline runs m >= pp
+micro-batches per step, and ZeRO-2 must reduce-scatter each micro-batch's gradients
+during its backward (it keeps only a shard, so there is no full gradient to accumulate
+into): m reduce-scatters per step instead of one, (m+1)(N-1)/N Psi bytes instead of
+2(N-1)/N Psi. ZeRO-3 would all-gather each stage's parameters for every micro-batch's
+forward and again for its backward: 3m(N-1)/N Psi. Both are measured with gradient
+accumulation, which is the same thing (docs/data-parallel-and-zero.md). ZeRO-1 keeps the
+full gradient, accumulates the m micro-batches locally and reduce-scatters once, after the
+pipeline has flushed and the tied embedding's two copies have summed their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar import dist
+from minipar.autograd.placement import Replicate, shard
+from minipar.nn import GPT, GPTConfig
+from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
+from minipar.parallel.schedules import PipelineError, check_schedule_settings
+from minipar.parallel.tensor import (
+    TensorParallelMixin,
+    counts_once_in_norm,
+    tensor_parallel_gpt,
+    validate_tensor_parallel,
+)
+from minipar.parallel.zero import data_parallel_engine
+from minipar.train.config import ConfigError, TrainConfig
+
+
+class LayoutError(ConfigError):
+    """A mix of settings that cannot run. Unlike ConfigError's own messages, this one may
+    come from a strategy module, whose text already starts with the flag to change."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        ValueError.__init__(self, message if message.startswith("--")
+                            else f"--{field.replace('_', '-')}: {message}")
+
+
+def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:
+    """The model part of a TrainConfig."""
+    return GPTConfig(vocab_size=vocab_size or config.vocab_size, seq_len=config.seq_len,
+                     n_layer=config.n_layer, n_head=config.n_head, d_model=config.d_model,
+                     dropout=config.dropout, tie_embeddings=config.tie_embeddings)
+
+
+# ------------------------------------------------------------------ which mixes run
+def check_layout(config: TrainConfig) -> list[str]:
+    """Raise LayoutError if this dp x tp x pp x zero mix cannot run (naming the fix);
+    otherwise return warnings about a layout that runs but costs more than it should.
+    config.vocab_size must be resolved (the data's vocabulary)."""
+    tp, pp, v, m = config.tp, config.pp, config.virtual_stages, config.grad_accum_steps
+    if pp > 1 and config.zero >= 2:
+        z = config.zero
+        raise LayoutError(
+            "zero", f"--zero {z} with --pp {pp} is refused, as DeepSpeed refuses it: ZeRO-{z} "
+            "reduce-scatters gradients" + (" and all-gathers parameters" if z == 3 else "")
+            + " for every micro-batch, and a pipeline runs many micro-batches per step "
+            "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
+            "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
+            f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
+    if config.sequence_parallel and tp == 1:
+        raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
+                          "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
+                          "add --tp or drop --sequence-parallel")
+    if pp > 1 or v > 1 or config.schedule == "interleaved":
+        try:
+            check_schedule_settings(config.schedule, pp, m, v)
+            split_layers(config.n_layer, pp * v)
+        except PipelineError as err:
+            raise LayoutError("schedule", str(err)) from None
+    if tp > 1:
+        try:
+            validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
+        except ValueError as err:
+            raise LayoutError("tp", str(err)) from None
+    if config.check and config.dropout > 0 and config.world_size > 1:
+        raise LayoutError("check", f"with --dropout {config.dropout} every rank (and "
+                          "pipeline stage) draws its own dropout masks, which cannot equal "
+                          "the single device's; check equivalence with --dropout 0")
+    warnings = []
+    crossing = tp_groups_across_nodes(config)
+    if crossing:
+        warnings.append(
+            f"tensor-parallel group(s) {crossing[0]}{' ...' if len(crossing) > 1 else ''} "
+            f"span nodes (--tp {tp}, --gpus-per-node {config.gpus_per_node}): their "
+            "per-layer all-reduces cross the inter-node network instead of NVLink; make "
+            "--tp a divisor of --gpus-per-node")
+    if pp > 1 and m < pp:
+        warnings.append(
+            f"--grad-accum-steps {m} gives the {pp}-stage pipeline fewer micro-batches than "
+            f"stages, so it never fills: idle share at least (p-1)/(m+p-1) = "
+            f"{(pp - 1) / (m + pp - 1):.0%}; use --grad-accum-steps {pp} or more")
+    return warnings
+
+
+def tp_groups_across_nodes(config: TrainConfig) -> list[list[int]]:
+    """The TP groups whose ranks are on more than one node."""
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
+                           gpus_per_node=config.gpus_per_node)
+    groups = [list(g.ranks) for g in mesh.all_groups("tp")]
+    return [g for g in groups if len({r // config.gpus_per_node for r in g}) > 1]
+
+
+# ------------------------------------------------------------------ one rank's model
+class TensorParallelStage(TensorParallelMixin, PipelineStage):
+    """A pipeline stage whose blocks, embedding and head are cut over a TP group (set by
+    `tensor_parallel_stage`), built from the full weights of its layers."""
+
+    tp_group_to_build = None
+    sequence_parallel_to_build = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tensor_parallel(self.tp_group_to_build, self.sequence_parallel_to_build)
+
+
+def tensor_parallel_stage(tp_group, sequence_parallel: bool) -> type:
+    """A TensorParallelStage class bound to my TP group (`Pipeline(stage_class=...)`
+    builds the stages itself)."""
+    return type("TensorParallelStage", (TensorParallelStage,),
+                {"tp_group_to_build": tp_group,
+                 "sequence_parallel_to_build": sequence_parallel})
+
+
+@dataclass
+class RankModel:
+    """What one rank trains: `model` (pp = 1) or `pipeline` (pp > 1), and its engine."""
+
+    mesh: dist.DeviceMesh
+    engine: object
+    model: GPT | None = None
+    pipeline: Pipeline | None = None
+
+    def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
+        """Forward and backward of one optimizer step's micro-batches (this DP rank's),
+        gradients averaged over the DP group at the end; returns the mean loss."""
+        engine = self.engine
+        if self.pipeline is not None:
+            # The schedule runs every backward; the DP reduction waits for the flush and
+            # the tied-embedding all-reduce (a hook would reduce too early).
+            engine.require_backward_grad_sync = False
+            loss = self.pipeline.forward_backward(micro_batches)
+            with dist.phase("backward"):
+                engine.synchronize_gradients()
+            return loss
+        accum, losses = len(micro_batches), []
+        for k, (x, y) in enumerate(micro_batches):
+            # Only the last micro-batch's backward reduces gradients (DDP's no_sync);
+            # ZeRO-2/3 reduce-scatter every micro-batch (DeepSpeed).
+            engine.require_backward_grad_sync = k == accum - 1
+            with dist.phase("forward"):
+                loss = self.model(x, y)
+            with dist.phase("backward"):
+                # d(mean over the global batch)/d(loss_k) = 1 / (accum x dp); the DP
+                # average supplies the 1 / dp.
+                loss.backward(np.asarray(1.0 / accum, dtype=loss.data.dtype))
+                engine.finish_gradient_synchronization()
+            losses.append(float(loss.data))
+        return float(np.mean(losses))
+
+    @property
+    def dropout_generator(self) -> np.random.Generator:
+        """The generator of my dropout masks (a pipeline rank's first chunk's)."""
+        if self.pipeline is not None:
+            return self.pipeline.chunks[0].dropout_generator
+        return self.model.dropout_generator
+
+
+def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> RankModel:
+    """My share of the model (initial weights, or `start`'s: a checkpoint.TrainingState)
+    and the DP / ZeRO engine over it. Call inside a launch, on every rank."""
+    gpt = gpt_config(config)
+    tp_group, pp_group = mesh.tp_group(), mesh.pp_group()
+    model = pipeline = None
+    tied_copies: set[int] = set()
+    common = dict(seed=config.seed, precision=config.precision,
+                  activation_checkpointing=config.activation_checkpointing)
+    if config.pp == 1:
+        if config.tp == 1:
+            model = GPT(gpt, **common)
+        else:
+            model = tensor_parallel_gpt(gpt, tp_group=tp_group,
+                                        sequence_parallel=config.sequence_parallel, **common)
+        named = list(model.named_parameters())
+    else:
+        stage_class = (PipelineStage if config.tp == 1
+                       else tensor_parallel_stage(tp_group, config.sequence_parallel))
+        pipeline = Pipeline(gpt, pp_group=pp_group, schedule=config.schedule,
+                            micro_batches=config.grad_accum_steps,
+                            virtual_stages=config.virtual_stages, stage_class=stage_class,
+                            **common)
+        named = list(pipeline.named_parameters())
+        counted = {id(p) for p in pipeline.parameters(include_tied_copy=False)}
+        tied_copies = {id(p) for _, p in named if id(p) not in counted}
+    if start is not None:
+        load_local_state(named, start.tensors["param"], mesh)
+    tp_rank = mesh.tp_rank
+
+    def counts_in_norm(param) -> bool:
+        # Each element of the full model once: TP replicas on TP rank 0, a tied
+        # embedding on the first pipeline stage (its copy on the last is equal).
+        return id(param) not in tied_copies and counts_once_in_norm(param, tp_rank)
+
+    adamw = {"lr": config.lr, "betas": (config.beta1, config.beta2),
+             "weight_decay": config.weight_decay}
+    engine = data_parallel_engine(model, named, mesh.dp_group(), zero_stage=config.zero,
+                                  bucket_bytes=config.bucket_size_mb * 2**20, adamw=adamw,
+                                  norm_groups=(tp_group, pp_group),
+                                  counts_in_norm=counts_in_norm)
+    rank = RankModel(mesh, engine, model, pipeline)
+    if start is not None:
+        engine.load_optimizer_state(start.step, local_state(named, start.tensors, mesh))
+        # My saved dropout-generator state (rank 0's if the checkpoint had fewer ranks).
+        rngs, me = start.rng_states, dist.get_rank()
+        rank.dropout_generator.bit_generator.state = rngs[me if me < len(rngs) else 0]
+    return rank
+
+
+def local_piece(full: np.ndarray, param, mesh: dist.DeviceMesh) -> np.ndarray:
+    """My piece of the full tensor `full` of `param` (its placement over its group)."""
+    if isinstance(param.placement, Replicate):
+        return full
+    group = param.placement_group
+    return shard(full, param.placement, mesh.coords()[group], getattr(mesh, group))
+
+
+def load_local_state(named, full_params: dict[str, np.ndarray], mesh) -> None:
+    """Set every parameter to its piece of the full single-device tensor."""
+    for name, p in named:
+        p.data[...] = local_piece(np.asarray(full_params[name]), p, mesh)
+
+
+def local_state(named, tensors: dict[str, dict[str, np.ndarray]], mesh) -> dict:
+    """{kind: {name: my piece}} of full optimizer-state tensors (exp_avg, exp_avg_sq,
+    master), for `engine.load_optimizer_state`."""
+    by_name = dict(named)
+    return {kind: {name: local_piece(np.asarray(full), by_name[name], mesh)
+                   for name, full in values.items() if name in by_name}
+            for kind, values in tensors.items()}

@@ -1,0 +1,147 @@
+"""The equivalence matrix: many parallel layouts, each against single-device training.
+
+    results = run_grid()                 # every case of GRID, fp64, a few steps each
+    print(grid_table(results))
+
+Each case trains with `check=True` (minipar/train/equivalence.py): the single-device
+reference runs the same global batch in the same micro-batches, and every rank compares
+what it holds after every step. Cases that share a reference (same global batch and
+micro-batches) share one reference run. A case the layout rules refuse is reported as
+refused, with the reason, and counts as expected when the case says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.train.build import check_layout
+from minipar.train.config import ConfigError, TrainConfig
+from minipar.train.data import make_stream
+from minipar.train.equivalence import reference_config
+from minipar.train.loop import Reference, reference_run, train
+from minipar.viz.tables import format_table
+
+# Small enough that the whole grid runs in seconds; 4 layers so that pp=4 and
+# interleaved pp=2 x 2 chunks each get a layer; vocabulary 52 (the corpus) splits over
+# tp 2 and 4. Clipping at 1.0 is active on these steps, so the global norm is checked.
+BASE = dict(steps=3, precision="fp64", seq_len=16, d_model=32, n_head=4, n_layer=4,
+            micro_batch_size=2, check=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout of the matrix. refused: the layout rules must refuse it (a decision
+    documented in minipar/train/build.py), and the check is that they do."""
+
+    name: str
+    settings: dict
+    refused: bool = False
+
+    def config(self, **overrides) -> TrainConfig:
+        return TrainConfig(**{**BASE, **self.settings, **overrides})
+
+
+GRID = [
+    Case("dp2", dict(dp=2, grad_accum_steps=2)),
+    Case("dp4 zero1", dict(dp=4, zero=1)),
+    Case("dp4 zero2 accum2", dict(dp=4, zero=2, grad_accum_steps=2)),
+    Case("dp3 zero3 (padded shards)", dict(dp=3, zero=3)),
+    Case("tp2", dict(tp=2, grad_accum_steps=2)),
+    Case("tp4 sequence-parallel", dict(tp=4, sequence_parallel=True)),
+    Case("pp2 gpipe", dict(pp=2, schedule="gpipe", grad_accum_steps=4)),
+    Case("pp4 1f1b", dict(pp=4, grad_accum_steps=4)),
+    Case("pp2 interleaved v2 untied", dict(pp=2, schedule="interleaved", virtual_stages=2,
+                                           grad_accum_steps=4, tie_embeddings=False)),
+    Case("dp2 tp2 zero3 sp checkpointing", dict(dp=2, tp=2, zero=3, sequence_parallel=True,
+                                                activation_checkpointing=True)),
+    Case("tp2 pp2 sp 1f1b", dict(tp=2, pp=2, sequence_parallel=True, grad_accum_steps=4)),
+    Case("dp2 pp2 zero1 checkpointing buckets",
+         dict(dp=2, pp=2, zero=1, grad_accum_steps=2, activation_checkpointing=True,
+              bucket_size_mb=0.01)),
+    Case("dp2 tp2 pp2 zero1 (8 ranks)", dict(dp=2, tp=2, pp=2, zero=1, grad_accum_steps=4)),
+    Case("dp3 tp1 pp2 zero1 (odd, 6 ranks)", dict(dp=3, pp=2, zero=1, grad_accum_steps=2)),
+    Case("dp2 tp2 pp2 interleaved, TP across nodes",
+         dict(dp=2, tp=2, pp=2, schedule="interleaved", virtual_stages=2,
+              grad_accum_steps=4, gpus_per_node=1)),
+    Case("dp2 pp2 zero2 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=2, grad_accum_steps=2),
+         refused=True),
+    Case("dp2 pp2 zero3 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=3, grad_accum_steps=2),
+         refused=True),
+]
+# The cases `tests/train/test_grid.py` runs (the rest is `minipar check`'s job).
+REPRESENTATIVE = ("dp2 tp2 pp2 zero1 (8 ranks)", "dp3 tp1 pp2 zero1 (odd, 6 ranks)",
+                  "dp2 pp2 zero2 (DeepSpeed refuses)")
+
+
+@dataclass
+class GridResult:
+    """The outcome of one case: passed (equivalent, or refused as expected)."""
+
+    case: Case
+    world_size: int
+    equivalence: dict | None = None
+    refusal: str | None = None  # the layout rules' message, when refused
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        if self.refusal is not None:
+            return self.case.refused
+        return not self.case.refused and bool(self.equivalence["passed"])
+
+
+def run_case(case: Case, references: dict | None = None, **overrides) -> GridResult:
+    """Train one case with its check; `references` caches reference runs by config."""
+    config = case.config(**overrides)
+    try:
+        key = repr(sorted(reference_config(config).to_dict().items()))
+        if references is None:
+            references = {}
+        reference: Reference | None = references.get(key)
+        if reference is None:
+            # Refuse before paying for the reference.
+            vocab = make_stream(config.data, config.vocab_size).vocab_size
+            check_layout(config.replace(vocab_size=vocab))
+            reference = references[key] = reference_run(config)
+        report = train(config, reference=reference)
+    except ConfigError as err:
+        return GridResult(case, config.world_size, refusal=str(err))
+    return GridResult(case, config.world_size, report.equivalence,
+                      warnings=tuple(report.warnings))
+
+
+def run_grid(cases=GRID, progress=None, **overrides) -> list[GridResult]:
+    """Run `cases` (default: all of GRID); progress(result) after each."""
+    references: dict = {}
+    results = []
+    for case in cases:
+        result = run_case(case, references, **overrides)
+        results.append(result)
+        if progress is not None:
+            progress(result)
+    return results
+
+
+def grid_table(results: list[GridResult]) -> str:
+    """config, ranks, max loss diff, max param diff, pass/fail, first divergence."""
+    rows = []
+    for r in results:
+        if r.refusal is not None:
+            verdict = "refused" + ("" if r.passed else " (UNEXPECTED)")
+            rows.append([r.case.name, r.world_size, "-", "-", verdict, _short(r.refusal)])
+            continue
+        e = r.equivalence
+        first = e["first_mismatch"]
+        where = "-" if first is None else (
+            f"step {first['step']}, {first['tensor']}"
+            + ("" if first["rank"] is None else f", rank {first['rank']}"))
+        verdict = "pass" if r.passed else "FAIL"
+        rows.append([r.case.name, r.world_size, f"{e['max_abs_loss_diff']:.1e}",
+                     f"{e['max_rel_param_diff_per_step']:.1e}", verdict, where])
+    return format_table(["config", "ranks", "max |loss diff|", "max rel param diff",
+                         "result", "first divergence (step, tensor, rank) / reason"],
+                        rows, align="lrrrll")
+
+
+def _short(message: str, width: int = 70) -> str:
+    return message if len(message) <= width else message[:width - 3] + "..."

@@ -1,0 +1,81 @@
+"""Per-rank memory bars: what each virtual GPU held at its peak, by category.
+
+    fig = plot_memory(report)                        # one bar per rank
+    fig = plot_memory(report, baselines={"1 GPU": report.reference})
+    fig.savefig("memory.png")
+
+One stacked bar per rank with the peak bytes of each ledger category (params, grads,
+optimizer, activations, buffers; measured from the arrays the rank held), and a black
+tick at `peak_total`, the largest sum at one instant. The categories peak at different
+moments (activations during the forward, optimizer state throughout), so the stack is
+an upper bound and the tick is what a GPU would actually need. Baselines (e.g. the
+single-device run) are drawn first, hatched, so a cut is visible at a glance.
+
+Built on `matplotlib.figure.Figure`, never pyplot.
+"""
+
+from __future__ import annotations
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from minipar.train.report import MEMORY_CATEGORIES
+
+COLORS = {
+    "params": "#3b75af",
+    "grads": "#e1812c",
+    "optimizer": "#3a923a",
+    "activations": "#8c6bb1",
+    "buffers": "#999999",
+}
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _rows(report) -> list[tuple[str, dict]]:
+    """(x label, memory) per rank: "rank 3" over its mesh coordinates (dp, pp, tp)."""
+    rows = []
+    for r in report.ranks:
+        c = r["coords"]
+        label = f"rank {r['rank']}"
+        if report.world_size > 1:
+            label += f"\n({c['dp']},{c['pp']},{c['tp']})"
+        rows.append((label, r["memory"]))
+    return rows
+
+
+def plot_memory(report, *, baselines: dict | None = None, title: str | None = None,
+                width: float | None = None) -> Figure:
+    """Stacked per-rank peak bytes by category, with each rank's peak_total marked.
+
+    report: a Report (or anything with .ranks and .world_size); baselines: {label:
+    Report} drawn first (their rank 0 only, e.g. {"1 GPU": single_device_report}).
+    Returns a matplotlib.figure.Figure."""
+    bars = [(label, b.ranks[0]["memory"], True) for label, b in (baselines or {}).items()]
+    bars += [(label, memory, False) for label, memory in _rows(report)]
+    if not bars:
+        raise ValueError("plot_memory: the report has no ranks")
+    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+    unit, scale = next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
+
+    fig = Figure(figsize=(width or max(6.0, 1.6 + 0.75 * len(bars)), 4.2),
+                 layout="constrained")
+    ax = fig.subplots()
+    for x, (_, memory, is_baseline) in enumerate(bars):
+        bottom = 0.0
+        for category in MEMORY_CATEGORIES:
+            height = memory[category] / scale
+            ax.bar(x, height, bottom=bottom, color=COLORS[category], width=0.7,
+                   hatch="//" if is_baseline else None, edgecolor="white", linewidth=0.5)
+            bottom += height
+        ax.plot([x - 0.38, x + 0.38], [memory["peak_total"] / scale] * 2, color="black",
+                linewidth=2)
+    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
+    if report.world_size > 1:
+        ax.set_xlabel("rank (dp, pp, tp)", fontsize=8)
+    ax.set_ylabel(f"peak bytes held ({unit})")
+    ax.set_title(title or "memory per rank: peak of each category (stacked); black tick = "
+                          "peak of the total", fontsize=10)
+    handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
+    handles.append(Patch(facecolor="black", label="peak_total"))
+    fig.legend(handles=handles, fontsize=8, loc="outside right upper", frameon=False)
+    return fig

@@ -1,0 +1,84 @@
+"""The traffic matrix: how many bytes each rank sent to each other rank, by group.
+
+    fig = plot_traffic(report)          # one heatmap per group kind that sent bytes
+    fig.savefig("traffic.png")
+
+Cell [i, j] of a heatmap is the bytes rank i (row) sent to rank j (column) per optimizer
+step, as the ring algorithm moves them (minipar.dist books every collective's bytes
+per peer). One panel per group kind: the TP group's all-reduces show up as blocks of
+neighbouring ranks, the pipeline's sends as single off-diagonal cells, the DP group's
+all-reduce (or ZeRO's reduce-scatter and all-gather) as a stripe between distant ranks.
+Dashed lines mark node boundaries: the cells that cross them use the slow network.
+
+Built on `matplotlib.figure.Figure`, never pyplot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from minipar.viz.tables import human_bytes
+
+GROUP_TITLES = {"tp": "tensor parallel (tp)", "pp": "pipeline (pp)",
+                "dp": "data parallel / ZeRO (dp)", "other": "other"}
+
+
+def traffic_matrices(report, per_step: bool = True) -> dict[str, np.ndarray]:
+    """{group kind: (world, world) bytes sent i -> j} from the report (per step by
+    default), in the order tp, pp, dp, other, only kinds that sent something."""
+    if report.traffic is None:
+        raise ValueError("plot_traffic: this report has no traffic matrix (reports from "
+                         "minipar.train carry one in report.traffic)")
+    steps = max(1, len(report.steps)) if per_step else 1
+    by_group = report.traffic.get("by_group", {})
+    return {kind: np.asarray(by_group[kind], dtype=np.float64) / steps
+            for kind in GROUP_TITLES if kind in by_group}
+
+
+def plot_traffic(report, *, title: str | None = None, annotate: bool | None = None) -> Figure:
+    """One heatmap per group kind of the bytes rank i sent to rank j per step.
+    annotate: write the bytes in the cells (default: when there are at most 8 ranks)."""
+    matrices = traffic_matrices(report)
+    world = report.world_size
+    if annotate is None:
+        annotate = world <= 8
+    if not matrices:
+        raise ValueError("plot_traffic: no rank sent any bytes (a single-device run?)")
+    positive = [m[m > 0] for m in matrices.values()]
+    norm = LogNorm(vmin=min(p.min() for p in positive), vmax=max(p.max() for p in positive))
+    n = len(matrices)
+    fig = Figure(figsize=(1.2 + 3.6 * n, 4.0), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, n))
+    per_node = (report.layout or {}).get("gpus_per_node", world)
+    image = None
+    for ax, (kind, matrix) in zip(axes, matrices.items(), strict=True):
+        shown = np.ma.masked_where(matrix <= 0, matrix)
+        image = ax.imshow(shown, cmap="viridis", norm=norm)
+        ax.set_facecolor("#f2f2f2")
+        ax.set_title(f"{GROUP_TITLES[kind]}\n{human_bytes(matrix.sum())} per step in total",
+                     fontsize=9)
+        ax.set_xticks(range(world))
+        ax.set_yticks(range(world))
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("to rank", fontsize=8)
+        ax.set_ylabel("from rank", fontsize=8)
+        for boundary in range(per_node, world, per_node):
+            ax.axhline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
+            ax.axvline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
+        if annotate:
+            for i, j in zip(*np.nonzero(matrix), strict=True):
+                light = norm(matrix[i, j]) > 0.6
+                ax.text(j, i, human_bytes(matrix[i, j]).replace(" ", "\n"), ha="center",
+                        va="center", fontsize=6, color="black" if light else "white")
+    bar = fig.colorbar(image, ax=list(axes), shrink=0.8, label="bytes sent per step")
+    # A few labelled ticks spread evenly on the log scale, in KiB / MiB.
+    bar.set_ticks(np.geomspace(norm.vmin, norm.vmax, 4) if norm.vmax > norm.vmin
+                  else [norm.vmin])
+    bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: human_bytes(value)))
+    bar.ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+    fig.suptitle(title or "traffic matrix: bytes rank i (row) sent to rank j (column); "
+                          "dashed lines = node boundaries", fontsize=10)
+    return fig

@@ -1,0 +1,74 @@
+"""The equivalence matrix (`minipar check`): its representative part passes, a planted
+bug is located, and the table says where. The whole grid is `minipar check`'s job."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from minipar.parallel.pipeline import Pipeline
+from minipar.train.grid import GRID, REPRESENTATIVE, Case, grid_table, run_case, run_grid
+
+
+def test_the_grid_covers_every_axis_and_the_required_layouts():
+    names = {case.name for case in GRID}
+    assert {"dp2 tp2 pp2 zero1 (8 ranks)", "dp3 tp1 pp2 zero1 (odd, 6 ranks)"} <= names
+    configs = [case.config() for case in GRID]
+    assert {c.zero for c in configs} == {0, 1, 2, 3}
+    assert {c.schedule for c in configs if c.pp > 1} == {"gpipe", "1f1b", "interleaved"}
+    assert any(c.sequence_parallel for c in configs)
+    assert any(c.activation_checkpointing for c in configs)
+    assert all(c.precision == "fp64" and c.check for c in configs)
+    assert set(REPRESENTATIVE) <= names
+
+
+def test_the_representative_cases_match_one_device_or_are_refused_as_decided():
+    results = run_grid([c for c in GRID if c.name in REPRESENTATIVE])
+    assert [r.passed for r in results] == [True] * len(results)
+    by_name = {r.case.name: r for r in results}
+    big = by_name["dp2 tp2 pp2 zero1 (8 ranks)"]
+    assert big.world_size == 8
+    assert big.equivalence["max_rel_param_diff_per_step"] <= 1e-10
+    assert by_name["dp3 tp1 pp2 zero1 (odd, 6 ranks)"].world_size == 6
+    refused = by_name["dp2 pp2 zero2 (DeepSpeed refuses)"]
+    assert refused.equivalence is None and "DeepSpeed" in refused.refusal
+    table = grid_table(results)
+    for column in ("config", "max |loss diff|", "max rel param diff", "result",
+                   "first divergence"):
+        assert column in table.splitlines()[0]
+    assert table.count(" pass ") == 2 and "refused" in table
+
+
+def test_a_missing_tied_embedding_all_reduce_is_located(monkeypatch):
+    """Plant the bug the pipeline author warns about: the first and last stage's copies
+    of the tied embedding never sum their gradients. The check must fail at step 0 on
+    wte.weight, blaming a rank of the first or last stage."""
+    monkeypatch.setattr(Pipeline, "_all_reduce_tied_embedding", lambda self: None)
+    case = Case("broken", dict(dp=2, tp=2, pp=2, zero=1, grad_accum_steps=2))
+    result = run_case(case, steps=2)
+    assert not result.passed
+    first = result.equivalence["first_mismatch"]
+    assert (first["step"], first["tensor"]) == (0, "wte.weight")
+    assert first["rank"] is not None and first["rel_diff"] > 1e-6
+    table = grid_table([result])
+    assert "FAIL" in table and f"step 0, wte.weight, rank {first['rank']}" in table
+
+
+def test_a_case_expected_to_be_refused_fails_if_it_runs():
+    wrongly = Case("dp2 (claims refusal)", dict(dp=2), refused=True)
+    result = run_case(wrongly, steps=1)
+    assert result.refusal is None and not result.passed
+
+
+@pytest.mark.parametrize("name", ["dp2 pp2 zero3 (DeepSpeed refuses)"])
+def test_refusals_cost_no_training(name, monkeypatch):
+    (case,) = [c for c in GRID if c.name == name]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a refused layout must not train its reference")
+
+    # (minipar.train is also a function's name: reach the module through importlib)
+    monkeypatch.setattr(importlib.import_module("minipar.train.grid"), "reference_run",
+                        no_training)
+    assert run_case(case).passed

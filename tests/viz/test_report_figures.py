@@ -1,0 +1,117 @@
+"""Per-rank memory bars, the traffic matrix and the text tables, drawn from reports:
+each bar, cell and row shows the measured number it stands for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+
+from minipar.train import TrainConfig, train
+from minipar.train.report import Report
+from minipar.viz.memory import COLORS, plot_memory
+from minipar.viz.tables import human_seconds, time_table, traffic_table
+from minipar.viz.traffic import plot_traffic, traffic_matrices
+
+MIB = 2**20
+
+
+def rank(r, coords, memory, sent_by_group, time):
+    sent = sum(sent_by_group.values())
+    return {"rank": r, "coords": coords, "node": 0,
+            "memory": {**memory, "peak_total": sum(memory.values()) - 1},
+            "comm": {"sent_bytes": sent, "recv_bytes": sent, "calls": 6,
+                     "by_op": {"all_reduce": sent}, "by_group": sent_by_group},
+            "time": time}
+
+
+def two_rank_report() -> Report:
+    memory = [dict(params=1 * MIB, grads=1 * MIB, optimizer=2 * MIB, activations=3 * MIB,
+                   buffers=0),
+              dict(params=1 * MIB, grads=0, optimizer=1 * MIB, activations=1 * MIB,
+                   buffers=MIB)]
+    ranks = [rank(0, {"dp": 0, "pp": 0, "tp": 0}, memory[0], {"tp": 300, "pp": 0},
+                  {"compute_s": 3.0, "comm_s": 1.0, "idle_s": 0.0}),
+             rank(1, {"dp": 0, "pp": 0, "tp": 1}, memory[1], {"tp": 300, "pp": 60},
+                  {"compute_s": 1.0, "comm_s": 1.0, "idle_s": 2.0})]
+    steps = [{"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0} for s in range(3)]
+    traffic = {"matrix": [[0, 300], [360, 0]],
+               "by_group": {"tp": [[0, 300], [300, 0]], "pp": [[0, 0], [60, 0]]}}
+    return Report(config={}, world_size=2, n_params=10, steps=steps, ranks=ranks,
+                  traffic=traffic, layout={"gpus_per_node": 1})
+
+
+def stacked(fig: Figure):
+    """{(x, colour): (bottom, height)} of the bars drawn."""
+    (ax,) = fig.axes
+    return {(round(p.get_x() + p.get_width() / 2), to_hex(p.get_facecolor())):
+            (p.get_y(), p.get_height()) for p in ax.patches if p.get_height() > 0}
+
+
+def test_memory_bars_stack_each_ranks_peaks_in_mib_with_a_baseline_first():
+    report = two_rank_report()
+    baseline = Report(config={}, world_size=1, n_params=10, ranks=[report.ranks[0]])
+    fig = plot_memory(report, baselines={"1 GPU": baseline})
+    (ax,) = fig.axes
+    assert "MiB" in ax.get_ylabel()
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == [
+        "1 GPU", "rank 0", "rank 1"]
+    bars = stacked(fig)
+    # rank 1 (x = 2): params 0-1, optimizer 1-2 (no grads), activations 2-3, buffers 3-4
+    assert bars[(2, COLORS["params"])] == pytest.approx((0, 1))
+    assert (2, COLORS["grads"]) not in bars
+    assert bars[(2, COLORS["optimizer"])] == pytest.approx((1, 1))
+    assert bars[(2, COLORS["activations"])] == pytest.approx((2, 1))
+    assert bars[(2, COLORS["buffers"])] == pytest.approx((3, 1))
+    assert bars[(0, COLORS["activations"])] == pytest.approx((4, 3))  # the baseline
+    ticks = [line.get_ydata()[0] for line in ax.lines]  # peak_total, one per bar
+    assert ticks == pytest.approx([(7 * MIB - 1) / MIB, (7 * MIB - 1) / MIB,
+                                   (4 * MIB - 1) / MIB])
+
+
+def test_traffic_matrix_has_a_panel_per_group_with_bytes_per_step():
+    report = two_rank_report()
+    matrices = traffic_matrices(report)
+    assert list(matrices) == ["tp", "pp"]
+    np.testing.assert_allclose(matrices["pp"], [[0, 0], [20, 0]])  # 60 bytes over 3 steps
+    fig = plot_traffic(report)
+    tp, pp = (ax for ax in fig.axes if ax.get_label() != "<colorbar>")
+    assert "tensor parallel" in tp.get_title() and "200 B per step" in tp.get_title()
+    assert "pipeline" in pp.get_title()
+    shown = np.ma.filled(pp.images[0].get_array(), 0)
+    np.testing.assert_allclose(shown, [[0, 0], [20, 0]])
+    assert [t.get_text() for t in pp.texts] == ["20\nB"]
+
+
+def test_traffic_needs_a_report_that_sent_something():
+    with pytest.raises(ValueError, match="no traffic"):
+        plot_traffic(Report(config={}, world_size=1, n_params=1))
+
+
+def test_traffic_table_shows_bytes_per_step_by_group_and_op():
+    table = traffic_table(two_rank_report())
+    header, rule, row0, row1 = table.splitlines()
+    assert header.split()[:7] == ["rank", "dp/pp/tp", "node", "tp", "group", "pp", "group"]
+    assert "all_reduce" in header and "sent/step" in header
+    assert row1.split()[3:5] == ["100", "B"]  # tp: 300 bytes / 3 steps
+    assert row1.split()[5:7] == ["20", "B"]  # pp: 60 / 3
+    assert row1.split()[-1] == "2"  # 6 calls / 3 steps
+
+
+def test_time_table_shows_each_ranks_compute_comm_idle_and_shares():
+    table = time_table(two_rank_report())
+    row1 = table.splitlines()[3].split()
+    assert row1[2:8] == ["1.0", "s", "1.0", "s", "2.0", "s"]
+    assert row1[8:] == ["25%", "25%", "50%"]
+    assert human_seconds(1.5e-4) == "150.0 us" and human_seconds(2e-9) == "2.0 ns"
+
+
+def test_figures_of_a_real_3d_run_save_as_png(tmp_path):
+    report = train(TrainConfig(dp=2, tp=2, pp=2, zero=1, n_layer=2, seq_len=8, d_model=16,
+                               n_head=2, micro_batch_size=1, grad_accum_steps=2, steps=1))
+    for name, fig in (("memory", plot_memory(report)), ("traffic", plot_traffic(report))):
+        path = tmp_path / f"{name}.png"
+        fig.savefig(path)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(traffic_matrices(report)) == ["tp", "pp", "dp"]
