@@ -10,7 +10,8 @@
                                recomputation only each layer's input plus one layer's
                                working set (their section 5: "2sbhL" + one layer)
     buffers                    transient: gradient buckets being reduced, ZeRO-3's
-                               gathered parameters, received pipeline activations
+                               gathered parameters, received pipeline activations,
+                               sequence parallelism's input re-gathered in backward
 
 Parameters per rank are the model's share after TP (Shoeybi et al. 2019's column/row
 split, replicated norms; layout in shapes.py) and PP (the rank's layers, the embedding on
@@ -181,6 +182,11 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     forward_buffers = received * layer_input
     if config.pp > 1:
         forward_buffers += layer_input * ((not stage.last) + (not stage.first))
+    if sp and (stage.layers or stage.last):
+        # Sequence parallelism's extra all-gather in backward (Korthikanti et al. 2022,
+        # section 4.2.2): a column-parallel layer (or the head) re-gathers its full
+        # (b, s, h) input to form its weight gradient, a buffer while it does.
+        forward_buffers += b * shape.seq_len * shape.d_model * a
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head
         # uses), held while the unit computes

@@ -34,7 +34,7 @@ from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_p
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.pipeline_time import simulate_schedule
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
-from minipar.plan.traffic import Transfer, stage_traffic
+from minipar.plan.traffic import GRADIENT_NORM, PARAMETER_ALL_GATHER, Transfer, stage_traffic
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
@@ -171,8 +171,10 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
                         ) -> dict[str, float]:
     """Step time of a pipelined config from a simulation of its schedule (pipeline_time),
     then the step's collectives in the order minipar runs them: the tied embedding's
-    all-reduce (first and last rank), the loss broadcast (all ranks), then each rank's
-    data-parallel reduction and optimizer."""
+    all-reduce (first and last rank), the loss broadcast (all ranks), each rank's
+    data-parallel reduction and the gradient norm's all-reduces over DP and TP, the
+    norm's all-reduce over PP (all ranks again), then the optimizer and ZeRO-1/2's
+    parameter all-gather."""
     p = config.pp
     forward, backward = chunk_costs(shape, config, cluster)
     links = group_links(config, cluster)
@@ -189,20 +191,30 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     for r in range(p):
         plan = stage_plan(shape, config, r)
         transfers = stage_traffic(shape, config, plan)
-        tied = sum(transfer_time(t, cluster, links["pp"]) for t in transfers
-                   if t.label.startswith("tied"))
-        broadcast = sum(transfer_time(t, cluster, links["pp"]) for t in transfers
-                        if t.op == "broadcast")
-        rest = sum(t.count * transfer_time(t, cluster, links[t.group]) for t in transfers
-                   if t.phase == "step" and t.group != "pp")
+
+        def seconds(selected) -> float:
+            return sum(t.count * transfer_time(t, cluster, links[t.group]) for t in selected)
+
+        step_transfers = [t for t in transfers if t.phase == "step"]
+        tied = seconds(t for t in step_transfers if t.label.startswith("tied"))
+        broadcast = seconds(t for t in step_transfers if t.op == "broadcast")
+        # DP reduction, then the norm's all-reduces over DP and TP (groups inside the
+        # stage), then the one over PP, which waits for every stage.
+        reduce = seconds(t for t in step_transfers
+                         if t.group != "pp" and t.label != PARAMETER_ALL_GATHER)
+        norm = seconds(t for t in step_transfers
+                       if t.group == "pp" and t.label == GRADIENT_NORM)
         optimizer = stage_compute(shape, config, plan)["optimizer"] / cluster.sustained_flops
-        tails.append((tied, broadcast, rest + optimizer))
+        gather = seconds(t for t in step_transfers if t.label == PARAMETER_ALL_GATHER)
+        tails.append((tied, broadcast + reduce, norm, optimizer + gather))
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
         start = max(clock[0], clock[-1])
         clock[0] = clock[-1] = start + tails[0][0]
     start = max(clock)  # the loss broadcast starts with its last member
     clock = [start + tails[r][1] for r in range(p)]
-    end = [clock[r] + tails[r][2] for r in range(p)]
+    start = max(clock)  # so does the gradient norm's all-reduce over the stages
+    clock = [start + tails[r][2] for r in range(p)]
+    end = [clock[r] + tails[r][3] for r in range(p)]
     step = max(end)
     # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
     # pipeline's span (a rank that finished early idles until the last one does).

@@ -27,6 +27,11 @@ Pipeline parallelism (group "pp", per micro-batch; Narayanan et al. 2021, sectio
     each chunk sends its (b, s, h) output forward and its input's gradient back; per step
     the first and last rank all-reduce the tied embedding's gradient (Megatron's
     embedding group) and the last rank broadcasts the loss (one fp64 number).
+Gradient clipping (per step): each rank sums the squares of the gradient elements it
+counts (TP replicas on TP rank 0, a tied embedding on the first stage), then all-reduces
+that fp64 number over DP (ZeRO-1..3 only: DDP's gradients are already replicated), over
+TP and over PP, in that order (minipar.parallel.data.sum_over_groups; Megatron-LM's
+clip_grad_norm_fp32 all-reduces over its model-parallel group).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from minipar.plan.memory import shard, stage_parameters
 from minipar.plan.shapes import ModelShape, padded_vocab
 
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
+GRADIENT_NORM = "gradient norm"  # the label of the clipping's all-reduces (dp, tp, pp)
+PARAMETER_ALL_GATHER = "parameter all-gather"  # ZeRO-1/2's, after the optimizer
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def _data_parallel(shape, config, stage) -> list[Transfer]:
         return [Transfer("all_reduce", "dp", n, local * g, 1,
                          all_reduce_sent(local, g, n), "step", "gradient all-reduce")]
     norm = Transfer("all_reduce", "dp", n, NORM_BYTES, 1, all_reduce_sent(1, NORM_BYTES, n),
-                    "step", "gradient norm")
+                    "step", GRADIENT_NORM)
     if zero in (1, 2):
         piece = shard(local, n)
         reduce_count, reduce_phase = (1, "step") if zero == 1 else (m, "backward")
@@ -107,7 +114,7 @@ def _data_parallel(shape, config, stage) -> list[Transfer]:
                      "gradient reduce-scatter"),
             norm,
             Transfer("all_gather", "dp", n, piece * n * p, 1, all_gather_sent(piece, p, n),
-                     "step", "parameter all-gather"),
+                     "step", PARAMETER_ALL_GATHER),
         ]
     transfers = []
     tied_head = shape.tie_embeddings and stage.first and stage.last
@@ -186,7 +193,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         add("all_reduce", 1, 2 * tokens * c, all_reduce_sent(2 * tokens, c, t), "forward",
             "cross-entropy sums")
     transfers.append(Transfer("all_reduce", "tp", t, NORM_BYTES, 1,
-                              all_reduce_sent(1, NORM_BYTES, t), "step", "gradient norm"))
+                              all_reduce_sent(1, NORM_BYTES, t), "step", GRADIENT_NORM))
     return transfers
 
 
@@ -219,6 +226,11 @@ def _pipeline(shape, config, stage) -> list[Transfer]:
     position = (stage.rank - (p - 1)) % p  # along the chain from the last rank
     transfers.append(Transfer("broadcast", "pp", p, NORM_BYTES, 1,
                               broadcast_sent(NORM_BYTES, p, position), "step", "loss broadcast"))
+    # Gradient clipping sums the stages' squared norms (Megatron's clip_grad_norm_fp32
+    # over the model-parallel group; minipar all-reduces over TP, then over PP).
+    transfers.append(Transfer("all_reduce", "pp", p, NORM_BYTES, 1,
+                              all_reduce_sent(1, NORM_BYTES, p, stage.rank), "step",
+                              GRADIENT_NORM))
     return transfers
 
 

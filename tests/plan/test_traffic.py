@@ -95,11 +95,24 @@ def test_pipeline_sends_one_activation_and_one_gradient_per_micro_batch():
     config = ParallelConfig(pp=p, grad_accum_steps=m, micro_batch_size=b)
     bsh = b * UNTIED.seq_len * UNTIED.d_model * 2
     # an inner rank: m activations forward, m gradients back, plus its share of the
-    # 8-byte loss broadcast along the chain
-    assert sent(UNTIED, config, "pp", rank=1) == 2 * m * bsh + 8
+    # 8-byte loss broadcast along the chain, plus the ring all-reduce of the 8-byte
+    # squared gradient norm: rank i sends every chunk twice except chunks i+1 and i+2;
+    # the one element is in chunk 0, so rank 1 of 4 sends it twice
+    loss, norm = 8, 2 * 8
+    assert sent(UNTIED, config, "pp", rank=1) == 2 * m * bsh + loss + norm
     interleaved = config.replace(schedule="interleaved", virtual_stages=2)
     # Narayanan et al. 2021, section 2.2.2: v times the point-to-point messages
-    assert sent(UNTIED, interleaved, "pp", rank=1) == 2 * 2 * m * bsh + 8
+    assert sent(UNTIED, interleaved, "pp", rank=1) == 2 * 2 * m * bsh + loss + norm
+
+
+@pytest.mark.parametrize("rank,norm_bytes", [(0, 16), (1, 16), (2, 8), (3, 8)])
+def test_gradient_norm_is_all_reduced_over_the_pipeline(rank, norm_bytes):
+    # One fp64 number in a ring of 4: chunk 0 holds it, rank i skips chunks i+1 and i+2
+    # (reduce-scatter sends all chunks but i+1, all-gather all but i+2).
+    config = ParallelConfig(pp=4, grad_accum_steps=4)
+    (norm,) = [t for t in traffic(UNTIED, config, rank) if t.group == "pp"
+               and t.op == "all_reduce"]
+    assert (norm.phase, norm.count, norm.sent) == ("step", 1, norm_bytes)
 
 
 def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
