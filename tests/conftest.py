@@ -1,15 +1,27 @@
-"""A tiny stand-in for a virtual GPU: the device protocol of minipar.autograd.tracking
-with a ledger that follows the semantics of minipar.dist.memory (root buffers,
-reference counts, per-category peaks)."""
+"""Suite-wide test setup.
+
+Library tests draw on `matplotlib.figure.Figure` and never show anything: pin the
+non-interactive Agg backend for this process only. (CI must not export MPLBACKEND=Agg:
+the notebooks that tests/test_notebooks.py executes would inherit it and lose every
+figure.)
+
+The `device` fixture is a tiny stand-in for a virtual GPU: the device protocol of
+minipar.autograd.tracking with a ledger that follows the semantics of
+minipar.dist.memory (root buffers, reference counts, per-category peaks). The autograd
+and nn tests use it so they do not depend on the layer below them (minipar.dist).
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import matplotlib
 import numpy as np
 import pytest
 
 from minipar.autograd.tracking import use_device
+
+matplotlib.use("Agg")
 
 
 class FakeLedger:

@@ -1,0 +1,112 @@
+"""The measured runs behind the explorers and the notebooks, and a cache for them.
+
+    cache = RunCache()
+    report = cache.get(("train", key), lambda: train_report(config))   # once per key
+    step = pipeline_step("1f1b", pp=4, micro_batches=8)                 # one pipeline step
+
+`train_report` is `minipar.train.train`; `pipeline_step` runs one training step of a
+`minipar.parallel.pipeline.Pipeline` on p virtual ranks of a deliberately slow device
+with free links (PIPELINE_DEVICE), so the timelines look like a big model's: compute
+dominates and the bubble is the grey between the bars.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from minipar import dist
+from minipar.nn import GPTConfig
+from minipar.parallel.pipeline import Pipeline, bubble_fraction
+from minipar.parallel.schedules import in_flight_peak
+from minipar.train.config import TrainConfig
+from minipar.train.report import Report
+
+
+class RunCache:
+    """Measured runs by their settings: `get(key, compute)` runs `compute()` once per key.
+
+    hits / misses count lookups, so a benchmark (or a curious user) can see the cache
+    working. One cache can serve several explorers."""
+
+    def __init__(self) -> None:
+        self._runs: dict = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key, compute: Callable):
+        if key in self._runs:
+            self.hits += 1
+            return self._runs[key]
+        self.misses += 1
+        value = compute()
+        self._runs[key] = value
+        return value
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def clear(self) -> None:
+        self._runs.clear()
+
+
+def train_report(config: TrainConfig, device: dist.DeviceProfile | None = None) -> Report:
+    """minipar.train.train(config) (imported late: the module also exports a function
+    called `train`)."""
+    from minipar.train import train
+
+    return train(config, device=device)
+
+
+
+# A device slow enough that this toy model computes for longer than a message takes, as
+# a real model does: one block forward of one micro-batch is a few microseconds.
+PIPELINE_DEVICE = dist.DeviceProfile(name="toy GPU (1 TFLOP/s, free links)", flops=1e12,
+                                     intra_node_bandwidth=math.inf,
+                                     inter_node_bandwidth=math.inf,
+                                     intra_node_latency=0.0, inter_node_latency=0.0)
+PIPELINE_MODEL = dict(vocab_size=16, seq_len=16, n_head=2, d_model=32)
+
+
+def pipeline_step(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1, *,
+                  layer_split=None, layers_per_stage: int = 1, micro_batch_size: int = 2,
+                  device: dist.DeviceProfile = PIPELINE_DEVICE, seed: int = 0) -> dict:
+    """One measured training step of a pipeline over `pp` virtual ranks.
+
+    The model has pp x virtual_stages x layers_per_stage blocks (or sum(layer_split))
+    and a tiny vocabulary, so the stages are nearly uniform. Returns the timelines, the
+    measured bubble (idle / total rank-time), the paper's formula for uniform stages,
+    per rank the peak micro-batches in flight (from the schedule) and the peak
+    "activations" bytes (from the ledger), and the loss.
+    """
+    n_layer = (sum(layer_split) if layer_split is not None
+               else pp * virtual_stages * layers_per_stage)
+    config = GPTConfig(n_layer=n_layer, **PIPELINE_MODEL)
+    rng = np.random.default_rng(seed)
+    shape = (micro_batch_size, config.seq_len)
+    batches = [(rng.integers(0, config.vocab_size, shape),
+                rng.integers(0, config.vocab_size, shape)) for _ in range(micro_batches)]
+
+    def rank():
+        pipe = Pipeline(config, schedule=schedule, micro_batches=micro_batches,
+                        virtual_stages=virtual_stages, layer_split=layer_split,
+                        precision="fp32", seed=seed)
+        loss = pipe.forward_backward(batches)
+        return loss, pipe.schedule
+
+    results, devices = dist.launch(rank, pp, device=device, return_devices=True)
+    schedule_ = results[0][1]
+    timelines = [d.clock.events for d in devices]
+    v = virtual_stages
+    return {
+        "timelines": timelines,
+        "bubble": bubble_fraction(timelines),
+        "formula": (pp - 1) / (v * micro_batches + pp - 1),
+        "in_flight": [in_flight_peak(schedule_, r) for r in range(pp)],
+        "activations": [d.memory.peak["activations"] for d in devices],
+        "step_s": max(e.end for t in timelines for e in t),
+        "loss": results[0][0],
+        "schedule": schedule_,
+    }

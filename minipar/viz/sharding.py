@@ -1,0 +1,208 @@
+"""Who holds what: the slice of every weight, gradient and Adam moment on each rank.
+
+    held = holdings(dp=2, tp=2, pp=2, zero=1)       # builds the ranks, reads their state
+    held.masks[rank]["optimizer"]["h.0.mlp.c_fc.weight"]   # bool array, the full shape
+    fig = plot_sharding(held, "optimizer", "h.0.attn.c_attn.weight")
+
+Nothing here is computed from a formula. `holdings` launches the virtual ranks, lets
+each one build its share of the model with the training loop's own builder
+(`minipar.train.build.build_rank_model`: a pipeline stage of its layers, cut into its
+tensor-parallel pieces, wrapped in its DP / ZeRO engine), and then asks the engine
+which flat ranges of which tensors it keeps (`state_pieces`, `parameter_pieces`: the
+same description checkpoints are written from). Each piece's placement (Replicate /
+Shard / StridedShard over the TP group) maps its local elements back to positions in
+the full single-device tensor.
+
+The three kinds of state, from one rank's point of view:
+    params     the weights it keeps between steps (ZeRO-3: only its shard)
+    grads      the gradient it keeps for the optimizer (ZeRO-2/3: only its shard)
+    optimizer  Adam's m and v (and fp32 master weights under bf16-mixed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.colors import LinearSegmentedColormap
+from matplotlib.figure import Figure
+
+from minipar import dist
+from minipar.autograd.placement import Replicate, shard
+from minipar.nn.gpt import parameter_shapes
+from minipar.train.build import build_rank_model, check_layout, gpt_config
+from minipar.train.config import TrainConfig
+from minipar.train.data import make_stream
+
+KINDS = ("params", "grads", "optimizer")
+# The memory categories' colours (the memory explorer uses the same ones).
+KIND_COLORS = {"params": "#3b75af", "grads": "#e1812c", "optimizer": "#3a923a"}
+# The default model with 4 layers, so that pp can be 4.
+DEFAULT_CONFIG = TrainConfig(n_layer=4)
+
+
+@dataclass
+class Holdings:
+    """What every rank of a dp x pp x tp mesh holds.
+
+    shapes: {name: full shape} in state-dict order; coords: per rank {"dp", "pp", "tp"};
+    masks: per rank {kind: {name: bool array of the full shape}} (only the tensors the rank
+    holds some of); nbytes: per rank {kind: bytes of the pieces it holds}.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    shapes: dict[str, tuple[int, ...]]
+    coords: list[dict[str, int]]
+    masks: list[dict[str, dict[str, np.ndarray]]]
+    nbytes: list[dict[str, int]]
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def fraction(self, rank: int, kind: str, name: str | None = None) -> float:
+        """Share of the full tensor `name` (None: of the whole model) `rank` holds."""
+        masks = self.masks[rank][kind]
+        names = [name] if name is not None else list(self.shapes)
+        held = sum(int(masks[n].sum()) for n in names if n in masks)
+        return held / sum(int(np.prod(self.shapes[n])) for n in names)
+
+    def flat_mask(self, rank: int, kind: str) -> np.ndarray:
+        """The rank's mask over the whole model, tensors end to end in state-dict order."""
+        masks = self.masks[rank][kind]
+        return np.concatenate([masks[n].reshape(-1) if n in masks
+                               else np.zeros(int(np.prod(s)), dtype=bool)
+                               for n, s in self.shapes.items()])
+
+
+def _rank_state(config: TrainConfig):
+    """One rank: build my share of the model and its engine exactly as the training loop
+    does (minipar.train.build); return the pieces I hold of each kind of state."""
+    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp)
+    engine = build_rank_model(config, mesh).engine
+    params = engine.parameter_pieces()
+    optimizer = [p for p in engine.state_pieces() if p.kind in ("exp_avg", "exp_avg_sq",
+                                                                 "master")]
+    if config.zero >= 2:  # the gradient shard the engine accumulates into
+        grads = [piece for sb in engine.shards
+                 for piece in sb.bucket.pieces("grad", sb.grad_shard, sb.shard)]
+    else:  # the full local gradient backward creates (ZeRO-1 reduce-scatters it after)
+        grads = params
+    return mesh.coords(), mesh.tp_rank, {"params": params, "grads": grads,
+                                         "optimizer": optimizer}
+
+
+def _full_positions(piece, full_shape, tp_rank: int, tp: int) -> np.ndarray:
+    """Flat positions in the full tensor of the elements `piece` holds."""
+    index = np.arange(int(np.prod(full_shape))).reshape(full_shape)
+    if piece.placement_group == "tp" and not isinstance(piece.placement, Replicate):
+        index = shard(index, piece.placement, tp_rank, tp)
+    return index.reshape(-1)[piece.start:piece.stop]
+
+
+def holdings(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, *,
+             config: TrainConfig = DEFAULT_CONFIG) -> Holdings:
+    """Launch dp x pp x tp virtual ranks, build each one's state as `train` would for
+    `config` with these sizes, and map what it holds onto the full tensors (see the
+    module docstring). A layout training refuses raises the same ConfigError.
+    Takes ~0.1 s for 8 ranks of the default model."""
+    config = config.replace(dp=dp, tp=tp, pp=pp, zero=zero)
+    if config.vocab_size is None:
+        config = config.replace(vocab_size=make_stream(config.data).vocab_size)
+    check_layout(config)
+    results = dist.launch(_rank_state, config.world_size, config,
+                          gpus_per_node=config.gpus_per_node)
+    shapes = parameter_shapes(gpt_config(config))
+    coords, masks, nbytes = [], [], []
+    for rank_coords, tp_rank, pieces in results:
+        coords.append(rank_coords)
+        rank_masks, rank_bytes = {}, {}
+        for kind, kind_pieces in pieces.items():
+            by_name: dict[str, np.ndarray] = {}
+            for piece in kind_pieces:
+                mask = by_name.setdefault(piece.name, np.zeros(shapes[piece.name], bool))
+                mask.reshape(-1)[_full_positions(piece, shapes[piece.name], tp_rank, tp)] = True
+            rank_masks[kind] = by_name
+            rank_bytes[kind] = int(sum(piece.values.nbytes for piece in kind_pieces))
+        masks.append(rank_masks)
+        nbytes.append(rank_bytes)
+    return Holdings(dp, tp, pp, zero, shapes, coords, masks, nbytes)
+
+
+# ------------------------------------------------------------------ the picture
+def _units(shapes: dict) -> list[tuple[str, int, int]]:
+    """(label, first flat element, end) of embed / each block / head in the model strip."""
+    spans: dict[str, list[int]] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        label = ".".join(parts[:2]) if parts[0] == "h" else (
+            "embed" if parts[0] in ("wte", "wpe") else "head")
+        size = int(np.prod(shape))
+        span = spans.setdefault(label, [offset, offset + size])
+        span[1] = offset + size
+        offset += size
+    return [(label, lo, hi) for label, (lo, hi) in spans.items()]
+
+
+def _grid(held: Holdings) -> tuple[int, int]:
+    """Rows x columns of the per-rank panels: one row per DP replica (up to 4 columns)."""
+    n = held.world_size
+    cols = min(4, n) if held.dp == 1 else min(4, held.tp * held.pp)
+    return -(-n // cols), cols
+
+
+def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.c_attn.weight",
+                  *, bins: int = 400, width: float = 10.0) -> Figure:
+    """Top: every rank's share of the whole model (tensors end to end, darker = more of
+    that stretch held). Bottom: one panel per rank showing which elements of `tensor`
+    (full shape; vectors drawn as one row) it holds, with the share held in the title."""
+    if kind not in KINDS:
+        raise ValueError(f"plot_sharding: kind {kind!r} is not one of {KINDS}")
+    if tensor not in held.shapes:
+        raise ValueError(f"plot_sharding: no tensor {tensor!r}; the model has "
+                         f"{', '.join(held.shapes)}")
+    n = held.world_size
+    rows, cols = _grid(held)
+    cmap = LinearSegmentedColormap.from_list(kind, ["#f2f2f2", KIND_COLORS[kind]])
+    fig = Figure(figsize=(width, 1.2 + 0.28 * n + 1.5 * rows), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[0.6 + 0.28 * n, 1.5 * rows])
+
+    ax = top.subplots()
+    total = sum(int(np.prod(s)) for s in held.shapes.values())
+    edges = np.linspace(0, total, bins + 1).astype(int)
+    strip = np.stack([np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
+                      / np.diff(edges) for r in range(n)])
+    ax.imshow(strip, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest",
+              extent=(0, total, n - 0.5, -0.5))
+    for _, lo, _ in _units(held.shapes)[1:]:
+        ax.axvline(lo, color="black", linewidth=0.6)
+    ax.set_xticks([(lo + hi) / 2 for _, lo, hi in _units(held.shapes)],
+                  [label for label, _, _ in _units(held.shapes)], fontsize=8)
+    ax.set_yticks(range(n), [_rank_label(r, held.coords[r]) for r in range(n)], fontsize=7)
+    ax.set_title(f"{kind} held by each rank, whole model ({total:,} parameters end to end) "
+                 f"- dp={held.dp} tp={held.tp} pp={held.pp} ZeRO-{held.zero}", fontsize=9)
+
+    axes = np.atleast_1d(bottom.subplots(rows, cols, squeeze=False)).reshape(-1)
+    shape = held.shapes[tensor]
+    for r, ax in enumerate(axes):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if r >= n:
+            ax.set_visible(False)
+            continue
+        mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
+        image = mask.reshape(1, -1) if mask.ndim == 1 else mask
+        ax.imshow(image.astype(float), aspect="auto", cmap=cmap, vmin=0, vmax=1,
+                  interpolation="nearest")
+        ax.set_title(f"{_rank_label(r, held.coords[r])}: {mask.mean():.0%}", fontsize=8)
+    bottom.suptitle(f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
+                    fontsize=9)
+    return fig
+
+
+def _rank_label(rank: int, coords: dict) -> str:
+    return f"r{rank} (dp{coords['dp']} pp{coords['pp']} tp{coords['tp']})"

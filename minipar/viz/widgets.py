@@ -1,0 +1,435 @@
+"""Interactive explorers for the notebooks: change a setting, see the measured result.
+
+    from minipar.viz.widgets import (MemoryExplorer, PipelineExplorer, RunCache,
+                                     ShardingExplorer, TrafficExplorer)
+    cache = RunCache()                      # share measured runs between explorers
+    MemoryExplorer(cache=cache)             # the last expression of a cell displays it
+
+Four explorers, each an `ipywidgets.VBox` of controls, a status line and a picture:
+
+    ShardingExplorer  dp / tp / pp / ZeRO -> which slice of every weight, gradient and
+                      Adam moment each rank holds (minipar.viz.sharding)
+    MemoryExplorer    a layout -> stacked per-rank bars of the peak bytes by category,
+                      from a measured training step (the report's ranks[i]["memory"])
+    PipelineExplorer  schedule, p, m, v -> the simulated timeline of one pipeline step,
+                      its bubble next to the paper's formula, activations in flight
+    TrafficExplorer   a layout -> the rank x rank matrix of bytes sent, and each rank's
+                      bytes by group (dp / tp / pp) or by collective
+
+Every picture comes from a run, never from a formula (formulas appear only as the
+reference they are compared with). Runs (minipar.viz.runs) are cached by their settings
+in a `RunCache`,
+so going back to a setting is instant and a new one costs one small run (figures in
+benchmarks/README.md, `python benchmarks/bench_widgets.py`).
+
+Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
+twice) and shown as PNG in an `ipywidgets.Image`. Tests drive the explorers headless:
+set a control's `.value` and the callback runs synchronously; `explorer.figures` holds
+what was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import time
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from minipar.nn.gpt import parameter_shapes
+from minipar.parallel.schedules import PipelineError
+from minipar.train.build import gpt_config
+from minipar.train.config import ConfigError, TrainConfig
+from minipar.train.data import make_stream
+from minipar.train.report import Report
+from minipar.viz.memory import plot_memory
+from minipar.viz.runs import RunCache, pipeline_step, train_report
+from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
+from minipar.viz.tables import human_bytes
+from minipar.viz.timeline import plot_timeline
+from minipar.viz.traffic import plot_traffic
+
+try:
+    import ipywidgets as widgets
+except ImportError as error:  # the library itself does not need ipywidgets
+    raise ImportError("minipar.viz.widgets needs ipywidgets: pip install 'minipar[notebooks]' "
+                      "(or pip install 'ipywidgets>=8')") from error
+
+GROUP_COLORS = {"dp": "#3b75af", "tp": "#c03d3e", "pp": "#e1812c", "other": "#9a9a9a"}
+OP_COLORS = {"all_reduce": "#3b75af", "reduce_scatter": "#e1812c", "all_gather": "#3a923a",
+             "send": "#c03d3e", "broadcast": "#8e6bb8", "reduce": "#8c564b",
+             "barrier": "#9a9a9a", "recv": "#cccccc"}
+# What the explorers train: the default model with 4 layers (so pp can be 4), one step.
+EXPLORER_CONFIG = TrainConfig(n_layer=4, steps=1)
+# Errors that mean "this layout cannot run": shown in the status line, never raised.
+REFUSALS = (ConfigError, PipelineError, NotImplementedError, ValueError)
+
+
+def figure_png(fig: Figure, dpi: int = 72) -> bytes:
+    """The figure as PNG bytes (Agg; needs no display)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------ the common frame
+def _control(kind, description: str, options=None, value=None, width="170px"):
+    style = {"description_width": "initial"}
+    layout = widgets.Layout(width=width)
+    if kind == "dropdown":
+        return widgets.Dropdown(options=options, value=value, description=description,
+                                style=style, layout=layout)
+    if kind == "check":
+        return widgets.Checkbox(value=value, description=description, style=style,
+                                layout=layout, indent=False)
+    if kind == "slider":
+        low, high = options
+        return widgets.IntSlider(value=value, min=low, max=high, description=description,
+                                 style=style, layout=widgets.Layout(width="260px"),
+                                 continuous_update=False)
+    raise ValueError(kind)
+
+
+class Explorer(widgets.VBox):
+    """Controls, a status line and pictures; redraws when any control changes.
+
+    Subclasses give `controls` (name -> widget) and `draw(**values) -> (figures, status
+    html)`. `figures` are the last drawn matplotlib Figures, `draws` counts redraws,
+    `error` is the last refusal (None after a successful draw), `last_seconds` the time
+    the last redraw took (run + drawing + PNG)."""
+
+    dpi = 72
+
+    def __init__(self, controls: dict, cache: RunCache | None = None):
+        self.controls = controls
+        self.cache = RunCache() if cache is None else cache
+        self.status = widgets.HTML()
+        self.images: list = []
+        self.figures: list[Figure] = []
+        self.draws = 0
+        self.error: str | None = None
+        self.last_seconds = 0.0
+        self._pictures = widgets.VBox()
+        box = widgets.HBox(list(controls.values()),
+                           layout=widgets.Layout(flex_flow="row wrap"))
+        super().__init__([box, self.status, self._pictures])
+        for control in controls.values():
+            control.observe(self._changed, names="value")
+        self.refresh()
+
+    @property
+    def figure(self) -> Figure | None:
+        return self.figures[0] if self.figures else None
+
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def set(self, **values) -> None:
+        """Change several controls, redrawing once (each `.value = ` redraws)."""
+        for control in self.controls.values():
+            control.unobserve(self._changed, names="value")
+        try:
+            for name, value in values.items():
+                if name not in self.controls:
+                    raise KeyError(f"{type(self).__name__} has no control {name!r}; it has "
+                                   f"{', '.join(self.controls)}")
+                self.controls[name].value = value
+        finally:
+            for control in self.controls.values():
+                control.observe(self._changed, names="value")
+        self.refresh()
+
+    def _changed(self, change) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        start = time.perf_counter()
+        values = self.values()
+        key = (type(self).__name__, repr(getattr(self, "config", None)),
+               *sorted(values.items()))
+        try:
+            figures, pngs, message = self.cache.get(("picture", key),
+                                                    lambda: self._picture(values))
+        except REFUSALS as refusal:
+            self.error = str(refusal)
+            self.status.value = ("<span style='color:#b00020'>cannot run this layout: "
+                                 f"{html.escape(self.error)}</span>")
+            self.last_seconds = time.perf_counter() - start
+            return
+        self.error = None
+        self.figures = figures
+        while len(self.images) < len(figures):
+            self.images.append(widgets.Image(format="png"))
+        for image, png in zip(self.images, pngs, strict=False):
+            image.value = png
+        self._pictures.children = tuple(self.images[:len(figures)])
+        self.status.value = message
+        self.draws += 1
+        self.last_seconds = time.perf_counter() - start
+
+    def _picture(self, values: dict):
+        """(figures, their PNGs, status html) of one setting: what the cache keeps, so
+        returning to a setting redraws nothing. `draw` may return a figure as a
+        (Figure, png) pair it took from `cached_figure`."""
+        drawn, message = self.draw(**values)
+        pairs = [item if isinstance(item, tuple) else (item, figure_png(item, self.dpi))
+                 for item in drawn]
+        return [fig for fig, _ in pairs], [png for _, png in pairs], message
+
+    def cached_figure(self, key, make) -> tuple[Figure, bytes]:
+        """(figure, PNG) of `make()`, cached under `key`: for a picture that several
+        settings share (e.g. the same run seen in another view)."""
+        def render():
+            fig = make()
+            return fig, figure_png(fig, self.dpi)
+
+        return self.cache.get(("figure", type(self).__name__, key), render)
+
+    def draw(self, **values):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------ sharding
+class ShardingExplorer(Explorer):
+    """dp, tp, pp, ZeRO stage, kind of state, tensor -> who holds which elements."""
+
+    def __init__(self, config: TrainConfig = DEFAULT_CONFIG, cache: RunCache | None = None,
+                 **initial):
+        self.config = config
+        names = list(_tensor_names(config))
+        controls = {
+            "dp": _control("dropdown", "dp", [1, 2, 4], 2, "110px"),
+            "tp": _control("dropdown", "tp", [1, 2, 4], 2, "110px"),
+            "pp": _control("dropdown", "pp", [1, 2, 4], 2, "110px"),
+            "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
+            "kind": _control("dropdown", "state", list(KINDS), "optimizer", "170px"),
+            "tensor": _control("dropdown", "tensor", names, "h.0.attn.c_attn.weight",
+                               "300px"),
+        }
+        for name, value in initial.items():
+            controls[name].value = value
+        super().__init__(controls, cache)
+
+    def holdings(self, dp, tp, pp, zero):
+        return self.cache.get(("sharding", repr(self.config), dp, tp, pp, zero),
+                              lambda: holdings(dp, tp, pp, zero, config=self.config))
+
+    def draw(self, dp, tp, pp, zero, kind, tensor):
+        if dp * tp * pp > 16:
+            raise ValueError(f"dp x tp x pp = {dp * tp * pp} ranks; keep it at 16 or fewer")
+        held = self.holdings(dp, tp, pp, zero)
+        fig = plot_sharding(held, kind, tensor)
+        shares = [held.fraction(r, kind) for r in range(held.world_size)]
+        message = (f"{held.world_size} ranks; each holds {min(shares):.1%} to {max(shares):.1%}"
+                   f" of the model's {kind} ({human_bytes(min(b[kind] for b in held.nbytes))}"
+                   f" to {human_bytes(max(b[kind] for b in held.nbytes))}); "
+                   f"one device would hold 100%.")
+        return [fig], message
+
+
+def _tensor_names(config: TrainConfig):
+    vocab_size = config.vocab_size or make_stream(config.data).vocab_size
+    return parameter_shapes(gpt_config(config, vocab_size)).keys()
+
+
+# ------------------------------------------------------------------ memory
+def _coords_label(rank: dict) -> str:
+    c = rank.get("coords", {})
+    return f"r{rank['rank']}\n{c.get('dp', 0)}/{c.get('pp', 0)}/{c.get('tp', 0)}"
+
+
+def _byte_unit(largest: float) -> tuple[str, float]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= scale:
+            return unit, float(scale)
+    return "B", 1.0
+
+
+class MemoryExplorer(Explorer):
+    """A layout and precision -> the measured peak bytes per rank, by category."""
+
+    def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
+                 **initial):
+        self.config = config
+        controls = {
+            "dp": _control("dropdown", "dp", [1, 2, 4, 8], 4, "110px"),
+            "tp": _control("dropdown", "tp", [1, 2, 4], 1, "110px"),
+            "pp": _control("dropdown", "pp", [1, 2, 4], 1, "110px"),
+            "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 0, "120px"),
+            "precision": _control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
+                                  "bf16-mixed", "190px"),
+            "micro_batch_size": _control("dropdown", "micro-batch", [1, 2, 4, 8, 16], 4,
+                                         "150px"),
+            "activation_checkpointing": _control("check", "checkpointing", value=False,
+                                                 width="140px"),
+        }
+        for name, value in initial.items():
+            controls[name].value = value
+        super().__init__(controls, cache)
+
+    def run(self, **settings) -> Report:
+        config = self.config.replace(**settings)
+        key = ("train", tuple(sorted(config.to_dict().items())))
+        return self.cache.get(key, lambda: train_report(config))
+
+    def draw(self, **settings):
+        report = self.run(**settings)
+        c = report.config
+        fig = plot_memory(report, width=9.0, title=(
+            f"peak bytes per rank, measured: dp={c['dp']} tp={c['tp']} pp={c['pp']} "
+            f"ZeRO-{c['zero']} {c['precision']}"
+            + (" + checkpointing" if c["activation_checkpointing"] else "")
+            + "; black tick = peak of the total"))
+        peaks = [r["memory"]["peak_total"] for r in report.ranks]
+        message = (f"{report.world_size} ranks, Ψ = {report.n_params:,} parameters; "
+                   f"peak per rank {human_bytes(min(peaks))} to {human_bytes(max(peaks))} "
+                   f"(bars: each category's own peak; black tick: the peak of their sum)")
+        return [fig], message
+
+
+# ------------------------------------------------------------------ pipeline
+class PipelineExplorer(Explorer):
+    """Schedule, p, m, v -> timeline, bubble (measured and formula), activations in flight."""
+
+    def __init__(self, cache: RunCache | None = None, **initial):
+        controls = {
+            "schedule": _control("dropdown", "schedule", ["gpipe", "1f1b", "interleaved"],
+                                 "1f1b", "190px"),
+            "pp": _control("dropdown", "p (stages)", [2, 4, 8], 4, "150px"),
+            "micro_batches": _control("slider", "m (micro-batches)", (1, 16), 8),
+            "virtual_stages": _control("dropdown", "v (chunks)", [1, 2, 3], 1, "140px"),
+        }
+        for name, value in initial.items():
+            controls[name].value = value
+        super().__init__(controls, cache)
+
+    def run(self, schedule, pp, micro_batches, virtual_stages):
+        key = ("pipeline", schedule, pp, micro_batches, virtual_stages)
+        return self.cache.get(key, lambda: pipeline_step(schedule, pp, micro_batches,
+                                                         virtual_stages))
+
+    def draw(self, schedule, pp, micro_batches, virtual_stages):
+        if schedule != "interleaved" and virtual_stages != 1:
+            raise PipelineError(f"v={virtual_stages} model chunks per rank needs the "
+                                "interleaved schedule; pick it or set v = 1")
+        result = self.run(schedule, pp, micro_batches, virtual_stages)
+        timeline = plot_timeline(
+            result["timelines"], width=10,
+            show_labels=micro_batches * virtual_stages <= 8,
+            title=(f"{schedule}, p={pp}, m={micro_batches}"
+                   + (f", v={virtual_stages}" if virtual_stages > 1 else "")
+                   + f": bubble {result['bubble']:.1%} measured, "
+                     f"{result['formula']:.1%} by the formula"))
+        fig = Figure(figsize=(10, 2.2), layout="constrained")
+        left, right = fig.subplots(1, 2)
+        ranks = range(pp)
+        left.bar(ranks, result["in_flight"], color="#8e6bb8")
+        left.set_title("forwards awaiting their backward (peak, from the schedule)"
+                       + (": micro-batch x chunk" if virtual_stages > 1 else ""), fontsize=9)
+        left.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
+        unit, scale = _byte_unit(max(result["activations"]))
+        right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
+        right.set_title(f"peak activations held ({unit}, measured)", fontsize=9)
+        right.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
+        formula = ("(p-1)/(v·m+p-1)" if virtual_stages > 1 else "(p-1)/(m+p-1)")
+        message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
+                   f"{formula} = {result['formula']:.3f} for uniform stages (the last stage "
+                   f"also runs the head and loss); stage 0 holds "
+                   f"{result['in_flight'][0]} micro-batches of activations at once")
+        return [timeline, fig], message
+
+
+# ------------------------------------------------------------------ traffic
+def traffic_of(report: Report) -> np.ndarray:
+    """The rank x rank matrix of bytes sent ([i, j]: rank i to rank j) of a run."""
+    if not report.traffic or "matrix" not in report.traffic:
+        raise ValueError("this report carries no traffic matrix (report.traffic); it "
+                         "comes from minipar.train.train")
+    return np.asarray(report.traffic["matrix"], dtype=np.int64)
+
+
+def plot_sent_bytes(report: Report, *, by: str = "group", width: float = 10.0) -> Figure:
+    """Each rank's bytes sent per optimizer step, stacked by group kind (by="group":
+    dp / tp / pp) or by collective (by="op"), from the report's ranks[i]["comm"]."""
+    if by not in ("group", "op"):
+        raise ValueError(f"plot_sent_bytes: by must be 'group' or 'op', got {by!r}")
+    steps = max(1, len(report.steps))
+    key, colors = ("by_group", GROUP_COLORS) if by == "group" else ("by_op", OP_COLORS)
+    names = sorted({name for r in report.ranks for name, b in r["comm"][key].items() if b},
+                   key=lambda name: list(colors).index(name) if name in colors else 99)
+    n = len(report.ranks)
+    unit, scale = _byte_unit(max(max(r["comm"]["sent_bytes"] for r in report.ranks), 1)
+                             / steps)
+    fig = Figure(figsize=(width, 2.8), layout="constrained")
+    ax = fig.subplots()
+    bottom = np.zeros(n)
+    for name in names:
+        values = np.array([r["comm"][key].get(name, 0) for r in report.ranks]) / steps / scale
+        ax.bar(range(n), values, bottom=bottom, label=name, width=0.7,
+               color=colors.get(name, "#777777"))
+        bottom += values
+    ax.set_xticks(range(n), [_coords_label(r) for r in report.ranks], fontsize=7)
+    ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
+    ax.set_ylabel(f"bytes sent per step ({unit})")
+    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def _quick_layout(fig: Figure) -> Figure:
+    """Keep the figure's default axes positions instead of solving a constrained layout:
+    a third less time to render, for an explorer that redraws on every change."""
+    fig.set_layout_engine("none")
+    return fig
+
+
+def cross_node_bytes(matrix: np.ndarray, gpus_per_node: int) -> int:
+    """Bytes of the matrix that go from one node to another."""
+    node = np.arange(matrix.shape[0]) // gpus_per_node
+    return int(matrix[node[:, None] != node[None, :]].sum())
+
+
+class TrafficExplorer(Explorer):
+    """A layout -> who sends how many bytes to whom, and in which group."""
+
+    def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
+                 **initial):
+        self.config = config
+        controls = {
+            "dp": _control("dropdown", "dp", [1, 2, 4, 8], 2, "110px"),
+            "tp": _control("dropdown", "tp", [1, 2, 4], 2, "110px"),
+            "pp": _control("dropdown", "pp", [1, 2, 4], 2, "110px"),
+            "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
+            "grad_accum_steps": _control("dropdown", "micro-batches", [1, 2, 4], 2,
+                                         "160px"),
+            "gpus_per_node": _control("dropdown", "GPUs per node", [2, 4, 8], 4, "170px"),
+            "by": _control("dropdown", "bars by", ["group", "op"], "group", "150px"),
+        }
+        for name, value in initial.items():
+            controls[name].value = value
+        super().__init__(controls, cache)
+
+    def run(self, **settings) -> Report:
+        config = self.config.replace(**settings)
+        key = ("train", tuple(sorted(config.to_dict().items())))
+        return self.cache.get(key, lambda: train_report(config))
+
+    def draw(self, by, **settings):
+        report = self.run(**settings)
+        matrix = traffic_of(report)
+        # The matrices do not depend on `by`: switching the bars redraws only the bars.
+        heatmaps = self.cached_figure((repr(self.config), *sorted(settings.items())),
+                                      lambda: _quick_layout(plot_traffic(report,
+                                                                         annotate=False)))
+        figures = [heatmaps, plot_sent_bytes(report, by=by)]
+        per_node = settings["gpus_per_node"]
+        crossing = cross_node_bytes(matrix, per_node)
+        total = int(matrix.sum())
+        groups = {kind: sum(r["comm"]["by_group"].get(kind, 0) for r in report.ranks)
+                  for kind in ("dp", "tp", "pp")}
+        message = (f"one step moved {human_bytes(total)} in all; "
+                   + ", ".join(f"{k} {human_bytes(v)}" for k, v in groups.items())
+                   + f"; {crossing / max(total, 1):.0%} of it crosses a node boundary "
+                     f"(InfiniBand instead of NVLink)")
+        return figures, message

@@ -1,0 +1,216 @@
+"""The explorers, driven headless: set a control's value, the callback runs at once, and
+the picture shows the measured numbers (checked here against the definitions: bytes per
+parameter, ZeRO's 1/N, the schedules' micro-batches in flight)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+from minipar.nn.gpt import parameter_shapes  # noqa: E402
+from minipar.train import TrainConfig  # noqa: E402
+from minipar.train.data import make_stream  # noqa: E402
+from minipar.train.report import MEMORY_CATEGORIES  # noqa: E402
+from minipar.viz import widgets  # noqa: E402
+from minipar.viz.widgets import (  # noqa: E402
+    MemoryExplorer,
+    PipelineExplorer,
+    RunCache,
+    ShardingExplorer,
+    TrafficExplorer,
+)
+
+SMALL = TrainConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, micro_batch_size=2, steps=1)
+PNG = b"\x89PNG"
+
+
+def psi(config: TrainConfig) -> int:
+    from minipar.train.loop import gpt_config
+
+    vocab = make_stream(config.data).vocab_size
+    return sum(int(np.prod(s)) for s in parameter_shapes(gpt_config(config, vocab)).values())
+
+
+def bar_heights(ax, category):
+    """Heights of one category's bars in minipar.viz.memory.plot_memory's stacked bars
+    (one bar per rank and category, drawn rank by rank in MEMORY_CATEGORIES order)."""
+    heights = np.array([c[0].get_height() for c in ax.containers])
+    per_rank = heights.reshape(-1, len(MEMORY_CATEGORIES))
+    return per_rank[:, MEMORY_CATEGORIES.index(category)]
+
+
+def byte_scale(ax) -> int:
+    """Bytes per unit of the y axis, read off its label ("... (KiB)")."""
+    return {"B": 1, "KiB": 2**10, "MiB": 2**20}[ax.get_ylabel().split("(")[1][:-1]]
+
+
+@pytest.fixture
+def counted_runs(monkeypatch):
+    """Count the training runs the explorers start."""
+    calls = []
+    real = widgets.train_report
+
+    def counting(config, device=None):
+        calls.append(config)
+        return real(config, device)
+
+    monkeypatch.setattr(widgets, "train_report", counting)
+    return calls
+
+
+# ------------------------------------------------------------------ memory
+def test_memory_explorer_bars_are_the_measured_bytes_per_parameter(counted_runs):
+    explorer = MemoryExplorer(SMALL, dp=2, zero=0, precision="fp32")
+    assert explorer.error is None and explorer.draws == 1
+    assert bytes(explorer.images[0].value).startswith(PNG)
+    (ax, *_) = explorer.figure.axes
+    n_params = psi(SMALL)
+    # fp32 data parallelism: 4 bytes of weights per parameter on every replica, 8 of
+    # Adam's m and v
+    assert np.allclose(bar_heights(ax, "params") * byte_scale(ax), 4 * n_params)
+    assert np.allclose(bar_heights(ax, "optimizer") * byte_scale(ax), 8 * n_params)
+
+    explorer.controls["zero"].value = 3  # the callback fires synchronously
+    assert explorer.draws == 2 and len(counted_runs) == 2
+    (ax, *_) = explorer.figure.axes
+    # ZeRO-3 over 2 ranks: half the weights each (up to the padding of each flat unit)
+    assert np.allclose(bar_heights(ax, "params") * byte_scale(ax), 4 * n_params / 2,
+                       rtol=1e-3)
+    assert "ZeRO-3" in ax.get_title()
+
+
+def test_memory_explorer_caches_runs_and_pictures(counted_runs):
+    cache = RunCache()
+    explorer = MemoryExplorer(SMALL, cache=cache, dp=2)
+    first = explorer.images[0].value
+    explorer.controls["zero"].value = 2
+    explorer.controls["zero"].value = 0  # back: no new run, the same picture
+    assert len(counted_runs) == 2
+    assert bytes(explorer.images[0].value) == bytes(first)
+    # another explorer on the same cache reuses the runs
+    MemoryExplorer(SMALL, cache=cache, dp=2)
+    assert len(counted_runs) == 2
+
+
+def test_set_changes_several_controls_with_one_redraw(counted_runs):
+    explorer = MemoryExplorer(SMALL, dp=1)
+    explorer.set(dp=4, zero=1, precision="bf16-mixed")
+    assert explorer.draws == 2 and len(counted_runs) == 2
+    assert counted_runs[-1].dp == 4 and counted_runs[-1].zero == 1
+    with pytest.raises(KeyError, match="no control"):
+        explorer.set(stage=2)
+
+
+def test_a_layout_that_cannot_run_is_reported_not_raised():
+    explorer = MemoryExplorer(SMALL.replace(n_head=2), dp=1)
+    drawn = explorer.figures
+    explorer.controls["tp"].value = 4  # 2 heads cannot split over 4 ranks
+    assert explorer.error is not None and "tp" in explorer.error
+    assert "cannot run" in explorer.status.value
+    assert explorer.figures is drawn  # the last good picture stays
+
+
+# ------------------------------------------------------------------ sharding
+def test_sharding_explorer_draws_one_panel_per_rank_with_the_share_held():
+    explorer = ShardingExplorer(dp=2, tp=1, pp=1, zero=0, kind="optimizer",
+                                tensor="h.0.mlp.c_fc.weight")
+    shares = [ax.get_title() for ax in explorer.figure.axes if ax.get_title().startswith("r")
+              and ax.get_title().endswith("%")]
+    assert shares == ["r0 (dp0 pp0 tp0): 100%", "r1 (dp1 pp0 tp0): 100%"]
+    explorer.controls["zero"].value = 1  # optimizer state sharded over the 2 DP ranks
+    shares = [ax.get_title().rsplit(" ", 1)[1] for ax in explorer.figure.axes
+              if ax.get_title().startswith("r") and ax.get_title().endswith("%")]
+    held = explorer.holdings(2, 1, 1, 1)
+    total = [held.masks[r]["optimizer"].get("h.0.mlp.c_fc.weight") for r in range(2)]
+    assert sum(int(m.sum()) if m is not None else 0 for m in total) == 64 * 256
+    assert len(shares) == 2
+    explorer.controls["kind"].value = "params"  # ZeRO-1 keeps whole weights
+    assert all(ax.get_title().endswith("100%") for ax in explorer.figure.axes
+               if ax.get_title().startswith("r") and ax.get_title().endswith("%"))
+
+
+def test_sharding_explorer_refuses_more_than_16_ranks():
+    explorer = ShardingExplorer(dp=4, tp=4, pp=1)
+    draws = explorer.draws
+    explorer.controls["pp"].value = 2
+    assert explorer.error is not None and "16" in explorer.error
+    assert explorer.draws == draws
+
+
+# ------------------------------------------------------------------ pipeline
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_explorer_shows_the_schedules_activations_in_flight(schedule):
+    p, m = 4, 6
+    explorer = PipelineExplorer(schedule=schedule, pp=p, micro_batches=m)
+    timeline, extra = explorer.figures
+    assert [t.get_text() for t in timeline.axes[0].get_yticklabels()] == \
+        [f"rank {r}" for r in range(p)]
+    in_flight = [bar.get_height() for bar in extra.axes[0].patches]
+    # GPipe keeps all m forwards before any backward; 1F1B at most p - s on stage s
+    # (Narayanan et al. 2021, section 2.2.1).
+    expected = [m] * p if schedule == "gpipe" else [min(p - s, m) for s in range(p)]
+    assert in_flight == expected
+    # measured activation bytes follow the same ratio (same micro-batch size per stage)
+    measured = [bar.get_height() for bar in extra.axes[1].patches]
+    assert measured[0] > 0
+    if schedule == "gpipe":
+        assert measured[0] == pytest.approx(measured[1], rel=0.05)
+    else:
+        assert measured[0] / measured[2] == pytest.approx(p / (p - 2), rel=0.05)
+
+
+def test_pipeline_explorer_bubble_shrinks_with_m_and_is_in_the_title():
+    explorer = PipelineExplorer(schedule="1f1b", pp=4, micro_batches=4)
+    first = explorer.figure.axes[0].get_title()
+    explorer.controls["micro_batches"].value = 16
+    second = explorer.figure.axes[0].get_title()
+    bubbles = [float(title.split("bubble ")[1].split("%")[0]) for title in (first, second)]
+    assert bubbles[1] < bubbles[0]
+    assert "m=16" in second
+
+
+def test_pipeline_explorer_explains_an_impossible_interleaving():
+    explorer = PipelineExplorer(schedule="1f1b", pp=4, micro_batches=6)
+    explorer.set(schedule="interleaved", virtual_stages=2)
+    assert "multiple" in explorer.error  # m must be a multiple of p (Megatron's rule)
+    explorer.controls["micro_batches"].value = 8
+    assert explorer.error is None
+    assert "v=2" in explorer.figure.axes[0].get_title()
+
+
+# ------------------------------------------------------------------ traffic
+def test_traffic_explorer_matrix_rows_are_the_bytes_each_rank_sent():
+    explorer = TrafficExplorer(SMALL, dp=2, tp=1, pp=1, zero=0, grad_accum_steps=1,
+                               gpus_per_node=2)
+    assert explorer.error is None
+    report = explorer.run(dp=2, tp=1, pp=1, zero=0, grad_accum_steps=1, gpus_per_node=2)
+    matrix = widgets.traffic_of(report)
+    assert matrix.shape == (2, 2)
+    assert list(matrix.sum(axis=1)) == [r["comm"]["sent_bytes"] for r in report.ranks]
+    # DP all-reduce of fp32 gradients, ring over 2 ranks: 2(n-1)/n x 4 Ψ = 4 Ψ each way
+    assert matrix[0, 1] >= 4 * psi(SMALL)
+    heatmaps, bars = explorer.figures
+    # one step: the dp heatmap is the matrix; the bars are each rank's row sum
+    (dp_map,) = [ax for ax in heatmaps.axes if ax.get_title().startswith("data parallel")]
+    assert np.allclose(dp_map.images[0].get_array().filled(0), matrix)
+    (ax,) = bars.axes
+    sent = np.sum([[c[i].get_height() for i in range(2)] for c in ax.containers], axis=0)
+    assert np.allclose(sent * byte_scale(ax), matrix.sum(axis=1))
+
+
+def test_only_the_data_parallel_bytes_cross_nodes_when_tp_fits_in_a_node():
+    # dp=2 x tp=2 on nodes of 2 GPUs: TP groups [0,1] [2,3] stay inside a node, the DP
+    # groups [0,2] [1,3] cross (DeviceMesh puts tp fastest, as Megatron-LM does).
+    explorer = TrafficExplorer(SMALL, dp=2, tp=2, pp=1, zero=1, grad_accum_steps=1,
+                               gpus_per_node=2)
+    report = explorer.run(dp=2, tp=2, pp=1, zero=1, grad_accum_steps=1, gpus_per_node=2)
+    matrix = widgets.traffic_of(report)
+    dp_bytes = sum(r["comm"]["by_group"]["dp"] for r in report.ranks)
+    assert dp_bytes > 0
+    assert widgets.cross_node_bytes(matrix, 2) == dp_bytes
+    assert "crosses a node boundary" in explorer.status.value
+    explorer.controls["by"].value = "op"  # same run, bars split by collective
+    labels = {c.get_label() for c in explorer.figures[1].axes[0].containers}
+    assert {"all_reduce", "reduce_scatter", "all_gather"} <= labels
