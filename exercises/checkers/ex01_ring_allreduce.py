@@ -1,0 +1,246 @@
+"""Checker of exercise 01: `ring_all_reduce(x, group)` built from send/recv.
+
+Runs the implementation on n = 2, 3, 4 virtual ranks (even and uneven chunks, fewer
+elements than ranks, float32, two sub-groups at once) and holds it against:
+- values: NumPy's sum of the ranks' inputs in rank order, up to rounding; the same bits on
+  every rank;
+- bytes: what `dist.all_reduce` books for the same call (the ring's 2(n-1)/n S per rank,
+  `dist.all_reduce_bytes`), and traffic only between ring neighbours;
+- deadlock: the launch must finish (minipar.dist turns a hang into a DeadlockError);
+- time: the simulated clock of `dist.all_reduce` (a warning only when slower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipar import dist
+from minipar.dist import DeadlockError
+
+from .harness import (
+    CheckFailed,
+    CheckWarning,
+    add_note,
+    check_building_blocks,
+    expect,
+    start_report,
+)
+
+NUMBER, TITLE = "01", "ring all-reduce from send/recv"
+
+FORBIDDEN = {name: "a ready-made collective; build the ring from send/recv/isend/irecv"
+             for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                          "ring_all_reduce", "ring_all_gather", "ring_reduce_scatter",
+                          "minipar.dist.ring", "minipar.dist.collectives")}
+
+DEADLOCK_HINT = ("a blocking send waits until its receiver posts the matching recv; if every "
+                 "rank sends first, nobody gets to its recv. Post the send with "
+                 "`request = dist.isend(...)`, then `dist.recv(...)`, then `request.wait()` "
+                 "(or alternate the order of send and recv by rank).")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launch: `world` ranks; `groups` None (the world) or lists of ranks."""
+
+    world: int
+    shape: tuple[int, ...]
+    dtype: type = np.float64
+    groups: tuple[tuple[int, ...], ...] | None = None
+
+    def members(self, rank: int) -> tuple[int, ...]:
+        if self.groups is None:
+            return tuple(range(self.world))
+        return next(g for g in self.groups if rank in g)
+
+    def __str__(self) -> str:
+        where = f"n={self.world}" if self.groups is None else (
+            f"world of {self.world}, groups {[list(g) for g in self.groups]}")
+        return f"{where}, shape {self.shape}, {np.dtype(self.dtype).name}"
+
+
+CASES = (
+    Case(2, (8,)),
+    Case(3, (3, 5)),
+    Case(4, (19,)),  # uneven chunks: 5, 5, 5, 4 elements
+    Case(4, (2,)),  # fewer elements than ranks: two chunks are empty
+    Case(4, (4, 4), np.float32),
+    Case(4, (6,), np.float64, ((0, 2), (1, 3))),  # two rings at once; peers are global ranks
+)
+
+
+@dataclass
+class Run:
+    case: Case
+    inputs: np.ndarray  # (world, *shape)
+    results: list  # (returned array, x after the call) per rank
+    devices: list
+
+
+def _inputs(case: Case, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, case.world, int(np.prod(case.shape))])
+    return rng.standard_normal((case.world, *case.shape)).astype(case.dtype)
+
+
+def _program(all_reduce, case: Case, inputs: np.ndarray):
+    rank = dist.get_rank()
+    group = None if case.groups is None else dist.new_group(case.members(rank), kind="dp")
+    x = inputs[rank].copy()
+    out = all_reduce(x, group=group)
+    return out, x
+
+
+def _launch(all_reduce, case: Case, inputs: np.ndarray):
+    return dist.launch(_program, case.world, all_reduce, case, inputs, return_devices=True)
+
+
+# ------------------------------------------------------------------ the checks
+def check_runs(impl) -> list[Run]:
+    runs = []
+    for index, case in enumerate(CASES):
+        inputs = _inputs(case, index)
+        try:
+            results, devices = _launch(impl.ring_all_reduce, case, inputs)
+        except DeadlockError as error:
+            raise CheckFailed(f"{case}: {error}\n  hint: {DEADLOCK_HINT}") from None
+        except Exception as error:  # noqa: BLE001 - say which case broke, then the error
+            add_note(error, f"(case {case})")
+            if case.groups is not None:
+                add_note(error, "hint: on a sub-group, peers of send/recv are still "
+                                "global ranks: take them from ring_neighbours(group)")
+            raise
+        runs.append(Run(case, inputs, results, devices))
+    return runs
+
+
+def check_result_form(runs: list[Run]) -> None:
+    for run in runs:
+        for rank, (out, x) in enumerate(run.results):
+            expect(isinstance(out, np.ndarray),
+                   f"{run.case}: rank {rank} returned {type(out).__name__}, not an ndarray")
+            expect(out.shape == run.case.shape and out.dtype == run.inputs.dtype,
+                   f"{run.case}: rank {rank} returned shape {out.shape} {out.dtype}, expected "
+                   f"x's shape {run.case.shape} and dtype {run.inputs.dtype}")
+            expect(np.array_equal(x, run.inputs[rank]),
+                   f"{run.case}: rank {rank}'s input x was changed by the call: copy the "
+                   "chunks (np.array_split returns views of x) before adding into them")
+
+
+def check_values(runs: list[Run]) -> None:
+    for run in runs:
+        rtol = 1e-5 if run.inputs.dtype == np.float32 else 1e-12
+        for rank, (out, _) in enumerate(run.results):
+            members = run.case.members(rank)
+            expected = np.sum(run.inputs[list(members)].astype(np.float64), axis=0)
+            if not np.allclose(out, expected, rtol=rtol, atol=rtol):
+                diff = np.abs(out.astype(np.float64) - expected)
+                index = np.unravel_index(int(np.argmax(diff)), diff.shape)
+                hint = ""
+                for k, r in enumerate(members):
+                    if np.allclose(out, run.inputs[r], rtol=rtol):
+                        hint = f" (it equals rank {r}'s own input: nothing was added)"
+                    elif k and np.allclose(out, expected - run.inputs[r], rtol=rtol):
+                        hint = f" (rank {r}'s contribution is missing)"
+                raise CheckFailed(
+                    f"{run.case}: values differ from np.sum over ranks {list(members)} at "
+                    f"rank {rank}: max abs diff {diff[index]:.3g} at index "
+                    f"{tuple(int(i) for i in index)}{hint}")
+
+
+def check_identical(runs: list[Run]) -> None:
+    for run in runs:
+        for rank, (out, _) in enumerate(run.results):
+            first = run.case.members(rank)[0]
+            expect(np.array_equal(out, run.results[first][0]),
+                   f"{run.case}: rank {rank}'s result is not bit-identical to rank "
+                   f"{first}'s: in a ring every rank ends with copies of the same reduced "
+                   "chunks (the all-gather phase passes them on unchanged)")
+
+
+def check_traffic_pattern(runs: list[Run]) -> None:
+    for run in runs:
+        matrix = dist.traffic_matrix([d.comm for d in run.devices])
+        for rank, device in enumerate(run.devices):
+            ops = sorted({record.op for record in device.comm.records} - {"send", "recv"})
+            expect(not ops, f"{run.case}: rank {rank} called {', '.join(ops)}; a ring uses "
+                            "send/recv only")
+            members = run.case.members(rank)
+            i, n = members.index(rank), len(members)
+            neighbours = {members[(i + 1) % n], members[(i - 1) % n]}
+            peers = sorted(int(p) for p in np.flatnonzero(matrix[rank]))
+            expect(set(peers) <= neighbours and len(peers) <= 1,
+                   f"{run.case}: rank {rank} sent to ranks {peers}; in a ring every rank "
+                   f"sends to one neighbour only (its successor {members[(i + 1) % n]})")
+
+
+def check_bytes(runs: list[Run]) -> None:
+    for run in runs:
+        shape, itemsize = run.case.shape, run.inputs.dtype.itemsize
+        numel = int(np.prod(shape))
+        size = numel * itemsize
+        groups = run.case.groups or (tuple(range(run.case.world)),)
+        for members in groups:
+            n = len(members)
+            booked = [dist.all_reduce_bytes(numel, itemsize, n, i) for i in range(n)]
+            sent = [run.devices[r].comm.sent_bytes for r in members]
+            received = [run.devices[r].comm.recv_bytes for r in members]
+            formula = (f"2(n-1)/n*S = 2*{n - 1}/{n}*{size} = {2 * (n - 1) * size // n}"
+                       if numel % n == 0 else "2(n-1)/n*S")
+            if numel % n == 0:
+                for i, r in enumerate(members):
+                    expect(sent[i] == booked[i][0] and received[i] == booked[i][1],
+                           f"{run.case}: rank {r} sent {sent[i]} and received {received[i]} "
+                           f"bytes; a ring all-reduce sends and receives {formula} bytes "
+                           f"(n={n}, S={size} bytes), as dist.all_reduce books")
+            else:
+                # Uneven chunks: per-rank bytes depend on which chunk a rank owns, but every
+                # chunk goes around the ring twice (n-1 hops each way): 2(n-1) S in all.
+                total = sum(b[0] for b in booked)
+                expect(sum(sent) == total and sum(received) == total,
+                       f"{run.case}: the ranks sent {sum(sent)} bytes in total; a ring "
+                       f"all-reduce sends 2(n-1)*S = {total} in total (n={n}, S={size} bytes): "
+                       "each chunk travels n-1 hops to be reduced and n-1 more to be shared")
+
+
+def check_time(impl, runs: list[Run]) -> str:
+    slowest = 1.0
+    for run in runs:
+        numel = int(np.prod(run.case.shape))
+        if any(numel % len(g) for g in (run.case.groups or (range(run.case.world),))):
+            continue  # with uneven chunks the ring's time depends on the chunk order
+        _, builtin = _launch(lambda x, group: dist.all_reduce(x, group=group), run.case,
+                             run.inputs)
+        for mine, nccl in zip(run.devices, builtin, strict=True):
+            slowest = max(slowest, mine.clock.now / nccl.clock.now)
+    if slowest > 1 + 1e-9:
+        raise CheckWarning(
+            f"correct, but {slowest:.2f}x the simulated time of dist.all_reduce: in each step "
+            "every rank should send and receive at the same time (isend, recv, wait), so the "
+            "n transfers of a step overlap")
+    return ""
+
+
+def check(impl, *, show_traceback: bool = False):
+    report = start_report(NUMBER, TITLE, impl, show_traceback)
+    report.run("uses only send / recv / isend / irecv", check_building_blocks, impl, FORBIDDEN)
+    runs = report.run("runs without deadlock (n = 2, 3, 4, uneven sizes, sub-groups)",
+                      check_runs, impl, hints={DeadlockError: DEADLOCK_HINT})
+    names = ["returns a new array of x's shape and dtype, x unchanged",
+             "values equal x_0 + x_1 + ... + x_{n-1} (np.sum in rank order)",
+             "every rank holds the same result, bit for bit",
+             "only send/recv, and only to a ring neighbour",
+             "bytes: 2(n-1)/n*S per rank, what dist.all_reduce books",
+             "time: as fast as dist.all_reduce on the simulated clock"]
+    if runs is None:
+        for name in names:
+            report.skip(name, "needs the runs above")
+        return report
+    report.run(names[0], check_result_form, runs)
+    report.run(names[1], check_values, runs)
+    report.run(names[2], check_identical, runs)
+    report.run(names[3], check_traffic_pattern, runs)
+    report.run(names[4], check_bytes, runs)
+    report.run(names[5], check_time, impl, runs)
+    return report

@@ -1,0 +1,283 @@
+"""What every checker shares: run one check, turn what went wrong into a sentence a student
+can act on, and print the report.
+
+A checker is a function `check(impl) -> Report`. `impl` is the implementation under test:
+the student's module, the reference solution, or any object with the same attributes.
+Each check is a small function that returns normally when it passes and raises
+`CheckFailed("what is wrong and why")` when it does not; `Report.run` also turns the
+errors the code under test raises into such sentences:
+
+    NotImplementedError raised in the student's file   TODO: that function is still a stub
+                                                        (later checks are skipped)
+    minipar.dist.DeadlockError                           FAIL with the wait-for graph + a hint
+    any other exception                                 FAIL naming the file, line and rank
+
+so a student sees a list of checks, never a wall of traceback (`--traceback` shows it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minipar.dist import CollectiveMismatchError, DeadlockError
+
+
+class CheckFailed(Exception):
+    """A check did not pass; the message says what was expected and what came out."""
+
+
+class CheckWarning(Exception):
+    """The result is right but something is worth a remark (reported as "warn", which
+    does not fail the exercise)."""
+
+
+def expect(condition: bool, message: str) -> None:
+    """Raise CheckFailed(message) unless `condition` holds."""
+    if not condition:
+        raise CheckFailed(message)
+
+
+@dataclass
+class Outcome:
+    status: str  # "pass" | "fail" | "todo" | "warn" | "skip"
+    name: str
+    detail: str = ""
+
+
+LABELS = {"pass": "ok", "fail": "FAIL", "todo": "TODO", "warn": "warn", "skip": "skip"}
+COLORS = {"pass": "32", "fail": "31", "todo": "33", "warn": "33", "skip": "2"}
+
+
+@dataclass
+class Report:
+    """The outcomes of one exercise's checks, in order."""
+
+    number: str
+    title: str
+    target: str  # what was checked, e.g. "exercises/ex01_ring_allreduce.py"
+    impl_file: str | None = None
+    show_traceback: bool = False
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    # -------------------------------------------------------------- running checks
+    def run(self, name: str, check, *args, hints: dict | None = None):
+        """Run `check(*args)` as the check called `name`; return what it returns (None if
+        it failed or hit a stub)."""
+        try:
+            result = check(*args)
+        except CheckFailed as failure:
+            self.outcomes.append(Outcome("fail", name, str(failure)))
+        except CheckWarning as remark:
+            self.outcomes.append(Outcome("warn", name, str(remark)))
+        except NotImplementedError as error:
+            todo = self._stub(error)
+            if todo is None:
+                self.outcomes.append(Outcome("fail", name, self._describe(error, hints)))
+            else:
+                self.outcomes.append(Outcome("todo", name, todo))
+        except Exception as error:  # noqa: BLE001 - any error of the code under test is a result
+            self.outcomes.append(Outcome("fail", name, self._describe(error, hints)))
+        else:
+            self.outcomes.append(Outcome("pass", name, result if isinstance(result, str)
+                                         else ""))
+            return result
+        return None
+
+    def skip(self, name: str, reason: str) -> None:
+        """A check that cannot run because one it depends on failed (counts as not passed)."""
+        if self.not_implemented:
+            reason = "skipped until the TODO above is done"
+        self.outcomes.append(Outcome("skip", name, reason))
+
+    # -------------------------------------------------------------- results
+    @property
+    def not_implemented(self) -> bool:
+        return any(o.status == "todo" for o in self.outcomes)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.outcomes) and all(o.status in ("pass", "warn") for o in self.outcomes)
+
+    def counts(self) -> tuple[int, int]:
+        """(checks passed, with or without a warning; all checks, skipped ones included)."""
+        return sum(o.status in ("pass", "warn") for o in self.outcomes), len(self.outcomes)
+
+    def render(self, color: bool = False) -> str:
+        def paint(status: str, text: str) -> str:
+            return f"\033[{COLORS[status]}m{text}\033[0m" if color else text
+
+        lines = [f"Exercise {self.number}: {self.title}", f"checking {self.target}", ""]
+        for outcome in self.outcomes:
+            label = paint(outcome.status, f"{LABELS[outcome.status]:<5}")
+            if outcome.status == "skip":  # one line: the reason is the same for all
+                lines.append(f"  {label} {outcome.name} ({outcome.detail})")
+                continue
+            lines.append(f"  {label} {outcome.name}")
+            for detail in outcome.detail.splitlines():
+                lines.append(f"        {detail}")
+        passed, total = self.counts()
+        lines.append("")
+        if self.passed:
+            warned = sum(o.status == "warn" for o in self.outcomes)
+            remark = f" ({warned} with a warning)" if warned else ""
+            lines.append(paint("pass", f"All {total} checks pass{remark}."))
+        elif self.not_implemented:
+            stubs = []
+            for outcome in self.outcomes:
+                stub = outcome.detail.split(" ", 1)[0]
+                if outcome.status == "todo" and stub not in stubs:
+                    stubs.append(stub)
+            lines.append(paint("todo", f"{passed} of {total} checks pass; still to write: "
+                                       f"{', '.join(stubs)}"))
+        else:
+            failed = sum(o.status == "fail" for o in self.outcomes)
+            lines.append(paint("fail", f"{passed} of {total} checks pass, {failed} fail. "
+                                       "Fix the first FAIL above and run the checker again."))
+        return "\n".join(lines)
+
+    # -------------------------------------------------------------- errors -> sentences
+    def _stub(self, error: NotImplementedError) -> str | None:
+        """"<function> in <file>:<line> still raises NotImplementedError" if the error was
+        raised by the code under test itself (a stub), else None (a library limit)."""
+        frames = list(traceback.walk_tb(error.__traceback__))
+        if not frames:
+            return None
+        frame, line = frames[-1]
+        filename = frame.f_code.co_filename
+        if self.impl_file is not None:
+            if not _same_file(filename, self.impl_file):
+                return None
+        elif f"{os.sep}minipar{os.sep}" in filename:
+            return None
+        # co_qualname (Python >= 3.11) says which class's forward: "g.forward" is ambiguous
+        name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        return (f"{name}() still raises NotImplementedError "
+                f"({os.path.basename(filename)}:{line}): write it, then run the checker again")
+
+    def _describe(self, error: BaseException, hints: dict | None) -> str:
+        """One paragraph: the error, where it happened (the deepest frame in the file
+        under test, if any), on which rank, and an exercise-specific hint."""
+        if isinstance(error, (DeadlockError, CollectiveMismatchError)):
+            text = str(error)
+        else:
+            text = f"{type(error).__name__}: {error}"
+            frames = traceback.extract_tb(error.__traceback__)
+            mine = [f for f in frames
+                    if self.impl_file is not None and _same_file(f.filename, self.impl_file)]
+            frame = mine[-1] if mine else (frames[-1] if frames else None)
+            if frame is not None:
+                text += (f"\n  at {os.path.basename(frame.filename)}:{frame.lineno} in "
+                         f"{frame.name}(): {frame.line}")
+        for note in getattr(error, "__notes__", ()):
+            if "minipar.dist.launch" not in note:  # the rank is said below
+                text += f"\n  {note}"
+        rank = getattr(error, "rank", None)
+        if rank is not None:
+            text += f"\n  (raised on rank {rank})"
+        for kind, hint in (hints or {}).items():
+            if isinstance(error, kind):
+                text += f"\n  hint: {hint}"
+        if self.show_traceback:
+            text += "\n" + "".join(traceback.format_exception(error)).rstrip()
+        return text
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """`error.add_note(note)` (Python >= 3.11), also on 3.10: the report prints notes."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+# ------------------------------------------------------------------ helpers for checks
+def largest_difference(got, expected) -> tuple[float, tuple]:
+    """(max |got - expected|, index where it is largest)."""
+    diff = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
+    if diff.size == 0:
+        return 0.0, ()
+    index = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    return float(diff[index]), tuple(int(i) for i in index)
+
+
+def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e-12) -> None:
+    """CheckFailed naming `what`, the shapes, or the largest difference."""
+    got = np.asarray(got)
+    expected = np.asarray(expected)
+    expect(got.shape == expected.shape,
+           f"{what}: shape {got.shape}, expected {expected.shape}")
+    if not np.allclose(got, expected, rtol=rtol, atol=atol):
+        diff, index = largest_difference(got, expected)
+        raise CheckFailed(f"{what}: values differ, max abs diff {diff:.3g} at index {index} "
+                          f"(got {got[index]:.6g}, expected {expected[index]:.6g})")
+
+
+def forbidden_uses(impl, forbidden: dict[str, str]) -> list[str]:
+    """Lines "name (line N): why" for every use of a forbidden name in impl's source file:
+    imported, called or read as an attribute (e.g. `dist.all_reduce`). [] without a file.
+
+    forbidden: {name: reason}; a dotted module name ("minipar.parallel") matches imports
+    of it and of its submodules."""
+    path = getattr(impl, "__file__", None)
+    if path is None or not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), filename=path)
+    found = []
+    # The file's own functions and classes may share a name with the library's (the
+    # student writes `one_f_one_b` too): only imports and attributes of those count.
+    own = {node.name for node in ast.walk(tree)
+           if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+    def flag(name: str, node) -> None:
+        for banned, reason in forbidden.items():
+            if name == banned or name.startswith(banned + "."):
+                found.append(f"{name} (line {node.lineno}): {reason}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                flag(alias.name, node)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            flag(node.module, node)
+            for alias in node.names:
+                flag(alias.name, node)
+        elif isinstance(node, ast.Attribute):
+            flag(node.attr, node)
+        elif isinstance(node, ast.Name) and node.id not in own:
+            flag(node.id, node)
+    unique = list(dict.fromkeys(found))  # ast.walk's order, without repeats
+    return sorted(unique, key=lambda line: int(line.split("(line ")[1].split(")")[0]))
+
+
+def check_building_blocks(impl, forbidden: dict[str, str]):
+    """A check: the file under test uses none of the library's ready-made answers."""
+    uses = forbidden_uses(impl, forbidden)
+    expect(not uses, "your file uses what the exercise asks you to build:\n" + "\n".join(uses))
+
+
+def start_report(number: str, title: str, impl, show_traceback: bool = False) -> Report:
+    """An empty Report for checking `impl` (a module, or any object with its attributes)."""
+    path = getattr(impl, "__file__", None)
+    if path is not None:
+        try:
+            target = os.path.relpath(path)
+        except ValueError:  # another drive (Windows)
+            target = path
+        if target.startswith(".."):
+            target = path
+    else:
+        target = getattr(impl, "__name__", type(impl).__name__)
+    return Report(number, title, target, path, show_traceback)

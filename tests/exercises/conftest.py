@@ -1,0 +1,9 @@
+"""The exercises live in the top-level `exercises` package, next to `minipar`: make the
+repository root importable however pytest was started."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))

@@ -1,0 +1,414 @@
+"""A checker must say *what* is wrong: each test takes a reference solution, plants one
+typical student mistake, and expects the checker to fail with a sentence that points at it
+(and to pass everything the mistake does not touch)."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import numpy as np
+import pytest
+
+from exercises.checkers import find
+from minipar import dist
+from minipar.autograd import Function
+from minipar.autograd import functional as F
+from minipar.nn import adamw_update
+from minipar.parallel.schedules import RecvGrad, SendActivation
+
+
+def mutant(number: str, **overrides):
+    """The reference solution of exercise `number` with some attributes replaced."""
+    exercise = find(number)
+    module = importlib.import_module(f"exercises.solutions.{exercise.module}")
+    names = {k: getattr(module, k) for k in dir(module) if not k.startswith("__")}
+    return exercise, types.SimpleNamespace(**{**names, **overrides})
+
+
+def failures(number: str, **overrides) -> dict[str, str]:
+    """{check name: detail} of the checks that fail on the mutant."""
+    exercise, impl = mutant(number, **overrides)
+    report = exercise.check(impl)
+    assert not report.passed
+    assert not report.not_implemented
+    return {o.name: o.detail for o in report.outcomes if o.status == "fail"}
+
+
+def only_failure(number: str, **overrides) -> str:
+    found = failures(number, **overrides)
+    assert len(found) == 1, found
+    return next(iter(found.values()))
+
+
+# ------------------------------------------------------------------ 01 ring all-reduce
+def _ring(exchange, copy=True, neighbours=None):
+    """A ring all-reduce whose per-step exchange is `exchange(out, successor, predecessor,
+    group, i)`; with copy=False its chunks are views of x."""
+    neighbours = neighbours or mutant("01")[1].ring_neighbours
+
+    def ring_all_reduce(x, group=None):
+        i, n, successor, predecessor = neighbours(group)
+        chunks = np.array_split(x.reshape(-1), n)
+        if copy:
+            chunks = [c.copy() for c in chunks]
+        for s in range(n - 1):
+            chunks[(i - s - 1) % n] += exchange(chunks[(i - s) % n], successor, predecessor,
+                                                group, i)
+        for s in range(n - 1):
+            chunks[(i - s) % n] = exchange(chunks[(i + 1 - s) % n], successor, predecessor,
+                                           group, i)
+        return np.concatenate(chunks).reshape(x.shape)
+    return ring_all_reduce
+
+
+def _overlapped(out, successor, predecessor, group, i):
+    request = dist.isend(out, successor, group=group)
+    incoming = dist.recv(predecessor, group=group)
+    request.wait()
+    return incoming
+
+
+def test_01_blocking_sends_deadlock_and_the_checker_says_who_waits_for_whom():
+    def blocking(out, successor, predecessor, group, i):
+        dist.send(out, successor, group=group)
+        return dist.recv(predecessor, group=group)
+
+    text = only_failure("01", ring_all_reduce=_ring(blocking))
+    assert "rank 0 waits send to 1" in text and "rank 1 waits send to 0" in text
+    assert "isend" in text  # the hint names the fix
+
+
+def test_01_alternating_send_and_recv_by_parity_is_correct_but_slower():
+    def parity(out, successor, predecessor, group, i):
+        if i % 2 == 0:
+            dist.send(out, successor, group=group)
+            return dist.recv(predecessor, group=group)
+        incoming = dist.recv(predecessor, group=group)
+        dist.send(out, successor, group=group)
+        return incoming
+
+    exercise, impl = mutant("01", ring_all_reduce=_ring(parity))
+    report = exercise.check(impl)
+    assert report.passed  # a warning does not fail the exercise
+    (warning,) = [o for o in report.outcomes if o.status == "warn"]
+    assert "the simulated time of dist.all_reduce" in warning.detail
+
+
+def test_01_sending_the_whole_tensor_to_everyone_fails_bytes_and_pattern():
+    def everyone(x, group=None):
+        me = dist.get_rank()
+        ranks = list(range(dist.get_world_size())) if group is None else list(group.ranks)
+        requests = [dist.isend(x, r, group=group) for r in ranks if r != me]
+        parts = {r: dist.recv(r, group=group) for r in ranks if r != me}
+        for request in requests:
+            request.wait()
+        return sum((parts.get(r, x) for r in ranks), np.zeros_like(x))
+
+    detail = failures("01", ring_all_reduce=everyone)
+    assert set(detail) == {"only send/recv, and only to a ring neighbour",
+                           "bytes: 2(n-1)/n*S per rank, what dist.all_reduce books"}
+    assert "sent to ranks [1, 2]" in "".join(detail.values())
+    assert "2(n-1)/n*S = 2*2/3*120 = 160" in "".join(detail.values())
+
+
+def test_01_adding_into_views_of_x_changes_the_input():
+    text = only_failure("01", ring_all_reduce=_ring(_overlapped, copy=False))
+    assert "input x was changed" in text
+
+
+def test_01_global_peers_on_a_sub_group_get_a_hint():
+    def world_neighbours(group=None):
+        n = dist.get_world_size() if group is None else group.size
+        i = dist.get_rank(group)
+        return i, n, (i + 1) % n, (i - 1) % n  # positions, not global ranks
+
+    text = only_failure("01", ring_all_reduce=_ring(_overlapped, neighbours=world_neighbours))
+    assert "peers of send/recv are still global ranks" in text
+
+
+def test_01_the_library_collective_is_refused(tmp_path):
+    from exercises.check import load_implementation
+
+    path = tmp_path / "ex01_ring_allreduce.py"
+    path.write_text("from minipar import dist\n\n"
+                    "def ring_all_reduce(x, group=None):\n"
+                    "    return dist.all_reduce(x, group=group)\n")
+    exercise = find("01")
+    report = exercise.check(load_implementation(exercise, file=str(path)))
+    failed = {o.name: o.detail for o in report.outcomes if o.status == "fail"}
+    assert "all_reduce (line 4)" in failed["uses only send / recv / isend / irecv"]
+    assert "rank 0 called all_reduce" in failed["only send/recv, and only to a ring neighbour"]
+
+
+# ------------------------------------------------------------------ 02 tensor parallel
+def test_02_bias_added_on_every_rank_before_g():
+    _, sol = mutant("02")
+    text = failures("02", row_parallel_linear=lambda x, w, b, group: sol.g(F.linear(x, w, b),
+                                                                           group))
+    assert any("X A + t*b" in d for d in text.values())
+
+
+def test_02_missing_f_leaves_a_partial_input_gradient_and_no_backward_all_reduce():
+    detail = failures("02", column_parallel_linear=lambda x, w, b, group: F.linear(x, w, b))
+    texts = "\n".join(detail.values())
+    assert "x must enter through f" in texts
+    assert "backward made 0 all-reduces" in texts
+
+
+def test_02_g_that_all_reduces_in_backward_too():
+    class BothWays(Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return dist.all_reduce(x, group=group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return dist.all_reduce(grad, group=ctx.group), None
+
+    text = only_failure("02", g=lambda x, group: BothWays.apply(x, group))
+    assert "g's backward must be the identity" in text
+
+
+def test_02_row_shard_that_splits_columns():
+    _, sol = mutant("02")
+    text = only_failure("02", row_shard=sol.column_shard)
+    assert "row-parallel splits the input dimension" in text
+
+
+# ------------------------------------------------------------------ 03 data parallel
+def _dp_step(op="avg", scale=True, per_micro_batch=False, zero_grad=True):
+    def train_step(model, optimizer, micro_batches, group):
+        params = list(model.parameters())
+
+        def reduce():
+            flat = dist.all_reduce(np.concatenate([p.grad.reshape(-1) for p in params]),
+                                   op=op, group=group)
+            offset = 0
+            for p in params:
+                p.grad[...] = flat[offset:offset + p.size].reshape(p.shape)
+                offset += p.size
+
+        losses = []
+        for x, y in micro_batches:
+            loss = model(x, y)
+            loss.backward(np.asarray(1.0 / len(micro_batches) if scale else 1.0))
+            losses.append(float(loss.data))
+            if per_micro_batch:
+                reduce()
+        if not per_micro_batch:
+            reduce()
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad()
+        return float(np.mean(losses))
+    return train_step
+
+
+def test_03_summing_instead_of_averaging_is_named():
+    detail = failures("03", train_step=_dp_step(op="sum"))
+    assert any("factor N: sum -> average" in d for d in detail.values())
+
+
+def test_03_missing_one_over_a_is_named():
+    detail = failures("03", train_step=_dp_step(scale=False))
+    assert any("scale each micro-batch's loss by 1/A" in d for d in detail.values())
+
+
+def test_03_reducing_every_micro_batch_breaks_no_sync():
+    detail = failures("03", train_step=_dp_step(per_micro_batch=True))
+    assert any("between micro-batches 0 and 1" in d for d in detail.values())
+    assert any("3 all-reduces in one step" in d for d in detail.values())
+
+
+def test_03_forgetting_zero_grad():
+    detail = failures("03", train_step=_dp_step(zero_grad=False))
+    assert any("call optimizer.zero_grad()" in d for d in detail.values())
+
+
+# ------------------------------------------------------------------ 04 ZeRO-2
+def _zero2(**methods):
+    _, sol = mutant("04")
+    return type("Mutant", (sol.Zero2AdamW,), methods)
+
+
+def test_04_weight_decay_on_biases_is_named():
+    def update_shard(self):
+        shard = self.flatten([p.data for p in self.params])[self.start:self.stop].copy()
+        adamw_update(shard, self.grad_shard, self.exp_avg, self.exp_avg_sq, self.step_count,
+                     self.lr, *self.betas, self.eps, 0.1)
+        return shard
+
+    text = only_failure("04", Zero2AdamW=_zero2(update_shard=update_shard))
+    assert "weight decay applies to matrices only" in text
+
+
+def test_04_full_gradients_left_in_the_ledger():
+    def reduce_scatter_gradients(self):
+        flat = self.flatten([p.grad for p in self.params])
+        self.grad_shard[...] = dist.reduce_scatter(flat, op="avg", group=self.group)
+        for p in self.params:
+            p.grad = None  # dropped, but not released from the ledger
+
+    text = only_failure("04", Zero2AdamW=_zero2(
+        reduce_scatter_gradients=reduce_scatter_gradients))
+    assert "the ledger holds 792 bytes of gradients" in text  # Ψ = 66 fp64 gradients
+    assert "release_grad" in text
+
+
+def test_04_all_reduce_instead_of_reduce_scatter():
+    def reduce_scatter_gradients(self):
+        flat = self.flatten([p.grad for p in self.params])
+        averaged = dist.all_reduce(flat, op="avg", group=self.group)
+        self.grad_shard[...] = averaged[self.start:self.stop]
+        for p in self.params:
+            p.release_grad()
+
+    text = only_failure("04", Zero2AdamW=_zero2(
+        reduce_scatter_gradients=reduce_scatter_gradients))
+    assert "all_reduce in the step" in text
+
+
+def test_04_replicated_moments():
+    def allocate_state(self):
+        self.exp_avg = np.zeros(self.padded_numel, self.dtype)
+        self.exp_avg_sq = np.zeros(self.padded_numel, self.dtype)
+        self.grad_shard = np.zeros(self.shard_numel, self.dtype)
+        for array, category in ((self.exp_avg, "optimizer"), (self.exp_avg_sq, "optimizer"),
+                                (self.grad_shard, "grads")):
+            self.memory.hold(array, category)
+
+    def update_shard(self):
+        shard = self.flatten([p.data for p in self.params])[self.start:self.stop].copy()
+        m, v = self.exp_avg[self.start:self.stop], self.exp_avg_sq[self.start:self.stop]
+        adamw_update(shard, self.grad_shard, m, v, self.step_count, self.lr, *self.betas,
+                     self.eps, self.weight_decay)
+        return shard
+
+    text = only_failure("04", Zero2AdamW=_zero2(allocate_state=allocate_state,
+                                                update_shard=update_shard))
+    assert "for this rank's shard only" in text
+
+
+# ------------------------------------------------------------------ 05 1F1B
+def _lists(edit):
+    _, sol = mutant("05")
+    return lambda pp, m: edit(sol.one_f_one_b(pp, m))
+
+
+def test_05_gpipe_order_is_not_1f1b():
+    def gpipe(pp, m, stage):
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+    detail = failures("05", compute_order=gpipe)
+    assert "expected F0 B0 F1 B1 F2 B2" in detail[next(iter(detail))]
+
+
+def test_05_a_missing_receive_deadlocks_and_is_named():
+    def drop_last_recv_grad(lists):
+        receives = [a for a in lists[0] if isinstance(a, RecvGrad)]
+        if receives:  # (p = 1 has none)
+            lists[0].remove(receives[-1])
+        return lists
+
+    detail = failures("05", one_f_one_b=_lists(drop_last_recv_grad))
+    texts = "\n".join(detail.values())
+    assert "its output gradient was not received first" in texts
+    assert "deadlock: rank 1 waits send to 0" in texts
+
+
+def test_05_sends_in_the_wrong_order_deliver_the_wrong_message():
+    def swap_first_sends(lists):
+        sends = [k for k, a in enumerate(lists[0]) if isinstance(a, SendActivation)][:2]
+        if len(sends) == 2:
+            a, b = sends
+            lists[0][a], lists[0][b] = lists[0][b], lists[0][a]
+        return lists
+
+    detail = failures("05", one_f_one_b=_lists(swap_first_sends))
+    assert any("arrive in the order they are sent" in d for d in detail.values())
+
+
+# ------------------------------------------------------------------ 06 predict bytes
+def _predict(change):
+    _, sol = mutant("06")
+
+    def predict_rank(config, rank):
+        return change(config, rank, sol.predict_rank(config, rank))
+    return predict_rank
+
+
+def test_06_forgetting_ln_f_in_the_count():
+    _, sol = mutant("06")
+    text = only_failure("06", count_parameters=lambda c: sol.count_parameters(c)
+                        - 2 * c.d_model)
+    assert "missing ln_f" in text
+
+
+def test_06_zero2_reduce_scatter_once_per_step_instead_of_per_micro_batch():
+    _, sol = mutant("06")
+
+    def as_zero1(config, rank, predicted):
+        if config.zero == 2:
+            predicted["dp"] = sol.predict_rank(config.replace(zero=1), rank)["dp"]
+        return predicted
+
+    text = only_failure("06", predict_rank=_predict(as_zero1))  # only the A = 2 run differs
+    assert "dp predicted" in text and "(measured by collective: reduce_scatter" in text
+
+
+def test_06_zero1_optimizer_state_left_replicated():
+    def replicated(config, rank, predicted):
+        if config.zero == 1:
+            predicted["optimizer"] *= config.dp
+        return predicted
+
+    detail = failures("06", predict_rank=_predict(replicated))
+    assert len(detail) == 2  # the two ZeRO-1 runs
+    assert all("is it replicated at ZeRO-1?" in d for d in detail.values())
+
+
+def test_06_ignoring_the_gradient_norm_all_reduce():
+    def no_norm(config, rank, predicted):
+        if config.zero and config.dp > 1:
+            predicted["dp"] -= config.steps * dist.all_reduce_bytes(1, 8, config.dp,
+                                                                    rank // config.tp)[0]
+        return predicted
+
+    detail = failures("06", predict_rank=_predict(no_norm))
+    assert len(detail) == 5  # every run with ZeRO
+    assert all("the gradient-norm all-reduce?" in d for d in detail.values())
+
+
+def test_06_forgetting_the_lm_heads_backward_all_reduce_under_tp():
+    def no_head_f(config, rank, predicted):
+        if config.tp > 1:
+            activation = config.micro_batch_size * config.seq_len * config.d_model * 4
+            predicted["tp"] -= (config.steps * config.grad_accum_steps * 2
+                                * (config.tp - 1) * activation // config.tp)
+        return predicted
+
+    detail = failures("06", predict_rank=_predict(no_head_f))
+    assert len(detail) == 2  # the two TP runs
+    assert all("tp predicted" in d for d in detail.values())
+
+
+@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05", "06"])
+def test_an_error_in_the_code_under_test_is_a_failure_with_its_place(number):
+    """Not a traceback wall: the error, the file and line, the rank."""
+    exercise = find(number)
+    module = importlib.import_module(f"exercises.solutions.{exercise.module}")
+    broken = {k: getattr(module, k) for k in dir(module) if not k.startswith("__")}
+
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("planted")
+
+    for name in ("ring_all_reduce", "column_parallel_linear", "train_step", "Zero2AdamW",
+                 "one_f_one_b", "predict_rank"):
+        if name in broken:
+            broken[name] = boom
+    report = exercise.check(types.SimpleNamespace(**broken))
+    failed = [o for o in report.outcomes if o.status == "fail"]
+    assert failed and not report.not_implemented
+    assert any("ZeroDivisionError: planted" in o.detail for o in failed)
