@@ -18,6 +18,7 @@ import sys
 import types
 import typing
 
+from minipar.plan.cli import add_plan_command, run_plan
 from minipar.train.config import PRECISIONS, SCHEDULES, ConfigError, TrainConfig, flag
 
 HELP = {
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate", help="merge a sharded checkpoint into one single-device state dict")
     consolidate.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
     consolidate.add_argument("output", metavar="OUT.npz", help="where to write the .npz")
+    add_plan_command(commands)
     return parser
 
 
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
-                    "check": cmd_check, "timeline": cmd_timeline}
+                    "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan}
         return commands[args.command](args)
     except (ConfigError, NotImplementedError, CheckpointError) as err:
         print(f"minipar {args.command}: error: {err}", file=sys.stderr)

@@ -115,3 +115,16 @@ def test_refused_mixes_are_one_line_errors(args, flag):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], result.stderr
+
+
+def test_plan_is_a_minipar_subcommand():
+    result = run("plan", "--model", "gpt2", "--gpus", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["fitting"] > 0 and plan["ranked"]
+
+
+def test_plan_bad_setting_is_one_line():
+    result = run("plan", "--model", "no-such-model", "--gpus", "8")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
