@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 from minipar.plan import ParallelConfig, advise, estimate, presets
 
@@ -30,10 +31,10 @@ def main() -> None:
     cluster = presets.cluster("a100")
     for name, gpus, batch in CASES:
         shape = presets.model(name)
-        search = median_seconds(lambda: advise(shape, gpus, cluster, global_batch_size=batch))
-        one = median_seconds(lambda: estimate(
-            shape, ParallelConfig(dp=gpus // 16, tp=8, pp=2, zero=1, micro_batch_size=1,
-                                  global_batch_size=batch), cluster, exact_pipeline=False))
+        layout = ParallelConfig(dp=gpus // 16, tp=8, pp=2, zero=1, micro_batch_size=1,
+                                global_batch_size=batch)
+        search = median_seconds(partial(advise, shape, gpus, cluster, global_batch_size=batch))
+        one = median_seconds(partial(estimate, shape, layout, cluster, exact_pipeline=False))
         print(f"{name:12} {gpus:4} GPUs: search {search * 1e3:7.1f} ms "
               f"= {search / one:6.0f} x one estimate ({one * 1e3:.2f} ms)")
 
