@@ -23,8 +23,11 @@ bf16 keeps 8 mantissa bits: one rounding of a gradient differs by 2^-8 relative,
 to flip the sign of Adam's first step for many small gradients, so a zero-initialised
 bias can differ by 100% of its own tiny scale. bf16 parameters are therefore compared on
 the scale of the whole model (its largest |parameter|), with tolerance 5e-2 (measured:
-1.6e-2 at most after 100 steps). A real bug (a missing average, a shifted shard) makes
-differences of order 1 in every precision.
+1.6e-2 at most after 100 steps). The per-step gradient norms are compared as well, with
+the same tolerance: a gradient summed instead of averaged over DP moves Adam's update
+very little (m / sqrt(v) does not see a constant factor, and clipping rescales it), but it
+multiplies the norm by dp. A real bug (a missing average, a shifted shard) makes
+differences of order 1 in the norm or the parameters in every precision.
 """
 
 from __future__ import annotations
@@ -136,7 +139,8 @@ def compare_runs(steps: list[dict], reference_steps: list[dict], state_dict: dic
     reference_state_dict: final consolidated parameters; rank_summaries: each rank's
     StepChecker.summary(). `first_mismatch` is None or {"step", "tensor", "rank",
     "rel_diff", ...}: the earliest step at which a rank held a parameter (or the run a
-    loss) off by more than the tolerance; the loss counts as tensor "loss", rank None."""
+    loss or gradient norm) off by more than the tolerance; the loss counts as tensor
+    "loss", the norm as "grad_norm", both with rank None."""
     loss = np.array([s["loss"] for s in steps])
     reference_loss = np.array([s["loss"] for s in reference_steps])
     loss_diff = np.abs(loss - reference_loss)
@@ -152,6 +156,18 @@ def compare_runs(steps: list[dict], reference_steps: list[dict], state_dict: dic
         i = int(bad_loss[0])
         candidates.append({"step": steps[i]["step"], "tensor": "loss", "rank": None,
                            "rel_diff": float(rel_loss_diff[i])})
+    # The gradient norm, too: a gradient scaled by a constant (summed instead of averaged
+    # over DP) barely moves Adam's update, m / sqrt(v), and clipping rescales it anyway, so
+    # the parameters alone can hide it; the norm shows it as a factor of dp.
+    norm = np.array([s.get("grad_norm", np.nan) for s in steps])
+    reference_norm = np.array([s.get("grad_norm", np.nan) for s in reference_steps])
+    rel_norm_diff = np.abs(norm - reference_norm) / np.maximum(np.abs(reference_norm), 1e-30)
+    rel_norm_diff = np.where(np.isnan(norm) & np.isnan(reference_norm), 0.0, rel_norm_diff)
+    bad_norm = np.flatnonzero(~(rel_norm_diff <= tolerance))
+    if bad_norm.size:
+        i = int(bad_norm[0])
+        candidates.append({"step": steps[i]["step"], "tensor": "grad_norm", "rank": None,
+                           "rel_diff": float(rel_norm_diff[i])})
     for name, diff in param_diffs.items():
         if not diff <= tolerance:  # only the final comparison saw it
             candidates.append({"step": steps[-1]["step"], "tensor": name, "rank": None,
@@ -166,6 +182,7 @@ def compare_runs(steps: list[dict], reference_steps: list[dict], state_dict: dic
         "reference": "single-device",
         "max_abs_loss_diff": float(loss_diff.max(initial=0.0)),
         "max_rel_loss_diff": float(rel_loss_diff.max(initial=0.0)),
+        "max_rel_grad_norm_diff": float(rel_norm_diff.max(initial=0.0)),
         "max_rel_param_diff": max_rel_param_diff,
         "max_rel_param_diff_per_step": max(per_rank, max_rel_param_diff),
         "tolerance": tolerance,

@@ -120,6 +120,26 @@ def test_a_loss_that_differs_first_is_named_loss():
     assert section["max_abs_loss_diff"] == 1.0
 
 
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16-mixed"])
+def test_gradients_summed_instead_of_averaged_fail_the_check(monkeypatch, precision):
+    """Adam's update hardly sees a constant factor on the gradient and clipping rescales
+    it, so this bug barely moves the parameters; the gradient norm (x dp) catches it."""
+    real_all_reduce = data_parallel.dist.all_reduce
+
+    def forgets_to_average(x, op="sum", group=None, **kwargs):
+        return real_all_reduce(x, op="sum" if op == "avg" else op, group=group, **kwargs)
+
+    monkeypatch.setattr(data_parallel.dist, "all_reduce", forgets_to_average)
+    report = train(TrainConfig(dp=2, check=True, precision=precision,
+                               **{**SMALL, "grad_clip": 1.0}))
+    equivalence = report.equivalence
+    assert not equivalence["passed"]
+    assert equivalence["first_mismatch"]["step"] == 0
+    assert equivalence["max_rel_grad_norm_diff"] > 0.5   # the norm is dp = 2 times too big
+    if precision != "fp64":  # fp64's tight tolerance also sees the parameters move
+        assert equivalence["first_mismatch"]["tensor"] == "grad_norm"
+
+
 # ------------------------------------------------------------------ determinism, CLI
 def test_the_same_config_twice_gives_bit_identical_reports():
     config = TrainConfig(dp=4, zero=3, grad_accum_steps=2, bucket_size_mb=1e-3,
