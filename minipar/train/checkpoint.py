@@ -76,6 +76,12 @@ def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
     directory = Path(directory)
     rank = dist.get_rank()
     directory.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        # Saving over an older checkpoint: retire its manifest first, so that a crash
+        # while the rank files are rewritten cannot leave an old manifest beside new
+        # files (a directory with a manifest is a complete checkpoint).
+        (directory / MANIFEST).unlink(missing_ok=True)
+    dist.barrier()  # nobody writes a rank file while an old manifest still vouches for it
     write_rank_file(directory, rank, pieces, coords, rng_state)
     dist.barrier()  # every file is complete before the manifest says so
     if rank == 0:

@@ -216,3 +216,22 @@ def test_cli_saves_resumes_and_consolidates(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "minipar.cli", "consolidate",
                           str(tmp_path / "nowhere"), str(out)], capture_output=True, text=True)
     assert bad.returncode == 2 and "nowhere" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_failed_save_over_an_old_checkpoint_leaves_no_manifest(tmp_path, monkeypatch):
+    """Re-saving into the same step directory retires the old manifest before any rank
+    file is rewritten, so a crash cannot leave an old manifest beside new files."""
+    config = TrainConfig(dp=2, zero=1, precision="fp32", **SMALL)
+    train(config, save_dir=tmp_path)
+    (step_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert (step_dir / ckpt.MANIFEST).exists()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "write_rank_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train(config, save_dir=tmp_path)
+    assert not (step_dir / ckpt.MANIFEST).exists()
+    with pytest.raises(CheckpointError):
+        ckpt.load_checkpoint(step_dir)
