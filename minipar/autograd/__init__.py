@@ -3,7 +3,8 @@
     from minipar.autograd import Tensor, Function, no_grad
     from minipar.autograd import functional as F
 
-`Tensor` and `Function` (tensor.py) are the engine; ops.py holds the elementary ops,
+The engine: `Tensor` (tensor.py), `Function` and its graph node `Context` (function.py),
+the backward pass (engine.py). ops.py holds the elementary ops,
 functional.py the fused ones GPT-2 needs; checkpoint.py activation checkpointing;
 gradcheck.py finite-difference checks; precision.py the number formats; tracking.py how
 costs are reported to the current (virtual) device.

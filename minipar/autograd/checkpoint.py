@@ -14,8 +14,9 @@ import copy
 
 import numpy as np
 
+from minipar.autograd.function import Function
 from minipar.autograd.grad_mode import enable_grad, no_grad
-from minipar.autograd.tensor import Function, Tensor
+from minipar.autograd.tensor import Tensor
 
 
 class Checkpoint(Function):

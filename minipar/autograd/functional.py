@@ -18,8 +18,9 @@ import math
 
 import numpy as np
 
+from minipar.autograd.function import Function
 from minipar.autograd.precision import bfloat16, compute_dtype, float32
-from minipar.autograd.tensor import Function, Tensor
+from minipar.autograd.tensor import Tensor
 
 
 def row_sum(x: np.ndarray) -> np.ndarray:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from minipar.autograd.function import Function
 from minipar.autograd.precision import bfloat16, float32, matmul, sum_to_dtype
-from minipar.autograd.tensor import Function, Tensor
+from minipar.autograd.tensor import Tensor
 
 
 def unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -36,6 +36,10 @@ Memory: received activations and gradients are "buffers" in the ledger, from the
 arrival until the backward that consumes them; what the chunks save for backward is
 "activations". Micro-batch tokens are copied when their forward runs, as a data loader
 moves each micro-batch to the GPU.
+
+Measuring the bubble: `bubble_fraction` and `time_breakdown` read the ranks' clock
+timelines; they live in minipar/dist/timeline.py (idle accounting is the clocks' business,
+and applies to any run) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from minipar import dist
 from minipar.autograd import Tensor, checkpoint, is_grad_enabled
 from minipar.autograd import functional as F
 from minipar.autograd.precision import get_policy
+from minipar.dist.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
 from minipar.nn.gpt import initialize_parameters, parameter_shapes
 from minipar.nn.layers import Dropout
@@ -428,51 +433,3 @@ def consolidate_state_dicts(pieces, config: GPTConfig) -> dict[str, np.ndarray]:
     if missing or unexpected:
         raise PipelineError(f"consolidate: missing {missing}, unexpected {unexpected}")
     return {name: merged[name] for name in names}
-
-
-def _events(timeline):
-    for event in timeline:
-        if isinstance(event, dict):
-            yield event["kind"], event["start"], event["end"]
-        else:
-            yield event.kind, event.start, event.end
-
-
-def time_breakdown(timelines, start: float | None = None,
-                   end: float | None = None) -> list[dict[str, float]]:
-    """Per rank, seconds of compute, comm and idle within [start, end] (default: from the
-    first event of any rank to the last). Time a rank has no event for (it returned
-    before the slowest rank) is idle."""
-    events = [list(_events(t)) for t in timelines]
-    if start is None:
-        start = min((e[1] for t in events for e in t), default=0.0)
-    if end is None:
-        end = max((e[2] for t in events for e in t), default=start)
-    rows = []
-    for timeline in events:
-        compute = comm = 0.0
-        for kind, s, e in timeline:
-            overlap = min(e, end) - max(s, start)
-            if overlap <= 0 or kind == "idle":
-                continue
-            if kind == "comm":
-                comm += overlap
-            else:
-                compute += overlap
-        rows.append({"compute_s": compute, "comm_s": comm,
-                     "idle_s": max(0.0, (end - start) - compute - comm)})
-    return rows
-
-
-def bubble_fraction(timelines, start: float | None = None, end: float | None = None) -> float:
-    """Idle time / total time, summed over ranks, from the simulated clocks' timelines
-    (lists of TimelineEvent or of {"kind", "start", "end"} dicts, one per rank).
-
-    Idle is time neither computing nor communicating: waiting for a neighbour's
-    activation or gradient (the pipeline bubble), for a collective's last member, or
-    after finishing early. With uniform stages and free communication this is
-    (p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) / (v m + p - 1) interleaved.
-    """
-    rows = time_breakdown(timelines, start, end)
-    total = sum(r["compute_s"] + r["comm_s"] + r["idle_s"] for r in rows)
-    return 0.0 if total <= 0 else sum(r["idle_s"] for r in rows) / total

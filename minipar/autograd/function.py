@@ -1,0 +1,205 @@
+"""`Function` and `Context`: how one op call becomes a node of the autograd graph.
+
+A `Function` subclass has static `forward(ctx, *args)` and `backward(ctx, *grads)` on
+plain ndarrays (example in tensor.py's docstring). `Function.apply` unwraps Tensor
+arguments, runs `forward`, and, when grad is enabled and an input requires grad, keeps
+the `ctx` as a node of the graph: `edges` point at what produced each input, and the
+outputs are Tensors that remember the node. engine.py walks these nodes backwards.
+
+Cost reporting (see tracking.py): each forward reports its FLOPs to the current device
+(each node's backward does so in engine.py); arrays saved for backward are held in the
+device's ledger as "activations" from the moment they are saved until their node's
+backward has run (`release_saved`).
+
+Parameters (leaves that require grad) saved for backward are kept *by reference* and
+read back as `param.data` when backward runs. They are not activations, and ZeRO-3 can
+free a gathered weight after forward and gather it again before backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar.autograd.grad_mode import _grad_enabled
+from minipar.autograd.tracking import _current_device
+
+
+class Context:
+    """The `ctx` of a Function call; when recorded, it is that call's graph node.
+
+    Forward may set any attribute on it (shapes, flags) for backward to read.
+    `flops_forward`/`flops_backward` are the FLOPs of this call's forward and backward.
+    `edges[i]` points at whatever produced forward argument i: `(node, output_index)` for
+    an op output, `(leaf_tensor, 0)` for a leaf that requires grad, None otherwise.
+    """
+
+    __slots__ = (
+        "function",
+        "needs_input_grad",
+        "recording",
+        "edges",
+        "out_shapes",
+        "flops_forward",
+        "flops_backward",
+        "_saved",
+        "_held",
+        "_device",
+        "_inputs",
+        "__dict__",
+    )
+
+    def __init__(self):
+        self.function = None
+        self.recording = False
+        self.edges = None
+        self.flops_forward = 0
+        self.flops_backward = 0
+        self._saved = ()
+        self._held = None
+        self._device = None
+        self._inputs = None
+
+    def save_for_backward(self, *items) -> None:
+        """Keep ndarrays (or Tensors) for backward; read them back via `saved_tensors`.
+
+        Saved arrays are activations: held in the device ledger until this node's
+        backward has run. The `.data` of a parameter input (a leaf that requires grad)
+        is instead kept as a reference to the parameter and re-read at backward time.
+        Nothing is kept when the call is not recorded (no_grad, or no input needs grad).
+        """
+        if not self.recording:
+            return
+        device = _current_device.get()
+        saved = []
+        for item in items:
+            if isinstance(item, Tensor):
+                if item.requires_grad and item._ctx is None:
+                    saved.append(item)
+                    continue
+                item = item.data
+            elif isinstance(item, np.ndarray):
+                parameter = self._parameter_holding(item)
+                if parameter is not None:
+                    saved.append(parameter)
+                    continue
+            else:  # None, a scalar, a tuple of ints...
+                saved.append(item)
+                continue
+            if device is not None:
+                device.memory.hold(item, "activations")
+                if self._held is None:
+                    self._held = []
+                    self._device = device
+                self._held.append(item)
+            saved.append(item)
+        self._saved = tuple(saved)
+
+    def _parameter_holding(self, array: np.ndarray) -> Tensor | None:
+        for arg in self._inputs:
+            if isinstance(arg, Tensor) and arg.data is array and arg._ctx is None \
+                    and arg.requires_grad:
+                return arg
+        return None
+
+    @property
+    def saved_tensors(self) -> tuple:
+        """The saved items as ndarrays (parameters read as their current `.data`)."""
+        if self._saved is None:
+            raise RuntimeError(
+                "the saved arrays of this node were freed by an earlier backward(); "
+                "run forward again before calling backward() a second time"
+            )
+        return tuple(s.data if isinstance(s, Tensor) else s for s in self._saved)
+
+    def release_saved(self) -> None:
+        """Free what forward saved and release it from the ledger."""
+        if self._held is not None:
+            release = self._device.memory.release
+            for array in self._held:
+                release(array)
+            self._held = None
+        self._saved = None
+
+    def __del__(self):
+        # A graph dropped without backward (e.g. an evaluation forward with grad on)
+        # frees its activations here, so the ledger matches what is really held.
+        if self._held is not None:
+            try:
+                self.release_saved()
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+
+class Function:
+    """Base class of differentiable ops; subclass with static `forward` and `backward`.
+
+    `forward(ctx, *args)` receives Tensor arguments as their `.data` ndarrays and any
+    other argument unchanged, and returns an ndarray or a tuple of ndarrays.
+    `backward(ctx, *grad_outputs)` receives one gradient per output and returns one
+    gradient (ndarray, or None) per forward argument, in order (a single value when
+    forward had a single argument).
+    """
+
+    @staticmethod
+    def forward(ctx, *args):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args):
+        raw = []
+        record = False
+        if _grad_enabled.get():
+            needs = []
+            for arg in args:
+                if isinstance(arg, Tensor):
+                    raw.append(arg.data)
+                    needs.append(arg.requires_grad)
+                    if arg.requires_grad:
+                        record = True
+                else:
+                    raw.append(arg)
+                    needs.append(False)
+        else:
+            for arg in args:
+                raw.append(arg.data if isinstance(arg, Tensor) else arg)
+        ctx = Context()
+        if record:
+            ctx.recording = True
+            ctx.needs_input_grad = tuple(needs)
+            ctx._inputs = args
+        else:
+            ctx.needs_input_grad = (False,) * len(args)
+        out = cls.forward(ctx, *raw)
+        device = _current_device.get()
+        if device is not None and ctx.flops_forward:
+            device.compute(ctx.flops_forward, "forward")
+        if not record:
+            if isinstance(out, tuple):
+                return tuple(_new_tensor(o, None, 0) for o in out)
+            return _new_tensor(out, None, 0)
+
+        ctx._inputs = None
+        ctx.function = cls
+        edges = []
+        for arg, need in zip(args, needs, strict=True):
+            if not need:
+                edges.append(None)
+            elif arg._ctx is None:
+                edges.append((arg, 0))
+            else:
+                edges.append((arg._ctx, arg._index))
+        ctx.edges = edges
+        if isinstance(out, tuple):
+            ctx.out_shapes = tuple(o.shape for o in out)
+            return tuple(_new_tensor(o, ctx, i) for i, o in enumerate(out))
+        ctx.out_shapes = (out.shape,)
+        return _new_tensor(out, ctx, 0)
+
+
+# Function.apply makes Tensors and tensor.py imports this module: import Tensor last, once
+# Context and Function exist (see tensor.py's docstring).
+from minipar.autograd.tensor import Tensor, _new_tensor  # noqa: E402
