@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from minipar import dist
 from minipar.autograd.placement import Replicate, shard
@@ -159,7 +160,13 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
                   *, bins: int = 400, width: float = 10.0) -> Figure:
     """Top: every rank's share of the whole model (tensors end to end, darker = more of
     that stretch held). Bottom: one panel per rank showing which elements of `tensor`
-    (full shape; vectors drawn as one row) it holds, with the share held in the title."""
+    (full shape; vectors drawn as one row) it holds, with the share held above it.
+
+    Two axes: `fig.axes[0]` the strip (one image row per rank), `fig.axes[1]` the panels,
+    one image per rank in rank order (`fig.axes[1].images[r]`) titled by a text
+    "r3 (dp1 pp0 tp1): 50%". One axes for all panels and margins of fixed inches instead
+    of a constrained layout: the explorer redraws this on every change, and every extra
+    Axes (ticks, spines) or layout pass costs several milliseconds to build and draw."""
     if kind not in KINDS:
         raise ValueError(f"plot_sharding: kind {kind!r} is not one of {KINDS}")
     if tensor not in held.shapes:
@@ -168,10 +175,9 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     n = held.world_size
     rows, cols = _grid(held)
     cmap = LinearSegmentedColormap.from_list(kind, ["#f2f2f2", KIND_COLORS[kind]])
-    fig = Figure(figsize=(width, 1.2 + 0.28 * n + 1.5 * rows), layout="constrained")
-    top, bottom = fig.subfigures(2, 1, height_ratios=[0.6 + 0.28 * n, 1.5 * rows])
+    fig = Figure(figsize=(width, 1.2 + 0.28 * n + 1.5 * rows))
+    ax, panels, title_at = _fixed_axes(fig, n, rows, cols)
 
-    ax = top.subplots()
     total = sum(int(np.prod(s)) for s in held.shapes.values())
     edges = np.linspace(0, total, bins + 1).astype(int)
     strip = np.stack([np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
@@ -186,22 +192,44 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     ax.set_title(f"{kind} held by each rank, whole model ({total:,} parameters end to end) "
                  f"- dp={held.dp} tp={held.tp} pp={held.pp} ZeRO-{held.zero}", fontsize=9)
 
-    axes = np.atleast_1d(bottom.subplots(rows, cols, squeeze=False)).reshape(-1)
+    # Panel of rank r: column r % cols, row r // cols, in data units of the panels'
+    # axes (x: one unit per column, y: one per row, downwards), a gap for the title.
     shape = held.shapes[tensor]
-    for r, ax in enumerate(axes):
-        ax.set_xticks([])
-        ax.set_yticks([])
-        if r >= n:
-            ax.set_visible(False)
-            continue
+    for r in range(n):
+        row, col = divmod(r, cols)
         mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
         image = mask.reshape(1, -1) if mask.ndim == 1 else mask
-        ax.imshow(image.astype(float), aspect="auto", cmap=cmap, vmin=0, vmax=1,
-                  interpolation="nearest")
-        ax.set_title(f"{_rank_label(r, held.coords[r])}: {mask.mean():.0%}", fontsize=8)
-    bottom.suptitle(f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
-                    fontsize=9)
+        x0, x1, y0, y1 = col + 0.02, col + 0.98, row + 0.2, row + 1.0
+        panels.imshow(image.astype(float), aspect="auto", cmap=cmap, vmin=0, vmax=1,
+                      interpolation="nearest", extent=(x0, x1, y1, y0))
+        panels.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False,
+                                   edgecolor="black", linewidth=0.8))
+        panels.text((x0 + x1) / 2, y0 - 0.03, f"{_rank_label(r, held.coords[r])}: "
+                    f"{mask.mean():.0%}", ha="center", va="bottom", fontsize=8)
+    panels.set_xlim(0, cols)
+    panels.set_ylim(rows + 0.02, 0)  # room for the last row's frame
+    fig.text(0.5, title_at, f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
+             ha="center", va="center", fontsize=9)
     return fig
+
+
+def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
+    """The strip's axes, the panels' axes (no frame: each panel draws its own) and the
+    height (figure fraction) of the panels' title, with margins in inches that fit
+    these labels (what constrained layout finds, give or take)."""
+    width, height = fig.get_size_inches()
+    strip_height = 0.28 * n + 0.1        # inches: one row per rank
+    left, right = 1.25, 0.15             # left: the ranks' labels
+    strip_top = 1 - 0.3 / height         # below the strip's title
+    strip = fig.add_axes((left / width, strip_top - strip_height / height,
+                          1 - (left + right) / width, strip_height / height))
+    # Below the strip: its tick labels, the tensor's title, then the panels.
+    title_at = strip_top - (strip_height + 0.42) / height
+    panels_top = strip_top - (strip_height + 0.5) / height
+    panels = fig.add_axes((0.15 / width, 0.05 / height, 1 - 0.3 / width,
+                           panels_top - 0.05 / height))
+    panels.set_axis_off()
+    return strip, panels, title_at
 
 
 def _rank_label(rank: int, coords: dict) -> str:

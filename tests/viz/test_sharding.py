@@ -109,14 +109,16 @@ def test_plot_sharding_draws_each_ranks_mask():
     held = holdings(dp=2, tp=2, config=CONFIG)
     fig = plot_sharding(held, "params", "h.0.mlp.c_fc.weight")
     assert isinstance(fig, Figure)
-    panels = [ax for ax in fig.get_axes() if ax.get_visible() and ax.get_title().startswith("r")
-              and "(" in ax.get_title() and ax.images and ax.images[0].get_array().ndim == 2
-              and ax.images[0].get_array().shape == SHAPES["h.0.mlp.c_fc.weight"]]
-    assert len(panels) == 4
-    for rank, ax in enumerate(panels):
-        drawn = np.asarray(ax.images[0].get_array())
+    strip, panels = fig.axes
+    assert strip.images[0].get_array().shape[0] == 4  # one row per rank
+    assert len(panels.images) == 4  # one panel per rank, in rank order
+    titles = [text.get_text() for text in panels.texts]
+    for rank, image in enumerate(panels.images):
+        drawn = np.asarray(image.get_array())
+        assert drawn.shape == SHAPES["h.0.mlp.c_fc.weight"]
         assert np.array_equal(drawn > 0.5, held.masks[rank]["params"]["h.0.mlp.c_fc.weight"])
-        assert ax.get_title().endswith("50%")
+        # TP splits c_fc's columns over 2 ranks: each holds half (DP replicates it)
+        assert titles[rank].startswith(f"r{rank} (") and titles[rank].endswith("50%")
 
 
 def test_plot_sharding_refuses_unknown_kind_or_tensor():

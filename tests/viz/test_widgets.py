@@ -113,22 +113,27 @@ def test_a_layout_that_cannot_run_is_reported_not_raised():
 
 
 # ------------------------------------------------------------------ sharding
+def panel_titles(fig) -> list[str]:
+    """The per-rank panel titles of minipar.viz.sharding.plot_sharding ("r0 (...): 50%")."""
+    return [text.get_text() for text in fig.axes[1].texts]
+
+
 def test_sharding_explorer_draws_one_panel_per_rank_with_the_share_held():
     explorer = ShardingExplorer(dp=2, tp=1, pp=1, zero=0, kind="optimizer",
                                 tensor="h.0.mlp.c_fc.weight")
-    shares = [ax.get_title() for ax in explorer.figure.axes if ax.get_title().startswith("r")
-              and ax.get_title().endswith("%")]
-    assert shares == ["r0 (dp0 pp0 tp0): 100%", "r1 (dp1 pp0 tp0): 100%"]
+    assert panel_titles(explorer.figure) == ["r0 (dp0 pp0 tp0): 100%",
+                                             "r1 (dp1 pp0 tp0): 100%"]
     explorer.controls["zero"].value = 1  # optimizer state sharded over the 2 DP ranks
-    shares = [ax.get_title().rsplit(" ", 1)[1] for ax in explorer.figure.axes
-              if ax.get_title().startswith("r") and ax.get_title().endswith("%")]
     held = explorer.holdings(2, 1, 1, 1)
     total = [held.masks[r]["optimizer"].get("h.0.mlp.c_fc.weight") for r in range(2)]
     assert sum(int(m.sum()) if m is not None else 0 for m in total) == 64 * 256
-    assert len(shares) == 2
+    # each rank's title is the share of c_fc (64 x 256) it holds, read off its mask
+    shares = [title.rsplit(" ", 1)[1] for title in panel_titles(explorer.figure)]
+    drawn = [np.asarray(image.get_array()) for image in explorer.figure.axes[1].images]
+    assert shares == [f"{(d > 0.5).sum() / (64 * 256):.0%}" for d in drawn]
+    assert sum((d > 0.5).sum() for d in drawn) == 64 * 256  # ZeRO-1 loses nothing
     explorer.controls["kind"].value = "params"  # ZeRO-1 keeps whole weights
-    assert all(ax.get_title().endswith("100%") for ax in explorer.figure.axes
-               if ax.get_title().startswith("r") and ax.get_title().endswith("%"))
+    assert all(title.endswith("100%") for title in panel_titles(explorer.figure))
 
 
 def test_sharding_explorer_refuses_more_than_16_ranks():
@@ -214,3 +219,35 @@ def test_only_the_data_parallel_bytes_cross_nodes_when_tp_fits_in_a_node():
     explorer.controls["by"].value = "op"  # same run, bars split by collective
     labels = {c.get_label() for c in explorer.figures[1].axes[0].containers}
     assert {"all_reduce", "reduce_scatter", "all_gather"} <= labels
+
+
+# ------------------------------------------------------------------ drawing
+def test_figure_png_is_a_png_of_the_figure_size_at_the_given_dpi():
+    from matplotlib.figure import Figure
+
+    png = widgets.figure_png(Figure(figsize=(4, 2)), dpi=50)
+    assert png.startswith(PNG)
+    # PNG spec: the IHDR chunk follows the 8-byte signature; width and height are its
+    # first two big-endian 4-byte fields (bytes 16-24 of the file)
+    assert int.from_bytes(png[16:20], "big") == 4 * 50
+    assert int.from_bytes(png[20:24], "big") == 2 * 50
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MemoryExplorer(SMALL, dp=2, tp=2, pp=2, zero=1),
+    lambda: MemoryExplorer(SMALL, dp=8, zero=3, activation_checkpointing=True),  # long title
+    lambda: PipelineExplorer(schedule="interleaved", pp=4, micro_batches=8, virtual_stages=2),
+    lambda: TrafficExplorer(SMALL, dp=2, tp=2, pp=2, zero=1),
+    lambda: ShardingExplorer(dp=4, tp=4, pp=1),
+], ids=["memory", "memory-long-title", "pipeline", "traffic", "sharding"])
+def test_fixed_margins_keep_every_label_inside_the_picture(make):
+    # The explorers place their axes with margins of fixed inches instead of a
+    # constrained layout (faster); nothing drawn may fall outside the figure.
+    explorer = make()
+    assert explorer.error is None
+    for fig in explorer.figures:
+        renderer = fig.canvas.get_renderer()
+        drawn = fig.get_tightbbox(renderer)  # inches, everything that was drawn
+        width, height = fig.get_size_inches()
+        assert drawn.x0 >= -0.02 and drawn.y0 >= -0.02, drawn
+        assert drawn.x1 <= width + 0.02 and drawn.y1 <= height + 0.02, drawn
