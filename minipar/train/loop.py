@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
 from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model, check_layout, gpt_config
-from minipar.train.config import ConfigError, TrainConfig
+from minipar.train.config import ConfigError, TrainConfig, flag
 from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.report import Report
 
@@ -239,6 +240,14 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
     if state.step >= config.steps:
         raise ConfigError("steps", f"the checkpoint {resume_from} has already done "
                           f"{state.step} steps; set --steps above {state.step} to go on")
+    # Optimisation settings may change on purpose when resuming (a new learning rate, a
+    # bigger batch), but then the run no longer continues the saved one: say so.
+    for name in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
+                 "grad_clip", "global_batch_size"):
+        if name in saved and saved[name] != getattr(config, name):
+            warnings.warn(f"resuming {resume_from} with {flag(name)} {getattr(config, name)!r}"
+                          f" (saved with {saved[name]!r}): the run continues with the new "
+                          "value and is no longer the uninterrupted run", stacklevel=3)
     return state
 
 

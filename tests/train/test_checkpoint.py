@@ -235,3 +235,10 @@ def test_a_failed_save_over_an_old_checkpoint_leaves_no_manifest(tmp_path, monke
     assert not (step_dir / ckpt.MANIFEST).exists()
     with pytest.raises(CheckpointError):
         ckpt.load_checkpoint(step_dir)
+
+
+def test_resuming_with_other_optimizer_settings_warns_but_goes_on(saved):
+    with pytest.warns(UserWarning, match="--lr 0.002 .*saved with 0.001"):
+        report = train(TrainConfig(dp=2, zero=1, precision="fp32", **{**SMALL, "lr": 2e-3}),
+                       resume_from=saved)
+    assert len(report.steps) > 0
