@@ -174,6 +174,19 @@ class LMHead(Module):
         return F.linear(x, self.weight, None, transpose_weight=True)
 
 
+def check_token_ids(idx, seq_len: int, who: str) -> np.ndarray:
+    """idx as an integer ndarray (B, T) with T <= seq_len, or a ValueError naming `who`
+    (the model, or the pipeline stage that embeds)."""
+    idx = np.asarray(idx.data if isinstance(idx, Tensor) else idx)
+    if idx.ndim != 2 or idx.dtype.kind not in "iu":
+        raise ValueError(f"{who}: idx must be an integer array (B, T), got shape "
+                         f"{idx.shape} dtype {idx.dtype}")
+    if idx.shape[1] > seq_len:
+        raise ValueError(f"{who}: sequence length {idx.shape[1]} exceeds seq_len "
+                         f"{seq_len} of the config")
+    return idx
+
+
 class GPT(Module):
     """The model: `loss = model(idx, targets)`, or logits (B, T, V) without targets.
 
@@ -211,15 +224,8 @@ class GPT(Module):
 
     def embed(self, idx) -> Tensor:
         """Token plus position embeddings: idx (B, T) ints -> x (B, T, d)."""
-        idx = np.asarray(idx.data if isinstance(idx, Tensor) else idx)
-        if idx.ndim != 2 or idx.dtype.kind not in "iu":
-            raise ValueError(f"GPT: idx must be an integer array (B, T), got shape "
-                             f"{idx.shape} dtype {idx.dtype}")
-        length = idx.shape[1]
-        if length > self.config.seq_len:
-            raise ValueError(f"GPT: sequence length {length} exceeds seq_len "
-                             f"{self.config.seq_len} of the config")
-        x = self.wte(idx) + self.wpe.weight[:length]
+        idx = check_token_ids(idx, self.config.seq_len, who="GPT")
+        x = self.wte(idx) + self.wpe.weight[:idx.shape[1]]
         return self.drop(x)
 
     def head(self, x, targets=None):

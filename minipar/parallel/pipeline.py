@@ -54,7 +54,7 @@ from minipar.autograd import functional as F
 from minipar.autograd.precision import get_policy
 from minipar.dist.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
-from minipar.nn.gpt import initialize_parameters, parameter_shapes
+from minipar.nn.gpt import check_token_ids, initialize_parameters, parameter_shapes
 from minipar.nn.layers import Dropout
 from minipar.parallel.schedules import (
     Backward,
@@ -165,15 +165,8 @@ class PipelineStage(Module):
 
     def embed(self, idx):
         """Token plus position embeddings, as GPT.embed: idx (B, T) ints -> (B, T, d)."""
-        idx = np.asarray(idx)
-        if idx.ndim != 2 or idx.dtype.kind not in "iu":
-            raise ValueError(f"pipeline stage 0: inputs must be an integer array (B, T), got "
-                             f"shape {idx.shape} dtype {idx.dtype}")
-        length = idx.shape[1]
-        if length > self.config.seq_len:
-            raise ValueError(f"pipeline stage 0: sequence length {length} exceeds seq_len "
-                             f"{self.config.seq_len} of the config")
-        return self.drop(self.wte(idx) + self.wpe.weight[:length])
+        idx = check_token_ids(idx, self.config.seq_len, who="pipeline stage 0")
+        return self.drop(self.wte(idx) + self.wpe.weight[:idx.shape[1]])
 
     def head(self, x, targets=None):
         """Final LayerNorm, LM head and loss, as GPT.head: (B, T, d) -> loss (or logits)."""
