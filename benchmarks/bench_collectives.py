@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 
 ELEMENTS = 8  # per rank
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.train import TrainConfig, train
 
 STAGES = ("DP (ZeRO-0)", "ZeRO-1", "ZeRO-2", "ZeRO-3")

@@ -10,7 +10,7 @@ Read first:
 - Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
   workstations" (the ring, section 3), or Gibiansky 2017, "Bringing HPC techniques to deep
   learning" (Baidu's blog post, with pictures of every step).
-- minipar/dist/p2p.py: send / recv / isend / irecv. A blocking `send` returns only when
+- minipar/distributed/p2p.py: send / recv / isend / irecv. A blocking `send` returns only when
   the receiver has posted its `recv` (a rendezvous, as with NCCL).
 
 Write only `ring_all_reduce` below; `ring_neighbours` is given.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 
 
 def ring_neighbours(group=None) -> tuple[int, int, int, int]:

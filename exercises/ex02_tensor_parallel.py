@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist  # noqa: F401 - you will need dist.all_reduce
+from minipar import distributed as dist  # noqa: F401 - you will need dist.all_reduce
 from minipar.autograd import Function, Tensor
 from minipar.autograd import functional as F  # noqa: F401 - F.linear(x, weight, bias)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np  # noqa: F401 - you will need it
 
-from minipar import dist  # noqa: F401 - dist.all_reduce(array, op=..., group=group)
+from minipar import distributed as dist  # noqa: F401 - dist.all_reduce(array, op=..., group=group)
 
 
 def train_step(model, optimizer, micro_batches, group) -> float:

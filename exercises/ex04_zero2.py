@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.nn import adamw_update  # noqa: F401 - the AdamW arithmetic, in place on arrays
 
 

@@ -62,7 +62,7 @@ all-gather (n-1)/n S, over a group of n ranks.
 
 from __future__ import annotations
 
-from minipar import dist  # noqa: F401 - dist.all_reduce_bytes for the one-element all-reduce
+from minipar import distributed as dist  # noqa: F401 - dist.all_reduce_bytes for the one-element all-reduce
 
 
 def count_parameters(config) -> int:

@@ -107,7 +107,7 @@ def device_profile(name: str):
         from minipar.train.demo import DEMO_PROFILE
 
         return DEMO_PROFILE
-    return None  # the default: minipar.dist.DeviceProfile(), an H100 SXM
+    return None  # the default: minipar.distributed.DeviceProfile(), an H100 SXM
 
 
 def build_parser() -> argparse.ArgumentParser:

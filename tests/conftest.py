@@ -7,8 +7,8 @@ figure.)
 
 The `device` fixture is a tiny stand-in for a virtual GPU: the device protocol of
 minipar.autograd.tracking with a ledger that follows the semantics of
-minipar.dist.memory (root buffers, reference counts, per-category peaks). The autograd
-and nn tests use it so they do not depend on the layer below them (minipar.dist).
+minipar.distributed.memory (root buffers, reference counts, per-category peaks). The autograd
+and nn tests use it so they do not depend on the layer below them (minipar.distributed).
 """
 
 from __future__ import annotations

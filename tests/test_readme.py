@@ -21,3 +21,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     _, tests = readme_commands()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci
+
+
+def test_ci_lints_the_whole_tree():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "ruff check ." in ci

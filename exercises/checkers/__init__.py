@@ -2,7 +2,7 @@
 
 Each checker module has `check(impl, *, show_traceback=False) -> Report`: it takes the
 implementation under test (the student's module, the reference solution, or any object
-with the same attributes), runs it under `minipar.dist.launch` and returns a Report of
+with the same attributes), runs it under `minipar.distributed.launch` and returns a Report of
 which checks pass, which fail and why (harness.py).
 """
 

@@ -6,7 +6,7 @@ elements than ranks, float32, two sub-groups at once) and holds it against:
   every rank;
 - bytes: what `dist.all_reduce` books for the same call (the ring's 2(n-1)/n S per rank,
   `dist.all_reduce_bytes`), and traffic only between ring neighbours;
-- deadlock: the launch must finish (minipar.dist turns a hang into a DeadlockError);
+- deadlock: the launch must finish (minipar.distributed turns a hang into a DeadlockError);
 - time: the simulated clock of `dist.all_reduce` (a warning only when slower).
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import dist
-from minipar.dist import DeadlockError
+from minipar import distributed as dist
+from minipar.distributed import DeadlockError
 
 from .harness import (
     CheckFailed,
@@ -33,7 +33,7 @@ NUMBER, TITLE = "01", "ring all-reduce from send/recv"
 FORBIDDEN = {name: "a ready-made collective; build the ring from send/recv/isend/irecv"
              for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                           "ring_all_reduce", "ring_all_gather", "ring_reduce_scatter",
-                          "minipar.dist.ring", "minipar.dist.collectives")}
+                          "minipar.distributed.ring", "minipar.distributed.collectives")}
 
 DEADLOCK_HINT = ("a blocking send waits until its receiver posts the matching recv; if every "
                  "rank sends first, nobody gets to its recv. Post the send with "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import GPT, AdamW, GPTConfig
 

@@ -5,7 +5,7 @@ al. 2021, section 2.2.1): stage s runs min(p - s - 1, m) warm-up forwards, then 
 forward and one backward in turn, then the remaining backwards. The action lists are
 - validated on paper by `minipar.parallel.schedules.simulate` (every send received by
   the right neighbour, every receive sent, inputs received before use, no wait cycle);
-- run on p virtual ranks with minipar.dist (isend for sends, a blocking recv for
+- run on p virtual ranks with minipar.distributed (isend for sends, a blocking recv for
   receives, as Megatron-LM's p2p code): no DeadlockError, and every receive gets the
   message it names;
 - measured: micro-batches in flight per stage (at most min(p - s, m)) and the ideal
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
-from minipar.dist import DeadlockError
+from minipar import distributed as dist
+from minipar.distributed import DeadlockError
 from minipar.parallel.schedules import (
     ACTION_TYPES,
     Backward,

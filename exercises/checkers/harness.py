@@ -9,7 +9,7 @@ errors the code under test raises into such sentences:
 
     NotImplementedError raised in the student's file   TODO: that function is still a stub
                                                         (later checks are skipped)
-    minipar.dist.DeadlockError                           FAIL with the wait-for graph + a hint
+    minipar.distributed.DeadlockError                   FAIL with the wait-for graph + a hint
     any other exception                                 FAIL naming the file, line and rank
 
 so a student sees a list of checks, never a wall of traceback (`--traceback` shows it).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minipar.dist import CollectiveMismatchError, DeadlockError
+from minipar.distributed import CollectiveMismatchError, DeadlockError
 
 
 class CheckFailed(Exception):
@@ -174,7 +174,7 @@ class Report:
                 text += (f"\n  at {os.path.basename(frame.filename)}:{frame.lineno} in "
                          f"{frame.name}(): {frame.line}")
         for note in getattr(error, "__notes__", ()):
-            if "minipar.dist.launch" not in note:  # the rank is said below
+            if "minipar.distributed.launch" not in note:  # the rank is said below
                 text += f"\n  {note}"
         rank = getattr(error, "rank", None)
         if rank is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 
 
 def ring_neighbours(group=None) -> tuple[int, int, int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import Function, Tensor
 from minipar.autograd import functional as F
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipar import dist
+from minipar import distributed as dist
 
 # Bytes per parameter element: (parameters and activations, gradients, optimizer state).
 # bf16-mixed: bf16 params and grads, fp32 master + m + v (ZeRO paper, section 3: K = 12).

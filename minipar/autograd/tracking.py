@@ -2,7 +2,7 @@
 
 The engine knows two things a cluster simulator needs: the FLOPs of every op it runs,
 and the arrays each op saves for backward. It reports both to the *current device*:
-an object that `minipar.dist` installs for each virtual rank (a contextvar, so every
+an object that `minipar.distributed` installs for each virtual rank (a contextvar, so every
 rank's thread sees its own device and nothing is shared). Outside a launch there is
 no device and nothing is recorded, so the engine also works as a plain library.
 
@@ -10,8 +10,8 @@ A device is anything with
     device.compute(flops: float, kind: str)      # "forward" | "backward" | "optimizer"
     device.memory.hold(array, category: str)     # "params" | "grads" | "optimizer" |
     device.memory.release(array)                 # "activations" | "buffers"
-(`minipar.dist.Device` is the real one.) Keeping the protocol here, and the bookkeeping
-in `minipar.dist`, keeps the engine free of ledgers and clocks.
+(`minipar.distributed.Device` is the real one.) Keeping the protocol here, and the bookkeeping
+in `minipar.distributed`, keeps the engine free of ledgers and clocks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _current_device: contextvars.ContextVar = contextvars.ContextVar("minipar_device
 
 
 def current_device():
-    """The device of the running virtual rank, or None outside `minipar.dist.launch`."""
+    """The device of the running virtual rank, or None outside `minipar.distributed.launch`."""
     return _current_device.get()
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd.placement import Placement, Replicate
 from minipar.nn.optim import AdamW, grad_norm_squared, scale_grads_
 

@@ -38,7 +38,7 @@ arrival until the backward that consumes them; what the chunks save for backward
 moves each micro-batch to the GPU.
 
 Measuring the bubble: `bubble_fraction` and `time_breakdown` read the ranks' clock
-timelines; they live in minipar/dist/timeline.py (idle accounting is the clocks' business,
+timelines; they live in minipar/distributed/timeline.py (idle accounting is the clocks' business,
 and applies to any run) and are re-exported here.
 """
 
@@ -48,11 +48,11 @@ import zlib
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import Tensor, checkpoint, is_grad_enabled
 from minipar.autograd import functional as F
 from minipar.autograd.precision import get_policy
-from minipar.dist.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
+from minipar.distributed.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
 from minipar.nn.gpt import check_token_ids, initialize_parameters, parameter_shapes
 from minipar.nn.layers import Dropout
@@ -204,7 +204,7 @@ class Pipeline:
     validate_schedule: check a given Schedule before running it (leave on);
     stage_class: the chunk Module to build (a subclass of PipelineStage can override
     `embed` / `head`, e.g. with tensor-parallel versions, as TensorParallelGPT does GPT's).
-    Build it inside `minipar.dist.launch`; every rank of the group builds its own share.
+    Build it inside `minipar.distributed.launch`; every rank of the group builds its own share.
     """
 
     def __init__(self, config: GPTConfig, *, pp_group: dist.ProcessGroup | None = None,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Function, Tensor
 

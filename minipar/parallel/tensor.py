@@ -43,7 +43,7 @@ import math
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import functional as F
 from minipar.autograd.placement import Replicate, Shard, StridedShard, shard, unshard
 from minipar.autograd.tensor import Function, Tensor

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import functional as F
 from minipar.autograd.placement import Shard
 from minipar.autograd.precision import compute_dtype

@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Function, Tensor
 from minipar.nn.optim import ADAMW_FLOPS_PER_ELEMENT, adamw_update, grad_norm_squared, scale_grads_

@@ -6,13 +6,13 @@ node (NVLink) and a slower one between nodes (InfiniBand): the two-level topolog
 config (dp x tp x pp) says how many GPUs a plan uses.
 
 Bytes per rank follow the ring algorithm (Patarasuk & Yuan 2009), which is also what
-minipar's emulator books (minipar/dist/collectives.py), including how `np.array_split`
+minipar's emulator books (minipar/distributed/collectives.py), including how `np.array_split`
 cuts a tensor that does not divide evenly, so small tensors are exact too:
 
     all-reduce      2(n-1)/n S     reduce-scatter, all-gather   (n-1)/n S
     broadcast       S (every member but the chain's tail)       send/recv   S
 
-Time is the alpha-beta model of minipar.dist.clock.collective_time (Hockney 1994;
+Time is the alpha-beta model of minipar.distributed.clock.collective_time (Hockney 1994;
 Thakur, Rabenseifner & Gropp 2005), with the bandwidth of the slowest link the group
 crosses.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from minipar.dist.clock import DeviceProfile, collective_time
+from minipar.distributed.clock import DeviceProfile, collective_time
 
 GIB = 2**30
 
@@ -140,7 +140,7 @@ def group_crosses_nodes(size: int, stride: int, world: int, gpus_per_node: int) 
     """Does any group of `size` ranks spaced `stride` apart cross a node boundary?
 
     Groups of a dp x pp x tp mesh (rank = (dp_i pp + pp_i) tp + tp_i, tp fastest; see
-    minipar.dist.mesh) fill blocks of size x stride consecutive ranks, one group per
+    minipar.distributed.mesh) fill blocks of size x stride consecutive ranks, one group per
     offset 0 .. stride-1 of each block. A group spans [first, first + (size - 1) stride];
     it stays in one node only if that interval does. Nodes hold ranks
     [k gpus_per_node, (k+1) gpus_per_node).

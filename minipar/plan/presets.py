@@ -81,7 +81,7 @@ CLUSTERS: dict[str, ClusterSpec] = {
         memory_bytes=80 * GIB, peak_flops=989e12, efficiency=0.5,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
         intra_node_latency=3e-6, inter_node_latency=8e-6),
-    # The cluster minipar's emulator simulates (minipar.dist.DeviceProfile's defaults, every
+    # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),
 }

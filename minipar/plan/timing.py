@@ -38,7 +38,7 @@ from minipar.plan.traffic import GRADIENT_NORM, PARAMETER_ALL_GATHER, Transfer, 
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
-    """Whether the dp, tp and pp groups cross nodes (minipar.dist.mesh's rank order)."""
+    """Whether the dp, tp and pp groups cross nodes (minipar.distributed.mesh's rank order)."""
     world, gpn = config.world_size, cluster.gpus_per_node
     return {
         "tp": group_crosses_nodes(config.tp, 1, world, gpn),

@@ -12,7 +12,7 @@ whatever parameters the rank ended up with, over its DP group. Every rank builds
 pieces from the same full initial weights, so every layout starts where a single device
 starts.
 
-    rank = build_rank_model(config, mesh)          # inside minipar.dist.launch
+    rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
     rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.nn import GPT, GPTConfig
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers

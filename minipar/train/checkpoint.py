@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
 from minipar.parallel.data import Piece

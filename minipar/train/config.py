@@ -44,7 +44,7 @@ class TrainConfig:
     d_model: int = 64
     dropout: float = 0.0
     tie_embeddings: bool = True
-    # parallel layout (a device mesh dp x pp x tp; see minipar.dist.DeviceMesh)
+    # parallel layout (a device mesh dp x pp x tp; see minipar.distributed.DeviceMesh)
     dp: int = 1
     tp: int = 1
     pp: int = 1

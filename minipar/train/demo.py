@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minipar.dist import DeviceProfile
+from minipar.distributed import DeviceProfile
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
 from minipar.train.report import MEMORY_CATEGORIES, Report

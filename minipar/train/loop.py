@@ -1,6 +1,6 @@
 """`minipar.train(config) -> Report`: the training loop, run once per virtual rank.
 
-Every run, even a single-device one, goes through `minipar.dist.launch`, so the same
+Every run, even a single-device one, goes through `minipar.distributed.launch`, so the same
 ledger and clock measure a 1-rank and an 8-rank run and their reports compare directly.
 
 One optimizer step, from one rank's point of view (nanoGPT's train.py, written as
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minipar import dist
-from minipar.dist.comm_log import GROUP_KINDS
+from minipar import distributed as dist
+from minipar.distributed.comm_log import GROUP_KINDS
 from minipar.nn import lr_schedule
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
@@ -283,7 +283,7 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
     save_dir: write sharded checkpoints to save_dir/step-NNNNNN at the end and every
     `save_every` steps. resume_from: a checkpoint directory (or a save_dir: its latest)
     to continue from, saved under any dp / tp / pp / ZeRO layout. device: the
-    DeviceProfile every rank simulates (default: an H100 SXM; see minipar.dist.clock).
+    DeviceProfile every rank simulates (default: an H100 SXM; see minipar.distributed.clock).
     Keyword overrides build or modify the config: `train(steps=5, precision="fp64")`.
     With config.check, the single-device reference is trained first (or `reference`, a
     `reference_run` of the same reference config, is reused) and the report gets an

@@ -30,7 +30,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)  # runs, but costs more than needed
     traffic: dict | None = None  # {"matrix": bytes rank i sent to j, "by_group": {...}}
     step_end_s: list[float] | None = None  # simulated time when each step ended (all ranks)
-    device: dict | None = None  # the simulated GPU (minipar.dist.DeviceProfile's fields)
+    device: dict | None = None  # the simulated GPU (minipar.distributed.DeviceProfile's fields)
     # Not part of the JSON contract: per-rank timeline events (for plots) and the final
     # consolidated single-device state dict (for equivalence checks and inspection).
     timelines: list[list[dict]] | None = field(default=None, repr=False)

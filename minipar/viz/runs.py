@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.nn import GPTConfig
 from minipar.parallel.pipeline import Pipeline, bubble_fraction
 from minipar.parallel.schedules import in_flight_peak

@@ -28,7 +28,7 @@ from matplotlib.colors import LinearSegmentedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.nn.gpt import parameter_shapes
 from minipar.train.build import build_rank_model, check_layout, gpt_config

@@ -4,7 +4,7 @@
     fig.savefig("traffic.png")
 
 Cell [i, j] of a heatmap is the bytes rank i (row) sent to rank j (column) per optimizer
-step, as the ring algorithm moves them (minipar.dist books every collective's bytes
+step, as the ring algorithm moves them (minipar.distributed books every collective's bytes
 per peer). One panel per group kind: the TP group's all-reduces show up as blocks of
 neighbouring ranks, the pipeline's sends as single off-diagonal cells, the DP group's
 all-reduce (or ZeRO's reduce-scatter and all-gather) as a stripe between distant ranks.

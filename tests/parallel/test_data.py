@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.nn import Parameter
 from minipar.parallel.data import Bucket, DataParallel, build_buckets
 from minipar.train import TrainConfig, train

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd.tensor import Context
 from minipar.autograd.tracking import use_device
 from minipar.nn import GPT, AdamW, GPTConfig, clip_grad_norm_

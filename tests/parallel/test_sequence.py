@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.parallel.sequence import (
     gather_from_sequence_parallel_region,

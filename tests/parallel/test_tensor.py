@@ -11,11 +11,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.autograd import functional as F
 from minipar.autograd.placement import Replicate, Shard, StridedShard, shard, unshard
-from minipar.dist.clock import DeviceProfile, collective_time
+from minipar.distributed.clock import DeviceProfile, collective_time
 from minipar.nn import (
     GPT,
     AdamW,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.autograd import functional as F
 from minipar.nn import GPT, Embedding, GPTConfig

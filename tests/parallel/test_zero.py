@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.nn import GPT, GPTConfig, parameter_shapes
 from minipar.parallel.zero import ZeroOptimizer, data_parallel_engine
 from minipar.train import TrainConfig, train

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from minipar.dist import DeviceMesh, DeviceProfile, all_reduce_bytes
+from minipar.distributed import DeviceMesh, DeviceProfile, all_reduce_bytes
 from minipar.plan.cluster import (
     GIB,
     ClusterSpec,

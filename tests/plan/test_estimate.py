@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.nn import GPTConfig
 from minipar.parallel.pipeline import Pipeline
 from minipar.parallel.tensor import tensor_parallel_gpt

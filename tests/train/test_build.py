@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 from minipar.nn.gpt import parameter_shapes
 from minipar.train import TrainConfig, train
 from minipar.train.build import (

@@ -8,8 +8,8 @@ import pytest
 from matplotlib.colors import to_hex, to_rgb
 from matplotlib.figure import Figure
 
-from minipar import dist
-from minipar.dist.clock import TimelineEvent
+from minipar import distributed as dist
+from minipar.distributed.clock import TimelineEvent
 from minipar.viz.timeline import COLORS, plot_timeline
 
 # Two ranks, in seconds: rank 1 waits 1 s, so the run is 3 s and 2 of 6 rank-seconds idle.

@@ -14,14 +14,14 @@ from exercises.checkers.harness import (
     forbidden_uses,
     start_report,
 )
-from minipar import dist
+from minipar import distributed as dist
 
 
 @pytest.fixture
 def stub_module(tmp_path):
     path = tmp_path / "student.py"
     path.write_text(
-        "from minipar import dist\n"
+        "from minipar import distributed as dist\n"
         "from minipar.parallel.schedules import Forward, one_f_one_b\n\n"
         "def one_f_one_b_mine(pp, m):\n"
         '    """uses all_reduce only in this docstring"""\n'

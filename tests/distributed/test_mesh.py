@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 
 
 def test_layout_matches_a_dp_pp_tp_grid():

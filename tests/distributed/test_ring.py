@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 
 SIZES = [2, 3, 4, 8]
 

@@ -115,7 +115,7 @@ class Cluster:
         if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
         if profile is not None and not isinstance(profile, DeviceProfile):
-            raise TypeError(f"device must be a minipar.dist.DeviceProfile, got {profile!r}")
+            raise TypeError(f"device must be a minipar.distributed.DeviceProfile, got {profile!r}")
         self.world_size = world_size
         self.gpus_per_node = gpus_per_node
         self.profile = profile if profile is not None else DeviceProfile()

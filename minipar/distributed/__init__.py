@@ -1,6 +1,6 @@
-"""minipar.dist: a virtual GPU cluster in one process, shaped like torch.distributed.
+"""minipar.distributed: a virtual GPU cluster in one process, shaped like torch.distributed.
 
-    from minipar import dist
+    from minipar import distributed as dist
 
     def worker(x):
         mesh = dist.DeviceMesh(dp=2, tp=2)

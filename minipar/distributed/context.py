@@ -1,7 +1,7 @@
 """Which virtual rank is running: one contextvar, set by `launch` in each rank's thread.
 
 Every rank's thread sees its own (cluster, device) pair; the main thread sees none.
-Nothing else in minipar.dist is global, so two launches can never see each other's state.
+Nothing else in minipar.distributed is global, so two launches can never see each other's state.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def current(api: str):
     if context is None:
         raise RuntimeError(
             f"{api} was called outside a virtual rank: run the function that calls it with "
-            "minipar.dist.launch(fn, world_size)"
+            "minipar.distributed.launch(fn, world_size)"
         )
     return context
 

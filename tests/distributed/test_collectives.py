@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from minipar import dist
-from minipar.dist.cluster import Cluster
+from minipar import distributed as dist
+from minipar.distributed.cluster import Cluster
 
 SIZES = [2, 3, 4, 8]
 

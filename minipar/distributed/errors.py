@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class DistError(RuntimeError):
-    """Base class of every error raised by `minipar.dist` itself."""
+    """Base class of every error raised by `minipar.distributed` itself."""
 
 
 class CollectiveMismatchError(DistError):

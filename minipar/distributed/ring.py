@@ -11,7 +11,7 @@ Each step posts the send with `isend` before the blocking `recv`: if every rank 
 blocking `send` first, each would wait for a receive its neighbour never gets to post.
 
 The byte ledger of these functions equals that of `all_reduce` / `all_gather` /
-`reduce_scatter` (tests/dist/test_ring.py), which is how we know those book real bytes.
+`reduce_scatter` (tests/distributed/test_ring.py), which is how we know those book real bytes.
 Values agree up to rounding: here chunk k is summed starting at rank k, not rank 0.
 """
 

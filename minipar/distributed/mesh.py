@@ -66,7 +66,7 @@ class DeviceMesh:
         if rank is None:
             context = _rank_context.get()
             if context is None:
-                raise RuntimeError("DeviceMesh: pass rank= outside minipar.dist.launch")
+                raise RuntimeError("DeviceMesh: pass rank= outside minipar.distributed.launch")
             return context[1].rank
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the mesh of {self.world_size} ranks")

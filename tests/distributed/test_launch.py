@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from minipar import dist
+from minipar import distributed as dist
 
 
 def test_results_by_rank_args_and_kwargs():

@@ -102,7 +102,7 @@ class Clock:
     comm_s     time blocked while data moves
     idle_s     time waiting for peers to arrive (a collective starts with its last member)
     compute_label  text attached to compute events (e.g. "F3": forward of micro-batch 3),
-                   set with `minipar.dist.timeline_label`; compute under another label
+                   set with `minipar.distributed.timeline_label`; compute under another label
                    starts a new event, so a plot can name each micro-batch
     """
 

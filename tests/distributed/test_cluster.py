@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 
 
 def run_expecting(error_type, fn, n, match=None):

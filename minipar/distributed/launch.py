@@ -89,7 +89,8 @@ def launch(
         if rank is not None and not isinstance(error, DistError):
             error.rank = rank
             if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(f"(raised on rank {rank} of {world_size} in minipar.dist.launch)")
+                error.add_note(f"(raised on rank {rank} of {world_size} in "
+                               f"minipar.distributed.launch)")
         raise error
     return (results, cluster.devices) if return_devices else results
 

@@ -25,7 +25,7 @@ class CommRecord:
     group_ranks global ranks of the group, in ring order
     sent_bytes, recv_bytes   bytes this rank put on / took off the wire
     sent_to     ((peer global rank, bytes), ...): where the sent bytes went
-    phase       forward | backward | optimizer | other (set with `minipar.dist.phase`)
+    phase       forward | backward | optimizer | other (set with `minipar.distributed.phase`)
     start, end  simulated seconds: the transfer's start (its last member arrived) and end
     """
 

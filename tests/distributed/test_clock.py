@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
-from minipar.dist.clock import Clock
+from minipar import distributed as dist
+from minipar.distributed.clock import Clock
 
 NO_LATENCY = dist.DeviceProfile(intra_node_latency=0.0, inter_node_latency=0.0)
 

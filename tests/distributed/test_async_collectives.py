@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar import dist
+from minipar import distributed as dist
 
 NO_LATENCY = dist.DeviceProfile(flops=1e12, intra_node_latency=0.0, inter_node_latency=0.0)
 

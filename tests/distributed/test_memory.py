@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minipar.dist import MemoryLedger
+from minipar.distributed import MemoryLedger
 
 
 def test_hold_release_and_peaks():
