@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from minipar.train import validate_report
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--seq-len", "16", "--d-model", "32", "--n-layer", "1", "--micro-batch-size", "2"]
 
 
@@ -69,8 +71,14 @@ def test_demo_trains_8_ranks_checks_explains_and_saves_three_figures(tmp_path):
         assert f"\n{run_name} " in text
     for name in ("timeline.png", "memory.png", "traffic.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    seconds = float(text.split("(demo took ")[1].split(" s")[0])
-    assert seconds < 60
+    assert "(demo took " in text  # the wall time is printed, never asserted on
+    # README.md quotes the demo's output: every quoted line must be what the demo prints
+    readme = (ROOT / "README.md").read_text()
+    quoted = readme.split("`minipar demo` (abridged")[1].split("```\n")[1]
+    printed = {line.rstrip() for line in text.splitlines()}
+    stale = [line for line in quoted.splitlines() if line.strip() not in ("", "...")
+             and line.rstrip() not in printed]
+    assert not stale, f"README.md quotes demo lines it no longer prints: {stale}"
 
 
 def test_check_quick_prints_the_matrix_and_passes():
