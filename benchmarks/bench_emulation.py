@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
+from minipar.demo import DEMO_CONFIG
 from minipar.train import TrainConfig, train
-from minipar.train.demo import DEMO_CONFIG
 
 
 def step_seconds(config: TrainConfig, steps: int) -> float:

@@ -104,7 +104,7 @@ def add_device_flag(parser: argparse.ArgumentParser) -> None:
 
 def device_profile(name: str):
     if name == "demo":
-        from minipar.train.demo import DEMO_PROFILE
+        from minipar.demo import DEMO_PROFILE
 
         return DEMO_PROFILE
     return None  # the default: minipar.distributed.DeviceProfile(), an H100 SXM
@@ -220,7 +220,7 @@ def pipeline_line(pipeline: dict) -> str:
 
 
 def cmd_demo(args) -> int:
-    from minipar.train.demo import run_demo
+    from minipar.demo import run_demo
 
     result = run_demo(args.out)
     checks = (result.report.equivalence, result.exact.equivalence)
@@ -228,7 +228,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from minipar.train.grid import GRID, REPRESENTATIVE, grid_table, run_grid
+    from minipar.train.grid import GRID, REPRESENTATIVE, run_grid
+    from minipar.viz.tables import grid_table
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError("steps", f"must be a positive integer, got {args.steps}")

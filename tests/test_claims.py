@@ -19,8 +19,8 @@ import functools
 import numpy as np
 import pytest
 
+from minipar.demo import DEMO_PROFILE
 from minipar.train import TrainConfig, train
-from minipar.train.demo import DEMO_PROFILE
 
 BASE = dict(seq_len=16, d_model=32, n_head=4, n_layer=2, micro_batch_size=2, steps=1,
             precision="bf16-mixed", data="synthetic", vocab_size=32)

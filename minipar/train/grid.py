@@ -1,7 +1,7 @@
 """The equivalence matrix: many parallel layouts, each against single-device training.
 
     results = run_grid()                 # every case of GRID, fp64, a few steps each
-    print(grid_table(results))
+    print(minipar.viz.tables.grid_table(results))   # what `minipar check` prints
 
 Each case trains with `check=True` (minipar/train/equivalence.py): the single-device
 reference runs the same global batch in the same micro-batches, and every rank compares
@@ -19,7 +19,6 @@ from minipar.train.config import ConfigError, TrainConfig
 from minipar.train.data import make_stream
 from minipar.train.equivalence import reference_config
 from minipar.train.loop import Reference, reference_run, train
-from minipar.viz.tables import format_table
 
 # Small enough that the whole grid runs in seconds; 4 layers so that pp=4 and
 # interleaved pp=2 x 2 chunks each get a layer; vocabulary 52 (the corpus) splits over
@@ -120,28 +119,3 @@ def run_grid(cases=GRID, progress=None, **overrides) -> list[GridResult]:
         if progress is not None:
             progress(result)
     return results
-
-
-def grid_table(results: list[GridResult]) -> str:
-    """config, ranks, max loss diff, max param diff, pass/fail, first divergence."""
-    rows = []
-    for r in results:
-        if r.refusal is not None:
-            verdict = "refused" + ("" if r.passed else " (UNEXPECTED)")
-            rows.append([r.case.name, r.world_size, "-", "-", verdict, _short(r.refusal)])
-            continue
-        e = r.equivalence
-        first = e["first_mismatch"]
-        where = "-" if first is None else (
-            f"step {first['step']}, {first['tensor']}"
-            + ("" if first["rank"] is None else f", rank {first['rank']}"))
-        verdict = "pass" if r.passed else "FAIL"
-        rows.append([r.case.name, r.world_size, f"{e['max_abs_loss_diff']:.1e}",
-                     f"{e['max_rel_param_diff_per_step']:.1e}", verdict, where])
-    return format_table(["config", "ranks", "max |loss diff|", "max rel param diff",
-                         "result", "first divergence (step, tensor, rank) / reason"],
-                        rows, align="lrrrll")
-
-
-def _short(message: str, width: int = 70) -> str:
-    return message if len(message) <= width else message[:width - 3] + "..."

@@ -1,7 +1,10 @@
-"""Plain-text tables of a report: what the CLI prints and notebooks can show."""
+"""Plain-text tables of a report and of the equivalence grid: what the CLI prints and
+notebooks can show. The grid's cases and verdicts live in minipar/train/grid.py; how they
+read on a terminal lives here, beside the other tables."""
 
 from __future__ import annotations
 
+from minipar.train.grid import GridResult
 from minipar.train.report import MEMORY_CATEGORIES, Report
 
 
@@ -100,3 +103,28 @@ def time_table(report: Report) -> str:
         rows.append([r["rank"], _coords(r), human_seconds(t["compute_s"]),
                      human_seconds(t["comm_s"]), human_seconds(t["idle_s"]), *share])
     return format_table(headers, rows)
+
+
+def grid_table(results: list[GridResult]) -> str:
+    """config, ranks, max loss diff, max param diff, pass/fail, first divergence."""
+    rows = []
+    for r in results:
+        if r.refusal is not None:
+            verdict = "refused" + ("" if r.passed else " (UNEXPECTED)")
+            rows.append([r.case.name, r.world_size, "-", "-", verdict, _short(r.refusal)])
+            continue
+        e = r.equivalence
+        first = e["first_mismatch"]
+        where = "-" if first is None else (
+            f"step {first['step']}, {first['tensor']}"
+            + ("" if first["rank"] is None else f", rank {first['rank']}"))
+        verdict = "pass" if r.passed else "FAIL"
+        rows.append([r.case.name, r.world_size, f"{e['max_abs_loss_diff']:.1e}",
+                     f"{e['max_rel_param_diff_per_step']:.1e}", verdict, where])
+    return format_table(["config", "ranks", "max |loss diff|", "max rel param diff",
+                         "result", "first divergence (step, tensor, rank) / reason"],
+                        rows, align="lrrrll")
+
+
+def _short(message: str, width: int = 70) -> str:
+    return message if len(message) <= width else message[:width - 3] + "..."

@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 from minipar.parallel.pipeline import Pipeline
-from minipar.train.grid import GRID, REPRESENTATIVE, Case, grid_table, run_case, run_grid
+from minipar.train.grid import GRID, REPRESENTATIVE, Case, run_case, run_grid
+from minipar.viz.tables import grid_table
 
 
 def test_the_grid_covers_every_axis_and_the_required_layouts():

@@ -30,6 +30,9 @@ fewer FLOPs per byte of link than an H100: 40 GFLOP/s against 0.8 GB/s NVLink, t
 network 9x slower than NVLink, as on a DGX H100. Its time then splits like the planner's
 estimate for Llama-2 7B on this layout on H100s (compute ~2/3, bubble ~20%,
 communication ~14%): the shares, not the absolute times, are the point.
+
+A front end beside the CLI (docs/architecture.md): it drives minipar.train and draws with
+minipar.viz, and nothing below imports it.
 """
 
 from __future__ import annotations
