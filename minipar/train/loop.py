@@ -15,14 +15,13 @@ Megatron-LM / DeepSpeed code is):
     engine.step(lr); engine.zero_grad()             # AdamW on my replica or shard
 
 What a rank builds for its mesh coordinates (GPT, its TP slices, its pipeline stage) and
-which mixes are refused lives in build.py; each strategy in minipar.parallel. This file
-drives the steps, saves checkpoints, runs the single-device reference for `check`, and
-turns what the ranks measured into a Report.
+which mixes are refused lives in build.py; each strategy in minipar.parallel; how what the
+ranks measured becomes a Report in report.py. This file drives the steps, saves
+checkpoints and runs the single-device reference for `check`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
 from dataclasses import dataclass
@@ -31,17 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from minipar import distributed as dist
-from minipar.distributed.comm_log import GROUP_KINDS
 from minipar.nn import lr_schedule
-from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.pipeline import bubble_fraction, split_layers
 from minipar.train import checkpoint, equivalence
-from minipar.train.build import build_rank_model, check_layout, gpt_config
+from minipar.train.build import build_rank_model, check_layout
 from minipar.train.config import ConfigError, TrainConfig, flag
 from minipar.train.data import TokenStream, make_stream, micro_batch
-from minipar.train.report import Report
+from minipar.train.report import Report, merge_step, report_from_run
 
-__all__ = ["Reference", "gpt_config", "learning_rate", "reference_run", "train"]
+__all__ = ["Reference", "learning_rate", "reference_run", "train"]
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -137,94 +133,17 @@ class _StepLog:
             if len(records) < self.world_size:
                 return
             del self.pending[record["step"]]
-            self.progress(record["step"], _merge_step([records[r] for r in sorted(records)]))
-
-
-def _merge_step(records: list[dict]) -> dict:
-    """One step of the report from every rank's record: the loss of the global batch is
-    the mean of the ranks' losses (each a mean over equally many sequences)."""
-    first = records[0]
-    return {"step": first["step"], "loss": float(np.mean([r["loss"] for r in records])),
-            "lr": first["lr"], "grad_norm": first["grad_norm"]}
+            self.progress(record["step"], merge_step([records[r] for r in sorted(records)]))
 
 
 # ------------------------------------------------------------------ the driver
 def _launch(config: TrainConfig, options: RunOptions):
+    """Run the rank program on every virtual rank; the report is what they measured
+    (shaped in report.py), the results are what each rank returned."""
     results, devices = dist.launch(_rank_program, config.world_size, config, options,
                                    gpus_per_node=config.gpus_per_node,
                                    device=options.device, return_devices=True)
-    steps = [_merge_step(list(records)) for records in zip(*(r["steps"] for r in results),
-                                                            strict=True)]
-    ranks = []
-    for result, device in zip(results, devices, strict=True):
-        summary = device.summary()
-        summary["coords"] = result["coords"]
-        summary["sharding"] = result["sharding"]
-        summary["flops"] = _flops(device)
-        ranks.append(summary)
-    held = [(f"rank {rank}", result["coords"], piece)
-            for rank, result in enumerate(results) for piece in result["pieces"]]
-    # Replicas must agree; with check on, a difference is reported, not raised.
-    state_dict = checkpoint.assemble(held, config.to_dict(), strict=not config.check)["param"]
-    shapes = parameter_shapes(gpt_config(config, config.vocab_size))
-    state_dict = {name: state_dict[name] for name in shapes}
-    timelines = [device.clock.events for device in devices]
-    report = Report(config=config.to_dict(), world_size=config.world_size,
-                    n_params=int(sum(np.prod(s) for s in shapes.values())), steps=steps,
-                    ranks=ranks, timelines=timelines, state_dict=state_dict,
-                    layout=_layout(config), warnings=check_layout(config),
-                    traffic=_traffic(devices), device=dataclasses.asdict(devices[0].profile),
-                    step_end_s=[max(ends) for ends in zip(*(r["step_ends"] for r in results),
-                                                          strict=True)])
-    if config.pp > 1:
-        p, m, v = config.pp, config.grad_accum_steps, config.virtual_stages
-        report.pipeline = {
-            "schedule": config.schedule,
-            # Idle rank-time / total rank-time over the run, from the simulated clocks.
-            "bubble_fraction": bubble_fraction(timelines),
-            "micro_batches": m, "virtual_stages": v,
-            # Uniform stages and free communication (Narayanan et al. 2021, section 2.2).
-            "uniform_bubble_fraction": (p - 1) / (v * m + p - 1),
-            "layers_per_stage": [len(r) for r in split_layers(config.n_layer, p * v)],
-        }
-    return report, results
-
-
-def _flops(device) -> dict[str, float]:
-    """FLOPs a rank computed, by kind, from its simulated clock (time x FLOP/s)."""
-    seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
-    for event in device.clock.events:
-        if event.kind in seconds:
-            seconds[event.kind] += event.end - event.start
-    return {kind: s * device.profile.flops for kind, s in seconds.items()}
-
-
-def _layout(config: TrainConfig) -> dict:
-    """Where the ranks are: the mesh, the nodes, every group, and whether a TP group
-    spans nodes (its all-reduces then cross the slow inter-node network)."""
-    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
-                           gpus_per_node=config.gpus_per_node)
-    per_node = config.gpus_per_node
-    groups = {axis: [list(g.ranks) for g in mesh.all_groups(axis)]
-              for axis in ("dp", "pp", "tp")}
-    return {"mesh": {"dp": config.dp, "pp": config.pp, "tp": config.tp},
-            "gpus_per_node": per_node, "nodes": -(-config.world_size // per_node),
-            "groups": groups,
-            "tp_group_crosses_nodes": any(len({r // per_node for r in g}) > 1
-                                          for g in groups["tp"])}
-
-
-def _traffic(devices) -> dict:
-    """Bytes rank i sent to rank j ("matrix"), and the same split by group kind."""
-    world = len(devices)
-    by_group = {kind: np.zeros((world, world), np.int64) for kind in GROUP_KINDS}
-    for src, device in enumerate(devices):
-        for record in device.comm.records:
-            for dst, nbytes in record.sent_to:
-                by_group[record.group_kind][src, dst] += nbytes
-    total = sum(by_group.values())
-    return {"matrix": total.tolist(),
-            "by_group": {kind: m.tolist() for kind, m in by_group.items() if m.any()}}
+    return report_from_run(config, results, devices), results
 
 
 def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:

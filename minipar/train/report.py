@@ -4,13 +4,35 @@ This is the public contract: notebooks, widgets, the CLI and checks outside the 
 it. Add fields freely; rename none. `report.schema.json` beside this file is the JSON
 Schema; `validate_report()` checks a report dict against it without extra dependencies
 (the tests also validate with the `jsonschema` package when it is installed).
+
+`report_from_run(config, results, devices)` gives the report its shape: the training
+loop (loop.py) hands over what every rank returned and the virtual devices that measured
+it (ledger, comm log, clock), and gets the Report back. Every section of the report is
+built here, in one place:
+
+    steps     the ranks' step records merged (the loss of the global batch)
+    ranks     each device's summary (memory, comm, time) + coords, sharding, flops
+    layout    the mesh, the nodes and every group
+    traffic   bytes rank i sent to rank j, in total and by group kind
+    pipeline  the schedule, measured bubble and the uniform-stage formula (pp > 1)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
+
+from minipar import distributed as dist
+from minipar.distributed.comm_log import GROUP_KINDS
+from minipar.nn.gpt import parameter_shapes
+from minipar.parallel.pipeline import bubble_fraction, split_layers
+from minipar.train import checkpoint
+from minipar.train.build import check_layout, gpt_config
+from minipar.train.config import TrainConfig
 
 SCHEMA = "minipar.report/1"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -108,6 +130,98 @@ class Report:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
+# ------------------------------------------------------------------ a run's report
+def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report:
+    """The Report of one launch: `results[i]` is what rank i's program returned (steps,
+    step_ends, coords, pieces, sharding), `devices[i]` its virtual device."""
+    steps = [merge_step(list(records)) for records in zip(*(r["steps"] for r in results),
+                                                           strict=True)]
+    ranks = []
+    for result, device in zip(results, devices, strict=True):
+        summary = device.summary()
+        summary["coords"] = result["coords"]
+        summary["sharding"] = result["sharding"]
+        summary["flops"] = _flops(device)
+        ranks.append(summary)
+    held = [(f"rank {rank}", result["coords"], piece)
+            for rank, result in enumerate(results) for piece in result["pieces"]]
+    # Replicas must agree; with check on, a difference is reported, not raised.
+    state_dict = checkpoint.assemble(held, config.to_dict(), strict=not config.check)["param"]
+    shapes = parameter_shapes(gpt_config(config, config.vocab_size))
+    state_dict = {name: state_dict[name] for name in shapes}
+    timelines = [device.clock.events for device in devices]
+    report = Report(config=config.to_dict(), world_size=config.world_size,
+                    n_params=int(sum(np.prod(s) for s in shapes.values())), steps=steps,
+                    ranks=ranks, timelines=timelines, state_dict=state_dict,
+                    layout=_layout(config), warnings=check_layout(config),
+                    traffic=_traffic(devices), device=dataclasses.asdict(devices[0].profile),
+                    step_end_s=[max(ends) for ends in zip(*(r["step_ends"] for r in results),
+                                                          strict=True)])
+    if config.pp > 1:
+        report.pipeline = _pipeline(config, timelines)
+    return report
+
+
+def merge_step(records: list[dict]) -> dict:
+    """One step of the report from every rank's record: the loss of the global batch is
+    the mean of the ranks' losses (each a mean over equally many sequences)."""
+    first = records[0]
+    return {"step": first["step"], "loss": float(np.mean([r["loss"] for r in records])),
+            "lr": first["lr"], "grad_norm": first["grad_norm"]}
+
+
+def _flops(device) -> dict[str, float]:
+    """FLOPs a rank computed, by kind, from its simulated clock (time x FLOP/s)."""
+    seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
+    for event in device.clock.events:
+        if event.kind in seconds:
+            seconds[event.kind] += event.end - event.start
+    return {kind: s * device.profile.flops for kind, s in seconds.items()}
+
+
+def _layout(config: TrainConfig) -> dict:
+    """Where the ranks are: the mesh, the nodes, every group, and whether a TP group
+    spans nodes (its all-reduces then cross the slow inter-node network)."""
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
+                           gpus_per_node=config.gpus_per_node)
+    per_node = config.gpus_per_node
+    groups = {axis: [list(g.ranks) for g in mesh.all_groups(axis)]
+              for axis in ("dp", "pp", "tp")}
+    return {"mesh": {"dp": config.dp, "pp": config.pp, "tp": config.tp},
+            "gpus_per_node": per_node, "nodes": -(-config.world_size // per_node),
+            "groups": groups,
+            "tp_group_crosses_nodes": any(len({r // per_node for r in g}) > 1
+                                          for g in groups["tp"])}
+
+
+def _traffic(devices) -> dict:
+    """Bytes rank i sent to rank j ("matrix"), and the same split by group kind."""
+    world = len(devices)
+    by_group = {kind: np.zeros((world, world), np.int64) for kind in GROUP_KINDS}
+    for src, device in enumerate(devices):
+        for record in device.comm.records:
+            for dst, nbytes in record.sent_to:
+                by_group[record.group_kind][src, dst] += nbytes
+    total = sum(by_group.values())
+    return {"matrix": total.tolist(),
+            "by_group": {kind: m.tolist() for kind, m in by_group.items() if m.any()}}
+
+
+def _pipeline(config: TrainConfig, timelines) -> dict:
+    """The pipeline section: the schedule, its measured bubble, the formula's."""
+    p, m, v = config.pp, config.grad_accum_steps, config.virtual_stages
+    return {
+        "schedule": config.schedule,
+        # Idle rank-time / total rank-time over the run, from the simulated clocks.
+        "bubble_fraction": bubble_fraction(timelines),
+        "micro_batches": m, "virtual_stages": v,
+        # Uniform stages and free communication (Narayanan et al. 2021, section 2.2).
+        "uniform_bubble_fraction": (p - 1) / (v * m + p - 1),
+        "layers_per_stage": [len(r) for r in split_layers(config.n_layer, p * v)],
+    }
+
+
+# ------------------------------------------------------------------ validation
 def load_schema() -> dict:
     return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 

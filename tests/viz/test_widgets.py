@@ -27,7 +27,7 @@ PNG = b"\x89PNG"
 
 
 def psi(config: TrainConfig) -> int:
-    from minipar.train.loop import gpt_config
+    from minipar.train.build import gpt_config
 
     vocab = make_stream(config.data).vocab_size
     return sum(int(np.prod(s)) for s in parameter_shapes(gpt_config(config, vocab)).values())
