@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minipar.train import TrainConfig, train, validate_report
-from minipar.train.report import Report, load_schema
+from minipar.train.report import Report, load_schema, merge_step
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -117,3 +117,11 @@ def test_flops_per_rank_match_the_simulated_compute_time(report_3d):
         assert flops > 0
         rate = report_3d.device["flops"]
         assert flops / rate == pytest.approx(r["time"]["compute_s"], rel=1e-9)
+
+
+def test_a_step_of_the_report_is_the_mean_loss_of_the_ranks():
+    """Each rank's loss is a mean over equally many sequences of the global batch, so the
+    global batch's loss is their mean; lr and grad_norm are the same on every rank."""
+    records = [{"step": 3, "loss": loss, "lr": 1e-3, "grad_norm": 0.5}
+               for loss in (1.0, 2.0, 4.5)]
+    assert merge_step(records) == {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5}
