@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from minipar.autograd.function import Function
+from minipar.autograd.placement import require_reduced
 from minipar.autograd.precision import bfloat16, compute_dtype, float32
 from minipar.autograd.tensor import Tensor
 
@@ -98,6 +99,7 @@ class Linear(Function):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
            transpose_weight: bool = False) -> Tensor:
     """x @ W + b (W stored (in, out)); see `Linear`."""
+    require_reduced(x, "linear")
     return Linear.apply(x, weight, bias, transpose_weight)
 
 
@@ -145,6 +147,7 @@ class LayerNorm(Function):
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    require_reduced(x, "layer_norm")
     return LayerNorm.apply(x, weight, bias, eps)
 
 
@@ -199,6 +202,7 @@ class GELU(Function):
 
 
 def gelu(x: Tensor) -> Tensor:
+    require_reduced(x, "gelu")
     return GELU.apply(x)
 
 
@@ -247,6 +251,7 @@ class Softmax(Function):
 
 
 def softmax(x: Tensor, causal: bool = False) -> Tensor:
+    require_reduced(x, "softmax")
     return Softmax.apply(x, causal)
 
 
@@ -336,12 +341,82 @@ class CausalSelfAttention(Function):
 def causal_self_attention(qkv: Tensor, head_dim: int, dropout_p: float = 0.0,
                           generator: np.random.Generator | None = None) -> Tensor:
     """Fused causal self-attention on HF-layout qkv; see `CausalSelfAttention`."""
+    require_reduced(qkv, "attention")
     if dropout_p > 0.0 and generator is None:
         raise ValueError("attention dropout needs a seeded numpy Generator (generator=...)")
     return CausalSelfAttention.apply(qkv, head_dim, dropout_p, generator)
 
 
 # ---------------------------------------------------------------------------- loss
+# The numerically stable pieces of softmax cross-entropy, on ndarrays. `CrossEntropy`
+# composes them on one device; the vocabulary-parallel cross-entropy
+# (minipar/parallel/vocab.py) composes the same pieces on its V/t slice of the logits,
+# with a max all-reduce after `logits_max` and a sum all-reduce after
+# `predicted_logits_and_sum_exp`. Megatron-LM shares its pieces the same way between its
+# fused and unfused losses (`VocabParallelCrossEntropy` in
+# megatron/core/tensor_parallel/cross_entropy.py: calculate_logits_max,
+# calculate_predicted_logits, calculate_cross_entropy_loss, calculate_gradients).
+
+def check_targets(targets: np.ndarray, logits_shape: tuple, vocab: int) -> None:
+    """Integer targets shaped like the logits without the vocab axis, in [0, vocab)."""
+    if targets.shape != logits_shape[:-1]:
+        raise ValueError(f"cross_entropy: targets shape {targets.shape} does not match "
+                         f"logits shape {logits_shape} without the vocab axis")
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+    if targets.size and (targets.min() < 0 or targets.max() >= vocab):
+        raise ValueError(f"cross_entropy: targets must lie in [0, {vocab}), got values "
+                         f"in [{targets.min()}, {targets.max()}]")
+
+
+def logits_max(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """z: the logits as (N, V) rows, a copy in the compute dtype (fp32 for bf16 and
+    fp32, fp64 for fp64), and each row's max (N,), subtracted before exp."""
+    z = logits.reshape(-1, logits.shape[-1]).astype(compute_dtype(logits.dtype), copy=True)
+    return z, z.max(axis=1)
+
+
+def predicted_logits_and_sum_exp(z: np.ndarray, row_max: np.ndarray, targets: np.ndarray,
+                                 mine: np.ndarray | None = None) -> np.ndarray:
+    """Shift z by the row max, take each row's target logit, exponentiate z in place.
+
+    targets (N,): column of each row's target in z; `mine` (N,) bool, if given: rows whose
+    target is in z's columns at all (the others' target logit counts as 0). Returns
+    (2, N): [sum of exp(z) over the row, target logit], one array so that a
+    vocabulary-parallel loss sums both with one all-reduce."""
+    z -= row_max[:, None]
+    target_logit = z[np.arange(z.shape[0]), targets]
+    if mine is not None:
+        target_logit = np.where(mine, target_logit, 0.0).astype(z.dtype)
+    np.exp(z, out=z)
+    return np.stack([row_sum(z)[:, 0], target_logit])
+
+
+def cross_entropy_loss(z: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """mean(log-sum-exp - target logit) from exp(z) and `sums` = [sum exp, target logit];
+    turns z into the softmax in place (what backward needs). Returns the loss, a scalar
+    array in z's dtype."""
+    total, target_logit = sums[0], sums[1]
+    loss = np.mean(np.log(total) - target_logit)
+    z /= total[:, None]
+    return np.asarray(loss, dtype=z.dtype)
+
+
+def cross_entropy_gradient(probs: np.ndarray, targets: np.ndarray, grad,
+                           mine: np.ndarray | None = None) -> np.ndarray:
+    """d mean loss / d z = (softmax - onehot(target)) * grad / N, in probs' dtype (computed
+    in the compute dtype). With `mine`, only those rows' targets are in these columns."""
+    work = compute_dtype(probs.dtype)
+    g = probs.astype(work, copy=True)
+    if mine is None:
+        g[np.arange(g.shape[0]), targets] -= 1.0
+    else:
+        rows = np.nonzero(mine)[0]
+        g[rows, targets[rows]] -= 1.0
+    g *= np.asarray(grad, dtype=work) / g.shape[0]
+    return g.astype(probs.dtype, copy=False)
+
+
 class CrossEntropy(Function):
     """Mean cross-entropy of logits (..., V) against integer targets (...).
 
@@ -352,44 +427,27 @@ class CrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, targets):
-        vocab = logits.shape[-1]
         targets = np.asarray(targets)
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(f"cross_entropy: targets shape {targets.shape} does not match "
-                             f"logits shape {logits.shape} without the vocab axis")
-        if targets.dtype.kind not in "iu":
-            raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+        check_targets(targets, logits.shape, logits.shape[-1])
         flat_targets = targets.reshape(-1)
-        if flat_targets.size and (flat_targets.min() < 0 or flat_targets.max() >= vocab):
-            raise ValueError(f"cross_entropy: targets must lie in [0, {vocab}), got values "
-                             f"in [{flat_targets.min()}, {flat_targets.max()}]")
-        work = compute_dtype(logits.dtype)
-        z = logits.reshape(-1, vocab).astype(work, copy=True)
-        rows = np.arange(z.shape[0])
-        z -= z.max(axis=1, keepdims=True)
-        target_logit = z[rows, flat_targets]
-        np.exp(z, out=z)
-        total = row_sum(z)  # (N, 1)
-        loss = np.mean(np.log(total[:, 0]) - target_logit)
-        z /= total  # softmax
+        z, row_max = logits_max(logits)
+        sums = predicted_logits_and_sum_exp(z, row_max, flat_targets)
+        loss = cross_entropy_loss(z, sums)  # z is the softmax now
         ctx.save_for_backward(z.astype(logits.dtype, copy=False), flat_targets)
         ctx.logits_shape = logits.shape
         ctx.flops_forward = 5 * z.size
         ctx.flops_backward = 2 * z.size
-        return np.asarray(loss, dtype=work)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
         probs, flat_targets = ctx.saved_tensors
-        work = compute_dtype(probs.dtype)
-        g = probs.astype(work, copy=True)
-        g[np.arange(g.shape[0]), flat_targets] -= 1.0
-        g *= np.asarray(grad, dtype=work) / g.shape[0]
-        return g.astype(probs.dtype, copy=False).reshape(ctx.logits_shape), None
+        return cross_entropy_gradient(probs, flat_targets, grad).reshape(ctx.logits_shape), None
 
 
 def cross_entropy(logits: Tensor, targets) -> Tensor:
     """Mean cross-entropy; see `CrossEntropy`. `targets` is an int array or Tensor."""
+    require_reduced(logits, "cross_entropy")
     if isinstance(targets, Tensor):
         targets = targets.data
     return CrossEntropy.apply(logits, targets)
@@ -455,6 +513,7 @@ def dropout(x: Tensor, p: float, generator: np.random.Generator | None,
             training: bool = True) -> Tensor:
     """Dropout with a seeded generator; the identity (no graph node) when p == 0 or
     not training."""
+    require_reduced(x, "dropout")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if p == 0.0 or not training:

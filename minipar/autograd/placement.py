@@ -14,9 +14,17 @@ The vocabulary is PyTorch DTensor's (torch.distributed.tensor):
 A parallel parameter carries its placement over one group (`param.placement`,
 `param.placement_group`, a group kind such as "tp" or "dp"). Consolidation (the
 single-device state dict of a parallel run), checkpoint resharding and the sharding
-pictures all read placements instead of guessing from shapes, and code that needs a
-replicated value can refuse a Partial one (`require_replicated`), so a forgotten
-all-reduce is a loud error instead of a silently wrong gradient.
+pictures all read placements instead of guessing from shapes.
+
+Activations carry a placement only where one is not whole: `partial(tensor, producer,
+reduction)` marks the output of a row-parallel matmul (or a vocabulary-split lookup) as
+a `PartialSum`, a Tensor that refuses arithmetic and the fused ops (`require_replicated`)
+until the named reduction has summed it. So a forgotten all-reduce is a loud error naming
+the layer and the missing collective, instead of a silently wrong loss or gradient.
+The check is a type test per op call; a correct run never meets it (the reduction's
+output is a plain Tensor). PyTorch DTensor tracks the same thing on every tensor
+(`DTensor.placements`) and redistributes implicitly; here a Partial value is only ever
+reduced where the code says so.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from minipar.autograd.tensor import Tensor
 
 
 @dataclass(frozen=True)
@@ -124,3 +134,68 @@ def require_replicated(name: str, placement: Placement) -> None:
     if not isinstance(placement, Replicate):
         raise PlacementError(f"{name} is {placement} but must be Replicate() here: "
                              "a reduction (all-reduce or all-gather) is missing before it")
+
+
+# ---------------------------------------------------------------------------- activations
+class PartialSum(Tensor):
+    """A Tensor holding this rank's summand of a value (placement Partial()): the output
+    of a row-parallel matmul before g (all-reduce) or g-bar (reduce-scatter) sums it.
+
+    `producer` names the layer that made it, `reduction` the collective that must come
+    next. Only a Function's `apply` (the reduction) may take it; arithmetic with it and
+    the fused ops (`functional.py`) raise a PlacementError.
+    """
+
+    __slots__ = ("producer", "reduction")
+
+    placement = Partial()
+
+    def refuse(self, consumer: str):
+        raise PlacementError(
+            f"{consumer} got the output of {self.producer}, which is Partial(sum) (each TP "
+            f"rank holds a summand) but must be Replicate() here: the reduction "
+            f"{self.reduction} over the tensor-parallel group is missing before it")
+
+    def __add__(self, other):
+        self.refuse("an addition (+, e.g. the bias or the residual)")
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        self.refuse("a subtraction (-)")
+
+    __rsub__ = __sub__
+
+    def __mul__(self, other):
+        self.refuse("a multiplication (*)")
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        self.refuse("a division (/)")
+
+    __rtruediv__ = __truediv__
+
+    def __matmul__(self, other):
+        self.refuse("a matmul (@)")
+
+    __rmatmul__ = __matmul__
+
+    def __pow__(self, exponent):
+        self.refuse("a power (**)")
+
+
+def partial(tensor: Tensor, producer: str, reduction: str) -> PartialSum:
+    """`tensor` (the same data and graph node) marked Partial(): see `PartialSum`."""
+    marked = PartialSum.__new__(PartialSum)
+    for slot in ("data", "grad", "requires_grad", "_ctx", "_index",
+                 "_post_accumulate_grad_hooks", "_grad_device"):
+        setattr(marked, slot, getattr(tensor, slot))
+    marked.producer, marked.reduction = producer, reduction
+    return marked
+
+
+def require_reduced(value, consumer: str) -> None:
+    """Refuse a Partial activation (a `PartialSum`) where a whole one is needed."""
+    if type(value) is PartialSum:
+        value.refuse(consumer)

@@ -1,10 +1,10 @@
 """Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", section 4.2.2), from one rank's point of view.
 
-Tensor parallelism (tensor.py) splits attention heads and the MLP hidden layer, but every
-TP rank still holds the whole (B, T, d) activations of the LayerNorms, the dropouts and
-the residual stream: they sit between the all-reduces, replicated. Sequence parallelism
-cuts those regions along the sequence: rank i keeps tokens [i T/t, (i+1) T/t).
+Tensor parallelism (tensor_layers.py) splits attention heads and the MLP hidden layer,
+but every TP rank still holds the whole (B, T, d) activations of the LayerNorms, the
+dropouts and the residual stream: they sit between the all-reduces, replicated. Sequence
+parallelism cuts those regions along the sequence: rank i keeps tokens [i T/t, (i+1) T/t).
 
 The all-reduce at the end of a tensor-parallel region is a reduce-scatter followed by an
 all-gather, so it splits in two at no extra cost (the paper's figure 6):
@@ -12,12 +12,9 @@ all-gather, so it splits in two at no extra cost (the paper's figure 6):
     sequence-parallel region  --all-gather-->      tensor-parallel region     (g)
     tensor-parallel region    --reduce-scatter-->  sequence-parallel region   (g-bar)
 
-Each is the other's conjugate in backward, and each moves (t-1)/t of the activation:
-together exactly one all-reduce. Names follow Megatron-LM's mappings.py; the paper calls
-the first `g` and the second `g-bar` (not to be confused with Shoeybi et al.'s f and g
-in tensor.py).
-
-Activations are (B, T, ...) here (Megatron uses (T, B, ...)), so the sequence is dim 1.
+Those region functions are in mappings.py (Megatron-LM's mappings.py names; the paper
+calls the first `g` and the second `g-bar`, not to be confused with Shoeybi et al.'s f
+and g). This module holds the layers that run on a sequence piece:
 
 `SequenceParallelLinear` is the column-parallel linear layer entered from a sequence-
 parallel region. Saving its all-gathered (B, T, d) input for backward would give back
@@ -25,6 +22,14 @@ what sequence parallelism saved, so, as Megatron does, it saves only this rank's
 (B, T/t, d) piece and all-gathers it again in backward to form the weight gradient
 (the paper: "an extra all-gather ... in the backward pass"; Megatron overlaps it with
 the input-gradient matmul, we run it first).
+
+`SequenceParallelLayerNorm` and the row-parallel biases use replicated parameters on my
+tokens only, so their gradients are partial sums over the TP group. They are
+`SequenceParallelParameter`s (Megatron marks them `param.sequence_parallel = True` and
+all-reduces their gradients in `finalize_model_grads`); here they enter the graph
+through f, whose backward all-reduces their gradient, and a gradient that reaches
+`.grad` without that all-reduce is refused with a PlacementError (each TP replica would
+otherwise take a different optimizer step).
 """
 
 from __future__ import annotations
@@ -32,81 +37,12 @@ from __future__ import annotations
 import numpy as np
 
 from minipar import distributed as dist
+from minipar.autograd import functional as F
+from minipar.autograd.placement import PlacementError
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Function, Tensor
-
-SEQUENCE_DIM = 1  # activations are (B, T, ...)
-
-
-def _my_piece(x: np.ndarray, group) -> np.ndarray:
-    """This rank's slice of x along the sequence (a copy, so it owns its memory)."""
-    length, t = x.shape[SEQUENCE_DIM], group.size
-    if length % t:
-        raise ValueError(
-            f"sequence parallelism: sequence length {length} is not divisible by the "
-            f"tensor-parallel size {t}; use sequences whose length is a multiple of {t} "
-            "(--seq-len) or turn --sequence-parallel off")
-    piece = length // t
-    start = dist.get_rank(group) * piece
-    return np.ascontiguousarray(x[:, start:start + piece])
-
-
-class ScatterToSequenceParallelRegion(Function):
-    """Keep my sequence piece (forward, no communication); all-gather the gradient
-    (backward). Where the replicated embedding output enters the sequence-parallel
-    region. x (B, T, d) -> (B, T/t, d)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_piece(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return dist.all_gather(grad, group=ctx.group, dim=SEQUENCE_DIM), None
-
-
-class GatherFromSequenceParallelRegion(Function):
-    """All-gather along the sequence (forward); reduce-scatter the gradient (backward):
-    the paper's `g`. x (B, T/t, d) -> (B, T, d)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return dist.all_gather(x, group=group, dim=SEQUENCE_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return dist.reduce_scatter(grad, group=ctx.group, dim=SEQUENCE_DIM), None
-
-
-class ReduceScatterToSequenceParallelRegion(Function):
-    """Sum the group's partial outputs and keep my sequence piece (forward,
-    reduce-scatter); all-gather the gradient (backward): the paper's `g-bar`.
-    partial (B, T, d) -> (B, T/t, d)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        if x.shape[SEQUENCE_DIM] % group.size:
-            _my_piece(x, group)  # raises the clear error
-        return dist.reduce_scatter(x, group=group, dim=SEQUENCE_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return dist.all_gather(grad, group=ctx.group, dim=SEQUENCE_DIM), None
-
-
-def scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
-    return ScatterToSequenceParallelRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x: Tensor, group) -> Tensor:
-    return GatherFromSequenceParallelRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
-    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+from minipar.nn import LayerNorm, Parameter
+from minipar.parallel.mappings import SEQUENCE_DIM, copy_to_tensor_parallel_region
 
 
 # ---------------------------------------------------------------------------- linear
@@ -178,3 +114,65 @@ def sequence_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gro
     """Column-parallel linear entered from the sequence-parallel region; see
     `SequenceParallelLinear`."""
     return SequenceParallelLinear.apply(x, weight, bias, transpose_weight, group)
+
+
+# ---------------------------------------------------------------------------- parameters
+class SequenceParallelParameter(Parameter):
+    """A replicated parameter that meets only my sequence piece: its gradient from one
+    backward is this rank's Partial() summand until f's backward all-reduces it over TP.
+
+    f calls `mark_reduced` after that all-reduce; a post-accumulate-grad hook (which runs
+    before any data-parallel engine's) refuses a gradient that arrives without it. One
+    flag per parameter and backward: no time on the clock, no communication."""
+
+    __slots__ = ("name", "reduced")
+
+    def mark_reduced(self) -> None:
+        self.reduced = True
+
+
+def _refuse_unreduced_gradient(param: SequenceParallelParameter) -> None:
+    if not param.reduced:
+        raise PlacementError(
+            f"{param.name}: its gradient is Partial(sum) over the tensor-parallel group "
+            "(under sequence parallelism it sees only this rank's tokens) and reached .grad "
+            "without the all-reduce of f (copy_to_tensor_parallel_region's backward): the "
+            "optimizer and the gradient norm need Replicate(), else each TP replica steps "
+            "differently")
+    param.reduced = False  # the next backward must reduce again
+
+
+def sequence_parallel_parameter(param: Parameter, name: str) -> SequenceParallelParameter:
+    """`param` (same data, placement and group) as a SequenceParallelParameter."""
+    marked = SequenceParallelParameter(param.data, requires_grad=param.requires_grad,
+                                       placement=param.placement,
+                                       placement_group=param.placement_group)
+    marked.grad_category = param.grad_category
+    marked.name, marked.reduced = name, False
+    marked.register_post_accumulate_grad_hook(_refuse_unreduced_gradient)
+    return marked
+
+
+def copy_parameter_to_tensor_parallel_region(param: Parameter, group) -> Tensor:
+    """f for a SequenceParallelParameter: all-reduce its gradient in backward and note it."""
+    return copy_to_tensor_parallel_region(param, group,
+                                          on_reduced=getattr(param, "mark_reduced", None))
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm on a sequence piece (B, T/t, d). Weight and bias are replicated but see
+    only my tokens, so they enter through f: backward all-reduces their gradients over
+    the TP group (Megatron's all-reduce of `sequence_parallel` parameters). `name` (e.g.
+    "h.0.ln_1") names them in placement errors."""
+
+    def __init__(self, layer_norm: LayerNorm, group, name: str = "LayerNorm"):
+        super().__init__(layer_norm.weight.shape[0], layer_norm.eps,
+                         dtype=layer_norm.weight.dtype)
+        self.weight = sequence_parallel_parameter(layer_norm.weight, f"{name}.weight")
+        self.bias = sequence_parallel_parameter(layer_norm.bias, f"{name}.bias")
+        self.group = group
+
+    def forward(self, x):
+        return F.layer_norm(x, copy_parameter_to_tensor_parallel_region(self.weight, self.group),
+                            copy_parameter_to_tensor_parallel_region(self.bias, self.group),
+                            self.eps)

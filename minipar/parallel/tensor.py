@@ -1,21 +1,19 @@
 """Megatron tensor parallelism (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
-Parameter Language Models Using Model Parallelism"), from one rank's point of view.
+Parameter Language Models Using Model Parallelism"): a GPT cut over a TP group.
 
-A matmul Y = X A splits two ways over the t ranks of a TP group:
+The pieces, one module each (Megatron-LM's `megatron/core/tensor_parallel/` split):
 
-    column-parallel  A = [A_1 | ... | A_t]      Y_i = X A_i        (Y comes out split)
-    row-parallel     A = [A_1; ...; A_t]        Y = sum_i X_i A_i  (X goes in split)
+    mappings.py       f, g and the sequence-parallel regions: the only communication
+    tensor_layers.py  ColumnParallelLinear, RowParallelLinear
+    vocab.py          vocabulary-parallel embedding, LM head and cross-entropy
+    sequence.py       sequence parallelism's linear layer, LayerNorm and parameters
 
-Column then row needs no communication in between: the MLP's c_fc (d, 4d) is column-
-parallel, GELU runs on rank i's 4d/t hidden units, c_proj (4d, d) is row-parallel and
-one all-reduce sums the partial outputs (the paper's figure 3a). Attention splits the
-same way by heads: c_attn column-parallel (rank i computes q, k, v of its n_head/t
-heads), c_proj row-parallel (figure 3b). Two conjugate operators mark the edges:
-
-    f: identity forward, all-reduce backward    entering a parallel region
-    g: all-reduce forward, identity backward    leaving it
-
-so a layer costs 2 all-reduces of (B, T, d) forward (two g) and 2 backward (two f).
+This module puts them together. The MLP's c_fc (d, 4d) is column-parallel, GELU runs on
+rank i's 4d/t hidden units, c_proj (4d, d) is row-parallel and one all-reduce sums the
+partial outputs (the paper's figure 3a). Attention splits the same way by heads: c_attn
+column-parallel (rank i computes q, k, v of its n_head/t heads), c_proj row-parallel
+(figure 3b). So a layer costs 2 all-reduces of (B, T, d) forward (two g) and 2
+backward (two f).
 
 The token embedding and the tied LM head are split by vocabulary rows, and the loss is
 a vocabulary-parallel cross-entropy, so the full (B, T, V) logits never exist (vocab.py).
@@ -33,8 +31,8 @@ backward has to remember to do it).
 
 Entry points: `tensor_parallel_gpt(...)` builds a rank's model; `parallelize_tensor`
 converts any module tree holding GPT pieces and `TensorParallelMixin` gives a pipeline
-stage the matching embed/head; `consolidate_tensor_parallel` rebuilds the single-device
-state dict; `tensor_parallel_grad_norm_squared` counts every element once, for clipping.
+stage the matching embed/head; `counts_once_in_norm` says which pieces count in the
+global gradient norm.
 """
 
 from __future__ import annotations
@@ -44,188 +42,26 @@ import math
 import numpy as np
 
 from minipar import distributed as dist
-from minipar.autograd import functional as F
 from minipar.autograd.placement import Replicate, Shard, StridedShard, shard, unshard
-from minipar.autograd.tensor import Function, Tensor
 from minipar.nn import (
     GPT,
     Block,
     Embedding,
     GPTConfig,
     LayerNorm,
-    Linear,
     LMHead,
     Module,
     Parameter,
     grad_norm_squared,
 )
 from minipar.nn.optim import scale_grads_
-from minipar.parallel.sequence import (
-    reduce_scatter_to_sequence_parallel_region,
+from minipar.parallel import vocab
+from minipar.parallel.mappings import (
+    gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
-    sequence_parallel_linear,
 )
-
-
-# ---------------------------------------------------------------------------- f and g
-class CopyToTensorParallelRegion(Function):
-    """f: identity forward, all-reduce of the gradient backward (Shoeybi et al. 2019,
-    figure 3). Every rank uses the same X in its own part of the computation, so
-    dL/dX is the sum of every rank's contribution."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return dist.all_reduce(grad, group=ctx.group), None
-
-
-class ReduceFromTensorParallelRegion(Function):
-    """g: all-reduce forward (sum the partial outputs), identity backward (every rank
-    then holds the same output, so the gradient is already the one each rank needs)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return dist.all_reduce(x, group=group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromTensorParallelRegion(Function):
-    """All-gather along the last dim (forward), keep my slice of the gradient
-    (backward). Only for looking at full logits (generation); training never gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return dist.all_gather(x, group=group, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        width = grad.shape[-1] // ctx.group.size
-        start = dist.get_rank(ctx.group) * width
-        return np.ascontiguousarray(grad[..., start:start + width]), None
-
-
-def copy_to_tensor_parallel_region(x: Tensor, group) -> Tensor:
-    """f (identity forward, all-reduce backward)."""
-    return CopyToTensorParallelRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x: Tensor, group) -> Tensor:
-    """g (all-reduce forward, identity backward)."""
-    return ReduceFromTensorParallelRegion.apply(x, group)
-
-
-def gather_from_tensor_parallel_region(x: Tensor, group) -> Tensor:
-    return GatherFromTensorParallelRegion.apply(x, group)
-
-
-# ---------------------------------------------------------------------------- layers
-def shard_parameter(full: np.ndarray, placement, group) -> Parameter:
-    """A Parameter holding my piece of `full` under `placement` over the TP group."""
-    piece = shard(full, placement, dist.get_rank(group), group.size)
-    return Parameter(piece, placement=placement, placement_group="tp")
-
-
-def _check_divisible(what: str, size: int, t: int) -> None:
-    if size % t:
-        raise ValueError(f"tensor parallelism: {what} ({size}) is not divisible by --tp {t}; "
-                         f"choose --tp among {[d for d in range(1, size + 1) if size % d == 0]}")
-
-
-class ColumnParallelLinear(Module):
-    """Y_i = X A_i + b_i: the weight (in, out) split by columns, Y comes out split.
-
-    x: (B, T, in) replicated (or (B, T/t, in) with sequence parallelism) ->
-    (B, T, out/t). `stride` > 1 splits each of `stride` column blocks separately: the
-    fused c_attn (d, 3d) = [q | k | v] uses stride 3, so rank i holds [q_i | k_i | v_i]
-    of its heads (placement StridedShard(1, 3)).
-    """
-
-    def __init__(self, weight: Parameter, bias: Parameter | None, group, *,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    @classmethod
-    def from_linear(cls, linear: Linear, group, *, stride: int = 1,
-                    sequence_parallel: bool = False) -> ColumnParallelLinear:
-        """My columns of a full `Linear`."""
-        width = linear.weight.shape[1]
-        what = "the output width" if stride == 1 else f"each of the {stride} column blocks"
-        _check_divisible(what, width // stride, group.size)
-        weight_placement = Shard(1) if stride == 1 else StridedShard(1, stride)
-        bias_placement = Shard(0) if stride == 1 else StridedShard(0, stride)
-        weight = shard_parameter(linear.weight.data, weight_placement, group)
-        bias = None if linear.bias is None else shard_parameter(linear.bias.data,
-                                                              bias_placement, group)
-        return cls(weight, bias, group, sequence_parallel=sequence_parallel)
-
-    def forward(self, x):
-        if self.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, self.bias, self.group)
-        return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
-
-
-class RowParallelLinear(Module):
-    """Y = sum_i X_i A_i + b: the weight (in, out) split by rows, X comes in split.
-
-    x: (B, T, in/t) -> (B, T, out) replicated, or (B, T/t, out) with sequence
-    parallelism (reduce-scatter instead of all-reduce). The bias is replicated and added
-    once, after the reduction.
-    """
-
-    def __init__(self, weight: Parameter, bias: Parameter | None, group, *,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    @classmethod
-    def from_linear(cls, linear: Linear, group, *,
-                    sequence_parallel: bool = False) -> RowParallelLinear:
-        """My rows of a full `Linear`; the bias is replicated."""
-        _check_divisible("the input width", linear.weight.shape[0], group.size)
-        weight = shard_parameter(linear.weight.data, Shard(0), group)
-        bias = None if linear.bias is None else shard_parameter(linear.bias.data, Replicate(),
-                                                              group)
-        return cls(weight, bias, group, sequence_parallel=sequence_parallel)
-
-    def forward(self, x):
-        partial = F.linear(x, self.weight)  # Partial(): my rows' share of the sum
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(partial, self.group)
-            # The bias meets only my tokens: its gradient is a partial sum (f sums it).
-            bias = None if self.bias is None else copy_to_tensor_parallel_region(
-                self.bias, self.group)
-        else:
-            y = reduce_from_tensor_parallel_region(partial, self.group)
-            bias = self.bias
-        return y if bias is None else y + bias
-
-
-class SequenceParallelLayerNorm(LayerNorm):
-    """LayerNorm on a sequence piece (B, T/t, d). Weight and bias are replicated but see
-    only my tokens, so they enter through f: backward all-reduces their gradients over
-    the TP group (Megatron's all-reduce of `sequence_parallel` parameters)."""
-
-    def __init__(self, layer_norm: LayerNorm, group):
-        super().__init__(layer_norm.weight.shape[0], layer_norm.eps,
-                         dtype=layer_norm.weight.dtype)
-        self.weight = layer_norm.weight
-        self.bias = layer_norm.bias
-        self.group = group
-
-    def forward(self, x):
-        return F.layer_norm(x, copy_to_tensor_parallel_region(self.weight, self.group),
-                            copy_to_tensor_parallel_region(self.bias, self.group), self.eps)
+from minipar.parallel.sequence import SequenceParallelLayerNorm
+from minipar.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 
 
 # ---------------------------------------------------------------------------- the model
@@ -269,20 +105,23 @@ def parallelize_tensor(module: Module, config: GPTConfig, tp_group, *,
     """
     validate_tensor_parallel(config, tp_group.size, sequence_parallel)
     sp = sequence_parallel
-    for _, parent in list(module.named_modules()):
+    for path, parent in list(module.named_modules()):
+        prefix = f"{path}." if path else ""  # names in placement errors: "h.0.attn.c_proj"
         if isinstance(parent, Block):
             attn, mlp = parent.attn, parent.mlp
             attn.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, tp_group, stride=3,
                                                            sequence_parallel=sp)
             attn.c_proj = RowParallelLinear.from_linear(attn.c_proj, tp_group,
-                                                        sequence_parallel=sp)
+                                                        sequence_parallel=sp,
+                                                        name=f"{prefix}attn.c_proj")
             mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp_group,
                                                         sequence_parallel=sp)
             mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp_group,
-                                                       sequence_parallel=sp)
+                                                       sequence_parallel=sp,
+                                                       name=f"{prefix}mlp.c_proj")
             if sp:
-                parent.ln_1 = SequenceParallelLayerNorm(parent.ln_1, tp_group)
-                parent.ln_2 = SequenceParallelLayerNorm(parent.ln_2, tp_group)
+                parent.ln_1 = SequenceParallelLayerNorm(parent.ln_1, tp_group, f"{prefix}ln_1")
+                parent.ln_2 = SequenceParallelLayerNorm(parent.ln_2, tp_group, f"{prefix}ln_2")
             continue
         for name, child in list(parent.named_children()):
             if name == "wte" and type(child) is Embedding:
@@ -290,7 +129,8 @@ def parallelize_tensor(module: Module, config: GPTConfig, tp_group, *,
             elif type(child) is LMHead:
                 setattr(parent, name, vocab.VocabParallelLMHead(child, tp_group))
             elif sp and name == "ln_f" and type(child) is LayerNorm:
-                setattr(parent, name, SequenceParallelLayerNorm(child, tp_group))
+                setattr(parent, name, SequenceParallelLayerNorm(child, tp_group,
+                                                                f"{prefix}{name}"))
     for p in module.parameters():
         p.placement_group = "tp"
     return module
@@ -420,28 +260,15 @@ def clip_grad_norm_tensor_parallel_(params, max_norm: float, tp_group) -> float:
 
 
 __all__ = [
-    "ColumnParallelLinear",
-    "CopyToTensorParallelRegion",
-    "ReduceFromTensorParallelRegion",
-    "RowParallelLinear",
-    "SequenceParallelLayerNorm",
     "TensorParallelGPT",
     "TensorParallelMixin",
     "clip_grad_norm_tensor_parallel_",
     "consolidate_tensor_parallel",
-    "copy_to_tensor_parallel_region",
     "counts_once_in_norm",
-    "gather_from_tensor_parallel_region",
     "parallelize_tensor",
-    "reduce_from_tensor_parallel_region",
-    "shard_parameter",
     "shard_tensor_parallel",
     "tensor_parallel_gpt",
     "tensor_parallel_grad_norm_squared",
     "tensor_parallel_placements",
     "validate_tensor_parallel",
 ]
-
-# vocab.py builds on f and g above, and the conversion above uses its layers: import it
-# last (as a module, so that importing vocab.py first works too).
-from minipar.parallel import vocab  # noqa: E402

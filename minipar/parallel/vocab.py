@@ -25,16 +25,16 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd import functional as F
-from minipar.autograd.placement import Shard
+from minipar.autograd.placement import Shard, partial
 from minipar.autograd.precision import compute_dtype
 from minipar.autograd.tensor import Function, Tensor
 from minipar.nn import Embedding, LMHead, Module
-from minipar.parallel.sequence import sequence_parallel_linear
-from minipar.parallel.tensor import (
+from minipar.parallel.mappings import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
-    shard_parameter,
 )
+from minipar.parallel.sequence import sequence_parallel_linear
+from minipar.parallel.tensor_layers import shard_parameter
 
 
 def pad_vocab_size(vocab_size: int, tp: int) -> int:
@@ -93,8 +93,9 @@ class VocabParallelEmbedding(Module):
         if idx.size and (idx.min() < 0 or idx.max() >= self.vocab_size):
             raise ValueError(f"embedding: indices must lie in [0, {self.vocab_size}), got "
                              f"values in [{idx.min()}, {idx.max()}]")
-        partial = VocabParallelLookup.apply(idx, self.weight, self.vocab_start)
-        return reduce_from_tensor_parallel_region(partial, self.group)
+        mine = partial(VocabParallelLookup.apply(idx, self.weight, self.vocab_start),
+                       "wte (VocabParallelEmbedding)", "g (reduce_from_tensor_parallel_region)")
+        return reduce_from_tensor_parallel_region(mine, self.group)
 
 
 class VocabParallelCrossEntropy(Function):
@@ -108,47 +109,34 @@ class VocabParallelCrossEntropy(Function):
 
     One max and one sum all-reduce of (B, T) values each (s and p travel together);
     the gradient (softmax - onehot) / N is local, so backward communicates nothing.
+    The arithmetic is the single-device loss's (functional.py's pieces), with the two
+    all-reduces between them.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         targets = np.asarray(targets)
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(f"cross_entropy: targets shape {targets.shape} does not match "
-                             f"logits shape {logits.shape} without the vocab axis")
         vocab_piece = logits.shape[-1]
-        vocab = vocab_piece * group.size
-        if targets.size and (targets.min() < 0 or targets.max() >= vocab):
-            raise ValueError(f"cross_entropy: targets must lie in [0, {vocab}), got values "
-                             f"in [{targets.min()}, {targets.max()}]")
-        work = compute_dtype(logits.dtype)
-        z = logits.reshape(-1, vocab_piece).astype(work, copy=True)
-        z -= dist.all_reduce(z.max(axis=1), op="max", group=group)[:, None]
+        F.check_targets(targets, logits.shape, vocab_piece * group.size)
+        z, row_max = F.logits_max(logits)
+        row_max = dist.all_reduce(row_max, op="max", group=group)
         local = targets.reshape(-1) - vocab_start
         mine = (local >= 0) & (local < vocab_piece)
         local[~mine] = 0
-        rows = np.arange(z.shape[0])
-        target_logit = np.where(mine, z[rows, local], 0.0).astype(work)
-        np.exp(z, out=z)
-        sums = dist.all_reduce(np.stack([z.sum(axis=1), target_logit]), group=group)
-        total, target_logit = sums[0], sums[1]
-        loss = np.mean(np.log(total) - target_logit)
-        z /= total[:, None]  # my slice of the softmax
+        sums = F.predicted_logits_and_sum_exp(z, row_max, local, mine)
+        sums = dist.all_reduce(sums, group=group)  # sum exp and target logit together
+        loss = F.cross_entropy_loss(z, sums)  # z is my slice of the softmax now
         ctx.save_for_backward(z.astype(logits.dtype, copy=False), local, mine)
         ctx.logits_shape = logits.shape
         ctx.flops_forward = 5 * z.size
         ctx.flops_backward = 2 * z.size
-        return np.asarray(loss, dtype=work)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
         probs, local, mine = ctx.saved_tensors
-        work = compute_dtype(probs.dtype)
-        g = probs.astype(work, copy=True)
-        rows = np.nonzero(mine)[0]
-        g[rows, local[rows]] -= 1.0
-        g *= np.asarray(grad, dtype=work) / g.shape[0]
-        return g.astype(probs.dtype, copy=False).reshape(ctx.logits_shape), None, None, None
+        grad_logits = F.cross_entropy_gradient(probs, local, grad, mine)
+        return grad_logits.reshape(ctx.logits_shape), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets, vocab_start: int, group) -> Tensor:

@@ -9,12 +9,12 @@ import pytest
 
 from minipar import distributed as dist
 from minipar.autograd import Tensor
-from minipar.parallel.sequence import (
+from minipar.parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
-    sequence_parallel_linear,
 )
+from minipar.parallel.sequence import sequence_parallel_linear
 
 B, T, D = 2, 8, 3
 

@@ -14,7 +14,14 @@ import pytest
 from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.autograd import functional as F
-from minipar.autograd.placement import Replicate, Shard, StridedShard, shard, unshard
+from minipar.autograd.placement import (
+    PlacementError,
+    Replicate,
+    Shard,
+    StridedShard,
+    shard,
+    unshard,
+)
 from minipar.distributed.clock import DeviceProfile, collective_time
 from minipar.nn import (
     GPT,
@@ -34,20 +41,22 @@ from minipar.nn import (
     parameter_shapes,
 )
 from minipar.nn.optim import scale_grads_
+from minipar.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
+from minipar.parallel.sequence import SequenceParallelParameter
 from minipar.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallelMixin,
     clip_grad_norm_tensor_parallel_,
     consolidate_tensor_parallel,
-    copy_to_tensor_parallel_region,
     counts_once_in_norm,
-    reduce_from_tensor_parallel_region,
     shard_tensor_parallel,
     tensor_parallel_gpt,
     tensor_parallel_grad_norm_squared,
     tensor_parallel_placements,
 )
+from minipar.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 from minipar.train.data import make_stream, micro_batch
 
 # The corpus vocabulary (52 characters) splits over 2 and 4 ranks.
@@ -696,3 +705,93 @@ def test_a_batch_whose_length_does_not_split_under_sp_is_refused():
     with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by the "
                                          r"tensor-parallel size 4"):
         tp_program(program, 4)
+
+
+# ---------------------------------------------------------------------------- placements
+def _skip(monkeypatch, module, name):
+    """Inject the bug: `module.name` (a reduction) becomes the identity."""
+    monkeypatch.setattr(module, name, lambda x, group, *args, **kwargs: x)
+
+
+@pytest.mark.parametrize("sequence_parallel, module, name, reduction", [
+    (False, "tensor_layers", "reduce_from_tensor_parallel_region",
+     r"g \(reduce_from_tensor_parallel_region\)"),
+    (True, "tensor_layers", "reduce_scatter_to_sequence_parallel_region",
+     r"g-bar \(reduce_scatter_to_sequence_parallel_region\)"),
+])
+def test_a_row_parallel_output_used_before_its_reduction_is_a_placement_error(
+        monkeypatch, sequence_parallel, module, name, reduction):
+    """Skip g (or g-bar): the first use of the Partial sum (the bias add) names the layer
+    and the missing collective, instead of a loss that is silently wrong."""
+    from minipar.parallel import tensor_layers
+    _skip(monkeypatch, tensor_layers, name)
+    idx, targets = batch()
+
+    def program(mesh):
+        tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group(), sequence_parallel)(idx, targets)
+    with pytest.raises(PlacementError, match=r"got the output of h\.0\.attn\.c_proj, which is "
+                                             r"Partial\(sum\).*the reduction " + reduction):
+        tp_program(program, 2)
+
+
+def test_the_residual_fed_a_partial_sum_is_a_placement_error(monkeypatch):
+    """A row-parallel layer without bias: the residual add is the first whole-value use."""
+    from minipar.parallel import tensor_layers
+    _skip(monkeypatch, tensor_layers, "reduce_from_tensor_parallel_region")
+    rng = np.random.default_rng(0)
+
+    def program(mesh):
+        row = RowParallelLinear.from_linear(Linear(8, 4, bias=False), mesh.tp_group(),
+                                            name="h.3.mlp.c_proj")
+        x = Tensor(rng.normal(size=(2, 3, 4)))
+        return x + row(Tensor(rng.normal(size=(2, 3, 8 // mesh.tp))))
+    with pytest.raises(PlacementError, match=r"an addition .* got the output of h\.3\.mlp\.c_proj"):
+        tp_program(program, 2)
+
+
+def test_an_embedding_lookup_without_its_reduction_is_a_placement_error(monkeypatch):
+    from minipar.parallel import vocab
+    _skip(monkeypatch, vocab, "reduce_from_tensor_parallel_region")
+    idx, targets = batch()
+
+    def program(mesh):
+        tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group())(idx, targets)
+    with pytest.raises(PlacementError, match=r"got the output of wte \(VocabParallelEmbedding\)"):
+        tp_program(program, 2)
+
+
+def test_a_sequence_parallel_gradient_that_skips_its_all_reduce_is_refused(monkeypatch):
+    """Skip f's all-reduce of the LayerNorm weights under SP: each TP rank's gradient
+    would hold only its tokens' share, and the replicas would step apart. The gradient is
+    refused as it reaches .grad, before any optimizer or norm reads it."""
+    from minipar.parallel import sequence
+    _skip(monkeypatch, sequence, "copy_to_tensor_parallel_region")
+    idx, targets = batch()
+
+    def program(mesh):
+        model = tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group(), sequence_parallel=True)
+        model(idx, targets).backward()
+    with pytest.raises(PlacementError, match=r"ln_f\.(weight|bias): its gradient is "
+                                             r"Partial\(sum\) over the tensor-parallel group.*"
+                                             r"without the all-reduce of f"):
+        tp_program(program, 2)
+
+
+def test_sequence_parallel_parameters_accept_every_reduced_gradient():
+    """Gradient accumulation and activation checkpointing: each backward reduces again,
+    and a correct run never meets the check."""
+    idx, targets = batch()
+
+    def program(mesh):
+        model = tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group(), sequence_parallel=True,
+                                    activation_checkpointing=True)
+        for _ in range(3):
+            model(idx, targets).backward()
+        return sorted(n for n, p in model.named_parameters()
+                      if isinstance(p, SequenceParallelParameter))
+    results, _ = tp_program(program, 2)
+    expected = sorted([f"h.{i}.{ln}.{w}" for i in range(2) for ln in ("ln_1", "ln_2")
+                       for w in ("weight", "bias")]
+                      + [f"h.{i}.{m}.c_proj.bias" for i in range(2) for m in ("attn", "mlp")]
+                      + ["ln_f.weight", "ln_f.bias"])
+    assert results == [expected] * 2
