@@ -32,17 +32,14 @@ backward has to remember to do it).
 Entry points: `tensor_parallel_gpt(...)` builds a rank's model; `parallelize_tensor`
 converts any module tree holding GPT pieces and `TensorParallelMixin` gives a pipeline
 stage the matching embed/head; `counts_once_in_norm` says which pieces count in the
-global gradient norm.
+global gradient norm. Consolidating the pieces into the single-device state dict is
+`minipar.train.checkpoint.assemble` (by placement), loading them back
+`minipar.train.build.load_local_state`.
 """
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
-from minipar import distributed as dist
-from minipar.autograd.placement import Replicate, Shard, StridedShard, shard, unshard
+from minipar.autograd.placement import Shard, StridedShard
 from minipar.nn import (
     GPT,
     Block,
@@ -52,9 +49,7 @@ from minipar.nn import (
     LMHead,
     Module,
     Parameter,
-    grad_norm_squared,
 )
-from minipar.nn.optim import scale_grads_
 from minipar.parallel import vocab
 from minipar.parallel.mappings import (
     gather_from_tensor_parallel_region,
@@ -196,79 +191,21 @@ def tensor_parallel_gpt(config: GPTConfig, seed: int, precision: str, tp_group,
                              activation_checkpointing=activation_checkpointing)
 
 
-# ---------------------------------------------------------------------------- state
-def tensor_parallel_placements(module: Module) -> dict:
-    """{parameter name: placement} of a (tensor-parallel) module."""
-    return {name: p.placement for name, p in module.named_parameters()}
-
-
-def consolidate_tensor_parallel(pieces_by_tp_rank: list[dict], placements: dict,
-                                check_replicas: bool = True) -> dict[str, np.ndarray]:
-    """The single-device state dict (HF names and shapes) from every TP rank's
-    `state_dict()`, in TP-rank order. With `check_replicas`, replicated parameters must
-    be bit-identical on all ranks (else a gradient reduction is missing somewhere)."""
-    full = {}
-    for name, placement in placements.items():
-        pieces = [state[name] for state in pieces_by_tp_rank]
-        if check_replicas and isinstance(placement, Replicate):
-            for rank, piece in enumerate(pieces[1:], start=1):
-                if not np.array_equal(piece, pieces[0]):
-                    raise RuntimeError(
-                        f"{name} is Replicate() over the TP group but TP rank {rank} holds "
-                        f"different values than rank 0 (max difference "
-                        f"{np.max(np.abs(piece - pieces[0])):.3g}): its gradient was not "
-                        "reduced the same way on every rank")
-        full[name] = unshard(pieces, placement)
-    return full
-
-
-def shard_tensor_parallel(full_state: dict, placements: dict, tp_rank: int,
-                          tp: int) -> dict[str, np.ndarray]:
-    """Rank `tp_rank`'s pieces of a single-device state dict (the inverse of
-    `consolidate_tensor_parallel`; e.g. to load a checkpoint into a TP model)."""
-    return {name: shard(np.asarray(full_state[name]), placement, tp_rank, tp)
-            for name, placement in placements.items()}
-
-
-# ---------------------------------------------------------------------------- clipping
+# ---------------------------------------------------------------------------- the norm
 def counts_once_in_norm(parameter: Parameter, tp_rank: int) -> bool:
     """Does this rank's piece count towards the global gradient norm? Split pieces on
     every rank (they are disjoint), replicated ones only on TP rank 0 (else they would
-    count t times)."""
+    count t times). The engines (minipar/parallel/data.py, zero.py) sum the counted
+    squares over the TP group (`norm_groups`), as Megatron's `clip_grad_norm_fp32` does."""
     split = isinstance(parameter.placement, (Shard, StridedShard))
     return split or tp_rank == 0
-
-
-def tensor_parallel_grad_norm_squared(params, tp_group) -> float:
-    """Sum of squares of the full model's gradients, from this rank's pieces: my counted
-    pieces (see `counts_once_in_norm`), summed over the TP group by one all-reduce.
-    Equal on every rank of the group, and to the single-device value."""
-    rank = dist.get_rank(tp_group)
-    local = grad_norm_squared(p.grad for p in params
-                              if p.grad is not None and counts_once_in_norm(p, rank))
-    return float(dist.all_reduce(np.asarray(local, dtype=np.float64), group=tp_group))
-
-
-def clip_grad_norm_tensor_parallel_(params, max_norm: float, tp_group) -> float:
-    """`clip_grad_norm_` for a TP rank: the same global norm and coefficient as a single
-    device. Returns the norm before clipping."""
-    params = list(params)
-    total_norm = math.sqrt(tensor_parallel_grad_norm_squared(params, tp_group))
-    scale_grads_([p.grad for p in params if p.grad is not None],
-                 max_norm / (total_norm + 1e-6))
-    return total_norm
 
 
 __all__ = [
     "TensorParallelGPT",
     "TensorParallelMixin",
-    "clip_grad_norm_tensor_parallel_",
-    "consolidate_tensor_parallel",
     "counts_once_in_norm",
     "parallelize_tensor",
-    "shard_tensor_parallel",
     "tensor_parallel_gpt",
-    "tensor_parallel_grad_norm_squared",
-    "tensor_parallel_placements",
     "validate_tensor_parallel",
 ]

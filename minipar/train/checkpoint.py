@@ -237,8 +237,9 @@ def assemble(held, config: dict, strict: bool = True) -> dict[str, dict[str, np.
     held: (label, mesh coords, Piece) triples; label names the file (or rank) in errors.
     Each rank's pieces fill flat ranges of its local tensor; local tensors that are
     shards over a group (tensor parallelism) are then joined by their placement. Every
-    element must be covered; overlapping pieces (replicas) must agree, unless not
-    `strict` (then the first one counts: an equivalence check reports the difference)."""
+    element must be covered; overlapping pieces (replicas) and the copies of a tensor
+    replicated over a group must agree, unless not `strict` (then the first one counts:
+    an equivalence check reports the difference)."""
     local: dict[tuple, dict] = {}  # (kind, name, group index) -> flat, filled, piece
     for label, coords, piece in held:
         group = piece.placement_group
@@ -271,6 +272,8 @@ def assemble(held, config: dict, strict: bool = True) -> dict[str, dict[str, np.
         piece = slots[min(slots)]["piece"]
         if isinstance(piece.placement, placements.Replicate):
             full = arrays[0]
+            if strict:
+                _check_replicas(kind, name, piece.placement_group, arrays)
         else:
             count = config.get(piece.placement_group, len(arrays))
             if len(arrays) != count:
@@ -279,6 +282,19 @@ def assemble(held, config: dict, strict: bool = True) -> dict[str, dict[str, np.
             full = placements.unshard(arrays, piece.placement)
         tensors.setdefault(kind, {})[name] = full
     return tensors
+
+
+def _check_replicas(kind: str, name: str, group: str | None, arrays) -> None:
+    """Copies of a Replicate() tensor over a group (TP) must be bit-identical: a copy
+    that differs means a gradient reduction is missing on some rank."""
+    for index, array in enumerate(arrays[1:], start=1):
+        if not np.array_equal(array, arrays[0]):
+            difference = np.max(np.abs(array.astype(np.float64) - arrays[0]))
+            raise CheckpointError(
+                f"{kind} of {name} is Replicate() over the {group.upper()} group but "
+                f"{group.upper()} rank {index} holds different values than rank 0 (max "
+                f"difference {difference:.3g}): its gradient was not reduced the same way on "
+                "every rank")
 
 
 def consolidate(directory) -> dict[str, np.ndarray]:

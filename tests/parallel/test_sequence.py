@@ -1,6 +1,6 @@
-"""Sequence parallelism's communication regions and its column-parallel linear layer,
-checked against NumPy: values, gradients, the collectives they call and what they keep
-for backward."""
+"""Sequence parallelism's column-parallel linear layer, checked against NumPy: values,
+gradients, the collectives it calls and what it keeps for backward (its communication
+regions are tested in test_mappings.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ import pytest
 
 from minipar import distributed as dist
 from minipar.autograd import Tensor
-from minipar.parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
 from minipar.parallel.sequence import sequence_parallel_linear
 
 B, T, D = 2, 8, 3
@@ -34,52 +29,6 @@ def piece(x, i, t):
 
 def ops(device):
     return [(r.phase, r.op) for r in device.comm.records]
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_scatter_keeps_my_tokens_and_all_gathers_the_gradient(tp):
-    x = np.random.default_rng(0).normal(size=(B, T, D))
-
-    def program(group, rank):
-        full = Tensor(x, requires_grad=True)
-        mine = scatter_to_sequence_parallel_region(full, group)
-        with dist.phase("backward"):
-            mine.backward(np.full(mine.shape, rank + 1.0))
-        return mine.data, full.grad
-
-    results, devices = launch_tp(program, tp)
-    expected_grad = np.concatenate([np.full((B, T // tp, D), i + 1.0) for i in range(tp)], 1)
-    for i, (mine, grad) in enumerate(results):
-        np.testing.assert_array_equal(mine, piece(x, i, tp))
-        np.testing.assert_array_equal(grad, expected_grad)
-        assert ops(devices[i]) == [("backward", "all_gather")]
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_gather_and_reduce_scatter_are_conjugates(tp):
-    """g: all-gather forward, reduce-scatter backward; g-bar: the other way round."""
-    rng = np.random.default_rng(1)
-    pieces = rng.normal(size=(tp, B, T // tp, D))
-    partials = rng.normal(size=(tp, B, T, D))
-    upstream = rng.normal(size=(tp, B, T, D))
-
-    def program(group, rank):
-        x = Tensor(pieces[rank], requires_grad=True)
-        gathered = gather_from_sequence_parallel_region(x, group)
-        gathered.backward(upstream[rank])
-        p = Tensor(partials[rank], requires_grad=True)
-        reduced = reduce_scatter_to_sequence_parallel_region(p, group)
-        reduced.backward(piece(upstream[rank], rank, tp))
-        return gathered.data, x.grad, reduced.data, p.grad
-
-    results, _ = launch_tp(program, tp)
-    summed_upstream = upstream.sum(axis=0)
-    sent_back = np.concatenate([piece(upstream[i], i, tp) for i in range(tp)], axis=1)
-    for i, (gathered, x_grad, reduced, p_grad) in enumerate(results):
-        np.testing.assert_array_equal(gathered, np.concatenate(list(pieces), axis=1))
-        np.testing.assert_allclose(x_grad, piece(summed_upstream, i, tp), rtol=1e-14)
-        np.testing.assert_allclose(reduced, piece(partials.sum(axis=0), i, tp), rtol=1e-14)
-        np.testing.assert_array_equal(p_grad, sent_back)
 
 
 @pytest.mark.parametrize("transpose_weight", [False, True])
@@ -129,11 +78,3 @@ def test_sequence_parallel_linear_is_the_linear_of_the_gathered_input(transpose_
         # forward: gather; backward: gather again (for dW), reduce-scatter dx
         assert ops(devices[i]) == [("forward", "all_gather"), ("backward", "all_gather"),
                                    ("backward", "reduce_scatter")]
-
-
-def test_a_sequence_that_does_not_split_is_refused():
-    def program(group, rank):
-        scatter_to_sequence_parallel_region(Tensor(np.zeros((1, 6, 2))), group)
-    with pytest.raises(ValueError, match="sequence length 6 is not divisible by the "
-                                         "tensor-parallel size 4"):
-        launch_tp(program, 4)

@@ -41,22 +41,12 @@ from minipar.nn import (
     parameter_shapes,
 )
 from minipar.nn.optim import scale_grads_
-from minipar.parallel.mappings import (
-    copy_to_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
-)
+from minipar.parallel.data import DataParallel, Piece
 from minipar.parallel.sequence import SequenceParallelParameter
-from minipar.parallel.tensor import (
-    TensorParallelMixin,
-    clip_grad_norm_tensor_parallel_,
-    consolidate_tensor_parallel,
-    counts_once_in_norm,
-    shard_tensor_parallel,
-    tensor_parallel_gpt,
-    tensor_parallel_grad_norm_squared,
-    tensor_parallel_placements,
-)
+from minipar.parallel.tensor import TensorParallelMixin, counts_once_in_norm, tensor_parallel_gpt
 from minipar.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from minipar.train.build import load_local_state
+from minipar.train.checkpoint import assemble
 from minipar.train.data import make_stream, micro_batch
 
 # The corpus vocabulary (52 characters) splits over 2 and 4 ranks.
@@ -74,37 +64,37 @@ def tp_program(fn, tp, *args, dp=1, gpus_per_node=8, **kwargs):
                        **kwargs)
 
 
+def rank_pieces(named, values=None) -> list[Piece]:
+    """A TP rank's parameters (or `values[name]`, e.g. their gradients) as the Pieces the
+    engines hand to checkpoints (`parameter_pieces`)."""
+    pieces = []
+    for name, p in named:
+        array = np.array(p.data if values is None else values[name])
+        pieces.append(Piece("param", name, array.shape, 0, array.size, array.reshape(-1),
+                            p.placement, p.placement_group))
+    return pieces
+
+
+def consolidate(pieces_by_tp_rank) -> dict[str, np.ndarray]:
+    """The single-device state dict from every TP rank's Pieces, by the production path
+    (`checkpoint.assemble`, which also refuses replicas that differ)."""
+    held = [(f"TP rank {i}", {"tp": i}, piece)
+            for i, pieces in enumerate(pieces_by_tp_rank) for piece in pieces]
+    return assemble(held, {"tp": len(pieces_by_tp_rank)})["param"]
+
+
+def grad_norm_engine(model, mesh) -> DataParallel:
+    """The production DDP engine over my DP group, counting the global gradient norm as
+    the training loop does (replicated pieces on TP rank 0 only, summed over TP)."""
+    return DataParallel(model.named_parameters(), mesh.dp_group(), adamw={"lr": LR},
+                        norm_groups=(mesh.tp_group(),),
+                        counts_in_norm=lambda p: counts_once_in_norm(p, mesh.tp_rank))
+
+
 def batch(config=CONFIG, batch_size=2, seed=0):
     rng = np.random.default_rng(seed)
     shape = (batch_size, config.seq_len)
     return rng.integers(0, config.vocab_size, shape), rng.integers(0, config.vocab_size, shape)
-
-
-# ---------------------------------------------------------------------------- f and g
-def test_f_is_the_identity_forward_and_an_all_reduce_backward():
-    def program(mesh):
-        rank = dist.get_rank()
-        x = Tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
-        y = copy_to_tensor_parallel_region(x, mesh.tp_group())
-        y.backward(np.full((2, 3), rank + 1.0))  # each rank's own gradient
-        return y.data, x.grad
-    results, _ = tp_program(program, 4)
-    for y, grad in results:
-        np.testing.assert_array_equal(y, np.arange(6.0).reshape(2, 3))
-        np.testing.assert_array_equal(grad, np.full((2, 3), 1.0 + 2 + 3 + 4))
-
-
-def test_g_is_an_all_reduce_forward_and_the_identity_backward():
-    def program(mesh):
-        rank = dist.get_rank()
-        x = Tensor(np.full(3, rank + 1.0), requires_grad=True)
-        y = reduce_from_tensor_parallel_region(x, mesh.tp_group())
-        y.backward(np.array([1.0, 2.0, 3.0]))
-        return y.data, x.grad
-    results, _ = tp_program(program, 4)
-    for y, grad in results:
-        np.testing.assert_array_equal(y, np.full(3, 10.0))
-        np.testing.assert_array_equal(grad, [1.0, 2.0, 3.0])
 
 
 # ---------------------------------------------------------------------------- layers
@@ -223,17 +213,22 @@ def test_consolidation_gives_exactly_the_single_device_names_shapes_and_values(t
 
     def program(mesh):
         model = tensor_parallel_gpt(config, 3, "fp64", mesh.tp_group(), sequence_parallel=True)
-        return model.state_dict(), tensor_parallel_placements(model)
+        return model.state_dict(), rank_pieces(model.named_parameters())
     results, _ = tp_program(program, 4)
-    placements = results[0][1]
-    full = consolidate_tensor_parallel([r[0] for r in results], placements)
+    placements = {piece.name: piece.placement for piece in results[0][1]}
+    full = consolidate([r[1] for r in results])
     assert list(full) == list(reference)
     for name, value in reference.items():
         np.testing.assert_array_equal(full[name], value)
         placement = placements[name]
         assert isinstance(placement, (Shard, StridedShard)) == (name in _split_names(config))
-    for i, (pieces, _) in enumerate(results):  # and back: the inverse of consolidation
-        resharded = shard_tensor_parallel(full, placements, i, 4)
+
+    def load(mesh):  # and back: what resuming from the full tensors loads (build.py)
+        model = tensor_parallel_gpt(config, 0, "fp64", mesh.tp_group(), sequence_parallel=True)
+        load_local_state(model.named_parameters(), full, mesh)
+        return model.state_dict()
+    reloaded, _ = tp_program(load, 4)
+    for (pieces, _), resharded in zip(results, reloaded, strict=True):
         assert all(np.array_equal(resharded[k], pieces[k]) for k in pieces)
 
 
@@ -242,10 +237,10 @@ def test_consolidation_refuses_replicas_that_diverged():
         model = tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group())
         if dist.get_rank() == 1:
             model.ln_f.weight.data[0] += 1e-9  # as if its gradient had not been reduced
-        return model.state_dict(), tensor_parallel_placements(model)
+        return rank_pieces(model.named_parameters())
     results, _ = tp_program(program, 2)
     with pytest.raises(RuntimeError, match="ln_f.weight is Replicate.*TP rank 1"):
-        consolidate_tensor_parallel([r[0] for r in results], results[0][1])
+        consolidate(results)
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -276,8 +271,10 @@ def test_tensor_parallel_grad_norm_equals_the_single_device_norm(tp, sequence_pa
 
     def program(mesh):
         model = tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group(), sequence_parallel)
+        engine = grad_norm_engine(model, mesh)
         model(idx, targets).backward()
-        return tensor_parallel_grad_norm_squared(list(model.parameters()), mesh.tp_group())
+        engine.finish_gradient_synchronization()
+        return engine.clip_grad_norm_(0.0) ** 2  # max_norm 0: measure, do not clip
     results, _ = tp_program(program, tp)
     np.testing.assert_allclose(results, [expected] * tp, rtol=1e-12)
 
@@ -322,14 +319,14 @@ def test_parallelize_tensor_converts_partial_trees_like_pipeline_stages():
         x = getattr(first.h, "0")(first.embed(idx))
         out = last.head(getattr(last.h, "1")(x), targets)
         out.backward()
-        grads = {**{n: p.grad for n, p in first.named_parameters()},
-                 **{n: p.grad for n, p in last.named_parameters() if n != "wte.weight"}}
+        named = {**dict(first.named_parameters()),
+                 **{n: p for n, p in last.named_parameters() if n != "wte.weight"}}
+        grads = {n: p.grad for n, p in named.items()}
         grads["wte.weight"] = grads["wte.weight"] + last.wte.weight.grad  # tied copies
-        placements = {**tensor_parallel_placements(first), **tensor_parallel_placements(last)}
-        return float(out.data), grads, placements
+        return float(out.data), rank_pieces(named.items(), grads)
 
     results, _ = tp_program(program, 2)
-    grads = consolidate_tensor_parallel([r[1] for r in results], results[0][2])
+    grads = consolidate([r[1] for r in results])
     assert [r[0] for r in results] == pytest.approx([float(loss.data)] * 2, rel=1e-13)
     assert set(grads) == set(reference.state_dict())
     for name, p in reference.named_parameters():
@@ -349,11 +346,11 @@ def test_bf16_mixed_runs_in_bf16_and_stays_close_to_single_device(sequence_paral
         model = tensor_parallel_gpt(config, 0, "bf16-mixed", mesh.tp_group(), sequence_parallel)
         out = model(idx, targets)
         out.backward()
-        return float(out.data), {n: p.grad for n, p in model.named_parameters()}, \
-            tensor_parallel_placements(model)
+        return float(out.data), rank_pieces(model.named_parameters(),
+                                            {n: p.grad for n, p in model.named_parameters()})
 
     results, _ = tp_program(program, 2)
-    grads = consolidate_tensor_parallel([r[1] for r in results], results[0][2])
+    grads = consolidate([r[1] for r in results])
     assert results[0][0] == pytest.approx(float(loss.data), rel=1e-3)
     for name, p in reference.named_parameters():
         assert grads[name].dtype == p.grad.dtype == np.dtype("bfloat16"), name
@@ -432,15 +429,19 @@ class Zero1:
 
 
 def parallel_training(mesh, config, sequence_parallel, zero=False, checkpointing=False):
-    """One rank's loop: TP model, DP gradient averaging (or ZeRO-1), TP-aware clipping."""
+    """One rank's loop: TP model, DP gradient averaging with TP-aware clipping (the
+    production DDP engine), or the ZeRO-1 above."""
     tp_group, dp_group = mesh.tp_group(), mesh.dp_group()
     model = tensor_parallel_gpt(config, 0, "fp64", tp_group, sequence_parallel,
                                 activation_checkpointing=checkpointing)
     params = list(model.parameters())
-    device = dist.get_device()
-    for p in params:
-        device.memory.hold(p.data, "params")
-    optimizer = Zero1(params, tp_group, dp_group) if zero else AdamW(params, lr=LR)
+    if zero:
+        device = dist.get_device()
+        for p in params:
+            device.memory.hold(p.data, "params")
+        optimizer = Zero1(params, tp_group, dp_group)
+    else:
+        engine = grad_norm_engine(model, mesh)  # holds the params in the ledger itself
     losses = []
     for step in range(STEPS):
         inputs, targets = STREAM.global_batch(step, MICRO * ACCUM * mesh.dp, config.seq_len,
@@ -449,23 +450,24 @@ def parallel_training(mesh, config, sequence_parallel, zero=False, checkpointing
         for k in range(ACCUM):
             x, y = micro_batch(inputs, targets, dp_rank=mesh.dp_rank, micro_step=k,
                                micro_batch_size=MICRO, grad_accum_steps=ACCUM)
+            if not zero:  # DDP's no_sync: only the last micro-batch averages over DP
+                engine.require_backward_grad_sync = k == ACCUM - 1
             with dist.phase("forward"):
                 loss = model(x, y)
             with dist.phase("backward"):
                 loss.backward(np.asarray(1.0 / ACCUM))
+                if not zero:
+                    engine.finish_gradient_synchronization()
             total += float(loss.data) / ACCUM
         with dist.phase("optimizer"):
             losses.append(float(dist.all_reduce(np.asarray(total), op="avg", group=dp_group)))
             if zero:
                 optimizer.step(step)
                 continue
-            for p in params:
-                p.grad[...] = dist.all_reduce(p.grad, op="avg", group=dp_group)
-            clip_grad_norm_tensor_parallel_(params, CLIP, tp_group)
-            optimizer.lr = _lr(step)
-            optimizer.step()
-            optimizer.zero_grad()
-    return losses, model.state_dict(), tensor_parallel_placements(model)
+            engine.clip_grad_norm_(CLIP)
+            engine.step(_lr(step))
+            engine.zero_grad()
+    return losses, model.state_dict(), rank_pieces(model.named_parameters())
 
 
 def assert_matches_single_device(results, tp, reference):
@@ -473,7 +475,7 @@ def assert_matches_single_device(results, tp, reference):
     assert max(ref_norms) > CLIP  # clipping really happened, so the TP norm was tested
     for losses, _, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    state = consolidate_tensor_parallel([r[1] for r in results[:tp]], results[0][2])
+    state = consolidate([r[2] for r in results[:tp]])
     assert list(state) == list(ref_state)
     for name, value in ref_state.items():
         scale = np.max(np.abs(value))
