@@ -383,13 +383,18 @@ def predicted_logits_and_sum_exp(z: np.ndarray, row_max: np.ndarray, targets: np
     targets (N,): column of each row's target in z; `mine` (N,) bool, if given: rows whose
     target is in z's columns at all (the others' target logit counts as 0). Returns
     (2, N): [sum of exp(z) over the row, target logit], one array so that a
-    vocabulary-parallel loss sums both with one all-reduce."""
+    vocabulary-parallel loss sums both with one all-reduce.
+
+    The row sum is `row_sum` (einsum) for whole rows and `np.sum` for a vocabulary slice
+    (`mine` given): the two round differently in the last bit, and each is what its loss
+    has always used, so no measured figure (README, equivalence tolerances) moves."""
     z -= row_max[:, None]
     target_logit = z[np.arange(z.shape[0]), targets]
     if mine is not None:
         target_logit = np.where(mine, target_logit, 0.0).astype(z.dtype)
     np.exp(z, out=z)
-    return np.stack([row_sum(z)[:, 0], target_logit])
+    sum_exp = row_sum(z)[:, 0] if mine is None else z.sum(axis=1)
+    return np.stack([sum_exp, target_logit])
 
 
 def cross_entropy_loss(z: np.ndarray, sums: np.ndarray) -> np.ndarray:
