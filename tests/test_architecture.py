@@ -43,17 +43,12 @@ LONG_MARKER = "long because"
 # (importer, imported): upward imports owned by another branch of issue 12.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 # Import cycles (the modules of one cycle) owned by another branch of issue 12.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"minipar.parallel.tensor", "minipar.parallel.vocab"}):
-        "issue 12 (c): f, g and the region functions move to their own module",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 # Modules over MAX_LINES owned by another branch of issue 12 (split, or say why).
 KNOWN_LONG: dict[str, str] = {
-    "minipar/autograd/functional.py": "issue 12 (c): one cross-entropy",
     "minipar/parallel/pipeline.py": "issue 12 (a)/(b): bookkeeping to distributed, "
                                     "one simulator",
     "minipar/parallel/schedules.py": "issue 12 (a): schedule registry",
-    "minipar/parallel/tensor.py": "issue 12 (c): region functions to their own module",
     "minipar/parallel/zero.py": "issue 12 (b): stage-1/2 and stage-3 engines",
 }
 

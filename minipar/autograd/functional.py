@@ -9,6 +9,11 @@ their internals in fp32); the loss itself is fp32.
 
 FLOP counts (reported to the device): matmuls 2*M*K*N forward and 4*M*K*N backward;
 elementwise work a few FLOPs per element, as noted on each op.
+
+This module is long because it holds every fused op GPT-2 needs (Linear, LayerNorm,
+GELU, softmax, attention, cross-entropy and its pieces, embedding, dropout), one
+`Function` of forward and backward each, in one place as `torch.nn.functional` does;
+each op is one section and reads on its own.
 """
 
 from __future__ import annotations
