@@ -3,7 +3,9 @@
 `Tensor.backward()` calls `run_backward`, which walks the nodes (function.py's `Context`)
 in reverse topological order (Kahn's algorithm with an explicit stack, so graph depth is
 unlimited), sums the gradients arriving at each node, calls its `backward`, reports its
-FLOPs to the current device and frees what it saved.
+FLOPs to the current device and frees what it saved. It runs with the device's phase set
+to "backward" (the device protocol in tracking.py), so whatever backward communicates is
+charged to backward.
 
 A leaf's gradient is accumulated once every use of the leaf has contributed
 (`_accumulate_into_leaf`): its `.grad` is held as "grads" in the device's ledger from the
@@ -18,13 +20,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar.autograd.function import Context
-from minipar.autograd.tracking import _current_device
+from minipar.autograd.tracking import _current_device, device_phase
 
 if TYPE_CHECKING:  # only annotations: tensor.py imports this module
     from minipar.autograd.tensor import Tensor
 
 
 def run_backward(root: Tensor, grad: np.ndarray) -> None:
+    """Propagate `grad` from `root` to every leaf that requires grad, with the current
+    device's phase set to "backward" (communication of backward hooks is charged to it)."""
+    with device_phase(_current_device.get(), "backward"):
+        _run_backward(root, grad)
+
+
+def _run_backward(root: Tensor, grad: np.ndarray) -> None:
     """Propagate `grad` from `root` to every leaf that requires grad.
 
     Pass 1 finds the nodes reachable from the root and counts, for each node and

@@ -10,6 +10,9 @@ A device is anything with
     device.compute(flops: float, kind: str)      # "forward" | "backward" | "optimizer"
     device.memory.hold(array, category: str)     # "params" | "grads" | "optimizer" |
     device.memory.release(array)                 # "activations" | "buffers"
+    device.phase                                 # optional, read/write: the phase
+                                                 # communication is charged to
+                                                 # ("backward" during a backward pass)
 (`minipar.distributed.Device` is the real one.) Keeping the protocol here, and the bookkeeping
 in `minipar.distributed`, keeps the engine free of ledgers and clocks.
 """
@@ -35,3 +38,21 @@ def use_device(device):
         yield device
     finally:
         _current_device.reset(token)
+
+
+@contextlib.contextmanager
+def device_phase(device, name: str):
+    """Set `device.phase` to `name` inside the block and restore it after (no-op without
+    a device). The engine runs every backward pass inside `device_phase(d, "backward")`,
+    so what a backward hook communicates (a gradient reduction, a ZeRO-3 gather, a
+    sequence-parallel all-gather) is charged to backward without the caller saying so.
+    A device without a `phase` (one that only counts FLOPs and bytes) is left alone."""
+    if device is None or not hasattr(device, "phase"):
+        yield
+        return
+    previous = device.phase
+    device.phase = name
+    try:
+        yield
+    finally:
+        device.phase = previous

@@ -12,12 +12,13 @@
 
 Modules: launch (threads and rank context), cluster (rendezvous, deadlock detection),
 collectives, p2p, ring (collectives on send/recv), groups and mesh, device (one rank's
-ledgers), memory, clock, timeline (busy/idle time and the bubble, from the clocks'
+ledgers), memory and buffers (what a rank holds, and for how long), clock, timeline (busy/idle time and the bubble, from the clocks'
 timelines), comm_log (the byte ledger), errors.
 """
 
 from __future__ import annotations
 
+from .buffers import hold, release, transient
 from .clock import Clock, DeviceProfile, TimelineEvent, collective_time
 from .cluster import Cluster
 from .collectives import (
@@ -71,6 +72,7 @@ __all__ = [
     "get_device",
     "get_rank",
     "get_world_size",
+    "hold",
     "irecv",
     "isend",
     "launch",
@@ -79,11 +81,13 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "release",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_chunk_bytes",
     "ring_reduce_scatter",
     "send",
     "timeline_label",
+    "transient",
     "traffic_matrix",
 ]

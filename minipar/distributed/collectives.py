@@ -11,6 +11,10 @@ all_reduce, all_gather and reduce_scatter take `async_op=True` (as in torch.dist
 they return a `CollectiveWork` at once and `work.wait()` returns the result, so a rank can
 compute while the transfer runs (gradient buckets overlapping backward).
 
+They also take `category=` (a memory-ledger category, e.g. "buffers"): the result is then
+booked in the calling rank's ledger when the rank gets it (on return, or in `wait()`), so
+a strategy does not hold it by hand. The caller releases it (`dist.release`) when done.
+
 `group=None` means the world. Reductions run in group-rank order (x_0 + x_1 + ... in
 that order), so results are bit-identical whatever order the threads arrive in.
 
@@ -28,6 +32,7 @@ from .cluster import Call
 from .comm_log import CommRecord
 from .context import current
 from .groups import ProcessGroup
+from .memory import check_category
 
 REDUCE_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -79,13 +84,13 @@ class _Collective:
         self.phase = self.device.phase  # charged to the phase the call was made in
 
     def run(self, x: np.ndarray | None, params: dict, combine, full_nbytes: int,
-            sent: int, received: int, async_op: bool = False):
+            sent: int, received: int, async_op: bool = False, category: str | None = None):
         """Rendezvous with the group and return this rank's result, or with async_op a
         `CollectiveWork` whose wait() returns it.
 
         combine(list of the members' x in group order) -> list of per-rank results;
         full_nbytes is the size S of the full tensor (for the ring time); sent/received
-        are this rank's bytes.
+        are this rank's bytes; category: book the result in the rank's ledger.
         """
         shape, dtype = (None, None) if x is None else (x.shape, x.dtype)
         signature = (self.api, shape, dtype, tuple(params.items()), self.group.kind)
@@ -95,7 +100,7 @@ class _Collective:
         number = self.device.next_call_number(self.group.ranks)
         rendezvous = self.cluster.collective(self.device.rank, self.group, number, call,
                                              combine, not async_op)
-        work = CollectiveWork(self, rendezvous, sent, received, async_op)
+        work = CollectiveWork(self, rendezvous, sent, received, async_op, category=category)
         return work if async_op else work.wait()
 
     def book(self, sent: int, received: int, start: float, end: float) -> None:
@@ -130,19 +135,25 @@ class CollectiveWork:
     """
 
     def __init__(self, collective: _Collective | None, rendezvous, sent: int, received: int,
-                 register: bool, result=None) -> None:
+                 register: bool, result=None, category: str | None = None,
+                 device=None) -> None:
         self._collective, self._rendezvous = collective, rendezvous
         self._sent, self._received = sent, received
         self._result = result
         self._finished = collective is None
+        # The ledger that books the result in wait(), once (None: the caller books it).
+        self._category = None if category is None else check_category(category)
+        self._device = collective.device if collective is not None else device
         if register and not self._finished:
             # launch waits for works a rank forgets, so their bytes are still booked
             collective.device._pending_works[id(self)] = self
 
     @classmethod
-    def completed(cls, result) -> CollectiveWork:
-        """A work that is already done (a collective over a group of one rank)."""
-        return cls(None, None, 0, 0, register=False, result=result)
+    def completed(cls, result, category: str | None = None, device=None) -> CollectiveWork:
+        """A work that is already done (a collective over a group of one rank); with a
+        category its result is still booked at wait(), like any other work's."""
+        return cls(None, None, 0, 0, register=False, result=result, category=category,
+                   device=device)
 
     def is_completed(self) -> bool:
         return self._finished
@@ -156,13 +167,16 @@ class CollectiveWork:
             c.book(self._sent, self._received, rendezvous.start, rendezvous.end)
             self._result = rendezvous.results[c.index]
             self._rendezvous = None
+        if self._category is not None:
+            category, self._category = self._category, None
+            self._device.memory.hold(self._result, category)
         return self._result
 
 
-def _alone(x, async_op: bool):
+def _alone(c: _Collective, x, async_op: bool, category: str | None = None):
     """The result of a collective over one rank: a copy of x (no bytes, no time)."""
-    result = None if x is None else x.copy()
-    return CollectiveWork.completed(result) if async_op else result
+    work = CollectiveWork.completed(None if x is None else x.copy(), category, c.device)
+    return work if async_op else work.wait()
 
 
 def _check_reduce_op(api: str, op: str, x: np.ndarray) -> None:
@@ -196,41 +210,46 @@ def _dim(api: str, x: np.ndarray, dim: int) -> int:
 
 # --- the collectives -------------------------------------------------------------------------
 def all_reduce(x, op: str = "sum", group: ProcessGroup | None = None,
-               async_op: bool = False) -> np.ndarray | CollectiveWork:
+               async_op: bool = False, category: str | None = None
+               ) -> np.ndarray | CollectiveWork:
     """op ("sum" | "avg" | "max" | "min") over the group's x, on every rank. Shape of x.
-    With async_op=True, returns a CollectiveWork; its wait() returns the result."""
+    With async_op=True, returns a CollectiveWork; its wait() returns the result.
+    category: book the result in the rank's memory ledger (see the module docstring)."""
     c = _Collective("all_reduce", group)
     x = np.asarray(x)
     _check_reduce_op("all_reduce", op, x)
     if c.n == 1:
-        return _alone(x, async_op)
+        return _alone(c, x, async_op, category)
     sent, received = all_reduce_bytes(x.size, x.itemsize, c.n, c.index)
     return c.run(x, {"op": op}, lambda arrays: _copies(_reduce(arrays, op), c.n), x.nbytes,
-                 sent, received, async_op)
+                 sent, received, async_op, category)
 
 
 def all_gather(x, group: ProcessGroup | None = None, dim: int = 0,
-               async_op: bool = False) -> np.ndarray | CollectiveWork:
+               async_op: bool = False, category: str | None = None
+               ) -> np.ndarray | CollectiveWork:
     """Concatenation of the group's x along dim, in group order: shape[dim] grows n-fold.
-    With async_op=True, returns a CollectiveWork; its wait() returns the result."""
+    With async_op=True, returns a CollectiveWork; its wait() returns the result.
+    category: book the result in the rank's memory ledger (see the module docstring)."""
     c = _Collective("all_gather", group)
     x = np.asarray(x)
     dim = _dim("all_gather", x, dim)
     if c.n == 1:
-        return _alone(x, async_op)
+        return _alone(c, x, async_op, category)
     # Ring: n-1 steps, each passing on one rank's piece (x.nbytes) = (n-1)/n of the output.
     piece_bytes = (c.n - 1) * x.nbytes
     return c.run(x, {"dim": dim},
                  lambda arrays: _copies(np.concatenate(arrays, axis=dim), c.n),
-                 c.n * x.nbytes, piece_bytes, piece_bytes, async_op)
+                 c.n * x.nbytes, piece_bytes, piece_bytes, async_op, category)
 
 
 def reduce_scatter(
     x, op: str = "sum", group: ProcessGroup | None = None, dim: int = 0,
-    async_op: bool = False,
+    async_op: bool = False, category: str | None = None,
 ) -> np.ndarray | CollectiveWork:
     """Group rank i gets chunk i (along dim) of op over the group's x: shape[dim] / n.
-    With async_op=True, returns a CollectiveWork; its wait() returns the result."""
+    With async_op=True, returns a CollectiveWork; its wait() returns the result.
+    category: book the result in the rank's memory ledger (see the module docstring)."""
     c = _Collective("reduce_scatter", group)
     x = np.asarray(x)
     _check_reduce_op("reduce_scatter", op, x)
@@ -241,7 +260,7 @@ def reduce_scatter(
             f"size {c.n}; pad the tensor to a multiple of {c.n}"
         )
     if c.n == 1:
-        return _alone(x, async_op)
+        return _alone(c, x, async_op, category)
 
     def combine(arrays):
         # Copies, so each rank's chunk owns its memory (a view would keep the whole sum).
@@ -250,7 +269,7 @@ def reduce_scatter(
     # Ring: n-1 steps, each passing on one partially reduced chunk of S/n.
     chunk_bytes = (c.n - 1) * (x.nbytes // c.n)
     return c.run(x, {"op": op, "dim": dim}, combine, x.nbytes, chunk_bytes, chunk_bytes,
-                 async_op)
+                 async_op, category)
 
 
 def broadcast(x, src: int, group: ProcessGroup | None = None) -> np.ndarray:

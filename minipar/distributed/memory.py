@@ -1,7 +1,9 @@
 """A per-rank ledger of the bytes a rank actually holds, by category.
 
-The autograd engine and the parallel strategies call `hold(array, category)` when an
-array starts living on the rank and `release(array)` when it stops. Bytes come from
+The autograd engine calls `hold(array, category)` when an array starts living on the rank
+and `release(array)` when it stops; strategies do it through `minipar.distributed`
+(`dist.hold` / `dist.release` / `with dist.transient(...)` in buffers.py, and the
+collectives' `category=`), so the bookkeeping stays out of their algorithm. Bytes come from
 `ndarray.nbytes` of the array that owns the buffer, never from a formula, so the ZeRO
 savings a student sees are the bytes NumPy really allocated.
 
@@ -16,6 +18,13 @@ from __future__ import annotations
 import numpy as np
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def check_category(category: str) -> str:
+    """`category`, or a ValueError naming the categories."""
+    if category not in CATEGORIES:
+        raise ValueError(f"memory category {category!r} is not one of {CATEGORIES}")
+    return category
 
 
 def root_array(array: np.ndarray) -> np.ndarray:
@@ -48,8 +57,7 @@ class MemoryLedger:
         if entry is not None:
             entry[2] += 1
             return
-        if category not in self.current:
-            raise ValueError(f"memory category {category!r} is not one of {CATEGORIES}")
+        check_category(category)
         self._held[id(root)] = [root, category, 1]
         self.current[category] += root.nbytes
         self.total += root.nbytes

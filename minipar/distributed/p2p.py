@@ -17,16 +17,20 @@ import numpy as np
 from .comm_log import CommRecord
 from .context import current
 from .groups import ProcessGroup
+from .memory import check_category
 
 
 class Work:
     """Handle of a posted isend / irecv. `wait()` blocks until the peer posted the other
     side, books the bytes and the time, and returns the received array (None for a send)."""
 
-    def __init__(self, cluster, device, transfer, side: str, kind: str) -> None:
+    def __init__(self, cluster, device, transfer, side: str, kind: str,
+                 category: str | None = None) -> None:
         self._cluster, self._device = cluster, device
         self._transfer, self._side, self._kind = transfer, side, kind
         self._finished = False
+        # irecv(category=...): book the received array in the ledger when it arrives.
+        self._category = None if category is None else check_category(category)
         device._pending_works[id(self)] = self
 
     def is_completed(self) -> bool:
@@ -55,6 +59,8 @@ class Work:
                     end=transfer.end,
                 )
             )
+            if self._category is not None:
+                device.memory.hold(transfer.array, self._category)
         return transfer.array if self._side == "recv" else None
 
 
@@ -82,11 +88,13 @@ def isend(x, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
     return Work(cluster, device, transfer, "send", kind)
 
 
-def irecv(src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
-    """Post a receive from global rank src; `wait()` returns the array."""
+def irecv(src: int, group: ProcessGroup | None = None, tag: int = 0,
+          category: str | None = None) -> Work:
+    """Post a receive from global rank src; `wait()` returns the array (booked in the
+    rank's memory ledger under `category` if given; the caller releases it)."""
     cluster, device, src, kind = _setup("irecv", src, group)
     transfer = cluster.post("recv", src, device.rank, tag, None, device.clock.now)
-    return Work(cluster, device, transfer, "recv", kind)
+    return Work(cluster, device, transfer, "recv", kind, category)
 
 
 def send(x, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
@@ -94,9 +102,10 @@ def send(x, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
     isend(x, dst, group, tag).wait()
 
 
-def recv(src: int, group: ProcessGroup | None = None, tag: int = 0) -> np.ndarray:
-    """Receive the next message from src (on this tag)."""
-    return irecv(src, group, tag).wait()
+def recv(src: int, group: ProcessGroup | None = None, tag: int = 0,
+         category: str | None = None) -> np.ndarray:
+    """Receive the next message from src (on this tag); category: as for irecv."""
+    return irecv(src, group, tag, category).wait()
 
 
 def finish_pending(device) -> None:

@@ -1,0 +1,47 @@
+"""Buffer lifetimes, booked in the running rank's memory ledger, so strategy code does not.
+
+A strategy (DDP, ZeRO, a pipeline) says *what* lives and for how long; this module does the
+bookkeeping in the rank's `MemoryLedger` (memory.py):
+
+    with dist.transient(averaged):        # a buffer alive only inside the block
+        p.grad[...] = averaged            #   ("buffers" unless told otherwise)
+    dist.hold(shard, "optimizer")         # an array that lives on (returns it)
+    dist.release(shard)                   # ... until here
+
+The collectives and `recv` take `category=` to book the array they return themselves
+(`dist.reduce_scatter(flat, category="buffers")`): the result is counted from the moment
+the rank has it (for `async_op=True`, from `wait()`), exactly as if the caller had held it
+on the next line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .context import get_device
+
+
+def hold(array: np.ndarray, category: str) -> np.ndarray:
+    """Count `array` in the running rank's ledger under `category`; returns `array`."""
+    get_device().memory.hold(array, category)
+    return array
+
+
+def release(array: np.ndarray) -> None:
+    """Stop counting `array` (one hold of its root buffer) in the running rank's ledger."""
+    get_device().memory.release(array)
+
+
+@contextlib.contextmanager
+def transient(array: np.ndarray, category: str = "buffers"):
+    """Count `array` under `category` inside the `with` block only (a transient buffer:
+    a gathered copy, a reduction's result being scattered into place). Yields `array`.
+    The ledger releases it on leaving the block, also when the block raises."""
+    memory = get_device().memory
+    memory.hold(array, category)
+    try:
+        yield array
+    finally:
+        memory.release(array)
