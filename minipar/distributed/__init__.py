@@ -12,8 +12,9 @@
 
 Modules: launch (threads and rank context), cluster (rendezvous, deadlock detection),
 collectives, p2p, ring (collectives on send/recv), groups and mesh, device (one rank's
-ledgers), memory and buffers (what a rank holds, and for how long), clock, timeline (busy/idle time and the bubble, from the clocks'
-timelines), comm_log (the byte ledger), errors.
+ledgers), memory and buffers (what a rank holds, and for how long), clock, timeline
+(busy/idle time and the bubble, from the clocks' timelines), comm_log (the byte ledger),
+errors.
 """
 
 from __future__ import annotations

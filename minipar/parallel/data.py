@@ -82,6 +82,43 @@ class Piece:
     placement_group: str | None = None
 
 
+@dataclass(frozen=True)
+class Holding:
+    """One flat range of one tensor of the training state that a rank keeps: the public
+    description of what an engine holds (`engine.holdings()`; the sharding pictures in
+    minipar/viz/sharding.py read it).
+
+    kind: "param" | "grad" | "master" | "exp_avg" | "exp_avg_sq"; name, shape: the
+    parameter and its local tensor (the full tensor unless TP cut it); start, stop: the
+    range of the flattened local tensor held; dtype: of the held elements; bucket,
+    flat_start: where the range sits in the engine's flat buffers (bucket index, and the
+    flat position of `start`), None when the tensor is its own array; placement,
+    placement_group: how the local tensor relates to the full one; values: the live
+    (stop - start,) array, or None while it does not exist (DP / ZeRO-1 gradients
+    between backward passes).
+    """
+
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    dtype: np.dtype
+    bucket: int | None = None
+    flat_start: int | None = None
+    placement: Placement = Replicate()
+    placement_group: str | None = None
+    values: np.ndarray | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(self.dtype).itemsize
+
+
 class Bucket:
     """Parameters laid end to end in one flat buffer of `padded_numel` elements.
 
@@ -135,6 +172,26 @@ class Bucket:
             if lo < hi:
                 yield i, lo - offset, hi - offset, lo, hi
 
+    def holdings(self, kind: str, shard: int, dtype, flat_shard=None) -> list[Holding]:
+        """What shard `shard` of a flat buffer of this bucket holds, per parameter
+        (`flat_shard`: its live (shard_numel,) array, if any)."""
+        start, stop = self.shard_range(shard)
+        return [Holding(kind, self.names[i], self.shapes[i], lo, hi, np.dtype(dtype),
+                        self.index, flat_lo, self.params[i].placement,
+                        self.params[i].placement_group,
+                        None if flat_shard is None else flat_shard[flat_lo - start:
+                                                                   flat_hi - start])
+                for i, lo, hi, flat_lo, flat_hi in self.overlaps(start, stop)]
+
+    def whole_holdings(self, kind: str, arrays, dtype) -> list[Holding]:
+        """Every parameter of the bucket whole (a replica), at its place in the flat
+        buffer; arrays: one live array per parameter (or None)."""
+        return [Holding(kind, name, p.shape, 0, p.size, np.dtype(dtype), self.index, offset,
+                        p.placement, p.placement_group,
+                        None if a is None else a.reshape(-1))
+                for name, p, offset, a in zip(self.names, self.params, self.offsets, arrays,
+                                              strict=True)]
+
     def pieces(self, kind: str, flat_shard: np.ndarray, shard: int) -> list[Piece]:
         """The Pieces that `flat_shard` (this rank's shard of a flat buffer) holds."""
         start, stop = self.shard_range(shard)
@@ -187,7 +244,7 @@ class DataParallel:
         self.norm_groups = tuple(norm_groups)
         self.counts_in_norm = counts_in_norm if counts_in_norm is not None else _always
         for p in self.params:
-            self.device.memory.hold(p.data, "params")
+            dist.hold(p.data, "params")
         self.optimizer = AdamW(named_params, **adamw)
         self.buckets = build_buckets(named_params, bucket_bytes, shards=1)
         self._bucket_of = {}
@@ -211,11 +268,12 @@ class DataParallel:
             self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
-        """Start the asynchronous all-reduce of one bucket's gradients."""
-        flat = bucket.flatten_grads()
-        self.device.memory.hold(flat, "buffers")
+        """Start the asynchronous all-reduce of one bucket's gradients: the one place a
+        bucket is reduced (DDP's `Reducer::mark_bucket_ready`)."""
+        flat = dist.hold(bucket.flatten_grads(), "buffers")
         # Average, as DDP does: each rank's loss is a mean over its share of the batch.
-        work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True)
+        work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True,
+                               category="buffers")
         self._pending.append((bucket, flat, work))
 
     def synchronize_gradients(self) -> None:
@@ -228,13 +286,11 @@ class DataParallel:
 
     def _complete(self, bucket: Bucket, flat: np.ndarray, work) -> None:
         """Wait for one bucket's all-reduce and write the averages into p.grad."""
-        memory = self.device.memory
         averaged = work.wait()
-        memory.hold(averaged, "buffers")
         for i, p in enumerate(bucket.params):
             p.grad[...] = bucket.view(averaged, i)
-        memory.release(averaged)
-        memory.release(flat)
+        dist.release(averaged)
+        dist.release(flat)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the outstanding all-reduces (DDP does this in a callback at the end
@@ -293,6 +349,21 @@ class DataParallel:
                 flat[key] = state[kind][name]
         self.optimizer.load_state_dict(flat)
 
+    def holdings(self) -> list[Holding]:
+        """What this rank keeps of every tensor: the whole replica of the parameters,
+        their gradients (None before backward) and AdamW's state."""
+        opt = self.optimizer
+        held = []
+        for name, p, master, m, v in zip(self.names, self.params, opt.master, opt.exp_avg,
+                                         opt.exp_avg_sq, strict=True):
+            held += [_whole_holding("param", name, p, p.data),
+                     _whole_holding("grad", name, p, p.grad, p.dtype)]
+            if master is not None:
+                held.append(_whole_holding("master", name, p, master))
+            held += [_whole_holding("exp_avg", name, p, m),
+                     _whole_holding("exp_avg_sq", name, p, v)]
+        return held
+
     def describe(self) -> dict:
         """How this rank's state is laid out (the report's ranks[i]["sharding"])."""
         numel = sum(p.size for p in self.params)
@@ -311,6 +382,13 @@ def sum_over_groups(value: float, groups) -> float:
         if group.size > 1:
             value = float(dist.all_reduce(np.array([value]), op="sum", group=group)[0])
     return value
+
+
+def _whole_holding(kind: str, name: str, param, array, dtype=None) -> Holding:
+    return Holding(kind, name, param.shape, 0, param.size,
+                   np.dtype(dtype if array is None else array.dtype),
+                   placement=param.placement, placement_group=param.placement_group,
+                   values=None if array is None else array.reshape(-1))
 
 
 def _whole(kind: str, name: str, array: np.ndarray, param) -> Piece:

@@ -321,7 +321,6 @@ class _Step:
     def __init__(self, pipe: Pipeline, micro_batches):
         self.pipe = pipe
         self.batches = micro_batches
-        self.device = dist.get_device()
         self.inputs: dict = {}  # (micro_batch, chunk) -> StageInput received
         self.outputs: dict = {}  # (micro_batch, chunk) -> output Tensor (or the loss)
         self.out_grads: dict = {}  # (micro_batch, chunk) -> received gradient of the output
@@ -350,8 +349,7 @@ class _Step:
         elif kind is RecvActivation:
             with dist.phase("forward"):
                 data = dist.recv(self.peer(action), self.pipe.group,
-                                 self.tag(0, key[0], stage - 1))
-            self.device.memory.hold(data, "buffers")
+                                 self.tag(0, key[0], stage - 1), category="buffers")
             self.inputs[key] = StageInput(data, requires_grad=True)
         elif kind is SendActivation:
             self.sends["forward"].append(dist.isend(
@@ -360,15 +358,14 @@ class _Step:
         elif kind is RecvGrad:
             with dist.phase("backward"):
                 grad = dist.recv(self.peer(action), self.pipe.group,
-                                 self.tag(1, key[0], stage))
-            self.device.memory.hold(grad, "buffers")
+                                 self.tag(1, key[0], stage), category="buffers")
             self.out_grads[key] = grad
         elif kind is SendGrad:
             x = self.inputs.pop(key)
             self.sends["backward"].append(dist.isend(
                 x.grad, self.peer(action), self.pipe.group, self.tag(1, key[0], stage - 1)))
             x.release_grad()
-            self.device.memory.release(x.data)
+            dist.release(x.data)
         else:
             raise PipelineError(f"not a pipeline action: {action!r}")
 
@@ -392,14 +389,15 @@ class _Step:
 
     def backward(self, key, chunk: PipelineStage, action) -> None:
         out = self.outputs.pop(key)
-        with dist.phase("backward"), dist.timeline_label(str(action)):
+        # (the autograd engine charges backward's communication to the backward phase)
+        with dist.timeline_label(str(action)):
             if chunk.is_last:
                 # d(mean over the m micro-batches)/d(loss_i) = 1/m
                 out.backward(np.asarray(self.scale, dtype=out.data.dtype))
             else:
                 grad = self.out_grads.pop(key)
                 out.backward(grad)
-                self.device.memory.release(grad)
+                dist.release(grad)
 
     def finish_sends(self) -> None:
         """Wait for the step's sends (their bytes are booked under their phase)."""

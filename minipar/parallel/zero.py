@@ -1,5 +1,8 @@
 """ZeRO: data parallelism without redundant copies (Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", SC20).
+Optimizations Toward Training Trillion Parameter Models", SC20). This module: what every
+stage shares (`ZeroEngine`) and stages 1 and 2 (`ZeroOptimizer`, DeepSpeed's
+`runtime/zero/stage_1_and_2.py`). Stage 3 is `Zero3Optimizer` in zero3.py (DeepSpeed's
+`stage3.py`); `minipar.train.build.data_parallel_engine` picks the engine for a stage.
 
 Data parallelism keeps the whole model state on every rank: with mixed precision 2Ψ bytes
 of bf16 parameters, 2Ψ of bf16 gradients and 12Ψ of optimizer state (fp32 master weights,
@@ -18,7 +21,7 @@ with `adamw_update` gives exactly the numbers of the replicated optimizer. Weigh
 applies to matrices only; a shard mixes matrices and vectors, so the update runs over
 runs ("segments") of elements that share one decay value.
 
-One optimizer step, from rank r's point of view (DeepSpeed semantics):
+One optimizer step of stages 1 and 2, from rank r's point of view (DeepSpeed semantics):
 
     stage 1  backward as in DP (full p.grad, accumulated over micro-batches); the last
              micro-batch reduce-scatters each bucket -> my averaged gradient shard.
@@ -26,22 +29,21 @@ One optimizer step, from rank r's point of view (DeepSpeed semantics):
     stage 2  every micro-batch reduce-scatters each bucket as soon as its gradients are
              complete, adds my piece into a persistent gradient shard and frees the full
              gradients (they are transient "buffers"). Then as stage 1.
-    stage 3  parameters exist only as my shard. Before a module's forward its parameters
-             are all-gathered and freed right after; again before its backward; then its
-             gradients are reduce-scattered as in stage 2. AdamW updates my shard; no
-             all-gather after the step.
 
 Communication per rank and step, in elements (no accumulation): stages 1 and 2 send
-2(N-1)/N Ψ (reduce-scatter + all-gather), as much as DP's all-reduce; stage 3 sends
-3(N-1)/N Ψ (two all-gathers and a reduce-scatter), 1.5x (the paper's section 7.2.1).
-With A micro-batches per step: stage 1 still reduces once, stage 2 reduce-scatters A
-times ((A+1)(N-1)/N Ψ), stage 3 gathers twice and reduce-scatters once per micro-batch
-(3A(N-1)/N Ψ): keeping only a shard of the gradient means there is no full gradient to
-accumulate into, and sharded parameters must be fetched for every forward and backward.
+2(N-1)/N Ψ (reduce-scatter + all-gather), as much as DP's all-reduce. With A
+micro-batches per step stage 1 still reduces once, stage 2 reduce-scatters A times
+((A+1)(N-1)/N Ψ): keeping only a shard of the gradient means there is no full gradient
+to accumulate into.
 
 Gradient clipping needs the norm of the whole gradient: each rank sums the squares of its
 shard, an all-reduce adds the N partial sums, and the square root is the same norm as on
 a single device.
+
+Where the next features go (issues 14 and 15): a bucket is reduced in one place,
+`ZeroEngine.reduce_bucket` (bucketed overlap); the optimizer state of a shard is made in
+`ZeroEngine._allocate_optimizer_state` and updated in `_update_shard` (a CPU / NVMe tier
+for it); stage 3's gather / free is `Zero3Optimizer.gather` / `free` (prefetch).
 """
 
 from __future__ import annotations
@@ -52,19 +54,19 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.precision import bfloat16, float32
-from minipar.autograd.tensor import Function, Tensor
 from minipar.nn.optim import ADAMW_FLOPS_PER_ELEMENT, adamw_update, grad_norm_squared, scale_grads_
 from minipar.parallel.data import (
     MAX_IN_FLIGHT,
     Bucket,
-    DataParallel,
+    Holding,
     Piece,
     build_buckets,
     sum_over_groups,
 )
 
-_CHECK_MESSAGE = ("every parameter must take part in the loss (DeepSpeed and FSDP need "
-                  "the same)")
+CHECK_MESSAGE = ("every parameter must take part in the loss (DeepSpeed and FSDP need "
+                 "the same)")
+OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 class ShardedBucket:
@@ -83,9 +85,9 @@ class ShardedBucket:
                  norm (all of it, unless TP replicas or a tied copy must count once)
     """
 
-    def __init__(self, bucket: Bucket, shard: int, stage: int, weight_decay: float,
+    def __init__(self, bucket: Bucket, shard: int, weight_decay: float,
                  counts_in_norm=None):
-        self.bucket, self.shard, self.stage = bucket, shard, stage
+        self.bucket, self.shard = bucket, shard
         self.start, self.stop = bucket.shard_range(shard)
         self.flat_params = None
         self.param_shard = None
@@ -104,6 +106,13 @@ class ShardedBucket:
             else:
                 self.segments.append((lo, hi, decay))
 
+    def optimizer_states(self):
+        """(kind, array) of the optimizer state this shard keeps (master only if mixed)."""
+        return [(kind, array) for kind, array in (("master", self.master),
+                                                  ("exp_avg", self.exp_avg),
+                                                  ("exp_avg_sq", self.exp_avg_sq))
+                if array is not None]
+
 
 def _append_run(runs: list, lo: int, hi: int) -> None:
     """Append [lo, hi) to a list of (start, stop) runs, merging touching runs."""
@@ -113,28 +122,25 @@ def _append_run(runs: list, lo: int, hi: int) -> None:
         runs.append((lo, hi))
 
 
-class ZeroOptimizer:
-    """ZeRO stage 1, 2 or 3 over the data-parallel group, with AdamW.
-
-    named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup;
-    bucket_bytes: bucket capacity for stages 1/2 (0 = one flat bucket); units: stage 3's
-    gather units, [(unit name, [(name, Parameter), ...]), ...] in forward order (see
-    `gpt_units`); adamw: lr, betas, eps, weight_decay as for `minipar.nn.AdamW`;
-    norm_groups, counts_in_norm: as for `DataParallel` (the TP / PP groups the gradient
-    norm is also summed over, and which of my elements count in it).
+class ZeroEngine:
+    """What every ZeRO stage shares: flat buckets sharded over the DP group, AdamW on my
+    shard, the reduce-scatter of a bucket's gradients, the global gradient norm and the
+    description of what I hold. A subclass says where the parameters live
+    (`_partition_parameters`), whether the gradient is partitioned, and what happens
+    around a bucket's reduction and after the step.
 
     Same interface as `DataParallel`: require_backward_grad_sync,
-    finish_gradient_synchronization(), clip_grad_norm_(max_norm), step(lr), zero_grad().
+    finish_gradient_synchronization(), synchronize_gradients(), clip_grad_norm_(max_norm),
+    step(lr), zero_grad(), parameter_pieces(), state_pieces(), holdings(), describe().
     """
 
-    def __init__(self, named_params, group, *, stage: int, bucket_bytes: float = 0,
-                 units=None, adamw: dict, norm_groups=(), counts_in_norm=None):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3, got {stage}")
-        named_params = list(named_params)
-        self.stage, self.group = stage, group
+    stage: int
+    partition_gradients: bool  # keep only my shard of the gradient (stages 2 and 3)
+
+    def __init__(self, named_params, group, buckets: list[Bucket], *, adamw: dict,
+                 norm_groups=(), counts_in_norm=None):
+        self.group = group
         self.world, self.rank = group.size, dist.get_rank(group)
-        self.device = dist.get_device()
         self.lr = adamw.get("lr", 1e-3)
         self.betas = adamw.get("betas", (0.9, 0.95))
         self.eps = adamw.get("eps", 1e-8)
@@ -146,67 +152,42 @@ class ZeroOptimizer:
         # Mixed precision keeps fp32 master weights; fp32/fp64 update the parameters.
         self.mixed = self.param_dtype == bfloat16
         self.state_dtype = float32 if self.mixed else self.param_dtype
-
-        if stage == 3:
-            if units is None:
-                raise ValueError("ZeroOptimizer: stage 3 needs `units` (which parameters "
-                                 "each module gathers); see gpt_units()")
-            _check_cover(named_params, units)
-            buckets = [Bucket(i, params, self.world) for i, (_, params) in enumerate(units)]
-            self.unit_names = [name for name, _ in units]
-        else:
-            buckets = build_buckets(named_params, bucket_bytes, self.world)
-        self.shards = [ShardedBucket(b, self.rank, stage, self.weight_decay, counts_in_norm)
+        self.shards = [ShardedBucket(b, self.rank, self.weight_decay, counts_in_norm)
                        for b in buckets]
         self._shard_of = {}
         for sb in self.shards:
-            self._allocate(sb)
+            self._partition_parameters(sb)
+            self._allocate_optimizer_state(sb)
+            if self.partition_gradients:
+                sb.grad_shard = dist.hold(np.zeros(sb.stop - sb.start, self.param_dtype),
+                                          "grads")
             for p in sb.bucket.params:
                 self._shard_of[id(p)] = sb
                 p.register_post_accumulate_grad_hook(self._on_gradient_ready)
                 # The full gradient lives only until it is reduce-scattered: a buffer.
-                if stage >= 2:
+                if self.partition_gradients:
                     p.grad_category = "buffers"
         self._pending = []  # (ShardedBucket, flat gradients, CollectiveWork)
-        self._in_backward = False  # stage 3: keep gathered parameters for the backward
 
     # -------------------------------------------------------------- construction
-    def _allocate(self, sb: ShardedBucket) -> None:
-        """Flatten the bucket's parameters, keep what this rank holds, allocate state."""
-        memory, bucket = self.device.memory, sb.bucket
-        flat = bucket.flatten([p.data for p in bucket.params], self.param_dtype)
-        if self.stage == 3:
-            sb.param_shard = flat[sb.start:sb.stop].copy()
-            memory.hold(sb.param_shard, "params")
-            # Each parameter's data is an empty array until a module gathers it: using it
-            # unexpectedly fails loudly instead of computing with stale values.
-            sb.placeholders = [np.empty(0, self.param_dtype) for _ in bucket.params]
-            for p, placeholder in zip(bucket.params, sb.placeholders, strict=True):
-                p.data = placeholder
-        else:
-            sb.flat_params = flat
-            memory.hold(flat, "params")
-            for i, p in enumerate(bucket.params):
-                p.data = bucket.view(flat, i)
-            sb.param_shard = flat[sb.start:sb.stop]
+    def _partition_parameters(self, sb: ShardedBucket) -> None:
+        """Lay out the bucket's parameters and set `sb.param_shard` (subclasses)."""
+        raise NotImplementedError
+
+    def _allocate_optimizer_state(self, sb: ShardedBucket) -> None:
+        """fp32 master weights (mixed precision) and Adam's moments of my shard only:
+        the 12Ψ/N of every stage. (An offload tier would place them elsewhere.)"""
         numel = sb.stop - sb.start
         if self.mixed:
-            sb.master = sb.param_shard.astype(float32)
-        sb.exp_avg = np.zeros(numel, self.state_dtype)
-        sb.exp_avg_sq = np.zeros(numel, self.state_dtype)
-        for array in (sb.master, sb.exp_avg, sb.exp_avg_sq):
-            if array is not None:
-                memory.hold(array, "optimizer")
-        if self.stage >= 2:
-            sb.grad_shard = np.zeros(numel, self.param_dtype)
-            memory.hold(sb.grad_shard, "grads")
+            sb.master = dist.hold(sb.param_shard.astype(float32), "optimizer")
+        sb.exp_avg = dist.hold(np.zeros(numel, self.state_dtype), "optimizer")
+        sb.exp_avg_sq = dist.hold(np.zeros(numel, self.state_dtype), "optimizer")
 
     # -------------------------------------------------------------- gradients
     def _on_gradient_ready(self, param) -> None:
-        """Post-accumulate-grad hook: reduce-scatter a bucket once all its gradients of
-        this backward are complete (stage 1: only on the last micro-batch)."""
-        self._in_backward = True
-        if self.stage == 1 and not self.require_backward_grad_sync:
+        """Post-accumulate-grad hook: reduce a bucket once all its gradients of this
+        backward are complete."""
+        if not self._reduces_in_this_backward():
             return
         sb = self._shard_of[id(param)]
         bucket = sb.bucket
@@ -214,49 +195,47 @@ class ZeroOptimizer:
         if bucket.ready < len(bucket.params):
             return
         bucket.ready = 0
-        self._reduce_scatter(sb)
+        self.reduce_bucket(sb)
 
-    def _reduce_scatter(self, sb: ShardedBucket) -> None:
-        """Start the asynchronous reduce-scatter of one bucket's gradients."""
-        bucket = sb.bucket
+    def _reduces_in_this_backward(self) -> bool:
+        """A partitioned gradient must be reduced every backward (there is no full
+        gradient to accumulate into); stage 1 only when DDP's no_sync is off."""
+        return self.partition_gradients or self.require_backward_grad_sync
+
+    def reduce_bucket(self, sb: ShardedBucket) -> None:
+        """Start the asynchronous reduce-scatter of one bucket's gradients, averaged over
+        the DP group: the one place a bucket is reduced (DeepSpeed's
+        `reduce_ipg_grads`). At most MAX_IN_FLIGHT run at once."""
         if len(self._pending) == MAX_IN_FLIGHT:
             self._complete(*self._pending.pop(0))
-        memory = self.device.memory
-        flat = bucket.flatten_grads()
-        memory.hold(flat, "buffers")
-        if self.stage >= 2:
-            for p in bucket.params:  # the flat copy is all we still need
-                p.release_grad()
-        if self.stage == 3:
-            self._free([sb])  # this module's backward is over
-        work = dist.reduce_scatter(flat, op="avg", group=self.group, async_op=True)
+        flat = dist.hold(sb.bucket.flatten_grads(), "buffers")
+        self._gradients_flattened(sb)
+        work = dist.reduce_scatter(flat, op="avg", group=self.group, async_op=True,
+                                   category="buffers")
         self._pending.append((sb, flat, work))
+
+    def _gradients_flattened(self, sb: ShardedBucket) -> None:
+        """After a bucket's gradients are copied into the flat buffer being reduced."""
+        if self.partition_gradients:
+            for p in sb.bucket.params:  # the flat copy is all we still need
+                p.release_grad()
 
     def _complete(self, sb: ShardedBucket, flat: np.ndarray, work) -> None:
         """Wait for one reduce-scatter; keep (stage 1) or accumulate (stage 2/3) my
         averaged gradient shard, and free the flat gradients it read."""
-        memory = self.device.memory
         piece = work.wait()
-        memory.hold(piece, "buffers")
-        memory.release(flat)
-        if self.stage == 1:
-            sb.grad_shard = piece  # lives until zero_grad()
-        else:
+        dist.release(flat)
+        if self.partition_gradients:
             sb.grad_shard += piece
-            memory.release(piece)
+            dist.release(piece)
+        else:
+            sb.grad_shard = piece  # lives until zero_grad()
 
     def synchronize_gradients(self) -> None:
-        """Stage 1: reduce-scatter every bucket's accumulated gradients now (after a
-        pipeline flush, the hooks turned off by require_backward_grad_sync = False) and
-        wait. Stages 2 and 3 reduce inside every backward, so they cannot wait until a
-        pipeline has run all its micro-batches (see minipar/train/build.py)."""
-        if self.stage != 1:
-            raise RuntimeError(f"ZeRO-{self.stage} reduce-scatters each micro-batch's "
-                               "gradients during backward; only ZeRO-1 (and DP) can "
-                               "synchronize after a pipeline flush")
-        for sb in self.shards:
-            self._reduce_scatter(sb)
-        self.finish_gradient_synchronization()
+        """Reduce every bucket now (after a pipeline flush); only ZeRO-1 can."""
+        raise RuntimeError(f"ZeRO-{self.stage} reduce-scatters each micro-batch's "
+                           "gradients during backward; only ZeRO-1 (and DP) can "
+                           "synchronize after a pipeline flush")
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the outstanding reduce-scatters (at the end of every backward)."""
@@ -269,10 +248,7 @@ class ZeroOptimizer:
                     f"ZeRO-{self.stage}: only {sb.bucket.ready} of the "
                     f"{len(sb.bucket.params)} parameters of bucket {sb.bucket.index} "
                     f"({', '.join(sb.bucket.names)}) got a gradient in this backward; "
-                    + _CHECK_MESSAGE)
-        if self.stage == 3:
-            self._free(self.shards)
-            self._in_backward = False
+                    + CHECK_MESSAGE)
 
     # -------------------------------------------------------------- optimizer
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -292,109 +268,67 @@ class ZeroOptimizer:
         return norm
 
     def step(self, lr: float) -> None:
-        """AdamW on my shard; stages 1 and 2 then all-gather the new parameters."""
+        """AdamW on my shard of every bucket."""
         self.lr = lr
         self.step_count += 1
-        beta1, beta2 = self.betas
-        elements = 0
-        for sb in self.shards:
-            weight = sb.master if self.mixed else sb.param_shard
-            for lo, hi, decay in sb.segments:
-                adamw_update(weight[lo:hi], sb.grad_shard[lo:hi], sb.exp_avg[lo:hi],
-                             sb.exp_avg_sq[lo:hi], self.step_count, lr, beta1, beta2,
-                             self.eps, decay)
-                elements += hi - lo
-            if self.mixed:
-                sb.param_shard[...] = sb.master.astype(self.param_dtype)
+        elements = sum(self._update_shard(sb, lr) for sb in self.shards)
         if elements:
-            self.device.compute(ADAMW_FLOPS_PER_ELEMENT * elements, "optimizer")
-        if self.stage < 3:
-            memory = self.device.memory
-            for sb in self.shards:
-                full = dist.all_gather(sb.param_shard, group=self.group)
-                memory.hold(full, "buffers")
-                sb.flat_params[...] = full
-                memory.release(full)
+            dist.get_device().compute(ADAMW_FLOPS_PER_ELEMENT * elements, "optimizer")
+
+    def _update_shard(self, sb: ShardedBucket, lr: float) -> int:
+        """AdamW on one shard (segment by segment, for weight decay); the new weights
+        land in `sb.param_shard`. Returns the elements updated."""
+        beta1, beta2 = self.betas
+        weight = sb.master if self.mixed else sb.param_shard
+        elements = 0
+        for lo, hi, decay in sb.segments:
+            adamw_update(weight[lo:hi], sb.grad_shard[lo:hi], sb.exp_avg[lo:hi],
+                         sb.exp_avg_sq[lo:hi], self.step_count, lr, beta1, beta2,
+                         self.eps, decay)
+            elements += hi - lo
+        if self.mixed:
+            sb.param_shard[...] = sb.master.astype(self.param_dtype)
+        return elements
 
     def zero_grad(self) -> None:
-        memory = self.device.memory
         for sb in self.shards:
-            if self.stage == 1:
-                for p in sb.bucket.params:
-                    p.release_grad()
-                if sb.grad_shard is not None:
-                    memory.release(sb.grad_shard)
-                    sb.grad_shard = None
-            else:
-                sb.grad_shard[...] = 0
-
-    # -------------------------------------------------------------- stage 3: gather / free
-    def _gather(self, shards: list[ShardedBucket]) -> None:
-        """All-gather the full parameters of these units (no-op for gathered ones)."""
-        for sb in shards:
-            if sb.gathered is not None:
-                continue
-            full = dist.all_gather(sb.param_shard, group=self.group)
-            self.device.memory.hold(full, "buffers")
-            sb.gathered = full
-            for i, p in enumerate(sb.bucket.params):
-                p.data = sb.bucket.view(full, i)
-
-    def _free(self, shards: list[ShardedBucket]) -> None:
-        """Drop gathered full parameters: each p.data is its empty placeholder again."""
-        for sb in shards:
-            if sb.gathered is None:
-                continue
-            for p, placeholder in zip(sb.bucket.params, sb.placeholders, strict=True):
-                p.data = placeholder
-            self.device.memory.release(sb.gathered)
-            sb.gathered = None
-
-    def hook_module(self, owner, attribute: str, unit_names: list[str]) -> None:
-        """Make `owner.<attribute>(...)` (a module's forward, or GPT.embed / GPT.head)
-        gather the parameters of `unit_names` first and free them after, and gather them
-        again when backward reaches its output (FSDP's pre-forward / post-forward /
-        pre-backward hooks)."""
-        shards = [self.shards[self.unit_names.index(name)] for name in unit_names]
-        forward = getattr(owner, attribute)
-
-        def gathered_forward(*args, **kwargs):
-            self._gather(shards)
-            out = forward(*args, **kwargs)
-            if isinstance(out, Tensor) and out.requires_grad:
-                out = GatherBeforeBackward.apply(out, lambda: self._gather_for_backward(shards))
-            if not self._in_backward:  # (a recomputation inside backward keeps them)
-                self._free(shards)
-            return out
-
-        setattr(owner, attribute, gathered_forward)
-
-    def _gather_for_backward(self, shards: list[ShardedBucket]) -> None:
-        self._in_backward = True
-        self._gather(shards)
+            sb.grad_shard[...] = 0
 
     # -------------------------------------------------------------- state
     def parameter_pieces(self) -> list[Piece]:
-        """The parameter values this rank holds: stages 1/2 the full replica (every rank
-        uses it in forward), stage 3 its shard."""
-        if self.stage == 3:
-            return [piece for sb in self.shards
-                    for piece in sb.bucket.pieces("param", sb.param_shard, self.rank)]
-        return [Piece("param", name, p.shape, 0, p.size, p.data.reshape(-1),
-                      p.placement, p.placement_group)
-                for sb in self.shards
-                for name, p in zip(sb.bucket.names, sb.bucket.params, strict=True)]
+        """The parameter values this rank holds (subclasses)."""
+        raise NotImplementedError
 
     def state_pieces(self) -> list[Piece]:
         """What this rank alone holds, for a sharded checkpoint: its shard of the
         parameters, of the master weights and of Adam's moments."""
         pieces = []
         for sb in self.shards:
-            for kind, array in (("param", sb.param_shard), ("master", sb.master),
-                                ("exp_avg", sb.exp_avg), ("exp_avg_sq", sb.exp_avg_sq)):
-                if array is not None:
-                    pieces += sb.bucket.pieces(kind, array, self.rank)
+            for kind, array in (("param", sb.param_shard), *sb.optimizer_states()):
+                pieces += sb.bucket.pieces(kind, array, self.rank)
         return pieces
+
+    def holdings(self) -> list[Holding]:
+        """What this rank keeps of every tensor, per parameter: the parameters
+        (`_parameter_holdings`), the gradient (my shard when it is partitioned, the
+        whole local p.grad otherwise) and each optimizer state (my shard)."""
+        held = []
+        for sb in self.shards:
+            bucket = sb.bucket
+            held += self._parameter_holdings(sb)
+            if self.partition_gradients:
+                held += bucket.holdings("grad", self.rank, self.param_dtype, sb.grad_shard)
+            else:
+                held += [Holding("grad", name, p.shape, 0, p.size, np.dtype(self.param_dtype),
+                                 placement=p.placement, placement_group=p.placement_group,
+                                 values=None if p.grad is None else p.grad.reshape(-1))
+                         for name, p in zip(bucket.names, bucket.params, strict=True)]
+            for kind, array in sb.optimizer_states():
+                held += bucket.holdings(kind, self.rank, array.dtype, array)
+        return held
+
+    def _parameter_holdings(self, sb: ShardedBucket) -> list[Holding]:
+        raise NotImplementedError
 
     def load_optimizer_state(self, step: int, state: dict[str, dict[str, np.ndarray]]) -> None:
         """Restore my shard of the optimizer state from full local tensors:
@@ -402,11 +336,9 @@ class ZeroOptimizer:
         self.step_count = int(step)
         for sb in self.shards:
             names = sb.bucket.names
-            for kind, array in (("master", sb.master), ("exp_avg", sb.exp_avg),
-                                ("exp_avg_sq", sb.exp_avg_sq)):
-                if array is not None:
-                    full = sb.bucket.flatten([state[kind][n] for n in names], array.dtype)
-                    array[...] = full[sb.start:sb.stop]
+            for kind, array in sb.optimizer_states():
+                full = sb.bucket.flatten([state[kind][n] for n in names], array.dtype)
+                array[...] = full[sb.start:sb.stop]
 
     def describe(self) -> dict:
         numel = sum(sb.bucket.numel for sb in self.shards)
@@ -416,80 +348,85 @@ class ZeroOptimizer:
                 "shard_numel": padded // self.world}
 
 
-class GatherBeforeBackward(Function):
-    """Identity in forward; in backward, first calls `gather` (ZeRO-3's pre-backward
-    hook: the module that made this output is about to run its backward and needs its
-    full parameters again)."""
-
-    @staticmethod
-    def forward(ctx, x, gather):
-        ctx.gather = gather
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.gather()
-        return grad, None
+def check_stage(stage: int, engine: str, accepted: tuple[int, ...]) -> None:
+    """A clear error for a stage that is not ZeRO's, or not this engine's."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"{engine}: stage must be 1, 2 or 3, got {stage}")
+    if stage not in accepted:
+        raise ValueError(f"{engine} runs ZeRO stage {' or '.join(map(str, accepted))}, "
+                         f"not {stage}: ZeRO-3 is Zero3Optimizer (minipar/parallel/zero3.py)")
 
 
-# ------------------------------------------------------------------ the GPT's units
-def gpt_units(model, named_params) -> tuple[list, list]:
-    """ZeRO-3 gather units of a `minipar.nn.GPT` and the calls that need them.
+class ZeroOptimizer(ZeroEngine):
+    """ZeRO stage 1 (optimizer state sharded) or 2 (+ gradients), with AdamW: DeepSpeed's
+    `DeepSpeedZeroOptimizer`, whose `partition_gradients` is our stage 2.
 
-    Units (in forward order): "embed" (wte, wpe), one per block "h.<i>", and "head"
-    (ln_f, and lm_head when untied). Returns (units, sites): units as ZeroOptimizer
-    takes them; sites [(owner, attribute, [unit names])]: GPT.embed needs "embed", each
-    block's forward its own unit, GPT.head needs "head" and, with tied embeddings, also
-    "embed" (the LM head is wte). Units without parameters on this rank are left out.
+    named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup;
+    stage: 1 or 2; bucket_bytes: bucket capacity (0 = one flat bucket); adamw: lr, betas,
+    eps, weight_decay as for `minipar.nn.AdamW`; norm_groups, counts_in_norm: as for
+    `DataParallel` (the TP / PP groups the gradient norm is also summed over, and which
+    of my elements count in it).
+
+    Every rank keeps the full flat parameters (the model's p.data are views of them) and
+    owns one shard of each bucket: its optimizer state, and under stage 2 its gradient.
     """
-    named_params = list(named_params)
-    blocks = {f"h.{i}": block for i, block in enumerate(model.h)}
-    groups = {"embed": [], **{name: [] for name in blocks}, "head": []}
-    for name, p in named_params:
-        prefix = ".".join(name.split(".")[:2])
-        if prefix in blocks:
-            groups[prefix].append((name, p))
-        elif name.startswith(("wte.", "wpe.")):
-            groups["embed"].append((name, p))
-        else:
-            groups["head"].append((name, p))
-    units = [(name, params) for name, params in groups.items() if params]
-    present = {name for name, _ in units}
-    sites = [(model, "embed", ["embed"])]
-    sites += [(block, "forward", [name]) for name, block in blocks.items()]
-    head = ["head"] + (["embed"] if model.config.tie_embeddings else [])
-    sites.append((model, "head", head))
-    sites = [(owner, attribute, [u for u in names if u in present])
-             for owner, attribute, names in sites]
-    return units, [site for site in sites if site[2]]
 
+    def __init__(self, named_params, group, *, stage: int, bucket_bytes: float = 0,
+                 adamw: dict, norm_groups=(), counts_in_norm=None):
+        check_stage(stage, "ZeroOptimizer", (1, 2))
+        named_params = list(named_params)
+        self.stage = stage
+        self.partition_gradients = stage == 2
+        super().__init__(named_params, group,
+                         build_buckets(named_params, bucket_bytes, group.size),
+                         adamw=adamw, norm_groups=norm_groups, counts_in_norm=counts_in_norm)
 
-def data_parallel_engine(model, named_params, group, *, zero_stage: int,
-                         bucket_bytes: float, adamw: dict, norm_groups=(),
-                         counts_in_norm=None):
-    """The engine of one DP rank: `DataParallel` for stage 0, `ZeroOptimizer` for stages
-    1-3 (stage 3 also hooks the model's embed, blocks and head to gather parameters).
-    norm_groups, counts_in_norm: see `DataParallel` (for TP / PP ranks)."""
-    named_params = list(named_params)
-    norm = {"norm_groups": norm_groups, "counts_in_norm": counts_in_norm}
-    if zero_stage == 0:
-        return DataParallel(named_params, group, bucket_bytes=bucket_bytes, adamw=adamw,
-                            **norm)
-    if zero_stage < 3:
-        return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
-                             adamw=adamw, **norm)
-    units, sites = gpt_units(model, named_params)
-    engine = ZeroOptimizer(named_params, group, stage=3, units=units, adamw=adamw, **norm)
-    for owner, attribute, unit_names in sites:
-        engine.hook_module(owner, attribute, unit_names)
-    return engine
+    def _partition_parameters(self, sb: ShardedBucket) -> None:
+        """The full flat parameters stay on every rank; p.data become views of them."""
+        bucket = sb.bucket
+        flat = bucket.flatten([p.data for p in bucket.params], self.param_dtype)
+        sb.flat_params = dist.hold(flat, "params")
+        for i, p in enumerate(bucket.params):
+            p.data = bucket.view(flat, i)
+        sb.param_shard = flat[sb.start:sb.stop]
 
+    def synchronize_gradients(self) -> None:
+        """Stage 1: reduce-scatter every bucket's accumulated gradients now (after a
+        pipeline flush, the hooks turned off by require_backward_grad_sync = False) and
+        wait. Stage 2 reduces inside every backward, so it cannot wait until a pipeline
+        has run all its micro-batches (see minipar/train/build.py)."""
+        if self.partition_gradients:
+            super().synchronize_gradients()
+        for sb in self.shards:
+            self.reduce_bucket(sb)
+        self.finish_gradient_synchronization()
 
-def _check_cover(named_params, units) -> None:
-    expected = [name for name, _ in named_params]
-    got = [name for _, params in units for name, _ in params]
-    if sorted(expected) != sorted(got):
-        missing = sorted(set(expected) - set(got))
-        extra = sorted({name for name in got if name not in expected or got.count(name) > 1})
-        raise ValueError(f"ZeRO-3 units must hold every parameter exactly once: missing "
-                         f"{missing}, unexpected or repeated {extra}")
+    def step(self, lr: float) -> None:
+        """AdamW on my shard, then all-gather every bucket's new parameters into the
+        flat replica (every rank runs the whole forward)."""
+        super().step(lr)
+        for sb in self.shards:
+            with dist.transient(dist.all_gather(sb.param_shard, group=self.group)) as full:
+                sb.flat_params[...] = full
+
+    def zero_grad(self) -> None:
+        if self.partition_gradients:
+            super().zero_grad()
+            return
+        for sb in self.shards:  # stage 1: the full gradients and the step's shard go
+            for p in sb.bucket.params:
+                p.release_grad()
+            if sb.grad_shard is not None:
+                dist.release(sb.grad_shard)
+                sb.grad_shard = None
+
+    def parameter_pieces(self) -> list[Piece]:
+        """The full replica (every rank uses it in forward)."""
+        return [Piece("param", name, p.shape, 0, p.size, p.data.reshape(-1),
+                      p.placement, p.placement_group)
+                for sb in self.shards
+                for name, p in zip(sb.bucket.names, sb.bucket.params, strict=True)]
+
+    def _parameter_holdings(self, sb: ShardedBucket) -> list[Holding]:
+        return sb.bucket.whole_holdings("param", [p.data for p in sb.bucket.params],
+                                        self.param_dtype)

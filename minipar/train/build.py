@@ -7,8 +7,9 @@ The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape
     tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
                                           their matrices, embedding and head cut over TP)
 
-and then the data-parallel engine (DDP or ZeRO-1/2/3, minipar/parallel/zero.py) wraps
-whatever parameters the rank ended up with, over its DP group. Every rank builds its
+and then the data-parallel engine wraps whatever parameters the rank ended up with, over
+its DP group (`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in
+zero.py, ZeRO-3 in zero3.py). Every rank builds its
 pieces from the same full initial weights, so every layout starts where a single device
 starts.
 
@@ -41,6 +42,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.nn import GPT, GPTConfig
+from minipar.parallel.data import DataParallel
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import PipelineError, check_schedule_settings
 from minipar.parallel.tensor import (
@@ -49,7 +51,8 @@ from minipar.parallel.tensor import (
     tensor_parallel_gpt,
     validate_tensor_parallel,
 )
-from minipar.parallel.zero import data_parallel_engine
+from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero3 import Zero3Optimizer, gpt_units
 from minipar.train.config import ConfigError, TrainConfig
 
 
@@ -191,6 +194,30 @@ class RankModel:
         if self.pipeline is not None:
             return self.pipeline.chunks[0].dropout_generator
         return self.model.dropout_generator
+
+
+def data_parallel_engine(model, named_params, group, *, zero_stage: int,
+                         bucket_bytes: float, adamw: dict, norm_groups=(),
+                         counts_in_norm=None):
+    """The engine of one DP rank, by ZeRO stage (DeepSpeed's `zero_optimization.stage`):
+    0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, which also hooks the
+    model's embed, blocks and head to gather their parameters (`gpt_units`; model is a
+    GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP)."""
+    named_params = list(named_params)
+    common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm}
+    if zero_stage == 0:
+        return DataParallel(named_params, group, bucket_bytes=bucket_bytes, **common)
+    if zero_stage in (1, 2):
+        return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
+                             **common)
+    if zero_stage != 3:
+        raise ValueError(f"data_parallel_engine: zero_stage must be 0, 1, 2 or 3, "
+                         f"got {zero_stage}")
+    units, sites = gpt_units(model, named_params)
+    engine = Zero3Optimizer(named_params, group, units=units, **common)
+    for owner, attribute, unit_names in sites:
+        engine.hook_module(owner, attribute, unit_names)
+    return engine
 
 
 def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> RankModel:

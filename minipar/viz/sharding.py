@@ -8,10 +8,10 @@ Nothing here is computed from a formula. `holdings` launches the virtual ranks, 
 each one build its share of the model with the training loop's own builder
 (`minipar.train.build.build_rank_model`: a pipeline stage of its layers, cut into its
 tensor-parallel pieces, wrapped in its DP / ZeRO engine), and then asks the engine
-which flat ranges of which tensors it keeps (`state_pieces`, `parameter_pieces`: the
-same description checkpoints are written from). Each piece's placement (Replicate /
-Shard / StridedShard over the TP group) maps its local elements back to positions in
-the full single-device tensor.
+which flat ranges of which tensors it keeps (`engine.holdings()`, its public
+description: per parameter, the range of the parameter, gradient and each optimizer
+state it holds). Each holding's placement (Replicate / Shard / StridedShard over the TP
+group) maps its local elements back to positions in the full single-device tensor.
 
 The three kinds of state, from one rank's point of view:
     params     the weights it keeps between steps (ZeRO-3: only its shard)
@@ -79,21 +79,20 @@ class Holdings:
                                for n, s in self.shapes.items()])
 
 
+# The engines' holding kinds, by the picture's kind of state.
+HOLDING_KINDS = {"params": ("param",), "grads": ("grad",),
+                 "optimizer": ("master", "exp_avg", "exp_avg_sq")}
+
+
 def _rank_state(config: TrainConfig):
     """One rank: build my share of the model and its engine exactly as the training loop
-    does (minipar.train.build); return the pieces I hold of each kind of state."""
+    does (minipar.train.build); return what I hold of each kind of state. The gradient
+    is the one the engine keeps for the optimizer: ZeRO-2/3 their shard, DP and ZeRO-1
+    the full local gradient backward creates (ZeRO-1 reduce-scatters it after)."""
     mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp)
-    engine = build_rank_model(config, mesh).engine
-    params = engine.parameter_pieces()
-    optimizer = [p for p in engine.state_pieces() if p.kind in ("exp_avg", "exp_avg_sq",
-                                                                 "master")]
-    if config.zero >= 2:  # the gradient shard the engine accumulates into
-        grads = [piece for sb in engine.shards
-                 for piece in sb.bucket.pieces("grad", sb.grad_shard, sb.shard)]
-    else:  # the full local gradient backward creates (ZeRO-1 reduce-scatters it after)
-        grads = params
-    return mesh.coords(), mesh.tp_rank, {"params": params, "grads": grads,
-                                         "optimizer": optimizer}
+    held = build_rank_model(config, mesh).engine.holdings()
+    return mesh.coords(), mesh.tp_rank, {
+        kind: [h for h in held if h.kind in HOLDING_KINDS[kind]] for kind in KINDS}
 
 
 def _full_positions(piece, full_shape, tp_rank: int, tp: int) -> np.ndarray:
@@ -127,7 +126,7 @@ def holdings(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, *,
                 mask = by_name.setdefault(piece.name, np.zeros(shapes[piece.name], bool))
                 mask.reshape(-1)[_full_positions(piece, shapes[piece.name], tp_rank, tp)] = True
             rank_masks[kind] = by_name
-            rank_bytes[kind] = int(sum(piece.values.nbytes for piece in kind_pieces))
+            rank_bytes[kind] = int(sum(piece.nbytes for piece in kind_pieces))
         masks.append(rank_masks)
         nbytes.append(rank_bytes)
     return Holdings(dp, tp, pp, zero, shapes, coords, masks, nbytes)

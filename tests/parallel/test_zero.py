@@ -9,8 +9,10 @@ import pytest
 
 from minipar import distributed as dist
 from minipar.nn import GPT, GPTConfig, parameter_shapes
-from minipar.parallel.zero import ZeroOptimizer, data_parallel_engine
+from minipar.parallel.zero import ZeroOptimizer
+from minipar.parallel.zero3 import Zero3Optimizer
 from minipar.train import TrainConfig, train
+from minipar.train.build import data_parallel_engine
 from minipar.train.data import make_stream
 
 # d_model 16, 2 layers, the corpus's characters: unit sizes that are not multiples of 3
@@ -228,16 +230,16 @@ def test_zero3_with_activation_checkpointing_gathers_no_more_often():
 
 
 def test_bad_stage_or_units_are_clear_errors():
-    def worker(**kwargs):
+    def worker(engine=ZeroOptimizer, **kwargs):
         model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16))
-        ZeroOptimizer(model.named_parameters(), dist.new_group([0]), adamw={}, **kwargs)
+        engine(model.named_parameters(), dist.new_group([0]), adamw={}, **kwargs)
 
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         dist.launch(worker, 1, stage=4)
     with pytest.raises(ValueError, match="stage 3 needs `units`"):
-        dist.launch(worker, 1, stage=3)
+        dist.launch(worker, 1, engine=Zero3Optimizer)
     with pytest.raises(ValueError, match="missing"):
-        dist.launch(worker, 1, stage=3, units=[("embed", [])])
+        dist.launch(worker, 1, engine=Zero3Optimizer, units=[("embed", [])])
 
 
 # ------------------------------------------------------------------ composing with TP / PP

@@ -1,0 +1,204 @@
+"""ZeRO stage 3: parameters sharded too (Rajbhandari et al. 2020, section 5.3, "P_os+g+p";
+DeepSpeed's `runtime/zero/stage3.py`, PyTorch FSDP's FULL_SHARD).
+
+Between uses, a rank keeps only its shard of every parameter: (2Ψ + 2Ψ + 12Ψ)/N bytes of
+model state with mixed precision. The model is cut into *units* (the embeddings, each
+block, the head: `gpt_units`); each unit's parameters are one flat bucket padded to a
+multiple of N, and rank r owns its r-th piece (ZeroEngine in zero.py: flat shards, AdamW
+on my shard, the reduce-scatter of gradients, as in stage 2).
+
+One micro-batch, from rank r's point of view (FSDP's pre-forward / post-forward /
+pre-backward hooks; DeepSpeed's `fetch_sub_module` / `release_sub_module`):
+
+    for unit in forward order:                       # GPT.embed, each block, GPT.head
+        gather(unit)        all-gather the flat parameters; p.data become views of them
+        y = unit(x)
+        free(unit)          p.data become empty placeholders again
+    backward, for unit in reverse order:
+        gather(unit)        GatherBeforeBackward: just before backward reaches the unit
+        ... its backward ...
+        its gradients complete -> reduce_bucket: flatten, free(unit), reduce-scatter,
+                                  accumulate my shard (as stage 2)
+    step: AdamW on my shard; no all-gather (the next forward gathers)
+
+Communication per rank and step, in elements: 3(N-1)/N Ψ (two all-gathers and a
+reduce-scatter), 1.5x DP (the paper's section 7.2.1); with A micro-batches per step
+3A(N-1)/N Ψ: sharded parameters must be fetched for every forward and backward.
+
+Where minipar differs: parameters are released right after each use and fetched again
+for backward (no prefetch, no persistence threshold: issue 15 adds prefetch in `gather`).
+The gather/free runs around *calls* (`hook_module(owner, "forward", ...)`, also GPT.embed
+and GPT.head, which are methods rather than modules), where FSDP registers module hooks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import distributed as dist
+from minipar.autograd.tensor import Function, Tensor
+from minipar.parallel.data import Bucket, Holding, Piece
+from minipar.parallel.zero import ShardedBucket, ZeroEngine
+
+
+class Zero3Optimizer(ZeroEngine):
+    """ZeRO stage 3 over the data-parallel group, with AdamW.
+
+    named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup; units:
+    the gather units, [(unit name, [(name, Parameter), ...]), ...] in forward order (see
+    `gpt_units`); adamw, norm_groups, counts_in_norm: as for `ZeroOptimizer`.
+    After construction every p.data is an empty placeholder; `hook_module` makes the
+    model's calls gather their units.
+    """
+
+    stage = 3
+    partition_gradients = True
+
+    def __init__(self, named_params, group, *, units=None, adamw: dict, norm_groups=(),
+                 counts_in_norm=None):
+        if units is None:
+            raise ValueError("Zero3Optimizer: stage 3 needs `units` (which parameters "
+                             "each module gathers); see gpt_units()")
+        named_params = list(named_params)
+        _check_cover(named_params, units)
+        self.unit_names = [name for name, _ in units]
+        buckets = [Bucket(i, params, group.size) for i, (_, params) in enumerate(units)]
+        super().__init__(named_params, group, buckets, adamw=adamw, norm_groups=norm_groups,
+                         counts_in_norm=counts_in_norm)
+        self._in_backward = False  # keep gathered parameters for the backward
+
+    def _partition_parameters(self, sb: ShardedBucket) -> None:
+        """Keep only my shard of the flat parameters."""
+        bucket = sb.bucket
+        flat = bucket.flatten([p.data for p in bucket.params], self.param_dtype)
+        sb.param_shard = dist.hold(flat[sb.start:sb.stop].copy(), "params")
+        # Each parameter's data is an empty array until a module gathers it: using it
+        # unexpectedly fails loudly instead of computing with stale values.
+        sb.placeholders = [np.empty(0, self.param_dtype) for _ in bucket.params]
+        for p, placeholder in zip(bucket.params, sb.placeholders, strict=True):
+            p.data = placeholder
+
+    # -------------------------------------------------------------- gather / free
+    def gather(self, shards: list[ShardedBucket]) -> None:
+        """All-gather the full parameters of these units (no-op for gathered ones);
+        p.data become views of the gathered flat buffer, a transient "buffers" array."""
+        for sb in shards:
+            if sb.gathered is not None:
+                continue
+            full = dist.all_gather(sb.param_shard, group=self.group, category="buffers")
+            sb.gathered = full
+            for i, p in enumerate(sb.bucket.params):
+                p.data = sb.bucket.view(full, i)
+
+    def free(self, shards: list[ShardedBucket]) -> None:
+        """Drop gathered full parameters: each p.data is its empty placeholder again."""
+        for sb in shards:
+            if sb.gathered is None:
+                continue
+            for p, placeholder in zip(sb.bucket.params, sb.placeholders, strict=True):
+                p.data = placeholder
+            dist.release(sb.gathered)
+            sb.gathered = None
+
+    def hook_module(self, owner, attribute: str, unit_names: list[str]) -> None:
+        """Make `owner.<attribute>(...)` (a module's forward, or GPT.embed / GPT.head)
+        run inside FSDP's three hooks for the units `unit_names`: gather before the call,
+        free after it, gather again when backward reaches its output."""
+        shards = [self.shards[self.unit_names.index(name)] for name in unit_names]
+        call = getattr(owner, attribute)
+
+        def gathered_call(*args, **kwargs):
+            self.gather(shards)  # pre-forward
+            out = call(*args, **kwargs)
+            if isinstance(out, Tensor) and out.requires_grad:  # pre-backward
+                out = GatherBeforeBackward.apply(out, lambda: self._pre_backward(shards))
+            if not self._in_backward:  # post-forward (a recomputation in backward keeps them)
+                self.free(shards)
+            return out
+
+        setattr(owner, attribute, gathered_call)
+
+    def _pre_backward(self, shards: list[ShardedBucket]) -> None:
+        self._in_backward = True
+        self.gather(shards)
+
+    # -------------------------------------------------------------- gradients
+    def _on_gradient_ready(self, param) -> None:
+        self._in_backward = True
+        super()._on_gradient_ready(param)
+
+    def _gradients_flattened(self, sb: ShardedBucket) -> None:
+        super()._gradients_flattened(sb)  # the full gradients go
+        self.free([sb])  # this module's backward is over: its parameters go too
+
+    def finish_gradient_synchronization(self) -> None:
+        super().finish_gradient_synchronization()
+        self.free(self.shards)
+        self._in_backward = False
+
+    # -------------------------------------------------------------- state
+    def parameter_pieces(self) -> list[Piece]:
+        """My shard of every unit (the only parameters a rank keeps between uses)."""
+        return [piece for sb in self.shards
+                for piece in sb.bucket.pieces("param", sb.param_shard, self.rank)]
+
+    def _parameter_holdings(self, sb: ShardedBucket) -> list[Holding]:
+        return sb.bucket.holdings("param", self.rank, self.param_dtype, sb.param_shard)
+
+
+class GatherBeforeBackward(Function):
+    """Identity in forward; in backward, first calls `gather` (ZeRO-3's pre-backward
+    hook: the module that made this output is about to run its backward and needs its
+    full parameters again)."""
+
+    @staticmethod
+    def forward(ctx, x, gather):
+        ctx.gather = gather
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.gather()
+        return grad, None
+
+
+# ------------------------------------------------------------------ the GPT's units
+def gpt_units(model, named_params) -> tuple[list, list]:
+    """ZeRO-3 gather units of a `minipar.nn.GPT` and the calls that need them.
+
+    Units (in forward order): "embed" (wte, wpe), one per block "h.<i>", and "head"
+    (ln_f, and lm_head when untied). Returns (units, sites): units as Zero3Optimizer
+    takes them; sites [(owner, attribute, [unit names])]: GPT.embed needs "embed", each
+    block's forward its own unit, GPT.head needs "head" and, with tied embeddings, also
+    "embed" (the LM head is wte). Units without parameters on this rank are left out.
+    """
+    named_params = list(named_params)
+    blocks = {f"h.{i}": block for i, block in enumerate(model.h)}
+    groups = {"embed": [], **{name: [] for name in blocks}, "head": []}
+    for name, p in named_params:
+        prefix = ".".join(name.split(".")[:2])
+        if prefix in blocks:
+            groups[prefix].append((name, p))
+        elif name.startswith(("wte.", "wpe.")):
+            groups["embed"].append((name, p))
+        else:
+            groups["head"].append((name, p))
+    units = [(name, params) for name, params in groups.items() if params]
+    present = {name for name, _ in units}
+    sites = [(model, "embed", ["embed"])]
+    sites += [(block, "forward", [name]) for name, block in blocks.items()]
+    head = ["head"] + (["embed"] if model.config.tie_embeddings else [])
+    sites.append((model, "head", head))
+    sites = [(owner, attribute, [u for u in names if u in present])
+             for owner, attribute, names in sites]
+    return units, [site for site in sites if site[2]]
+
+
+def _check_cover(named_params, units) -> None:
+    expected = [name for name, _ in named_params]
+    got = [name for _, params in units for name, _ in params]
+    if sorted(expected) != sorted(got):
+        missing = sorted(set(expected) - set(got))
+        extra = sorted({name for name in got if name not in expected or got.count(name) > 1})
+        raise ValueError(f"ZeRO-3 units must hold every parameter exactly once: missing "
+                         f"{missing}, unexpected or repeated {extra}")
