@@ -315,3 +315,62 @@ def test_the_gradient_norm_sums_only_counted_pieces_over_the_norm_groups(zero):
     expected = np.sqrt(np.sum(grads[:2, :2] ** 2))
     for norm, _ in dist.launch(rank, world):
         assert norm == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------ what each rank holds
+CATEGORY_OF = {"param": "params", "grad": "grads", "master": "optimizer",
+               "exp_avg": "optimizer", "exp_avg_sq": "optimizer"}
+
+
+@pytest.mark.parametrize("precision", ["fp64", "bf16-mixed"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_holdings_describe_the_arrays_the_ledger_counts(zero, precision):
+    """engine.holdings() after a backward: every range is a live array of the ledger,
+    the parameter ranges hold the initial weights' elements, and per category the
+    holdings add up to the bytes the ledger counts (a model that needs no padding over
+    2 ranks, so that flat buffers are exactly their parameters)."""
+    config = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    initial = GPT(config, seed=0, precision=precision).state_dict()
+
+    def rank():
+        model = GPT(config, seed=0, precision=precision)
+        engine = data_parallel_engine(model, model.named_parameters(),
+                                      dist.DeviceMesh(dp=2).dp_group(), zero_stage=zero,
+                                      bucket_bytes=0, adamw={})
+        idx = np.random.default_rng(dist.get_rank()).integers(0, 16, size=(2, 8))
+        model(idx, idx).backward()
+        engine.finish_gradient_synchronization()
+        memory = dist.get_device().memory
+        held = engine.holdings()
+        for h in held:
+            assert h.values is not None and memory.is_held(h.values), (h.kind, h.name)
+            assert h.values.shape == (h.numel,) and h.values.dtype == h.dtype
+            if h.kind == "param":
+                expected = initial[h.name].reshape(-1)[h.start:h.stop]
+                np.testing.assert_array_equal(h.values, expected)
+        if zero in (1, 2):  # one flat bucket: my optimizer state is my piece of it
+            shard, me = engine.describe()["shard_numel"], dist.get_rank()
+            for h in held:
+                if h.kind in ("master", "exp_avg", "exp_avg_sq"):
+                    assert h.bucket == 0
+                    assert me * shard <= h.flat_start <= h.flat_start + h.numel <= (me + 1) * shard
+        booked = {c: sum(h.nbytes for h in held if CATEGORY_OF[h.kind] == c)
+                  for c in ("params", "grads", "optimizer")}
+        return booked, {c: memory.current[c] for c in booked}, held
+
+    results = dist.launch(rank, 2)
+    for booked, counted, _ in results:
+        assert booked == counted
+    # Across the two ranks: sharded kinds cover each element once, replicated ones twice.
+    sharded = {"param": zero >= 3, "grad": zero >= 2, "master": zero >= 1,
+               "exp_avg": zero >= 1, "exp_avg_sq": zero >= 1}
+    for kind, is_sharded in sharded.items():
+        if kind == "master" and precision != "bf16-mixed":
+            continue
+        for name, value in initial.items():
+            count = np.zeros(value.size, int)
+            for _, _, held in results:
+                for h in held:
+                    if h.kind == kind and h.name == name:
+                        count[h.start:h.stop] += 1
+            assert np.all(count == (1 if is_sharded else 2)), (kind, name)
