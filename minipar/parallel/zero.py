@@ -43,7 +43,12 @@ a single device.
 Where the next features go (issues 14 and 15): a bucket is reduced in one place,
 `ZeroEngine.reduce_bucket` (bucketed overlap); the optimizer state of a shard is made in
 `ZeroEngine._allocate_optimizer_state` and updated in `_update_shard` (a CPU / NVMe tier
-for it); stage 3's gather / free is `Zero3Optimizer.gather` / `free` (prefetch).
+for it); the persistent gradient shard is made in `ZeroEngine.__init__` and zeroed in
+`zero_grad` (set-to-none would make it at the first `_complete` and drop it there);
+stage 3's gather / free is `Zero3Optimizer.gather` / `free` (prefetch).
+
+(~430 lines: the shared base and stages 1/2 stay together because stages 1/2 are the base
+plus two facts, a full flat replica of the parameters and the all-gather after the step.)
 """
 
 from __future__ import annotations
