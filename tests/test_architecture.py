@@ -49,7 +49,6 @@ KNOWN_LONG: dict[str, str] = {
     "minipar/parallel/pipeline.py": "issue 12 (a)/(b): bookkeeping to distributed, "
                                     "one simulator",
     "minipar/parallel/schedules.py": "issue 12 (a): schedule registry",
-    "minipar/parallel/zero.py": "issue 12 (b): stage-1/2 and stage-3 engines",
 }
 
 

@@ -27,8 +27,8 @@ Two ideas of DDP live here:
   everything after backward, with nothing to overlap.
 
 `Bucket` (a flat layout of parameters padded to a multiple of the group size) is also
-the unit that ZeRO shards (zero.py), and `Piece` is how both describe what a rank holds
-to checkpoints and equivalence checks.
+the unit that ZeRO shards (zero_engine.py); `Piece` is how both describe what a rank
+holds to checkpoints and equivalence checks, `Holding` (`engine.holdings()`) to readers.
 
 Composed with tensor and pipeline parallelism (minipar/train/build.py), a rank's
 parameters are its TP pieces of its pipeline stage, and two things change:
@@ -84,19 +84,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class Holding:
-    """One flat range of one tensor of the training state that a rank keeps: the public
-    description of what an engine holds (`engine.holdings()`; the sharding pictures in
-    minipar/viz/sharding.py read it).
-
-    kind: "param" | "grad" | "master" | "exp_avg" | "exp_avg_sq"; name, shape: the
-    parameter and its local tensor (the full tensor unless TP cut it); start, stop: the
-    range of the flattened local tensor held; dtype: of the held elements; bucket,
-    flat_start: where the range sits in the engine's flat buffers (bucket index, and the
-    flat position of `start`), None when the tensor is its own array; placement,
-    placement_group: how the local tensor relates to the full one; values: the live
-    (stop - start,) array, or None while it does not exist (DP / ZeRO-1 gradients
-    between backward passes).
-    """
+    """A flat range of one tensor of the training state that a rank keeps, as
+    `engine.holdings()` describes it (minipar/viz/sharding.py draws it). As `Piece`, with
+    kind also "grad"; dtype of the elements; bucket, flat_start: the flat buffer and the
+    flat position of `start` (None: the tensor is its own array); values: the live
+    (stop - start,) array, None while it does not exist (DP / ZeRO-1 gradients between
+    backward passes)."""
 
     kind: str
     name: str
@@ -350,8 +343,7 @@ class DataParallel:
         self.optimizer.load_state_dict(flat)
 
     def holdings(self) -> list[Holding]:
-        """What this rank keeps of every tensor: the whole replica of the parameters,
-        their gradients (None before backward) and AdamW's state."""
+        """What I keep: the whole replica of parameters, gradients and AdamW's state."""
         opt = self.optimizer
         held = []
         for name, p, master, m, v in zip(self.names, self.params, opt.master, opt.exp_avg,
@@ -385,10 +377,10 @@ def sum_over_groups(value: float, groups) -> float:
 
 
 def _whole_holding(kind: str, name: str, param, array, dtype=None) -> Holding:
-    return Holding(kind, name, param.shape, 0, param.size,
-                   np.dtype(dtype if array is None else array.dtype),
+    values, dtype = (None, dtype) if array is None else (array.reshape(-1), array.dtype)
+    return Holding(kind, name, param.shape, 0, param.size, np.dtype(dtype),
                    placement=param.placement, placement_group=param.placement_group,
-                   values=None if array is None else array.reshape(-1))
+                   values=values)
 
 
 def _whole(kind: str, name: str, array: np.ndarray, param) -> Piece:

@@ -38,7 +38,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd.tensor import Function, Tensor
 from minipar.parallel.data import Bucket, Holding, Piece
-from minipar.parallel.zero import ShardedBucket, ZeroEngine
+from minipar.parallel.zero_engine import ShardedBucket, ZeroEngine
 
 
 class Zero3Optimizer(ZeroEngine):

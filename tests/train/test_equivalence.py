@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minipar.parallel import data as data_parallel
-from minipar.parallel import zero as zero_module
+from minipar.parallel import zero_engine
 from minipar.train import TrainConfig, train, validate_report
 from minipar.train.equivalence import compare_runs, reference_config
 
@@ -90,7 +90,7 @@ def test_a_corrupted_replica_is_named_by_step_tensor_and_rank(monkeypatch):
 def test_a_corrupted_shard_names_the_rank_that_owns_it(monkeypatch, zero):
     """With ZeRO-1/2 a wrong shard reaches every rank through the all-gather; the check
     still blames its owner."""
-    complete = zero_module.ZeroEngine._complete
+    complete = zero_engine.ZeroEngine._complete
     corrupted = []
 
     def faulty_complete(self, sb, flat, work):
@@ -99,7 +99,7 @@ def test_a_corrupted_shard_names_the_rank_that_owns_it(monkeypatch, zero):
             sb.grad_shard[0] += 1e3  # a wrong gradient element before the second update
             corrupted.append(sb.bucket.pieces("param", sb.param_shard, self.rank)[0].name)
 
-    monkeypatch.setattr(zero_module.ZeroEngine, "_complete", faulty_complete)
+    monkeypatch.setattr(zero_engine.ZeroEngine, "_complete", faulty_complete)
     # (no clipping: the global norm would carry the error into every rank's update)
     report = train(TrainConfig(dp=4, zero=zero, precision="fp64", check=True,
                                **{**SMALL, "grad_clip": 0.0}))
