@@ -4,8 +4,8 @@ DeepSpeed's `runtime/zero/stage3.py`, PyTorch FSDP's FULL_SHARD).
 Between uses, a rank keeps only its shard of every parameter: (2Ψ + 2Ψ + 12Ψ)/N bytes of
 model state with mixed precision. The model is cut into *units* (the embeddings, each
 block, the head: `gpt_units`); each unit's parameters are one flat bucket padded to a
-multiple of N, and rank r owns its r-th piece (ZeroEngine in zero.py: flat shards, AdamW
-on my shard, the reduce-scatter of gradients, as in stage 2).
+multiple of N, and rank r owns its r-th piece (ZeroEngine in zero_engine.py: flat
+shards, AdamW on my shard, the reduce-scatter of gradients, as in stage 2).
 
 One micro-batch, from rank r's point of view (FSDP's pre-forward / post-forward /
 pre-backward hooks; DeepSpeed's `fetch_sub_module` / `release_sub_module`):

@@ -9,9 +9,8 @@ The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape
 
 and then the data-parallel engine wraps whatever parameters the rank ended up with, over
 its DP group (`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in
-zero.py, ZeRO-3 in zero3.py). Every rank builds its
-pieces from the same full initial weights, so every layout starts where a single device
-starts.
+zero.py, ZeRO-3 in zero3.py). Every rank builds its pieces from the same full initial
+weights, so every layout starts where a single device starts.
 
     rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
