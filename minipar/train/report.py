@@ -30,6 +30,7 @@ from minipar import distributed as dist
 from minipar.distributed.comm_log import GROUP_KINDS
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
+from minipar.parallel.schedules import uniform_bubble_fraction
 from minipar.train import checkpoint
 from minipar.train.build import check_layout, gpt_config
 from minipar.train.config import TrainConfig
@@ -215,8 +216,8 @@ def _pipeline(config: TrainConfig, timelines) -> dict:
         # Idle rank-time / total rank-time over the run, from the simulated clocks.
         "bubble_fraction": bubble_fraction(timelines),
         "micro_batches": m, "virtual_stages": v,
-        # Uniform stages and free communication (Narayanan et al. 2021, section 2.2).
-        "uniform_bubble_fraction": (p - 1) / (v * m + p - 1),
+        # Uniform stages and free communication: the schedule's own formula.
+        "uniform_bubble_fraction": uniform_bubble_fraction(config.schedule, p, m, v),
         "layers_per_stage": [len(r) for r in split_layers(config.n_layer, p * v)],
     }
 
