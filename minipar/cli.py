@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 
-from minipar.parallel.schedules import schedule_names
+from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
 
@@ -88,8 +88,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=HELP.get(f.name))
         else:
+            help_text = HELP.get(f.name)
+            if f.name == "schedule":  # each registered schedule says what it does
+                help_text += ": " + "; ".join(f"{spec.name}: {spec.description}"
+                                              for spec in SCHEDULES.values())
             parser.add_argument(name, dest=f.name, type=kind, default=f.default,
-                                choices=fixed.get(f.name), help=HELP.get(f.name),
+                                choices=fixed.get(f.name), help=help_text,
                                 metavar=None if f.name in fixed else f.name.upper())
 
 

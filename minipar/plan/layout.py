@@ -165,7 +165,8 @@ def layer_counts(n_layer: int, stages: int, layer_split=None) -> list[int]:
 class StagePlan:
     """What pipeline rank `rank` holds and runs.
 
-    chunk_layers: layers of each of its v model chunks (virtual stage c p + rank);
+    chunk_layers: layers of each of its v model chunks (virtual stage by the schedule's
+    placement: c p + rank for interleaving);
     first: it runs the embedding (virtual stage 0); last: it runs the head (the last
     virtual stage); tied_copy: it holds its own copy of a tied embedding (the last stage
     when pp > 1: Megatron's embedding group); in_flight: chunk forwards whose backward has
