@@ -30,6 +30,7 @@ schedules and their generators is minipar.parallel.schedules.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -156,11 +157,14 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that holds virtual stage `stage`."""
-        for rank in range(self.pp):
-            for chunk in range(self.virtual_stages):
-                if self.virtual_stage(rank, chunk) == stage:
-                    return rank
-        raise ScheduleError(f"{self.name}: no rank holds virtual stage {stage}")
+        if stage not in self._holders:
+            raise ScheduleError(f"{self.name}: no rank holds virtual stage {stage}")
+        return self._holders[stage]
+
+    @functools.cached_property
+    def _holders(self) -> dict[int, int]:  # virtual stage -> rank, computed once
+        return {self.virtual_stage(rank, chunk): rank for rank in range(self.pp)
+                for chunk in range(self.virtual_stages)}
 
     def compute_order(self, rank: int) -> str:
         """Rank's forwards and backwards only, e.g. "F0 F1 F2 B0 F3 B1 B2 B3"."""
@@ -181,23 +185,25 @@ def from_compute_orders(name: str, pp: int, micro_batches: int, virtual_stages: 
     chunk): a receive right before each compute that needs one, a send right after."""
     skeleton = Schedule(name, pp, micro_batches, virtual_stages, (), placement)
     last = pp * virtual_stages - 1
+    holder = [skeleton.rank_of(stage) for stage in range(last + 1)]
     actions = []
     for rank, order in enumerate(orders):
+        stage_of = [skeleton.virtual_stage(rank, c) for c in range(virtual_stages)]
         mine = []
         for kind, i, c in order:
-            stage = skeleton.virtual_stage(rank, c)
+            stage = stage_of[c]
             if kind == "F":
                 if stage > 0:
-                    mine.append(RecvActivation(i, c, skeleton.rank_of(stage - 1)))
+                    mine.append(RecvActivation(i, c, holder[stage - 1]))
                 mine.append(Forward(i, c))
                 if stage < last:
-                    mine.append(SendActivation(i, c, skeleton.rank_of(stage + 1)))
+                    mine.append(SendActivation(i, c, holder[stage + 1]))
             else:
                 if stage < last:
-                    mine.append(RecvGrad(i, c, skeleton.rank_of(stage + 1)))
+                    mine.append(RecvGrad(i, c, holder[stage + 1]))
                 mine.append(Backward(i, c))
                 if stage > 0:
-                    mine.append(SendGrad(i, c, skeleton.rank_of(stage - 1)))
+                    mine.append(SendGrad(i, c, holder[stage - 1]))
         actions.append(tuple(mine))
     return Schedule(name, pp, micro_batches, virtual_stages, tuple(actions), placement)
 
@@ -258,6 +264,8 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                             f"pp={p} ranks")
     forward, backward = _costs(forward, p, v), _costs(backward, p, v)
     last = p * v - 1
+    stage_of = [[schedule.virtual_stage(r, c) for c in range(v)] for r in range(p)]
+    holder = [schedule.rank_of(stage) for stage in range(p * v)]
     sent: dict[tuple, tuple[float, int]] = {}  # (kind, micro_batch, from stage) -> posted, by
     received: set[tuple] = set()
     position = [0] * p
@@ -277,19 +285,19 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
     def key_of(rank: int, action) -> tuple:
         """The (kind, micro_batch, sending stage) a p2p action is about; checks its peer."""
         i, c = action.micro_batch, action.chunk
-        stage = schedule.virtual_stage(rank, c)
+        stage = stage_of[rank][c]
         if isinstance(action, (SendActivation, RecvGrad)):
             if stage == last:
                 fail(rank, action, "the last virtual stage has no next stage")
             key = ("act" if isinstance(action, SendActivation) else "grad", i,
                    stage if isinstance(action, SendActivation) else stage + 1)
-            peer = schedule.rank_of(stage + 1)
+            peer = holder[stage + 1]
         else:
             if stage == 0:
                 fail(rank, action, "the first virtual stage has no previous stage")
             key = ("act" if isinstance(action, RecvActivation) else "grad", i,
                    stage - 1 if isinstance(action, RecvActivation) else stage)
-            peer = schedule.rank_of(stage - 1)
+            peer = holder[stage - 1]
         if action.peer != peer:
             fail(rank, action, f"virtual stage {stage}'s neighbour lives on rank {peer}, "
                                f"not {action.peer}")
@@ -307,7 +315,7 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                 i, c = action.micro_batch, action.chunk
                 if not (0 <= i < m and 0 <= c < v):
                     fail(rank, action, f"micro-batch must be in [0, {m}) and chunk in [0, {v})")
-                stage = schedule.virtual_stage(rank, c)
+                stage = stage_of[rank][c]
                 start = now[rank]
                 if isinstance(action, Forward):
                     if (i, c) in forwarded[rank]:

@@ -185,8 +185,9 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         tokens //= config.tp
     alpha, bandwidth = cluster.link(links["pp"])
     message = alpha + tokens * shape.d_model * config.bytes.activation / bandwidth
-    schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages)
-    run = simulate_step(schedule, forward, backward, message)
+    schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
+                             validated=False)
+    run = simulate_step(schedule, forward, backward, message)  # validates as it times
     clock = list(run.finish)
     pipeline = max(clock)
     tails = []
