@@ -214,6 +214,7 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
     if m < p or bubble > bubble_limit:
         # the fewest micro-batches (at least p) that bring the bubble under the limit
         want = next(k for k in itertools.count(p) if spec.uniform_bubble(p, k, v) <= bubble_limit)
+        chunked = [name for name, s in SCHEDULES.items() if not s.accepts_chunks(1)]
         findings.append(Finding(
             "TOO_FEW_MICRO_BATCHES", "warning",
             f"{m} micro-batches for {p} pipeline stages: the bubble is {bubble:.0%} of the "
@@ -223,7 +224,7 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
             f"raise --grad-accum-steps to >= {want} (global batch "
             f"{config.micro_batch_size * want * config.dp}), or keep the global batch and "
             "lower --micro-batch-size"
-            + (", or use --schedule interleaved" if v == 1 else "")))
+            + (f", or use --schedule {' or '.join(chunked)}" if v == 1 and chunked else "")))
     return findings
 
 

@@ -91,12 +91,12 @@ def check_layout(config: TrainConfig) -> list[str]:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
                           "add --tp or drop --sequence-parallel")
-    if pp > 1 or v > 1 or config.schedule == "interleaved":
-        check_schedule_settings(config.schedule, pp, m, v, LayoutError)
-        try:
-            split_layers(config.n_layer, pp * v)
-        except PipelineError as err:
-            raise LayoutError("schedule", str(err)) from None
+    # the schedule's own rules (its registry entry), then enough layers for its stages
+    check_schedule_settings(config.schedule, pp, m, v, LayoutError)
+    try:
+        split_layers(config.n_layer, pp * v)
+    except PipelineError as err:
+        raise LayoutError("schedule", str(err)) from None
     if tp > 1:
         try:
             validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
