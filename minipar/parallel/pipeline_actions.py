@@ -1,11 +1,6 @@
 """Pipeline actions, the Schedule that lists them per rank, and the simulator that runs
 them on paper: what an action means and the rules every schedule is checked against.
 
-    schedule[2]                     # rank 2's actions: [RecvActivation(0, 0, 1), Forward(0), ...]
-    validate(schedule)              # raises ScheduleError naming the first problem
-    run = simulate_step(schedule, forward, backward, message)   # timed, per rank
-    timeline = simulate(schedule)   # ideal timings with unit-cost stages, free communication
-
 Actions (micro-batch i, model chunk c of this rank, peer = the other pipeline rank):
     Forward(i, c)           run chunk c forward on micro-batch i          printed F3 / F3.1
     Backward(i, c)          backpropagate micro-batch i through chunk c    printed B3 / B3.1
@@ -21,11 +16,11 @@ the chunks go round the ranks) or "v" (Qi et al. 2024's ZB-V and DeepSeek's Dual
 even chunks go down the ranks and odd ones come back up, so chunk 1 of rank r is virtual
 stage 2p - 1 - r and the last stage sits on rank 0). Nothing below assumes c p + r.
 
-`simulate_step` is the one walker of action lists: it checks every rule (raising
-ScheduleError naming the rank and action) while it times the schedule with per-(rank,
-chunk) costs and a message cost. `validate` and `simulate` are views of it, and the
-planner's exact pipeline time (minipar.plan.timing) calls it. The registry of named
-schedules and their generators is minipar.parallel.schedules.
+`simulate_step(schedule, forward, backward, message)` is the one walker of action lists:
+it checks every rule (a ScheduleError names the rank and action) while it times the
+schedule with per-(rank, chunk) costs and a message cost. `validate` and `simulate` are
+views of it; the planner's exact pipeline time (minipar.plan.timing) calls it. The
+registry of named schedules and their generators is minipar.parallel.schedules.
 """
 
 from __future__ import annotations

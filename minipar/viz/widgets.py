@@ -39,7 +39,6 @@ from matplotlib.figure import Figure
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.schedules import (
     SCHEDULES,
-    PipelineError,
     check_schedule_settings,
     schedule_names,
 )
