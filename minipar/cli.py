@@ -18,8 +18,9 @@ import sys
 import types
 import typing
 
+from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
-from minipar.train.config import PRECISIONS, SCHEDULES, ConfigError, TrainConfig, flag
+from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
 
 HELP = {
     "vocab_size": "vocabulary size (default: the data's tokenizer)",
@@ -55,7 +56,11 @@ HELP = {
     "seed": "seed of weights and batches",
     "check": "also train the single-device reference and compare every step",
 }
-CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "data": ("corpus", "synthetic")}
+
+
+def choices() -> dict[str, tuple]:
+    """The fields whose values are a fixed set; the schedules are the registry's now."""
+    return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -75,6 +80,7 @@ def _field_type(annotation):
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, defaulting to the field's default."""
     hints = typing.get_type_hints(TrainConfig)
+    fixed = choices()
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(hints[f.name])
         name = flag(f.name)
@@ -82,9 +88,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=HELP.get(f.name))
         else:
+            help_text = HELP.get(f.name)
+            if f.name == "schedule":  # each registered schedule says what it does
+                help_text += ": " + "; ".join(f"{spec.name}: {spec.description}"
+                                              for spec in SCHEDULES.values())
             parser.add_argument(name, dest=f.name, type=kind, default=f.default,
-                                choices=CHOICES.get(f.name), help=HELP.get(f.name),
-                                metavar=None if f.name in CHOICES else f.name.upper())
+                                choices=fixed.get(f.name), help=help_text,
+                                metavar=None if f.name in fixed else f.name.upper())
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minipar.distributed import DeviceProfile
+from minipar.parallel.schedules import SCHEDULES
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
 from minipar.train.report import MEMORY_CATEGORIES, Report
@@ -149,7 +150,8 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
     pipe = report.pipeline
     say(f"pipeline bubble: {pipe['bubble_fraction']:.1%} of rank-time idle "
         f"({pipe['schedule']}, {pipe['micro_batches']} micro-batches over "
-        f"{config.pp} stages; uniform-stage formula (p-1)/(m+p-1) = "
+        f"{config.pp} stages; uniform-stage formula "
+        f"{SCHEDULES[pipe['schedule']].bubble_formula} = "
         f"{pipe['uniform_bubble_fraction']:.1%})")
 
     ablations = {name: train(c, device=profile) for name, c in ablation_configs(config).items()}

@@ -48,7 +48,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {}
 KNOWN_LONG: dict[str, str] = {
     "minipar/parallel/pipeline.py": "issue 12 (a)/(b): bookkeeping to distributed, "
                                     "one simulator",
-    "minipar/parallel/schedules.py": "issue 12 (a): schedule registry",
 }
 
 

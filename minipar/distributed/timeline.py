@@ -52,8 +52,9 @@ def bubble_fraction(timelines, start: float | None = None, end: float | None = N
 
     Idle is time neither computing nor communicating: waiting for a neighbour's
     activation or gradient (the pipeline bubble), for a collective's last member, or
-    after finishing early. With uniform stages and free communication this is
-    (p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) / (v m + p - 1) interleaved.
+    after finishing early. With uniform stages and free communication this is the
+    schedule's own formula, minipar.parallel.schedules.uniform_bubble_fraction
+    ((p - 1) / (m + p - 1) for GPipe and 1F1B).
     """
     rows = time_breakdown(timelines, start, end)
     total = sum(r["compute_s"] + r["comm_s"] + r["idle_s"] for r in rows)

@@ -8,7 +8,7 @@
 What a stage holds (Huang et al. 2019, GPipe; Megatron-LM's `get_model` with
 pre_process / post_process). The layers are cut into pp * v contiguous pieces, v the
 virtual stages per rank (1 unless the schedule is interleaved); chunk c of pipeline rank r
-is virtual stage c * pp + r:
+is the virtual stage its schedule's placement says (c * pp + r for interleaving):
     first virtual stage   wte, wpe (+ dropout)   then its blocks
     every virtual stage   blocks h.{i}, registered under their *global* index i
     last virtual stage    its blocks, then ln_f and the LM head and the loss
@@ -239,7 +239,7 @@ class Pipeline:
         self.chunks = [
             stage_class(config, stage, num_stages, ranges[stage], seed=seed,
                         precision=precision, activation_checkpointing=activation_checkpointing)
-            for stage in (c * self.pp + self.pp_rank for c in range(virtual_stages))
+            for stage in (schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages))
         ]
         # Megatron's embedding group: the ranks holding the two copies of a tied wte.
         first, last = pp_group.ranks[0], pp_group.ranks[-1]

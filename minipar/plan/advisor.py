@@ -22,12 +22,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minipar.parallel.schedules import SCHEDULES, ScheduleError, check_schedule_settings
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layout
 from minipar.plan.shapes import ModelShape
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def _accepts(name: str, pp: int, micro_batches: int, virtual_stages: int) -> bool:
+    """Whether schedule `name` accepts these settings (its registry entry's rules)."""
+    try:
+        check_schedule_settings(name, pp, micro_batches, virtual_stages)
+    except ScheduleError:
+        return False
+    return True
 
 
 @dataclass
@@ -81,9 +91,12 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                 if global_batch_size % (micro * dp):
                     continue
                 m = global_batch_size // (micro * dp)
-                schedules = [("1f1b", 1)]
-                if pp > 1 and m % pp == 0 and shape.n_layer % (2 * pp) == 0:
-                    schedules.append(("interleaved", 2))
+                # the schedules that say the search should try them, where their rules
+                # allow, with chunks that split the layers evenly
+                schedules = [(spec.name, v) for spec in SCHEDULES.values()
+                             for v in spec.searched_virtual_stages
+                             if _accepts(spec.name, pp, m, v)
+                             and (v == 1 or shape.n_layer % (pp * v) == 0)]
                 for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                     for schedule, v in schedules:
                         for checkpointing in (False, True):

@@ -18,13 +18,15 @@ import json
 import sys
 from dataclasses import replace
 
+from minipar.parallel.schedules import schedule_names
 from minipar.plan import presets
 from minipar.plan.advisor import advise, format_ranking
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
-from minipar.plan.layout import PRECISIONS, SCHEDULES, ParallelConfig, PlanError
+from minipar.plan.layout import ParallelConfig, PlanError
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
+from minipar.train.config import PRECISIONS
 
 LAYOUT_FLAGS = ("dp", "tp", "pp")
 
@@ -61,7 +63,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     for name in LAYOUT_FLAGS:
         layout.add_argument("--" + name, type=int, dest=name)
     layout.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
-    layout.add_argument("--schedule", choices=SCHEDULES, default=None)
+    layout.add_argument("--schedule", choices=schedule_names(), default=None)
     layout.add_argument("--virtual-stages", type=int, dest="virtual_stages", default=None)
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                         dest="sequence_parallel", default=None)

@@ -122,8 +122,9 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
 
     all_stages: estimate every pipeline rank (default: the first, second and last, which
     bound the others). exact_pipeline: time a pipeline by simulating its schedule
-    (pipeline_time.py; O(p m v)); False uses the closed form (Narayanan et al. 2021),
-    which the advisor uses to search fast and which agrees when compute dominates.
+    (minipar.parallel.schedules.simulate_step; O(p m v)); False uses the closed form
+    (Narayanan et al. 2021), which the advisor uses to search fast and which agrees when
+    compute dominates.
     """
     check_model_fits_layout(shape, config)
     plans = stage_plans(shape, config, all_ranks=all_stages)

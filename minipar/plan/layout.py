@@ -6,29 +6,30 @@ micro_batch_size, grad_accum_steps, global_batch_size, precision,
 activation_checkpointing, bucket_size_mb), plus two a real cluster needs: a FlashAttention
 kernel (Dao et al. 2022) and an explicit pipeline `layer_split`.
 
-The batch arithmetic is TrainConfig's: global_batch_size = micro_batch_size x
-grad_accum_steps x dp (give one of the last two, or both consistently).
+The batch arithmetic and the settings' rules are TrainConfig's (minipar.train.config):
+global_batch_size = micro_batch_size x grad_accum_steps x dp (give one of the last two,
+or both consistently); the schedule's rules are its registry entry's
+(minipar.parallel.schedules), raised here as PlanError.
 
 `stage_plans` says, for each pipeline rank, which layers it holds (the same balanced
 split as minipar.parallel.pipeline.split_layers: n_layer // stages each, the first
 n_layer % stages one more), whether it holds the embedding, the head or a tied copy of
-the embedding, and how many micro-batches it keeps activations for at once:
-
-    GPipe                 m                                (Huang et al. 2019)
-    1F1B                  min(p - r, m)                    (Narayanan et al. 2021, 2.2.1)
-    interleaved (chunks)  min(2(p - r - 1) + (v - 1)p + 1, v m), all v m if m = p
-                          (Megatron-LM's warm-up; Korthikanti et al. 2022, 4.2.3:
-                          rank 0 holds 1 + (p-1)/(p v) times one model's activations)
+the embedding, and how many micro-batches it keeps activations for at once: the
+schedule's own `in_flight` formula (ScheduleSpec in minipar.parallel.schedules, e.g. m for
+GPipe, min(p - r, m) for 1F1B), which the tests check against its action lists.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
-
-PRECISIONS = ("fp64", "fp32", "bf16-mixed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from minipar.train.config import (
+    check_parallel_settings,
+    replace_settings,
+    resolve_batch,
+)
 
 
 class PlanError(ValueError):
@@ -79,52 +80,15 @@ class ParallelConfig:
     lr: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(name, f"must be a positive integer, got {value!r}")
-        if self.zero not in (0, 1, 2, 3):
-            raise PlanError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.precision not in PRECISIONS:
-            raise PlanError("precision", f"must be one of {', '.join(PRECISIONS)}, got "
-                            f"{self.precision!r}")
-        if self.schedule not in SCHEDULES:
-            raise PlanError("schedule", f"must be one of {', '.join(SCHEDULES)}, got "
-                            f"{self.schedule!r}")
-        if self.schedule == "interleaved" and (self.virtual_stages < 2 or self.pp < 2):
-            raise PlanError("virtual_stages", "the interleaved schedule needs --pp >= 2 and "
-                            "--virtual-stages >= 2; use --schedule 1f1b otherwise")
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise PlanError("virtual_stages", f"{self.virtual_stages} model chunks per rank "
-                            "need --schedule interleaved")
-        if self.bucket_size_mb < 0:
-            raise PlanError("bucket_size_mb", f"must be >= 0, got {self.bucket_size_mb}")
-        self._resolve_batch()
-        if self.schedule == "interleaved" and self.micro_batches % self.pp:
-            raise PlanError("grad_accum_steps", f"the interleaved schedule needs the "
-                            f"micro-batch count ({self.micro_batches}) to be a multiple of "
-                            f"pp={self.pp} (Megatron-LM's rule)")
-
-    def _resolve_batch(self) -> None:
-        per_step = self.micro_batch_size * self.dp
-        accum, global_batch = self.grad_accum_steps, self.global_batch_size
-        if accum is not None and (not isinstance(accum, int) or accum < 1):
-            raise PlanError("grad_accum_steps", f"must be a positive integer, got {accum!r}")
-        if global_batch is None:
-            accum = 1 if accum is None else accum
-            object.__setattr__(self, "grad_accum_steps", accum)
-            object.__setattr__(self, "global_batch_size", per_step * accum)
-            return
-        if global_batch % per_step:
-            raise PlanError("global_batch_size",
-                            f"{global_batch} is not a multiple of micro_batch_size x dp = "
-                            f"{self.micro_batch_size} x {self.dp} = {per_step}")
-        if accum is not None and accum * per_step != global_batch:
-            raise PlanError("global_batch_size",
-                            f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
-                            f"{self.micro_batch_size} x {accum} x {self.dp} = "
-                            f"{accum * per_step}")
-        object.__setattr__(self, "grad_accum_steps", global_batch // per_step)
+        # TrainConfig's rules and messages (minipar.train.config), raised as PlanError
+        check_parallel_settings(self, PlanError)
+        accum, global_batch = resolve_batch(self.micro_batch_size, self.dp,
+                                            self.grad_accum_steps, self.global_batch_size,
+                                            PlanError)
+        object.__setattr__(self, "grad_accum_steps", accum)
+        object.__setattr__(self, "global_batch_size", global_batch)
+        check_schedule_settings(self.schedule, self.pp, self.micro_batches,
+                                self.virtual_stages, PlanError)
 
     # ------------------------------------------------------------------ views
     @property
@@ -143,14 +107,7 @@ class ParallelConfig:
 
     def replace(self, **changes) -> ParallelConfig:
         """A copy with some settings changed; the batch is re-derived as in TrainConfig."""
-        values = asdict(self)
-        if "global_batch_size" not in changes and {"dp", "micro_batch_size",
-                                                   "grad_accum_steps"} & set(changes):
-            values["global_batch_size"] = None
-        if "grad_accum_steps" not in changes and "global_batch_size" in changes:
-            values["grad_accum_steps"] = None
-        values.update(changes)
-        return ParallelConfig(**values)
+        return ParallelConfig(**replace_settings(asdict(self), changes))
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -208,7 +165,8 @@ def layer_counts(n_layer: int, stages: int, layer_split=None) -> list[int]:
 class StagePlan:
     """What pipeline rank `rank` holds and runs.
 
-    chunk_layers: layers of each of its v model chunks (virtual stage c p + rank);
+    chunk_layers: layers of each of its v model chunks (virtual stage by the schedule's
+    placement: c p + rank for interleaving);
     first: it runs the embedding (virtual stage 0); last: it runs the head (the last
     virtual stage); tied_copy: it holds its own copy of a tied embedding (the last stage
     when pp > 1: Megatron's embedding group); in_flight: chunk forwards whose backward has
@@ -228,27 +186,24 @@ class StagePlan:
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual_stages: int) -> int:
-    """Peak micro-batch chunks whose activations pipeline rank `rank` holds at once."""
-    m, p, v = micro_batches, pp, virtual_stages
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(p - rank, m)
-    total = m * v
-    if m == p:
-        return total
-    return min(2 * (p - rank - 1) + (v - 1) * p + 1, total)
+    """Peak micro-batch chunks whose activations pipeline rank `rank` holds at once (the
+    schedule's declared formula)."""
+    return SCHEDULES[schedule].in_flight(pp, micro_batches, virtual_stages, rank)
 
 
 def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePlan:
     p, v = config.pp, config.virtual_stages
+    spec = SCHEDULES[config.schedule]
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
+    stages = [spec.virtual_stage(p, rank, c) for c in range(v)]
+    first, last = 0 in stages, p * v - 1 in stages
     return StagePlan(
         rank=rank,
-        chunk_layers=tuple(counts[c * p + rank] for c in range(v)),
-        first=rank == 0,
-        last=rank == p - 1,
-        tied_copy=shape.tie_embeddings and p > 1 and rank == p - 1,
+        chunk_layers=tuple(counts[stage] for stage in stages),
+        first=first,
+        last=last,
+        # the head's rank keeps its own copy of a tied embedding (Megatron's embedding group)
+        tied_copy=shape.tie_embeddings and last and not first,
         in_flight=in_flight(config.schedule, p, rank, config.micro_batches, v),
     )
 

@@ -25,10 +25,11 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from minipar.parallel.schedules import SCHEDULES
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
@@ -208,21 +209,22 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
                 f"{','.join(map(str, suggestion))} brings the slowest stage to "
                 f"{max(new_times) / mean:.2f}x (Megatron: --decoder-first/last-pipeline-"
                 "num-layers; DeepSpeed: partition_method)"))
-    v = config.virtual_stages
-    bubble = (p - 1) / (v * m + p - 1)  # uniform stages (Narayanan et al. 2021, 2.2)
+    v, spec = config.virtual_stages, SCHEDULES[config.schedule]
+    bubble = spec.uniform_bubble(p, m, v)  # uniform stages (the schedule's own formula)
     if m < p or bubble > bubble_limit:
-        want = math.ceil((p - 1) * (1 / bubble_limit - 1) / v)
-        want = max(want, p)
+        # the fewest micro-batches (at least p) that bring the bubble under the limit
+        want = next(k for k in itertools.count(p) if spec.uniform_bubble(p, k, v) <= bubble_limit)
+        chunked = [name for name, s in SCHEDULES.items() if not s.accepts_chunks(1)]
         findings.append(Finding(
             "TOO_FEW_MICRO_BATCHES", "warning",
             f"{m} micro-batches for {p} pipeline stages: the bubble is {bubble:.0%} of the "
-            f"step ((p-1)/({'v ' if v > 1 else ''}m+p-1) for uniform stages; Narayanan et "
+            f"step ({spec.bubble_formula} for uniform stages; Narayanan et "
             "al. 2021 need m >> p)"
             + ("; with m < p the pipeline never even fills." if m < p else "."),
             f"raise --grad-accum-steps to >= {want} (global batch "
             f"{config.micro_batch_size * want * config.dp}), or keep the global batch and "
             "lower --micro-batch-size"
-            + (", or use --schedule interleaved" if v == 1 else "")))
+            + (f", or use --schedule {' or '.join(chunked)}" if v == 1 and chunked else "")))
     return findings
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from minipar.parallel.schedules import SCHEDULES
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.shapes import ModelShape
 
@@ -158,14 +159,11 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     per_chunk = math.ceil(k / v)
     with_embedding = per_chunk if stage.first else 0
     received = k - with_embedding
-    # The last chunk runs each micro-batch's backward right after its forward (1F1B), so
-    # it holds one head unless every forward runs first (GPipe, or m = p interleaved).
-    if not stage.last:
-        with_head = 0
-    elif v == 1:
-        with_head = k
-    else:
-        with_head = config.micro_batches if config.micro_batches == config.pp else 1
+    # Micro-batches of head activations: the schedule's in-flight count on the last
+    # virtual stage (1F1B runs each backward right after its forward there, so one head;
+    # GPipe, or interleaving with m = p, runs every forward first).
+    with_head = (SCHEDULES[config.schedule].head_in_flight(config.pp, config.micro_batches, v)
+                 if stage.last else 0)
     if config.activation_checkpointing:
         # Each chunk keeps its layers' inputs; a received input is already a buffer.
         # One layer (or the head) at a time is recomputed and holds its full working set;

@@ -29,10 +29,10 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
+from minipar.parallel.schedules import make_schedule, simulate_step, uniform_bubble_fraction
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
 from minipar.plan.memory import sharded_numel, stage_parameters
-from minipar.plan.pipeline_time import simulate_schedule
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.traffic import GRADIENT_NORM, PARAMETER_ALL_GATHER, Transfer, stage_traffic
 
@@ -123,7 +123,9 @@ def step_time(config: ParallelConfig, stage_times: list[dict], shape: ModelShape
     elif v == 1:
         pipeline = total_over_ranks + (m - 1) * slowest + 2 * (p - 1) * hop
     else:
-        pipeline = (m + (p - 1) / v) * slowest + 2 * (p - 1) * hop
+        # m t / (1 - bubble): (m + (p - 1)/v) t for the interleaved schedule
+        bubble = uniform_bubble_fraction(config.schedule, p, m, v)
+        pipeline = m * slowest / (1 - bubble) + 2 * (p - 1) * hop
     tail = max(s["step_comm_s"] + s["optimizer_s"] for s in stage_times)
     step = pipeline + tail
     busy = m * total_over_ranks / p  # mean busy time of a rank in the pipeline section
@@ -169,7 +171,7 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
 
 def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
                         ) -> dict[str, float]:
-    """Step time of a pipelined config from a simulation of its schedule (pipeline_time),
+    """Step time of a pipelined config from a simulation of its schedule (simulate_step),
     then the step's collectives in the order minipar runs them: the tied embedding's
     all-reduce (first and last rank), the loss broadcast (all ranks), each rank's
     data-parallel reduction and the gradient norm's all-reduces over DP and TP, the
@@ -183,9 +185,10 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         tokens //= config.tp
     alpha, bandwidth = cluster.link(links["pp"])
     message = alpha + tokens * shape.d_model * config.bytes.activation / bandwidth
-    run = simulate_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
-                            forward, backward, message)
-    clock = list(run["finish"])
+    schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
+                             validated=False)
+    run = simulate_step(schedule, forward, backward, message)  # validates as it times
+    clock = list(run.finish)
     pipeline = max(clock)
     tails = []
     for r in range(p):
@@ -218,7 +221,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     step = max(end)
     # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
     # pipeline's span (a rank that finished early idles until the last one does).
-    busy = sum(run["compute"]) + sum(run["comm"])
+    busy = sum(run.compute) + sum(run.comm)
     total = p * pipeline
     model_flops = shape.model_flops_per_sequence() * config.global_batch_size
     return {

@@ -43,7 +43,7 @@ from minipar.autograd.placement import Replicate, shard
 from minipar.nn import GPT, GPTConfig
 from minipar.parallel.data import DataParallel
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
-from minipar.parallel.schedules import PipelineError, check_schedule_settings
+from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
 from minipar.parallel.tensor import (
     TensorParallelMixin,
     counts_once_in_norm,
@@ -91,12 +91,12 @@ def check_layout(config: TrainConfig) -> list[str]:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
                           "add --tp or drop --sequence-parallel")
-    if pp > 1 or v > 1 or config.schedule == "interleaved":
-        try:
-            check_schedule_settings(config.schedule, pp, m, v)
-            split_layers(config.n_layer, pp * v)
-        except PipelineError as err:
-            raise LayoutError("schedule", str(err)) from None
+    # the schedule's own rules (its registry entry), then enough layers for its stages
+    check_schedule_settings(config.schedule, pp, m, v, LayoutError)
+    try:
+        split_layers(config.n_layer, pp * v)
+    except PipelineError as err:
+        raise LayoutError("schedule", str(err)) from None
     if tp > 1:
         try:
             validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
@@ -115,10 +115,11 @@ def check_layout(config: TrainConfig) -> list[str]:
             "per-layer all-reduces cross the inter-node network instead of NVLink; make "
             "--tp a divisor of --gpus-per-node")
     if pp > 1 and m < pp:
+        spec = SCHEDULES[config.schedule]
         warnings.append(
             f"--grad-accum-steps {m} gives the {pp}-stage pipeline fewer micro-batches than "
-            f"stages, so it never fills: idle share at least (p-1)/(m+p-1) = "
-            f"{(pp - 1) / (m + pp - 1):.0%}; use --grad-accum-steps {pp} or more")
+            f"stages, so it never fills: idle share at least {spec.bubble_formula} = "
+            f"{spec.uniform_bubble(pp, m, v):.0%}; use --grad-accum-steps {pp} or more")
     return warnings
 
 

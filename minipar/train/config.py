@@ -9,6 +9,12 @@ The batch arithmetic every interview asks about lives here:
 
 The user gives either `grad_accum_steps` or `global_batch_size` (or both, consistently);
 the other is derived. A global batch that does not split is an error that names the fix.
+
+The rules the planner shares (minipar.plan.layout.ParallelConfig: the layout's sizes, ZeRO
+stage, precision, schedule name, bucket size, the batch arithmetic and its re-derivation
+on `replace`) are the functions below; each takes `error`, the exception class to raise
+as error(field, message), so each rule and its message are written once. Schedule names
+and their rules come from the schedule registry (minipar.parallel.schedules).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from minipar.parallel.schedules import check_schedule_name
+
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DATASETS = ("corpus", "synthetic")
 
 
@@ -84,12 +91,9 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Check every setting; derive grad_accum_steps / global_batch_size."""
-        positive = ("seq_len", "n_layer", "n_head", "d_model", "dp", "tp", "pp",
-                    "virtual_stages", "gpus_per_node", "micro_batch_size", "steps")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        check_positive_integers(self, ("seq_len", "n_layer", "n_head", "d_model",
+                                       "gpus_per_node", "steps"))
+        check_parallel_settings(self)
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError("vocab_size", f"must be at least 2, got {self.vocab_size}")
         if self.d_model % self.n_head:
@@ -98,10 +102,6 @@ class TrainConfig:
                               f"{_divisors(self.d_model)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero}")
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("schedule", self.schedule, SCHEDULES)
         _choice("data", self.data, DATASETS)
         if self.lr <= 0:
             raise ConfigError("lr", f"must be positive, got {self.lr}")
@@ -114,41 +114,10 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
-        if not isinstance(self.bucket_size_mb, (int, float)) or self.bucket_size_mb < 0:
-            raise ConfigError("bucket_size_mb", f"must be >= 0 (0 = one bucket), got "
-                              f"{self.bucket_size_mb!r}")
         if self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
-        self._resolve_batch()
-
-    def _resolve_batch(self) -> None:
-        per_step = self.micro_batch_size * self.dp  # sequences per micro-step, all DP ranks
-        accum, global_batch = self.grad_accum_steps, self.global_batch_size
-        if accum is not None and (not isinstance(accum, int) or accum < 1):
-            raise ConfigError("grad_accum_steps", f"must be a positive integer, got {accum!r}")
-        if global_batch is not None:
-            if not isinstance(global_batch, int) or global_batch < 1:
-                raise ConfigError("global_batch_size",
-                                  f"must be a positive integer, got {global_batch!r}")
-            if global_batch % per_step:
-                lower = max(per_step, global_batch // per_step * per_step)
-                raise ConfigError(
-                    "global_batch_size",
-                    f"{global_batch} does not split into micro-batches: it must be a multiple "
-                    f"of micro_batch_size x dp = {self.micro_batch_size} x {self.dp} = "
-                    f"{per_step} (e.g. {lower} or {lower + per_step}), or set "
-                    f"--grad-accum-steps instead")
-            derived = global_batch // per_step
-            if accum is not None and accum != derived:
-                raise ConfigError(
-                    "global_batch_size",
-                    f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
-                    f"{self.micro_batch_size} x {accum} x {self.dp} = {per_step * accum}; "
-                    f"give only one of --global-batch-size and --grad-accum-steps")
-            self.grad_accum_steps = derived
-        else:
-            self.grad_accum_steps = accum if accum is not None else 1
-            self.global_batch_size = per_step * self.grad_accum_steps
+        self.grad_accum_steps, self.global_batch_size = resolve_batch(
+            self.micro_batch_size, self.dp, self.grad_accum_steps, self.global_batch_size)
 
     # ------------------------------------------------------------------ views
     @property
@@ -169,19 +138,77 @@ class TrainConfig:
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with some settings changed (the batch is re-derived unless given)."""
-        values = self.to_dict()
-        if "global_batch_size" not in changes and {"dp", "micro_batch_size",
-                                                   "grad_accum_steps"} & set(changes):
-            values["global_batch_size"] = None
-        if "grad_accum_steps" not in changes and "global_batch_size" in changes:
-            values["grad_accum_steps"] = None
-        values.update(changes)
-        return TrainConfig.from_dict(values)
+        return TrainConfig.from_dict(replace_settings(self.to_dict(), changes))
 
 
-def _choice(name: str, value, options) -> None:
+# ------------------------------------------------------------------ the shared rules
+def check_positive_integers(settings, names, error=ConfigError) -> None:
+    """Each setting in `names` (attributes of `settings`) is an int >= 1."""
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise error(name, f"must be a positive integer, got {value!r}")
+
+
+def check_parallel_settings(settings, error=ConfigError) -> None:
+    """The layout's rules, shared by TrainConfig and the planner's ParallelConfig: mesh
+    sizes and micro-batch size, ZeRO stage, precision, schedule name, bucket size."""
+    check_positive_integers(settings, ("dp", "tp", "pp", "virtual_stages",
+                                       "micro_batch_size"), error)
+    if settings.zero not in (0, 1, 2, 3):
+        raise error("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {settings.zero!r}")
+    _choice("precision", settings.precision, PRECISIONS, error)
+    check_schedule_name(settings.schedule, error)
+    bucket = settings.bucket_size_mb
+    if not isinstance(bucket, (int, float)) or bucket < 0:
+        raise error("bucket_size_mb", f"must be >= 0 (0 = one bucket), got {bucket!r}")
+
+
+def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
+                  global_batch_size: int | None, error=ConfigError) -> tuple[int, int]:
+    """(grad_accum_steps, global_batch_size) with global = micro x accum x dp, from
+    either (or both, consistent); neither given means one micro-batch per step."""
+    per_step = micro_batch_size * dp  # sequences per micro-step, all DP ranks
+    accum, global_batch = grad_accum_steps, global_batch_size
+    if accum is not None and (not isinstance(accum, int) or accum < 1):
+        raise error("grad_accum_steps", f"must be a positive integer, got {accum!r}")
+    if global_batch is None:
+        accum = 1 if accum is None else accum
+        return accum, per_step * accum
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise error("global_batch_size", f"must be a positive integer, got {global_batch!r}")
+    if global_batch % per_step:
+        lower = max(per_step, global_batch // per_step * per_step)
+        raise error("global_batch_size",
+                    f"{global_batch} does not split into micro-batches: it must be a multiple "
+                    f"of micro_batch_size x dp = {micro_batch_size} x {dp} = {per_step} "
+                    f"(e.g. {lower} or {lower + per_step}), or set --grad-accum-steps instead")
+    derived = global_batch // per_step
+    if accum is not None and accum != derived:
+        raise error("global_batch_size",
+                    f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
+                    f"{micro_batch_size} x {accum} x {dp} = {per_step * accum}; give only "
+                    f"one of --global-batch-size and --grad-accum-steps")
+    return derived, global_batch
+
+
+def replace_settings(values: dict, changes: dict) -> dict:
+    """`values` with `changes` applied, the batch left to be re-derived: changing dp, the
+    micro-batch size or the accumulation recomputes the global batch (unless it is given
+    too), and a new global batch recomputes the accumulation."""
+    values = dict(values)
+    if "global_batch_size" not in changes and {"dp", "micro_batch_size",
+                                               "grad_accum_steps"} & set(changes):
+        values["global_batch_size"] = None
+    if "grad_accum_steps" not in changes and "global_batch_size" in changes:
+        values["grad_accum_steps"] = None
+    values.update(changes)
+    return values
+
+
+def _choice(name: str, value, options, error=ConfigError) -> None:
     if value not in options:
-        raise ConfigError(name, f"must be one of {', '.join(options)}; got {value!r}")
+        raise error(name, f"must be one of {', '.join(options)}; got {value!r}")
 
 
 def _divisors(n: int) -> list[int]:

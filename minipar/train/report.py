@@ -30,6 +30,7 @@ from minipar import distributed as dist
 from minipar.distributed.comm_log import GROUP_KINDS
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
+from minipar.parallel.schedules import schedule_names, uniform_bubble_fraction
 from minipar.train import checkpoint
 from minipar.train.build import check_layout, gpt_config
 from minipar.train.config import TrainConfig
@@ -215,15 +216,19 @@ def _pipeline(config: TrainConfig, timelines) -> dict:
         # Idle rank-time / total rank-time over the run, from the simulated clocks.
         "bubble_fraction": bubble_fraction(timelines),
         "micro_batches": m, "virtual_stages": v,
-        # Uniform stages and free communication (Narayanan et al. 2021, section 2.2).
-        "uniform_bubble_fraction": (p - 1) / (v * m + p - 1),
+        # Uniform stages and free communication: the schedule's own formula.
+        "uniform_bubble_fraction": uniform_bubble_fraction(config.schedule, p, m, v),
         "layers_per_stage": [len(r) for r in split_layers(config.n_layer, p * v)],
     }
 
 
 # ------------------------------------------------------------------ validation
 def load_schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    """The report's JSON Schema. The file lists the built-in schedules for readers outside
+    Python; the names allowed are the schedule registry's (a test keeps the two equal)."""
+    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    schema["properties"]["config"]["properties"]["schedule"]["enum"] = list(schedule_names())
+    return schema
 
 
 def validate_report(data: dict) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.nn import GPTConfig
 from minipar.parallel.pipeline import Pipeline, bubble_fraction
-from minipar.parallel.schedules import in_flight_peak
+from minipar.parallel.schedules import in_flight_peak, uniform_bubble_fraction
 from minipar.train.config import TrainConfig
 from minipar.train.report import Report
 
@@ -103,7 +103,7 @@ def pipeline_step(schedule: str, pp: int, micro_batches: int, virtual_stages: in
     return {
         "timelines": timelines,
         "bubble": bubble_fraction(timelines),
-        "formula": (pp - 1) / (v * micro_batches + pp - 1),
+        "formula": uniform_bubble_fraction(schedule, pp, micro_batches, v),
         "in_flight": [in_flight_peak(schedule_, r) for r in range(pp)],
         "activations": [d.memory.peak["activations"] for d in devices],
         "step_s": max(e.end for t in timelines for e in t),

@@ -37,7 +37,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.schedules import PipelineError
+from minipar.parallel.schedules import (
+    SCHEDULES,
+    check_schedule_settings,
+    schedule_names,
+)
 from minipar.train.build import gpt_config
 from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream
@@ -170,8 +174,8 @@ class PipelineExplorer(Explorer):
 
     def __init__(self, cache: RunCache | None = None, **initial):
         controls = {
-            "schedule": _control("dropdown", "schedule", ["gpipe", "1f1b", "interleaved"],
-                                 "1f1b", "190px"),
+            "schedule": _control("dropdown", "schedule", list(schedule_names()), "1f1b",
+                                 "190px"),
             "pp": _control("dropdown", "p (stages)", [2, 4, 8], 4, "150px"),
             "micro_batches": _control("slider", "m (micro-batches)", (1, 16), 8),
             "virtual_stages": _control("dropdown", "v (chunks)", [1, 2, 3], 1, "140px"),
@@ -186,9 +190,7 @@ class PipelineExplorer(Explorer):
                                                          virtual_stages))
 
     def draw(self, schedule, pp, micro_batches, virtual_stages):
-        if schedule != "interleaved" and virtual_stages != 1:
-            raise PipelineError(f"v={virtual_stages} model chunks per rank needs the "
-                                "interleaved schedule; pick it or set v = 1")
+        check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
         result = self.run(schedule, pp, micro_batches, virtual_stages)
         timeline = plot_timeline(
             result["timelines"], width=10,
@@ -210,7 +212,7 @@ class PipelineExplorer(Explorer):
         right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
         right.set_title(f"peak activations held ({unit}, measured)", fontsize=9)
         right.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
-        formula = ("(p-1)/(v·m+p-1)" if virtual_stages > 1 else "(p-1)/(m+p-1)")
+        formula = SCHEDULES[schedule].bubble_formula
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
                    f"{formula} = {result['formula']:.3f} for uniform stages (the last stage "
                    f"also runs the head and loss); stage 0 holds "

@@ -1,12 +1,22 @@
-"""The schedule simulation: the closed forms with free communication, the schedules'
-own ideal timings, and a hand-traced latency-bound case."""
+"""The schedule simulator with costs (simulate_step, which the planner's exact pipeline
+time calls): the closed forms with free communication, the schedules' own ideal timings,
+and a hand-traced latency-bound case."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from minipar.parallel.pipeline_actions import simulate_step
 from minipar.parallel.schedules import make_schedule, simulate
-from minipar.plan.pipeline_time import simulate_schedule
+
+
+def simulate_schedule(name, pp, micro_batches, virtual_stages, forward, backward, message):
+    """Schedule `name` run with per-(rank, chunk) costs, as a dict of per-rank lists."""
+    run = simulate_step(make_schedule(name, pp, micro_batches, virtual_stages), forward,
+                        backward, message)
+    return dataclasses.asdict(run)
 
 
 def uniform(p, v, cost):
