@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minipar.autograd.function import Context
+from minipar.autograd.kernels import Kernel, array_bytes
 from minipar.autograd.tracking import _current_device, device_phase
 
 if TYPE_CHECKING:  # only annotations: tensor.py imports this module
@@ -94,7 +95,7 @@ def _run_backward(root: Tensor, grad: np.ndarray) -> None:
                     f"gradients for {len(edges)} forward arguments"
                 )
             if device is not None and node.flops_backward:
-                device.compute(node.flops_backward, "backward")
+                _report_backward(device, node, grads, input_grads)
         node.release_saved()
         node.edges = None
 
@@ -170,3 +171,18 @@ _FREED_MESSAGE = (
     "backward() through a graph that was already freed by an earlier backward(); "
     "run forward again"
 )
+
+
+def _report_backward(device, node: Context, grads, input_grads) -> None:
+    """Book a node's backward on the device: its FLOPs and, for a device that prices
+    kernels, the kernels the op named or one reading the incoming gradients and the saved
+    arrays and writing the input gradients (function.py)."""
+    if not getattr(device, "wants_kernels", False):
+        device.compute(node.flops_backward, "backward")
+        return
+    kernels = node.kernels_backward
+    if not kernels:
+        saved = node.saved_tensors if node._saved is not None else ()
+        nbytes = array_bytes(grads) + array_bytes(input_grads) + array_bytes(saved)
+        kernels = (Kernel(node.flops_backward, nbytes),)
+    device.compute(node.flops_backward, "backward", kernels)

@@ -7,7 +7,10 @@ the `ctx` as a node of the graph: `edges` point at what produced each input, and
 outputs are Tensors that remember the node. engine.py walks these nodes backwards.
 
 Cost reporting (see tracking.py): each forward reports its FLOPs to the current device
-(each node's backward does so in engine.py); arrays saved for backward are held in the
+(each node's backward does so in engine.py), and, to a device that prices kernels (a
+roofline profile), the kernels they run: `ctx.kernels_forward` / `ctx.kernels_backward`
+if the op sets them (GEMMs: minipar.autograd.kernels), else one kernel moving the op's
+inputs and outputs; arrays saved for backward are held in the
 device's ledger as "activations" from the moment they are saved until their node's
 backward has run (`release_saved`).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.autograd.grad_mode import _grad_enabled
+from minipar.autograd.kernels import Kernel, array_bytes
 from minipar.autograd.tracking import _current_device
 
 
@@ -28,7 +32,8 @@ class Context:
     """The `ctx` of a Function call; when recorded, it is that call's graph node.
 
     Forward may set any attribute on it (shapes, flags) for backward to read.
-    `flops_forward`/`flops_backward` are the FLOPs of this call's forward and backward.
+    `flops_forward`/`flops_backward` are the FLOPs of this call's forward and backward;
+    `kernels_forward`/`kernels_backward` (optional) the kernels they run (kernels.py).
     `edges[i]` points at whatever produced forward argument i: `(node, output_index)` for
     an op output, `(leaf_tensor, 0)` for a leaf that requires grad, None otherwise.
     """
@@ -41,6 +46,8 @@ class Context:
         "out_shapes",
         "flops_forward",
         "flops_backward",
+        "kernels_forward",
+        "kernels_backward",
         "_saved",
         "_held",
         "_device",
@@ -54,6 +61,8 @@ class Context:
         self.edges = None
         self.flops_forward = 0
         self.flops_backward = 0
+        self.kernels_forward = None
+        self.kernels_backward = None
         self._saved = ()
         self._held = None
         self._device = None
@@ -176,7 +185,12 @@ class Function:
         out = cls.forward(ctx, *raw)
         device = _current_device.get()
         if device is not None and ctx.flops_forward:
-            device.compute(ctx.flops_forward, "forward")
+            if getattr(device, "wants_kernels", False):
+                kernels = ctx.kernels_forward or (Kernel(ctx.flops_forward, array_bytes(raw)
+                                                         + array_bytes(_as_tuple(out))),)
+                device.compute(ctx.flops_forward, "forward", kernels)
+            else:
+                device.compute(ctx.flops_forward, "forward")
         if not record:
             if isinstance(out, tuple):
                 return tuple(_new_tensor(o, None, 0) for o in out)
@@ -198,6 +212,10 @@ class Function:
             return tuple(_new_tensor(o, ctx, i) for i, o in enumerate(out))
         ctx.out_shapes = (out.shape,)
         return _new_tensor(out, ctx, 0)
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
 
 
 # Function.apply makes Tensors and tensor.py imports this module: import Tensor last, once

@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from minipar.autograd.function import Function
+from minipar.autograd.kernels import attention_kernels, linear_kernels
 from minipar.autograd.placement import require_reduced
 from minipar.autograd.precision import bfloat16, compute_dtype, float32
 from minipar.autograd.tensor import Tensor
@@ -74,6 +75,8 @@ class Linear(Function):
         m, n = y.shape
         ctx.flops_forward = 2 * m * in_features * n + (m * n if bias is not None else 0)
         ctx.flops_backward = 4 * m * in_features * n + (m * n if bias is not None else 0)
+        ctx.kernels_forward, ctx.kernels_backward = linear_kernels(
+            m, n, in_features, x.dtype.itemsize, bias is not None)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
@@ -302,6 +305,8 @@ class CausalSelfAttention(Function):
         flops = 4 * batch * n_heads * length * length * head_dim  # two matmuls
         ctx.flops_forward = flops + 5 * att.size
         ctx.flops_backward = 2 * flops + 4 * att.size
+        ctx.kernels_forward, ctx.kernels_backward = attention_kernels(
+            batch * n_heads, length, head_dim, qkv.dtype.itemsize, dropout_p > 0.0)
         return out.astype(qkv.dtype, copy=False)
 
     @staticmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.autograd.function import Function
+from minipar.autograd.kernels import gemm_kernel, linear_backward_kernels
 from minipar.autograd.precision import bfloat16, float32, matmul, sum_to_dtype
 from minipar.autograd.tensor import Tensor
 
@@ -191,6 +192,11 @@ class MatMul(Function):
         flops = 2 * out.size * a.shape[-1]
         ctx.flops_forward = flops
         ctx.flops_backward = 2 * flops
+        m, n = out.shape[-2:]
+        batch = out.size // (m * n) if out.size else 0
+        ctx.kernels_forward = (gemm_kernel(batch, m, n, a.shape[-1], out.dtype.itemsize),)
+        ctx.kernels_backward = linear_backward_kernels(batch, m, n, a.shape[-1],
+                                                       out.dtype.itemsize)
         return out
 
     @staticmethod

@@ -20,7 +20,7 @@ errors.
 from __future__ import annotations
 
 from .buffers import hold, release, transient
-from .clock import Clock, DeviceProfile, TimelineEvent, collective_time
+from .clock import A100, H100, Clock, DeviceProfile, TimelineEvent, collective_time
 from .cluster import Cluster
 from .collectives import (
     CollectiveWork,
@@ -43,10 +43,13 @@ from .memory import CATEGORIES, MemoryLedger
 from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .roofline import Roofline
 
 __all__ = [
+    "A100",
     "CATEGORIES",
     "GROUP_KINDS",
+    "H100",
     "PHASES",
     "Clock",
     "Cluster",
@@ -62,6 +65,7 @@ __all__ = [
     "MemoryLedger",
     "ProcessGroup",
     "RankAborted",
+    "Roofline",
     "TimelineEvent",
     "Work",
     "all_gather",

@@ -1,14 +1,20 @@
 """Simulated time: a device profile, the alpha-beta cost of communication, a per-rank clock.
 
-Nothing here reads the wall clock. Compute advances a rank's clock by FLOPs / (FLOP/s);
-communication by the alpha-beta model (Hockney 1994): a message of S bytes over a link
-with latency alpha and bandwidth B takes alpha + S/B. So timelines, bubbles and overlap
-describe the simulated cluster, and are the same on every run and every laptop.
+Nothing here reads the wall clock. Compute advances a rank's clock by FLOPs / (FLOP/s)
+(the uniform model: the default profile), or, on a profile with a roofline (`H100`,
+`A100`), by each kernel's roofline time: GEMMs by their shape, elementwise ops by the
+bytes they move (minipar.distributed.roofline; the planner prices the same kernels the
+same way). Communication follows the alpha-beta model (Hockney 1994): a message of S
+bytes over a link with latency alpha and bandwidth B takes alpha + S/B. So timelines,
+bubbles and overlap describe the simulated cluster, and are the same on every run and
+every laptop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .roofline import A100_SXM_80GB, H100_SXM_80GB, Roofline
 
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
 
@@ -31,6 +37,10 @@ class DeviceProfile:
         NCCL's own cost model (src/graph/tuning.cc, table hwLat) charges 3.4 us per ring
         step over NVLink with its bulk "Simple" protocol (0.6 us with low-latency "LL"),
         and several microseconds more per network step; we take 3 us and 8 us.
+    roofline: None (the default) charges every FLOP at `flops`: the uniform model, whose
+        clean identities (bubble (p-1)/(m+p-1), compute proportional to FLOPs) the tests
+        and docs rely on. A Roofline prices each kernel an op reports instead (`H100`,
+        `A100` below); `flops` is then only the fallback for work reported without kernels.
     """
 
     name: str = "H100-SXM (NVLink 4, 400 Gb/s IB NDR)"
@@ -39,6 +49,7 @@ class DeviceProfile:
     inter_node_bandwidth: float = 50e9
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 8e-6
+    roofline: Roofline | None = None
 
     def __post_init__(self) -> None:
         for setting in ("flops", "intra_node_bandwidth", "inter_node_bandwidth"):
@@ -50,11 +61,27 @@ class DeviceProfile:
             if not value >= 0:
                 raise ValueError(f"DeviceProfile.{setting} must be >= 0, got {value}")
 
+    def compute_seconds(self, flops: float, kernels=None) -> float:
+        """Seconds of work of `flops` FLOPs, reported as `kernels` (a sequence of
+        minipar.autograd.kernels.Kernel, or None)."""
+        if self.roofline is None or kernels is None:
+            return flops / self.flops
+        return self.roofline.total_seconds(kernels)
+
     def link(self, same_node: bool) -> tuple[float, float]:
         """(latency alpha in s, bandwidth B in bytes/s) of the slowest link a transfer crosses."""
         if same_node:
             return self.intra_node_latency, self.intra_node_bandwidth
         return self.inter_node_latency, self.inter_node_bandwidth
+
+
+# One GPU of a DGX node priced on its roofline: the profiles `minipar train --device h100 /
+# a100` simulate and the planner's h100-80gb / a100-80gb presets use (same links).
+H100 = DeviceProfile(name="H100-SXM roofline (NVLink 4, 400 Gb/s IB NDR)",
+                     flops=H100_SXM_80GB.peak_flops, roofline=H100_SXM_80GB)
+A100 = DeviceProfile(name="A100-SXM-80GB roofline (NVLink 3, 200 Gb/s IB HDR)",
+                     flops=A100_SXM_80GB.peak_flops, intra_node_bandwidth=300e9,
+                     inter_node_bandwidth=25e9, roofline=A100_SXM_80GB)
 
 
 def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float) -> float:

@@ -1,7 +1,7 @@
 """One virtual GPU: its rank and node, and what it measured (memory, time, bytes).
 
 A Device is what `minipar.autograd.tracking.current_device()` returns inside a rank: the
-autograd engine calls `device.compute(flops, kind)` for every op and `device.memory.hold`
+autograd engine calls `device.compute(flops, kind, kernels)` for every op and `device.memory.hold`
 / `release` for the arrays it keeps. The collectives book their bytes in `device.comm`
 and their time on `device.clock`. A Device is only ever touched by its own rank's thread.
 """
@@ -41,13 +41,20 @@ class Device:
         self._pending_works: dict[int, object] = {}  # isend/irecv not yet waited, by id
 
     # --- the autograd device protocol --------------------------------------------------
-    def compute(self, flops: float, kind: str) -> None:
-        """Advance this rank's clock by `flops` of work of `kind` (forward|backward|optimizer)."""
+    @property
+    def wants_kernels(self) -> bool:
+        """Whether compute is priced per kernel (a roofline profile): only then do ops
+        need to describe their kernels (minipar.autograd.kernels)."""
+        return self.profile.roofline is not None
+
+    def compute(self, flops: float, kind: str, kernels=None) -> None:
+        """Advance this rank's clock by `flops` of work of `kind` (forward|backward|optimizer),
+        run as `kernels` (priced on the profile's roofline, if it has one)."""
         if self._cluster is not None and self._cluster.failure is not None:
             raise RankAborted  # another rank failed: stop here rather than compute on
         if kind not in COMPUTE_KINDS:
             raise ValueError(f"compute kind {kind!r} is not one of {COMPUTE_KINDS}")
-        self.clock.compute(flops / self.profile.flops, kind)
+        self.clock.compute(self.profile.compute_seconds(flops, kernels), kind)
 
     # --- the phase communication is charged to -----------------------------------------
     @property

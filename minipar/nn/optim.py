@@ -21,10 +21,28 @@ import math
 
 import numpy as np
 
+from minipar.autograd.kernels import Kernel
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tracking import current_device
 
 ADAMW_FLOPS_PER_ELEMENT = 14
+
+
+def adamw_bytes(param: np.ndarray, grad: np.ndarray, states) -> int:
+    """HBM bytes of one AdamW update: reads and writes the parameter and each state array
+    (fp32 master weights, the two moments), reads the gradient."""
+    state = sum(a.nbytes for a in states if a is not None)
+    return 2 * (param.nbytes + state) + grad.nbytes
+
+
+def report_optimizer(device, elements: int, nbytes: int) -> None:
+    """Book an optimizer step of `elements` parameters on the device (one streaming
+    kernel for a device that prices kernels: minipar.distributed.roofline)."""
+    flops = ADAMW_FLOPS_PER_ELEMENT * elements
+    if getattr(device, "wants_kernels", False):
+        device.compute(flops, "optimizer", (Kernel(flops, nbytes),))
+    else:
+        device.compute(flops, "optimizer")
 
 
 def adamw_update(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,
@@ -118,7 +136,7 @@ class AdamW:
     def step(self) -> None:
         self.step_count += 1
         beta1, beta2 = self.betas
-        elements = 0
+        elements = nbytes = 0
         states = zip(self.params, self.master, self.exp_avg, self.exp_avg_sq, strict=True)
         for p, master, m, v in states:
             if p.grad is None:
@@ -130,9 +148,10 @@ class AdamW:
             if master is not None:
                 p.data[...] = master.astype(p.dtype)  # round the master back into bf16
             elements += p.size
+            nbytes += adamw_bytes(p.data, p.grad, (master, m, v))
         device = current_device()
         if device is not None and elements:
-            device.compute(ADAMW_FLOPS_PER_ELEMENT * elements, "optimizer")
+            report_optimizer(device, elements, nbytes)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

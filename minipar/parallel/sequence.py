@@ -38,6 +38,7 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd import functional as F
+from minipar.autograd.kernels import linear_kernels
 from minipar.autograd.placement import PlacementError
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Function, Tensor
@@ -76,6 +77,8 @@ class SequenceParallelLinear(Function):
         m, n = y.shape
         ctx.flops_forward = 2 * m * x2.shape[1] * n + (m * n if bias is not None else 0)
         ctx.flops_backward = 4 * m * x2.shape[1] * n + (m * n if bias is not None else 0)
+        ctx.kernels_forward, ctx.kernels_backward = linear_kernels(
+            m, n, x2.shape[1], x.dtype.itemsize, bias is not None)
         return y.astype(x.dtype, copy=False).reshape(*full.shape[:-1], n)
 
     @staticmethod

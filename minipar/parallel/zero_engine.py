@@ -31,7 +31,7 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.precision import bfloat16, float32
-from minipar.nn.optim import ADAMW_FLOPS_PER_ELEMENT, adamw_update, grad_norm_squared, scale_grads_
+from minipar.nn.optim import adamw_update, grad_norm_squared, report_optimizer, scale_grads_
 from minipar.parallel.data import MAX_IN_FLIGHT, Bucket, Holding, Piece, sum_over_groups
 
 CHECK_MESSAGE = ("every parameter must take part in the loss (DeepSpeed and FSDP need "
@@ -242,7 +242,15 @@ class ZeroEngine:
         self.step_count += 1
         elements = sum(self._update_shard(sb, lr) for sb in self.shards)
         if elements:
-            dist.get_device().compute(ADAMW_FLOPS_PER_ELEMENT * elements, "optimizer")
+            report_optimizer(dist.get_device(), elements, elements * self._bytes_per_element())
+
+    def _bytes_per_element(self) -> int:
+        """HBM bytes AdamW moves per element (as nn.optim.adamw_bytes): reads and writes
+        the parameter and each state array, reads the gradient."""
+        sb = self.shards[0]
+        states = (sb.master if self.mixed else None, sb.exp_avg, sb.exp_avg_sq)
+        state = sum(a.itemsize for a in states if a is not None)
+        return 2 * (sb.param_shard.itemsize + state) + sb.grad_shard.itemsize
 
     def _update_shard(self, sb: ShardedBucket, lr: float) -> int:
         """AdamW on one shard (segment by segment, for weight decay); the new weights

@@ -15,6 +15,12 @@ cuts a tensor that does not divide evenly, so small tensors are exact too:
 Time is the alpha-beta model of minipar.distributed.clock.collective_time (Hockney 1994;
 Thakur, Rabenseifner & Gropp 2005), with the bandwidth of the slowest link the group
 crosses.
+
+Compute is priced one of two ways. With a `roofline` (minipar.distributed.roofline: the
+GPU's tensor-core and HBM roofs, GEMM tile quantization; the a100/h100 presets), each
+kernel of plan/kernels.py takes max(FLOPs / its compute rate, bytes / HBM bandwidth).
+Without one, every FLOP costs 1 / (peak_flops x efficiency): the uniform model, which is
+what minipar's default device profile simulates.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from minipar.distributed.clock import DeviceProfile, collective_time
+from minipar.distributed.roofline import Roofline
 
 GIB = 2**30
 
@@ -35,8 +42,10 @@ class ClusterSpec:
         (the CUDA context, NCCL buffers and allocator fragmentation take the rest;
         1.0 for the emulator, whose ledger counts only arrays).
     peak_flops: dense 16-bit tensor-core peak per GPU (datasheet).
-    efficiency: the fraction of peak the kernels sustain (an explicit assumption; the
-        emulator charges every FLOP at `peak_flops * efficiency`).
+    efficiency: the fraction of peak every FLOP runs at when there is no roofline (the
+        uniform model; the emulator's default profile charges every FLOP that way).
+    roofline: the GPU's roofs (minipar.distributed.roofline.Roofline) to price each kernel
+        by its shape and bytes; None for the uniform model.
     intra_node_bandwidth, inter_node_bandwidth: bytes/s one GPU sends in one direction.
     intra_node_latency, inter_node_latency: seconds per ring step (alpha).
     """
@@ -51,6 +60,7 @@ class ClusterSpec:
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 8e-6
     usable_memory_fraction: float = 0.9
+    roofline: Roofline | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -87,14 +97,22 @@ class ClusterSpec:
     def with_memory(self, memory_bytes: float) -> ClusterSpec:
         return replace(self, memory_bytes=memory_bytes)
 
+    def uniform(self, efficiency: float | None = None) -> ClusterSpec:
+        """This cluster without its roofline: every FLOP at peak x efficiency."""
+        return replace(self, roofline=None,
+                       efficiency=self.efficiency if efficiency is None else efficiency)
+
     @classmethod
     def from_device_profile(cls, profile: DeviceProfile | None = None, gpus_per_node: int = 8,
                             memory_bytes: float = 80 * GIB) -> ClusterSpec:
         """The cluster minipar's emulator simulates: every FLOP at `profile.flops`
-        (efficiency 1), all of the memory usable."""
+        (efficiency 1), or each kernel on the profile's roofline if it has one; all of
+        the memory usable."""
         profile = DeviceProfile() if profile is None else profile
         return cls(name=f"emulated {profile.name}", gpus_per_node=gpus_per_node,
-                   memory_bytes=memory_bytes, peak_flops=profile.flops, efficiency=1.0,
+                   memory_bytes=memory_bytes, efficiency=1.0, roofline=profile.roofline,
+                   peak_flops=profile.flops if profile.roofline is None
+                   else profile.roofline.peak_flops,
                    intra_node_bandwidth=profile.intra_node_bandwidth,
                    inter_node_bandwidth=profile.inter_node_bandwidth,
                    intra_node_latency=profile.intra_node_latency,

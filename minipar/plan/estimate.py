@@ -117,7 +117,8 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
-             all_stages: bool = False, exact_pipeline: bool = True) -> Estimate:
+             all_stages: bool = False, exact_pipeline: bool = True,
+             scatter_gather: bool = False) -> Estimate:
     """Predict one optimizer step of `shape` trained with `config` on `cluster`.
 
     all_stages: estimate every pipeline rank (default: the first, second and last, which
@@ -125,6 +126,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     (minipar.parallel.schedules.simulate_step; O(p m v)); False uses the closed form
     (Narayanan et al. 2021), which the advisor uses to search fast and which agrees when
     compute dominates.
+    scatter_gather: price pipeline messages as Megatron-LM sends them across TP
+    (timing.p2p_message_seconds); minipar's own pipeline does not (the default).
     """
     check_model_fits_layout(shape, config)
     plans = stage_plans(shape, config, all_ranks=all_stages)
@@ -136,7 +139,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
             memory=stage_memory(shape, config, plan), traffic=sent_by_group(transfers),
             transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers)))
     if exact_pipeline and config.pp > 1:
-        time = simulated_step_time(shape, config, cluster)
+        time = simulated_step_time(shape, config, cluster, scatter_gather=scatter_gather)
     else:
         time = step_time(config, [s.time for s in stages], shape, cluster,
                          [p.rank for p in plans])

@@ -19,17 +19,18 @@ GPU datasheet figures (dense BF16 tensor-core peak, no sparsity; per-GPU links):
 - H100 SXM 80GB: 989 TFLOP/s; NVLink 4 900 GB/s bidirectional (450 GB/s each way);
   DGX H100: one 400 Gb/s NDR ConnectX-7 per GPU (50 GB/s each way).
   (NVIDIA H100 datasheet; DGX H100 user guide.)
-Efficiency (an explicit assumption): kernels sustain 60% of peak on A100 and 50% on H100.
-End to end, Megatron-LM reached 52% of A100 peak on a 1T model (Narayanan et al. 2021,
-Table 1: 163 TFLOP/s per GPU) and BLOOM ~48% ("about 150 TFLOPs", BigScience); Llama 3
-reports 38-43% MFU on H100 (Dubey et al. 2024, Table 4). The planner then subtracts
-communication and the bubble, so its MFU lands near those figures for their layouts.
+Compute: each kernel on the GPU's roofline (minipar.distributed.roofline: datasheet peak,
+HBM bandwidth and SM count; a GEMM efficiency and an HBM efficiency fitted on Narayanan
+et al. 2021, Table 1, by benchmarks/fit_time_model.py; `minipar plan --compare-published`
+prints the fit). `efficiency` (60% of peak on A100, 50% on H100) is the uniform model's
+single rate, used only when the roofline is switched off (`minipar plan --efficiency X`).
 Usable memory: 90% of 80 GiB (the CUDA context, NCCL buffers and fragmentation take the
 rest).
 """
 
 from __future__ import annotations
 
+from minipar.distributed.roofline import A100_SXM_80GB, H100_SXM_80GB
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import ModelShape
@@ -75,12 +76,12 @@ CLUSTERS: dict[str, ClusterSpec] = {
         name="8x A100-SXM-80GB, NVLink 3, 200 Gb/s HDR IB per GPU", gpus_per_node=8,
         memory_bytes=80 * GIB, peak_flops=312e12, efficiency=0.6,
         intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
-        intra_node_latency=3e-6, inter_node_latency=8e-6),
+        intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=A100_SXM_80GB),
     "h100-80gb": ClusterSpec(
         name="8x H100-SXM-80GB, NVLink 4, 400 Gb/s NDR IB per GPU", gpus_per_node=8,
         memory_bytes=80 * GIB, peak_flops=989e12, efficiency=0.5,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
-        intra_node_latency=3e-6, inter_node_latency=8e-6),
+        intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=H100_SXM_80GB),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),

@@ -1,7 +1,8 @@
 """Predicted time of one optimizer step, its pipeline bubble and MFU.
 
-One micro-batch on pipeline rank r costs t_r = (forward + backward FLOPs) / sustained
-FLOP/s, plus the tensor-parallel collectives and ZeRO-3 gathers it waits for (minipar's
+One micro-batch on pipeline rank r costs t_r = its compute (stage_seconds: each kernel of
+plan/kernels.py on the cluster's roofline, or FLOPs / sustained FLOP/s on a uniform
+cluster), plus the tensor-parallel collectives and ZeRO-3 gathers it waits for (minipar's
 collectives block; Megatron also runs TP communication on the critical path). With full
 recomputation the backward also redoes the layers' forward (Chen et al. 2016; Korthikanti
 et al. 2022, section 5: +33% of a transformer's compute, ~ 1 forward on 3).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from minipar.parallel.schedules import make_schedule, simulate_step, uniform_bubble_fraction
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
+from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
@@ -79,11 +81,24 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
             "optimizer": ADAMW_FLOPS_PER_PARAMETER * optimizer_elements}
 
 
+def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                  stage: StagePlan) -> dict[str, float]:
+    """Compute seconds of one micro-batch's forward and backward and of the optimizer step
+    on one rank of `stage`: each kernel on the cluster's roofline (GEMMs by shape,
+    elementwise by bytes), or every FLOP at the sustained rate on a uniform cluster."""
+    if cluster.roofline is None:
+        flops = stage_compute(shape, config, stage)
+        return {kind: flops[kind] / cluster.sustained_flops for kind in flops}
+    roofline = cluster.roofline
+    return {kind: sum(times * roofline.total_seconds(kernels) for times, kernels in groups)
+            for kind, groups in stage_kernels(shape, config, stage).items()}
+
+
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                stage: StagePlan, transfers: list[Transfer]) -> dict[str, float]:
     """Seconds of one micro-batch (t_r) and of the step's tail on one rank."""
     flops = stage_compute(shape, config, stage)
-    speed = cluster.sustained_flops
+    compute_s = stage_seconds(shape, config, cluster, stage)
     links = group_links(config, cluster)
     m = config.micro_batches
     per_micro_comm = step_comm = p2p = 0.0
@@ -95,14 +110,14 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
             step_comm += transfer.count * seconds
         else:
             per_micro_comm += transfer.count * seconds / m
-    compute = (flops["forward"] + flops["backward"]) / speed
+    compute = compute_s["forward"] + compute_s["backward"]
     return {
         "micro_batch_compute_s": compute,
         "micro_batch_comm_s": per_micro_comm,
         "micro_batch_s": compute + per_micro_comm,
         "p2p_s": p2p,
         "step_comm_s": step_comm,
-        "optimizer_s": flops["optimizer"] / speed,
+        "optimizer_s": compute_s["optimizer"],
         "flops": flops,
     }
 
@@ -150,7 +165,6 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     p, v, m = config.pp, config.virtual_stages, config.micro_batches
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
     links = group_links(config, cluster)
-    speed = cluster.sustained_flops
     forward = [[0.0] * v for _ in range(p)]
     backward = [[0.0] * v for _ in range(p)]
     for r in range(p):
@@ -158,9 +172,8 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             chunk = StagePlan(rank=r, chunk_layers=(counts[c * p + r],),
                               first=r == 0 and c == 0, last=r == p - 1 and c == v - 1,
                               tied_copy=False, in_flight=1)
-            flops = stage_compute(shape, config, chunk)
-            seconds = {"forward": flops["forward"] / speed,
-                       "backward": flops["backward"] / speed}
+            compute = stage_seconds(shape, config, cluster, chunk)
+            seconds = {"forward": compute["forward"], "backward": compute["backward"]}
             for transfer in stage_traffic(shape, config, chunk):
                 if transfer.phase in seconds and transfer.group != "pp":
                     seconds[transfer.phase] += (transfer.count / m * transfer_time(
@@ -169,22 +182,40 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     return forward, backward
 
 
-def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
-                        ) -> dict[str, float]:
+def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                        scatter_gather: bool = False) -> float:
+    """Seconds of one pipeline message, a micro-batch's (b, s, h) activation or its
+    gradient, from a rank to its peer on the next stage.
+
+    scatter_gather: Megatron-LM's optimisation of pipeline messages across tensor
+    parallelism (Narayanan et al. 2021, section 4.1; megatron/p2p_communication.py): the
+    t ranks of a stage hold the same activation, so each sends 1/t of it over the
+    (inter-node) pipeline link and the receiving stage all-gathers it over NVLink.
+    minipar's pipeline sends the whole tensor from every TP rank (the default)."""
+    links = group_links(config, cluster)
+    tokens = config.micro_batch_size * shape.seq_len
+    if config.sequence_parallel:
+        tokens //= config.tp
+    nbytes = tokens * shape.d_model * config.bytes.activation
+    alpha, bandwidth = cluster.link(links["pp"])
+    if not scatter_gather or config.tp == 1 or config.sequence_parallel:
+        return alpha + nbytes / bandwidth
+    return (alpha + nbytes / config.tp / bandwidth
+            + cluster.collective_time("all_gather", config.tp, nbytes, links["tp"]))
+
+
+def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                        scatter_gather: bool = False) -> dict[str, float]:
     """Step time of a pipelined config from a simulation of its schedule (simulate_step),
     then the step's collectives in the order minipar runs them: the tied embedding's
     all-reduce (first and last rank), the loss broadcast (all ranks), each rank's
     data-parallel reduction and the gradient norm's all-reduces over DP and TP, the
     norm's all-reduce over PP (all ranks again), then the optimizer and ZeRO-1/2's
-    parameter all-gather."""
+    parameter all-gather. scatter_gather: see p2p_message_seconds."""
     p = config.pp
     forward, backward = chunk_costs(shape, config, cluster)
     links = group_links(config, cluster)
-    tokens = config.micro_batch_size * shape.seq_len
-    if config.sequence_parallel:
-        tokens //= config.tp
-    alpha, bandwidth = cluster.link(links["pp"])
-    message = alpha + tokens * shape.d_model * config.bytes.activation / bandwidth
+    message = p2p_message_seconds(shape, config, cluster, scatter_gather)
     schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
                              validated=False)
     run = simulate_step(schedule, forward, backward, message)  # validates as it times
@@ -207,7 +238,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
                          if t.group != "pp" and t.label != PARAMETER_ALL_GATHER)
         norm = seconds(t for t in step_transfers
                        if t.group == "pp" and t.label == GRADIENT_NORM)
-        optimizer = stage_compute(shape, config, plan)["optimizer"] / cluster.sustained_flops
+        optimizer = stage_seconds(shape, config, cluster, plan)["optimizer"]
         gather = seconds(t for t in step_transfers if t.label == PARAMETER_ALL_GATHER)
         tails.append((tied, broadcast + reduce, norm, optimizer + gather))
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce

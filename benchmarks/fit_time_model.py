@@ -1,0 +1,74 @@
+"""Fit the roofline's two efficiencies on Narayanan et al. 2021, Table 1; print residuals.
+
+    python benchmarks/fit_time_model.py          # ~1-2 min on a busy laptop core
+
+The planner's A100 time model (minipar.distributed.roofline) has two constants that no
+datasheet gives: the fraction of tensor-core peak a large GEMM sustains
+(`gemm_efficiency`) and the fraction of HBM bandwidth a streaming kernel sustains
+(`memory_efficiency`). Everything else is a datasheet figure (peak, HBM bandwidth, SMs,
+links) or a setting of the published runs (minipar.plan.published). This script fits the
+two on the ten rows by least squares on log(predicted / published) TFLOP/s, a coarse grid
+then a finer one around its best point, and prints the fit, the residual of every row and
+how much each constant moves the worst row. The constants in roofline.py are the ones it
+prints (rounded to 0.01); the test tests/plan/test_published.py guards the residuals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from minipar.distributed.roofline import GEMM_EFFICIENCY, MEMORY_EFFICIENCY
+from minipar.plan import presets
+from minipar.plan.published import TOLERANCE, compare, format_comparison
+
+
+def cluster_with(gemm: float, memory: float):
+    base = presets.cluster("a100-80gb")
+    return replace(base, roofline=base.roofline.replace(gemm_efficiency=gemm,
+                                                        memory_efficiency=memory))
+
+
+def loss(rows: list[dict]) -> float:
+    """Root mean square of log(predicted / published)."""
+    return math.sqrt(sum(math.log(r["tflops"] / r["published"]) ** 2 for r in rows)
+                     / len(rows))
+
+
+def grid(gemms, memories) -> tuple[float, float, float]:
+    best = None
+    for g in gemms:
+        for m in memories:
+            value = loss(compare(cluster_with(g, m)))
+            if best is None or value < best[0]:
+                best = (value, g, m)
+    return best
+
+
+def main() -> None:
+    value, g, m = grid([0.60, 0.65, 0.70, 0.75, 0.80], [0.6, 0.7, 0.8, 0.9, 1.0])
+    print(f"coarse grid: gemm_efficiency {g:.2f}, memory_efficiency {m:.2f}, "
+          f"rms log error {value:.4f}")
+    value, g, m = grid([g - 0.02, g - 0.01, g, g + 0.01, g + 0.02],
+                       [min(1.0, m + d) for d in (-0.05, -0.025, 0.0, 0.025, 0.05)])
+    print(f"fine grid:   gemm_efficiency {g:.2f}, memory_efficiency {m:.3f}, "
+          f"rms log error {value:.4f}")
+    print(f"in roofline.py: gemm_efficiency {GEMM_EFFICIENCY}, memory_efficiency "
+          f"{MEMORY_EFFICIENCY}\n")
+    rows = compare(cluster_with(GEMM_EFFICIENCY, MEMORY_EFFICIENCY))
+    print(format_comparison(rows))
+    print(f"\nrms log error {loss(rows):.4f}; rows within {TOLERANCE:.0%}: "
+          f"{sum(abs(r['error']) <= TOLERANCE for r in rows)} of {len(rows)}")
+    # Sensitivity: how much the worst row moves with each constant (+0.05).
+    worst = max(range(len(rows)), key=lambda i: abs(rows[i]["error"]))
+    for name, cluster in (("gemm_efficiency + 0.05",
+                           cluster_with(GEMM_EFFICIENCY + 0.05, MEMORY_EFFICIENCY)),
+                          ("memory_efficiency + 0.05",
+                           cluster_with(GEMM_EFFICIENCY, min(1.0, MEMORY_EFFICIENCY + 0.05)))):
+        moved = compare(cluster)[worst]
+        print(f"{name}: {rows[worst]['model']} {rows[worst]['tflops']:.1f} -> "
+              f"{moved['tflops']:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

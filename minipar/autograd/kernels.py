@@ -1,0 +1,89 @@
+"""The kernels an op runs, as a GPU cost model needs them: FLOPs, bytes moved, GEMM shape.
+
+FLOPs alone price every op at one rate. A real GPU runs a matrix multiply on its tensor
+cores at a rate that depends on the product's shape, and an elementwise op at the speed
+its bytes stream through HBM (minipar.distributed.roofline prices both). So an op may
+describe its work as `Kernel`s:
+
+    Kernel(flops, nbytes)                       elementwise / reduction: bytes read + written
+    gemm_kernel(batch, m, n, k, itemsize)       batch products (m, k) @ (k, n)
+
+Ops that set nothing get one kernel: their FLOPs, and the bytes of their inputs and outputs
+(forward) or of the incoming gradients, the saved arrays and the gradients they return
+(backward), i.e. an unfused kernel that reads its operands once and writes its results once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: its FLOPs, the bytes it reads and writes in HBM, and, for a matrix
+    multiply, its shape (batch, m, n, k): batch products of (m, k) @ (k, n)."""
+
+    flops: float
+    nbytes: float
+    gemm: tuple[int, int, int, int] | None = None
+
+
+def gemm_kernel(batch: int, m: int, n: int, k: int, itemsize: int,
+                epilogue_flops: float = 0.0) -> Kernel:
+    """The GEMM C (m, n) = A (m, k) @ B (k, n), `batch` times: 2mnk FLOPs each; reads A
+    and B and writes C once. epilogue_flops: elementwise work fused into the GEMM's
+    epilogue (a bias add), counted but not priced apart (cuBLAS's epilogues)."""
+    return Kernel(flops=2.0 * batch * m * n * k + epilogue_flops,
+                  nbytes=float(itemsize * batch * (m * k + k * n + m * n)),
+                  gemm=(batch, m, n, k))
+
+
+def linear_backward_kernels(batch: int, m: int, n: int, k: int, itemsize: int,
+                            bias: bool = False) -> tuple[Kernel, Kernel]:
+    """The two GEMMs of backward for forward (m, k) @ (k, n): the input gradient
+    dA (m, k) = dC (m, n) @ B^T (n, k) and the weight gradient dB (k, n) = A^T (k, m) @
+    dC (m, n) (with a bias, its gradient, the column sums of dC, in the latter's epilogue).
+    """
+    return (gemm_kernel(batch, m, k, n, itemsize),
+            gemm_kernel(batch, k, n, m, itemsize, epilogue_flops=batch * m * n if bias else 0))
+
+
+def linear_kernels(m: int, n: int, k: int, itemsize: int, bias: bool
+                   ) -> tuple[tuple[Kernel], tuple[Kernel, Kernel]]:
+    """(forward, backward) kernels of a linear layer (m, k) @ (k, n) (+ bias, in the
+    GEMM's epilogue)."""
+    return ((gemm_kernel(1, m, n, k, itemsize, epilogue_flops=m * n if bias else 0),),
+            linear_backward_kernels(1, m, n, k, itemsize, bias=bias))
+
+
+def attention_kernels(heads: int, s: int, d: int, itemsize: int, dropout: bool
+                      ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """(forward, backward) kernels of causal attention over `heads` (sequence, head) pairs
+    of s tokens and head_dim d, as Megatron-LM runs it without flash attention: the
+    scores GEMM q k^T, one fused scale-mask-softmax (reads the scores, writes the
+    probabilities: Megatron's fused_softmax), dropout (reads, writes, and a one-byte mask),
+    the GEMM p v; backward the four GEMMs of the two products' gradients and the softmax
+    and dropout backward (each reads two (s, s) arrays and writes one). FLOPs: the two
+    products 4 heads s^2 d, the softmax 5 per score forward and 4 backward (dropout's are
+    counted in those, minipar's convention)."""
+    e, scores = itemsize, heads * s * s
+    forward = [gemm_kernel(heads, s, s, d, e), Kernel(5 * scores, 2 * e * scores)]
+    backward = list(linear_backward_kernels(heads, s, d, s, e))
+    if dropout:
+        forward.append(Kernel(0, (2 * e + 1) * scores))
+        backward.append(Kernel(0, (2 * e + 1) * scores))
+    forward.append(gemm_kernel(heads, s, d, s, e))
+    backward += [Kernel(4 * scores, 3 * e * scores), *linear_backward_kernels(heads, s, s, d, e)]
+    return tuple(forward), tuple(backward)
+
+
+def array_bytes(items) -> int:
+    """Bytes of the ndarrays among `items` (other values count nothing)."""
+    total = 0
+    for item in items:
+        data = getattr(item, "data", item)
+        if isinstance(data, np.ndarray):
+            total += data.nbytes
+    return total

@@ -1,0 +1,124 @@
+"""What one kernel costs on a GPU: a roofline with the GEMM's shape in it.
+
+A kernel does `flops` arithmetic and moves `nbytes` between HBM and the chip. It takes the
+longer of the two (the roofline model, Williams, Waterman & Patterson 2009):
+
+    seconds = max(flops / compute rate, nbytes / (hbm_bandwidth x memory_efficiency))
+
+The compute rate depends on the unit the kernel runs on:
+
+- A matrix multiply (`gemm=(batch, m, n, k)`: batch products of (m, k) @ (k, n)) runs on
+  the tensor cores at `peak_flops x gemm_efficiency x shape_efficiency(m, n, batch)`.
+  cuBLAS cuts the (m, n) output into tiles, one thread block per tile, and runs them in
+  waves of one tile per SM. The tiles of the last wave that are missing, and the part of
+  a tile hanging past the matrix's edge, compute nothing: that is "tile quantization"
+  and "wave quantization" (NVIDIA, Matrix Multiplication Background User's Guide,
+  sections 5.1-5.2). So
+
+      shape_efficiency = (batch m n) / (waves x sm_count x tile_m x tile_n),
+      waves = ceil(tiles / sm_count),  tiles = batch ceil(m / tile_m) ceil(n / tile_n).
+
+  A large GEMM fills its waves (shape_efficiency -> 1) and runs at `gemm_efficiency` of
+  peak; a small one (fewer tiles than SMs) leaves most of the chip idle; a skinny one
+  (one small dimension, e.g. attention's k = head_dim) has little arithmetic per byte
+  and lands on the memory roof instead.
+- Everything else (norms, activations, softmax, dropout, residual adds, the optimizer)
+  runs on the CUDA cores at `vector_flops`; these kernels move a few bytes per FLOP, so
+  the memory roof prices them: bytes moved at HBM bandwidth.
+
+What minipar leaves out, and why: cuBLAS picks smaller tiles for small problems (we keep
+one tile shape, so tiny GEMMs are priced pessimistically), kernel launch latency (a few
+microseconds, a rounding error for the models a planner sizes, dominant for toy ones),
+and caches (a kernel's operands are assumed to come from HBM once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from minipar.autograd.kernels import Kernel
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A GPU as two roofs and a tile grid.
+
+    peak_flops: dense 16-bit tensor-core FLOP/s (datasheet).
+    vector_flops: FLOP/s of the CUDA cores for elementwise work (datasheet, FP32 non-tensor).
+    hbm_bandwidth: bytes/s of device memory (datasheet).
+    gemm_efficiency: the fraction of peak a large, well-shaped GEMM sustains (cuBLAS
+        microbenchmarks; fitted in benchmarks/fit_time_model.py).
+    memory_efficiency: the fraction of hbm_bandwidth a streaming kernel sustains
+        (STREAM-like microbenchmarks; fitted alongside).
+    sm_count: streaming multiprocessors (datasheet). tile: (rows, columns) of the output
+        tile one thread block computes (cuBLAS's large fp16 tiles, 256 x 128).
+    """
+
+    name: str
+    peak_flops: float
+    vector_flops: float
+    hbm_bandwidth: float
+    gemm_efficiency: float
+    memory_efficiency: float
+    sm_count: int
+    tile: tuple[int, int] = (256, 128)
+
+    def __post_init__(self) -> None:
+        for setting in ("peak_flops", "vector_flops", "hbm_bandwidth"):
+            if not getattr(self, setting) > 0:
+                raise ValueError(f"Roofline.{setting} must be > 0, got {getattr(self, setting)}")
+        for setting in ("gemm_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, setting) <= 1:
+                raise ValueError(f"Roofline.{setting} must be in (0, 1], got "
+                                 f"{getattr(self, setting)}")
+        if not isinstance(self.sm_count, int) or self.sm_count < 1:
+            raise ValueError(f"Roofline.sm_count must be a positive integer, got "
+                             f"{self.sm_count!r}")
+
+    def shape_efficiency(self, batch: int, m: int, n: int) -> float:
+        """The share of the tile slots of its waves a GEMM's output fills (0, 1]."""
+        tile_m, tile_n = self.tile
+        tiles = batch * math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        waves = math.ceil(tiles / self.sm_count)
+        return batch * m * n / (waves * self.sm_count * tile_m * tile_n)
+
+    def gemm_flops(self, batch: int, m: int, n: int) -> float:
+        """FLOP/s a GEMM with a (batch, m, n) output sustains when compute-bound."""
+        return self.peak_flops * self.gemm_efficiency * self.shape_efficiency(batch, m, n)
+
+    def seconds(self, kernel: Kernel) -> float:
+        """Seconds of one kernel: the higher of its compute time and its memory time."""
+        if kernel.gemm is not None:
+            batch, m, n, _ = kernel.gemm
+            compute = kernel.flops / self.gemm_flops(batch, m, n)
+        else:
+            compute = kernel.flops / self.vector_flops
+        memory = kernel.nbytes / (self.hbm_bandwidth * self.memory_efficiency)
+        return max(compute, memory)
+
+    def total_seconds(self, kernels) -> float:
+        return sum(self.seconds(k) for k in kernels)
+
+    def replace(self, **changes) -> Roofline:
+        return replace(self, **changes)
+
+
+# Datasheet figures (dense, no sparsity): NVIDIA A100 Tensor Core GPU datasheet and
+# architecture white paper (A100 SXM4 80GB: 312 TFLOP/s BF16/FP16 tensor, 19.5 TFLOP/s
+# FP32, 2039 GB/s HBM2e, 108 SMs); NVIDIA H100 datasheet and Hopper white paper (H100 SXM5:
+# 989 TFLOP/s BF16 tensor, 67 TFLOP/s FP32, 3.35 TB/s HBM3, 132 SMs). The two efficiencies
+# are fitted on Narayanan et al. 2021, Table 1 (benchmarks/fit_time_model.py prints the
+# fit and its residuals) and land where public microbenchmarks put them: cuBLAS reaches
+# ~80% of the A100's FP16 peak on large square GEMMs, STREAM-like copies ~85-90% of HBM
+# bandwidth. The H100 takes the A100's fitted efficiencies (an assumption: no H100 table
+# of the same kind to fit on).
+GEMM_EFFICIENCY = 0.8
+MEMORY_EFFICIENCY = 0.85
+
+A100_SXM_80GB = Roofline(name="A100-SXM4-80GB", peak_flops=312e12, vector_flops=19.5e12,
+                         hbm_bandwidth=2039e9, gemm_efficiency=GEMM_EFFICIENCY,
+                         memory_efficiency=MEMORY_EFFICIENCY, sm_count=108)
+H100_SXM_80GB = Roofline(name="H100-SXM5-80GB", peak_flops=989e12, vector_flops=67e12,
+                         hbm_bandwidth=3.35e12, gemm_efficiency=GEMM_EFFICIENCY,
+                         memory_efficiency=MEMORY_EFFICIENCY, sm_count=132)

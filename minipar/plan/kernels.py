@@ -1,0 +1,190 @@
+"""The kernels of one micro-batch on one rank: what the roofline prices.
+
+shapes.py counts a layer's FLOPs; a GPU's time also depends on how they are grouped into
+kernels: a GEMM's shape sets its tensor-core efficiency, an elementwise op costs the
+bytes it streams through HBM (minipar.distributed.roofline). This module lists the
+kernels of a layer, the embedding, the head and the optimizer, per TP rank, for b
+sequences of s tokens (T = b s tokens; T_r = the tokens of the replicated stream, T/t
+with sequence parallelism; e = bytes per activation element):
+
+  forward of a layer                                  bytes besides a GEMM's operands
+    norm 1                                            read x, write y        2e T_r h
+    QKV GEMM (T, h) @ (h, qkv/t) (+ bias epilogue)
+    attention  q k^T  (b a/t) x (s, d) @ (d, s)       [fused: one kernel, reads q k v,
+               scale-mask-softmax                     writes o, Dao et al. 2022]
+                 read scores, write probabilities     2e b a/t s^2
+               dropout (p > 0): read, write, mask     (2e + 1) b a/t s^2
+               p v  (b a/t) x (s, s) @ (s, d)
+    output projection (T, h/t) @ (h/t, h)
+    residual add (+ row-parallel bias, dropout)       read 2, write 1: 3e T_r h (+ mask)
+    norm 2, MLP-in GEMM (+ bias), activation (read the pre-activation, write the hidden),
+    MLP-out GEMM, residual add
+  backward: every GEMM becomes two (input and weight gradient), every elementwise kernel
+    reads its input and the output gradient and writes the input gradient.
+
+This is Megatron-LM's kernel set (megatron/model/transformer.py, fused_softmax.py,
+fused_bias_gelu.py, fused_bias_dropout_add): biases fused into the GEMM or the next
+elementwise kernel, one fused scale-mask-softmax. minipar's autograd reports the same
+kernels for its Linear, attention and elementwise ops (minipar.autograd.kernels), so the
+emulator's roofline profiles and the planner price one op list. FLOPs sum to shapes.py's
+counts exactly (the attention dropout's FLOPs are counted in the softmax's, as there).
+"""
+
+from __future__ import annotations
+
+from minipar.autograd.kernels import (
+    Kernel,
+    attention_kernels,
+    gemm_kernel,
+    linear_backward_kernels,
+    linear_kernels,
+)
+from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.memory import sharded_numel, stage_parameters
+from minipar.plan.shapes import (
+    ACTIVATION_FLOPS,
+    ADAMW_FLOPS_PER_PARAMETER,
+    CROSS_ENTROPY_FLOPS,
+    DROPOUT_FLOPS,
+    NORM_FLOPS,
+    ROPE_FLOPS,
+    SOFTMAX_FLOPS,
+    ModelShape,
+    padded_vocab,
+)
+
+
+def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
+                  itemsize: int = 2, flash_attention: bool = False
+                  ) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of one layer on one TP rank for b sequences."""
+    h, s, f, e = shape.d_model, shape.seq_len, shape.ffn, itemsize
+    tokens = b * s
+    stream = tokens // tp if sequence_parallel else tokens
+    heads = b * shape.n_head // tp  # (sequence, head) pairs of my heads
+    d = shape.head_dim
+    scores = heads * s * s
+    qkv, mlp_in = shape.qkv_width // tp, shape.mlp_in_width // tp
+    bias = shape.bias
+    norm_f, norm_b = NORM_FLOPS[shape.norm]
+    act_f, act_b = ACTIVATION_FLOPS[shape.mlp]
+    dropout = shape.dropout > 0
+
+    def norm() -> tuple[Kernel, Kernel]:
+        return (Kernel(norm_f * stream * h, 2 * e * stream * h),
+                Kernel(norm_b * stream * h, 3 * e * stream * h))
+
+    def residual() -> tuple[Kernel, Kernel]:
+        # the add, the row-parallel bias and the dropout fused (Megatron's bias_dropout_add)
+        flops = (1 + bias + (DROPOUT_FLOPS[0] if dropout else 0)) * stream * h
+        flops_b = (1 + bias + (DROPOUT_FLOPS[1] if dropout else 0)) * stream * h
+        mask = stream * h if dropout else 0
+        return Kernel(flops, 3 * e * stream * h + mask), Kernel(flops_b, 3 * e * stream * h + mask)
+
+    def linear(m: int, n: int, k: int, with_bias: bool) -> tuple[Kernel, tuple[Kernel, ...]]:
+        (f_kernel,), b_kernels = linear_kernels(m, n, k, e, with_bias)
+        return f_kernel, b_kernels
+
+    forward: list[Kernel] = []
+    backward: list[Kernel] = []
+
+    def add(pair) -> None:
+        f_kernel, b_kernels = pair
+        forward.append(f_kernel)
+        backward.extend(b_kernels if isinstance(b_kernels, tuple) else (b_kernels,))
+
+    add(norm())
+    add(linear(tokens, qkv, h, bias))
+    if shape.position == "rope":
+        rotated = tokens * (h + shape.kv_dim) // tp
+        add((Kernel(ROPE_FLOPS[0] * rotated, 2 * e * rotated),
+             Kernel(ROPE_FLOPS[1] * rotated, 2 * e * rotated)))
+    attention = 4 * heads * s * s * d
+    if flash_attention:  # one kernel: reads q, k, v, writes o (and dO, dq, dk, dv back)
+        q_k_v_o = e * tokens * (qkv + h // tp)
+        forward.append(Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o,
+                              gemm=(heads, s, d, s)))
+        backward.append(Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
+                               gemm=(heads, s, d, s)))
+    else:
+        f_kernels, b_kernels = attention_kernels(heads, s, d, e, dropout)
+        forward += f_kernels
+        backward += b_kernels
+    add(linear(tokens, h, h // tp, False))  # the row-parallel bias is in the residual add
+    add(residual())
+    add(norm())
+    add(linear(tokens, mlp_in, h, bias))
+    hidden = shape.ffn // tp
+    add((Kernel(act_f * tokens * hidden, e * tokens * (mlp_in + hidden)),
+         Kernel(act_b * tokens * hidden, e * tokens * (2 * mlp_in + hidden))))
+    add(linear(tokens, h, f // tp, False))
+    add(residual())
+    return forward, backward
+
+
+def embedding_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int = 2
+                      ) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of the embedding: a gather of T rows (and the position
+    add, norm, dropout fused after it), and its backward's scatter-add."""
+    f, bw = shape.embedding_flops(b, tp)
+    rows = b * shape.seq_len * shape.d_model
+    passes = 1 + (shape.position == "learned") + shape.embedding_norm + (shape.dropout > 0)
+    return ([Kernel(f, 2 * itemsize * rows * passes)],
+            [Kernel(bw, 3 * itemsize * rows * passes)])
+
+
+def head_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
+                 itemsize: int = 2) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of the final norm, the logits GEMM (T, h) @ (h, V/t)
+    and the cross-entropy over my vocabulary slice (reads the logits, writes the
+    probabilities; backward reads those and writes the logits' gradient)."""
+    h, e = shape.d_model, itemsize
+    tokens = b * shape.seq_len
+    stream = tokens // tp if sequence_parallel else tokens
+    vocab = padded_vocab(shape.vocab_size, tp) // tp
+    norm_f, norm_b = NORM_FLOPS[shape.norm]
+    logits = tokens * vocab
+    forward = [Kernel(norm_f * stream * h, 2 * e * stream * h),
+               gemm_kernel(1, tokens, vocab, h, e),
+               Kernel(CROSS_ENTROPY_FLOPS[0] * logits, 2 * e * logits)]
+    backward = [Kernel(CROSS_ENTROPY_FLOPS[1] * logits, 2 * e * logits),
+                *linear_backward_kernels(1, tokens, vocab, h, e),
+                Kernel(norm_b * stream * h, 3 * e * stream * h)]
+    return forward, backward
+
+
+def optimizer_kernel(elements: int, config: ParallelConfig) -> Kernel:
+    """AdamW over `elements` parameters: 14 FLOPs each; reads and writes the optimizer
+    state (fp32 master weights and moments under mixed precision) and the parameter,
+    reads the gradient."""
+    per = config.bytes
+    return Kernel(ADAMW_FLOPS_PER_PARAMETER * elements,
+                  elements * (2 * per.optimizer + per.grad + 2 * per.param))
+
+
+def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
+                  ) -> dict[str, list[tuple[int, list[Kernel]]]]:
+    """Kernels of one micro-batch's forward and backward (with full recomputation the
+    backward runs each layer's forward again first) and of the optimizer step on one
+    rank of `stage`, as (times, kernels) groups: the layers' kernels run `stage.layers`
+    times. The kernel list behind timing.stage_compute's FLOPs."""
+    b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+    e = config.bytes.activation
+    layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention)
+    if config.activation_checkpointing:
+        layer_b = layer_f + layer_b
+    forward = [(stage.layers, layer_f)]
+    backward = [(stage.layers, layer_b)]
+    if stage.first:
+        f, bw = embedding_kernels(shape, b, t, e)
+        forward.insert(0, (1, f))
+        backward.append((1, bw))
+    if stage.last:
+        f, bw = head_kernels(shape, b, t, sp, e)
+        forward.append((1, f))
+        backward.insert(0, (1, bw))
+    params = stage_parameters(shape, config, stage)
+    elements = params.numel if config.zero == 0 else min(sharded_numel(params, config),
+                                                          params.numel)
+    return {"forward": forward, "backward": backward,
+            "optimizer": [(1, [optimizer_kernel(elements, config)])]}
