@@ -55,8 +55,9 @@ def main() -> None:
           f"rms log error {value:.4f}")
     print(f"in roofline.py: gemm_efficiency {GEMM_EFFICIENCY}, memory_efficiency "
           f"{MEMORY_EFFICIENCY}\n")
-    rows = compare(cluster_with(GEMM_EFFICIENCY, MEMORY_EFFICIENCY))
-    print(format_comparison(rows))
+    cluster = cluster_with(GEMM_EFFICIENCY, MEMORY_EFFICIENCY)
+    rows = compare(cluster)
+    print(format_comparison(rows, cluster))
     print(f"\nrms log error {loss(rows):.4f}; rows within {TOLERANCE:.0%}: "
           f"{sum(abs(r['error']) <= TOLERANCE for r in rows)} of {len(rows)}")
     # Sensitivity: how much the worst row moves with each constant (+0.05).

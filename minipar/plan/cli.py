@@ -3,6 +3,7 @@
     minipar plan --model llama2-70b --gpus 64 --gpu-mem 80        search, rank, explain
     minipar plan --model gpt2-xl --dp 4 --tp 2 --zero 1 ...        estimate and lint a layout
     minipar plan --example bloom                                   the BLOOM-176B layout
+    minipar plan --compare-published     the time model vs Narayanan et al. 2021, Table 1
     ... --json [PATH]        the same as JSON (stdout without PATH)
     ... --export DIR         ds_config.json, megatron_args.txt and launch.sh of the layout
 
@@ -19,7 +20,7 @@ import sys
 from dataclasses import replace
 
 from minipar.parallel.schedules import schedule_names
-from minipar.plan import presets
+from minipar.plan import presets, published
 from minipar.plan.advisor import advise, format_ranking
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
@@ -57,7 +58,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                           help="memory per GPU in GiB (default: the preset's)")
     hardware.add_argument("--gpus-per-node", type=int, dest="gpus_per_node")
     hardware.add_argument("--efficiency", type=float,
-                          help="fraction of peak FLOP/s the kernels sustain (default: preset)")
+                          help="price every FLOP at this fraction of peak instead of the "
+                               "preset's roofline (GEMMs by shape, other ops by bytes)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
                                      "searching)")
     for name in LAYOUT_FLAGS:
@@ -95,6 +97,10 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="write the (best) layout as DeepSpeed / Megatron-LM files")
     output.add_argument("--all-stages", action="store_true", dest="all_stages",
                         help="list every pipeline rank (default: first, second, last)")
+    output.add_argument("--compare-published", action="store_true", dest="compare_published",
+                        help="print the time model against Narayanan et al. 2021, Table 1 "
+                             "(published vs predicted TFLOP/s per A100, error per row, the "
+                             "assumptions)")
     return plan
 
 
@@ -133,7 +139,10 @@ def _cluster(args):
     if args.gpus_per_node is not None:
         spec = replace(spec, gpus_per_node=args.gpus_per_node)
     if args.efficiency is not None:
-        spec = replace(spec, efficiency=args.efficiency)
+        if not 0 < args.efficiency <= 1:
+            raise PlanError("efficiency", f"--efficiency must be in (0, 1], got "
+                            f"{args.efficiency}")
+        spec = spec.uniform(args.efficiency)
     return spec
 
 
@@ -193,6 +202,8 @@ def run_plan(args) -> int:
 
 
 def _run(args) -> int:
+    if args.compare_published:
+        return _compare_published(args)
     shape = _shape(args)
     cluster = _cluster(args)
     if args.flash_attention is None:
@@ -256,6 +267,26 @@ def _run(args) -> int:
         files = write_export(args.export, shape, chosen, cluster)
         if not args.json or args.json != "-":
             print("\nexported: " + ", ".join(str(p) for p in files.values()))
+    return 0
+
+
+def _compare_published(args) -> int:
+    """`--compare-published`: Table 1 of Narayanan et al. 2021 on the A100 preset (or the
+    uniform model with --efficiency)."""
+    if args.example is not None or args.model is not None or any(
+            getattr(args, k) is not None for k in LAYOUT_FLAGS):
+        raise PlanError("compare_published", "--compare-published takes no model or "
+                        "layout: it evaluates the published layouts")
+    args.cluster = "a100-80gb"
+    cluster = _cluster(args)
+    rows = published.compare(cluster)
+    if args.json:
+        _emit_json(args, {"schema": "minipar.plan.published/1",
+                          "source": "Narayanan et al. 2021, Table 1", "rows": rows,
+                          "tolerance": published.TOLERANCE,
+                          "assumptions": published.assumptions(cluster)})
+    else:
+        print(published.format_comparison(rows, cluster))
     return 0
 
 

@@ -128,9 +128,7 @@ def compare(cluster: ClusterSpec | None = None) -> list[dict]:
     return rows
 
 
-ASSUMPTIONS = (
-    "A100-SXM4-80GB roofline: 312 TFLOP/s tensor, 2039 GB/s HBM, 108 SMs (datasheet); "
-    "GEMM and HBM efficiencies fitted (benchmarks/fit_time_model.py)",
+SETTINGS = (
     "links: NVLink 300 GB/s per direction, one 200 Gb/s HDR adapter per GPU (DGX A100)",
     "settings of run_table_1.sh: micro-batch, interleaving (v), DDP torch/local; full "
     "recomputation; fp16; dropout 0.1; no flash attention; no sequence parallelism",
@@ -141,7 +139,22 @@ ASSUMPTIONS = (
 )
 
 
-def format_comparison(rows: list[dict]) -> str:
+def assumptions(cluster: ClusterSpec | None = None) -> list[str]:
+    """What the comparison assumes, the compute model of `cluster` first."""
+    cluster = presets.cluster("a100-80gb") if cluster is None else cluster
+    r = cluster.roofline
+    if r is None:
+        compute = (f"uniform model: every FLOP at {cluster.efficiency:.0%} of "
+                   f"{cluster.peak_flops / 1e12:.0f} TFLOP/s")
+    else:
+        compute = (f"{r.name} roofline: {r.peak_flops / 1e12:.0f} TFLOP/s tensor, "
+                   f"{r.hbm_bandwidth / 1e9:.0f} GB/s HBM, {r.sm_count} SMs (datasheet); "
+                   f"gemm_efficiency {r.gemm_efficiency:.2f}, memory_efficiency "
+                   f"{r.memory_efficiency:.2f} (fitted: benchmarks/fit_time_model.py)")
+    return [compute, *SETTINGS]
+
+
+def format_comparison(rows: list[dict], cluster: ClusterSpec | None = None) -> str:
     """The comparison as a text table, the worst error and the assumptions."""
     header = ("model", "t", "p", "v", "GPUs", "mb", "published", "predicted", "error",
               "bubble")
@@ -159,5 +172,5 @@ def format_comparison(rows: list[dict]) -> str:
     worst = max(rows, key=lambda r: abs(r["error"]))
     lines += ["", f"worst row: {worst['model']} at {worst['error']:+.1%} (target: every row "
                   f"within {TOLERANCE:.0%})", "", "assumptions:"]
-    lines += [f"  - {a}" for a in ASSUMPTIONS]
+    lines += [f"  - {a}" for a in assumptions(cluster)]
     return "\n".join(lines)
