@@ -18,6 +18,7 @@ import sys
 import types
 import typing
 
+from minipar import distributed as dist
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
@@ -102,14 +103,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-DEVICES = ("h100", "demo")
+DEVICES = ("uniform", "h100", "a100", "demo")
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=DEVICES, default="h100",
-                        help="the simulated GPU: h100 (default; toy models are latency-bound "
-                             "on it) or demo (compute scaled to toy models, see `minipar "
-                             "demo`)")
+    parser.add_argument("--device", choices=DEVICES, default="uniform",
+                        help="the simulated GPU: uniform (default: an H100 node's links, "
+                             "every FLOP at 400 TFLOP/s; toy models are latency-bound on "
+                             "it), h100 / a100 (each kernel on the GPU's roofline: GEMMs by "
+                             "shape, other ops by bytes moved, the planner's time model) or "
+                             "demo (compute scaled to toy models, see `minipar demo`)")
 
 
 def device_profile(name: str):
@@ -117,7 +120,9 @@ def device_profile(name: str):
         from minipar.demo import DEMO_PROFILE
 
         return DEMO_PROFILE
-    return None  # the default: minipar.distributed.DeviceProfile(), an H100 SXM
+    if name in ("h100", "a100"):
+        return dist.H100 if name == "h100" else dist.A100
+    return None  # the default: minipar.distributed.DeviceProfile(), uniform pricing
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -81,9 +81,4 @@ def attention_kernels(heads: int, s: int, d: int, itemsize: int, dropout: bool
 
 def array_bytes(items) -> int:
     """Bytes of the ndarrays among `items` (other values count nothing)."""
-    total = 0
-    for item in items:
-        data = getattr(item, "data", item)
-        if isinstance(data, np.ndarray):
-            total += data.nbytes
-    return total
+    return sum(item.nbytes for item in items if isinstance(item, np.ndarray))
