@@ -162,6 +162,13 @@ def human_seconds(s: float) -> str:
     return f"{s * 1e6:.2f} us"
 
 
+def compute_model(cluster: ClusterSpec) -> str:
+    """How the cluster prices compute, in a few words."""
+    if cluster.roofline is None:
+        return f"at {cluster.efficiency:.0%} kernel efficiency"
+    return f"on the {cluster.roofline.name} roofline"
+
+
 def format_estimate(est: Estimate) -> str:
     """A plain-text table: memory per pipeline rank by category, traffic, time."""
     c, shape = est.config, est.shape
@@ -199,8 +206,8 @@ def format_estimate(est: Estimate) -> str:
         f"per GPU -> {'fits' if est.fits else 'DOES NOT FIT'}",
         f"step: {human_seconds(t['step_s'])} (pipeline {human_seconds(t['pipeline_s'])}, "
         f"after the last backward {human_seconds(t['tail_s'])}), bubble "
-        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} at {est.cluster.efficiency:.0%} "
-        f"kernel efficiency, {t['tokens_per_s']:,.0f} tokens/s",
+        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} {compute_model(est.cluster)}, "
+        f"{t['tokens_per_s']:,.0f} tokens/s",
     ]
     comm = est.comm_time_by_group()
     lines.append("communication per step: " + ", ".join(
