@@ -136,3 +136,23 @@ def test_plan_bad_setting_is_one_line():
     result = run("plan", "--model", "no-such-model", "--gpus", "8")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_train_on_a_roofline_device_takes_the_time_plan_predicts_for_it(tmp_path):
+    # `--device a100` prices every kernel on the A100 roofline, as `minipar plan --cluster
+    # emulated-a100` does (tests/plan/test_kernels.py: within 1%); the default device does
+    # not (one rate for every FLOP), so its time differs
+    times = {}
+    for device in ("a100", "uniform"):
+        out = tmp_path / f"{device}.json"
+        result = run("train", "--steps", "2", "--device", device, "--quiet", "--json",
+                     str(out), "--precision", "fp32", *SMALL)
+        assert result.returncode == 0, result.stderr
+        times[device] = sum(json.loads(out.read_text())["ranks"][0]["time"].values()) / 2
+    plan = run("plan", "--cluster", "emulated-a100", "--n-layer", "1", "--d-model", "32",
+               "--n-head", "4", "--vocab-size", "52", "--seq-len", "16", "--precision",
+               "fp32", "--micro-batch-size", "2", "--grad-accum-steps", "1", "--dp", "1",
+               "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert times["a100"] == pytest.approx(json.loads(plan.stdout)["time"]["step_s"], rel=0.01)
+    assert times["a100"] != pytest.approx(times["uniform"], rel=0.1)

@@ -30,6 +30,7 @@ rest).
 
 from __future__ import annotations
 
+from minipar.distributed.clock import A100, H100
 from minipar.distributed.roofline import A100_SXM_80GB, H100_SXM_80GB
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.layout import ParallelConfig
@@ -85,6 +86,9 @@ CLUSTERS: dict[str, ClusterSpec] = {
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),
+    # ... and its roofline profiles (`minipar train --device h100 / a100`).
+    "emulated-h100": ClusterSpec.from_device_profile(H100),
+    "emulated-a100": ClusterSpec.from_device_profile(A100),
 }
 CLUSTER_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb"}
 
