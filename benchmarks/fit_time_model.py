@@ -50,7 +50,7 @@ def main() -> None:
     print(f"coarse grid: gemm_efficiency {g:.2f}, memory_efficiency {m:.2f}, "
           f"rms log error {value:.4f}")
     value, g, m = grid([g - 0.02, g - 0.01, g, g + 0.01, g + 0.02],
-                       [min(1.0, m + d) for d in (-0.05, -0.025, 0.0, 0.025, 0.05)])
+                       [min(1.0, m + d) for d in (-0.1, -0.05, -0.025, 0.0, 0.025, 0.05)])
     print(f"fine grid:   gemm_efficiency {g:.2f}, memory_efficiency {m:.3f}, "
           f"rms log error {value:.4f}")
     print(f"in roofline.py: gemm_efficiency {GEMM_EFFICIENCY}, memory_efficiency "

@@ -70,54 +70,49 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     act_f, act_b = ACTIVATION_FLOPS[shape.mlp]
     dropout = shape.dropout > 0
 
-    def norm() -> tuple[Kernel, Kernel]:
-        return (Kernel(norm_f * stream * h, 2 * e * stream * h),
-                Kernel(norm_b * stream * h, 3 * e * stream * h))
+    def elementwise(flops_f, bytes_f, flops_b, bytes_b) -> tuple[tuple, tuple]:
+        return (Kernel(flops_f, bytes_f),), (Kernel(flops_b, bytes_b),)
 
-    def residual() -> tuple[Kernel, Kernel]:
-        # the add, the row-parallel bias and the dropout fused (Megatron's bias_dropout_add)
-        flops = (1 + bias + (DROPOUT_FLOPS[0] if dropout else 0)) * stream * h
-        flops_b = (1 + bias + (DROPOUT_FLOPS[1] if dropout else 0)) * stream * h
+    def norm():  # reads x, writes y; backward reads x and dy, writes dx
+        return elementwise(norm_f * stream * h, 2 * e * stream * h,
+                           norm_b * stream * h, 3 * e * stream * h)
+
+    def residual():  # the add, the row-parallel bias and the dropout fused (bias_dropout_add)
         mask = stream * h if dropout else 0
-        return Kernel(flops, 3 * e * stream * h + mask), Kernel(flops_b, 3 * e * stream * h + mask)
-
-    def linear(m: int, n: int, k: int, with_bias: bool) -> tuple[Kernel, tuple[Kernel, ...]]:
-        (f_kernel,), b_kernels = linear_kernels(m, n, k, e, with_bias)
-        return f_kernel, b_kernels
+        return elementwise((1 + bias + (DROPOUT_FLOPS[0] if dropout else 0)) * stream * h,
+                           3 * e * stream * h + mask,
+                           (1 + bias + (DROPOUT_FLOPS[1] if dropout else 0)) * stream * h,
+                           3 * e * stream * h + mask)
 
     forward: list[Kernel] = []
     backward: list[Kernel] = []
 
-    def add(pair) -> None:
-        f_kernel, b_kernels = pair
-        forward.append(f_kernel)
-        backward.extend(b_kernels if isinstance(b_kernels, tuple) else (b_kernels,))
+    def add(kernels: tuple[tuple, tuple]) -> None:
+        forward.extend(kernels[0])
+        backward.extend(kernels[1])
 
     add(norm())
-    add(linear(tokens, qkv, h, bias))
+    add(linear_kernels(tokens, qkv, h, e, bias))
     if shape.position == "rope":
         rotated = tokens * (h + shape.kv_dim) // tp
-        add((Kernel(ROPE_FLOPS[0] * rotated, 2 * e * rotated),
-             Kernel(ROPE_FLOPS[1] * rotated, 2 * e * rotated)))
-    attention = 4 * heads * s * s * d
+        add(elementwise(ROPE_FLOPS[0] * rotated, 2 * e * rotated,
+                        ROPE_FLOPS[1] * rotated, 2 * e * rotated))
     if flash_attention:  # one kernel: reads q, k, v, writes o (and dO, dq, dk, dv back)
+        attention = 4 * heads * s * s * d
         q_k_v_o = e * tokens * (qkv + h // tp)
-        forward.append(Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o,
-                              gemm=(heads, s, d, s)))
-        backward.append(Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
-                               gemm=(heads, s, d, s)))
+        add(((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s)),),
+             (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
+                     gemm=(heads, s, d, s)),)))
     else:
-        f_kernels, b_kernels = attention_kernels(heads, s, d, e, dropout)
-        forward += f_kernels
-        backward += b_kernels
-    add(linear(tokens, h, h // tp, False))  # the row-parallel bias is in the residual add
+        add(attention_kernels(heads, s, d, e, dropout))
+    add(linear_kernels(tokens, h, h // tp, e, False))  # its bias is in the residual add
     add(residual())
     add(norm())
-    add(linear(tokens, mlp_in, h, bias))
+    add(linear_kernels(tokens, mlp_in, h, e, bias))
     hidden = shape.ffn // tp
-    add((Kernel(act_f * tokens * hidden, e * tokens * (mlp_in + hidden)),
-         Kernel(act_b * tokens * hidden, e * tokens * (2 * mlp_in + hidden))))
-    add(linear(tokens, h, f // tp, False))
+    add(elementwise(act_f * tokens * hidden, e * tokens * (mlp_in + hidden),
+                    act_b * tokens * hidden, e * tokens * (2 * mlp_in + hidden)))
+    add(linear_kernels(tokens, h, f // tp, e, False))
     add(residual())
     return forward, backward
 
