@@ -140,7 +140,7 @@ def _cluster(args):
         spec = replace(spec, gpus_per_node=args.gpus_per_node)
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
-            raise PlanError("efficiency", f"--efficiency must be in (0, 1], got "
+            raise PlanError("efficiency", f"must be in (0, 1], got "
                             f"{args.efficiency}")
         spec = spec.uniform(args.efficiency)
     return spec
@@ -275,7 +275,7 @@ def _compare_published(args) -> int:
     uniform model with --efficiency)."""
     if args.example is not None or args.model is not None or any(
             getattr(args, k) is not None for k in LAYOUT_FLAGS):
-        raise PlanError("compare_published", "--compare-published takes no model or "
+        raise PlanError("compare_published", "takes no model or "
                         "layout: it evaluates the published layouts")
     args.cluster = "a100-80gb"
     cluster = _cluster(args)
