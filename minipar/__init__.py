@@ -4,7 +4,8 @@
     report = train(TrainConfig(steps=5, precision="fp64"))
 """
 
+from minipar.errors import MiniparError
 from minipar.nn import GPT, GPTConfig
 from minipar.train import Report, TrainConfig, train
 
-__all__ = ["GPT", "GPTConfig", "Report", "TrainConfig", "train"]
+__all__ = ["GPT", "GPTConfig", "MiniparError", "Report", "TrainConfig", "train"]

@@ -19,6 +19,7 @@ import types
 import typing
 
 from minipar import distributed as dist
+from minipar.errors import MiniparError
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
@@ -275,7 +276,7 @@ def cmd_timeline(args) -> int:
     what = "the whole run"
     if not args.all_steps:
         if not -config.steps <= args.step < config.steps:
-            raise ConfigError("steps", f"--step {args.step} is outside the run's "
+            raise ConfigError("step", f"{args.step} is outside the run's "
                               f"{config.steps} steps")
         start, end = report.step_window(args.step)
         what = f"step {args.step % config.steps}"
@@ -316,15 +317,20 @@ def cmd_consolidate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from minipar.train.checkpoint import CheckpointError
-
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
                     "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan}
         return commands[args.command](args)
-    except (ConfigError, NotImplementedError, CheckpointError) as err:
-        print(f"minipar {args.command}: error: {err}", file=sys.stderr)
+    except (MiniparError, NotImplementedError) as err:
+        # Every refusal (a setting, a checkpoint, a diverged run, a stuck rank) is one
+        # line and exit status 2; anything else is a bug in minipar and keeps its traceback.
+        print(f"minipar {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (some, like a deadlock, list one rank per line)."""
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 if __name__ == "__main__":

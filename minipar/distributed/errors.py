@@ -7,9 +7,10 @@ into an exception that says who waited for whom.
 
 from __future__ import annotations
 
+from minipar.errors import DistError
 
-class DistError(RuntimeError):
-    """Base class of every error raised by `minipar.distributed` itself."""
+# DistError: the base class of every error raised by `minipar.distributed` itself; a
+# MiniparError (minipar/errors.py), so the CLI reports it in one line.
 
 
 class CollectiveMismatchError(DistError):

@@ -28,14 +28,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from minipar.errors import PipelineError, ScheduleError  # noqa: F401 (re-exported)
 
-class PipelineError(ValueError):
-    """A pipeline setting that cannot work (the message names the flag and the fix)."""
-
-
-class ScheduleError(PipelineError):
-    """A schedule that cannot run: a missing or misplaced action, a send nobody receives,
-    a cycle of waits; or a setting no schedule exists for."""
+# PipelineError: a pipeline setting that cannot work; ScheduleError (a PipelineError): a
+# schedule that cannot run. Both MiniparErrors (minipar/errors.py), re-exported here.
 
 
 # --------------------------------------------------------------------------- actions

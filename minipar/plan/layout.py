@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from minipar.errors import ConfigError
 from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
@@ -31,13 +32,9 @@ from minipar.train.config import (
     resolve_batch,
 )
 
-
-class PlanError(ValueError):
-    """A setting the planner cannot use; `setting` names it (the CLI flag is --setting)."""
-
-    def __init__(self, setting: str, message: str):
-        self.setting = setting
-        super().__init__(f"--{setting.replace('_', '-')}: {message}")
+# A setting the planner cannot use; `setting` names it (the CLI flag is --setting). The
+# same class as minipar.train's ConfigError (minipar/errors.py), so one `except` catches both.
+PlanError = ConfigError
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
+from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
 from minipar.nn import GPT, GPTConfig
 from minipar.parallel.data import DataParallel
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
@@ -52,17 +53,7 @@ from minipar.parallel.tensor import (
 )
 from minipar.parallel.zero import ZeroOptimizer
 from minipar.parallel.zero3 import Zero3Optimizer, gpt_units
-from minipar.train.config import ConfigError, TrainConfig
-
-
-class LayoutError(ConfigError):
-    """A mix of settings that cannot run. Unlike ConfigError's own messages, this one may
-    come from a strategy module, whose text already starts with the flag to change."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        ValueError.__init__(self, message if message.startswith("--")
-                            else f"--{field.replace('_', '-')}: {message}")
+from minipar.train.config import TrainConfig
 
 
 def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:

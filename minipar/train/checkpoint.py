@@ -35,16 +35,13 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
+from minipar.errors import CheckpointError
 from minipar.parallel.data import Piece
 
 FORMAT = "minipar.checkpoint/1"
 MANIFEST = "manifest.json"
 META_KEY = "__meta__"
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: the message names the file and what is wrong."""
 
 
 @dataclass

@@ -22,23 +22,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from minipar.errors import ConfigError, flag
 from minipar.parallel.schedules import check_schedule_name
+
+__all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 DATASETS = ("corpus", "synthetic")
-
-
-class ConfigError(ValueError):
-    """An invalid setting. `field` is the TrainConfig field (the CLI flag is --field-name)."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{flag(field)}: {message}")
-
-
-def flag(field_name: str) -> str:
-    """The CLI flag of a config field: micro_batch_size -> --micro-batch-size."""
-    return "--" + field_name.replace("_", "-")
 
 
 @dataclass

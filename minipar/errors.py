@@ -1,0 +1,79 @@
+"""The errors minipar raises on purpose: one base, a subclass only where callers differ.
+
+    MiniparError                  everything minipar refuses (bad input, a run it stops)
+    ├── ConfigError               a setting that cannot work; `.setting` names it
+    │   (also importable as        (the CLI flag is --setting) and the message starts
+    │    LayoutError, PlanError)   with that flag: "--n-head: d_model=64 is not ..."
+    ├── PipelineError              a pipeline schedule / stage that cannot work
+    │   └── ScheduleError          a schedule that cannot run (exercise 5 catches it)
+    ├── CheckpointError            a checkpoint that cannot be used; names the file
+    ├── TrainingDiverged           the loss or a gradient became NaN or inf
+    └── DistError                  the virtual cluster: mismatch, deadlock, timeout
+
+The command line catches `MiniparError` once and prints its message as one line with exit
+status 2 (`minipar train: error: --lr: must be finite ...`). A caller that wants one kind
+catches the subclass. Built-in bases are kept (ConfigError is a ValueError, DistError and
+CheckpointError are RuntimeErrors) so that code written against older versions still
+catches them.
+
+This module imports nothing from minipar, so every layer (autograd ... cli) may use it.
+"""
+
+from __future__ import annotations
+
+
+class MiniparError(Exception):
+    """Base class of every error minipar raises deliberately. `setting` names the setting
+    at fault when there is one (None otherwise)."""
+
+    setting: str | None = None
+
+
+def flag(setting: str) -> str:
+    """The CLI flag of a setting: micro_batch_size -> --micro-batch-size."""
+    return "--" + setting.replace("_", "-")
+
+
+class ConfigError(MiniparError, ValueError):
+    """An invalid setting or mix of settings. `setting` (also `field`, its older name) is
+    the TrainConfig / planner field; the message starts with its flag, unless it already
+    starts with a flag (a strategy module's message that names the flag to change)."""
+
+    def __init__(self, setting: str, message: str):
+        self.setting = setting
+        super().__init__(message if message.startswith("--") else f"{flag(setting)}: {message}")
+
+    @property
+    def field(self) -> str:
+        return self.setting
+
+
+# The names of the same idea in older versions: one class, so one `except` catches all.
+LayoutError = ConfigError
+PlanError = ConfigError
+
+
+class PipelineError(MiniparError, ValueError):
+    """A pipeline setting or stage that cannot work (the message names the flag and fix)."""
+
+
+class ScheduleError(PipelineError):
+    """A schedule that cannot run: a missing or misplaced action, a send nobody receives,
+    a cycle of waits; or a setting no schedule exists for."""
+
+
+class CheckpointError(MiniparError, RuntimeError):
+    """A checkpoint that cannot be used: the message names the file and what is wrong."""
+
+
+class TrainingDiverged(MiniparError, RuntimeError):  # noqa: N818 (what happened, not a bug)
+    """The loss (or a gradient) became NaN or inf: `step` is the optimizer step, `tensor`
+    the first tensor found non-finite (in forward/backward order)."""
+
+    def __init__(self, message: str, step: int | None = None, tensor: str | None = None):
+        self.step, self.tensor = step, tensor
+        super().__init__(message)
+
+
+class DistError(MiniparError, RuntimeError):
+    """Base class of every error raised by `minipar.distributed` itself."""
