@@ -6,7 +6,8 @@
         ...
         manifest.json           format, step, config, and per file: rank, mesh coords,
                                 sha256, bytes, the dropout generator state and, for every
-                                array, its tensor, kind, dtype and flat range (placements)
+                                array, its tensor, kind, dtype and flat range (placements);
+                                and manifest_sha256, the manifest's own checksum
 
 Every rank writes its own file (as DeepSpeed writes one optimizer-state file per DP rank);
 after a barrier rank 0 checksums the files and writes the manifest. Each file appears
@@ -14,7 +15,10 @@ atomically (written to a temporary name, then renamed), and the manifest comes l
 directory with a manifest is a complete checkpoint.
 
 Loading never unpickles (`np.load(..., allow_pickle=False)`): a checkpoint is data, not
-code. A missing, truncated or altered file is a `CheckpointError` that names it.
+code. Before any array is read the manifest is checked against its schema, its own
+checksum and its config (manifest.py); then every file against its record. A missing,
+truncated or altered file, or a manifest edited by hand, is a `CheckpointError` that names
+it; resume and consolidate load through the same checks.
 Loading assembles the full single-device tensors from the pieces whatever dp and ZeRO
 stage saved them, so a checkpoint saved under one layout resumes under any other, and
 `consolidate` turns one into the single-device state dict (DeepSpeed's zero_to_fp32.py).
@@ -37,11 +41,13 @@ from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
 from minipar.errors import CheckpointError
 from minipar.parallel.data import Piece
+from minipar.train.manifest import FORMAT, KINDS, SEAL, check_manifest, rank_file, seal
 
-FORMAT = "minipar.checkpoint/1"
+__all__ = ["FORMAT", "KINDS", "CheckpointError", "TrainingState", "consolidate",
+           "load_checkpoint", "rank_file", "read_manifest", "save_checkpoint"]
+
 MANIFEST = "manifest.json"
 META_KEY = "__meta__"
-KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -57,10 +63,6 @@ class TrainingState:
     tensors: dict[str, dict[str, np.ndarray]]
     rng_states: list[dict]
     world_size: int
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.npz"
 
 
 # ------------------------------------------------------------------ saving (SPMD)
@@ -79,7 +81,7 @@ def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
         # files (a directory with a manifest is a complete checkpoint).
         (directory / MANIFEST).unlink(missing_ok=True)
     dist.barrier()  # nobody writes a rank file while an old manifest still vouches for it
-    write_rank_file(directory, rank, pieces, coords, rng_state)
+    write_rank_file(directory, rank, pieces, coords, rng_state, step=step)
     dist.barrier()  # every file is complete before the manifest says so
     if rank == 0:
         write_manifest(directory, step=step, config=config,
@@ -88,8 +90,10 @@ def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
     return directory
 
 
-def write_rank_file(directory, rank: int, pieces, coords: dict, rng_state: dict) -> Path:
-    """One rank's `.npz`: its arrays and a JSON description of them (`__meta__`)."""
+def write_rank_file(directory, rank: int, pieces, coords: dict, rng_state: dict,
+                    step: int = 0) -> Path:
+    """One rank's `.npz`: its arrays and a JSON description of them (`__meta__`): its
+    rank, step, coords, RNG state and entries, which the manifest must repeat exactly."""
     arrays, entries = {}, []
     for i, piece in enumerate(pieces):
         key = f"a{i}"
@@ -102,7 +106,8 @@ def write_rank_file(directory, rank: int, pieces, coords: dict, rng_state: dict)
                         "stop": int(piece.stop),
                         "placement": _placement_to_json(piece.placement),
                         "placement_group": piece.placement_group})
-    meta = {"rank": rank, "coords": coords, "rng_state": rng_state, "entries": entries}
+    meta = {"rank": rank, "step": int(step), "coords": coords, "rng_state": rng_state,
+            "entries": entries}
     arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     path = Path(directory) / rank_file(rank)
     _atomic_write(path, lambda f: np.savez(f, **arrays))
@@ -122,6 +127,7 @@ def write_manifest(directory, *, step: int, config: dict, world_size: int) -> Pa
                       "rng_state": meta["rng_state"], "entries": meta["entries"]})
     manifest = {"format": FORMAT, "step": int(step), "world_size": world_size,
                 "config": config, "files": files}
+    manifest[SEAL] = seal(manifest)
     text = json.dumps(manifest, indent=1).encode()
     path = directory / MANIFEST
     _atomic_write(path, lambda f: f.write(text))
@@ -176,13 +182,14 @@ def resolve(directory) -> Path:
 
 
 def read_manifest(directory) -> dict:
+    """The manifest of a checkpoint, checked (schema, own checksum, agreement with its
+    config: manifest.py) before anything trusts it."""
     path = resolve(directory) / MANIFEST
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable manifest ({err})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    check_manifest(manifest, path)
     return manifest
 
 
@@ -202,6 +209,7 @@ def load_checkpoint(directory) -> TrainingState:
                 "the file is truncated or was modified")
         try:
             with np.load(path, allow_pickle=False) as npz:
+                _check_self_description(path, npz, record, manifest["step"])
                 for entry in record["entries"]:
                     values = npz[entry["key"]]
                     if entry["dtype"] == "bfloat16":
@@ -226,6 +234,19 @@ def load_checkpoint(directory) -> TrainingState:
     return TrainingState(step=manifest["step"], config=config, tensors=tensors,
                          rng_states=[r["rng_state"] for r in manifest["files"]],
                          world_size=manifest["world_size"])
+
+
+def _check_self_description(path: Path, npz, record: dict, step: int) -> None:
+    """The file's own description of itself (written inside it) must be the manifest's."""
+    if META_KEY not in npz.files:
+        raise CheckpointError(f"{path}: no {META_KEY} record: not a minipar rank file")
+    meta = json.loads(npz[META_KEY].tobytes())
+    said = {"rank": record["rank"], "step": step, "coords": record["coords"],
+            "rng_state": record["rng_state"], "entries": record["entries"]}
+    for name, value in said.items():
+        if meta.get(name) != value:
+            raise CheckpointError(f"{path}: the file says {name}={meta.get(name)!r}, the "
+                                  f"manifest says {value!r}")
 
 
 def assemble(held, config: dict, strict: bool = True) -> dict[str, dict[str, np.ndarray]]:
