@@ -19,10 +19,11 @@ import types
 import typing
 
 from minipar import distributed as dist
-from minipar.errors import MiniparError
+from minipar.errors import MiniparError, OutputError
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
+from minipar.train.outputs import check_output_dir, check_output_file
 
 HELP = {
     "vocab_size": "vocabulary size (default: the data's tokenizer)",
@@ -173,11 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     from minipar.train.checkpoint import read_manifest
     from minipar.train.loop import train
-    from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
 
     config = config_from_args(args)
     if args.save_every and not args.save:
         raise ConfigError("save_every", "needs --save DIR (where to write the checkpoints)")
+    # Every output is checked before the work starts (minipar/train/outputs.py).
+    if args.json is not None:
+        check_output_file("json", args.json)
+    if args.save is not None:
+        check_output_dir("save", args.save)
     bar = None
     if not args.quiet:
         from tqdm.auto import tqdm
@@ -191,12 +196,40 @@ def cmd_train(args) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    report = train(config, progress=progress, save_dir=args.save, save_every=args.save_every,
-                   resume_from=args.resume, device=device_profile(args.device))
-    if bar is not None:
-        bar.close()
+    late = None  # an output that failed after the run: said last, the results kept
+    try:
+        report = train(config, progress=progress, save_dir=args.save,
+                       save_every=args.save_every, resume_from=args.resume,
+                       device=device_profile(args.device))
+    except OutputError as err:
+        if err.report is None:
+            raise
+        report, late = err.report, OutputError("save", err.detail)  # its flag is --save
+    finally:
+        if bar is not None:
+            bar.close()
     if args.json:
-        report.to_json(args.json)
+        try:
+            report.to_json(args.json)
+        except OSError as err:
+            late = OutputError("json", f"{args.json}: the report could not be written "
+                               f"({err.strerror or err}); it is printed above instead")
+            print(report.to_json())
+    print_summary(report, config, args, late)
+    if late is not None:
+        raise late
+    check = report.equivalence
+    if check is not None and not check["passed"]:
+        if args.quiet:
+            print(equivalence_line(check), file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_summary(report, config: TrainConfig, args, late=None) -> None:
+    """What `minipar train` prints after the run (nothing with --quiet)."""
+    from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
+
     check = report.equivalence
     if not args.quiet:
         print(f"\nminipar: {report.world_size} rank(s), {report.n_params:,} parameters, "
@@ -217,15 +250,10 @@ def cmd_train(args) -> int:
             print(f"warning: {warning}")
         if check is not None:
             print(f"\n{equivalence_line(check)}")
-        if args.save:
+        if args.save and not (late is not None and late.setting == "save"):
             print(f"checkpoints written to {args.save}")
-        if args.json:
+        if args.json and not (late is not None and late.setting == "json"):
             print(f"\nreport written to {args.json}")
-    if check is not None and not check["passed"]:
-        if args.quiet:
-            print(equivalence_line(check), file=sys.stderr)
-        return 1
-    return 0
 
 
 def pipeline_line(pipeline: dict) -> str:
@@ -238,6 +266,7 @@ def pipeline_line(pipeline: dict) -> str:
 def cmd_demo(args) -> int:
     from minipar.demo import run_demo
 
+    check_output_dir("out", args.out)
     result = run_demo(args.out)
     checks = (result.report.equivalence, result.exact.equivalence)
     return 0 if all(c["passed"] for c in checks) else 1
@@ -271,6 +300,7 @@ def cmd_timeline(args) -> int:
     from minipar.viz.timeline import plot_timeline
 
     config = config_from_args(args)
+    check_output_file("out", args.out)
     report = train(config, device=device_profile(args.device))
     start = end = None
     what = "the whole run"
@@ -281,7 +311,11 @@ def cmd_timeline(args) -> int:
         start, end = report.step_window(args.step)
         what = f"step {args.step % config.steps}"
     fig = plot_timeline(report.timelines, start=start, end=end)
-    fig.savefig(args.out, dpi=110)
+    try:
+        fig.savefig(args.out, dpi=110)
+    except OSError as err:
+        raise OutputError("out", f"{args.out}: the figure could not be written "
+                          f"({err.strerror or err})") from None
     print(f"{args.out}: timeline of {report.world_size} rank(s), {what}")
     if report.pipeline is not None:
         print(pipeline_line(report.pipeline))
@@ -306,6 +340,7 @@ def equivalence_line(check: dict) -> str:
 def cmd_consolidate(args) -> int:
     from minipar.train.checkpoint import consolidate, save_state_dict
 
+    check_output_file("output", args.output)
     state_dict = consolidate(args.checkpoint)
     save_state_dict(args.output, state_dict)
     n = sum(a.size for a in state_dict.values())

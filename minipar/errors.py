@@ -4,6 +4,8 @@
     ├── ConfigError               a setting that cannot work; `.setting` names it
     │   (also importable as        (the CLI flag is --setting) and the message starts
     │    LayoutError, PlanError)   with that flag: "--n-head: d_model=64 is not ..."
+    │   └── OutputError            an output path that cannot be written; `.report`
+    │                              keeps a finished run's results if the write failed late
     ├── PipelineError              a pipeline schedule / stage that cannot work
     │   └── ScheduleError          a schedule that cannot run (exercise 5 catches it)
     ├── CheckpointError            a checkpoint that cannot be used; names the file
@@ -40,7 +42,7 @@ class ConfigError(MiniparError, ValueError):
     starts with a flag (a strategy module's message that names the flag to change)."""
 
     def __init__(self, setting: str, message: str):
-        self.setting = setting
+        self.setting, self.detail = setting, message  # detail: the message without the flag
         super().__init__(message if message.startswith("--") else f"{flag(setting)}: {message}")
 
     @property
@@ -51,6 +53,16 @@ class ConfigError(MiniparError, ValueError):
 # The names of the same idea in older versions: one class, so one `except` catches all.
 LayoutError = ConfigError
 PlanError = ConfigError
+
+
+class OutputError(ConfigError):
+    """An output (--json, --save, --out, consolidate's OUT) that cannot be written.
+    Raised before the work starts; if a write fails after it (a full disk), `report` is
+    what was computed, so the caller can still show it (the CLI prints it)."""
+
+    def __init__(self, setting: str, message: str, report=None):
+        super().__init__(setting, message)
+        self.report = report
 
 
 class PipelineError(MiniparError, ValueError):

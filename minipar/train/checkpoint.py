@@ -67,25 +67,40 @@ class TrainingState:
 
 # ------------------------------------------------------------------ saving (SPMD)
 def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
-                    rng_state: dict) -> Path:
+                    rng_state: dict, failures: list | None = None) -> Path:
     """Called by every rank: write my pieces, then rank 0 writes the manifest.
 
     pieces: this rank's `Piece`s (engine.state_pieces()); coords: its mesh coordinates;
-    rng_state: its dropout generator's `bit_generator.state`."""
+    rng_state: its dropout generator's `bit_generator.state`. failures: a list shared by
+    the ranks (host-side, like a log); when given, a write that fails (a full disk) is
+    appended to it as (rank, path, OSError) instead of raised, the manifest is not
+    written, and training goes on, so the run's results are not lost with the file."""
     directory = Path(directory)
     rank = dist.get_rank()
-    directory.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        # Saving over an older checkpoint: retire its manifest first, so that a crash
-        # while the rank files are rewritten cannot leave an old manifest beside new
-        # files (a directory with a manifest is a complete checkpoint).
-        (directory / MANIFEST).unlink(missing_ok=True)
+
+    def attempt(write) -> None:
+        try:
+            write()
+        except OSError as err:
+            if failures is None:
+                raise
+            failures.append((rank, directory, err))
+
+    def prepare() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # Saving over an older checkpoint: retire its manifest first, so that a crash
+            # while the rank files are rewritten cannot leave an old manifest beside new
+            # files (a directory with a manifest is a complete checkpoint).
+            (directory / MANIFEST).unlink(missing_ok=True)
+
+    attempt(prepare)
     dist.barrier()  # nobody writes a rank file while an old manifest still vouches for it
-    write_rank_file(directory, rank, pieces, coords, rng_state, step=step)
-    dist.barrier()  # every file is complete before the manifest says so
-    if rank == 0:
-        write_manifest(directory, step=step, config=config,
-                       world_size=dist.get_world_size())
+    attempt(lambda: write_rank_file(directory, rank, pieces, coords, rng_state, step=step))
+    dist.barrier()  # every file is complete (or has failed) before the manifest says so
+    if rank == 0 and not (failures and any(d == directory for _, d, _ in failures)):
+        attempt(lambda: write_manifest(directory, step=step, config=config,
+                                       world_size=dist.get_world_size()))
     dist.barrier()  # nobody goes on (or reads it) before the checkpoint is complete
     return directory
 

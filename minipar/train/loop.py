@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from minipar import distributed as dist
+from minipar.errors import OutputError
 from minipar.nn import lr_schedule
 from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model, check_layout
 from minipar.train.config import ConfigError, TrainConfig, flag
 from minipar.train.data import TokenStream, make_stream, micro_batch
+from minipar.train.outputs import check_output_dir
 from minipar.train.report import Report, merge_step, report_from_run
 
 __all__ = ["Reference", "learning_rate", "reference_run", "train"]
@@ -57,6 +59,8 @@ class RunOptions:
     record_states: bool = False  # keep the parameters after every step (the reference)
     save_dir: Path | None = None
     save_every: int = 0
+    # Checkpoint writes that failed, as (rank, directory, OSError): host-side, like a log.
+    save_failures: list = field(default_factory=list)
     progress: object = None  # a _StepLog, or None
     device: dist.DeviceProfile | None = None  # the simulated GPU (default: H100)
 
@@ -103,7 +107,8 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             checkpoint.save_checkpoint(
                 options.save_dir / f"step-{step + 1:06d}", step=step + 1,
                 config=config.to_dict(), pieces=engine.state_pieces(), coords=mesh.coords(),
-                rng_state=rank_model.dropout_generator.bit_generator.state)
+                rng_state=rank_model.dropout_generator.bit_generator.state,
+                failures=options.save_failures)
         if options.progress is not None:
             options.progress.report(rank, record)
     return {"steps": history, "step_ends": step_ends, "coords": mesh.coords(),
@@ -213,6 +218,8 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
         config = config.replace(**overrides)
     if save_every < 0:
         raise ConfigError("save_every", f"must be >= 0, got {save_every}")
+    if save_dir is not None:
+        check_output_dir("save_dir", save_dir)  # before the work, not after it
     stream = make_stream(config.data, config.vocab_size)
     config = config.replace(vocab_size=stream.vocab_size)
     check_layout(config)  # refuse an unsupported mix before anything runs
@@ -238,4 +245,9 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
             report.steps, reference.report.steps, report.state_dict,
             reference.report.state_dict, [r["check"] for r in results],
             equivalence.TOLERANCES[config.precision], equivalence.SCALES[config.precision])
+    if options.save_failures:  # the run is done: say what was not written, keep the rest
+        _, directory, error = options.save_failures[0]
+        raise OutputError("save_dir", f"{directory}: the checkpoint could not be written "
+                          f"({error.strerror or error}); the run finished, its report is "
+                          "this error's .report", report=report)
     return report
