@@ -15,8 +15,8 @@
 The command line catches `MiniparError` once and prints its message as one line with exit
 status 2 (`minipar train: error: --lr: must be finite ...`). A caller that wants one kind
 catches the subclass. Built-in bases are kept (ConfigError is a ValueError, DistError and
-CheckpointError are RuntimeErrors) so that code written against older versions still
-catches them.
+CheckpointError are RuntimeErrors, OutputError an OSError) so that code written against
+older versions still catches them.
 
 This module imports nothing from minipar, so every layer (autograd ... cli) may use it.
 """
@@ -55,10 +55,11 @@ LayoutError = ConfigError
 PlanError = ConfigError
 
 
-class OutputError(ConfigError):
+class OutputError(ConfigError, OSError):
     """An output (--json, --save, --out, consolidate's OUT) that cannot be written.
     Raised before the work starts; if a write fails after it (a full disk), `report` is
-    what was computed, so the caller can still show it (the CLI prints it)."""
+    what was computed, so the caller can still show it (the CLI prints it). Also an
+    OSError, so that code catching the write's own error still catches it."""
 
     def __init__(self, setting: str, message: str, report=None):
         super().__init__(setting, message)

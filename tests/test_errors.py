@@ -30,6 +30,7 @@ def test_the_setting_errors_are_one_class_that_keeps_its_builtin_base_and_messag
     assert str(LayoutError("schedule", "--pp: needs 2 ranks")) == "--pp: needs 2 ranks"
     assert issubclass(CheckpointError, RuntimeError) and issubclass(DistError, RuntimeError)
     assert issubclass(ScheduleError, PipelineError)
+    assert issubclass(errors.OutputError, OSError) and issubclass(errors.OutputError, ConfigError)
 
 
 def test_errors_is_a_leaf_any_layer_may_import():
