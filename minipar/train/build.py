@@ -179,6 +179,11 @@ class RankModel:
             losses.append(float(loss.data))
         return float(np.mean(losses))
 
+    def named_parameters(self) -> list:
+        """(name, Parameter) of what this rank holds (its model or pipeline chunks)."""
+        source = self.pipeline if self.pipeline is not None else self.model
+        return list(source.named_parameters())
+
     @property
     def dropout_generator(self) -> np.random.Generator:
         """The generator of my dropout masks (a pipeline rank's first chunk's)."""

@@ -20,6 +20,7 @@ and their rules come from the schedule registry (minipar.parallel.schedules).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from minipar.errors import ConfigError, flag
@@ -28,6 +29,8 @@ from minipar.parallel.schedules import check_schedule_name
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
+MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps it portable
 DATASETS = ("corpus", "synthetic")
 
 
@@ -93,19 +96,30 @@ class TrainConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
         _choice("data", self.data, DATASETS)
-        if self.lr <= 0:
-            raise ConfigError("lr", f"must be positive, got {self.lr}")
+        # Real numbers first: NaN compares False with everything, so `lr <= 0` alone
+        # lets --lr nan through (and --grad-clip nan silently turned clipping off).
+        for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip",
+                     "dropout"):
+            _finite(name, getattr(self, name))
+        if not 0 < self.lr <= MAX_LR:
+            raise ConfigError("lr", f"must be in (0, {MAX_LR:g}], got {self.lr}: an AdamW "
+                              "step moves every weight by about lr, so a larger one does not "
+                              "train (GPT-2 used 6e-4)")
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}")
-        if self.warmup_steps < 0:
-            raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _integer("warmup_steps", self.warmup_steps, 0)
         if self.weight_decay < 0:
             raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.lr * self.weight_decay >= 1:
+            raise ConfigError("weight_decay", f"lr x weight_decay = {self.lr} x "
+                              f"{self.weight_decay} must be below 1: decoupled decay "
+                              "multiplies every weight by (1 - lr x weight_decay) each step")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
         if self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
+        _integer("seed", self.seed, 0, MAX_SEED)
         self.grad_accum_steps, self.global_batch_size = resolve_batch(
             self.micro_batch_size, self.dp, self.grad_accum_steps, self.global_batch_size)
 
@@ -150,8 +164,10 @@ def check_parallel_settings(settings, error=ConfigError) -> None:
     _choice("precision", settings.precision, PRECISIONS, error)
     check_schedule_name(settings.schedule, error)
     bucket = settings.bucket_size_mb
-    if not isinstance(bucket, (int, float)) or bucket < 0:
-        raise error("bucket_size_mb", f"must be >= 0 (0 = one bucket), got {bucket!r}")
+    if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or \
+            not math.isfinite(bucket) or bucket < 0:  # NaN compares False with every bound
+        raise error("bucket_size_mb", f"must be a finite number >= 0 (0 = one bucket), got "
+                    f"{bucket!r}")
 
 
 def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
@@ -194,6 +210,20 @@ def replace_settings(values: dict, changes: dict) -> dict:
         values["grad_accum_steps"] = None
     values.update(changes)
     return values
+
+
+def _finite(name: str, value) -> None:
+    """A real, finite number (not a bool, str, NaN or inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value):
+        raise ConfigError(name, f"must be a finite number, got {value!r}")
+
+
+def _integer(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or \
+            (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(name, f"must be an integer {bound}, got {value!r}")
 
 
 def _choice(name: str, value, options, error=ConfigError) -> None:

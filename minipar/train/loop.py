@@ -36,6 +36,7 @@ from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model, check_layout
 from minipar.train.config import ConfigError, TrainConfig, flag
 from minipar.train.data import TokenStream, make_stream, micro_batch
+from minipar.train.divergence import check_finite
 from minipar.train.outputs import check_output_dir
 from minipar.train.report import Report, merge_step, report_from_run
 
@@ -92,6 +93,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
         loss = rank_model.forward_backward(micro_batches)
         with dist.phase("optimizer"):
             grad_norm = engine.clip_grad_norm_(config.grad_clip)
+            check_finite(step, loss, grad_norm, rank_model)  # before NaN reaches the weights
             engine.step(lr)
             engine.zero_grad()
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}

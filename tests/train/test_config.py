@@ -64,3 +64,39 @@ def test_round_trip_through_dict():
 def test_unknown_setting_is_refused():
     with pytest.raises(ConfigError, match="unknown setting"):
         TrainConfig.from_dict({"n_layers": 3})
+
+
+# ------------------------------------------------------------------ absurd numbers (issue 13)
+NON_FINITE = [
+    ("lr", float("inf")), ("lr", float("nan")), ("lr", 1e308), ("lr", 2.0),
+    ("min_lr", float("nan")),
+    ("weight_decay", float("nan")), ("weight_decay", float("inf")), ("weight_decay", 1e4),
+    ("grad_clip", float("nan")), ("grad_clip", float("inf")),
+    ("bucket_size_mb", float("nan")), ("bucket_size_mb", float("inf")),
+    ("beta1", float("nan")), ("dropout", float("nan")),
+    ("seed", -1), ("seed", 2**64), ("seed", 1.5), ("warmup_steps", -1), ("lr", "0.1"),
+]
+
+
+@pytest.mark.parametrize("field, value", NON_FINITE)
+def test_non_finite_or_absurd_hyperparameters_are_refused(field, value):
+    with pytest.raises(ConfigError, match=f"^--{field.replace('_', '-')}: ") as info:
+        TrainConfig(**{field: value})
+    assert info.value.setting == field
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--lr", "inf"), ("--lr", "nan"), ("--lr", "1e308"), ("--weight-decay", "nan"),
+    ("--weight-decay", "inf"), ("--grad-clip", "nan"), ("--grad-clip", "inf"),
+    ("--bucket-size-mb", "nan"), ("--bucket-size-mb", "inf"), ("--seed", "-1"),
+])
+def test_the_cli_refuses_them_in_one_line(capsys, flag, value):
+    from minipar import cli
+
+    assert cli.main(["train", "--quiet", f"{flag}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"minipar train: error: {flag}: ")
+
+
+def test_the_limits_let_real_settings_through():
+    TrainConfig(lr=1.0, weight_decay=0.5, grad_clip=0.0, bucket_size_mb=25.0, seed=2**63 - 1)
