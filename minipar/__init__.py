@@ -6,6 +6,7 @@
 
 from minipar.errors import MiniparError
 from minipar.nn import GPT, GPTConfig
-from minipar.train import Report, TrainConfig, train
+from minipar.run import train  # minipar.train.loop.train after a memory check
+from minipar.train import Report, TrainConfig
 
 __all__ = ["GPT", "GPTConfig", "MiniparError", "Report", "TrainConfig", "train"]

@@ -22,6 +22,7 @@ from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
+from minipar.plan.fits import check_fits
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
 from minipar.train.outputs import check_output_dir, check_output_file
 
@@ -183,6 +184,7 @@ def cmd_train(args) -> int:
         check_output_file("json", args.json)
     if args.save is not None:
         check_output_dir("save", args.save)
+    check_fits(config)  # the planner's estimate, before anything is allocated
     bar = None
     if not args.quiet:
         from tqdm.auto import tqdm
@@ -301,6 +303,7 @@ def cmd_timeline(args) -> int:
 
     config = config_from_args(args)
     check_output_file("out", args.out)
+    check_fits(config)
     report = train(config, device=device_profile(args.device))
     start = end = None
     what = "the whole run"

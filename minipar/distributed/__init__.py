@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .buffers import hold, release, transient
 from .clock import A100, H100, Clock, DeviceProfile, TimelineEvent, collective_time
-from .cluster import Cluster
+from .cluster import MAX_WORLD_SIZE, Cluster
 from .collectives import (
     CollectiveWork,
     all_gather,
@@ -50,6 +50,7 @@ __all__ = [
     "CATEGORIES",
     "GROUP_KINDS",
     "H100",
+    "MAX_WORLD_SIZE",
     "PHASES",
     "Clock",
     "Cluster",

@@ -18,6 +18,12 @@ from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, RankAborted
 from .groups import ProcessGroup
 
+# The most virtual ranks one launch runs: each is a Python thread with its own stack and
+# ledgers, and the operating system's thread limit ("can't start new thread") comes long
+# before a real cluster's size. 1024 covers every layout the lessons use (dp x tp x pp of
+# an 8 x 8 x 8 mesh is 512) and starts in about a second here. docs/refusals.md.
+MAX_WORLD_SIZE = 1024
+
 
 class Call:
     """One rank's side of a collective: what it asked for, its data, when it arrived.
@@ -112,6 +118,9 @@ class Cluster:
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"world_size {world_size} is above minipar's maximum of "
+                             f"{MAX_WORLD_SIZE} virtual ranks (one thread each)")
         if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
         if profile is not None and not isinstance(profile, DeviceProfile):

@@ -23,6 +23,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
 from minipar.parallel.schedules import check_schedule_name
 
@@ -87,6 +88,11 @@ class TrainConfig:
         check_positive_integers(self, ("seq_len", "n_layer", "n_head", "d_model",
                                        "gpus_per_node", "steps"))
         check_parallel_settings(self)
+        if self.world_size > MAX_WORLD_SIZE:  # the emulator's limit, not the planner's
+            largest = max(("dp", "tp", "pp"), key=lambda name: getattr(self, name))
+            raise ConfigError(largest, f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = "
+                              f"{self.world_size} virtual ranks, above minipar's maximum of "
+                              f"{MAX_WORLD_SIZE} (one thread each); use fewer")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError("vocab_size", f"must be at least 2, got {self.vocab_size}")
         if self.d_model % self.n_head:
