@@ -36,9 +36,15 @@ from .collectives import (
 from .comm_log import GROUP_KINDS, PHASES, CommLedger, CommRecord, traffic_matrix
 from .context import get_device, get_rank, get_world_size
 from .device import Device
-from .errors import CollectiveMismatchError, DeadlockError, DistError, RankAborted
+from .errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    DistError,
+    LaunchTimeoutError,
+    RankAborted,
+)
 from .groups import ProcessGroup, new_group
-from .launch import launch, phase, timeline_label
+from .launch import DEFAULT_TIMEOUT, launch, launch_timeout, phase, timeline_label
 from .memory import CATEGORIES, MemoryLedger
 from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
@@ -48,6 +54,7 @@ from .roofline import Roofline
 __all__ = [
     "A100",
     "CATEGORIES",
+    "DEFAULT_TIMEOUT",
     "GROUP_KINDS",
     "H100",
     "MAX_WORLD_SIZE",
@@ -63,6 +70,7 @@ __all__ = [
     "DeviceMesh",
     "DeviceProfile",
     "DistError",
+    "LaunchTimeoutError",
     "MemoryLedger",
     "ProcessGroup",
     "RankAborted",
@@ -82,6 +90,7 @@ __all__ = [
     "irecv",
     "isend",
     "launch",
+    "launch_timeout",
     "new_group",
     "phase",
     "recv",

@@ -4,13 +4,17 @@ All of it sits behind one lock (simple beats clever). A rank that must wait reco
 *what* it waits for, then sleeps on its own condition variable; whoever completes that
 wait clears the record and wakes it. So at any instant a rank is running, waiting (and
 we know on whom), or returned, and a deadlock is a fact we can check the moment it
-happens: every live rank is waiting, or some rank waits on one that has returned.
-No timeouts, no polling.
+happens: every live rank is waiting, some rank waits on one that has returned, or the
+new wait closes a cycle of waits (rank 0 waits for 1, which waits for 0), whatever the
+ranks outside the cycle are doing. No polling here: what no wait-for graph can show (a
+rank in an infinite loop) is the launch watchdog's job (launch.py), for which the cluster
+keeps each rank's last action and when each wait began.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from .clock import DeviceProfile
@@ -88,10 +92,11 @@ class Transfer:
 class Wait:
     """What a blocked rank waits for: `target` (a Rendezvous or Transfer) and a description."""
 
-    __slots__ = ("rank", "target", "side")
+    __slots__ = ("rank", "target", "side", "since")
 
     def __init__(self, rank: int, target, side: str = "") -> None:
         self.rank, self.target, self.side = rank, target, side
+        self.since = time.monotonic()  # wall-clock start, for the watchdog
 
     def peers(self) -> list[int]:
         """The ranks that could end this wait."""
@@ -108,6 +113,20 @@ class Wait:
         if self.side == "send":
             return f"rank {self.rank} waits send to {t.dst} (tag {t.tag}, no matching recv)"
         return f"rank {self.rank} waits recv from {t.src} (tag {t.tag}, no matching send)"
+
+
+def describe_action(action) -> str:
+    """A flight-recorder entry (Device.last_action) in words."""
+    if action is None:
+        return "none yet (no compute, collective or message)"
+    if isinstance(action, str):
+        return f"compute ({action})"
+    if isinstance(action[0], Call):
+        call, number = action
+        return f"{call.text}, its collective #{number} on that group"
+    side, src, dst, tag = action
+    peer = f"send to rank {dst}" if side == "send" else f"recv from rank {src}"
+    return f"{peer} (tag {tag})"
 
 
 class Cluster:
@@ -174,6 +193,10 @@ class Cluster:
                 ):
                     self._report_deadlock()
                     raise RankAborted
+                cycle = self._cycle_through(rank)
+                if cycle is not None:
+                    self._report_deadlock([self._waiting[r] for r in cycle])
+                    raise RankAborted
             self._wakeup[rank].wait()
 
     def _wake(self, target, ranks) -> None:
@@ -192,6 +215,26 @@ class Cluster:
         for condition in self._wakeup:
             condition.notify_all()
 
+    # --- what the watchdog reads (launch.py) ----------------------------------------------
+    def progress(self) -> int:
+        """Actions taken by all ranks so far (grows while any rank makes progress)."""
+        return sum(d.actions for d in self.devices) + sum(self._returned)
+
+    def oldest_wait(self) -> Wait | None:
+        """The wait that began first among the ranks waiting now (lock held)."""
+        waits = [w for w in self._waiting if w is not None]
+        return min(waits, key=lambda w: w.since) if waits else None
+
+    def rank_state(self, rank: int) -> str:
+        """What `rank` is doing, in words (lock held): returned, or waiting for whom, or
+        running; and the last thing it did (its flight-recorder entry)."""
+        if self._returned[rank]:
+            return "returned"
+        wait = self._waiting[rank]
+        doing = (f"waiting {time.monotonic() - wait.since:.1f} s: {wait}" if wait is not None
+                 else "running (not in a collective or message)")
+        return f"{doing}; last action: {describe_action(self.devices[rank].last_action)}"
+
     def check_alive(self) -> None:
         if self.failure is not None:
             raise RankAborted
@@ -207,12 +250,46 @@ class Cluster:
         if waits and (self._running == 0 or any(rank in w.peers() for w in waits)):
             self._report_deadlock()
 
-    def _report_deadlock(self) -> None:
-        """Fail the launch with the wait-for graph (or the blocked collective calls)."""
-        waits = [w for w in self._waiting if w is not None]
+    def _cycle_through(self, start: int) -> list[int] | None:
+        """The ranks of a cycle of waits through `start` (which just began to wait), in
+        order, or None. An edge r -> p means r cannot go on before p acts: p is a peer of
+        r's wait (a missing member of its collective, the other side of its message). A
+        rank on such a cycle waits, transitively, for itself: a deadlock among those
+        ranks, whatever the others do. Before this wait there was none (it would have
+        been reported), so any new cycle passes through `start`: one depth-first search,
+        over waiting ranks only."""
+        parent = {start: None}
+        stack = [start]
+        while stack:
+            rank = stack.pop()
+            for peer in self._waiting[rank].peers():
+                if peer == start:
+                    cycle = [rank]
+                    while parent[cycle[-1]] is not None:
+                        cycle.append(parent[cycle[-1]])
+                    return cycle[::-1]
+                if peer not in parent and self._waiting[peer] is not None:
+                    parent[peer] = rank
+                    stack.append(peer)
+        return None
+
+    def _report_deadlock(self, waits: list[Wait] | None = None) -> None:
+        """Fail the launch with the wait-for graph (or the blocked collective calls) of
+        every waiting rank, or of `waits` only (a cycle among some of the ranks)."""
+        subset = waits is not None
+        if waits is None:
+            waits = [w for w in self._waiting if w is not None]
+        waits = sorted(waits, key=lambda w: w.rank)  # the same text whichever waited last
         on_returned = [w for w in waits if any(self._returned[p] for p in w.peers())]
         lines = [str(w) for w in waits]
-        lines += [f"rank {r} has returned" for r in range(self.world_size) if self._returned[r]]
+        if subset:
+            others = sorted(set(range(self.world_size)) - {w.rank for w in waits})
+            if others:
+                lines.append(f"(a cycle among ranks {', '.join(str(w.rank) for w in waits)}; "
+                             f"rank(s) {', '.join(map(str, others))} are not part of it)")
+        else:
+            lines += [f"rank {r} has returned" for r in range(self.world_size)
+                      if self._returned[r]]
         graph = "; ".join(lines)
         if not on_returned and all(isinstance(w.target, Rendezvous) for w in waits):
             # Every rank sits in a collective but no group is complete: they called
@@ -241,6 +318,9 @@ class Cluster:
         key = (group.ranks, number)
         with self.lock:
             self.check_alive()
+            device = self.devices[rank]
+            device.actions += 1
+            device.last_action = (call, number)
             rendezvous = self._rendezvous.get(key)
             if rendezvous is None:
                 rendezvous = self._rendezvous[key] = Rendezvous(group, number)
@@ -289,6 +369,9 @@ class Cluster:
         key = (src, dst, tag)
         with self.lock:
             self.check_alive()
+            device = self.devices[src if side == "send" else dst]
+            device.actions += 1
+            device.last_action = (side, src, dst, tag)
             queue = self._channels.setdefault(key, deque())
             # The queue holds posts of one side only: a post of the other side matches.
             if queue and (queue[0].send_time is None) == (side == "send"):

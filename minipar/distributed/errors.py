@@ -27,6 +27,18 @@ class DeadlockError(DistError):
     """
 
 
+class LaunchTimeoutError(DistError):
+    """The launch watchdog fired: a rank waited longer than the timeout, or no rank made
+    progress for that long (an infinite loop, a rank stuck in its own code). The message
+    names each unfinished rank, what it was doing and last did, and its Python stack;
+    `stacks[rank]` is that stack (a traceback.StackSummary), `timeout` the seconds, and
+    `left_running` the ranks whose threads could not be stopped (daemon threads)."""
+
+    def __init__(self, message: str, timeout: float, stacks: dict, left_running=()):
+        super().__init__(message)
+        self.timeout, self.stacks, self.left_running = timeout, stacks, list(left_running)
+
+
 class RankAborted(BaseException):  # noqa: N818 (not an error of its own: a signal to stop)
     """Raised inside a rank's thread when another rank failed and the launch is aborting.
 

@@ -5,12 +5,41 @@ get_rank, the collectives and the autograd device) and nothing else is shared, s
 launches never leak state into each other. If any rank raises, the others are woken and
 stopped at their next communication or compute call, and `launch` re-raises that
 rank's exception (with `.rank` set and a note naming the rank).
+
+The watchdog (NCCL's, with torch's TORCH_NCCL_ASYNC_ERROR_HANDLING: a collective that
+does not complete within the process group's timeout aborts the job, and the flight
+recorder says what each rank last did). While the ranks run, the launching thread
+checks every WATCH_INTERVAL seconds that no rank has waited longer than `timeout`
+seconds for a peer, and that some rank has acted (computed, communicated or returned)
+within the last `timeout` seconds. Otherwise it raises LaunchTimeoutError naming every
+unfinished rank, what it is doing, its last action and its Python stack
+(sys._current_frames()). The timeout is, in order: the `timeout` argument, the
+innermost `with launch_timeout(seconds):` (exercise checkers use a short one), the
+environment variable MINIPAR_LAUNCH_TIMEOUT, DEFAULT_TIMEOUT (600 s, the default of
+torch.distributed's NCCL process groups: generous for any run minipar trains).
+
+Stopping: after a failure or a timeout, every rank is woken and stops at its next call
+into minipar. A rank that does not within ABORT_GRACE seconds (stuck in its own loop, or
+catching the abort and retrying) gets RankAborted raised in its thread
+(PyThreadState_SetAsyncExc), a few times; CPython delivers it at the thread's next
+bytecode, so a thread blocked inside one long C call (time.sleep, a huge matmul) only
+stops when that call returns. Such a thread is left running as a daemon thread (it
+cannot keep the interpreter alive) and the error says so.
+
+A launch inside a rank is refused: a rank is one GPU, not a cluster.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import ctypes
+import math
+import os
+import sys
 import threading
+import time
+import traceback
 
 from threadpoolctl import threadpool_limits
 
@@ -20,8 +49,54 @@ from .clock import DeviceProfile
 from .cluster import Cluster
 from .comm_log import PHASES
 from .context import _rank_context, get_device
-from .errors import DistError, RankAborted
+from .errors import DistError, LaunchTimeoutError, RankAborted
 from .p2p import finish_pending
+
+DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's default for NCCL process groups
+TIMEOUT_ENV = "MINIPAR_LAUNCH_TIMEOUT"
+WATCH_INTERVAL = 0.05  # seconds between the watchdog's looks
+ABORT_GRACE = 1.0  # seconds a rank gets to stop by itself after an abort
+ASYNC_ABORTS = 3  # times RankAborted is raised into a rank that does not stop
+STACK_FRAMES = 8  # frames of each rank's stack in a timeout message
+
+_scoped_timeout: contextvars.ContextVar = contextvars.ContextVar("minipar_launch_timeout",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def launch_timeout(seconds: float):
+    """Launches inside the block (of this thread) time out after `seconds` unless they
+    pass their own `timeout=`: `with dist.launch_timeout(10): checker(...)`."""
+    token = _scoped_timeout.set(_check_timeout(seconds, "launch_timeout(seconds)"))
+    try:
+        yield
+    finally:
+        _scoped_timeout.reset(token)
+
+
+def _check_timeout(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or value <= 0:
+        raise ValueError(f"{where} must be a number of seconds > 0 (inf: never), got "
+                         f"{value!r}")
+    return float(value)
+
+
+def resolve_timeout(timeout: float | None = None) -> float:
+    """The watchdog timeout a launch uses (module docstring: argument, scope, environment
+    variable, default)."""
+    if timeout is not None:
+        return _check_timeout(timeout, "launch(timeout=...)")
+    if _scoped_timeout.get() is not None:
+        return _scoped_timeout.get()
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is not None and text.strip():
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+        return _check_timeout(value, f"the environment variable {TIMEOUT_ENV}")
+    return DEFAULT_TIMEOUT
 
 
 def _run_rank(cluster: Cluster, rank: int, fn, args, kwargs, results: list) -> None:
@@ -48,6 +123,7 @@ def launch(
     gpus_per_node: int = 8,
     device: DeviceProfile | None = None,
     return_devices: bool = False,
+    timeout: float | None = None,
     **kwargs,
 ):
     """Run fn(*args, **kwargs) on `world_size` virtual ranks; return results by rank.
@@ -56,7 +132,16 @@ def launch(
     device: the DeviceProfile every rank simulates (default: H100 SXM, see clock.py).
     return_devices: also return every rank's Device (memory, clock, comm ledgers):
         `results, devices = launch(fn, 8, return_devices=True)`.
+    timeout: seconds after which the watchdog raises LaunchTimeoutError (a rank waiting
+        that long, or no rank acting for that long); default: launch_timeout(), then
+        $MINIPAR_LAUNCH_TIMEOUT, then DEFAULT_TIMEOUT (600 s).
     """
+    if _rank_context.get() is not None:
+        raise DistError(
+            f"launch() was called inside virtual rank {get_device().rank}: a rank is one "
+            "GPU, it cannot start a cluster of its own. Call launch once, from the main "
+            "program, and use process groups (dist.new_group, DeviceMesh) inside it")
+    timeout = resolve_timeout(timeout)
     cluster = Cluster(world_size, gpus_per_node, device)
     results: list = [None] * world_size
     threads = [
@@ -76,13 +161,11 @@ def launch(
         for thread in threads:
             thread.start()
         try:
-            for thread in threads:
-                thread.join()
+            _watch(cluster, threads, timeout)
         except BaseException as interrupt:  # e.g. KeyboardInterrupt in a notebook
             with cluster.lock:
                 cluster.fail(interrupt, None)
-            for thread in threads:
-                thread.join()
+            _stop(threads)
             raise
     if cluster.failure is not None:
         error, rank = cluster.failure, cluster.failed_rank
@@ -93,6 +176,77 @@ def launch(
                                f"minipar.distributed.launch)")
         raise error
     return (results, cluster.devices) if return_devices else results
+
+
+def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
+    """Wait for the ranks; on a failure stop them; on a stall raise the timeout error."""
+    last_progress, last_change = -1, time.monotonic()
+    while True:
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            return
+        if cluster.failure is not None:
+            left = _stop(threads)
+            if left:
+                error = cluster.failure
+                if isinstance(error, LaunchTimeoutError):
+                    error.left_running = left
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    error.add_note(f"rank(s) {', '.join(map(str, left))} did not stop after "
+                                   "the abort and were left running as daemon threads")
+            return
+        alive[0].join(WATCH_INTERVAL)
+        now, progress = time.monotonic(), cluster.progress()
+        if progress != last_progress:
+            last_progress, last_change = progress, now
+        with cluster.lock:
+            oldest = cluster.oldest_wait()
+            waited = oldest is not None and now - oldest.since > timeout
+            if cluster.failure is None and (waited or now - last_change > timeout):
+                cause = (f"rank {oldest.rank} waited more than {timeout:g} s ({oldest})"
+                         if waited else f"no rank computed, communicated or returned for "
+                         f"{timeout:g} s")
+                cluster.fail(_timeout_error(cluster, threads, timeout, cause), None)
+
+
+def _timeout_error(cluster: Cluster, threads: list, timeout: float,
+                   cause: str) -> LaunchTimeoutError:
+    """The watchdog's report (lock held): every unfinished rank, its state, its stack."""
+    frames = sys._current_frames()
+    stacks, lines = {}, []
+    for rank, thread in enumerate(threads):
+        if not thread.is_alive() or cluster.rank_state(rank) == "returned":
+            continue
+        frame = frames.get(thread.ident)
+        summary = traceback.extract_stack(frame) if frame is not None else []
+        # Only the rank's own code: drop the thread machinery and _run_rank above fn.
+        first = next((i + 1 for i, f in enumerate(summary) if f.name == "_run_rank"
+                      and f.filename == __file__), 0)
+        stacks[rank] = traceback.StackSummary.from_list(summary[first:])
+        shown = "".join(traceback.format_list(stacks[rank][-STACK_FRAMES:])).rstrip()
+        lines.append(f"rank {rank}: {cluster.rank_state(rank)}\n{shown}")
+    return LaunchTimeoutError(
+        f"launch timed out: {cause}. Unfinished ranks (the watchdog's timeout is "
+        f"{timeout:g} s; set it with launch(timeout=...) or ${TIMEOUT_ENV}):\n"
+        + "\n".join(lines), timeout, stacks)
+
+
+def _stop(threads: list) -> list[int]:
+    """Join the ranks after an abort; raise RankAborted into those that do not stop by
+    themselves (module docstring). Returns the ranks left running."""
+    for attempt in range(ASYNC_ABORTS + 1):
+        deadline = time.monotonic() + ABORT_GRACE
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t for t in threads if t.is_alive()]
+        if not stuck or attempt == ASYNC_ABORTS:
+            break
+        for thread in stuck:
+            # The last resort of CPython's C API (there is no safe way to kill a thread):
+            # the exception is raised at the thread's next bytecode.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(RankAborted))
+    return [threads.index(t) for t in threads if t.is_alive()]
 
 
 @contextlib.contextmanager

@@ -36,14 +36,19 @@ def test_back_to_back_launches_are_independent():
     assert devices_a[0] is not devices_b[0]
 
 
-def test_nested_launch_inside_a_rank():
+def test_nested_launch_inside_a_rank_is_refused():
+    """Issue 13: a launch inside a rank used to run silently (a cluster inside one GPU,
+    whose traffic and memory no report would show); it is a mistake, said at once."""
+    import pytest
+
     def inner():
         return dist.get_rank()
 
     def outer():
-        return dist.get_rank(), dist.launch(inner, 2), dist.get_rank()
+        return dist.launch(inner, 2)
 
-    assert dist.launch(outer, 2) == [(0, [0, 1], 0), (1, [0, 1], 1)]
+    with pytest.raises(dist.DistError, match=r"launch\(\) was called inside virtual rank [01]"):
+        dist.launch(outer, 2)
 
 
 def test_bad_world_size():
