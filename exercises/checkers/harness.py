@@ -10,7 +10,13 @@ errors the code under test raises into such sentences:
     NotImplementedError raised in the student's file   TODO: that function is still a stub
                                                         (later checks are skipped)
     minipar.distributed.DeadlockError                   FAIL with the wait-for graph + a hint
+    minipar.distributed.LaunchTimeoutError              FAIL naming the student's function
+                                                        that did not return, and where
     any other exception                                 FAIL naming the file, line and rank
+
+Every check runs under `dist.launch_timeout(CHECK_TIMEOUT)`: the exercises' launches take
+milliseconds, so a student's infinite loop is stopped after CHECK_TIMEOUT seconds instead
+of hanging the checker (minipar's own default, 600 s, is for real training runs).
 
 so a student sees a list of checks, never a wall of traceback (`--traceback` shows it).
 """
@@ -24,7 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minipar.distributed import CollectiveMismatchError, DeadlockError
+from minipar import distributed as dist
+from minipar.distributed import CollectiveMismatchError, DeadlockError, LaunchTimeoutError
+
+STDLIB = os.path.dirname(os.__file__)  # frames of Python's own library are not the student's
+CHECK_TIMEOUT = 10.0  # seconds a check's launch may wait or stall (every one takes < 1 s)
 
 
 class CheckFailed(Exception):
@@ -69,7 +79,8 @@ class Report:
         """Run `check(*args)` as the check called `name`; return what it returns (None if
         it failed or hit a stub)."""
         try:
-            result = check(*args)
+            with dist.launch_timeout(CHECK_TIMEOUT):
+                result = check(*args)
         except CheckFailed as failure:
             self.outcomes.append(Outcome("fail", name, str(failure)))
         except CheckWarning as remark:
@@ -162,7 +173,9 @@ class Report:
     def _describe(self, error: BaseException, hints: dict | None) -> str:
         """One paragraph: the error, where it happened (the deepest frame in the file
         under test, if any), on which rank, and an exercise-specific hint."""
-        if isinstance(error, (DeadlockError, CollectiveMismatchError)):
+        if isinstance(error, LaunchTimeoutError):
+            text = _timeout_text(self, error)
+        elif isinstance(error, (DeadlockError, CollectiveMismatchError)):
             text = str(error)
         else:
             text = f"{type(error).__name__}: {error}"
@@ -185,6 +198,33 @@ class Report:
         if self.show_traceback:
             text += "\n" + "".join(traceback.format_exception(error)).rstrip()
         return text
+
+
+def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
+    """"ring_all_reduce() did not return within 10 s on rank(s) 0, 1 (stuck at
+    ex01_ring_allreduce.py:31: while ...)": the deepest frame of each unfinished rank's
+    stack in the file under test (or, without one, outside minipar and the checkers)."""
+    stuck: dict[tuple, list[int]] = {}
+    for rank, stack in sorted(error.stacks.items()):
+        if report.impl_file is not None:
+            mine = [f for f in stack if _same_file(f.filename, report.impl_file)]
+        else:
+            mine = [f for f in stack if f"{os.sep}minipar{os.sep}" not in f.filename
+                    and f"{os.sep}checkers{os.sep}" not in f.filename
+                    and not f.filename.startswith(STDLIB)]
+        if mine:
+            outer, deepest = mine[0], mine[-1]
+            key = (outer.name, os.path.basename(deepest.filename), deepest.lineno,
+                   (deepest.line or "").strip())
+            stuck.setdefault(key, []).append(rank)
+    lines = []
+    for (name, filename, line, code), ranks in stuck.items():
+        lines.append(f"{name}() did not return within {error.timeout:g} s on rank(s) "
+                     f"{', '.join(map(str, ranks))} (stuck at {filename}:{line}: {code}): "
+                     "a loop that never ends, or a wait nobody answers?")
+    if not lines:  # stuck in minipar itself, waiting: the first line says for whom
+        lines.append(str(error).splitlines()[0])
+    return "\n".join(lines)
 
 
 def add_note(error: BaseException, note: str) -> None:
