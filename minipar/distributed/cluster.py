@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 
-from .clock import DeviceProfile
+from .clock import COMPUTE_KINDS, DeviceProfile
 from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, RankAborted
 from .groups import ProcessGroup
@@ -116,11 +116,9 @@ class Wait:
 
 
 def describe_action(action) -> str:
-    """A flight-recorder entry (Device.last_action) in words."""
+    """A flight-recorder entry (Cluster._last_action) in words."""
     if action is None:
-        return "none yet (no compute, collective or message)"
-    if isinstance(action, str):
-        return f"compute ({action})"
+        return "none"
     if isinstance(action[0], Call):
         call, number = action
         return f"{call.text}, its collective #{number} on that group"
@@ -158,6 +156,10 @@ class Cluster:
         self._wakeup = [threading.Condition(self.lock) for _ in range(world_size)]
         self._waiting: list[Wait | None] = [None] * world_size
         self._returned = [False] * world_size
+        # The watchdog's flight recorder (launch.py): collectives and messages each rank
+        # has posted, and its last one (a (Call, number) or (side, src, dst, tag)).
+        self._actions = [0] * world_size
+        self._last_action: list = [None] * world_size
         self._any_returned = False
         self._running = world_size  # live ranks not waiting: 0 means deadlock
         self._rendezvous: dict[tuple, Rendezvous] = {}
@@ -216,9 +218,11 @@ class Cluster:
             condition.notify_all()
 
     # --- what the watchdog reads (launch.py) ----------------------------------------------
-    def progress(self) -> int:
-        """Actions taken by all ranks so far (grows while any rank makes progress)."""
-        return sum(d.actions for d in self.devices) + sum(self._returned)
+    def progress(self) -> tuple:
+        """Changes while any rank makes progress: collectives and messages posted, ranks
+        returned, and the simulated clocks (every compute call advances its rank's)."""
+        return (sum(self._actions), sum(self._returned),
+                sum(d.clock.now for d in self.devices))
 
     def oldest_wait(self) -> Wait | None:
         """The wait that began first among the ranks waiting now (lock held)."""
@@ -233,7 +237,12 @@ class Cluster:
         wait = self._waiting[rank]
         doing = (f"waiting {time.monotonic() - wait.since:.1f} s: {wait}" if wait is not None
                  else "running (not in a collective or message)")
-        return f"{doing}; last action: {describe_action(self.devices[rank].last_action)}"
+        clock = self.devices[rank].clock
+        computed = next((e.kind for e in reversed(clock.events) if e.kind in COMPUTE_KINDS),
+                        None)
+        return (f"{doing}; last collective or message: "
+                f"{describe_action(self._last_action[rank])}; last compute: "
+                f"{computed or 'none'} (simulated t = {clock.now * 1e3:.3f} ms)")
 
     def check_alive(self) -> None:
         if self.failure is not None:
@@ -318,9 +327,8 @@ class Cluster:
         key = (group.ranks, number)
         with self.lock:
             self.check_alive()
-            device = self.devices[rank]
-            device.actions += 1
-            device.last_action = (call, number)
+            self._actions[rank] += 1
+            self._last_action[rank] = (call, number)
             rendezvous = self._rendezvous.get(key)
             if rendezvous is None:
                 rendezvous = self._rendezvous[key] = Rendezvous(group, number)
@@ -369,9 +377,9 @@ class Cluster:
         key = (src, dst, tag)
         with self.lock:
             self.check_alive()
-            device = self.devices[src if side == "send" else dst]
-            device.actions += 1
-            device.last_action = (side, src, dst, tag)
+            poster = src if side == "send" else dst
+            self._actions[poster] += 1
+            self._last_action[poster] = (side, src, dst, tag)
             queue = self._channels.setdefault(key, deque())
             # The queue holds posts of one side only: a post of the other side matches.
             if queue and (queue[0].send_time is None) == (side == "send"):

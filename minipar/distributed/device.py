@@ -38,11 +38,6 @@ class Device:
         # to stop promptly when another rank failed.
         self._cluster = cluster
         self._calls_per_group: dict[tuple[int, ...], int] = {}  # collective sequence numbers
-        # The launch watchdog's flight recorder (launch.py): how many actions this rank has
-        # taken (compute, collectives, messages) and the last one (a compute kind, or the
-        # Call / Transfer the cluster recorded), read only to explain a timeout.
-        self.actions = 0
-        self.last_action: object = None
         self._pending_works: dict[int, object] = {}  # isend/irecv not yet waited, by id
 
     # --- the autograd device protocol --------------------------------------------------

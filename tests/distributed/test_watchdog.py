@@ -44,7 +44,8 @@ def test_a_rank_stuck_in_its_own_loop_times_out_with_every_ranks_state(stop):
         dist.launch(program, 3, timeout=0.5)
     error, text = info.value, str(info.value)
     assert "rank 1 waited more than 0.5 s" in text or "rank 2 waited more than 0.5 s" in text
-    assert "rank 0: running (not in a collective or message); last action: all_reduce(" in text
+    assert ("rank 0: running (not in a collective or message); last collective or message: "
+            "all_reduce(") in text
     assert "rank 1: waiting" in text and "all_reduce #1" in text and "for rank(s) 0" in text
     assert "in spin_forever" in text  # rank 0's Python stack, down to the loop
     names = [f.name for f in error.stacks[0]]  # from the rank function down
