@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 
-from .clock import COMPUTE_KINDS, DeviceProfile
+from .clock import DeviceProfile
 from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, RankAborted
 from .groups import ProcessGroup
@@ -113,18 +113,6 @@ class Wait:
         if self.side == "send":
             return f"rank {self.rank} waits send to {t.dst} (tag {t.tag}, no matching recv)"
         return f"rank {self.rank} waits recv from {t.src} (tag {t.tag}, no matching send)"
-
-
-def describe_action(action) -> str:
-    """A flight-recorder entry (Cluster._last_action) in words."""
-    if action is None:
-        return "none"
-    if isinstance(action[0], Call):
-        call, number = action
-        return f"{call.text}, its collective #{number} on that group"
-    side, src, dst, tag = action
-    peer = f"send to rank {dst}" if side == "send" else f"recv from rank {src}"
-    return f"{peer} (tag {tag})"
 
 
 class Cluster:
@@ -229,20 +217,9 @@ class Cluster:
         waits = [w for w in self._waiting if w is not None]
         return min(waits, key=lambda w: w.since) if waits else None
 
-    def rank_state(self, rank: int) -> str:
-        """What `rank` is doing, in words (lock held): returned, or waiting for whom, or
-        running; and the last thing it did (its flight-recorder entry)."""
-        if self._returned[rank]:
-            return "returned"
-        wait = self._waiting[rank]
-        doing = (f"waiting {time.monotonic() - wait.since:.1f} s: {wait}" if wait is not None
-                 else "running (not in a collective or message)")
-        clock = self.devices[rank].clock
-        computed = next((e.kind for e in reversed(clock.events) if e.kind in COMPUTE_KINDS),
-                        None)
-        return (f"{doing}; last collective or message: "
-                f"{describe_action(self._last_action[rank])}; last compute: "
-                f"{computed or 'none'} (simulated t = {clock.now * 1e3:.3f} ms)")
+    def rank_state(self, rank: int) -> tuple:
+        """(returned, its Wait or None, its last collective or message) (lock held)."""
+        return self._returned[rank], self._waiting[rank], self._last_action[rank]
 
     def check_alive(self) -> None:
         if self.failure is not None:

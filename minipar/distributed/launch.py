@@ -45,8 +45,8 @@ from threadpoolctl import threadpool_limits
 
 from minipar.autograd.tracking import use_device
 
-from .clock import DeviceProfile
-from .cluster import Cluster
+from .clock import COMPUTE_KINDS, DeviceProfile
+from .cluster import Call, Cluster
 from .comm_log import PHASES
 from .context import _rank_context, get_device
 from .errors import DistError, LaunchTimeoutError, RankAborted
@@ -215,7 +215,8 @@ def _timeout_error(cluster: Cluster, threads: list, timeout: float,
     frames = sys._current_frames()
     stacks, lines = {}, []
     for rank, thread in enumerate(threads):
-        if not thread.is_alive() or cluster.rank_state(rank) == "returned":
+        returned, wait, last = cluster.rank_state(rank)
+        if not thread.is_alive() or returned:
             continue
         frame = frames.get(thread.ident)
         summary = traceback.extract_stack(frame) if frame is not None else []
@@ -224,11 +225,30 @@ def _timeout_error(cluster: Cluster, threads: list, timeout: float,
                       and f.filename == __file__), 0)
         stacks[rank] = traceback.StackSummary.from_list(summary[first:])
         shown = "".join(traceback.format_list(stacks[rank][-STACK_FRAMES:])).rstrip()
-        lines.append(f"rank {rank}: {cluster.rank_state(rank)}\n{shown}")
+        lines.append(f"rank {rank}: {_describe_rank(cluster.devices[rank], wait, last)}"
+                     f"\n{shown}")
     return LaunchTimeoutError(
         f"launch timed out: {cause}. Unfinished ranks (the watchdog's timeout is "
         f"{timeout:g} s; set it with launch(timeout=...) or ${TIMEOUT_ENV}):\n"
         + "\n".join(lines), timeout, stacks)
+
+
+def _describe_rank(device, wait, last) -> str:
+    """What a rank is doing and last did (its flight-recorder entry), in words."""
+    doing = (f"waiting {time.monotonic() - wait.since:.1f} s: {wait}" if wait is not None
+             else "running (not in a collective or message)")
+    if last is None:
+        message = "none"
+    elif isinstance(last[0], Call):
+        message = f"{last[0].text}, its collective #{last[1]} on that group"
+    else:
+        side, src, dst, tag = last
+        message = (f"send to rank {dst}" if side == "send" else f"recv from rank {src}") + \
+            f" (tag {tag})"
+    clock = device.clock
+    computed = next((e.kind for e in reversed(clock.events) if e.kind in COMPUTE_KINDS), None)
+    return (f"{doing}; last collective or message: {message}; last compute: "
+            f"{computed or 'none'} (simulated t = {clock.now * 1e3:.3f} ms)")
 
 
 def _stop(threads: list) -> list[int]:
