@@ -183,6 +183,19 @@ def check_manifest(manifest, path) -> TrainConfig:
     return config
 
 
+def _coverage(ranges: list[tuple[int, int]], size: int):
+    """(first element, copies) of each run of elements of [0, size) held by the same
+    number of the `ranges` (a sweep over their ends: no array of `size` elements)."""
+    change: dict[int, int] = {0: 0, size: 0}
+    for start, stop in ranges:
+        change[start] = change.get(start, 0) + 1
+        change[stop] = change.get(stop, 0) - 1
+    held = 0
+    for position in sorted(change)[:-1]:
+        held += change[position]
+        yield position, held
+
+
 def _check_tensors(manifest: dict, config: TrainConfig, path) -> None:
     """Names, kinds, shapes and dtypes from the config; every element held exactly once
     per data-parallel group (every DP replica under ZeRO-0)."""
@@ -218,20 +231,19 @@ def _check_tensors(manifest: dict, config: TrainConfig, path) -> None:
                                       f"placement {placement['type']})")
             index = record["coords"].get(group, 0) if group else 0
             slot = slots.setdefault((kind, name, index), {
-                "copies": np.zeros(int(np.prod(shape)), np.int64), "stages": set()})
-            slot["copies"][entry["start"]:entry["stop"]] += 1
+                "size": int(np.prod(shape)), "ranges": [], "stages": set()})
+            slot["ranges"].append((entry["start"], entry["stop"]))
             slot["stages"].add(record["coords"]["pp"])
     replicas = config.dp if config.zero == 0 else 1  # ZeRO-0: every DP rank saves its replica
     for (kind, name, index), slot in slots.items():
         # A tied embedding lives on the first and the last pipeline stage: one copy each.
         expected = replicas * len(slot["stages"])
-        wrong = np.flatnonzero(slot["copies"] != expected)
-        if wrong.size:
-            e = int(wrong[0])
-            raise CheckpointError(
-                f"{path}: {kind} of {name} (shard {index}): element {e} is held "
-                f"{int(slot['copies'][e])} time(s), expected {expected} (dp={config.dp}, "
-                f"ZeRO-{config.zero}): a shard's start/stop was changed")
+        for start, held in _coverage(slot["ranges"], slot["size"]):
+            if held != expected:
+                raise CheckpointError(
+                    f"{path}: {kind} of {name} (shard {index}): element {start} is held "
+                    f"{held} time(s), expected {expected} (dp={config.dp}, "
+                    f"ZeRO-{config.zero}): a shard's start/stop was changed")
     for kind in kinds:
         missing = sorted(n for n in full if not any(k[:2] == (kind, n) for k in slots))
         if missing:
