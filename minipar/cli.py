@@ -20,6 +20,7 @@ import typing
 
 from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
+from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
@@ -55,7 +56,13 @@ HELP = {
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm to this value (0 = off)",
     "precision": "numerics: fp64 (exact checks), fp32, bf16-mixed",
-    "activation_checkpointing": "recompute each block's activations in backward",
+    "activation_checkpointing": "recompute each block's activations in backward "
+                                "(= --recompute-granularity full)",
+    "recompute_granularity": "recompute in backward: selective (the attention core only) or "
+                             "full (whole blocks; Megatron-LM's flag)",
+    "recompute_method": "with full: uniform (groups of --recompute-num-layers blocks) or "
+                        "block (only the first N blocks of each pipeline chunk)",
+    "recompute_num_layers": "blocks per group (uniform) or blocks recomputed per chunk (block)",
     "data": "training data: the built-in corpus or a synthetic Markov task",
     "seed": "seed of weights and batches",
     "check": "also train the single-device reference and compare every step",
@@ -64,7 +71,8 @@ HELP = {
 
 def choices() -> dict[str, tuple]:
     """The fields whose values are a fixed set; the schedules are the registry's now."""
-    return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS}
+    return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS,
+            "recompute_granularity": GRANULARITIES, "recompute_method": METHODS}
 
 
 class OneLineParser(argparse.ArgumentParser):

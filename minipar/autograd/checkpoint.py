@@ -5,7 +5,10 @@ Cost"; Megatron's `checkpoint` of a transformer layer).
 When backward reaches it, it runs `fn` again with grad enabled and backpropagates
 through that fresh graph. Activations inside `fn` then exist only during its own
 backward: one block's worth at a time instead of every block's, for the price of a
-second forward (about +33% compute for a transformer).
+second forward (about +33% compute for a transformer). The second forward runs inside
+`tracking.recomputing()`, so the device books its FLOPs as recomputation too.
+Which calls to checkpoint (whole blocks, or only the attention core) is
+minipar.nn.recompute's choice.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from minipar.autograd.function import Function
 from minipar.autograd.grad_mode import enable_grad, no_grad
 from minipar.autograd.tensor import Tensor
+from minipar.autograd.tracking import recomputing
 
 
 class Checkpoint(Function):
@@ -48,7 +52,7 @@ class Checkpoint(Function):
         if generator is not None:
             state_after_forward = copy.deepcopy(generator.bit_generator.state)
             generator.bit_generator.state = ctx.rng_state
-        with enable_grad():
+        with enable_grad(), recomputing():
             out = ctx.fn(*inputs)
         if generator is not None:
             generator.bit_generator.state = state_after_forward

@@ -13,8 +13,11 @@ A device is anything with
     device.phase                                 # optional, read/write: the phase
                                                  # communication is charged to
                                                  # ("backward" during a backward pass)
-(`minipar.distributed.Device` is the real one.) Keeping the protocol here, and the bookkeeping
-in `minipar.distributed`, keeps the engine free of ledgers and clocks.
+(`minipar.distributed.Device` is the real one.) While activation checkpointing runs a
+forward again inside backward, `is_recomputing()` is true, so a device can tell the
+recomputed FLOPs (reported as "forward", which they are) from the first forward's.
+Keeping the protocol here, and the bookkeeping in `minipar.distributed`, keeps the
+engine free of ledgers and clocks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import contextlib
 import contextvars
 
 _current_device: contextvars.ContextVar = contextvars.ContextVar("minipar_device", default=None)
+_recomputing: contextvars.ContextVar = contextvars.ContextVar("minipar_recomputing",
+                                                              default=False)
 
 
 def current_device():
@@ -56,3 +61,18 @@ def device_phase(device, name: str):
         yield
     finally:
         device.phase = previous
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Mark the ops run inside the block as a recomputation (checkpoint.py's backward)."""
+    token = _recomputing.set(True)
+    try:
+        yield
+    finally:
+        _recomputing.reset(token)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed function's forward runs again during backward."""
+    return _recomputing.get()

@@ -8,6 +8,8 @@ and their time on `device.clock`. A Device is only ever touched by its own rank'
 
 from __future__ import annotations
 
+from minipar.autograd.tracking import is_recomputing
+
 from .clock import COMPUTE_KINDS, Clock, DeviceProfile
 from .comm_log import PHASES, CommLedger
 from .errors import RankAborted
@@ -34,6 +36,9 @@ class Device:
         self.clock = Clock()
         self.comm = CommLedger()
         self._phase = "other"
+        # FLOPs of forwards run again inside backward (activation checkpointing); they
+        # are also in the clock's "forward" time, where a profiler would show them.
+        self.recompute_flops = 0.0
         # The Cluster of the running launch (None for a stand-alone device). Only read here
         # to stop promptly when another rank failed.
         self._cluster = cluster
@@ -54,6 +59,8 @@ class Device:
             raise RankAborted  # another rank failed: stop here rather than compute on
         if kind not in COMPUTE_KINDS:
             raise ValueError(f"compute kind {kind!r} is not one of {COMPUTE_KINDS}")
+        if is_recomputing():
+            self.recompute_flops += flops
         self.clock.compute(self.profile.compute_seconds(flops, kernels), kind)
 
     # --- the phase communication is charged to -----------------------------------------

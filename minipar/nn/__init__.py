@@ -21,6 +21,7 @@ from minipar.nn.optim import (
     grad_norm_squared,
     lr_schedule,
 )
+from minipar.nn.recompute import Recompute
 
 __all__ = [
     "GPT",
@@ -37,6 +38,7 @@ __all__ = [
     "Module",
     "ModuleList",
     "Parameter",
+    "Recompute",
     "adamw_update",
     "clip_grad_norm_",
     "grad_norm_squared",

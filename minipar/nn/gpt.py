@@ -31,6 +31,7 @@ from minipar.autograd.precision import get_policy
 from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minipar.nn.module import Module, ModuleList, Parameter
+from minipar.nn.recompute import Recompute, run_blocks
 
 
 @dataclass(frozen=True)
@@ -114,22 +115,37 @@ def initialize_parameters(module: Module, config: GPTConfig, seed: int,
 
 
 class CausalSelfAttention(Module):
-    """Multi-head causal self-attention: c_attn (d, 3d) -> fused attention -> c_proj."""
+    """Multi-head causal self-attention: c_attn (d, 3d) -> fused attention -> c_proj.
 
-    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
+    checkpoint_core_attention: keep only qkv for backward and recompute softmax(QK^T)V
+    there (selective recomputation, Korthikanti et al. 2022 section 5; Megatron-LM's
+    `checkpoint_core_attention` in megatron/core/transformer/attention.py).
+    """
+
+    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None,
+                 checkpoint_core_attention: bool = False):
         super().__init__()
         d = config.d_model
         self.head_dim = config.head_dim
         self.dropout_p = config.dropout
         self.generator = generator
+        self.checkpoint_core_attention = checkpoint_core_attention
         self.c_attn = Linear(d, 3 * d, dtype=dtype)
         self.c_proj = Linear(d, d, dtype=dtype)
         self.resid_dropout = Dropout(config.dropout, generator)
 
+    def core_attention(self, qkv):
+        """softmax(causal(QK^T / sqrt(head_dim))) V of my heads: (B, T, 3hd) -> (B, T, hd)."""
+        p = self.dropout_p if self.training else 0.0
+        return F.causal_self_attention(qkv, self.head_dim, p, self.generator)
+
     def forward(self, x):
         qkv = self.c_attn(x)  # (B, T, 3 * local_heads * head_dim)
-        p = self.dropout_p if self.training else 0.0
-        y = F.causal_self_attention(qkv, self.head_dim, p, self.generator)
+        if self.checkpoint_core_attention and self.training and is_grad_enabled():
+            generator = self.generator if self.dropout_p > 0 else None
+            y = checkpoint(self.core_attention, qkv, generator=generator)
+        else:
+            y = self.core_attention(qkv)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -150,11 +166,13 @@ class MLP(Module):
 class Block(Module):
     """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
 
-    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
+    def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None,
+                 checkpoint_core_attention: bool = False):
         super().__init__()
         d = config.d_model
         self.ln_1 = LayerNorm(d, dtype=dtype)
-        self.attn = CausalSelfAttention(config, dtype=dtype, generator=generator)
+        self.attn = CausalSelfAttention(config, dtype=dtype, generator=generator,
+                                        checkpoint_core_attention=checkpoint_core_attention)
         self.ln_2 = LayerNorm(d, dtype=dtype)
         self.mlp = MLP(config, dtype=dtype, generator=generator)
 
@@ -192,16 +210,19 @@ class GPT(Module):
 
     precision: "fp64", "fp32" or "bf16-mixed" (parameter and activation dtype; see
     minipar.autograd.precision). activation_checkpointing: recompute each block in
-    backward instead of keeping its activations.
+    backward instead of keeping its activations. recompute: a finer policy (selective,
+    or full for some blocks; minipar.nn.recompute), instead of activation_checkpointing.
     """
 
     def __init__(self, config: GPTConfig, seed: int = 0, precision: str = "fp64",
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, recompute: Recompute | None = None):
         super().__init__()
         self.config = config
         self.seed = seed
         self.policy = get_policy(precision)
         self.activation_checkpointing = activation_checkpointing
+        self.recompute = recompute if recompute is not None else Recompute.from_settings(
+            activation_checkpointing)
         dtype = self.policy.param_dtype
         # One generator for every dropout mask, seeded apart from the weights.
         self.dropout_generator = np.random.default_rng([seed, zlib.crc32(b"dropout")])
@@ -209,7 +230,8 @@ class GPT(Module):
         self.wte = Embedding(config.vocab_size, config.d_model, dtype=dtype)
         self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
         self.drop = Dropout(config.dropout, gen)
-        self.h = ModuleList(Block(config, dtype=dtype, generator=gen)
+        self.h = ModuleList(Block(config, dtype=dtype, generator=gen,
+                                  checkpoint_core_attention=self.recompute.selective)
                             for _ in range(config.n_layer))
         self.ln_f = LayerNorm(config.d_model, dtype=dtype)
         if not config.tie_embeddings:
@@ -240,8 +262,6 @@ class GPT(Module):
 
     def forward(self, idx, targets=None):
         x = self.embed(idx)
-        use_checkpoint = self.activation_checkpointing and is_grad_enabled()
         generator = self.dropout_generator if self.config.dropout > 0 else None
-        for block in self.h:
-            x = checkpoint(block, x, generator=generator) if use_checkpoint else block(x)
+        x = run_blocks(self.h, x, self.recompute, generator)
         return self.head(x, targets)

@@ -49,13 +49,14 @@ import zlib
 import numpy as np
 
 from minipar import distributed as dist
-from minipar.autograd import Tensor, checkpoint, is_grad_enabled
+from minipar.autograd import Tensor
 from minipar.autograd import functional as F
 from minipar.autograd.precision import get_policy
 from minipar.distributed.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
 from minipar.nn.gpt import check_token_ids, initialize_parameters, parameter_shapes
 from minipar.nn.layers import Dropout
+from minipar.nn.recompute import Recompute, run_blocks
 from minipar.parallel.schedules import (
     Backward,
     Forward,
@@ -135,13 +136,16 @@ class PipelineStage(Module):
 
     def __init__(self, config: GPTConfig, stage: int, num_stages: int, layers: range, *,
                  seed: int = 0, precision: str = "fp64",
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, recompute: Recompute | None = None):
         super().__init__()
         self.config = config
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.layers = layers
         self.activation_checkpointing = activation_checkpointing
+        # Megatron applies --recompute-method block / uniform to each chunk's own layers.
+        self.recompute = recompute if recompute is not None else Recompute.from_settings(
+            activation_checkpointing)
         dtype = get_policy(precision).param_dtype
         # Dropout masks are drawn per stage, so with dropout > 0 they differ from a
         # single-device run's (equivalence is checked with dropout 0).
@@ -153,7 +157,9 @@ class PipelineStage(Module):
             self.wte = Embedding(config.vocab_size, config.d_model, dtype=dtype)
             self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
             self.drop = Dropout(config.dropout, gen)
-        self.h = StageBlocks({i: Block(config, dtype=dtype, generator=gen) for i in layers})
+        self.h = StageBlocks({i: Block(config, dtype=dtype, generator=gen,
+                                       checkpoint_core_attention=self.recompute.selective)
+                              for i in layers})
         if self.is_last:
             self.ln_f = LayerNorm(config.d_model, dtype=dtype)
             if not config.tie_embeddings:
@@ -178,10 +184,8 @@ class PipelineStage(Module):
     def forward(self, x, targets=None):
         if self.is_first:
             x = self.embed(x)
-        use_checkpoint = self.activation_checkpointing and is_grad_enabled()
         generator = self.dropout_generator if self.config.dropout > 0 else None
-        for block in self.h:
-            x = checkpoint(block, x, generator=generator) if use_checkpoint else block(x)
+        x = run_blocks(self.h, x, self.recompute, generator)
         return self.head(x, targets) if self.is_last else x
 
 
@@ -211,7 +215,8 @@ class Pipeline:
                  schedule: str | Schedule = "1f1b", micro_batches: int = 1,
                  virtual_stages: int = 1, layer_split=None, seed: int = 0,
                  precision: str = "fp64", activation_checkpointing: bool = False,
-                 validate_schedule: bool = True, stage_class: type = None):
+                 validate_schedule: bool = True, stage_class: type = None,
+                 recompute: Recompute | None = None):
         stage_class = PipelineStage if stage_class is None else stage_class
         if pp_group is None:
             pp_group = dist.new_group(range(dist.get_world_size()), kind="pp")
@@ -238,7 +243,8 @@ class Pipeline:
                                 "different ranks: use pp >= 2 or one virtual stage")
         self.chunks = [
             stage_class(config, stage, num_stages, ranges[stage], seed=seed,
-                        precision=precision, activation_checkpointing=activation_checkpointing)
+                        precision=precision, activation_checkpointing=activation_checkpointing,
+                        recompute=recompute)
             for stage in (schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages))
         ]
         # Megatron's embedding group: the ranks holding the two copies of a tied wte.

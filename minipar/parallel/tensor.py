@@ -175,20 +175,23 @@ class TensorParallelGPT(TensorParallelMixin, GPT):
 
     def __init__(self, config: GPTConfig, seed: int = 0, precision: str = "fp64", *,
                  tp_group, sequence_parallel: bool = False,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, recompute=None):
         validate_tensor_parallel(config, tp_group.size, sequence_parallel)
         # The full model first (the same initial weights as single-device), then my slices.
-        super().__init__(config, seed, precision, activation_checkpointing)
+        super().__init__(config, seed, precision, activation_checkpointing, recompute)
         self.tensor_parallel(tp_group, sequence_parallel)
 
 
 def tensor_parallel_gpt(config: GPTConfig, seed: int, precision: str, tp_group,
                         sequence_parallel: bool = False,
-                        activation_checkpointing: bool = False) -> TensorParallelGPT:
-    """This rank's tensor-parallel GPT (the training loop's entry point)."""
+                        activation_checkpointing: bool = False,
+                        recompute=None) -> TensorParallelGPT:
+    """This rank's tensor-parallel GPT (the training loop's entry point). recompute: a
+    minipar.nn.Recompute policy (selective, or full for some blocks)."""
     return TensorParallelGPT(config, seed, precision, tp_group=tp_group,
                              sequence_parallel=sequence_parallel,
-                             activation_checkpointing=activation_checkpointing)
+                             activation_checkpointing=activation_checkpointing,
+                             recompute=recompute)
 
 
 # ---------------------------------------------------------------------------- the norm

@@ -224,7 +224,8 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     model = pipeline = None
     tied_copies: set[int] = set()
     common = dict(seed=config.seed, precision=config.precision,
-                  activation_checkpointing=config.activation_checkpointing)
+                  activation_checkpointing=config.activation_checkpointing,
+                  recompute=config.recompute)
     if config.pp == 1:
         if config.tp == 1:
             model = GPT(gpt, **common)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
+from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.schedules import check_schedule_name
 
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
@@ -72,7 +73,12 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     # numerics and memory
     precision: str = "fp32"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # = --recompute-granularity full, every layer
+    # finer recomputation (Megatron-LM's flags; minipar.nn.recompute): selective = only
+    # the attention core; full = whole layers, the method choosing which of each chunk's
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     # data and reproducibility
     data: str = "corpus"
     seed: int = 0
@@ -126,6 +132,12 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
         _integer("seed", self.seed, 0, MAX_SEED)
+        chunks = self.pp * self.virtual_stages
+        problem = recompute_problem(self.activation_checkpointing, self.recompute_granularity,
+                                    self.recompute_method, self.recompute_num_layers,
+                                    -(-self.n_layer // chunks))
+        if problem is not None:
+            raise ConfigError(*problem)
         self.grad_accum_steps, self.global_batch_size = resolve_batch(
             self.micro_batch_size, self.dp, self.grad_accum_steps, self.global_batch_size)
 
@@ -133,6 +145,13 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def recompute(self) -> Recompute:
+        """The recomputation policy of the activation_checkpointing / recompute_* flags."""
+        return Recompute.from_settings(self.activation_checkpointing,
+                                       self.recompute_granularity, self.recompute_method,
+                                       self.recompute_num_layers)
 
     def to_dict(self) -> dict:
         """Every setting, flat (the report's `config`)."""

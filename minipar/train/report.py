@@ -143,6 +143,7 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
         summary["coords"] = result["coords"]
         summary["sharding"] = result["sharding"]
         summary["flops"] = _flops(device)
+        summary["recompute_flops"] = device.recompute_flops  # part of flops["forward"]
         ranks.append(summary)
     held = [(f"rank {rank}", result["coords"], piece)
             for rank, result in enumerate(results) for piece in result["pieces"]]
