@@ -3,7 +3,8 @@
 `ParallelConfig` carries the settings of minipar's TrainConfig that shape memory, traffic
 and time (same names: dp, tp, pp, zero, schedule, virtual_stages, sequence_parallel,
 micro_batch_size, grad_accum_steps, global_batch_size, precision,
-activation_checkpointing, bucket_size_mb), plus two a real cluster needs: a FlashAttention
+activation_checkpointing, recompute_granularity, recompute_method, recompute_num_layers,
+bucket_size_mb), plus two a real cluster needs: a FlashAttention
 kernel (Dao et al. 2022) and an explicit pipeline `layer_split`.
 
 The batch arithmetic and the settings' rules are TrainConfig's (minipar.train.config):
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from minipar.errors import ConfigError
+from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
@@ -71,6 +73,9 @@ class ParallelConfig:
     global_batch_size: int | None = None
     precision: str = "bf16-mixed"
     activation_checkpointing: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     flash_attention: bool = False
     layer_split: tuple[int, ...] | None = None
     bucket_size_mb: float = 0.0
@@ -86,6 +91,12 @@ class ParallelConfig:
         object.__setattr__(self, "global_batch_size", global_batch)
         check_schedule_settings(self.schedule, self.pp, self.micro_batches,
                                 self.virtual_stages, PlanError)
+        # (the count against the layers of a chunk is checked with the model's shape)
+        problem = recompute_problem(self.activation_checkpointing, self.recompute_granularity,
+                                    self.recompute_method, self.recompute_num_layers,
+                                    layers_per_chunk=self.recompute_num_layers or 1)
+        if problem is not None:
+            raise PlanError(*problem)
 
     # ------------------------------------------------------------------ views
     @property
@@ -101,6 +112,18 @@ class ParallelConfig:
     @property
     def bytes(self) -> Precision:
         return PRECISION_BYTES[self.precision]
+
+    @property
+    def recompute(self) -> Recompute:
+        """The recomputation policy (minipar.nn.recompute) of the checkpointing settings."""
+        return Recompute.from_settings(self.activation_checkpointing,
+                                       self.recompute_granularity, self.recompute_method,
+                                       self.recompute_num_layers)
+
+    @property
+    def recomputes(self) -> bool:
+        """Any recomputation at all (selective or full)."""
+        return self.recompute.granularity is not None
 
     def replace(self, **changes) -> ParallelConfig:
         """A copy with some settings changed; the batch is re-derived as in TrainConfig."""
@@ -121,6 +144,9 @@ class ParallelConfig:
                    micro_batch_size=config.micro_batch_size,
                    grad_accum_steps=config.grad_accum_steps, precision=config.precision,
                    activation_checkpointing=config.activation_checkpointing,
+                   recompute_granularity=config.recompute_granularity,
+                   recompute_method=config.recompute_method,
+                   recompute_num_layers=config.recompute_num_layers,
                    bucket_size_mb=config.bucket_size_mb, lr=config.lr)
 
 
@@ -147,6 +173,11 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
     elif stages > shape.n_layer:
         raise PlanError("pp", f"{stages} pipeline stages (pp x virtual_stages) but only "
                         f"{shape.n_layer} layers; use fewer stages")
+    most = max(layer_counts(shape.n_layer, stages, config.layer_split))
+    problem = recompute_problem(config.activation_checkpointing, config.recompute_granularity,
+                                config.recompute_method, config.recompute_num_layers, most)
+    if problem is not None:
+        raise PlanError(*problem)
 
 
 def layer_counts(n_layer: int, stages: int, layer_split=None) -> list[int]:

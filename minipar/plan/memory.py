@@ -8,7 +8,11 @@
                                section 4; see shapes.py), times the micro-batches a
                                pipeline rank keeps in flight (layout.py); with full
                                recomputation only each layer's input plus one layer's
-                               working set (their section 5: "2sbhL" + one layer)
+                               working set (their section 5: "2sbhL" + one layer),
+                               with selective recomputation no attention probabilities
+                               (their 5as^2b) plus one layer's while it recomputes; with
+                               Megatron's block / uniform methods, per checkpointed
+                               segment its input, per other layer everything
     buffers                    transient: gradient buckets being reduced, ZeRO-3's
                                gathered parameters, received pipeline activations,
                                sequence parallelism's input re-gathered in backward
@@ -118,8 +122,11 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     layer_input = shape.layer_input_bytes(b, t, sp, nbytes.activation)
     grads = grad_elements * nbytes.grad
-    if config.activation_checkpointing and stage.layers:
+    recompute = config.recompute
+    if recompute.full and stage.layers:
         grads += layer_input  # the recomputed layer's input gradient (see above)
+    elif recompute.selective and stage.layers:  # the recomputed attention core's input
+        grads += shape.qkv_bytes(b, t, nbytes.activation)
 
     activations, forward_buffers = _activations(shape, config, stage, layer_input)
     sync_buffers = _sync_buffers(config, params, sharded)
@@ -164,17 +171,20 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     # GPipe, or interleaving with m = p, runs every forward first).
     with_head = (SCHEDULES[config.schedule].head_in_flight(config.pp, config.micro_batches, v)
                  if stage.last else 0)
-    if config.activation_checkpointing:
-        # Each chunk keeps its layers' inputs; a received input is already a buffer.
-        # One layer (or the head) at a time is recomputed and holds its full working set;
-        # the head's activations of the other micro-batches in flight stay.
-        inputs = (k * stage.layers // v - received) * layer_input
-        working = max(layer if stage.layers else 0, head)
-        activations = (with_embedding * embedding + inputs + working
-                       + max(0, with_head - 1) * head)
-    else:
-        activations = (k * stage.layers * layer // v + with_embedding * embedding
-                       + with_head * head)
+    # Each micro-batch in flight holds what its chunk saved (`_chunk_recompute`); the one
+    # whose backward runs may hold more while it recomputes (a checkpointed segment's
+    # working set, or one attention core's probabilities).
+    recompute = config.recompute
+    saved, extra = 0, 0
+    for c, n in enumerate(stage.chunk_layers):
+        chunk_head = head if stage.last and c == v - 1 else 0
+        chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
+                                                    chunk_head)
+        saved += chunk_saved
+        extra = max(extra, chunk_extra)
+    activations = (k * saved // v + with_embedding * embedding + with_head * head + extra)
+    if recompute.full and stage.layers:
+        activations -= received * layer_input  # a received input is already a buffer
     # Received activations wait for their backward as buffers; during a backward a
     # received output gradient and the input gradient being sent back are buffers too.
     forward_buffers = received * layer_input
@@ -192,6 +202,38 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         largest = max(params.units) if params.units else 0
         forward_buffers += largest * nbytes.param
     return activations, forward_buffers
+
+
+def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, layer: int,
+                     layer_input: int, head: int) -> tuple[int, int]:
+    """(bytes one micro-batch of a chunk of n_layers saves for backward, the most its
+    backward adds on top of that while recomputing), head excluded from the first.
+
+    Backward frees the head, then the layers from the last one down. A checkpointed
+    segment (full) holds the inputs of the segments before it and its own layers'
+    working set; a selective layer holds the layers below it, what its attention branch
+    keeps (`attention_branch_bytes`) and the recomputed probabilities.
+    """
+    recompute = config.recompute
+    b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
+    a, c = config.bytes.activation, config.bytes.compute
+    if n_layers == 0 or recompute.granularity is None:
+        return n_layers * layer, 0
+    if recompute.selective:
+        core = shape.attention_core_bytes(b, t, a, c, config.flash_attention)
+        selective = layer - core
+        branch = shape.attention_branch_bytes(b, t, sp, a, c)
+        at_core = (n_layers - 1) * selective + branch + core
+        return n_layers * selective, max(0, at_core - n_layers * selective - head)
+    saved, peak, inputs = 0, 0, 0
+    for start, end, checkpointed in recompute.segments(n_layers):
+        if checkpointed:
+            inputs += 1
+            saved += layer_input
+            peak = max(peak, inputs * layer_input + (end - start) * layer)
+        else:
+            saved += (end - start) * layer
+    return saved, max(0, peak - saved - head)
 
 
 def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int) -> int:

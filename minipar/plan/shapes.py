@@ -256,7 +256,6 @@ class ModelShape:
         h, s, f = self.d_model, self.seq_len, self.ffn
         tokens = b * s
         stream = tokens // tp if sequence_parallel else tokens  # replicated-region tokens
-        local_heads = self.n_head // tp
         elements = 2 * stream * h  # the two norms' normalised inputs
         elements += 2 * stream * h  # inputs of the QKV and MLP-in projections
         elements += tokens * self.qkv_width // tp  # Q, K, V (attention's saved input)
@@ -264,13 +263,48 @@ class ModelShape:
         hidden = 3 if self.mlp == "swiglu" else 2  # (gate, up) and product; or GELU in, out
         elements += hidden * tokens * f // tp
         nbytes = elements * activation_bytes + 2 * stream * compute_bytes  # norms' 1/std
-        if flash_attention:  # (Dao et al. 2022) keeps only the log-sum-exp per row
-            nbytes += b * local_heads * s * compute_bytes
-        else:
-            nbytes += b * local_heads * s * s * activation_bytes
-        if self.dropout > 0:  # boolean masks: attention probabilities, two residuals
-            nbytes += (0 if flash_attention else b * local_heads * s * s) + 2 * stream * h
+        nbytes += self.attention_core_bytes(b, tp, activation_bytes, compute_bytes,
+                                            flash_attention)
+        if self.dropout > 0:  # boolean masks of the two residual dropouts
+            nbytes += 2 * stream * h
         return nbytes
+
+    def attention_core_bytes(self, b: int, tp: int, activation_bytes: int,
+                             compute_bytes: int, flash_attention: bool = False) -> int:
+        """What the attention core softmax(QK^T)V of my heads saves beyond its Q, K, V:
+        the (s x s) probabilities (and with dropout their boolean mask), or with
+        FlashAttention (Dao et al. 2022) only the log-sum-exp per row. The part selective
+        recomputation drops (Korthikanti et al. 2022, section 5: the 5as^2b of their
+        34sbh + 5as^2b, whose dropped-out copy minipar's fused kernel never keeps)."""
+        s, local_heads = self.seq_len, self.n_head // tp
+        if flash_attention:
+            return b * local_heads * s * compute_bytes
+        nbytes = b * local_heads * s * s * activation_bytes
+        if self.dropout > 0:
+            nbytes += b * local_heads * s * s
+        return nbytes
+
+    def attention_branch_bytes(self, b: int, tp: int, sequence_parallel: bool,
+                               activation_bytes: int, compute_bytes: int) -> int:
+        """What a layer still holds when its attention core's backward runs (the MLP
+        half and the output projection are done): ln_1's normalised input and 1/std,
+        the QKV projection's input, and Q, K, V."""
+        tokens = b * self.seq_len
+        stream = tokens // tp if sequence_parallel else tokens
+        elements = 2 * stream * self.d_model + tokens * self.qkv_width // tp
+        return elements * activation_bytes + stream * compute_bytes
+
+    def qkv_bytes(self, b: int, tp: int, activation_bytes: int) -> int:
+        """Q, K and V of my heads for b sequences: what a checkpointed attention core
+        keeps, and the size of its input gradient."""
+        return b * self.seq_len * self.qkv_width // tp * activation_bytes
+
+    def attention_core_flops(self, b: int, tp: int = 1) -> float:
+        """Forward FLOPs of the attention core of my heads (q k^T, softmax, p v): what
+        selective recomputation runs again in backward."""
+        s = self.seq_len
+        scores = b * self.n_head * s * s / tp
+        return 4 * scores * self.head_dim + SOFTMAX_FLOPS[0] * scores
 
     def layer_input_bytes(self, b: int, tp: int, sequence_parallel: bool,
                           activation_bytes: int) -> int:

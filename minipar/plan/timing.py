@@ -4,8 +4,10 @@ One micro-batch on pipeline rank r costs t_r = its compute (stage_seconds: each 
 plan/kernels.py on the cluster's roofline, or FLOPs / sustained FLOP/s on a uniform
 cluster), plus the tensor-parallel collectives and ZeRO-3 gathers it waits for (minipar's
 collectives block; Megatron also runs TP communication on the critical path). With full
-recomputation the backward also redoes the layers' forward (Chen et al. 2016; Korthikanti
-et al. 2022, section 5: +33% of a transformer's compute, ~ 1 forward on 3).
+recomputation the backward also redoes the checkpointed layers' forward (Chen et al. 2016;
+Korthikanti et al. 2022, section 5: +33% of a transformer's compute, ~ 1 forward on 3),
+and their TP collectives; with selective recomputation only each layer's attention core
+(q k^T, softmax, p v: no communication; 2.7% for GPT-3 175B in their Table 4).
 
 A flushing pipeline of p ranks and m micro-batches (Narayanan et al. 2021, section 2.2)
 takes, for GPipe and 1F1B,
@@ -66,8 +68,15 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     layer_f, layer_b = shape.layer_flops(b, t, sp)
     forward = stage.layers * layer_f
     backward = stage.layers * layer_b
-    if config.activation_checkpointing:
-        backward += stage.layers * layer_f
+    recompute = config.recompute
+    if recompute.full:  # the checkpointed layers' forward again
+        recomputed = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
+        recompute_flops = recomputed * layer_f
+    elif recompute.selective:  # every layer's attention core again
+        recompute_flops = stage.layers * shape.attention_core_flops(b, t)
+    else:
+        recompute_flops = 0.0
+    backward += recompute_flops
     if stage.first:
         f, bw = shape.embedding_flops(b, t)
         forward, backward = forward + f, backward + bw
@@ -78,7 +87,8 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     optimizer_elements = params.numel if config.zero == 0 else min(
         sharded_numel(params, config), params.numel)
     return {"forward": forward, "backward": backward,
-            "optimizer": ADAMW_FLOPS_PER_PARAMETER * optimizer_elements}
+            "optimizer": ADAMW_FLOPS_PER_PARAMETER * optimizer_elements,
+            "recompute": recompute_flops}  # already in backward
 
 
 def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,

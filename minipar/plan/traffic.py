@@ -143,8 +143,10 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
     numel = b * s * h  # the full (b, s, h) activation
     piece = numel // t
     layers = stage.layers
-    recompute = config.activation_checkpointing
-    per_layer_forward = 2 * (2 if recompute else 1)  # g twice, again when recomputed
+    # g twice per layer, and again in each layer full recomputation runs a second time
+    # (selective recomputation redoes the attention core only: no communication)
+    recompute = config.recompute
+    recomputed = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
     transfers = []
 
     def add(op, count, nbytes_full, sent, phase, label):
@@ -153,7 +155,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
 
     if not config.sequence_parallel:
         full = all_reduce_sent(numel, a, t)
-        add("all_reduce", per_layer_forward * layers, numel * a, full, "forward",
+        add("all_reduce", 2 * (layers + recomputed), numel * a, full, "forward",
             "layer output all-reduce (g)")
         add("all_reduce", 2 * layers, numel * a, full, "backward",
             "layer input-gradient all-reduce (f)")
@@ -165,9 +167,9 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         gather, scatter = all_gather_sent(piece, a, t), reduce_scatter_sent(numel, a, t)
         norms = 2 * (2 if shape.norm == "layernorm" else 1)
         small = norms + (2 if shape.bias else 0)  # norm weights/biases, row-parallel biases
-        add("all_gather", per_layer_forward * layers, numel * a, gather, "forward",
+        add("all_gather", 2 * (layers + recomputed), numel * a, gather, "forward",
             "sequence-parallel all-gather (g)")
-        add("reduce_scatter", per_layer_forward * layers, numel * a, scatter, "forward",
+        add("reduce_scatter", 2 * (layers + recomputed), numel * a, scatter, "forward",
             "sequence-parallel reduce-scatter")
         add("all_gather", 4 * layers, numel * a, gather, "backward",
             "input re-gather and gradient all-gather")
