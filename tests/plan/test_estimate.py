@@ -65,6 +65,29 @@ GRID = [
     case("pp2 1f1b", pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4),
     case("dp2 tp2 pp2 zero1", dp=2, tp=2, pp=2, zero=1, n_layer=4, micro_batch_size=2,
          grad_accum_steps=4),
+    # Recomputation (Megatron's granularities and methods): saved bytes, the recomputed
+    # segment's working set, its input gradient, the FLOPs and TP collectives run again.
+    case("selective s64", recompute_granularity="selective", seq_len=64, micro_batch_size=2,
+         grad_accum_steps=2),
+    case("selective dropout bf16", recompute_granularity="selective", dropout=0.1,
+         precision="bf16-mixed", micro_batch_size=2, grad_accum_steps=2),
+    case("block 2 of 4", recompute_granularity="full", recompute_method="block",
+         recompute_num_layers=2, n_layer=4, micro_batch_size=2, grad_accum_steps=2),
+    case("uniform 3 of 4 bf16", recompute_granularity="full", recompute_method="uniform",
+         recompute_num_layers=3, n_layer=4, precision="bf16-mixed", micro_batch_size=2,
+         grad_accum_steps=2),
+    case("tp2 sp selective", tp=2, sequence_parallel=True, recompute_granularity="selective",
+         micro_batch_size=2, grad_accum_steps=2),
+    case("tp2 block 1", tp=2, recompute_granularity="full", recompute_method="block",
+         recompute_num_layers=1, micro_batch_size=2, grad_accum_steps=2),
+    case("pp2 1f1b block 1", pp=2, n_layer=4, recompute_granularity="full",
+         recompute_method="block", recompute_num_layers=1, micro_batch_size=2,
+         grad_accum_steps=4),
+    case("pp2 1f1b selective", pp=2, n_layer=4, recompute_granularity="selective",
+         micro_batch_size=2, grad_accum_steps=4),
+    case("dp2 zero2 uniform 2", dp=2, zero=2, n_layer=4, recompute_granularity="full",
+         recompute_method="uniform", recompute_num_layers=2, micro_batch_size=2,
+         grad_accum_steps=2),
 ]
 
 
