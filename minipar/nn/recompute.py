@@ -88,8 +88,21 @@ class Recompute:
         return sum(end - start for start, end, ck in self.segments(n_layers) if ck)
 
     def to_flags(self) -> dict:
-        return {"recompute_granularity": self.granularity, "recompute_method": self.method,
-                "recompute_num_layers": self.num_layers}
+        """The config settings of this policy (activation_checkpointing off: the
+        recompute_* flags say everything)."""
+        return {"activation_checkpointing": False, "recompute_granularity": self.granularity,
+                "recompute_method": self.method, "recompute_num_layers": self.num_layers}
+
+    @property
+    def label(self) -> str:
+        """Short text for tables: none, selective, full, block 2, uniform 3."""
+        if self.granularity is None:
+            return "none"
+        if self.selective:
+            return "selective"
+        if (self.method, self.num_layers) == ("uniform", 1):
+            return "full"
+        return f"{self.method} {self.num_layers}"
 
 
 def recompute_problem(activation_checkpointing: bool, granularity, method, num_layers,

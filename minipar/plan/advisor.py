@@ -14,14 +14,16 @@ guesses, and lets the estimate decide between what remains:
   per rank when the layers and micro-batches allow it;
 - sequence parallelism whenever tp > 1 (same traffic as plain TP, less activation
   memory: Korthikanti et al. 2022, section 4.2.2);
-- activation checkpointing both off and on: it costs about a third more compute, so it
-  only wins when activations do not fit otherwise.
+- recomputation off, selective (the attention core only: Korthikanti et al. 2022,
+  section 5, a few percent more compute) and full (every layer: about a third more), so
+  the ranking picks the cheapest that fits: selective whenever it suffices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minipar.nn.recompute import Recompute
 from minipar.parallel.schedules import SCHEDULES, ScheduleError, check_schedule_settings
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
@@ -29,6 +31,9 @@ from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layo
 from minipar.plan.shapes import ModelShape
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# none, selective, full (every layer; what --activation-checkpointing has always meant)
+RECOMPUTE_OPTIONS = ({}, {"recompute_granularity": "selective"},
+                     {"activation_checkpointing": True})
 
 
 def _accepts(name: str, pp: int, micro_batches: int, virtual_stages: int) -> bool:
@@ -99,14 +104,14 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                              and (v == 1 or shape.n_layer % (pp * v) == 0)]
                 for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                     for schedule, v in schedules:
-                        for checkpointing in (False, True):
+                        for recompute in RECOMPUTE_OPTIONS:
                             try:
                                 config = ParallelConfig(
                                     dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
                                     virtual_stages=v, sequence_parallel=tp > 1,
                                     micro_batch_size=micro, global_batch_size=global_batch_size,
-                                    precision=precision, activation_checkpointing=checkpointing,
-                                    flash_attention=flash_attention, lr=lr)
+                                    precision=precision, flash_attention=flash_attention,
+                                    lr=lr, **recompute)
                                 check_model_fits_layout(shape, config)
                             except PlanError:
                                 continue
@@ -224,14 +229,25 @@ def explain(advice: Advice) -> str:
                          "as fast or faster and leaves more memory free.")
     else:
         lines.append("- No data parallelism: all GPUs are needed to hold one model replica.")
-    if c.activation_checkpointing:
-        without = estimate(shape, c.replace(activation_checkpointing=False), cluster)
+    if c.recompute.full:
+        without = estimate(shape, c.with_recompute(Recompute()), cluster)
+        selective = estimate(shape, c.with_recompute(Recompute("selective")), cluster)
         lines.append(
             f"- Activation checkpointing is on because without it this layout would need "
             f"{human_bytes(without.memory['peak_total'])} per GPU (activations "
             f"{human_bytes(without.memory['activations'])}), more than the "
-            f"{human_bytes(cluster.usable_memory)} usable; recomputing each layer costs "
-            "about a third more compute.")
+            f"{human_bytes(cluster.usable_memory)} usable, and selective recomputation "
+            f"still needs {human_bytes(selective.memory['peak_total'])}; recomputing each "
+            "layer costs about a third more compute.")
+    elif c.recompute.selective:
+        without = estimate(shape, c.with_recompute(Recompute()), cluster)
+        lines.append(
+            f"- Selective recomputation (Korthikanti et al. 2022): without it this layout "
+            f"would need {human_bytes(without.memory['peak_total'])} per GPU, more than "
+            f"the {human_bytes(cluster.usable_memory)} usable; recomputing only the "
+            f"attention core drops the (s x s) probabilities and costs "
+            f"{est.step_time / without.step_time - 1:.1%} more time, where full "
+            "recomputation would cost about a third.")
     else:
         lines.append(f"- Activation checkpointing is off: the activations "
                      f"({human_bytes(mem['activations'])}) fit, so recomputation would only "
@@ -245,7 +261,8 @@ def explain(advice: Advice) -> str:
         r = runner_up.config
         lines.append(
             f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp} ZeRO-{r.zero} micro-batch "
-            f"{r.micro_batch_size}{' with checkpointing' if r.activation_checkpointing else ''}"
+            f"{r.micro_batch_size}"
+            f"{'' if not r.recomputes else ' with ' + r.recompute.label + ' recomputation'}"
             f", step {human_seconds(runner_up.step_time)} "
             f"(+{runner_up.step_time / est.step_time - 1:.1%}).")
     return "\n".join(lines)
@@ -253,7 +270,7 @@ def explain(advice: Advice) -> str:
 
 def format_ranking(advice: Advice, top: int = 5) -> str:
     """A table of the `top` fitting layouts."""
-    header = ["#", "dp", "tp", "pp", "zero", "sched", "mb", "accum", "ckpt", "memory",
+    header = ["#", "dp", "tp", "pp", "zero", "sched", "mb", "accum", "recompute", "memory",
               "step", "bubble", "MFU"]
     rows = [header]
     for i, e in enumerate(advice.ranked[:top], start=1):
@@ -261,7 +278,7 @@ def format_ranking(advice: Advice, top: int = 5) -> str:
         sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule}x{c.virtual_stages}"
         rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.zero), sched,
                      str(c.micro_batch_size), str(c.micro_batches),
-                     "yes" if c.activation_checkpointing else "no",
+                     c.recompute.label,
                      human_bytes(e.memory["peak_total"]), human_seconds(e.step_time),
                      f"{e.time['bubble_fraction']:.1%}", f"{e.mfu:.1%}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -19,6 +19,7 @@ import json
 import sys
 from dataclasses import replace
 
+from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.schedules import schedule_names
 from minipar.plan import presets, published
 from minipar.plan.advisor import advise, format_ranking
@@ -75,6 +76,13 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="sequences per step (default: the preset's published one)")
     layout.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                         dest="activation_checkpointing", default=None)
+    layout.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None,
+                        dest="recompute_granularity",
+                        help="selective (the attention core) or full (whole layers)")
+    layout.add_argument("--recompute-method", choices=METHODS, default=None,
+                        dest="recompute_method")
+    layout.add_argument("--recompute-num-layers", type=int, default=None,
+                        dest="recompute_num_layers")
     layout.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
                         dest="flash_attention", default=None,
                         help="attention that does not keep the (s x s) probabilities "
@@ -159,8 +167,12 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
         base = presets.BLOOM_176B
         changes = {k: getattr(args, k) for k in ("zero", "micro_batch_size",
                                                  "activation_checkpointing",
+                                                 "recompute_granularity", "recompute_method",
+                                                 "recompute_num_layers",
                                                  "sequence_parallel")
                    if getattr(args, k) is not None}
+        if args.recompute_granularity is not None and args.activation_checkpointing is None:
+            changes["activation_checkpointing"] = False  # the finer flags replace it
         return base.replace(**changes) if changes else base
     dp, tp, pp = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
     values = dict(dp=dp, tp=tp, pp=pp, zero=args.zero or 0,
@@ -170,6 +182,9 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   grad_accum_steps=args.grad_accum_steps,
                   global_batch_size=args.global_batch_size, precision=args.precision,
                   activation_checkpointing=bool(args.activation_checkpointing),
+                  recompute_granularity=args.recompute_granularity,
+                  recompute_method=args.recompute_method,
+                  recompute_num_layers=args.recompute_num_layers,
                   flash_attention=args.flash_attention, lr=args.lr)
     if args.layer_split:
         try:

@@ -52,7 +52,7 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
     }
     if config.precision == "bf16-mixed":
         ds["bf16"] = {"enabled": True}
-    if config.activation_checkpointing:
+    if config.recompute.full:  # DeepSpeed checkpoints whole layers; it has no selective
         ds["activation_checkpointing"] = {"partition_activations": config.tp > 1,
                                           "contiguous_memory_optimization": False,
                                           "cpu_checkpointing": False}
@@ -111,9 +111,12 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
         args += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
     if config.sequence_parallel:
         args.append("--sequence-parallel")
-    if config.activation_checkpointing:
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"]
+    recompute = config.recompute  # Megatron-LM's own flags (minipar.nn.recompute)
+    if recompute.selective:
+        args += ["--recompute-granularity", "selective"]
+    elif recompute.full:
+        args += ["--recompute-granularity", "full", "--recompute-method", recompute.method,
+                 "--recompute-num-layers", str(recompute.num_layers)]
     if config.flash_attention:
         args.append("--use-flash-attn")
     if config.precision == "bf16-mixed":

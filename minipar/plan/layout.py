@@ -120,6 +120,10 @@ class ParallelConfig:
                                        self.recompute_granularity, self.recompute_method,
                                        self.recompute_num_layers)
 
+    def with_recompute(self, recompute: Recompute) -> ParallelConfig:
+        """A copy with another recomputation policy (e.g. Recompute("selective"))."""
+        return self.replace(**recompute.to_flags())
+
     @property
     def recomputes(self) -> bool:
         """Any recomputation at all (selective or full)."""

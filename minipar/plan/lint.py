@@ -16,7 +16,10 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
     TOO_FEW_MICRO_BATCHES    the pipeline bubble eats the step (m < p, or a large bubble)
     ZERO_COMM_DOMINATES      the ZeRO stage's traffic is a large share of the step and a
                              lower stage would fit
-    UNNEEDED_CHECKPOINTING   activation checkpointing on although activations fit
+    UNNEEDED_CHECKPOINTING   recomputation (any granularity) on although activations fit
+    RECOMPUTES_TOO_MUCH      full recomputation where less fits with 10% to spare:
+                             selective, or full for fewer layers (--recompute-method
+                             block); info, as the planner leaves out framework buffers
     DOES_NOT_FIT             the fullest rank exceeds the GPU's usable memory
     ZERO_WITH_PIPELINE       ZeRO-2/3 with pp > 1 (DeepSpeed's pipeline engine refuses)
     INVALID_LAYOUT           the model does not split as asked (heads, layers, widths)
@@ -29,6 +32,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from minipar.nn.recompute import Recompute
 from minipar.parallel.schedules import SCHEDULES
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
@@ -259,11 +263,17 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
     peak = est.memory["peak_total"]
     if peak > usable:
         options = []
-        if not config.activation_checkpointing:
-            ck = estimate(shape, config.replace(activation_checkpointing=True), cluster)
-            if ck.fits:
-                options.append(f"--activation-checkpointing "
-                               f"({human_bytes(ck.memory['peak_total'])})")
+        # the cheapest recomputation that fits: selective, then full (every layer)
+        if not config.recompute.full:
+            for flags, policy in (("--recompute-granularity selective", Recompute("selective")),
+                                  ("--activation-checkpointing", Recompute("full", "uniform",
+                                                                           1))):
+                if policy == config.recompute:
+                    continue
+                ck = estimate(shape, config.with_recompute(policy), cluster)
+                if ck.fits:
+                    options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
+                    break
         for stage in range(config.zero + 1, 4 if config.pp == 1 else 2):
             z = estimate(shape, config.replace(zero=stage), cluster)
             if z.fits:
@@ -277,19 +287,73 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
             f"the fullest rank needs {human_bytes(peak)} but a GPU has "
             f"{human_bytes(usable)} usable; the largest part is {biggest} "
             f"({human_bytes(est.memory[biggest])}).", "; or ".join(options)))
-    elif config.activation_checkpointing:
-        off = estimate(shape, config.replace(activation_checkpointing=False), cluster)
-        if off.fits:
-            findings.append(Finding(
-                "UNNEEDED_CHECKPOINTING", "warning",
-                f"activation checkpointing is on, but without it the fullest rank needs "
-                f"{human_bytes(off.memory['peak_total'])} of {human_bytes(usable)}: memory "
-                f"was not short, and recomputing every layer costs "
-                f"{est.step_time / off.step_time - 1:.0%} more time per step "
-                f"({human_seconds(est.step_time)} vs {human_seconds(off.step_time)}).",
-                "drop --activation-checkpointing (or checkpoint only some layers / use "
-                "selective recomputation of attention, Korthikanti et al. 2022 section 5)"))
+    elif config.recomputes:
+        finding = _cheaper_recomputation(shape, config, cluster, est)
+        if finding is not None:
+            findings.append(finding)
     return findings
+
+
+CHEAPER_RECOMPUTE_HEADROOM = 0.9  # advise less recomputation only below 90% of memory
+
+
+def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | None:
+    """Checkpointing too much: recomputation on although less of it fits. Tried from the
+    cheapest: none, selective (full only), then full for fewer layers (block k, the
+    smallest k per chunk that fits; Megatron's --recompute-method block)."""
+    usable = cluster.usable_memory
+    recompute = config.recompute
+    what = ("selective recomputation" if recompute.selective
+            else "activation checkpointing" if recompute.label == "full"
+            else f"full recomputation ({recompute.label})")
+    flag = ("--activation-checkpointing" if config.activation_checkpointing
+            else "--recompute-granularity")
+
+    def slower(cheaper: Estimate) -> str:
+        return (f"{est.step_time / cheaper.step_time - 1:.0%} more time per step "
+                f"({human_seconds(est.step_time)} vs {human_seconds(cheaper.step_time)})")
+
+    off = estimate(shape, config.with_recompute(Recompute()), cluster)
+    if off.fits:
+        return Finding(
+            "UNNEEDED_CHECKPOINTING", "warning",
+            f"{what} is on, but without it the fullest rank needs "
+            f"{human_bytes(off.memory['peak_total'])} of {human_bytes(usable)}: memory "
+            f"was not short, and recomputing {'attention' if recompute.selective else 'layers'}"
+            f" costs {slower(off)}.",
+            f"drop {flag}" + ("" if recompute.selective else
+                              " (or checkpoint only some layers / use selective "
+                              "recomputation of attention, Korthikanti et al. 2022 section 5)"))
+    if not recompute.full:
+        return None
+    # Less recomputation is only advised with room to spare: the planner's peak_total is
+    # an estimate (within 10% of the emulator's, tests/plan/test_estimate.py), and a
+    # layout at 99% of memory is one allocator fragment away from running out.
+    roomy = CHEAPER_RECOMPUTE_HEADROOM * usable
+    selective = estimate(shape, config.with_recompute(Recompute("selective")), cluster)
+    if selective.memory["peak_total"] <= roomy:
+        return Finding(
+            "RECOMPUTES_TOO_MUCH", "info",
+            f"{what} recomputes whole layers, but recomputing only the attention core fits "
+            f"({human_bytes(selective.memory['peak_total'])} of {human_bytes(usable)}); "
+            f"full recomputation costs {slower(selective)}.",
+            "use --recompute-granularity selective (Korthikanti et al. 2022, section 5)")
+    chunk = max(layer_counts(shape.n_layer, config.pp * config.virtual_stages,
+                             config.layer_split))
+    done = recompute.recomputed_layers(chunk)
+    for k in range(1, chunk):
+        if k >= done:
+            break
+        fewer = estimate(shape, config.with_recompute(Recompute("full", "block", k)), cluster)
+        if fewer.memory["peak_total"] <= roomy:
+            return Finding(
+                "RECOMPUTES_TOO_MUCH", "info",
+                f"{what} recomputes {done} of the {chunk} layers of each pipeline chunk, "
+                f"but recomputing {k} fits ({human_bytes(fewer.memory['peak_total'])} of "
+                f"{human_bytes(usable)}); the extra recomputation costs {slower(fewer)}.",
+                f"use --recompute-granularity full --recompute-method block "
+                f"--recompute-num-layers {k}")
+    return None
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:

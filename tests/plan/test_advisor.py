@@ -82,3 +82,18 @@ def test_bad_gpu_counts_are_refused():
         advise(presets.model("gpt2"), 12, A100, global_batch_size=48)
     with pytest.raises(PlanError, match="global-batch-size"):
         advise(presets.model("gpt2"), 64, A100, global_batch_size=7)  # dp >= 2: odd
+
+
+def test_selective_recomputation_is_chosen_when_it_suffices():
+    """GPT-2 XL at 4096 tokens on 40 GiB GPUs: the (s x s) attention probabilities do not
+    fit, recomputing only the attention core does, and costs less than whole layers."""
+    shape = presets.model("gpt2-xl").with_seq_len(4096)
+    advice = advise(shape, 8, presets.cluster("a100-80gb", 40), global_batch_size=8,
+                    flash_attention=False)
+    best = advice.best.config
+    assert best.recompute.selective
+    assert not estimate(shape, best.replace(recompute_granularity=None), advice.cluster).fits
+    full = estimate(shape, best.replace(recompute_granularity=None,
+                                        activation_checkpointing=True), advice.cluster)
+    assert full.fits and full.step_time > advice.best.step_time
+    assert "Selective recomputation" in advice.explain()

@@ -104,3 +104,24 @@ def test_bloom_recomputation_and_stage_split():
 def test_launch_script_is_valid_bash(tmp_path):
     files = write_export(tmp_path, *LAYOUTS["bloom"])
     subprocess.run(["bash", "-n", str(files["launch"])], check=True)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (dict(recompute_granularity="selective"), ["--recompute-granularity", "selective"]),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+     ["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "2"]),
+    (dict(activation_checkpointing=True),
+     ["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"]),
+])
+def test_recomputation_exports_megatrons_flags(settings, expected):
+    shape = presets.model("gpt2")
+    config = ParallelConfig(dp=2, pp=2, micro_batch_size=1, grad_accum_steps=4, **settings)
+    args = megatron_args(shape, config)
+    start = args.index("--recompute-granularity")
+    assert args[start:start + len(expected)] == expected
+    # DeepSpeed checkpoints whole layers (its activation_checkpointing section); it has
+    # no selective recomputation
+    ds = deepspeed_config(shape, config)
+    assert ("activation_checkpointing" in ds) == config.recompute.full

@@ -130,3 +130,25 @@ def test_sequence_parallelism_suggested_with_tensor_parallelism(sequence_paralle
     config = ParallelConfig(tp=2, sequence_parallel=sequence_parallel, micro_batch_size=4)
     found = "SEQUENCE_PARALLEL_OFF" in codes(lint(presets.model("gpt2"), config, A100))
     assert found != sequence_parallel
+
+
+def test_recomputation_of_any_granularity_when_memory_was_not_short():
+    shape = presets.model("gpt2")
+    config = ParallelConfig(dp=8, micro_batch_size=4, grad_accum_steps=4,
+                            recompute_granularity="selective")
+    (finding,) = [f for f in lint(shape, config, A100) if f.code == "UNNEEDED_CHECKPOINTING"]
+    assert "selective recomputation is on" in finding.message
+    assert finding.fix == "drop --recompute-granularity"
+
+
+def test_full_recomputation_where_selective_fits_is_too_much():
+    shape = presets.model("gpt2-xl").with_seq_len(4096)
+    cluster = presets.cluster("a100-80gb", 40)
+    config = ParallelConfig(dp=8, zero=1, micro_batch_size=1, grad_accum_steps=1,
+                            activation_checkpointing=True)
+    (finding,) = [f for f in lint(shape, config, cluster) if f.code == "RECOMPUTES_TOO_MUCH"]
+    assert "--recompute-granularity selective" in finding.fix
+    assert "UNNEEDED_CHECKPOINTING" not in codes(lint(shape, config, cluster))  # it was short
+    # and on BLOOM (which trained before selective recomputation) a block of 3 would do
+    (bloom,) = [f for f in lint(*presets.bloom_example()) if f.code == "RECOMPUTES_TOO_MUCH"]
+    assert "--recompute-method block --recompute-num-layers 3" in bloom.fix
