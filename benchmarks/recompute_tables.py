@@ -39,6 +39,8 @@ def one_layer(tp, sp, policy, gpt=config):
     model = tensor_parallel_gpt(gpt, 0, "bf16-mixed", dist.DeviceMesh(tp=tp).tp_group(),
                                 sp, recompute=policy)
     device = dist.get_device()
+    for p in model.parameters():  # as the training loop does: weights are not activations
+        device.memory.hold(p.data, "params")
     x = model.embed(idx)
     before = device.memory.current["activations"]
     y = run_blocks([model.h[0]], x, policy)  # y keeps the graph (and what it saved) alive

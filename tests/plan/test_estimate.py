@@ -229,3 +229,39 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
         spent = sum(measured["time"].values())
         assert relative(spent, est.step_time - stage.time["optimizer_s"]
                         - clipping_s) <= TIME_TOLERANCE
+
+
+@pytest.mark.parametrize("schedule,m,v,flags", [
+    ("gpipe", 4, 1, dict(recompute_granularity="selective")),
+    ("gpipe", 4, 1, dict(recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=1)),
+    ("1f1b", 4, 1, dict(recompute_granularity="full", recompute_method="uniform",
+                        recompute_num_layers=2)),
+    ("interleaved", 4, 2, dict(recompute_granularity="selective")),
+], ids=["gpipe selective", "gpipe block 1", "1f1b uniform 2", "interleaved selective"])
+def test_planner_predicts_recomputation_in_a_pipeline(schedule, m, v, flags):
+    """What each pipeline rank keeps with recomputation, for each schedule (exact for
+    GPipe and 1F1B, within the interleaved tolerance), and the FLOPs it recomputes."""
+    gpt, b = tiny_gpt(n_layer=8, seq_len=32), 2
+    rng = np.random.default_rng(2)
+    batches = [tuple(rng.integers(0, gpt.vocab_size, size=(b, gpt.seq_len))
+                     for _ in range(2)) for _ in range(m)]
+    config = ParallelConfig(pp=2, schedule=schedule, virtual_stages=v, grad_accum_steps=m,
+                            micro_batch_size=b, precision="fp32", **flags)
+
+    def rank_program():
+        pipe = Pipeline(gpt, schedule=schedule, micro_batches=m, virtual_stages=v,
+                        precision="fp32", recompute=config.recompute)
+        for p in pipe.parameters():
+            dist.get_device().memory.hold(p.data, "params")
+        pipe.forward_backward(batches)
+
+    _, devices = dist.launch(rank_program, 2, return_devices=True)
+    est = estimate(as_shape(gpt), config, EMULATED, all_stages=True)
+    tolerance = INTERLEAVED_ACTIVATION_TOLERANCE if v > 1 else ACTIVATION_TOLERANCE
+    for stage, device in zip(est.stages, devices, strict=True):
+        measured = device.summary()
+        assert relative(measured["memory"]["activations"],
+                        stage.memory["activations"]) <= tolerance, stage.rank
+        if v == 1:  # (a StagePlan of the interleaved rank sums its chunks the same way)
+            assert device.recompute_flops == m * stage.time["flops"]["recompute"], stage.rank
