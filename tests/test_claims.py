@@ -428,3 +428,23 @@ def test_3d_cuts_every_model_state_category_per_rank():
     for r in range(4):  # DP rank 0's four model-parallel ranks
         assert mem(full, "optimizer", r) == mem(tp_pp, "optimizer", r) / 2
         assert mem(full, "params", r) == mem(tp_pp, "params", r)
+
+
+def test_checkpointing_too_much_costs_time_for_little_memory():
+    """The interview's common mistake, measured on a long-sequence model: recomputing
+    only the attention core (selective, Korthikanti et al. 2022) removes the s^2 part of
+    the activations for a fraction of full recomputation's extra FLOPs, and the last
+    layer added to a full recomputation saves far less than the first one did."""
+    long = dict(n_layer=4, seq_len=128, n_head=8)
+    none = run(**long)
+    selective = run(**long, recompute_granularity="selective")
+    block = {k: run(**long, recompute_granularity="full", recompute_method="block",
+                    recompute_num_layers=k) for k in range(1, 5)}
+    assert mem(selective, "activations") < 0.6 * mem(none, "activations")
+    recomputed = {k: r.ranks[0]["recompute_flops"] for k, r in block.items()}
+    assert selective.ranks[0]["recompute_flops"] < 0.5 * recomputed[4]
+    assert recomputed[4] == pytest.approx(4 * recomputed[1], rel=1e-12)  # a layer each
+    first = mem(none, "activations") - mem(block[1], "activations")
+    last = mem(block[3], "activations") - mem(block[4], "activations")
+    assert last < 0.2 * first
+    assert selective.losses == none.losses == block[4].losses

@@ -156,3 +156,29 @@ def test_train_on_a_roofline_device_takes_the_time_plan_predicts_for_it(tmp_path
     assert plan.returncode == 0, plan.stderr
     assert times["a100"] == pytest.approx(json.loads(plan.stdout)["time"]["step_s"], rel=0.01)
     assert times["a100"] != pytest.approx(times["uniform"], rel=0.1)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--recompute-num-layers", "2"], "--recompute-num-layers"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"],
+     "--recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "3"], "--recompute-num-layers"),
+    (["--activation-checkpointing", "--recompute-granularity", "full"],
+     "--recompute-granularity"),
+    (["--recompute-granularity", "some"], "--recompute-granularity"),
+])
+def test_inconsistent_recomputation_flags_are_one_line_errors(args, flag):
+    result = run("train", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr
+
+
+def test_plan_lints_more_recomputed_layers_than_a_stage_holds():
+    result = run("plan", "--model", "gpt2", "--dp", "2", "--pp", "4", "--gpus", "8",
+                 "--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", "4")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "INVALID_LAYOUT: --recompute-num-layers: 4 layers but a pipeline chunk holds " \
+           "at most 3" in result.stdout

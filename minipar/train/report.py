@@ -11,7 +11,8 @@ it (ledger, comm log, clock), and gets the Report back. Every section of the rep
 built here, in one place:
 
     steps     the ranks' step records merged (the loss of the global batch)
-    ranks     each device's summary (memory, comm, time) + coords, sharding, flops
+    ranks     each device's summary (memory, comm, time) + coords, sharding, flops,
+              recompute_flops (the forwards run again in backward, within flops)
     layout    the mesh, the nodes and every group
     traffic   bytes rank i sent to rank j, in total and by group kind
     pipeline  the schedule, measured bubble and the uniform-stage formula (pp > 1)

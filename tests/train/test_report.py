@@ -125,3 +125,19 @@ def test_a_step_of_the_report_is_the_mean_loss_of_the_ranks():
     records = [{"step": 3, "loss": loss, "lr": 1e-3, "grad_norm": 0.5}
                for loss in (1.0, 2.0, 4.5)]
     assert merge_step(records) == {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5}
+
+
+def test_each_rank_reports_the_flops_it_recomputed():
+    """recompute_flops: the forwards run again in backward, part of flops.forward;
+    zero without recomputation."""
+    plain = train(TrainConfig(steps=1, seq_len=16, n_layer=2, data="synthetic"))
+    selective = train(TrainConfig(steps=1, seq_len=16, n_layer=2, data="synthetic",
+                                  recompute_granularity="selective"))
+    for report in (plain, selective):
+        data = json.loads(report.to_json())
+        jsonschema.validate(data, load_schema())
+        validate_report(data)
+    assert plain.ranks[0]["recompute_flops"] == 0
+    extra = selective.ranks[0]["flops"]["forward"] - plain.ranks[0]["flops"]["forward"]
+    assert selective.ranks[0]["recompute_flops"] == pytest.approx(extra, rel=1e-9)
+    assert selective.ranks[0]["recompute_flops"] > 0
