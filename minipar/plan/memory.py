@@ -173,15 +173,18 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                  if stage.last else 0)
     # Each micro-batch in flight holds what its chunk saved (`_chunk_recompute`); the one
     # whose backward runs may hold more while it recomputes (a checkpointed segment's
-    # working set, or one attention core's probabilities).
+    # working set, or one attention core's probabilities). On the last rank, with heads
+    # in flight, that backward is the head chunk's: the loss's gradient starts there.
     recompute = config.recompute
+    head_first = stage.last and with_head > 0
     saved, extra = 0, 0
     for c, n in enumerate(stage.chunk_layers):
-        chunk_head = head if stage.last and c == v - 1 else 0
+        holds_head = stage.last and c == v - 1
         chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
-                                                    chunk_head)
+                                                    head if holds_head else 0)
         saved += chunk_saved
-        extra = max(extra, chunk_extra)
+        if holds_head or not head_first:
+            extra = chunk_extra if head_first else max(extra, chunk_extra)
     activations = (k * saved // v + with_embedding * embedding + with_head * head + extra)
     if recompute.full and stage.layers:
         activations -= received * layer_input  # a received input is already a buffer

@@ -238,7 +238,11 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
     ("1f1b", 4, 1, dict(recompute_granularity="full", recompute_method="uniform",
                         recompute_num_layers=2)),
     ("interleaved", 4, 2, dict(recompute_granularity="selective")),
-], ids=["gpipe selective", "gpipe block 1", "1f1b uniform 2", "interleaved selective"])
+    ("interleaved", 4, 2, dict(recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=2)),
+    ("interleaved", 4, 2, dict(activation_checkpointing=True)),
+], ids=["gpipe selective", "gpipe block 1", "1f1b uniform 2", "interleaved selective",
+        "interleaved uniform 2", "interleaved checkpointing"])
 def test_planner_predicts_recomputation_in_a_pipeline(schedule, m, v, flags):
     """What each pipeline rank keeps with recomputation, for each schedule (exact for
     GPipe and 1F1B, within the interleaved tolerance), and the FLOPs it recomputes."""
