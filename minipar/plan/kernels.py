@@ -61,9 +61,6 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     h, s, f, e = shape.d_model, shape.seq_len, shape.ffn, itemsize
     tokens = b * s
     stream = tokens // tp if sequence_parallel else tokens
-    heads = b * shape.n_head // tp  # (sequence, head) pairs of my heads
-    d = shape.head_dim
-    scores = heads * s * s
     qkv, mlp_in = shape.qkv_width // tp, shape.mlp_in_width // tp
     bias = shape.bias
     norm_f, norm_b = NORM_FLOPS[shape.norm]
@@ -97,14 +94,7 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
         rotated = tokens * (h + shape.kv_dim) // tp
         add(elementwise(ROPE_FLOPS[0] * rotated, 2 * e * rotated,
                         ROPE_FLOPS[1] * rotated, 2 * e * rotated))
-    if flash_attention:  # one kernel: reads q, k, v, writes o (and dO, dq, dk, dv back)
-        attention = 4 * heads * s * s * d
-        q_k_v_o = e * tokens * (qkv + h // tp)
-        add(((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s)),),
-             (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
-                     gemm=(heads, s, d, s)),)))
-    else:
-        add(attention_kernels(heads, s, d, e, dropout))
+    add(attention_core_kernels(shape, b, tp, itemsize, flash_attention))
     add(linear_kernels(tokens, h, h // tp, e, False))  # its bias is in the residual add
     add(residual())
     add(norm())
@@ -115,6 +105,25 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     add(linear_kernels(tokens, h, f // tp, e, False))
     add(residual())
     return forward, backward
+
+
+def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int = 2,
+                           flash_attention: bool = False
+                           ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """(forward, backward) kernels of the attention core softmax(QK^T)V of my heads: what
+    selective recomputation runs again in backward."""
+    h, s, e = shape.d_model, shape.seq_len, itemsize
+    tokens = b * s
+    heads = b * shape.n_head // tp  # (sequence, head) pairs of my heads
+    d = shape.head_dim
+    scores = heads * s * s
+    if flash_attention:  # one kernel: reads q, k, v, writes o (and dO, dq, dk, dv back)
+        attention = 4 * heads * s * s * d
+        q_k_v_o = e * tokens * (shape.qkv_width // tp + h // tp)
+        return ((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s)),),
+                (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
+                        gemm=(heads, s, d, s)),))
+    return attention_kernels(heads, s, d, e, shape.dropout > 0)
 
 
 def embedding_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int = 2
@@ -160,16 +169,23 @@ def optimizer_kernel(elements: int, config: ParallelConfig) -> Kernel:
 def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
                   ) -> dict[str, list[tuple[int, list[Kernel]]]]:
     """Kernels of one micro-batch's forward and backward (with full recomputation the
-    backward runs each layer's forward again first) and of the optimizer step on one
+    backward runs each checkpointed layer's forward again first, with selective
+    recomputation each layer's attention core) and of the optimizer step on one
     rank of `stage`, as (times, kernels) groups: the layers' kernels run `stage.layers`
     times. The kernel list behind timing.stage_compute's FLOPs."""
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     e = config.bytes.activation
     layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention)
-    if config.activation_checkpointing:
-        layer_b = layer_f + layer_b
+    recompute = config.recompute
     forward = [(stage.layers, layer_f)]
-    backward = [(stage.layers, layer_b)]
+    if recompute.full:  # the checkpointed layers run their forward again first
+        again = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
+        backward = [(again, layer_f + layer_b), (stage.layers - again, layer_b)]
+    elif recompute.selective:  # every layer's attention core again
+        core_f, _ = attention_core_kernels(shape, b, t, e, config.flash_attention)
+        backward = [(stage.layers, list(core_f) + layer_b)]
+    else:
+        backward = [(stage.layers, layer_b)]
     if stage.first:
         f, bw = embedding_kernels(shape, b, t, e)
         forward.insert(0, (1, f))

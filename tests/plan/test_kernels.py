@@ -16,7 +16,12 @@ from minipar import distributed as dist
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
-from minipar.plan.kernels import embedding_kernels, head_kernels, layer_kernels
+from minipar.plan.kernels import (
+    attention_core_kernels,
+    embedding_kernels,
+    head_kernels,
+    layer_kernels,
+)
 from minipar.plan.layout import ParallelConfig, stage_plans
 from minipar.plan.shapes import ModelShape, from_train_config
 from minipar.plan.timing import stage_seconds
@@ -70,6 +75,23 @@ def test_recomputation_adds_the_forward_kernels_to_the_backward():
         plain["forward"] + plain["backward"])
 
 
+def test_selective_recomputation_adds_the_attention_core_kernels_to_the_backward():
+    shape = presets.model("gpt2")
+    cluster = presets.cluster("a100")
+    config = ParallelConfig(micro_batch_size=4)
+    (stage,) = stage_plans(shape, config)
+    plain = stage_seconds(shape, config, cluster, stage)
+    selective = stage_seconds(shape, config.replace(recompute_granularity="selective"),
+                              cluster, stage)
+    core_forward, _ = attention_core_kernels(shape, 4, itemsize=2)
+    assert selective["forward"] == plain["forward"]
+    assert selective["backward"] == pytest.approx(
+        plain["backward"] + shape.n_layer * cluster.roofline.total_seconds(core_forward))
+    # the core is the part of the layer that grows with s^2: a fraction of its forward
+    layer_forward = cluster.roofline.total_seconds(layer_kernels(shape, 4, itemsize=2)[0])
+    assert 0 < cluster.roofline.total_seconds(core_forward) < 0.5 * layer_forward
+
+
 def test_a_real_models_time_is_mostly_gemms_and_its_elementwise_ops_priced_by_bytes():
     shape, roof = presets.model("gpt3-175b"), presets.cluster("a100").roofline
     forward, _ = layer_kernels(shape, 1, tp=8)
@@ -87,6 +109,10 @@ PROFILE_GRID = [
     pytest.param(dict(dropout=0.1, tie_embeddings=False, micro_batch_size=2),
                  id="dropout untied"),
     pytest.param(dict(activation_checkpointing=True, micro_batch_size=2), id="checkpointing"),
+    pytest.param(dict(recompute_granularity="selective", seq_len=64, micro_batch_size=2),
+                 id="selective"),
+    pytest.param(dict(recompute_granularity="full", recompute_method="block",
+                      recompute_num_layers=1, tp=2, micro_batch_size=2), id="tp2 block 1"),
     pytest.param(dict(tp=2, micro_batch_size=2), id="tp2"),
     pytest.param(dict(dp=2, zero=1, micro_batch_size=2), id="dp2 zero1"),
     pytest.param(dict(pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4), id="pp2"),
