@@ -49,6 +49,17 @@ class Recompute:
     method: str | None = None
     num_layers: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.granularity == "full" and self.method is None and self.num_layers is None:
+            raise ValueError("Recompute: give full recomputation a method and a count, "
+                             "e.g. Recompute('full', 'uniform', 1) (every layer)")
+        # (the count against a chunk's layers is the config's check: it knows the model)
+        problem = recompute_problem(False, self.granularity, self.method, self.num_layers,
+                                    layers_per_chunk=self.num_layers or 1)
+        if problem is not None:
+            setting, message = problem
+            raise ValueError(f"Recompute: {setting}: {message}")
+
     @classmethod
     def from_settings(cls, activation_checkpointing: bool = False,
                       granularity: str | None = None, method: str | None = None,

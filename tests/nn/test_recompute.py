@@ -171,3 +171,10 @@ def test_every_policy_trains_bit_for_bit_like_no_recomputation_and_matches_one_d
             assert np.array_equal(report.state_dict[key], value), (layout, name, key)
         assert all(r["recompute_flops"] > 0 for r in report.ranks), (layout, name)
     assert all(r["recompute_flops"] == 0 for r in plain.ranks)
+
+
+@pytest.mark.parametrize("args", [("full",), ("full", "block"), ("selective", "block", 1),
+                                  ("full", "block", 0), ("partial",)])
+def test_a_policy_built_by_hand_is_checked_too(args):
+    with pytest.raises(ValueError, match="Recompute"):
+        Recompute(*args)
