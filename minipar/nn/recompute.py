@@ -25,8 +25,8 @@ uniform / 1, and `--recompute-granularity full` without a method means the same
 (Megatron's docstring: "if None, and recompute is enabled, all layers will do
 recomputation"; its validation instead insists on a method and a count).
 
-The rules (validation) live here once; TrainConfig and the planner's ParallelConfig turn
-a refusal into their own error naming the flag.
+The rules (validation) live here once (`recompute_problem`); TrainConfig, the planner's
+ParallelConfig and a hand-built `Recompute` raise them as ConfigError naming the flag.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from minipar.autograd.checkpoint import checkpoint
 from minipar.autograd.grad_mode import is_grad_enabled
+from minipar.errors import ConfigError
 
 GRANULARITIES = ("selective", "full")
 METHODS = ("uniform", "block")
@@ -51,14 +52,13 @@ class Recompute:
 
     def __post_init__(self) -> None:
         if self.granularity == "full" and self.method is None and self.num_layers is None:
-            raise ValueError("Recompute: give full recomputation a method and a count, "
-                             "e.g. Recompute('full', 'uniform', 1) (every layer)")
+            raise ConfigError("recompute_method", "Recompute('full') needs a method and a "
+                              "count, e.g. Recompute('full', 'uniform', 1) (every layer)")
         # (the count against a chunk's layers is the config's check: it knows the model)
         problem = recompute_problem(False, self.granularity, self.method, self.num_layers,
                                     layers_per_chunk=self.num_layers or 1)
         if problem is not None:
-            setting, message = problem
-            raise ValueError(f"Recompute: {setting}: {message}")
+            raise ConfigError(*problem)
 
     @classmethod
     def from_settings(cls, activation_checkpointing: bool = False,

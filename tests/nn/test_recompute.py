@@ -176,5 +176,5 @@ def test_every_policy_trains_bit_for_bit_like_no_recomputation_and_matches_one_d
 @pytest.mark.parametrize("args", [("full",), ("full", "block"), ("selective", "block", 1),
                                   ("full", "block", 0), ("partial",)])
 def test_a_policy_built_by_hand_is_checked_too(args):
-    with pytest.raises(ValueError, match="Recompute"):
+    with pytest.raises(ConfigError, match="^--recompute-"):
         Recompute(*args)
