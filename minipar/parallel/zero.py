@@ -90,15 +90,12 @@ class ZeroOptimizer(ZeroEngine):
                 sb.flat_params[...] = full
 
     def zero_grad(self) -> None:
-        if self.partition_gradients:
-            super().zero_grad()
-            return
-        for sb in self.shards:  # stage 1: the full gradients and the step's shard go
+        """Set-to-none: the gradient shard goes (ZeroEngine) and, under stage 1, the
+        full local gradients too (stage 2 freed them after each reduce-scatter)."""
+        super().zero_grad()
+        for sb in self.shards:
             for p in sb.bucket.params:
                 p.release_grad()
-            if sb.grad_shard is not None:
-                dist.release(sb.grad_shard)
-                sb.grad_shard = None
 
     def parameter_pieces(self) -> list[Piece]:
         """The full replica (every rank uses it in forward)."""

@@ -17,10 +17,12 @@ The engines built on `ZeroEngine`: `ZeroOptimizer` (stages 1 and 2, zero.py) and
 `Zero3Optimizer` (stage 3, zero3.py). Where the next features go (issues 14 and 15): a
 bucket is reduced in one place, `ZeroEngine.reduce_bucket` (bucketed overlap); the
 optimizer state of a shard is made in `_allocate_optimizer_state` and updated in
-`_update_shard` (a CPU / NVMe tier for it); the persistent gradient shard is made in
-`__init__` and zeroed in `zero_grad` (set-to-none would make it at the first `_complete`
-and drop it there); stage 3's gather / free is `Zero3Optimizer.gather` / `free`
-(prefetch).
+`_update_shard` (a CPU / NVMe tier for it); the gradient shard has set-to-none
+semantics (PyTorch's `zero_grad(set_to_none=True)`; DeepSpeed frees its partitioned
+gradients after the step): the step's first reduce-scatter returns it (`reduce_bucket`,
+booked as "grads"), `_complete` accumulates into it and `zero_grad` drops it, so no stage
+holds gradient storage between steps; stage 3's gather / free / prefetch is
+`Zero3Optimizer.gather` / `free` / `prefetch`.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class ShardedBucket:
                  stage 3: the only persistent copy of my parameters
     gathered     stage 3: the all-gathered flat parameters while a module needs them
     master       fp32 master weights (mixed precision only); exp_avg, exp_avg_sq: Adam
-    grad_shard   my piece of the averaged gradient (stage 2/3: persistent, accumulated
-                 over micro-batches; stage 1: the result of the step's reduce-scatter)
+    grad_shard   my piece of the averaged gradient, None between steps (set-to-none):
+                 the step's first reduce-scatter makes it, stage 2/3 accumulate the
+                 later micro-batches into it, zero_grad drops it
     segments     (start, stop, weight_decay) runs of the shard; padding is in none
     norm_segments  (start, stop) runs of the shard that count in the global gradient
                  norm (all of it, unless TP replicas or a tied copy must count once)
@@ -127,9 +130,6 @@ class ZeroEngine:
         for sb in self.shards:
             self._partition_parameters(sb)
             self._allocate_optimizer_state(sb)
-            if self.partition_gradients:
-                sb.grad_shard = dist.hold(np.zeros(sb.stop - sb.start, self.param_dtype),
-                                          "grads")
             for p in sb.bucket.params:
                 self._shard_of[id(p)] = sb
                 p.register_post_accumulate_grad_hook(self._on_gradient_ready)
@@ -179,8 +179,14 @@ class ZeroEngine:
             self._complete(*self._pending.pop(0))
         flat = dist.hold(sb.bucket.flatten_grads(), "buffers")
         self._gradients_flattened(sb)
+        # Stage 2/3: the step's first reduction of this bucket returns the gradient shard
+        # itself (set-to-none: it did not exist before); later micro-batches' are buffers
+        # added into it. Stage 1 keeps the full p.grad ("grads") until the step: its
+        # shard of the average is a buffer read by the step.
+        first = self.partition_gradients and sb.grad_shard is None
+        category = "grads" if first else "buffers"
         work = dist.reduce_scatter(flat, op="avg", group=self.group, async_op=True,
-                                   category="buffers")
+                                   category=category)
         self._pending.append((sb, flat, work))
 
     def _gradients_flattened(self, sb: ShardedBucket) -> None:
@@ -190,15 +196,16 @@ class ZeroEngine:
                 p.release_grad()
 
     def _complete(self, sb: ShardedBucket, flat: np.ndarray, work) -> None:
-        """Wait for one reduce-scatter; keep (stage 1) or accumulate (stage 2/3) my
-        averaged gradient shard, and free the flat gradients it read."""
+        """Wait for one reduce-scatter; keep my averaged gradient shard (the step's
+        first) or accumulate into it (stage 2/3, later micro-batches), and free the flat
+        gradients it read."""
         piece = work.wait()
         dist.release(flat)
-        if self.partition_gradients:
+        if sb.grad_shard is None:
+            sb.grad_shard = piece  # lives until zero_grad()
+        else:
             sb.grad_shard += piece
             dist.release(piece)
-        else:
-            sb.grad_shard = piece  # lives until zero_grad()
 
     def synchronize_gradients(self) -> None:
         """Reduce every bucket now (after a pipeline flush); only ZeRO-1 can."""
@@ -226,8 +233,9 @@ class ZeroEngine:
         norm groups; scale my shard if it exceeds max_norm."""
         grads = [sb.grad_shard for sb in self.shards]
         if any(g is None for g in grads):
-            raise RuntimeError("ZeRO-1: no reduced gradient: run backward with "
-                               "require_backward_grad_sync=True on the last micro-batch")
+            raise RuntimeError(f"ZeRO-{self.stage}: no reduced gradient: run backward "
+                               "(with require_backward_grad_sync=True on the last "
+                               "micro-batch) before clipping or stepping")
         counted = [sb.grad_shard[lo:hi] for sb in self.shards for lo, hi in sb.norm_segments]
         partial = np.array([grad_norm_squared(counted)])
         total = float(dist.all_reduce(partial, op="sum", group=self.group)[0])
@@ -268,8 +276,12 @@ class ZeroEngine:
         return elements
 
     def zero_grad(self) -> None:
+        """Set-to-none: drop my gradient shard (the next step's first reduce-scatter
+        makes a new one), so no gradient storage lives between steps."""
         for sb in self.shards:
-            sb.grad_shard[...] = 0
+            if sb.grad_shard is not None:
+                dist.release(sb.grad_shard)
+                sb.grad_shard = None
 
     # -------------------------------------------------------------- state
     def parameter_pieces(self) -> list[Piece]:

@@ -132,10 +132,11 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     sync_buffers = _sync_buffers(config, params, sharded)
     state = param_elements * nbytes.param + optimizer_elements * nbytes.optimizer
     buffers = max(forward_buffers, sync_buffers)
-    if zero <= 1 and config.micro_batches == 1:
-        # zero_grad frees the gradients after each step (set_to_none), so with one
-        # micro-batch they are born in backward as the activations die: the peak is the
-        # larger of the forward's end and the gradient synchronisation.
+    if config.micro_batches == 1:
+        # zero_grad frees the gradients after each step (set_to_none; every stage,
+        # ZeRO-2/3's shard too, as DeepSpeed frees its partitioned gradients), so with
+        # one micro-batch they are born in backward as the activations die: the peak is
+        # the larger of the forward's end and the gradient synchronisation.
         total = state + max(activations + forward_buffers, grads + sync_buffers)
     else:  # the gradients stay from the first micro-batch's backward to the step
         total = state + grads + max(activations + forward_buffers, sync_buffers)
