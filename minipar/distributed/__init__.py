@@ -13,7 +13,8 @@
 Modules: launch (threads and rank context), cluster (rendezvous, deadlock detection),
 collectives, p2p, ring (collectives on send/recv), groups and mesh, device (one rank's
 ledgers), memory and buffers (what a rank holds, and for how long), clock, timeline
-(busy/idle time and the bubble, from the clocks' timelines), comm_log (the byte ledger),
+(busy/idle time, the bubble and the communication compute hides, from the clocks'
+timelines), comm_log (the byte ledger),
 errors.
 """
 
@@ -50,6 +51,7 @@ from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .roofline import Roofline
+from .timeline import comm_overlap, device_comm_overlap
 
 __all__ = [
     "A100",
@@ -83,6 +85,8 @@ __all__ = [
     "barrier",
     "broadcast",
     "collective_time",
+    "comm_overlap",
+    "device_comm_overlap",
     "get_device",
     "get_rank",
     "get_world_size",

@@ -59,3 +59,61 @@ def bubble_fraction(timelines, start: float | None = None, end: float | None = N
     rows = time_breakdown(timelines, start, end)
     total = sum(r["compute_s"] + r["comm_s"] + r["idle_s"] for r in rows)
     return 0.0 if total <= 0 else sum(r["idle_s"] for r in rows) / total
+
+
+# --- communication hidden behind compute -------------------------------------------------
+def merge_intervals(intervals) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of (start, end) pairs (empty ones dropped)."""
+    merged: list[list[float]] = []
+    for s, e in sorted((s, e) for s, e in intervals if e > s):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a, b) -> float:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def comm_overlap(compute, comm) -> dict[str, float]:
+    """How much communication compute hides, from (start, end) spans of one rank.
+
+    compute: spans when the rank's compute stream is busy; comm: spans when a transfer
+    runs (a CommRecord's start..end, also while the rank computes on: async collectives,
+    isend). Returns seconds of
+      compute_s          the union of the compute spans
+      comm_s             the union of the communication spans
+      overlapped_comm_s  communication while compute runs
+      exposed_comm_s     communication while nothing computes (comm_s - overlapped)
+      busy_s             compute or communication
+    Exposed communication is Holistic Trace Analysis's "non-compute" time and
+    overlapped / comm its comm-comp overlap (hta/analyzers/breakdown_analysis.py,
+    communication_analysis.py), so the two tools agree on a trace of the same run.
+    """
+    compute, comm = merge_intervals(compute), merge_intervals(comm)
+    compute_s, comm_s = _length(compute), _length(comm)
+    overlapped = _intersection(compute, comm)
+    return {"compute_s": compute_s, "comm_s": comm_s, "overlapped_comm_s": overlapped,
+            "exposed_comm_s": comm_s - overlapped, "busy_s": compute_s + comm_s - overlapped}
+
+
+def device_comm_overlap(device) -> dict[str, float]:
+    """`comm_overlap` of one Device: compute from its clock, transfers from its byte ledger."""
+    compute = [(e.start, e.end) for e in device.clock.events if e.kind not in ("comm", "idle")]
+    return comm_overlap(compute, [(r.start, r.end) for r in device.comm.records])
