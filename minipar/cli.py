@@ -44,6 +44,10 @@ HELP = {
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
     "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
+    "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "
+                           "during each stage's last micro-batch backward)",
+    "zero3_prefetch": "ZeRO-3: all-gather the next module's parameters while the current "
+                      "one computes",
     "micro_batch_size": "sequences per micro-batch on one data-parallel rank",
     "grad_accum_steps": "micro-batches per optimizer step (or give --global-batch-size)",
     "global_batch_size": "sequences per optimizer step = micro x accum x dp",

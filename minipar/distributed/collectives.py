@@ -144,6 +144,7 @@ class CollectiveWork:
         # The ledger that books the result in wait(), once (None: the caller books it).
         self._category = None if category is None else check_category(category)
         self._device = collective.device if collective is not None else device
+        self._out = None  # all_gather(out=...): the caller's buffer the result lands in
         if register and not self._finished:
             # launch waits for works a rank forgets, so their bytes are still booked
             collective.device._pending_works[id(self)] = self
@@ -167,6 +168,10 @@ class CollectiveWork:
             c.book(self._sent, self._received, rendezvous.start, rendezvous.end)
             self._result = rendezvous.results[c.index]
             self._rendezvous = None
+        if self._out is not None:
+            out, self._out = self._out, None
+            out[...] = self._result
+            self._result = out
         if self._category is not None:
             category, self._category = self._category, None
             self._device.memory.hold(self._result, category)
@@ -226,21 +231,38 @@ def all_reduce(x, op: str = "sum", group: ProcessGroup | None = None,
 
 
 def all_gather(x, group: ProcessGroup | None = None, dim: int = 0,
-               async_op: bool = False, category: str | None = None
-               ) -> np.ndarray | CollectiveWork:
+               async_op: bool = False, category: str | None = None,
+               out: np.ndarray | None = None) -> np.ndarray | CollectiveWork:
     """Concatenation of the group's x along dim, in group order: shape[dim] grows n-fold.
     With async_op=True, returns a CollectiveWork; its wait() returns the result.
-    category: book the result in the rank's memory ledger (see the module docstring)."""
+    category: book the result in the rank's memory ledger (see the module docstring).
+    out: an array of the result's shape, allocated (and booked) by the caller before the
+    call, that the result is written into and returned as (torch.distributed's
+    all_gather_into_tensor): a prefetch's buffer then exists from its launch."""
     c = _Collective("all_gather", group)
     x = np.asarray(x)
     dim = _dim("all_gather", x, dim)
+    if out is not None:
+        if category is not None:
+            raise ValueError("all_gather: give out= (booked by the caller) or category=, "
+                             "not both")
+        expected = x.shape[:dim] + (c.n * x.shape[dim],) + x.shape[dim + 1:]
+        if out.shape != expected or out.dtype != x.dtype:
+            raise ValueError(f"all_gather: out has shape {out.shape} and dtype {out.dtype}, "
+                             f"the result has shape {expected} and dtype {x.dtype}")
     if c.n == 1:
-        return _alone(c, x, async_op, category)
-    # Ring: n-1 steps, each passing on one rank's piece (x.nbytes) = (n-1)/n of the output.
-    piece_bytes = (c.n - 1) * x.nbytes
-    return c.run(x, {"dim": dim},
-                 lambda arrays: _copies(np.concatenate(arrays, axis=dim), c.n),
-                 c.n * x.nbytes, piece_bytes, piece_bytes, async_op, category)
+        work = _alone(c, x, True, category)
+    else:
+        # Ring: n-1 steps, each passing on one rank's piece (x.nbytes) = (n-1)/n of the
+        # output.
+        piece_bytes = (c.n - 1) * x.nbytes
+        work = c.run(x, {"dim": dim},
+                     lambda arrays: _copies(np.concatenate(arrays, axis=dim), c.n),
+                     c.n * x.nbytes, piece_bytes, piece_bytes, async_op, category)
+        if not async_op:  # run() has waited and returned the result
+            work = CollectiveWork.completed(work, None, c.device)
+    work._out = out
+    return work if async_op else work.wait()
 
 
 def reduce_scatter(

@@ -37,10 +37,17 @@ parameters are its TP pieces of its pipeline stage, and two things change:
   only, a pipeline's tied embedding copy on the first stage only), then all-reduces the
   sum over the `norm_groups` (the TP and PP groups), as Megatron-LM's
   `clip_grad_norm_fp32` does over its model-parallel group.
-- A pipeline runs its micro-batches' backwards inside its schedule and all-reduces the
-  tied embedding's gradient after the last one, so the loop turns the hooks off
-  (`require_backward_grad_sync = False`) and calls `synchronize_gradients()` once the
-  pipeline has flushed.
+- A pipeline runs its micro-batches' backwards inside its schedule, so the hooks are
+  on only during each chunk's *last* micro-batch backward (the pipeline sets
+  `require_backward_grad_sync` before every backward): a bucket's reduction starts as
+  soon as its gradients are final, overlapping the rest of the flush (Megatron-LM's
+  `--overlap-grad-reduce`: `enable_grad_sync()` before the last micro-batch in
+  `schedules.py`). The tied embedding's gradient is final only after the first and last
+  stages have summed their copies, so its bucket is deferred (`defer_reduction`), and
+  `synchronize_gradients()`, called after that sum, reduces what is left and waits.
+  Megatron instead reduces wte over DP first and sums the copies after
+  (`finalize_model_grads`); deferring keeps the unoverlapped order, so the numbers are
+  bit-identical to reducing everything after the flush.
 """
 
 from __future__ import annotations
@@ -219,7 +226,9 @@ class DataParallel:
     bucket_bytes: gradient bucket capacity in bytes (0 = one bucket); adamw: keyword
     arguments of `minipar.nn.AdamW` (betas, eps, weight_decay); norm_groups: the groups
     whose ranks hold the rest of the model (TP, PP), over which the squared gradient norm
-    is summed; counts_in_norm(param) -> bool: does my copy of `param` count in that sum.
+    is summed; counts_in_norm(param) -> bool: does my copy of `param` count in that sum;
+    overlap_comm: False waits for each bucket's all-reduce as soon as it starts (compute
+    stops while it runs: the unoverlapped baseline, same bytes and numbers).
     Holds the parameters in the rank's ledger as "params"; AdamW holds its state as
     "optimizer"; backward books `p.grad` as "grads"; bucket buffers are "buffers".
     """
@@ -227,8 +236,9 @@ class DataParallel:
     stage = 0
 
     def __init__(self, named_params, group, *, bucket_bytes: float = 0, adamw: dict,
-                 norm_groups=(), counts_in_norm=None):
+                 norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
         named_params = list(named_params)
+        self.overlap_comm = overlap_comm
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group = group
@@ -246,6 +256,8 @@ class DataParallel:
                 self._bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_gradient_ready)
         self._pending = []  # (bucket, flat gradients, CollectiveWork) being reduced
+        self._launched: set[int] = set()  # buckets reduced in this synchronisation
+        self._deferred: set[int] = set()  # buckets only synchronize_gradients reduces
         # DDP's flag: False inside `no_sync`, i.e. on every micro-batch but the last.
         self.require_backward_grad_sync = True
 
@@ -255,26 +267,38 @@ class DataParallel:
         if not self.require_backward_grad_sync or self.world == 1:
             return
         bucket = self._bucket_of[id(param)]
+        if bucket.index in self._deferred:
+            return
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.ready = 0
             self._reduce(bucket)
 
+    def defer_reduction(self, params) -> None:
+        """Reduce the buckets holding `params` only in synchronize_gradients (a tied
+        embedding's gradient is final only after its copies are summed)."""
+        self._deferred |= {self._bucket_of[id(p)].index for p in params}
+
     def _reduce(self, bucket: Bucket) -> None:
         """Start the asynchronous all-reduce of one bucket's gradients: the one place a
         bucket is reduced (DDP's `Reducer::mark_bucket_ready`)."""
+        self._launched.add(bucket.index)
         flat = dist.hold(bucket.flatten_grads(), "buffers")
         # Average, as DDP does: each rank's loss is a mean over its share of the batch.
         work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True,
                                category="buffers")
-        self._pending.append((bucket, flat, work))
+        if self.overlap_comm:
+            self._pending.append((bucket, flat, work))
+        else:
+            self._complete(bucket, flat, work)
 
     def synchronize_gradients(self) -> None:
-        """Average every bucket's accumulated gradients now (after a pipeline flush, with
-        the hooks turned off by require_backward_grad_sync = False) and wait."""
+        """Average the buckets no hook has reduced yet (after a pipeline flush: the
+        deferred ones, or all when the hooks were off) and wait for every reduction."""
         if self.world > 1:
             for bucket in self.buckets:
-                self._reduce(bucket)
+                if bucket.index not in self._launched:
+                    self._reduce(bucket)
         self.finish_gradient_synchronization()
 
     def _complete(self, bucket: Bucket, flat: np.ndarray, work) -> None:
@@ -291,6 +315,7 @@ class DataParallel:
         for pending in self._pending:
             self._complete(*pending)
         self._pending = []
+        self._launched.clear()
         _check_all_reduced(self.buckets)
 
     # -------------------------------------------------------------- optimizer

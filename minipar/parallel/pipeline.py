@@ -284,35 +284,49 @@ class Pipeline:
         return total
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, micro_batches) -> float:
+    def forward_backward(self, micro_batches, grad_sync=None) -> float:
         """Run this rank's schedule over one step's micro-batches; return the step's loss.
 
         micro_batches: m pairs (inputs, targets), each (b, T) ints. Only the first stage
         reads inputs and only the last reads targets: other ranks may pass None for them.
         Afterwards every parameter's .grad holds d(mean loss over the m micro-batches)/dp,
         the tied embedding copies agree, and the mean loss is returned on every rank.
+        grad_sync(enabled): called before every backward, enabled only for each chunk's
+        last one, when its gradients become final (Megatron-LM's `--overlap-grad-reduce`:
+        the schedule calls `enable_grad_sync()` before the last micro-batch, so the DP
+        engine's hooks start reducing buckets while the pipeline drains).
         """
         m = self.micro_batches
         if len(micro_batches) != m:
             raise PipelineError(
                 f"forward_backward got {len(micro_batches)} micro-batches but the "
                 f"{self.schedule.name} schedule was built for {m} (grad_accum_steps)")
+        last_backward = {a.chunk: i for i, a in enumerate(self.actions)
+                         if type(a) is Backward}
         step = _Step(self, micro_batches)
-        for action in self.actions:
+        for i, action in enumerate(self.actions):
+            if grad_sync is not None and type(action) is Backward:
+                grad_sync(last_backward[action.chunk] == i)
             step.run(action)
         step.finish_sends()
         self._all_reduce_tied_embedding()
         return self._broadcast_loss(step.losses)
 
+    def tied_embedding_parameters(self) -> list:
+        """The copies of a tied wte on this rank whose gradients the step sums over the
+        embedding group (final only after that sum): [] on the other ranks."""
+        if self.embedding_group is None or self.pp_rank not in (0, self.pp - 1):
+            return []
+        chunk = self.chunks[0] if self.pp_rank == 0 else self.chunks[-1]
+        return [chunk.wte.weight]
+
     def _all_reduce_tied_embedding(self) -> None:
         """Sum the gradients of the first and last stage's copies of a tied wte
         (Megatron-LM's `_allreduce_embedding_grads`): both then see embedding + head."""
-        if self.embedding_group is None or self.pp_rank not in (0, self.pp - 1):
-            return
-        chunk = self.chunks[0] if self.pp_rank == 0 else self.chunks[-1]
-        weight = chunk.wte.weight
-        with dist.phase("backward"):
-            weight.grad[...] = dist.all_reduce(weight.grad, "sum", group=self.embedding_group)
+        for weight in self.tied_embedding_parameters():
+            with dist.phase("backward"):
+                weight.grad[...] = dist.all_reduce(weight.grad, "sum",
+                                                   group=self.embedding_group)
 
     def _broadcast_loss(self, losses) -> float:
         last = self.group.ranks[-1]

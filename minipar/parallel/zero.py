@@ -45,21 +45,22 @@ class ZeroOptimizer(ZeroEngine):
     stage: 1 or 2; bucket_bytes: bucket capacity (0 = one flat bucket); adamw: lr, betas,
     eps, weight_decay as for `minipar.nn.AdamW`; norm_groups, counts_in_norm: as for
     `DataParallel` (the TP / PP groups the gradient norm is also summed over, and which
-    of my elements count in it).
+    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine).
 
     Every rank keeps the full flat parameters (the model's p.data are views of them) and
     owns one shard of each bucket: its optimizer state, and under stage 2 its gradient.
     """
 
     def __init__(self, named_params, group, *, stage: int, bucket_bytes: float = 0,
-                 adamw: dict, norm_groups=(), counts_in_norm=None):
+                 adamw: dict, norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
         check_stage(stage, "ZeroOptimizer", (1, 2))
         named_params = list(named_params)
         self.stage = stage
         self.partition_gradients = stage == 2
         super().__init__(named_params, group,
                          build_buckets(named_params, bucket_bytes, group.size),
-                         adamw=adamw, norm_groups=norm_groups, counts_in_norm=counts_in_norm)
+                         adamw=adamw, norm_groups=norm_groups, counts_in_norm=counts_in_norm,
+                         overlap_comm=overlap_comm)
 
     def _partition_parameters(self, sb: ShardedBucket) -> None:
         """The full flat parameters stay on every rank; p.data become views of them."""
@@ -71,14 +72,15 @@ class ZeroOptimizer(ZeroEngine):
         sb.param_shard = flat[sb.start:sb.stop]
 
     def synchronize_gradients(self) -> None:
-        """Stage 1: reduce-scatter every bucket's accumulated gradients now (after a
-        pipeline flush, the hooks turned off by require_backward_grad_sync = False) and
-        wait. Stage 2 reduces inside every backward, so it cannot wait until a pipeline
-        has run all its micro-batches (see minipar/train/build.py)."""
+        """Stage 1: reduce-scatter the buckets no hook has reduced yet (after a pipeline
+        flush: the deferred ones, or all when the hooks were off) and wait. Stage 2
+        reduces inside every backward, so it cannot wait until a pipeline has run all
+        its micro-batches (see minipar/train/build.py)."""
         if self.partition_gradients:
             super().synchronize_gradients()
-        for sb in self.shards:
-            self.reduce_bucket(sb)
+        for sb in self.shards:  # the buckets no hook reduced during the last backward
+            if sb.bucket.index not in self._launched:
+                self.reduce_bucket(sb)
         self.finish_gradient_synchronization()
 
     def step(self, lr: float) -> None:

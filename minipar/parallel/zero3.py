@@ -25,10 +25,22 @@ Communication per rank and step, in elements: 3(N-1)/N Ψ (two all-gathers and a
 reduce-scatter), 1.5x DP (the paper's section 7.2.1); with A micro-batches per step
 3A(N-1)/N Ψ: sharded parameters must be fetched for every forward and backward.
 
+Prefetch (`prefetch=True`, `--zero3-prefetch`, the default): as a module's forward
+starts, the next module's all-gather is launched asynchronously, and as a module's
+backward starts, the previous module's; so the transfer runs while the current module
+computes, and the gather that needs it finds it done (FSDP's `forward_prefetch=True` and
+`backward_prefetch=BACKWARD_PRE`; DeepSpeed's `stage3_prefetch_bucket_size`, which
+prefetches by a budget of elements rather than one module). Its cost is booked: the
+buffer the all-gather writes into is allocated and counted as "buffers" from the launch
+(`dist.all_gather(..., out=)`), so two units' full parameters can be alive at once. The
+order is the modules' forward order as `hook_module` was called (`gpt_units`' sites), a
+static order where DeepSpeed records the order of the first step.
+
 Where minipar differs: parameters are released right after each use and fetched again
-for backward (no prefetch, no persistence threshold: issue 15 adds prefetch in `gather`).
-The gather/free runs around *calls* (`hook_module(owner, "forward", ...)`, also GPT.embed
-and GPT.head, which are methods rather than modules), where FSDP registers module hooks.
+for backward (no persistence threshold, the root module's parameters are not kept from
+forward to backward). The gather/free runs around *calls* (`hook_module(owner,
+"forward", ...)`, also GPT.embed and GPT.head, which are methods rather than modules),
+where FSDP registers module hooks.
 """
 
 from __future__ import annotations
@@ -55,7 +67,7 @@ class Zero3Optimizer(ZeroEngine):
     partition_gradients = True
 
     def __init__(self, named_params, group, *, units=None, adamw: dict, norm_groups=(),
-                 counts_in_norm=None):
+                 counts_in_norm=None, overlap_comm: bool = True, prefetch: bool = True):
         if units is None:
             raise ValueError("Zero3Optimizer: stage 3 needs `units` (which parameters "
                              "each module gathers); see gpt_units()")
@@ -64,8 +76,11 @@ class Zero3Optimizer(ZeroEngine):
         self.unit_names = [name for name, _ in units]
         buckets = [Bucket(i, params, group.size) for i, (_, params) in enumerate(units)]
         super().__init__(named_params, group, buckets, adamw=adamw, norm_groups=norm_groups,
-                         counts_in_norm=counts_in_norm)
+                         counts_in_norm=counts_in_norm, overlap_comm=overlap_comm)
         self._in_backward = False  # keep gathered parameters for the backward
+        self.prefetch_enabled = prefetch
+        self._sites: list[list[ShardedBucket]] = []  # hooked calls, in forward order
+        self._prefetched: dict[int, tuple[np.ndarray, object]] = {}  # bucket -> (out, work)
 
     def _partition_parameters(self, sb: ShardedBucket) -> None:
         """Keep only my shard of the flat parameters."""
@@ -85,14 +100,33 @@ class Zero3Optimizer(ZeroEngine):
         for sb in shards:
             if sb.gathered is not None:
                 continue
-            full = dist.all_gather(sb.param_shard, group=self.group, category="buffers")
+            prefetched = self._prefetched.pop(sb.bucket.index, None)
+            if prefetched is not None:  # launched earlier: wait for what is left of it
+                full = prefetched[1].wait()
+            else:
+                full = dist.all_gather(sb.param_shard, group=self.group, category="buffers")
             sb.gathered = full
             for i, p in enumerate(sb.bucket.params):
                 p.data = sb.bucket.view(full, i)
 
+    def prefetch(self, shards: list[ShardedBucket]) -> None:
+        """Launch the all-gather of these units asynchronously (those neither gathered
+        nor in flight); `gather` waits for it. The full buffer is allocated and booked
+        now, as the real all-gather writes into it from its launch."""
+        for sb in shards:
+            if sb.gathered is not None or sb.bucket.index in self._prefetched:
+                continue
+            out = dist.hold(np.empty(sb.bucket.padded_numel, self.param_dtype), "buffers")
+            work = dist.all_gather(sb.param_shard, group=self.group, async_op=True, out=out)
+            self._prefetched[sb.bucket.index] = (out, work)
+
     def free(self, shards: list[ShardedBucket]) -> None:
         """Drop gathered full parameters: each p.data is its empty placeholder again."""
         for sb in shards:
+            prefetched = self._prefetched.pop(sb.bucket.index, None)
+            if prefetched is not None:  # never used: finish the transfer, drop the buffer
+                prefetched[1].wait()
+                dist.release(prefetched[0])
             if sb.gathered is None:
                 continue
             for p, placeholder in zip(sb.bucket.params, sb.placeholders, strict=True):
@@ -105,22 +139,31 @@ class Zero3Optimizer(ZeroEngine):
         run inside FSDP's three hooks for the units `unit_names`: gather before the call,
         free after it, gather again when backward reaches its output."""
         shards = [self.shards[self.unit_names.index(name)] for name in unit_names]
+        site = len(self._sites)  # hooked in forward order: this call's place in it
+        self._sites.append(shards)
         call = getattr(owner, attribute)
 
         def gathered_call(*args, **kwargs):
             self.gather(shards)  # pre-forward
+            if not self._in_backward:  # forward prefetch: the next module's parameters
+                self._prefetch_site(site + 1)
             out = call(*args, **kwargs)
             if isinstance(out, Tensor) and out.requires_grad:  # pre-backward
-                out = GatherBeforeBackward.apply(out, lambda: self._pre_backward(shards))
+                out = GatherBeforeBackward.apply(out, lambda: self._pre_backward(site))
             if not self._in_backward:  # post-forward (a recomputation in backward keeps them)
                 self.free(shards)
             return out
 
         setattr(owner, attribute, gathered_call)
 
-    def _pre_backward(self, shards: list[ShardedBucket]) -> None:
+    def _prefetch_site(self, site: int) -> None:
+        if self.prefetch_enabled and 0 <= site < len(self._sites):
+            self.prefetch(self._sites[site])
+
+    def _pre_backward(self, site: int) -> None:
         self._in_backward = True
-        self.gather(shards)
+        self.gather(self._sites[site])
+        self._prefetch_site(site - 1)  # backward prefetch: the module backward reaches next
 
     # -------------------------------------------------------------- gradients
     def _on_gradient_ready(self, param) -> None:

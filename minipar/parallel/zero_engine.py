@@ -110,8 +110,11 @@ class ZeroEngine:
     partition_gradients: bool  # keep only my shard of the gradient (stages 2 and 3)
 
     def __init__(self, named_params, group, buckets: list[Bucket], *, adamw: dict,
-                 norm_groups=(), counts_in_norm=None):
+                 norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
         self.group = group
+        # DeepSpeed's `overlap_comm`: reduce buckets asynchronously while backward goes
+        # on (False: wait for each reduce-scatter as soon as it starts).
+        self.overlap_comm = overlap_comm
         self.world, self.rank = group.size, dist.get_rank(group)
         self.lr = adamw.get("lr", 1e-3)
         self.betas = adamw.get("betas", (0.9, 0.95))
@@ -137,6 +140,8 @@ class ZeroEngine:
                 if self.partition_gradients:
                     p.grad_category = "buffers"
         self._pending = []  # (ShardedBucket, flat gradients, CollectiveWork)
+        self._launched: set[int] = set()  # buckets reduced in this synchronisation
+        self._deferred: set[int] = set()  # buckets only synchronize_gradients reduces
 
     # -------------------------------------------------------------- construction
     def _partition_parameters(self, sb: ShardedBucket) -> None:
@@ -160,6 +165,8 @@ class ZeroEngine:
             return
         sb = self._shard_of[id(param)]
         bucket = sb.bucket
+        if bucket.index in self._deferred:
+            return
         bucket.ready += 1
         if bucket.ready < len(bucket.params):
             return
@@ -171,10 +178,16 @@ class ZeroEngine:
         gradient to accumulate into); stage 1 only when DDP's no_sync is off."""
         return self.partition_gradients or self.require_backward_grad_sync
 
+    def defer_reduction(self, params) -> None:
+        """Reduce the buckets holding `params` only in synchronize_gradients (as
+        `DataParallel.defer_reduction`: a tied embedding under pipeline parallelism)."""
+        self._deferred |= {self._shard_of[id(p)].bucket.index for p in params}
+
     def reduce_bucket(self, sb: ShardedBucket) -> None:
         """Start the asynchronous reduce-scatter of one bucket's gradients, averaged over
         the DP group: the one place a bucket is reduced (DeepSpeed's
         `reduce_ipg_grads`). At most MAX_IN_FLIGHT run at once."""
+        self._launched.add(sb.bucket.index)
         if len(self._pending) == MAX_IN_FLIGHT:
             self._complete(*self._pending.pop(0))
         flat = dist.hold(sb.bucket.flatten_grads(), "buffers")
@@ -187,7 +200,10 @@ class ZeroEngine:
         category = "grads" if first else "buffers"
         work = dist.reduce_scatter(flat, op="avg", group=self.group, async_op=True,
                                    category=category)
-        self._pending.append((sb, flat, work))
+        if self.overlap_comm:
+            self._pending.append((sb, flat, work))
+        else:
+            self._complete(sb, flat, work)
 
     def _gradients_flattened(self, sb: ShardedBucket) -> None:
         """After a bucket's gradients are copied into the flat buffer being reduced."""
@@ -218,6 +234,7 @@ class ZeroEngine:
         for pending in self._pending:
             self._complete(*pending)
         self._pending = []
+        self._launched.clear()
         for sb in self.shards:
             if sb.bucket.ready:
                 raise RuntimeError(

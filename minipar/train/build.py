@@ -151,16 +151,24 @@ class RankModel:
     engine: object
     model: GPT | None = None
     pipeline: Pipeline | None = None
+    overlap_grad_reduce: bool = True
 
     def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
         gradients averaged over the DP group at the end; returns the mean loss."""
         engine = self.engine
         if self.pipeline is not None:
-            # The schedule runs every backward; the DP reduction waits for the flush and
-            # the tied-embedding all-reduce (a hook would reduce too early).
+            # The schedule runs every backward. With overlap, the engine's hooks reduce
+            # each chunk's buckets during its last backward (Megatron's
+            # --overlap-grad-reduce), the tied embedding's after its copies are summed;
+            # without, every bucket waits for the flush.
             engine.require_backward_grad_sync = False
-            loss = self.pipeline.forward_backward(micro_batches)
+            grad_sync = None
+            if self.overlap_grad_reduce:
+                def grad_sync(enabled: bool) -> None:
+                    engine.require_backward_grad_sync = enabled
+            loss = self.pipeline.forward_backward(micro_batches, grad_sync=grad_sync)
+            engine.require_backward_grad_sync = False
             with dist.phase("backward"):
                 engine.synchronize_gradients()
             return loss
@@ -194,13 +202,17 @@ class RankModel:
 
 def data_parallel_engine(model, named_params, group, *, zero_stage: int,
                          bucket_bytes: float, adamw: dict, norm_groups=(),
-                         counts_in_norm=None):
+                         counts_in_norm=None, overlap_comm: bool = True,
+                         zero3_prefetch: bool = True):
     """The engine of one DP rank, by ZeRO stage (DeepSpeed's `zero_optimization.stage`):
     0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, which also hooks the
     model's embed, blocks and head to gather their parameters (`gpt_units`; model is a
-    GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP)."""
+    GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP);
+    overlap_comm: reduce buckets asynchronously (DeepSpeed's name); zero3_prefetch:
+    stage 3 prefetches the next module's parameters."""
     named_params = list(named_params)
-    common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm}
+    common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm,
+              "overlap_comm": overlap_comm}
     if zero_stage == 0:
         return DataParallel(named_params, group, bucket_bytes=bucket_bytes, **common)
     if zero_stage in (1, 2):
@@ -210,7 +222,8 @@ def data_parallel_engine(model, named_params, group, *, zero_stage: int,
         raise ValueError(f"data_parallel_engine: zero_stage must be 0, 1, 2 or 3, "
                          f"got {zero_stage}")
     units, sites = gpt_units(model, named_params)
-    engine = Zero3Optimizer(named_params, group, units=units, **common)
+    engine = Zero3Optimizer(named_params, group, units=units, prefetch=zero3_prefetch,
+                            **common)
     for owner, attribute, unit_names in sites:
         engine.hook_module(owner, attribute, unit_names)
     return engine
@@ -257,8 +270,12 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     engine = data_parallel_engine(model, named, mesh.dp_group(), zero_stage=config.zero,
                                   bucket_bytes=config.bucket_size_mb * 2**20, adamw=adamw,
                                   norm_groups=(tp_group, pp_group),
-                                  counts_in_norm=counts_in_norm)
-    rank = RankModel(mesh, engine, model, pipeline)
+                                  counts_in_norm=counts_in_norm,
+                                  overlap_comm=config.overlap_grad_reduce,
+                                  zero3_prefetch=config.zero3_prefetch)
+    if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
+        engine.defer_reduction(pipeline.tied_embedding_parameters())
+    rank = RankModel(mesh, engine, model, pipeline, config.overlap_grad_reduce)
     if start is not None:
         engine.load_optimizer_state(start.step, local_state(named, start.tensors, mesh))
         # My saved dropout-generator state (rank 0's if the checkpoint had fewer ranks).

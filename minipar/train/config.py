@@ -58,6 +58,14 @@ class TrainConfig:
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
     bucket_size_mb: float = 0.0
+    # communication overlap (issue 15): reduce gradient buckets asynchronously while
+    # backward goes on, and under pipeline parallelism during each stage's last
+    # micro-batch backward (DeepSpeed's overlap_comm, Megatron's --overlap-grad-reduce);
+    # False waits for each reduction as it starts (same bytes and numbers)
+    overlap_grad_reduce: bool = True
+    # ZeRO-3: all-gather the next module's parameters while the current one computes
+    # (FSDP's forward/backward prefetch, DeepSpeed's stage3_prefetch_bucket_size)
+    zero3_prefetch: bool = True
     # batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
     micro_batch_size: int = 4
     grad_accum_steps: int | None = None

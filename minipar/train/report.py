@@ -11,8 +11,9 @@ it (ledger, comm log, clock), and gets the Report back. Every section of the rep
 built here, in one place:
 
     steps     the ranks' step records merged (the loss of the global batch)
-    ranks     each device's summary (memory, comm, time) + coords, sharding, flops,
-              recompute_flops (the forwards run again in backward, within flops)
+    ranks     each device's summary (memory, comm, time: + exposed / overlapped comm)
+              + coords, sharding, flops, recompute_flops (the forwards run again
+              in backward, within flops)
     layout    the mesh, the nodes and every group
     traffic   bytes rank i sent to rank j, in total and by group kind
     pipeline  the schedule, measured bubble and the uniform-stage formula (pp > 1)
@@ -145,6 +146,11 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
         summary["sharding"] = result["sharding"]
         summary["flops"] = _flops(device)
         summary["recompute_flops"] = device.recompute_flops  # part of flops["forward"]
+        # Communication no compute hides (HTA's "non-compute" time), over the run.
+        summary["time"]["exposed_comm_s"] = dist.device_comm_overlap(device)["exposed_comm_s"]
+        # ... and the transfer time compute did hide (async buckets, ZeRO-3 prefetch).
+        summary["time"]["overlapped_comm_s"] = (
+            dist.device_comm_overlap(device)["overlapped_comm_s"])
         ranks.append(summary)
     held = [(f"rank {rank}", result["coords"], piece)
             for rank, result in enumerate(results) for piece in result["pieces"]]

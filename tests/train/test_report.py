@@ -141,3 +141,24 @@ def test_each_rank_reports_the_flops_it_recomputed():
     extra = selective.ranks[0]["flops"]["forward"] - plain.ranks[0]["flops"]["forward"]
     assert selective.ranks[0]["recompute_flops"] == pytest.approx(extra, rel=1e-9)
     assert selective.ranks[0]["recompute_flops"] > 0
+
+
+def test_exposed_communication_is_reported_beside_comm_time():
+    """ranks[i].time.exposed_comm_s is the transfer time no compute hid (HTA's
+    definition); with buckets reduced while backward runs, part of the transfers is
+    overlapped_comm_s instead, and the same bytes move."""
+    from minipar.demo import DEMO_PROFILE
+
+    small = dict(steps=2, seq_len=16, n_layer=4, d_model=32, n_head=4, micro_batch_size=2,
+                 dp=2, bucket_size_mb=0.005, data="synthetic")
+    waited = train(TrainConfig(**small, overlap_grad_reduce=False), device=DEMO_PROFILE)
+    hidden = train(TrainConfig(**small), device=DEMO_PROFILE)
+    for before, after in zip(waited.ranks, hidden.ranks, strict=True):
+        assert before["comm"] == after["comm"]
+        # Waited at once, every transfer is exposed and is what the clock blocked for.
+        assert before["time"]["overlapped_comm_s"] == 0
+        assert before["time"]["exposed_comm_s"] == pytest.approx(before["time"]["comm_s"])
+        # Overlapped, the transfers take as long but backward hides part of them.
+        total = after["time"]["exposed_comm_s"] + after["time"]["overlapped_comm_s"]
+        assert total == pytest.approx(before["time"]["exposed_comm_s"], rel=1e-9)
+        assert after["time"]["exposed_comm_s"] < before["time"]["exposed_comm_s"]
