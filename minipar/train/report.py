@@ -59,6 +59,9 @@ class Report:
     # Not part of the JSON contract: per-rank timeline events (for plots) and the final
     # consolidated single-device state dict (for equivalence checks and inspection).
     timelines: list[list[dict]] | None = field(default=None, repr=False)
+    # per rank, every transfer as the comm stream ran it, also while the rank computed:
+    # {"op", "group", "sent_bytes", "recv_bytes", "start", "end"} (from the byte ledger)
+    transfers: list[list[dict]] | None = field(default=None, repr=False)
     state_dict: dict | None = field(default=None, repr=False)
     reference: Report | None = field(default=None, repr=False)  # check: the 1-device run
 
@@ -161,7 +164,8 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
     timelines = [device.clock.events for device in devices]
     report = Report(config=config.to_dict(), world_size=config.world_size,
                     n_params=int(sum(np.prod(s) for s in shapes.values())), steps=steps,
-                    ranks=ranks, timelines=timelines, state_dict=state_dict,
+                    ranks=ranks, timelines=timelines, transfers=_transfers(devices),
+                    state_dict=state_dict,
                     layout=_layout(config), warnings=check_layout(config),
                     traffic=_traffic(devices), device=dataclasses.asdict(devices[0].profile),
                     step_end_s=[max(ends) for ends in zip(*(r["step_ends"] for r in results),
@@ -214,6 +218,12 @@ def _traffic(devices) -> dict:
     total = sum(by_group.values())
     return {"matrix": total.tolist(),
             "by_group": {kind: m.tolist() for kind, m in by_group.items() if m.any()}}
+
+
+def _transfers(devices) -> list[list[dict]]:
+    return [[{"op": r.op, "group": r.group_kind, "sent_bytes": r.sent_bytes,
+              "recv_bytes": r.recv_bytes, "start": r.start, "end": r.end}
+             for r in device.comm.records] for device in devices]
 
 
 def _pipeline(config: TrainConfig, timelines) -> dict:

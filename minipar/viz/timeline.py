@@ -28,6 +28,7 @@ COLORS = {
     "comm": "#c03d3e",
     "idle": "#e6e6e6",
 }
+COMM_STREAM = "#7a1f1f"  # transfers in flight, also while the rank computes
 TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
 
 
@@ -52,16 +53,25 @@ def _lighter(color: str, amount: float) -> tuple:
 
 def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
                   start: float | None = None, end: float | None = None,
-                  show_labels: bool = True, width: float = 10.0) -> Figure:
+                  show_labels: bool = True, width: float = 10.0,
+                  transfers=None) -> Figure:
     """A Gantt chart of per-rank timelines (one list of events per rank, or a Report).
 
     title: default names the ranks and the bubble fraction (idle / total over ranks);
     rank_labels: one y-axis label per rank (default "rank r"); start, end: the time window
     in seconds (default the whole run); show_labels: write micro-batch labels on bars
-    wide enough to hold them. Returns a matplotlib.figure.Figure.
+    wide enough to hold them; transfers: per rank, the transfers as the communication
+    stream ran them ({"start", "end"} dicts, `report.transfers`; True with a Report),
+    drawn as a thin lane under each row, so a transfer hidden behind compute shows
+    where the compute row has no comm bar. Returns a matplotlib.figure.Figure.
     """
     if hasattr(timelines, "timelines"):  # a Report
+        if transfers is True:
+            transfers = timelines.transfers
         timelines = timelines.timelines
+    if transfers is True:
+        raise ValueError("plot_timeline: transfers=True needs a Report (pass its "
+                         "report.transfers otherwise)")
     if not timelines:
         raise ValueError("plot_timeline: no timelines (a report from minipar.train carries "
                          "report.timelines; JSON reports do not)")
@@ -109,6 +119,11 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
         for color, spans in bars.items():
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=[color], edgecolor="white",
                            linewidth=0.3)
+        if transfers is not None:  # the comm stream: a thin lane at the bottom of the row
+            lane = [((max(t["start"], t0) - t0) / scale,
+                     (min(t["end"], t1) - max(t["start"], t0)) / scale)
+                    for t in transfers[y] if min(t["end"], t1) > max(t["start"], t0)]
+            ax.broken_barh(lane, (y + 0.22, 0.18), facecolors=[COMM_STREAM])
     ax.set_yticks(range(n), rank_labels)
     ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, (t1 - t0) / scale)
@@ -117,6 +132,9 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
         bubble = bubble_fraction(timelines, t0, t1)
         title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
     ax.set_title(title)
-    fig.legend(handles=[Patch(facecolor=c, label=k) for k, c in COLORS.items()],
-               loc="outside lower center", ncol=len(COLORS), frameon=False, fontsize=8)
+    handles = [Patch(facecolor=c, label=k) for k, c in COLORS.items()]
+    if transfers is not None:
+        handles.append(Patch(facecolor=COMM_STREAM, label="transfer (comm stream)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles),
+               frameon=False, fontsize=8)
     return fig
