@@ -80,6 +80,9 @@ class ParallelConfig:
     layer_split: tuple[int, ...] | None = None
     bucket_size_mb: float = 0.0
     lr: float | None = None
+    # ZeRO-3 prefetch (TrainConfig.zero3_prefetch): one more unit's parameters gathered
+    # while the current one computes. Memory only: the step time prices the waited run.
+    zero3_prefetch: bool = True
 
     def __post_init__(self) -> None:
         # TrainConfig's rules and messages (minipar.train.config), raised as PlanError
@@ -151,7 +154,8 @@ class ParallelConfig:
                    recompute_granularity=config.recompute_granularity,
                    recompute_method=config.recompute_method,
                    recompute_num_layers=config.recompute_num_layers,
-                   bucket_size_mb=config.bucket_size_mb, lr=config.lr)
+                   bucket_size_mb=config.bucket_size_mb, lr=config.lr,
+                   zero3_prefetch=config.zero3_prefetch)
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:

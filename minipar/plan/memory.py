@@ -204,7 +204,10 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # uses), held while the unit computes
         params = stage_parameters(shape, config, stage)
         largest = max(params.units) if params.units else 0
-        forward_buffers += largest * nbytes.param
+        # with prefetch, the next unit's all-gather is in flight meanwhile: at most one
+        # more unit (bounded by the largest)
+        in_flight = 2 if config.zero3_prefetch else 1
+        forward_buffers += in_flight * largest * nbytes.param
     return activations, forward_buffers
 
 

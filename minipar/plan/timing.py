@@ -22,8 +22,10 @@ bubble is the idle share of all ranks' time: (p - 1)/(m + p - 1) for uniform sta
 After the last backward come the step's collectives (DP gradient reduction and parameter
 all-gather, gradient-norm all-reduces, the tied embedding's all-reduce, the loss
 broadcast) and the optimizer: AdamW's 14 FLOPs per parameter of the rank's shard.
-None of it overlaps with compute (minipar's default of one gradient bucket), so for a
-framework that overlaps the gradient reduction with backward this is pessimistic.
+None of it overlaps with compute, nor do ZeRO-3's gathers: this is the step of a run
+that waits for every reduction and gather (`overlap_grad_reduce=False`,
+`zero3_prefetch=False`), and an upper bound for one that overlaps them (buckets reduced
+during backward, prefetch; tests/plan/test_estimate.py checks both).
 
 MFU (Chowdhery et al. 2022, PaLM, appendix B) = model FLOPs per step (three forward
 passes' matmuls, no recomputation; shapes.model_flops_per_sequence) / (step time x GPUs

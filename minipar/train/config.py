@@ -57,7 +57,7 @@ class TrainConfig:
     gpus_per_node: int = 8
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
-    bucket_size_mb: float = 0.0
+    bucket_size_mb: float = 0.25
     # communication overlap (issue 15): reduce gradient buckets asynchronously while
     # backward goes on, and under pipeline parallelism during each stage's last
     # micro-batch backward (DeepSpeed's overlap_comm, Megatron's --overlap-grad-reduce);

@@ -4,7 +4,10 @@ Where they differ, the planner is wrong, not the test. Stated tolerances:
 - params, grads, optimizer bytes and bytes sent per group: exact;
 - activations: exact for one pipeline stage, GPipe and 1F1B; within 5% for the
   interleaved schedule (whose peak mix of chunks the planner takes from a formula);
-- simulated time: within 0.1% (the planner prices the same FLOPs and alpha-beta costs);
+- simulated time: within 0.1% (the planner prices the same FLOPs and alpha-beta costs)
+  for a run that overlaps nothing; an upper bound (within 0.1%) when the run hid
+  communication behind compute (gradient buckets, ZeRO-3 prefetch), which the planner
+  does not model;
 - buffers and peak_total (transient, estimated): within 10%.
 
 Two sources of measurements: `minipar.train` (report.ranks[i]: memory, comm.by_group,
@@ -125,8 +128,11 @@ def test_planner_predicts_the_training_loop(settings, request):
         for group in ("dp", "tp", "pp"):
             assert STEPS * stage.traffic[group] == measured["comm"]["by_group"][group], (
                 f"{label}: {group} bytes")
-        spent = sum(measured["time"].values())
-        assert relative(spent, STEPS * est.step_time) <= TIME_TOLERANCE, f"{label}: time"
+        spent = sum(measured["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
+        if measured["time"]["overlapped_comm_s"] > 0:  # hidden communication: a bound
+            assert spent <= STEPS * est.step_time * (1 + TIME_TOLERANCE), f"{label}: time"
+        else:
+            assert relative(spent, STEPS * est.step_time) <= TIME_TOLERANCE, f"{label}: time"
 
 
 # ------------------------------------------------------------------ strategies, directly
@@ -226,7 +232,7 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
             assert measured["memory"]["buffers"] == stage.memory["buffers"], label
         clipping_s = sum(t.count * transfer_time(t, EMULATED, est.links[t.group])
                          for t in clipping)
-        spent = sum(measured["time"].values())
+        spent = sum(measured["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
         assert relative(spent, est.step_time - stage.time["optimizer_s"]
                         - clipping_s) <= TIME_TOLERANCE
 
