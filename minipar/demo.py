@@ -270,7 +270,8 @@ def save_figures(report: Report, single: Report, out_dir: Path) -> list[Path]:
              f"micro-batches; idle {idle:.1%} of rank-time")
     figures = {
         "timeline.png": plot_timeline(report.timelines, start=start, end=end,
-                                      rank_labels=labels, title=title),
+                                      rank_labels=labels, title=title,
+                                      transfers=report.transfers),
         "memory.png": plot_memory(report, baselines={"1 GPU": single}),
         "traffic.png": plot_traffic(report),
     }
