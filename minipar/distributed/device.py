@@ -34,6 +34,7 @@ class Device:
         self.profile = profile if profile is not None else DeviceProfile()
         self.memory = MemoryLedger()
         self.clock = Clock()
+        self.memory.moment = lambda: (self.clock.now, self._phase)  # when a peak happens
         self.comm = CommLedger()
         self._phase = "other"
         # FLOPs of forwards run again inside backward (activation checkpointing); they
@@ -86,6 +87,7 @@ class Device:
             "rank": self.rank,
             "node": self.node,
             "memory": self.memory.summary(),
+            "memory_at_peak": dict(self.memory.at_peak),
             "comm": self.comm.summary(),
             "time": self.clock.summary(),
         }

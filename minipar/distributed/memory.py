@@ -41,6 +41,10 @@ class MemoryLedger:
     current[c]  bytes held now in category c
     peak[c]     the largest current[c] ever seen
     peak_total  the largest sum over categories at one instant (not the sum of peaks)
+    at_peak     what was held at that instant: bytes per category, and (when a Device
+                owns the ledger) the simulated time and phase, so a reader can tell a
+                peak at the end of forward (activations) from one in backward (gradients)
+    moment      () -> (simulated seconds, phase), set by the owning Device
     """
 
     def __init__(self) -> None:
@@ -48,6 +52,8 @@ class MemoryLedger:
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.peak_total = 0
+        self.at_peak: dict = dict.fromkeys(CATEGORIES, 0)
+        self.moment = None
         # id(root) -> [root, category, count]. Keeping `root` alive keeps its id unique.
         self._held: dict[int, list] = {}
 
@@ -65,6 +71,9 @@ class MemoryLedger:
             self.peak[category] = self.current[category]
         if self.total > self.peak_total:
             self.peak_total = self.total
+            self.at_peak = dict(self.current)
+            if self.moment is not None:
+                self.at_peak["time_s"], self.at_peak["phase"] = self.moment()
 
     def release(self, array: np.ndarray) -> None:
         """Drop one hold of `array`'s root buffer; its bytes leave at the last release."""

@@ -183,7 +183,8 @@ class RankModel:
             # supplies the 1 / dp. (The engine's hooks reduce during backward, which the
             # autograd engine charges to the backward phase; here we only wait.)
             loss.backward(np.asarray(1.0 / accum, dtype=loss.data.dtype))
-            engine.finish_gradient_synchronization()
+            with dist.phase("backward"):  # DDP waits in its end-of-backward callback
+                engine.finish_gradient_synchronization()
             losses.append(float(loss.data))
         return float(np.mean(losses))
 

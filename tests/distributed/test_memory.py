@@ -51,3 +51,16 @@ def test_misuse_is_a_clear_error():
         ledger.hold(np.zeros(1), "weights")
     with pytest.raises(ValueError, match="not held"):
         ledger.release(np.zeros(1))
+
+
+def test_the_ledger_records_what_was_held_at_the_peak():
+    ledger = MemoryLedger()
+    ledger.moment = lambda: (1.5, "forward")
+    a, b = np.zeros(100), np.zeros(10)
+    ledger.hold(a, "activations")
+    ledger.hold(b, "params")
+    ledger.release(a)
+    ledger.hold(np.zeros(50), "grads")  # 480 bytes now: below the 880-byte peak
+    assert ledger.peak_total == 880
+    assert ledger.at_peak == {"params": 80, "grads": 0, "optimizer": 0, "activations": 800,
+                              "buffers": 0, "time_s": 1.5, "phase": "forward"}
