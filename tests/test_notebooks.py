@@ -25,7 +25,8 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 EXPECTED = ["00_tour", "01_collectives", "02_data_parallel", "03_zero", "04_tensor_parallel",
-            "05_pipeline_parallel", "06_3d_combined", "07_interview_drill"]
+            "05_pipeline_parallel", "06_3d_combined", "07_interview_drill",
+            "08_system_optimisations"]
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 300  # per cell; a notebook takes seconds, this only catches a hang
 
