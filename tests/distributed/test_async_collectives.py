@@ -115,3 +115,23 @@ def test_waiting_for_a_peer_that_never_joins_is_a_deadlock_error():
 
     with pytest.raises(dist.DeadlockError, match="rank 0 waits all_reduce"):
         dist.launch(worker, 2)
+
+
+def test_all_gather_into_a_buffer_the_caller_allocated():
+    """all_gather(out=) (torch's all_gather_into_tensor): the result lands in, and is,
+    the caller's array, so a prefetch can book its buffer before the transfer starts."""
+    def worker():
+        rank = dist.get_rank()
+        out = dist.hold(np.empty(4), "buffers")
+        booked = dist.get_device().memory.current["buffers"]
+        work = dist.all_gather(np.full(2, float(rank)), async_op=True, out=out)
+        result = work.wait()
+        with pytest.raises(ValueError, match="out has shape"):
+            dist.all_gather(np.zeros(2), out=np.empty(3))
+        with pytest.raises(ValueError, match="not both"):
+            dist.all_gather(np.zeros(2), out=np.empty(4), category="buffers")
+        return result is out, out.tolist(), booked, dist.get_device().memory.current["buffers"]
+
+    for same, values, before, after in dist.launch(worker, 2):
+        assert same and values == [0.0, 0.0, 1.0, 1.0]
+        assert before == after == 32  # the buffer, booked once, from before the call
