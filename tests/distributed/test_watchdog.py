@@ -28,8 +28,12 @@ def stop():
 
 
 def live_rank_threads():
-    time.sleep(0.1)
-    return [t.name for t in threading.enumerate() if t.name.startswith("minipar-rank-")]
+    """Rank threads still alive, after giving stopped ones up to 10 s to exit (a thread
+    told to stop needs a moment to unwind; on a loaded machine more than 0.1 s)."""
+    ranks = [t for t in threading.enumerate() if t.name.startswith("minipar-rank-")]
+    for thread in ranks:
+        thread.join(timeout=10)
+    return [t.name for t in ranks if t.is_alive()]
 
 
 def test_a_rank_stuck_in_its_own_loop_times_out_with_every_ranks_state(stop):
