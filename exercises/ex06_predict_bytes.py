@@ -12,12 +12,13 @@ section 5 and figure 1: what each stage shards; section 7: communication) and Sh
 al. 2019, "Megatron-LM" (section 3: what tensor parallelism splits and where it
 all-reduces); minipar/parallel/zero.py and tensor.py say when each collective runs.
 
-The configurations: a small GPT over a dp x tp mesh (N = config.dp, t = config.tp; rank
-r has TP rank r % t and DP rank r // t), ZeRO stage config.zero (0 = plain DP),
-precision fp64, fp32 or bf16-mixed, A = config.grad_accum_steps micro-batches of
+The configurations: a small GPT over a dp x pp x tp mesh (N = config.dp, p = config.pp,
+t = config.tp; rank r has TP rank r % t, pipeline stage (r // t) % p and DP rank
+r // (t p), Megatron's order), ZeRO stage config.zero (0 = plain DP), precision fp64,
+fp32 or bf16-mixed, A = config.grad_accum_steps micro-batches of
 B = config.micro_batch_size sequences of T = config.seq_len tokens per step,
 config.steps steps, one gradient bucket (all gradients in one flat buffer). They are
-chosen so that every split is even (no padding). Pipeline parallelism is left out.
+chosen so that every split is even (no padding); TP and PP are not combined.
 
 Memory, the *peak* bytes per category from each rank's ledger:
     params      the parameters the rank keeps (its TP slices; all of them, or a ZeRO shard)
@@ -30,7 +31,13 @@ Memory, the *peak* bytes per category from each rank's ledger:
   vocabulary rows of wte) are split t ways; LayerNorms, wpe and the row-parallel biases
   (attn.c_proj.bias, mlp.c_proj.bias) are replicated on every TP rank.
 
-Traffic, the bytes this rank *sent* over the whole run, per group ("dp", "tp"). Ring
+Pipeline stages (Megatron-LM's pre_process / post_process; minipar/parallel/pipeline.py):
+  stage s holds blocks of its own, n_layer // p each, the first n_layer % p stages one
+  more; the first stage also wte and wpe, the last also ln_f and the head: lm_head when
+  untied, and when tied its *own copy* of wte (kept equal to the first stage's). Every
+  DP formula below then uses the parameters of the rank's stage.
+
+Traffic, the bytes this rank *sent* over the whole run, per group ("dp", "tp", "pp"). Ring
 algorithm, S = bytes of the full tensor: all-reduce 2(n-1)/n S; reduce-scatter and
 all-gather (n-1)/n S, over a group of n ranks.
   DP group, over the rank's local parameters (DeepSpeed's semantics):
@@ -53,11 +60,17 @@ all-gather (n-1)/n S, over a group of n ranks.
   vocabulary-parallel cross-entropy adds, in forward, an all-reduce of B*T numbers (the
   max logit of each token) and one of 2*B*T (the sum of exponentials and the target's
   logit), in the activations' dtype.
+  PP group, per micro-batch, point-to-point sends of one (B, T, d) activation in the
+  activations' dtype: forward, every stage but the last sends its output to the next;
+  backward, every stage but the first sends the gradient of its input to the previous.
+  Per step: the last stage broadcasts the step's mean loss (one float64, 8 bytes sent by
+  the last stage when p = 2); with a tied head the first and last stage all-reduce the
+  gradient of their wte copies (a group of 2: Megatron's embedding group).
   Gradient clipping needs the norm of the whole gradient: once per step, one float64
-  (the squared norm) is all-reduced over the TP group when t > 1, and over the DP group
-  when ZeRO shards the gradients' state (stages 1-3). A ring cannot cut one element into
-  n chunks, so its bytes depend on the rank: `dist.all_reduce_bytes(1, 8, n, i)[0]` for
-  position i in a group of n.
+  (the squared norm) is all-reduced over the TP group when t > 1, over the PP group when
+  p > 1, and over the DP group when ZeRO shards the gradients' state (stages 1-3). A
+  ring cannot cut one element into n chunks, so its bytes depend on the rank:
+  `dist.all_reduce_bytes(1, 8, n, i)[0]` for position i in a group of n.
 """
 
 from __future__ import annotations
@@ -79,9 +92,10 @@ def count_parameters(config) -> int:
 def predict_rank(config, rank: int) -> dict[str, int]:
     """What rank `rank` holds and sends in a run of `config`, in bytes:
 
-        {"params": peak, "grads": peak, "optimizer": peak, "dp": sent, "tp": sent}
+        {"params": peak, "grads": peak, "optimizer": peak, "dp": sent, "tp": sent,
+         "pp": sent}
 
-    Settings you need: config.dp, config.tp, config.zero, config.precision,
+    Settings you need: config.dp, config.tp, config.pp, config.zero, config.precision,
     config.grad_accum_steps, config.micro_batch_size, config.steps, and the model fields.
     Hint: first count the parameters one TP rank holds; every DP formula uses that.
     """

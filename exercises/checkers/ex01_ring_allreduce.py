@@ -8,10 +8,17 @@ elements than ranks, float32, two sub-groups at once) and holds it against:
   `dist.all_reduce_bytes`), and traffic only between ring neighbours;
 - deadlock: the launch must finish (minipar.distributed turns a hang into a DeadlockError);
 - time: the simulated clock of `dist.all_reduce` (a warning only when slower).
+
+When the values are wrong, the checker runs the failing case again with every message
+recorded and names the first one that differs from the algorithm's: its phase
+(reduce-scatter or all-gather), step, the chunk index sent and the ranks summed into it,
+against the chunk and the ranks expected (`_first_wrong_message`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +46,12 @@ DEADLOCK_HINT = ("a blocking send waits until its receiver posts the matching re
                  "rank sends first, nobody gets to its recv. Post the send with "
                  "`request = dist.isend(...)`, then `dist.recv(...)`, then `request.wait()` "
                  "(or alternate the order of send and recv by rank).")
+
+SHAPE_HINT = ("with uneven sizes the chunks differ in length (5, 5, 5, 4), so a shape error "
+              "here usually means a received chunk was added into, or put in place of, a "
+              "chunk with another index. In reduce-scatter step s position i sends chunk "
+              "(i - s) mod n and receives chunk (i - s - 1) mod n; in all-gather step s it "
+              "sends chunk (i + 1 - s) mod n and receives chunk (i - s) mod n.")
 
 
 @dataclass(frozen=True)
@@ -128,7 +141,7 @@ def check_result_form(runs: list[Run]) -> None:
                    "chunks (np.array_split returns views of x) before adding into them")
 
 
-def check_values(runs: list[Run]) -> None:
+def check_values(impl, runs: list[Run]) -> None:
     for run in runs:
         rtol = 1e-5 if run.inputs.dtype == np.float32 else 1e-12
         for rank, (out, _) in enumerate(run.results):
@@ -146,7 +159,109 @@ def check_values(runs: list[Run]) -> None:
                 raise CheckFailed(
                     f"{run.case}: values differ from np.sum over ranks {list(members)} at "
                     f"rank {rank}: max abs diff {diff[index]:.3g} at index "
-                    f"{tuple(int(i) for i in index)}{hint}")
+                    f"{tuple(int(i) for i in index)}{hint}"
+                    f"{_first_wrong_message(impl, run)}")
+
+
+# ------------------------------------------------------------------ which message is wrong
+@contextlib.contextmanager
+def _recording_sends():
+    """While active, every dist.send / dist.isend appends (rank, copy of the array) to the
+    list it yields. The checker wraps the module attributes the student's code calls
+    (`dist.isend(...)`), only for a diagnostic re-run."""
+    sent, lock = [], threading.Lock()
+    originals = {name: getattr(dist, name) for name in ("send", "isend")}
+
+    def wrap(original):
+        def recorded(x, dst, *args, **kwargs):
+            with lock:
+                sent.append((dist.get_rank(), np.array(x, copy=True)))
+            return original(x, dst, *args, **kwargs)
+        return recorded
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(original))
+    try:
+        yield sent
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _contents(message: np.ndarray, run: Run, members: tuple[int, ...]):
+    """(chunk index k, ranks summed into it) if `message` is chunk k of the sum of some of
+    the members' inputs, else None. Solved by least squares over the members' chunk k;
+    decided only when a chunk has at least n elements (else the answer is ambiguous)."""
+    n = len(members)
+    flat = run.inputs[list(members)].reshape(n, -1).astype(np.float64)
+    bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(flat.shape[1]), n)])
+    message = np.asarray(message, np.float64).reshape(-1)
+    for k in range(n):
+        part = flat[:, bounds[k]:bounds[k + 1]]
+        if part.shape[1] != message.size or message.size < n:
+            continue
+        weights = np.linalg.lstsq(part.T, message, rcond=None)[0]
+        if (np.allclose(part.T @ weights, message, rtol=1e-5, atol=1e-6)
+                and np.allclose(weights, np.round(weights), atol=1e-4)
+                and set(np.round(weights).astype(int)) <= {0, 1}):
+            return k, [members[j] for j in np.flatnonzero(np.round(weights))]
+    return None
+
+
+def _expected_message(step: int, i: int, members: tuple[int, ...]):
+    """(phase, step within it, chunk index, ranks summed) of message `step` of position i."""
+    n = len(members)
+    if step < n - 1:  # reduce-scatter step s: chunk (i - s) mod n, summed over i - s .. i
+        return "reduce-scatter", step, (i - step) % n, sorted(
+            members[(i - j) % n] for j in range(step + 1))
+    s = step - (n - 1)  # all-gather step s: the complete chunk (i + 1 - s) mod n
+    return "all-gather", s, (i + 1 - s) % n, list(members)
+
+
+RULES = {"reduce-scatter": "in reduce-scatter step s, position i sends chunk (i - s) mod n "
+                           "and adds the chunk it receives, (i - s - 1) mod n, into its own "
+                           "copy of that same chunk",
+         "all-gather": "after the reduce-scatter, position i holds the complete chunk "
+                       "(i + 1) mod n; in all-gather step s it sends chunk (i + 1 - s) mod n "
+                       "and puts the chunk it receives, (i - s) mod n, in place of its copy"}
+
+
+def _first_wrong_message(impl, run: Run) -> str:
+    """"\n  first wrong message: ..." naming the phase, step and chunk index, or "" when
+    the messages cannot be read (tiny chunks, or a re-run that fails differently)."""
+    with _recording_sends() as sent:
+        try:
+            _launch(impl.ring_all_reduce, run.case, run.inputs)
+        except Exception:  # noqa: BLE001 - a diagnosis only; the check already failed
+            pass
+    per_rank: dict[int, list] = {}
+    for rank, message in sent:
+        per_rank.setdefault(rank, []).append(message)
+    ranks = sorted(per_rank)
+    longest = max((len(v) for v in per_rank.values()), default=0)
+    for step in range(longest):  # in step order: the first wrong message is the cause
+        for rank in ranks:
+            if step >= len(per_rank[rank]):
+                continue
+            members = run.case.members(rank)
+            if step >= 2 * (len(members) - 1):
+                continue
+            found = _contents(per_rank[rank][step], run, members)
+            if found is None:
+                return ""
+            phase, s, chunk, summed = _expected_message(step, members.index(rank), members)
+            if found == (chunk, summed):
+                continue
+            k, got = found
+            what = ("complete" if len(got) == len(members) else f"summed over ranks {got}")
+            lacking = sorted(set(summed) - set(got))
+            cause = (f" (right chunk, but rank {', '.join(map(str, lacking))}'s contribution "
+                     "was not added into it)" if k == chunk and lacking else "")
+            return (f"\n  first wrong message: {phase} step {s}, rank {rank} sent chunk {k} "
+                    f"{what}; expected chunk {chunk} "
+                    f"{'complete' if phase == 'all-gather' else f'summed over ranks {summed}'}"
+                    f"{cause}\n  rule: {RULES[phase]}")
+    return ""
 
 
 def check_identical(runs: list[Run]) -> None:
@@ -226,7 +341,8 @@ def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
     report.run("uses only send / recv / isend / irecv", check_building_blocks, impl, FORBIDDEN)
     runs = report.run("runs without deadlock (n = 2, 3, 4, uneven sizes, sub-groups)",
-                      check_runs, impl, hints={DeadlockError: DEADLOCK_HINT})
+                      check_runs, impl, hints={DeadlockError: DEADLOCK_HINT,
+                                               ValueError: SHAPE_HINT})
     names = ["returns a new array of x's shape and dtype, x unchanged",
              "values equal x_0 + x_1 + ... + x_{n-1} (np.sum in rank order)",
              "every rank holds the same result, bit for bit",
@@ -238,7 +354,7 @@ def check(impl, *, show_traceback: bool = False):
             report.skip(name, "needs the runs above")
         return report
     report.run(names[0], check_result_form, runs)
-    report.run(names[1], check_values, runs)
+    report.run(names[1], check_values, impl, runs)
     report.run(names[2], check_identical, runs)
     report.run(names[3], check_traffic_pattern, runs)
     report.run(names[4], check_bytes, runs)

@@ -196,40 +196,99 @@ def check_gradient_values(runs: list[Run]) -> None:
                 if got.shape != expected.shape:
                     continue  # reported by check_gradient_shard
                 if not np.allclose(got, expected, rtol=RTOL, atol=1e-14):
-                    ratio = float(np.vdot(got, expected) / np.vdot(expected, expected))
-                    hint = (f" (it is {ratio:g}x the average: reduce with op='avg', each "
-                            "rank's loss is already a mean)"
-                            if abs(ratio - run.n) < 1e-6 * run.n else "")
                     raise CheckFailed(
                         f"{run}, rank {rank}, step {step}: grad_shard is not shard {rank} of "
                         "the gradient averaged over the ranks (elements "
                         f"{rank * run.shard}..{(rank + 1) * run.shard - 1} of the padded flat "
-                        f"gradient){hint}")
+                        f"gradient){_scale_hint(got, expected, run.n)}")
+
+
+def _scale(got: np.ndarray, expected: np.ndarray) -> float | None:
+    """c if got = c * expected (a wrong constant factor), else None."""
+    norm = float(np.vdot(expected, expected))
+    if norm == 0:
+        return None
+    c = float(np.vdot(got, expected)) / norm
+    return c if np.allclose(got, c * expected, rtol=1e-9, atol=1e-14) else None
+
+
+def _scale_hint(got: np.ndarray, expected: np.ndarray, n: int) -> str:
+    """Name a gradient off by a factor of N (summed, or averaged twice)."""
+    c = _scale(got, expected)
+    if c is None:
+        return ""
+    if abs(c - n) < 1e-6 * n:
+        why = ("N times the average: it was summed; reduce with op='avg' (each rank's loss "
+               "is already a mean over its own data)")
+    elif abs(c * n - 1) < 1e-6:
+        why = ("1/N of the average: it was averaged twice; reduce_scatter(op='avg') "
+               "already divides the sum by N, so do not divide again")
+    else:
+        return f"; it is {c:g} x the average"
+    return (f"; off by a factor of N = {n}: {why}. (The parameters barely show it: Adam's "
+            "step m / (sqrt(v) + eps) is almost the same for a gradient scaled by any "
+            "constant, so only eps and the weight decay feel the factor.)")
+
+
+def _first_difference(run: Run):
+    """(step, rank, name, relative difference, names that differ, only vectors differ) of
+    the first step whose parameters differ from the replicated AdamW's, or None."""
+    for step in range(STEPS):
+        wrong = []
+        for rank, steps in enumerate(run.ranks):
+            for name, expected in run.ref[step].items():
+                got = steps[step]["params"][name]
+                scale = max(float(np.max(np.abs(expected))), 1e-300)
+                diff = float(np.max(np.abs(got - expected))) / scale
+                if not diff <= RTOL:
+                    wrong.append((rank, name, diff, got.ndim))
+        if wrong:
+            rank, name, diff, _ = wrong[0]
+            names = sorted({name for _, name, _, _ in wrong})
+            return step, rank, name, diff, names, all(ndim < 2 for *_, ndim in wrong)
+    return None
+
+
+def _gradient_scale(run: Run) -> float | None:
+    """c if every rank's first grad_shard is c times the right one (c != 1), else None."""
+    scales = set()
+    for rank, steps in enumerate(run.ranks):
+        flat = np.zeros(run.shard * run.n)
+        flat[:numel()] = run.ref_grads[0]
+        got = steps[0]["grad_shard"]
+        expected = flat[rank * run.shard:(rank + 1) * run.shard]
+        c = _scale(got, expected) if got.shape == expected.shape else None
+        scales.add(None if c is None else round(c, 9))
+    (c,) = scales if len(scales) == 1 else (None,)
+    return None if c is None or abs(c - 1) < 1e-9 else c
 
 
 def check_equivalence(runs: list[Run]) -> None:
+    found = {run.n: _first_difference(run) for run in runs}
     for run in runs:
-        for step in range(STEPS):
-            wrong = []
-            for rank, steps in enumerate(run.ranks):
-                for name, expected in run.ref[step].items():
-                    got = steps[step]["params"][name]
-                    scale = max(float(np.max(np.abs(expected))), 1e-300)
-                    diff = float(np.max(np.abs(got - expected))) / scale
-                    if not diff <= RTOL:
-                        wrong.append((rank, name, diff, got.ndim))
-            if not wrong:
-                continue
-            rank, name, diff, _ = wrong[0]
-            names = sorted({name for _, name, _, _ in wrong})
-            hint = ""
-            if all(ndim < 2 for *_, ndim in wrong):
-                hint = (" (only biases differ: weight decay applies to matrices only; "
-                        "use self.weight_decay)")
-            raise CheckFailed(f"{run}: after step {step}, {name} on rank {rank} differs from "
-                              f"the replicated AdamW by {diff:.3g} (relative; fp64 runs agree "
-                              f"to {RTOL:g}); parameters that differ: {', '.join(names)}"
-                              + hint)
+        if found[run.n] is None:
+            continue
+        step, rank, name, diff, names, only_vectors = found[run.n]
+        hint = ""
+        if only_vectors:
+            hint = (" (only biases differ: weight decay applies to matrices only; "
+                    "use self.weight_decay)")
+        padded = run.shard * run.n != numel()
+        exact = [other for other in runs if other.shard * other.n == numel()]
+        c = _gradient_scale(run)
+        if c is not None:
+            hint = (f" (the gradient shard is {c:g} x the right one, see above; Adam's "
+                    "update hardly depends on the gradient's scale, so the parameters "
+                    "differ only this little)")
+        elif padded and exact and all(found[other.n] is None for other in exact):
+            hint = (f" (only the run whose flat buffer is padded differs: Ψ = {numel()} "
+                    f"is padded to Ψ' = {run.shard * run.n} on N={run.n}. Shard offsets "
+                    "count the padding: rank i owns flat[i Ψ'/N : (i+1) Ψ'/N] = "
+                    "flat[self.start:self.stop], not flat[i Ψ/N : ...])")
+        raise CheckFailed(f"{run}: after step {step}, {name} on rank {rank} differs from "
+                          f"the replicated AdamW by {diff:.3g} (relative; fp64 runs agree "
+                          f"to {RTOL:g}); parameters that differ: {', '.join(names)}"
+                          + hint)
 
 
 def check_replicas(runs: list[Run]) -> None:

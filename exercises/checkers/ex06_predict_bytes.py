@@ -7,8 +7,9 @@ The measured numbers come from the ranks' ledgers (`ndarray.nbytes` of what they
 the ring bytes of the collectives they called), not from a formula, so a formula that
 matches them is a real prediction.
 
-Data and tensor parallelism and ZeRO are checked; pipeline parallelism (whose memory
-depends on the schedule's activations in flight) is left for a later exercise.
+Data, tensor and pipeline parallelism and ZeRO are checked. Under PP only what a stage
+keeps (parameters, gradients, optimizer state) and sends is predicted, not its
+activations (those depend on the schedule's micro-batches in flight: notebook 05).
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ CONFIGS = (
     dict(dp=2, zero=2, precision="fp64", grad_accum_steps=1, n_layer=2, tie_embeddings=False),
     dict(dp=1, tp=2, zero=0, precision="fp32", grad_accum_steps=2),
     dict(dp=2, tp=2, zero=1, precision="fp32", grad_accum_steps=1),
+    # two pipeline stages: untied (the head on the last stage), then tied (the last stage
+    # keeps a copy of wte) with 3 layers split (2, 1), over dp = 2
+    dict(pp=2, zero=0, precision="fp32", grad_accum_steps=2, n_layer=2, tie_embeddings=False),
+    dict(dp=2, pp=2, zero=0, precision="bf16-mixed", grad_accum_steps=2, n_layer=3),
 )
 MEMORY = ("params", "grads", "optimizer")
-TRAFFIC = ("dp", "tp")
+TRAFFIC = ("dp", "tp", "pp")
 KEYS = MEMORY + TRAFFIC
 
 FORBIDDEN = {"minipar.plan": "the planner is an answer key; predict from the formulas",
@@ -55,7 +60,8 @@ class Measured:
 
     def __str__(self) -> str:
         c = self.config
-        mesh = f"dp={c.dp}" + (f" tp={c.tp}" if c.tp > 1 else "")
+        mesh = (f"dp={c.dp}" + (f" pp={c.pp}" if c.pp > 1 else "")
+                + (f" tp={c.tp}" if c.tp > 1 else ""))
         extra = "" if c.tie_embeddings else ", untied"
         return (f"{mesh} zero={c.zero} {c.precision} A={c.grad_accum_steps} "
                 f"L={c.n_layer}{extra}")
@@ -77,8 +83,19 @@ def _hint(key: str, got: int, measured: Measured, rank: int) -> str:
     c = measured.config
     expected = measured.ranks[rank][key]
     if key in TRAFFIC and 0 < abs(expected - got) <= 16 * c.steps:
-        return ("; about one float64 per step apart: the gradient-norm all-reduce? "
-                "(dist.all_reduce_bytes(1, 8, n, i)[0] bytes at position i)")
+        loss = " or the loss the last stage broadcasts (8 bytes)" if key == "pp" else ""
+        return ("; about one float64 per step apart: the gradient-norm all-reduce"
+                f"{loss}? (dist.all_reduce_bytes(1, 8, n, i)[0] bytes at position i)")
+    stages = c.pp > 1 and key in MEMORY + ("pp",)
+    if stages and c.tie_embeddings:
+        stage = (rank // c.tp) % c.pp
+        wte = c.vocab_size // c.tp * c.d_model * {"fp64": 8, "fp32": 4}.get(c.precision, 2)
+        if key == "pp" and stage in (0, c.pp - 1) and expected - got == c.steps * wte:
+            return ("; one wte gradient per step apart: the tied embedding's all-reduce "
+                    "between the first and the last stage (Megatron's embedding group)?")
+        if key in MEMORY and stage == c.pp - 1 and got < expected:
+            return ("; the last stage holds less than measured: with a tied head it keeps "
+                    "its own copy of wte (kept equal to the first stage's)")
     hint = ""
     if got and expected:
         for factor, why in ((c.dp, f"N={c.dp}: is it sharded at this stage?"),
@@ -90,9 +107,10 @@ def _hint(key: str, got: int, measured: Measured, rank: int) -> str:
             if factor != 1 and abs(got * factor - expected) < 0.5:
                 hint = f"; measured = predicted x {why}"
                 break
+    groups = (c.dp > 1) + (c.tp > 1) + (c.pp > 1)
     if key in TRAFFIC and (c.tp == 1 or key == "tp"):
         ops = ", ".join(f"{op} {b}" for op, b in measured.by_op[rank].items())
-        hint += f" (measured by collective{'' if c.tp == 1 else ', all groups'}: {ops})"
+        hint += f" (measured by collective{'' if groups <= 1 else ', all groups'}: {ops})"
     return hint
 
 
@@ -148,9 +166,9 @@ def check(impl, *, show_traceback: bool = False):
     if runs is None:
         report.skip("count_parameters = the report's n_params", "needs the measurements")
         return report
-    report.run("count_parameters = the report's n_params (tied, untied, 1-2 layers)",
+    report.run("count_parameters = the report's n_params (tied, untied, 1-3 layers)",
                check_count, impl, runs)
     for run in runs:
-        report.run(f"{run}: memory and DP/TP bytes sent, every rank", check_config, impl,
+        report.run(f"{run}: memory and DP/TP/PP bytes sent, every rank", check_config, impl,
                    run)
     return report

@@ -12,6 +12,8 @@ errors the code under test raises into such sentences:
     minipar.distributed.DeadlockError                   FAIL with the wait-for graph + a hint
     minipar.distributed.LaunchTimeoutError              FAIL naming the student's function
                                                         that did not return, and where
+    an exception raised in the code under test          ERROR "your code raised X (while
+                                                        checking: ...)", its line and rank
     any other exception                                 FAIL naming the file, line and rank
 
 Every check runs under `dist.launch_timeout(CHECK_TIMEOUT)`: the exercises' launches take
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import minipar
 from minipar import distributed as dist
 from minipar.distributed import CollectiveMismatchError, DeadlockError, LaunchTimeoutError
 
@@ -57,6 +60,9 @@ class Outcome:
     status: str  # "pass" | "fail" | "todo" | "warn" | "skip"
     name: str
     detail: str = ""
+    # A failure because the code under test raised (not because a check found a wrong
+    # number): shown as ERROR, so "runs without deadlock" never labels a ValueError.
+    raised: bool = False
 
 
 LABELS = {"pass": "ok", "fail": "FAIL", "todo": "TODO", "warn": "warn", "skip": "skip"}
@@ -88,11 +94,11 @@ class Report:
         except NotImplementedError as error:
             todo = self._stub(error)
             if todo is None:
-                self.outcomes.append(Outcome("fail", name, self._describe(error, hints)))
+                self.outcomes.append(self._failure(name, error, hints))
             else:
                 self.outcomes.append(Outcome("todo", name, todo))
         except Exception as error:  # noqa: BLE001 - any error of the code under test is a result
-            self.outcomes.append(Outcome("fail", name, self._describe(error, hints)))
+            self.outcomes.append(self._failure(name, error, hints))
         else:
             self.outcomes.append(Outcome("pass", name, result if isinstance(result, str)
                                          else ""))
@@ -124,7 +130,8 @@ class Report:
 
         lines = [f"Exercise {self.number}: {self.title}", f"checking {self.target}", ""]
         for outcome in self.outcomes:
-            label = paint(outcome.status, f"{LABELS[outcome.status]:<5}")
+            label = paint(outcome.status,
+                          f"{'ERROR' if outcome.raised else LABELS[outcome.status]:<5}")
             if outcome.status == "skip":  # one line: the reason is the same for all
                 lines.append(f"  {label} {outcome.name} ({outcome.detail})")
                 continue
@@ -152,6 +159,28 @@ class Report:
         return "\n".join(lines)
 
     # -------------------------------------------------------------- errors -> sentences
+    def _failure(self, name: str, error: BaseException, hints: dict | None) -> Outcome:
+        """The outcome of a check stopped by `error`: an ERROR under its own label when the
+        code under test raised it (the check's name then says only what was running)."""
+        detail = self._describe(error, hints)
+        if isinstance(error, (DeadlockError, CollectiveMismatchError, LaunchTimeoutError)):
+            return Outcome("fail", name, detail)  # the checks' own subject: a sentence
+        if self._student_frame(error) is None:
+            return Outcome("fail", name, detail)
+        return Outcome("fail", f"your code raised {type(error).__name__} (while checking: "
+                               f"{name})", detail, raised=True)
+
+    def _student_frame(self, error: BaseException):
+        """The deepest traceback frame in the code under test, or None. Without a file
+        (an object passed in), the deepest frame outside minipar, the checkers, the
+        installed packages and the standard library."""
+        frames = traceback.extract_tb(error.__traceback__)
+        if self.impl_file is not None:
+            mine = [f for f in frames if _same_file(f.filename, self.impl_file)]
+        else:
+            mine = [f for f in frames if not _library_file(f.filename)]
+        return mine[-1] if mine else None
+
     def _stub(self, error: NotImplementedError) -> str | None:
         """"<function> in <file>:<line> still raises NotImplementedError" if the error was
         raised by the code under test itself (a stub), else None (a library limit)."""
@@ -180,9 +209,7 @@ class Report:
         else:
             text = f"{type(error).__name__}: {error}"
             frames = traceback.extract_tb(error.__traceback__)
-            mine = [f for f in frames
-                    if self.impl_file is not None and _same_file(f.filename, self.impl_file)]
-            frame = mine[-1] if mine else (frames[-1] if frames else None)
+            frame = self._student_frame(error) or (frames[-1] if frames else None)
             if frame is not None:
                 text += (f"\n  at {os.path.basename(frame.filename)}:{frame.lineno} in "
                          f"{frame.name}(): {frame.line}")
@@ -233,6 +260,18 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:
         error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+# Where a frame is not the student's: minipar, these checkers, installed packages (numpy's
+# parent directory) and the standard library (os's directory).
+_LIBRARY_DIRS = tuple(os.path.abspath(d) + os.sep for d in (
+    os.path.dirname(minipar.__file__), os.path.dirname(__file__),
+    os.path.dirname(os.path.dirname(np.__file__)), os.path.dirname(os.__file__)))
+
+
+def _library_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_LIBRARY_DIRS) or filename.startswith("<")
 
 
 def _same_file(a: str, b: str) -> bool:

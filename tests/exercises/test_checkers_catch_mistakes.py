@@ -412,3 +412,140 @@ def test_an_error_in_the_code_under_test_is_a_failure_with_its_place(number):
     failed = [o for o in report.outcomes if o.status == "fail"]
     assert failed and not report.not_implemented
     assert any("ZeroDivisionError: planted" in o.detail for o in failed)
+
+
+# ------------------------------------------------------------------ naming the mistake
+def _ring_with(reduce_into, gather_send, gather_into):
+    """A ring all-reduce with the chunk index of each phase given as f(i, s, n)."""
+    neighbours = mutant("01")[1].ring_neighbours
+
+    def ring_all_reduce(x, group=None):
+        i, n, successor, predecessor = neighbours(group)
+        chunks = [c.copy() for c in np.array_split(x.reshape(-1), n)]
+        for s in range(n - 1):
+            chunks[reduce_into(i, s, n)] += _overlapped(chunks[(i - s) % n], successor,
+                                                        predecessor, group, i)
+        for s in range(n - 1):
+            chunks[gather_into(i, s, n)] = _overlapped(chunks[gather_send(i, s, n)], successor,
+                                                       predecessor, group, i)
+        return np.concatenate(chunks).reshape(x.shape)
+    return ring_all_reduce
+
+
+def test_01_an_all_gather_with_the_reduce_scatters_indices_names_phase_and_chunk():
+    wrong = _ring_with(lambda i, s, n: (i - s - 1) % n,  # reduce-scatter: right
+                       lambda i, s, n: (i - s) % n,  # all-gather: the reduce-scatter's
+                       lambda i, s, n: (i - s - 1) % n)
+    text = only_failure("01", ring_all_reduce=wrong)
+    # n=2: position 0 holds the complete chunk 1 after the reduce-scatter, and sent its
+    # own chunk 0 (only its own input in it)
+    assert ("first wrong message: all-gather step 0, rank 0 sent chunk 0 summed over "
+            "ranks [0]; expected chunk 1 complete") in text
+    assert "in all-gather step s it sends chunk (i + 1 - s) mod n" in text
+
+
+def test_01_a_reduce_scatter_adding_into_the_wrong_chunk_is_an_error_in_the_students_line():
+    wrong = _ring_with(lambda i, s, n: (i - s) % n,  # adds into the chunk it just sent
+                       lambda i, s, n: (i + 1 - s) % n, lambda i, s, n: (i - s) % n)
+    exercise, impl = mutant("01", ring_all_reduce=wrong)
+    report = exercise.check(impl)
+    (failed,) = [o for o in report.outcomes if o.status == "fail"]
+    assert failed.raised  # under its own label, not "runs without deadlock"
+    assert failed.name.startswith("your code raised ValueError (while checking: runs")
+    assert "ERROR your code raised ValueError" in report.render()
+    assert "could not be broadcast" in failed.detail  # the error itself
+    assert "in ring_all_reduce(): chunks[reduce_into(i, s, n)] +=" in failed.detail  # its line
+    assert "(case n=4, shape (19,), float64)" in failed.detail
+    assert "receives chunk (i - s - 1) mod n" in failed.detail  # the hint names the index
+
+
+def test_01_the_same_mistake_on_even_chunks_names_the_reduce_scatter_step():
+    _, impl = mutant("01", ring_all_reduce=_ring_with(lambda i, s, n: (i - s) % n,
+                                                      lambda i, s, n: (i + 1 - s) % n,
+                                                      lambda i, s, n: (i - s) % n))
+    from exercises.checkers.ex01_ring_allreduce import Case, Run, _first_wrong_message
+
+    case = Case(3, (3, 5))
+    inputs = np.random.default_rng(0).standard_normal((3, 3, 5))
+    text = _first_wrong_message(impl, Run(case, inputs, [], []))
+    # step 0 added the predecessor's chunk 2 into chunk 0 (the one just sent), so step 1
+    # sends chunk 2 with only rank 0's own input in it
+    assert ("first wrong message: reduce-scatter step 1, rank 0 sent chunk 2 summed over "
+            "ranks [0]; expected chunk 2 summed over ranks [0, 2]") in text
+    assert "rank 2's contribution was not added into it" in text
+
+
+def _zero2_grad(scale):
+    def reduce_scatter_gradients(self):
+        flat = self.flatten([p.grad for p in self.params])
+        self.grad_shard[...] = dist.reduce_scatter(flat, op="avg", group=self.group)
+        self.grad_shard *= scale(self.world)
+        for p in self.params:
+            p.release_grad()
+    return _zero2(reduce_scatter_gradients=reduce_scatter_gradients)
+
+
+def test_04_averaging_twice_is_off_by_a_factor_of_n_and_adam_explains_the_small_drift():
+    detail = failures("04", Zero2AdamW=_zero2_grad(lambda n: 1 / n))
+    gradient = detail["grad_shard = my shard of the gradient averaged over the ranks"]
+    assert "off by a factor of N = 2: 1/N of the average: it was averaged twice" in gradient
+    assert "Adam's step m / (sqrt(v) + eps)" in gradient
+    parameters = detail["parameters after every step = replicated AdamW (fp64)"]
+    assert "the gradient shard is 0.5 x the right one" in parameters
+
+
+def test_04_summing_is_off_by_a_factor_of_n():
+    detail = failures("04", Zero2AdamW=_zero2_grad(lambda n: n))
+    gradient = detail["grad_shard = my shard of the gradient averaged over the ranks"]
+    assert "off by a factor of N = 2: N times the average: it was summed" in gradient
+
+
+def test_04_shard_offsets_without_the_padding_name_the_padding():
+    def update_shard(self):
+        start = self.rank * (self.numel // self.world)  # Ψ/N: ignores the padding
+        shard = self.flatten([p.data for p in self.params])[start:start + self.shard_numel]
+        shard = shard.copy()
+        adamw_update(shard, self.grad_shard, self.exp_avg, self.exp_avg_sq, self.step_count,
+                     self.lr, *self.betas, self.eps, self.weight_decay)
+        return shard
+
+    text = only_failure("04", Zero2AdamW=_zero2(update_shard=update_shard))
+    assert text.startswith("N=4:")  # N=2 has no padding and passes
+    assert "only the run whose flat buffer is padded differs: Ψ = 66 is padded to Ψ' = 68" \
+           in text
+
+
+def test_06_a_pipeline_stage_without_its_tied_copy_of_wte():
+    _, sol = mutant("06")
+
+    def no_copy(config, rank, predicted):
+        stage = (rank // config.tp) % config.pp
+        if config.pp > 1 and config.tie_embeddings and stage == config.pp - 1:
+            predicted["params"] -= config.vocab_size * config.d_model * 2  # bf16
+        return predicted
+
+    text = only_failure("06", predict_rank=_predict(no_copy))
+    assert text.startswith("rank 1: params predicted")  # dp 0, stage 1
+    assert "it keeps its own copy of wte" in text
+
+
+def test_06_forgetting_the_embedding_groups_all_reduce_under_pp():
+    def no_embedding_group(config, rank, predicted):
+        stage = (rank // config.tp) % config.pp
+        if config.pp > 1 and config.tie_embeddings and stage in (0, config.pp - 1):
+            predicted["pp"] -= config.steps * config.vocab_size * config.d_model * 2
+        return predicted
+
+    text = only_failure("06", predict_rank=_predict(no_embedding_group))
+    assert "the tied embedding's all-reduce between the first and the last stage" in text
+
+
+def test_06_forgetting_the_loss_broadcast():
+    def no_loss(config, rank, predicted):
+        if config.pp > 1 and (rank // config.tp) % config.pp == config.pp - 1:
+            predicted["pp"] -= 8 * config.steps
+        return predicted
+
+    detail = failures("06", predict_rank=_predict(no_loss))
+    assert len(detail) == 2  # the two PP runs
+    assert all("the loss the last stage broadcasts" in d for d in detail.values())
