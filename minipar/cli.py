@@ -259,7 +259,7 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
             print("\nSimulated time per rank over the run:")
             print(time_table(report))
         if report.pipeline is not None:
-            print(pipeline_line(report.pipeline))
+            print(pipeline_line(report.pipeline, args.device))
         for warning in report.warnings:
             print(f"warning: {warning}")
         if check is not None:
@@ -270,11 +270,25 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
             print(f"\nreport written to {args.json}")
 
 
-def pipeline_line(pipeline: dict) -> str:
-    return (f"pipeline: {pipeline['schedule']}, {pipeline['micro_batches']} micro-batches, "
+def pipeline_line(pipeline: dict, device: str = "h100") -> str:
+    """The measured bubble, and the uniform-stage formula only where it applies."""
+    from minipar.distributed.timeline import COMMUNICATION_BOUND_SHARE
+
+    line = (f"pipeline: {pipeline['schedule']}, {pipeline['micro_batches']} micro-batches, "
             f"layers per stage {pipeline['layers_per_stage']}: bubble (idle share of "
-            f"rank-time) {pipeline['bubble_fraction']:.1%}; uniform stages with free "
-            f"communication would give {pipeline['uniform_bubble_fraction']:.1%}")
+            f"rank-time) {pipeline['bubble_fraction']:.1%}")
+    share = pipeline.get("communication_share", 0.0)
+    if share > COMMUNICATION_BOUND_SHARE:  # minipar.distributed.timeline.communication_bound
+        formula = "(p-1)/(v·m+p-1)" if pipeline.get("virtual_stages", 1) > 1 else "(p-1)/(m+p-1)"
+        hint = ("; try --device demo, whose slower GPU makes compute dominate"
+                if device != "demo" else "")
+        return (line + f".\n  The stages spend {share:.0%} of their busy time communicating "
+                f"(a small model on the {device} profile pays each message's latency on "
+                f"top of ~microseconds of compute), so the uniform-stage formula {formula}, "
+                f"which assumes compute-bound stages and free communication, does not "
+                f"apply{hint}")
+    return (line + f"; uniform stages with free communication would give "
+            f"{pipeline['uniform_bubble_fraction']:.1%}")
 
 
 def cmd_demo(args) -> int:

@@ -113,6 +113,22 @@ def test_train_3d_prints_traffic_time_and_bubble_and_flags_cross_node_tp(tmp_pat
     assert report["pipeline"]["schedule"] == "1f1b"
 
 
+def test_a_latency_bound_pipeline_says_the_formula_does_not_apply_and_suggests_demo():
+    """A toy model on the default h100 profile: ~99% of busy time is message latency, so
+    "bubble 3% vs 11% by the formula" would read like a bug; on --device demo the
+    formula is printed next to the measurement."""
+    pipeline = ["--pp", "2", "--n-layer", "2", "--grad-accum-steps", "4", "--steps", "1",
+                *SMALL[:4]]
+    fast = run("train", *pipeline)
+    assert fast.returncode == 0, fast.stderr
+    assert "does not apply; try --device demo" in fast.stdout
+    assert "would give" not in fast.stdout
+    demo = run("train", *pipeline, "--device", "demo")
+    assert demo.returncode == 0, demo.stderr
+    assert "does not apply" not in demo.stdout
+    assert "uniform stages with free communication would give 20.0%" in demo.stdout  # 1/5
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--dp", "2", "--pp", "2", "--zero", "2"], "--zero 2"),
     (["--sequence-parallel"], "--sequence-parallel"),

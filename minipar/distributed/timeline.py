@@ -2,6 +2,7 @@
 
     rows = time_breakdown([d.clock.events for d in devices])   # compute/comm/idle per rank
     bubble = bubble_fraction(report.timelines)                 # idle share of rank-time
+    communication_bound(report.timelines)                      # True: the formula misleads
 
 A timeline is one rank's list of `TimelineEvent`s (clock.py) or of report-style
 {"kind", "start", "end"} dicts. Idle time is what the pipeline literature calls the
@@ -117,3 +118,25 @@ def device_comm_overlap(device) -> dict[str, float]:
     """`comm_overlap` of one Device: compute from its clock, transfers from its byte ledger."""
     compute = [(e.start, e.end) for e in device.clock.events if e.kind not in ("comm", "idle")]
     return comm_overlap(compute, [(r.start, r.end) for r in device.comm.records])
+
+
+def communication_share(timelines) -> float:
+    """Communication / busy (compute + communication) time, summed over ranks."""
+    rows = time_breakdown(timelines)
+    busy = sum(r["compute_s"] + r["comm_s"] for r in rows)
+    return 0.0 if busy <= 0 else sum(r["comm_s"] for r in rows) / busy
+
+
+# Above this share of busy time in communication a run is communication-bound.
+COMMUNICATION_BOUND_SHARE = 0.5
+
+
+def communication_bound(timelines) -> bool:
+    """True when the ranks spend more time communicating than computing.
+
+    The bubble formulas above assume stages that compute and communicate for free. A toy
+    model on a fast GPU profile (the CLI's default h100) computes a micro-batch in about
+    a microsecond and pays each message's latency (alpha, microseconds) on top, so its
+    idle share says little about (p - 1) / (m + p - 1): comparing the two looks like a
+    bug. Front ends then say the formula does not apply instead of comparing."""
+    return communication_share(timelines) > COMMUNICATION_BOUND_SHARE

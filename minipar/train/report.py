@@ -30,6 +30,7 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.distributed.comm_log import GROUP_KINDS
+from minipar.distributed.timeline import communication_share
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
 from minipar.parallel.schedules import schedule_names, uniform_bubble_fraction
@@ -237,6 +238,9 @@ def _pipeline(config: TrainConfig, timelines) -> dict:
         # Uniform stages and free communication: the schedule's own formula.
         "uniform_bubble_fraction": uniform_bubble_fraction(config.schedule, p, m, v),
         "layers_per_stage": [len(r) for r in split_layers(config.n_layer, p * v)],
+        # Communication / busy time: above COMMUNICATION_BOUND_SHARE the formula above
+        # does not describe the run (timeline.communication_bound); front ends say so.
+        "communication_share": communication_share(timelines),
     }
 
 

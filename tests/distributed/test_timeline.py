@@ -6,6 +6,12 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
+from minipar.distributed.timeline import (
+    bubble_fraction,
+    communication_bound,
+    communication_share,
+    time_breakdown,
+)
 
 PROFILE = dist.DeviceProfile(flops=1e12, intra_node_latency=0.0)
 
@@ -43,3 +49,26 @@ def test_an_async_collective_behind_compute_exposes_nothing(async_op):
         assert overlap["exposed_comm_s"] == 0 and comm_s == 0
     else:
         assert overlap["exposed_comm_s"] == pytest.approx(ring) == comm_s
+
+
+# ------------------------------------------------------------------ idle and communication-bound
+def events(*spans):
+    return [{"kind": kind, "start": start, "end": end} for kind, start, end in spans]
+
+
+def test_idle_is_what_no_event_covers_up_to_the_last_rank():
+    timelines = [events(("forward", 0, 2), ("comm", 2, 3)), events(("forward", 1, 2))]
+    assert time_breakdown(timelines) == [
+        {"compute_s": 2, "comm_s": 1, "idle_s": 0},
+        {"compute_s": 1, "comm_s": 0, "idle_s": 2}]
+    assert bubble_fraction(timelines) == 2 / 6
+
+
+def test_a_run_is_communication_bound_when_messages_take_longer_than_compute():
+    compute_bound = [events(("forward", 0, 3), ("comm", 3, 4))]
+    latency_bound = [events(("forward", 0, 1), ("comm", 1, 4))]
+    assert communication_share(compute_bound) == 0.25
+    assert communication_share(latency_bound) == 0.75
+    assert not communication_bound(compute_bound)
+    assert communication_bound(latency_bound)
+    assert communication_share([]) == 0.0
