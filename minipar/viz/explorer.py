@@ -35,9 +35,16 @@ except ImportError as error:  # the library itself does not need ipywidgets
 
 # Errors that mean "this layout cannot run": shown in the status line, never raised.
 REFUSALS = (ConfigError, PipelineError, NotImplementedError, ValueError)
+# JupyterLab stretches an ipywidgets.Image to the output area's width (829 px at a
+# 1280 px window, measured in Chromium), whatever the PNG's pixels. So the size a
+# reader sees is set by the figure's width in inches: 8 in -> ~104 display px per inch,
+# 7 pt text ~10 px (tests/viz/test_legibility.py). The dpi only decides sharpness:
+# 110 dpi gives 880 px, at least what the output area shows.
+FIGURE_WIDTH = 8.0
+EXPLORER_DPI = 110
 
 
-def figure_png(fig: Figure, dpi: int = 72) -> bytes:
+def figure_png(fig: Figure, dpi: int = EXPLORER_DPI) -> bytes:
     """The figure as PNG bytes, drawn once by Agg (needs no display).
 
     Not `fig.savefig`: for a figure that has (or had) a layout engine it draws the figure
@@ -81,7 +88,7 @@ def _control(kind, description: str, options=None, value=None, width="170px"):
     if kind == "slider":
         low, high = options
         return widgets.IntSlider(value=value, min=low, max=high, description=description,
-                                 style=style, layout=widgets.Layout(width="260px"),
+                                 style=style, layout=widgets.Layout(width=width),
                                  continuous_update=False)
     raise ValueError(kind)
 
@@ -94,7 +101,7 @@ class Explorer(widgets.VBox):
     `error` is the last refusal (None after a successful draw), `last_seconds` the time
     the last redraw took (run + drawing + PNG)."""
 
-    dpi = 72
+    dpi = EXPLORER_DPI
 
     def __init__(self, controls: dict, cache: RunCache | None = None):
         self.controls = controls

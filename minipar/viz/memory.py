@@ -77,5 +77,7 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
                           "peak of the total", fontsize=10)
     handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
     handles.append(Patch(facecolor="black", label="peak_total"))
-    fig.legend(handles=handles, fontsize=8, loc="outside right upper", frameon=False)
+    # Level with the bottom of the bars, not the top: a long title runs past the axes'
+    # right edge, and would run under a legend there.
+    fig.legend(handles=handles, fontsize=8, loc="outside right lower", frameon=False)
     return fig

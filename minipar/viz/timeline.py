@@ -7,7 +7,8 @@ One row per rank: forward, backward, optimizer and communication bars on an idle
 background, so the pipeline bubble is the grey. Compute bars carry their label when the
 run set one (the pipeline labels each micro-batch: F3 = forward of micro-batch 3,
 B3.1 = backward of micro-batch 3 on model chunk 1); later chunks of an interleaved schedule
-are drawn lighter, as in Figure 4 of Narayanan et al. 2021.
+are drawn lighter, as in Figure 4 of Narayanan et al. 2021, and the legend shows each
+chunk's shade ("forward, chunk 0 / 1").
 
 Built on `matplotlib.figure.Figure`, never pyplot, so it works without a display and a
 notebook shows each figure once.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Patch
 
 from minipar.parallel.pipeline import bubble_fraction
@@ -132,9 +134,26 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
         bubble = bubble_fraction(timelines, t0, t1)
         title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
     ax.set_title(title)
-    handles = [Patch(facecolor=c, label=k) for k, c in COLORS.items()]
+    handles, labels = _legend_entries(max_chunk)
     if transfers is not None:
-        handles.append(Patch(facecolor=COMM_STREAM, label="transfer (comm stream)"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles),
-               frameon=False, fontsize=8)
+        handles.append(Patch(facecolor=COMM_STREAM))
+        labels.append("transfer (comm stream)")
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(handles),
+               frameon=False, fontsize=8,
+               handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
     return fig
+
+
+def _legend_entries(max_chunk: int) -> tuple[list, list[str]]:
+    """(handles, labels), one per kind; with model chunks (interleaved) forward and
+    backward show one swatch per chunk side by side, in the shades the bars use."""
+    handles, labels = [], []
+    for kind, color in COLORS.items():
+        if max_chunk and kind in ("forward", "backward"):
+            handles.append(tuple(Patch(facecolor=_lighter(color, 0.5 * c / max_chunk))
+                                 for c in range(max_chunk + 1)))
+            labels.append(f"{kind}, chunk {' / '.join(map(str, range(max_chunk + 1)))}")
+        else:
+            handles.append(Patch(facecolor=color))
+            labels.append(kind)
+    return handles, labels

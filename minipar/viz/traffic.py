@@ -38,9 +38,11 @@ def traffic_matrices(report, per_step: bool = True) -> dict[str, np.ndarray]:
             for kind in GROUP_TITLES if kind in by_group}
 
 
-def plot_traffic(report, *, title: str | None = None, annotate: bool | None = None) -> Figure:
+def plot_traffic(report, *, title: str | None = None, annotate: bool | None = None,
+                 width: float | None = None) -> Figure:
     """One heatmap per group kind of the bytes rank i sent to rank j per step.
-    annotate: write the bytes in the cells (default: when there are at most 8 ranks)."""
+    annotate: write the bytes in the cells (default: when there are at most 8 ranks);
+    width: inches (default 3.6 per panel, plus the colour bar)."""
     matrices = traffic_matrices(report)
     world = report.world_size
     if annotate is None:
@@ -50,8 +52,7 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     positive = [m[m > 0] for m in matrices.values()]
     norm = LogNorm(vmin=min(p.min() for p in positive), vmax=max(p.max() for p in positive))
     n = len(matrices)
-    fig = Figure(figsize=(1.2 + 3.6 * n, 4.0), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(1, n))
+    fig, axes, bar_axes = _layout(n, width)
     per_node = (report.layout or {}).get("gpus_per_node", world)
     image = None
     for ax, (kind, matrix) in zip(axes, matrices.items(), strict=True):
@@ -59,12 +60,15 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
         image = ax.imshow(shown, cmap="viridis", norm=norm)
         ax.set_facecolor("#f2f2f2")
         ax.set_title(f"{GROUP_TITLES[kind]}\n{human_bytes(matrix.sum())} per step in total",
-                     fontsize=9)
+                     fontsize=8)
         ax.set_xticks(range(world))
         ax.set_yticks(range(world))
         ax.tick_params(labelsize=7)
         ax.set_xlabel("to rank", fontsize=8)
-        ax.set_ylabel("from rank", fontsize=8)
+        if ax is axes[0]:  # the panels share their rows: one set of row labels says it
+            ax.set_ylabel("from rank", fontsize=8)
+        else:
+            ax.tick_params(labelleft=False)
         for boundary in range(per_node, world, per_node):
             ax.axhline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
             ax.axvline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
@@ -73,12 +77,39 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
                 light = norm(matrix[i, j]) > 0.6
                 ax.text(j, i, human_bytes(matrix[i, j]).replace(" ", "\n"), ha="center",
                         va="center", fontsize=6, color="black" if light else "white")
-    bar = fig.colorbar(image, ax=list(axes), shrink=0.8, label="bytes sent per step")
-    # A few labelled ticks spread evenly on the log scale, in KiB / MiB.
+    bar = fig.colorbar(image, cax=bar_axes)
+    bar.set_label("bytes sent per step", fontsize=8)
+    # A few labelled ticks spread evenly on the log scale, in KiB / MiB; no minor ticks
+    # (a log axis makes dozens, unlabelled, each costing a redraw).
     bar.set_ticks(np.geomspace(norm.vmin, norm.vmax, 4) if norm.vmax > norm.vmin
                   else [norm.vmin])
+    bar.ax.minorticks_off()
+    bar.ax.tick_params(labelsize=7)
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: human_bytes(value)))
-    bar.ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
     fig.suptitle(title or "traffic matrix: bytes rank i (row) sent to rank j (column); "
-                          "dashed lines = node boundaries", fontsize=10)
+                          "dashed lines = node boundaries", fontsize=9)
     return fig
+
+
+# Margins in inches for the labels around the square panels (what a constrained layout
+# finds, give or take, without measuring every label on every draw).
+LEFT, GAP, BAR_GAP, BAR, BAR_LABELS = 0.55, 0.3, 0.2, 0.12, 1.0
+TOP, BOTTOM = 0.75, 0.5
+
+
+def _layout(n: int, width: float | None):
+    """A figure of n square panels side by side and a colour bar, with fixed margins:
+    (figure, panel axes, colour-bar axes). Panels are 2.8 in unless `width` (inches)
+    says how wide the whole figure is (default: 2.4 in panels, at most 8 in in all, so
+    that a notebook shows 7 pt labels at ~10 px)."""
+    margins = LEFT + GAP * (n - 1) + BAR_GAP + BAR + BAR_LABELS
+    side = min(2.4, (8.0 - margins) / n) if width is None else (width - margins) / n
+    width = LEFT + n * side + GAP * (n - 1) + BAR_GAP + BAR + BAR_LABELS
+    height = TOP + side + BOTTOM
+    fig = Figure(figsize=(width, height))
+    axes = [fig.add_axes(((LEFT + k * (side + GAP)) / width, BOTTOM / height, side / width,
+                          side / height)) for k in range(n)]
+    bar_left = LEFT + n * side + GAP * (n - 1) + BAR_GAP
+    bar_axes = fig.add_axes((bar_left / width, BOTTOM / height, BAR / width, side / height),
+                            label="<colorbar>")
+    return fig, axes, bar_axes

@@ -46,7 +46,14 @@ from minipar.train.build import gpt_config
 from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream
 from minipar.train.report import Report
-from minipar.viz.explorer import REFUSALS, Explorer, _control, figure_png, fixed_margins
+from minipar.viz.explorer import (
+    FIGURE_WIDTH,
+    REFUSALS,
+    Explorer,
+    _control,
+    figure_png,
+    fixed_margins,
+)
 from minipar.viz.memory import plot_memory
 from minipar.viz.runs import RunCache, pipeline_step, train_report
 from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
@@ -80,7 +87,9 @@ class ShardingExplorer(Explorer):
             "pp": _control("dropdown", "pp", [1, 2, 4], 2, "110px"),
             "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
             "kind": _control("dropdown", "state", list(KINDS), "optimizer", "170px"),
-            "tensor": _control("dropdown", "tensor", names, "h.0.attn.c_attn.weight",
+            # A tensor that a ZeRO cut of the default layout splits (with attn.c_attn,
+            # three of four panels were empty: whole tensors sit on one DP rank).
+            "tensor": _control("dropdown", "tensor", names, "h.0.mlp.c_proj.weight",
                                "300px"),
         }
         for name, value in initial.items():
@@ -95,12 +104,27 @@ class ShardingExplorer(Explorer):
         if dp * tp * pp > 16:
             raise ValueError(f"dp x tp x pp = {dp * tp * pp} ranks; keep it at 16 or fewer")
         held = self.holdings(dp, tp, pp, zero)
-        fig = plot_sharding(held, kind, tensor)
+        fig = plot_sharding(held, kind, tensor, width=FIGURE_WIDTH)
         shares = [held.fraction(r, kind) for r in range(held.world_size)]
         message = (f"{held.world_size} ranks; each holds {min(shares):.1%} to {max(shares):.1%}"
                    f" of the model's {kind} ({human_bytes(min(b[kind] for b in held.nbytes))}"
                    f" to {human_bytes(max(b[kind] for b in held.nbytes))}); "
                    f"one device would hold 100%.")
+        empty = [r for r in range(held.world_size)
+                 if not held.masks[r][kind].get(tensor, np.zeros(1, bool)).any()]
+        if empty:
+            why = []
+            if pp > 1:
+                why.append("a pipeline stage holds only its own layers")
+            if dp > 1 and (zero >= 1 if kind == "optimizer" else
+                           zero >= 2 if kind == "grads" else zero >= 3):
+                why.append(f"ZeRO-{zero} cuts the {kind} of a stage, laid end to end in "
+                           f"one flat buffer, into {dp} contiguous ranges, one per DP rank, "
+                           "so a tensor sits wholly on the rank whose range covers it "
+                           "unless a cut falls inside it")
+            message += (f"<br>{len(empty)} of {held.world_size} panels are empty: "
+                        + "; ".join(why or ["those ranks hold none of it"])
+                        + " (the strip above shows where the cuts are).")
         return [fig], message
 
 
@@ -152,14 +176,13 @@ class MemoryExplorer(Explorer):
     def draw(self, **settings):
         report = self.run(**settings)
         c = report.config
-        fig = plot_memory(report, width=9.0, title=(
+        fig = plot_memory(report, width=FIGURE_WIDTH, title=(
             f"peak bytes per rank, measured: dp={c['dp']} tp={c['tp']} pp={c['pp']} "
             f"ZeRO-{c['zero']} {c['precision']}"
-            + (" + checkpointing" if c["activation_checkpointing"] else "")
-            + "; black tick = peak of the total"))
+            + (" + checkpointing" if c["activation_checkpointing"] else "")))
         fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.35)
-        for legend in fig.legends:  # below the title line, which may be long
-            legend.set_bbox_to_anchor((1.0, 1 - 0.4 / fig.get_size_inches()[1]),
+        for legend in fig.legends:  # level with the bars' bottom, clear of a long title
+            legend.set_bbox_to_anchor((1.0, 0.75 / fig.get_size_inches()[1]),
                                       transform=fig.transFigure)
         peaks = [r["memory"]["peak_total"] for r in report.ranks]
         message = (f"{report.world_size} ranks, Ψ = {report.n_params:,} parameters; "
@@ -177,7 +200,7 @@ class PipelineExplorer(Explorer):
             "schedule": _control("dropdown", "schedule", list(schedule_names()), "1f1b",
                                  "190px"),
             "pp": _control("dropdown", "p (stages)", [2, 4, 8], 4, "150px"),
-            "micro_batches": _control("slider", "m (micro-batches)", (1, 16), 8),
+            "micro_batches": _control("slider", "m (micro-batches)", (1, 16), 8, "440px"),
             "virtual_stages": _control("dropdown", "v (chunks)", [1, 2, 3], 1, "140px"),
         }
         for name, value in initial.items():
@@ -193,24 +216,24 @@ class PipelineExplorer(Explorer):
         check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
         result = self.run(schedule, pp, micro_batches, virtual_stages)
         timeline = plot_timeline(
-            result["timelines"], width=10,
+            result["timelines"], width=FIGURE_WIDTH,
             show_labels=micro_batches * virtual_stages <= 8,
             title=(f"{schedule}, p={pp}, m={micro_batches}"
                    + (f", v={virtual_stages}" if virtual_stages > 1 else "")
                    + f": bubble {result['bubble']:.1%} measured, "
                      f"{result['formula']:.1%} by the formula"))
         fixed_margins(timeline, left=0.75, right=0.2, bottom=0.8, top=0.35)
-        fig = Figure(figsize=(10, 2.2))
+        fig = Figure(figsize=(FIGURE_WIDTH, 2.4))
         left, right = fig.subplots(1, 2)
-        fixed_margins(fig, left=0.45, right=0.2, bottom=0.35, top=0.3)
+        fixed_margins(fig, left=0.45, right=0.2, bottom=0.35, top=0.5)
         ranks = range(pp)
         left.bar(ranks, result["in_flight"], color="#8e6bb8")
         left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
-                       + " awaiting their backward (peak, from the schedule)", fontsize=8)
+                       + " awaiting their backward\n(peak, from the schedule)", fontsize=8)
         left.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
         unit, scale = _byte_unit(max(result["activations"]))
         right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
-        right.set_title(f"peak activations held ({unit}, measured)", fontsize=9)
+        right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8)
         right.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
         formula = SCHEDULES[schedule].bubble_formula
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
@@ -229,7 +252,8 @@ def traffic_of(report: Report) -> np.ndarray:
     return np.asarray(report.traffic["matrix"], dtype=np.int64)
 
 
-def plot_sent_bytes(report: Report, *, by: str = "group", width: float = 10.0) -> Figure:
+def plot_sent_bytes(report: Report, *, by: str = "group",
+                    width: float = FIGURE_WIDTH) -> Figure:
     """Each rank's bytes sent per optimizer step, stacked by group kind (by="group":
     dp / tp / pp) or by collective (by="op"), from the report's ranks[i]["comm"]."""
     if by not in ("group", "op"):
@@ -255,13 +279,6 @@ def plot_sent_bytes(report: Report, *, by: str = "group", width: float = 10.0) -
     ax.set_ylabel(f"bytes sent per step ({unit})")
     ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9)
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fig
-
-
-def _quick_layout(fig: Figure) -> Figure:
-    """Keep the figure's default axes positions instead of solving a constrained layout:
-    a third less time to render, for an explorer that redraws on every change."""
-    fig.set_layout_engine("none")
     return fig
 
 
@@ -301,8 +318,8 @@ class TrafficExplorer(Explorer):
         matrix = traffic_of(report)
         # The matrices do not depend on `by`: switching the bars redraws only the bars.
         heatmaps = self.cached_figure((repr(self.config), *sorted(settings.items())),
-                                      lambda: _quick_layout(plot_traffic(report,
-                                                                         annotate=False)))
+                                      lambda: plot_traffic(report, annotate=False,
+                                                           width=FIGURE_WIDTH))
         figures = [heatmaps, plot_sent_bytes(report, by=by)]
         per_node = settings["gpus_per_node"]
         crossing = cross_node_bytes(matrix, per_node)

@@ -1,0 +1,153 @@
+"""Every explorer's default view is legible at the size JupyterLab shows it.
+
+JupyterLab stretches an explorer's picture (an `ipywidgets.Image`) to the width of the
+output area, whatever its pixels: measured in headless Chromium, JupyterLab 4 at a
+1280-pixel window with the file browser open gives 829 px. So the size a reader sees is
+    font size in display px = points / 72 * (DISPLAY_WIDTH / figure width in inches),
+whatever the PNG's dpi (which only decides how sharp it is). Static figures in the
+notebooks (the inline backend, 100 dpi by default) are shown at their own pixels, never
+wider than the output area.
+
+Checked from matplotlib's own text extents after a draw: no visible text below MIN_PX
+display pixels or off the picture, and no title (axes title, figure title or figure
+text) overlapping a legend or another title.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.legend import Legend  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from minipar.viz import widgets  # noqa: E402
+from minipar.viz.memory import plot_memory  # noqa: E402
+
+DISPLAY_WIDTH = 829  # px: JupyterLab 4's output area at a 1280 px window (see above)
+MIN_PX = 10  # smallest font size a reader gets, in display pixels
+INLINE_DPI = 100  # matplotlib-inline's default figure dpi
+
+
+def _visible_texts(fig):
+    """Every text a draw shows: tick labels of the ticks in view, and all other texts."""
+    ticks, drawn = set(), []
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                ticks.update((id(tick.label1), id(tick.label2)))
+            if ax.get_visible() and ax.axison and axis.get_visible():
+                # the ticks a draw shows: those within the view limits
+                drawn += [label for tick in axis._update_ticks()
+                          for label in (tick.label1, tick.label2)]
+    others = [t for t in fig.findobj(Text) if id(t) not in ticks]
+    for text in others + drawn:
+        if text.get_visible() and text.get_text().strip():
+            yield text
+
+
+def _titles(fig):
+    """(what, Text) of every title: axes titles, the suptitle and figure texts."""
+    for ax in fig.axes:
+        for title in (ax.title, ax._left_title, ax._right_title):
+            if title.get_text().strip():
+                yield f"title of {ax.get_label() or 'an axes'}", title
+    if fig._suptitle is not None and fig._suptitle.get_text().strip():
+        yield "figure title", fig._suptitle
+    for text in fig.texts:
+        if text is not fig._suptitle and text.get_text().strip():
+            yield "figure text", text
+
+
+def _legends(fig):
+    yield from fig.legends
+    for ax in fig.axes:
+        if ax.get_legend() is not None:
+            yield ax.get_legend()
+
+
+def problems(fig, display_width: float | None, tight: bool = False) -> list[str]:
+    """What a reader would trip on: text too small or off the picture, titles under
+    legends or titles. tight: shown with bbox_inches="tight" (the inline backend's
+    default), which grows the picture to hold every text."""
+    canvas = fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width_in = fig.get_size_inches()[0]
+    # display pixels per point: stretched to the output area, or the figure's own pixels
+    per_point = (display_width / width_in / 72 if display_width is not None
+                 else fig.dpi / 72 * min(1.0, DISPLAY_WIDTH / (width_in * fig.dpi)))
+    found = []
+    inside = fig.bbox.padded(2)  # display px of the whole picture (2 px of rounding)
+    for text in _visible_texts(fig):
+        size = text.get_fontsize() * per_point
+        if size < MIN_PX - 1e-9:
+            found.append(f"{text.get_text()!r} is {size:.1f} display px (< {MIN_PX})")
+        extent = text.get_window_extent(renderer)
+        clipped = text.get_clip_on() and text.get_clip_box() is not None
+        if not clipped and not tight and not (
+                inside.x0 <= extent.x0 and extent.x1 <= inside.x1
+                and inside.y0 <= extent.y0 and extent.y1 <= inside.y1):
+            found.append(f"{text.get_text()!r} runs off the picture")
+    boxes = [(what, t.get_window_extent(renderer)) for what, t in _titles(fig)]
+    legends = [(f"legend {[t.get_text() for t in legend.get_texts()][:3]}...",
+                legend.get_window_extent(renderer)) for legend in _legends(fig)
+               if isinstance(legend, Legend) and legend.get_visible()]
+    for (a, box_a), (b, box_b) in itertools.chain(
+            itertools.product(boxes, legends), itertools.combinations(boxes, 2)):
+        if box_a.overlaps(box_b):
+            found.append(f"{a} overlaps {b}")
+    return found
+
+
+EXPLORERS = {
+    "sharding": lambda cache: widgets.ShardingExplorer(cache=cache),
+    "memory": lambda cache: widgets.MemoryExplorer(cache=cache),
+    "pipeline": lambda cache: widgets.PipelineExplorer(cache=cache),
+    "pipeline-interleaved": lambda cache: widgets.PipelineExplorer(
+        cache=cache, schedule="interleaved", virtual_stages=2),
+    "traffic": lambda cache: widgets.TrafficExplorer(cache=cache),
+}
+
+
+@pytest.fixture(scope="module")
+def cache():
+    return widgets.RunCache()
+
+
+@pytest.mark.parametrize("name", EXPLORERS)
+def test_each_explorers_default_view_is_legible_in_jupyterlab(name, cache):
+    explorer = EXPLORERS[name](cache)
+    assert explorer.error is None
+    for fig in explorer.figures:
+        assert problems(fig, DISPLAY_WIDTH) == []
+        # and sharp: at least as many pixels as the output area shows
+        assert fig.get_size_inches()[0] * explorer.dpi >= DISPLAY_WIDTH
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_the_memory_figure_of_the_notebooks_keeps_its_title_clear_of_the_legend(dp, cache):
+    # notebooks 02 (cell 7) and 03 (cell 5) show plot_memory(report) inline
+    explorer = widgets.MemoryExplorer(cache=cache, dp=dp, zero=3)
+    fig = plot_memory(explorer.run(**explorer.values()))
+    fig.set_dpi(INLINE_DPI)
+    assert problems(fig, None, tight=True) == []
+
+
+def test_the_check_itself_finds_small_text_and_a_title_under_a_legend():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 2))
+    ax = fig.subplots()
+    ax.plot([0, 1], label="a long legend entry")
+    ax.set_title("a title " * 12, fontsize=6)
+    fig.legend(loc="upper center")
+    fig.text(0.95, 0.5, "a label that runs past the right edge")
+    found = problems(fig, DISPLAY_WIDTH)
+    assert any("display px" in p for p in found)
+    assert any("overlaps legend" in p for p in found)
+    assert any("runs off the picture" in p for p in found)
