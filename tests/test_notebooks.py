@@ -14,6 +14,8 @@ Figure displays as text), and the executed notebook must contain PNG outputs.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -70,3 +72,80 @@ def test_notebook_runs_top_to_bottom(path):
                  for output in cell.outputs)
     assert images > 0, f"{path.name} shows no figure"
     assert seconds < 60, f"{path.name} took {seconds:.0f} s; notebooks should take seconds"
+
+
+# ------------------------------------------------------------------ opening does not dirty
+# What JupyterLab writes when it runs a notebook on the python3 kernel, but the version.
+JUPYTERLAB_METADATA = {
+    "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
+                   "name": "python3"},
+    "language_info": {"codemirror_mode": {"name": "ipython", "version": 3},
+                      "file_extension": ".py", "mimetype": "text/x-python", "name": "python",
+                      "nbconvert_exporter": "python", "pygments_lexer": "ipython3"}}
+EXTRA_KEYS = "metadata.language_info.version"  # docs/notebooks.md, the filter's extrakeys
+
+
+def strip(data: bytes) -> bytes:
+    """What the git clean filter stores: nbstripout on stdin, with the repo's extra keys."""
+    pytest.importorskip("nbstripout")
+    return subprocess.run([sys.executable, "-m", "nbstripout", "--extra-keys", EXTRA_KEYS],
+                          input=data, capture_output=True, check=True).stdout
+
+
+def as_run_in_jupyterlab(path: Path) -> bytes:
+    """The notebook as JupyterLab saves it after Run All: outputs, execution counts, the
+    kernel's Python version, widget state."""
+    notebook = read(path)
+    count = 0
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            count += 1
+            cell.execution_count = count
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="42\n")]
+    notebook.metadata["language_info"]["version"] = sys.version.split()[0]
+    notebook.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {}}
+    return nbformat.writes(notebook).encode() + b"\n"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_carries_the_metadata_jupyterlab_writes(path):
+    assert {key: read(path).metadata.get(key) for key in JUPYTERLAB_METADATA} == (
+        JUPYTERLAB_METADATA)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_clean_filter_leaves_a_committed_notebook_and_strips_a_run_one_back(path):
+    committed = path.read_bytes()
+    assert strip(committed) == committed  # a fresh clone with the filter is clean
+    assert strip(as_run_in_jupyterlab(path)) == committed
+
+
+def test_gitattributes_route_notebooks_through_nbstripout():
+    assert "*.ipynb filter=nbstripout diff=ipynb" in (ROOT / ".gitattributes").read_text()
+
+
+def test_with_the_filter_configured_a_run_notebook_has_nothing_to_commit(tmp_path):
+    """The documented setup (docs/notebooks.md), in a scratch repository. (`git status`
+    lists a file whose size changed as modified before it runs the filter, so it is
+    `git diff` and `git add` that say nothing changed.)"""
+    pytest.importorskip("nbstripout")
+    path = NOTEBOOKS[0]
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "test")
+    git("config", "filter.nbstripout.clean", f'"{sys.executable}" -m nbstripout')
+    git("config", "filter.nbstripout.smudge", "cat")
+    git("config", "filter.nbstripout.extrakeys", EXTRA_KEYS)
+    (tmp_path / ".gitattributes").write_text((ROOT / ".gitattributes").read_text())
+    (tmp_path / path.name).write_bytes(path.read_bytes())
+    git("add", ".")
+    git("commit", "-qm", "notebook")
+    (tmp_path / path.name).write_bytes(as_run_in_jupyterlab(path))
+    assert git("diff") == ""
+    git("add", "-A")
+    assert git("status", "--porcelain") == ""  # nothing staged: the commit would be empty
