@@ -13,7 +13,7 @@ What it does, in order:
    matrix) to a folder.
 
 The model. 4 layers of width 192 (6 heads), 64-token sequences, micro-batches of 4:
-small enough that the whole demo (eight trainings) runs in about 10 s on 2 cores, large
+small enough that the whole demo (eight trainings) takes about 12 s of CPU, large
 enough that NumPy's work, not the emulator's per-op bookkeeping, dominates a step: the
 8-rank step then costs about as much wall time as the single-device step of the same
 global batch (benchmarks/bench_emulation.py). A 64-wide model costs ~2.4x, because
@@ -37,6 +37,7 @@ minipar.viz, and nothing below imports it.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +84,15 @@ class DemoResult:
 
 
 def ablation_configs(config: TrainConfig) -> dict[str, TrainConfig]:
-    """Each parallelism of `config` alone, same global batch and micro-batch size."""
+    """Each parallelism of `config` alone, same global batch and micro-batch size.
+
+    One step each: what the summary compares (peak bytes per category, bytes sent per
+    step, idle share, time per step) is the same in every step, and a first run of the
+    demo spends a quarter of its time here (4.4 of 16 s of CPU with 3 steps)."""
     out = {}
     common = dict(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False, check=False,
-                  global_batch_size=config.global_batch_size, grad_accum_steps=None)
+                  global_batch_size=config.global_batch_size, grad_accum_steps=None,
+                  steps=1)
     if config.dp > 1:
         out[f"DP {config.dp}"] = config.replace(**{**common, "dp": config.dp})
         if config.zero:
@@ -107,9 +113,17 @@ def layout_name(config: TrainConfig) -> str:
     return name + (f" + ZeRO-{config.zero}" if config.zero else "")
 
 
+def _progress_to_stderr(text: str, end: str = "\n") -> None:
+    print(text, end=end, file=sys.stderr, flush=True)
+
+
 def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
-             profile: DeviceProfile = DEMO_PROFILE, echo=print) -> DemoResult:
-    """Run the demo, print as it goes (echo(line)), save figures to out_dir."""
+             profile: DeviceProfile = DEMO_PROFILE, echo=print,
+             progress=_progress_to_stderr) -> DemoResult:
+    """Run the demo, print as it goes (echo(line)), save figures to out_dir.
+
+    progress(text, end=...) says what is running while it runs (default: stderr, so the
+    report on stdout stays the same; a first run spends ~20 s before its first table)."""
     started = time.perf_counter()
     lines: list[str] = []
 
@@ -117,14 +131,23 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
         lines.append(text)
         echo(text)
 
+    def working(what: str, run):
+        progress(f"  ... {what}", end="")
+        begun = time.perf_counter()
+        result = run()
+        progress(f" {time.perf_counter() - begun:.1f} s")
+        return result
+
     say(f"minipar demo: {layout_name(config)} on {config.world_size} virtual GPUs "
         f"({config.world_size // config.gpus_per_node} nodes x {config.gpus_per_node}), "
         f"{config.steps} steps, {config.precision}")
     say(f"simulated GPU: {profile.name}: {profile.flops / 1e9:g} GFLOP/s, links "
         f"{_rate(profile.intra_node_bandwidth)} in a node, "
         f"{_rate(profile.inter_node_bandwidth)} across (see docs/3d-and-demo.md)")
-    report = train(config, device=profile)
-    exact = train(config.replace(precision="fp64", steps=2), device=profile)
+    report = working(f"training {layout_name(config)} and the same batches on one device "
+                     "(the check)", lambda: train(config, device=profile))
+    exact = working("the same layout in fp64, 2 steps, checked",
+                    lambda: train(config.replace(precision="fp64", steps=2), device=profile))
     single = report.reference
     say(f"model: GPT-2 shape, {config.n_layer} layers, d_model {config.d_model}, "
         f"{report.n_params:,} parameters; global batch {config.global_batch_size} = micro "
@@ -154,12 +177,15 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
         f"{SCHEDULES[pipe['schedule']].bubble_formula} = "
         f"{pipe['uniform_bubble_fraction']:.1%})")
 
-    ablations = {name: train(c, device=profile) for name, c in ablation_configs(config).items()}
+    ablations = {name: working(f"{name} alone, for the comparison",
+                               lambda c=c: train(c, device=profile))
+                 for name, c in ablation_configs(config).items()}
     say()
     for line in summary(single, ablations, report, layout_name(config)):
         say(line)
 
-    figures = save_figures(report, single, Path(out_dir))
+    figures = working("drawing the figures (a first run also builds matplotlib's font "
+                      "cache)", lambda: save_figures(report, single, Path(out_dir)))
     say()
     say(f"figures written to {Path(out_dir)}/: " + ", ".join(p.name for p in figures))
     seconds = time.perf_counter() - started
@@ -187,6 +213,11 @@ def _check_line(check: dict, precision: str) -> str:
 
 
 # ------------------------------------------------------------------ the answer
+def _step_seconds(report: Report) -> float:
+    """Simulated seconds per optimizer step, averaged over the run."""
+    return report.step_end_s[-1] / len(report.steps)
+
+
 def worst_rank_memory(report: Report) -> dict[str, int]:
     """Per category, the largest peak over the ranks (the GPU the layout needs)."""
     keys = (*MEMORY_CATEGORIES, "peak_total")
@@ -215,7 +246,7 @@ def summary(single: Report, ablations: dict[str, Report], combined: Report,
         traffic = ", ".join(f"{g} {human_bytes(b)}" for g, b in sent.items() if b) or "-"
         rows.append([name, report.world_size,
                      *(f"{memory[k] / base[k]:.0%}" if base[k] else "-" for k in keys),
-                     traffic, human_seconds(report.step_end_s[-1] / len(report.steps))])
+                     traffic, human_seconds(_step_seconds(report))])
     out = ["Which parallelism cut which memory, and what did it cost? (worst rank's peak "
            "bytes as a share of one GPU's; bytes one rank sent per step; simulated time "
            "per step)",
@@ -246,7 +277,7 @@ def _sentence(name: str, single: Report, report: Report, plain_dp: Report | None
         if ratio.get("activations", 1.0) >= 0.9:
             text += (f"; activations stay: with 1F1B the first stage holds up to "
                      f"{report.config['pp']} micro-batches of its layers in flight")
-    speed = single.step_end_s[-1] / report.step_end_s[-1]
+    speed = _step_seconds(single) / _step_seconds(report)  # runs of 3 steps and of 1
     return text + f"; step {speed:.1f}x faster than one GPU."
 
 

@@ -72,6 +72,11 @@ def test_demo_trains_8_ranks_checks_explains_and_saves_three_figures(tmp_path):
     for name in ("timeline.png", "memory.png", "traffic.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "(demo took " in text  # the wall time is printed, never asserted on
+    # while it works it says what it is doing, on stderr (stdout stays the report)
+    for working in ("... training DP 2 x TP 2 x PP 2 + ZeRO-1 and the same batches on one",
+                    "... the same layout in fp64", "... PP 2 alone, for the comparison",
+                    "... drawing the figures"):
+        assert working in result.stderr
     # README.md quotes the demo's output: every quoted line must be what the demo prints
     readme = (ROOT / "README.md").read_text()
     quoted = readme.split("`minipar demo` (abridged")[1].split("```\n")[1]
