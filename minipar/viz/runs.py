@@ -72,18 +72,22 @@ PIPELINE_MODEL = dict(vocab_size=16, seq_len=16, n_head=2, d_model=32)
 
 def pipeline_step(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1, *,
                   layer_split=None, layers_per_stage: int = 1, micro_batch_size: int = 2,
-                  device: dist.DeviceProfile = PIPELINE_DEVICE, seed: int = 0) -> dict:
+                  vocab_size: int | None = None, device: dist.DeviceProfile = PIPELINE_DEVICE,
+                  seed: int = 0) -> dict:
     """One measured training step of a pipeline over `pp` virtual ranks.
 
     The model has pp x virtual_stages x layers_per_stage blocks (or sum(layer_split))
-    and a tiny vocabulary, so the stages are nearly uniform. Returns the timelines, the
-    measured bubble (idle / total rank-time), the paper's formula for uniform stages,
-    per rank the peak micro-batches in flight (from the schedule) and the peak
+    and a tiny vocabulary (vocab_size to change it), so the stages are nearly uniform.
+    Returns the timelines, the measured bubble (idle / total rank-time), the paper's
+    formula for uniform stages, per rank the peak micro-batches in flight (from the
+    schedule) and the peak
     "activations" bytes (from the ledger), and the loss.
     """
     n_layer = (sum(layer_split) if layer_split is not None
                else pp * virtual_stages * layers_per_stage)
-    config = GPTConfig(n_layer=n_layer, **PIPELINE_MODEL)
+    # vocab_size: a larger vocabulary makes the last stage's head cost more (notebook 05)
+    config = GPTConfig(n_layer=n_layer, **{**PIPELINE_MODEL, **(
+        {} if vocab_size is None else {"vocab_size": vocab_size})})
     rng = np.random.default_rng(seed)
     shape = (micro_batch_size, config.seq_len)
     batches = [(rng.integers(0, config.vocab_size, shape),
