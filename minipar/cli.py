@@ -280,8 +280,7 @@ def pipeline_line(pipeline: dict, device: str = "h100") -> str:
     share = pipeline.get("communication_share", 0.0)
     if share > COMMUNICATION_BOUND_SHARE:  # minipar.distributed.timeline.communication_bound
         formula = "(p-1)/(v·m+p-1)" if pipeline.get("virtual_stages", 1) > 1 else "(p-1)/(m+p-1)"
-        hint = ("; try --device demo, whose slower GPU makes compute dominate"
-                if device != "demo" else "")
+        hint = "; try --device demo, whose slower GPU makes compute dominate" * (device != "demo")
         return (line + f".\n  The stages spend {share:.0%} of their busy time communicating "
                 f"(a small model on the {device} profile pays each message's latency on "
                 f"top of ~microseconds of compute), so the uniform-stage formula {formula}, "
