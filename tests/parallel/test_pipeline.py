@@ -188,6 +188,33 @@ def test_pipeline_training_equals_single_device_in_fp64(schedule, pp, m, dp):
     check_equivalent(config, schedule, pp, m, dp, v)
 
 
+ZERO_BUBBLE = {"zb-h1": 1, "zb-h2": 1, "zb-v": 2, "dualpipe-v": 2}  # name -> chunks
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", list(ZERO_BUBBLE))
+def test_zero_bubble_training_equals_single_device_in_fp64(schedule, pp, dp, tied):
+    """I and W split the backward, the V puts the first and last stage (both copies of a
+    tied wte, and the loss) on rank 0: still the single-device run, to 1e-10."""
+    v = ZERO_BUBBLE[schedule]
+    m = 2 * pp  # every schedule's fewest micro-batches (DualPipe-V: 2p)
+    config = gpt_config(pp * v, tied)
+    results = dist.launch(pipeline_rank, dp * pp, config, schedule, pp, m, dp, v)
+    ref_losses, ref_state = single_device(config.n_layer, m, dp, tied)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-12)
+    replica = [r["state"] for r in results if r["coords"]["dp"] == 0]
+    state = consolidate_state_dicts(replica, config)
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+    if tied:  # the two copies of wte, on ranks 0 and p-1 or both on rank 0, agree
+        copies = [c for r in results if r["coords"]["dp"] == 0 for c in r["wte_copies"]]
+        assert len(copies) == 2
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
 def test_untied_head_uneven_split_one_stage_and_checkpointing_are_equivalent_too():
     check_equivalent(gpt_config(4, tied=False), "1f1b", 2, 4, 1)
     check_equivalent(gpt_config(4), "1f1b", 1, 4, 1)  # pp = 1: gradient accumulation
