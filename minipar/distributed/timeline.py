@@ -117,3 +117,18 @@ def device_comm_overlap(device) -> dict[str, float]:
     """`comm_overlap` of one Device: compute from its clock, transfers from its byte ledger."""
     compute = [(e.start, e.end) for e in device.clock.events if e.kind not in ("comm", "idle")]
     return comm_overlap(compute, [(r.start, r.end) for r in device.comm.records])
+
+
+def labelled_compute_seconds(timeline) -> dict[str, float]:
+    """Seconds of compute per label over one rank's timeline (labels such as "F3", "I3",
+    "W3.1" name a pipeline action: `minipar.distributed.timeline_label`). Communication
+    inside an action (a tensor-parallel all-reduce) is not counted."""
+    seconds: dict[str, float] = {}
+    for event in timeline:
+        kind, label = ((event["kind"], event.get("label", "")) if isinstance(event, dict)
+                       else (event.kind, event.label))
+        if label and kind in ("forward", "backward"):
+            start, end = ((event["start"], event["end"]) if isinstance(event, dict)
+                          else (event.start, event.end))
+            seconds[label] = seconds.get(label, 0.0) + end - start
+    return seconds
