@@ -306,9 +306,10 @@ class Pipeline:
         Afterwards every parameter's .grad holds d(mean loss over the m micro-batches)/dp,
         the tied embedding copies agree, and the mean loss is returned on every rank.
         grad_sync(enabled): called before every backward (B, or W of a split one),
-        enabled only for each chunk's last one, when its gradients become final (Megatron-LM's `--overlap-grad-reduce`:
-        the schedule calls `enable_grad_sync()` before the last micro-batch, so the DP
-        engine's hooks start reducing buckets while the pipeline drains).
+        enabled only for each chunk's last one, when its gradients become final
+        (Megatron-LM's `--overlap-grad-reduce`: the schedule calls `enable_grad_sync()`
+        before the last micro-batch, so the DP engine's hooks start reducing buckets
+        while the pipeline drains).
         """
         m = self.micro_batches
         if len(micro_batches) != m:
