@@ -338,6 +338,15 @@ class Pipeline:
         chunk = next(c for c in self.chunks if c.is_first or c.holds_tied_copy)
         return [chunk.wte.weight]
 
+    def late_reduced_parameters(self) -> list:
+        """Parameters whose gradient is final only after the whole schedule: the tied
+        embedding copies (summed over the embedding group), and in a V the wte that rank
+        0's embedding and head chunks share (both chunks' last backwards add into it), so
+        a DP engine reduces them in synchronize_gradients, not from its hooks."""
+        shared = [c.wte.weight for c in self.chunks if c.is_last and not c.is_first
+                  and not c.holds_tied_copy and self.config.tie_embeddings]
+        return self.tied_embedding_parameters() + shared
+
     def _all_reduce_tied_embedding(self) -> None:
         """Sum the gradients of the first and last stage's copies of a tied wte
         (Megatron-LM's `_allreduce_embedding_grads`): both then see embedding + head."""

@@ -77,6 +77,8 @@ GRID = [
                                 grad_accum_steps=4)),
     Case("dp2 pp2 zb-h1 zero1", dict(dp=2, pp=2, zero=1, schedule="zb-h1",
                                      grad_accum_steps=2)),
+    Case("dp2 pp2 zb-v zero1 (one wte for two chunks, buckets reduced in W)",
+         dict(dp=2, pp=2, zero=1, schedule="zb-v", virtual_stages=2, grad_accum_steps=4)),
     Case("tp2 pp2 zb-v", dict(tp=2, pp=2, schedule="zb-v", virtual_stages=2,
                               grad_accum_steps=4)),
     Case("dp2 tp2 pp2 dualpipe-v zero1 (8 ranks)",

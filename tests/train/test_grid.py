@@ -75,3 +75,11 @@ def test_refusals_cost_no_training(name, monkeypatch):
     monkeypatch.setattr(importlib.import_module("minipar.train.grid"), "reference_run",
                         no_training)
     assert run_case(case).passed
+
+
+def test_a_v_with_data_parallelism_reduces_its_buckets_right():
+    """ZB-V under DP with overlapped reduction: the hooks fire during each chunk's last W,
+    and the wte that rank 0's two chunks share is reduced after the schedule."""
+    (case,) = [c for c in GRID if c.name.startswith("dp2 pp2 zb-v zero1")]
+    result = run_case(case)
+    assert result.passed, result.equivalence
