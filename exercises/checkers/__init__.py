@@ -51,6 +51,10 @@ EXERCISES = (
              "ex06_predict_bytes", 75,
              "the ZeRO paper's memory accounting, DP and TP traffic, checked against "
              "minipar's measured report"),
+    Exercise("07", "zero_bubble", "zero bubble: B/W split of a Linear and ZB-H1 action lists",
+             "ex07_zero_bubble", 50,
+             "a backward split in B (input gradient) and W (weight gradients); W delayed "
+             "into the bubble: ZB-H1's (p-1)(T_F+T_B-T_W) at 1F1B's memory"),
 )
 
 

@@ -140,3 +140,16 @@ def communication_bound(timelines) -> bool:
     idle share says little about (p - 1) / (m + p - 1): comparing the two looks like a
     bug. Front ends then say the formula does not apply instead of comparing."""
     return communication_share(timelines) > COMMUNICATION_BOUND_SHARE
+def labelled_compute_seconds(timeline) -> dict[str, float]:
+    """Seconds of compute per label over one rank's timeline (labels such as "F3", "I3",
+    "W3.1" name a pipeline action: `minipar.distributed.timeline_label`). Communication
+    inside an action (a tensor-parallel all-reduce) is not counted."""
+    seconds: dict[str, float] = {}
+    for event in timeline:
+        kind, label = ((event["kind"], event.get("label", "")) if isinstance(event, dict)
+                       else (event.kind, event.label))
+        if label and kind in ("forward", "backward"):
+            start, end = ((event["start"], event["end"]) if isinstance(event, dict)
+                          else (event.start, event.end))
+            seconds[label] = seconds.get(label, 0.0) + end - start
+    return seconds

@@ -51,6 +51,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.autograd import functional as F
+from minipar.autograd.engine import backward_input
 from minipar.autograd.precision import get_policy
 from minipar.distributed.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
@@ -59,6 +60,8 @@ from minipar.nn.layers import Dropout
 from minipar.nn.recompute import Recompute, run_blocks
 from minipar.parallel.schedules import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     PipelineError,
     RecvActivation,
@@ -182,8 +185,11 @@ class PipelineStage(Module):
         return logits if targets is None else F.cross_entropy(logits, targets)
 
     def forward(self, x, targets=None):
-        if self.is_first:
-            x = self.embed(x)
+        return self.body(self.embed(x) if self.is_first else x, targets)
+
+    def body(self, x, targets=None):
+        """The stage after its embedding: blocks (and head and loss on the last stage) on
+        the (B, T, d) stage input x, where a split backward's B stops."""
         generator = self.dropout_generator if self.config.dropout > 0 else None
         x = run_blocks(self.h, x, self.recompute, generator)
         return self.head(x, targets) if self.is_last else x
@@ -247,11 +253,19 @@ class Pipeline:
                         recompute=recompute)
             for stage in (schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages))
         ]
+        # Which pipeline rank holds the first and the last virtual stage: ranks 0 and
+        # p - 1 for the looped placements, both rank 0 in a V (schedule.placement).
+        self.first_rank = schedule.rank_of(0)
+        self.last_rank = schedule.rank_of(num_stages - 1)
+        if config.tie_embeddings and self.first_rank == self.last_rank == self.pp_rank \
+                and num_stages > 1:  # a V: embedding and head on this rank share one wte
+            head = next(c for c in self.chunks if c.is_last)
+            head.wte, head.holds_tied_copy = self.chunks[0].wte, False
         # Megatron's embedding group: the ranks holding the two copies of a tied wte.
-        first, last = pp_group.ranks[0], pp_group.ranks[-1]
+        first, last = pp_group.ranks[self.first_rank], pp_group.ranks[self.last_rank]
         self.embedding_group = None
         if config.tie_embeddings and first != last:
-            self.embedding_group = dist.new_group([first, last], kind="pp")
+            self.embedding_group = dist.new_group(sorted([first, last]), kind="pp")
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, include_tied_copy: bool = True):
@@ -291,21 +305,24 @@ class Pipeline:
         reads inputs and only the last reads targets: other ranks may pass None for them.
         Afterwards every parameter's .grad holds d(mean loss over the m micro-batches)/dp,
         the tied embedding copies agree, and the mean loss is returned on every rank.
-        grad_sync(enabled): called before every backward, enabled only for each chunk's
-        last one, when its gradients become final (Megatron-LM's `--overlap-grad-reduce`:
-        the schedule calls `enable_grad_sync()` before the last micro-batch, so the DP
-        engine's hooks start reducing buckets while the pipeline drains).
+        grad_sync(enabled): called before every backward (B, or W of a split one),
+        enabled only for each chunk's last one, when its gradients become final
+        (Megatron-LM's `--overlap-grad-reduce`: the schedule calls `enable_grad_sync()`
+        before the last micro-batch, so the DP engine's hooks start reducing buckets
+        while the pipeline drains).
         """
         m = self.micro_batches
         if len(micro_batches) != m:
             raise PipelineError(
                 f"forward_backward got {len(micro_batches)} micro-batches but the "
                 f"{self.schedule.name} schedule was built for {m} (grad_accum_steps)")
+        # the actions that add into the weight gradients: B, or W after a split I
+        weights = (Backward, BackwardWeight)
         last_backward = {a.chunk: i for i, a in enumerate(self.actions)
-                         if type(a) is Backward}
+                         if type(a) in weights}
         step = _Step(self, micro_batches)
         for i, action in enumerate(self.actions):
-            if grad_sync is not None and type(action) is Backward:
+            if grad_sync is not None and type(action) in weights:
                 grad_sync(last_backward[action.chunk] == i)
             step.run(action)
         step.finish_sends()
@@ -315,10 +332,20 @@ class Pipeline:
     def tied_embedding_parameters(self) -> list:
         """The copies of a tied wte on this rank whose gradients the step sums over the
         embedding group (final only after that sum): [] on the other ranks."""
-        if self.embedding_group is None or self.pp_rank not in (0, self.pp - 1):
+        if self.embedding_group is None or self.pp_rank not in (self.first_rank,
+                                                                  self.last_rank):
             return []
-        chunk = self.chunks[0] if self.pp_rank == 0 else self.chunks[-1]
+        chunk = next(c for c in self.chunks if c.is_first or c.holds_tied_copy)
         return [chunk.wte.weight]
+
+    def late_reduced_parameters(self) -> list:
+        """Parameters whose gradient is final only after the whole schedule: the tied
+        embedding copies (summed over the embedding group), and in a V the wte that rank
+        0's embedding and head chunks share (both chunks' last backwards add into it), so
+        a DP engine reduces them in synchronize_gradients, not from its hooks."""
+        shared = [c.wte.weight for c in self.chunks if c.is_last and not c.is_first
+                  and not c.holds_tied_copy and self.config.tie_embeddings]
+        return self.tied_embedding_parameters() + shared
 
     def _all_reduce_tied_embedding(self) -> None:
         """Sum the gradients of the first and last stage's copies of a tied wte
@@ -329,8 +356,9 @@ class Pipeline:
                                                    group=self.embedding_group)
 
     def _broadcast_loss(self, losses) -> float:
-        last = self.group.ranks[-1]
-        mean = np.asarray(np.mean(losses) if self.pp_rank == self.pp - 1 else 0.0, np.float64)
+        last = self.group.ranks[self.last_rank]
+        mean = np.asarray(np.mean(losses) if self.pp_rank == self.last_rank else 0.0,
+                          np.float64)
         with dist.phase("other"):
             return float(dist.broadcast(mean, src=last, group=self.group))
 
@@ -344,6 +372,9 @@ class _Step:
         self.inputs: dict = {}  # (micro_batch, chunk) -> StageInput received
         self.outputs: dict = {}  # (micro_batch, chunk) -> output Tensor (or the loss)
         self.out_grads: dict = {}  # (micro_batch, chunk) -> received gradient of the output
+        self.embedded: dict = {}  # (micro_batch, 0) -> the first stage's embedding output
+        self.weight_work: dict = {}  # (micro_batch, chunk) -> the W an I left queued
+        self.chunk_of = {chunk.stage: c for c, chunk in enumerate(pipe.chunks)}
         self.losses = [None] * pipe.micro_batches
         self.sends = {"forward": [], "backward": []}
         self.scale = 1.0 / pipe.micro_batches
@@ -364,8 +395,11 @@ class _Step:
         kind = type(action)
         if kind is Forward:
             self.forward(key, chunk, action)
-        elif kind is Backward:
-            self.backward(key, chunk, action)
+        elif kind is Backward or kind is BackwardInput:
+            self.backward(key, chunk, action, split=kind is BackwardInput)
+        elif kind is BackwardWeight:
+            with dist.timeline_label(str(action)):
+                self.weight_work.pop(key).run()
         elif kind is RecvActivation:
             with dist.phase("forward"):
                 data = dist.recv(self.peer(action), self.pipe.group,
@@ -402,22 +436,41 @@ class _Step:
                 raise PipelineError("the last pipeline stage needs the micro-batch targets")
             targets = np.array(targets, copy=True)
         with dist.phase("forward"), dist.timeline_label(str(action)):
-            out = chunk(x, targets if chunk.is_last else None)
+            if chunk.is_first:
+                x = self.embedded[key] = chunk.embed(x)
+            out = chunk.body(x, targets if chunk.is_last else None)
         self.outputs[key] = out
         if chunk.is_last:
             self.losses[key[0]] = float(out.data)
+        elif self.local(chunk.stage + 1):  # the next stage is mine too (a V's tip)
+            following = (key[0], self.chunk_of[chunk.stage + 1])
+            self.inputs[following] = StageInput(out.data, requires_grad=True)
 
-    def backward(self, key, chunk: PipelineStage, action) -> None:
+    def local(self, stage: int) -> bool:
+        """Does this rank hold virtual stage `stage` (tensors then pass in memory)?"""
+        return self.pipe.schedule.rank_of(stage) == self.pipe.pp_rank
+
+    def backward(self, key, chunk: PipelineStage, action, split: bool = False) -> None:
+        """The full backward (B), or with `split` its input half (I), leaving the
+        weight gradients queued for the W action (engine.backward_input)."""
         out = self.outputs.pop(key)
+        stage_input = self.embedded.pop(key) if chunk.is_first else self.inputs.get(key)
+        # d(mean over the m micro-batches)/d(loss_i) = 1/m
+        grad = (np.asarray(self.scale, dtype=out.data.dtype) if chunk.is_last
+                else self.out_grads.pop(key))
         # (the autograd engine charges backward's communication to the backward phase)
         with dist.timeline_label(str(action)):
-            if chunk.is_last:
-                # d(mean over the m micro-batches)/d(loss_i) = 1/m
-                out.backward(np.asarray(self.scale, dtype=out.data.dtype))
+            if split:
+                self.weight_work[key] = backward_input(out, grad, [stage_input])
             else:
-                grad = self.out_grads.pop(key)
                 out.backward(grad)
-                dist.release(grad)
+        if not chunk.is_last:
+            dist.release(grad)
+        if not chunk.is_first and self.local(chunk.stage - 1):  # hand the gradient over
+            x = self.inputs.pop(key)
+            self.out_grads[(key[0], self.chunk_of[chunk.stage - 1])] = x.grad
+            dist.hold(x.grad, "buffers")  # until the stage before has used it
+            x.release_grad()
 
     def finish_sends(self) -> None:
         """Wait for the step's sends (their bytes are booked under their phase)."""

@@ -1,14 +1,18 @@
-"""Pipeline actions, the Schedule that lists them per rank, and the simulator that runs
-them on paper: what an action means and the rules every schedule is checked against.
+"""Pipeline actions and the Schedule that lists them per rank: what an action means.
 
-Actions (micro-batch i, model chunk c of this rank, peer = the other pipeline rank):
+Actions (micro-batch i, model chunk c of this rank, peer = the other pipeline rank), printed
+as in PyTorch's schedule IR (torch/distributed/pipelining/schedules.py: F, I, W, B):
     Forward(i, c)           run chunk c forward on micro-batch i          printed F3 / F3.1
-    Backward(i, c)          backpropagate micro-batch i through chunk c    printed B3 / B3.1
+    Backward(i, c)          full backward of micro-batch i through chunk c printed B3 / B3.1
+    BackwardInput(i, c)     its B half only: the gradient of the chunk's input, what the
+                            previous stage waits for (Qi et al. 2024's "B")  printed I3
+    BackwardWeight(i, c)    its W half: the weight gradients B left queued   printed W3
     SendActivation(i, c, peer) / RecvActivation(i, c, peer)   the (b, s, h) output / input
     SendGrad(i, c, peer)    / RecvGrad(i, c, peer)            its gradient, going back
 A receive sits right before the compute that needs it and a send right after the compute
 that made it, so a rank blocks only when its input has not arrived yet
-(`from_compute_orders` places them).
+(`from_compute_orders` places them). Two neighbouring virtual stages on the same rank (the
+tip of a V) hand their tensors over in memory: no message, no action.
 
 Which virtual stage chunk c of rank r runs is the schedule's placement (PLACEMENTS):
 "looped" (Megatron-LM's interleaving, Narayanan et al. 2021 section 2.2.2: stage c p + r,
@@ -16,11 +20,9 @@ the chunks go round the ranks) or "v" (Qi et al. 2024's ZB-V and DeepSeek's Dual
 even chunks go down the ranks and odd ones come back up, so chunk 1 of rank r is virtual
 stage 2p - 1 - r and the last stage sits on rank 0). Nothing below assumes c p + r.
 
-`simulate_step(schedule, forward, backward, message)` is the one walker of action lists:
-it checks every rule (a ScheduleError names the rank and action) while it times the
-schedule with per-(rank, chunk) costs and a message cost. `validate` and `simulate` are
-views of it; the planner's exact pipeline time (minipar.plan.timing) calls it. The
-registry of named schedules and their generators is minipar.parallel.schedules.
+The rules every schedule is checked against, and its timing, are the simulator's
+(pipeline_simulator.py: `simulate_step`, `validate`, `simulate`). The registry of named
+schedules and their generators is minipar.parallel.schedules.
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ class Backward:
 
     def __str__(self) -> str:
         return "B" + _name(self.micro_batch, self.chunk)
+
+
+@dataclass(frozen=True)
+class BackwardInput:
+    micro_batch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return "I" + _name(self.micro_batch, self.chunk)
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    micro_batch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return "W" + _name(self.micro_batch, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -93,9 +113,11 @@ class RecvGrad:
         return f"recv grad {_name(self.micro_batch, self.chunk)} <- {self.peer}"
 
 
-Action = Forward | Backward | SendActivation | RecvActivation | SendGrad | RecvGrad
-COMPUTE = (Forward, Backward)
-ACTION_TYPES = (Forward, Backward, SendActivation, RecvActivation, SendGrad, RecvGrad)
+Action = (Forward | Backward | BackwardInput | BackwardWeight | SendActivation
+          | RecvActivation | SendGrad | RecvGrad)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+ACTION_TYPES = (*COMPUTE, SendActivation, RecvActivation, SendGrad, RecvGrad)
+KINDS = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 
 def _name(micro_batch: int, chunk: int) -> str:
@@ -172,8 +194,9 @@ class Schedule:
 
 def from_compute_orders(name: str, pp: int, micro_batches: int, virtual_stages: int,
                         orders, placement: str = "looped") -> Schedule:
-    """The Schedule whose rank r runs `orders[r]`, a list of ("F" | "B", micro_batch,
-    chunk): a receive right before each compute that needs one, a send right after."""
+    """The Schedule whose rank r runs `orders[r]`, a list of (kind, micro_batch, chunk),
+    kind one of KINDS ("F", "B", "I", "W"): a receive right before each compute that
+    needs one, a send right after; none between two stages on the same rank."""
     skeleton = Schedule(name, pp, micro_batches, virtual_stages, (), placement)
     last = pp * virtual_stages - 1
     holder = [skeleton.rank_of(stage) for stage in range(last + 1)]
@@ -184,213 +207,18 @@ def from_compute_orders(name: str, pp: int, micro_batches: int, virtual_stages: 
         for kind, i, c in order:
             stage = stage_of[c]
             if kind == "F":
-                if stage > 0:
+                if stage > 0 and holder[stage - 1] != rank:
                     mine.append(RecvActivation(i, c, holder[stage - 1]))
                 mine.append(Forward(i, c))
-                if stage < last:
+                if stage < last and holder[stage + 1] != rank:
                     mine.append(SendActivation(i, c, holder[stage + 1]))
-            else:
-                if stage < last:
+            elif kind in ("B", "I"):
+                if stage < last and holder[stage + 1] != rank:
                     mine.append(RecvGrad(i, c, holder[stage + 1]))
-                mine.append(Backward(i, c))
-                if stage > 0:
+                mine.append(KINDS[kind](i, c))
+                if stage > 0 and holder[stage - 1] != rank:
                     mine.append(SendGrad(i, c, holder[stage - 1]))
+            else:
+                mine.append(KINDS[kind](i, c))
         actions.append(tuple(mine))
     return Schedule(name, pp, micro_batches, virtual_stages, tuple(actions), placement)
-
-
-# --------------------------------------------------------------------------- checking
-@dataclass
-class SimulatedStep:
-    """One step of a schedule run on paper. Per rank: `timelines[r]` its (action, start,
-    end) in order; `finish` when it is done (its last action, or the arrival of its last
-    send if later); `compute`, `comm` (transfers it received) and `idle` (waiting) seconds,
-    compute + comm + idle = finish."""
-
-    timelines: list[list[tuple[Action, float, float]]]
-    finish: list[float]
-    compute: list[float]
-    comm: list[float]
-    idle: list[float]
-
-
-def _costs(cost, p: int, v: int) -> list[list[float]]:
-    if isinstance(cost, (int, float)):
-        return [[float(cost)] * v for _ in range(p)]
-    return cost
-
-
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError if `schedule` cannot run to completion: see `simulate_step`."""
-    simulate_step(schedule)
-
-
-def simulate(schedule: Schedule, forward_time: float = 1.0,
-             backward_time: float = 2.0) -> list[list[tuple[Action, float, float]]]:
-    """Per rank, (action, start, end) of its actions when every chunk forward takes
-    `forward_time`, every backward `backward_time` and messages are free."""
-    return simulate_step(schedule, forward_time, backward_time).timelines
-
-
-def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
-                  message: float = 0.0) -> SimulatedStep:
-    """Run the schedule on paper, checking every rule, and time it.
-
-    forward / backward: seconds of one micro-batch through chunk c on rank r,
-    `forward[r][c]` (or one number for every chunk); message: seconds of one transfer.
-    A send posts its message and goes on (the executor posts sends with isend). A receive
-    waits for its send; the transfer then takes `message` from max(send posted, receive
-    posted), a rendezvous as with NCCL; with message = 0 the receive just waits for the
-    send. A rank whose next receive can never be matched is part of a deadlock.
-    Raises ScheduleError on the first rule a rank breaks:
-    - each (micro-batch, chunk) runs forward once and backward once, forward first;
-    - a chunk that is not the first virtual stage receives its input before its forward;
-      one that is not the last receives its output gradient before its backward;
-    - every send names the rank that holds the neighbouring virtual stage, after the
-      compute that produced it, and is received; every receive is matched by a send.
-    """
-    p, m, v = schedule.pp, schedule.micro_batches, schedule.virtual_stages
-    if len(schedule.actions) != p:
-        raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for "
-                            f"pp={p} ranks")
-    forward, backward = _costs(forward, p, v), _costs(backward, p, v)
-    last = p * v - 1
-    stage_of = [[schedule.virtual_stage(r, c) for c in range(v)] for r in range(p)]
-    holder = [schedule.rank_of(stage) for stage in range(p * v)]
-    sent: dict[tuple, tuple[float, int]] = {}  # (kind, micro_batch, from stage) -> posted, by
-    received: set[tuple] = set()
-    position = [0] * p
-    now = [0.0] * p
-    compute, comm, idle = [0.0] * p, [0.0] * p, [0.0] * p
-    send_ends: list[list[float]] = [[] for _ in range(p)]  # when each rank's sends arrived
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    forwarded: list[set] = [set() for _ in range(p)]  # (micro_batch, chunk) done
-    backwarded: list[set] = [set() for _ in range(p)]
-    inputs: list[set] = [set() for _ in range(p)]  # activations received
-    grads: list[set] = [set() for _ in range(p)]  # output gradients received
-
-    def fail(rank: int, action, problem: str):
-        raise ScheduleError(f"{schedule.name} schedule, rank {rank}, action {position[rank]} "
-                            f"({action}): {problem}")
-
-    def key_of(rank: int, action) -> tuple:
-        """The (kind, micro_batch, sending stage) a p2p action is about; checks its peer."""
-        i, c = action.micro_batch, action.chunk
-        stage = stage_of[rank][c]
-        if isinstance(action, (SendActivation, RecvGrad)):
-            if stage == last:
-                fail(rank, action, "the last virtual stage has no next stage")
-            key = ("act" if isinstance(action, SendActivation) else "grad", i,
-                   stage if isinstance(action, SendActivation) else stage + 1)
-            peer = holder[stage + 1]
-        else:
-            if stage == 0:
-                fail(rank, action, "the first virtual stage has no previous stage")
-            key = ("act" if isinstance(action, RecvActivation) else "grad", i,
-                   stage - 1 if isinstance(action, RecvActivation) else stage)
-            peer = holder[stage - 1]
-        if action.peer != peer:
-            fail(rank, action, f"virtual stage {stage}'s neighbour lives on rank {peer}, "
-                               f"not {action.peer}")
-        return key
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            actions = schedule.actions[rank]
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                if not isinstance(action, ACTION_TYPES):
-                    fail(rank, action, f"not a pipeline action: {type(action).__name__}")
-                i, c = action.micro_batch, action.chunk
-                if not (0 <= i < m and 0 <= c < v):
-                    fail(rank, action, f"micro-batch must be in [0, {m}) and chunk in [0, {v})")
-                stage = stage_of[rank][c]
-                start = now[rank]
-                if isinstance(action, Forward):
-                    if (i, c) in forwarded[rank]:
-                        fail(rank, action, "this forward already ran")
-                    if stage > 0 and (i, c) not in inputs[rank]:
-                        fail(rank, action, "its input activation was not received first "
-                                           "(a RecvActivation must come before)")
-                    forwarded[rank].add((i, c))
-                    now[rank] += forward[rank][c]
-                    compute[rank] += forward[rank][c]
-                elif isinstance(action, Backward):
-                    if (i, c) not in forwarded[rank]:
-                        fail(rank, action, "backward before the forward of this micro-batch")
-                    if (i, c) in backwarded[rank]:
-                        fail(rank, action, "this backward already ran")
-                    if stage < last and (i, c) not in grads[rank]:
-                        fail(rank, action, "its output gradient was not received first "
-                                           "(a RecvGrad must come before)")
-                    backwarded[rank].add((i, c))
-                    now[rank] += backward[rank][c]
-                    compute[rank] += backward[rank][c]
-                elif isinstance(action, (SendActivation, SendGrad)):
-                    key = key_of(rank, action)
-                    done = forwarded if isinstance(action, SendActivation) else backwarded
-                    if (i, c) not in done[rank]:
-                        fail(rank, action, "sends a result its compute has not produced yet")
-                    if key in sent:
-                        fail(rank, action, "this message was already sent")
-                    sent[key] = (now[rank], rank)
-                else:  # RecvActivation, RecvGrad
-                    key = key_of(rank, action)
-                    if key in received:
-                        fail(rank, action, "this message was already received")
-                    if key not in sent:
-                        break  # blocked: maybe a later pass finds it sent
-                    received.add(key)
-                    posted, sender = sent[key]
-                    begin = max(posted, now[rank])
-                    idle[rank] += begin - now[rank]
-                    now[rank] = begin + message
-                    comm[rank] += message
-                    send_ends[sender].append(now[rank])
-                    (inputs if isinstance(action, RecvActivation) else grads)[rank].add((i, c))
-                timeline[rank].append((action, start, now[rank]))
-                position[rank] += 1
-                progress = True
-
-    blocked = [r for r in range(p) if position[r] < len(schedule.actions[r])]
-    if blocked:
-        waits = "; ".join(f"rank {r} waits at action {position[r]} "
-                          f"({schedule.actions[r][position[r]]})" for r in blocked)
-        raise ScheduleError(f"{schedule.name} schedule deadlocks (a receive whose send never "
-                            f"comes first): {waits}")
-    for rank in range(p):
-        expected = {(i, c) for i in range(m) for c in range(v)}
-        for what, done in (("forward", forwarded[rank]), ("backward", backwarded[rank])):
-            missing = sorted(expected - done)
-            if missing:
-                i, c = missing[0]
-                raise ScheduleError(f"{schedule.name} schedule, rank {rank}: no {what} of "
-                                    f"micro-batch {i} on chunk {c} ({len(missing)} missing)")
-    unreceived = sorted(set(sent) - received)
-    if unreceived:
-        kind, i, stage = unreceived[0]
-        raise ScheduleError(f"{schedule.name} schedule: the {kind} of micro-batch {i} sent by "
-                            f"virtual stage {stage} is never received")
-    finish = []
-    for rank in range(p):  # a rank is done when its own sends have arrived
-        end = max([now[rank], *send_ends[rank]])
-        idle[rank] += end - now[rank]
-        finish.append(end)
-    return SimulatedStep(timeline, finish, compute, comm, idle)
-
-
-def in_flight_peak(schedule: Schedule, rank: int, chunk: int | None = None) -> int:
-    """Most micro-batch chunks whose forward ran and backward did not yet, on `rank` (of
-    model chunk `chunk` only, if given): the micro-batches of activations it holds at once."""
-    held = peak = 0
-    for action in schedule.actions[rank]:
-        if chunk is not None and isinstance(action, COMPUTE) and action.chunk != chunk:
-            continue
-        if isinstance(action, Forward):
-            held += 1
-            peak = max(peak, held)
-        elif isinstance(action, Backward):
-            held -= 1
-    return peak

@@ -79,6 +79,10 @@ class SequenceParallelLinear(Function):
         ctx.flops_backward = 4 * m * x2.shape[1] * n + (m * n if bias is not None else 0)
         ctx.kernels_forward, ctx.kernels_backward = linear_kernels(
             m, n, x2.shape[1], x.dtype.itemsize, bias is not None)
+        # per argument, the kernels of its gradient (the split backward's B takes dx,
+        # W the weight GEMM with the bias in its epilogue: engine.backward_input)
+        ctx.backward_by_input = ((ctx.kernels_backward[0],), (ctx.kernels_backward[1],),
+                                 (), (), ())
         return y.astype(x.dtype, copy=False).reshape(*full.shape[:-1], n)
 
     @staticmethod

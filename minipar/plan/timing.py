@@ -34,7 +34,12 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
-from minipar.parallel.schedules import make_schedule, simulate_step, uniform_bubble_fraction
+from minipar.parallel.schedules import (
+    check_schedule_name,
+    make_schedule,
+    simulate_step,
+    uniform_bubble_fraction,
+)
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
@@ -177,13 +182,14 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     p, v, m = config.pp, config.virtual_stages, config.micro_batches
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
     links = group_links(config, cluster)
+    spec = check_schedule_name(config.schedule)
     forward = [[0.0] * v for _ in range(p)]
     backward = [[0.0] * v for _ in range(p)]
     for r in range(p):
         for c in range(v):
-            chunk = StagePlan(rank=r, chunk_layers=(counts[c * p + r],),
-                              first=r == 0 and c == 0, last=r == p - 1 and c == v - 1,
-                              tied_copy=False, in_flight=1)
+            stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
+            chunk = StagePlan(rank=r, chunk_layers=(counts[stage],), first=stage == 0,
+                              last=stage == p * v - 1, tied_copy=False, in_flight=1)
             compute = stage_seconds(shape, config, cluster, chunk)
             seconds = {"forward": compute["forward"], "backward": compute["backward"]}
             for transfer in stage_traffic(shape, config, chunk):

@@ -275,7 +275,8 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                                   overlap_comm=config.overlap_grad_reduce,
                                   zero3_prefetch=config.zero3_prefetch)
     if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
-        engine.defer_reduction(pipeline.tied_embedding_parameters())
+        # (or, in a V, after both of rank 0's chunks added into the one they share)
+        engine.defer_reduction(pipeline.late_reduced_parameters())
     rank = RankModel(mesh, engine, model, pipeline, config.overlap_grad_reduce)
     if start is not None:
         engine.load_optimizer_state(start.step, local_state(named, start.tensors, mesh))

@@ -30,10 +30,10 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.distributed.comm_log import GROUP_KINDS
-from minipar.distributed.timeline import communication_share
+from minipar.distributed.timeline import communication_share, labelled_compute_seconds
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
-from minipar.parallel.schedules import schedule_names, uniform_bubble_fraction
+from minipar.parallel.schedules import SCHEDULES, schedule_names, uniform_bubble_fraction
 from minipar.train import checkpoint
 from minipar.train.build import check_layout, gpt_config
 from minipar.train.config import TrainConfig
@@ -172,7 +172,7 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
                     step_end_s=[max(ends) for ends in zip(*(r["step_ends"] for r in results),
                                                           strict=True)])
     if config.pp > 1:
-        report.pipeline = _pipeline(config, timelines)
+        report.pipeline = _pipeline(config, timelines, [r["coords"] for r in results])
     return report
 
 
@@ -227,10 +227,11 @@ def _transfers(devices) -> list[list[dict]]:
              for r in device.comm.records] for device in devices]
 
 
-def _pipeline(config: TrainConfig, timelines) -> dict:
-    """The pipeline section: the schedule, its measured bubble, the formula's."""
+def _pipeline(config: TrainConfig, timelines, coords=None) -> dict:
+    """The pipeline section: the schedule, its measured bubble, the formula's, and the
+    measured times of one micro-batch through each virtual stage."""
     p, m, v = config.pp, config.grad_accum_steps, config.virtual_stages
-    return {
+    section = {
         "schedule": config.schedule,
         # Idle rank-time / total rank-time over the run, from the simulated clocks.
         "bubble_fraction": bubble_fraction(timelines),
@@ -242,6 +243,39 @@ def _pipeline(config: TrainConfig, timelines) -> dict:
         # does not describe the run (timeline.communication_bound); front ends say so.
         "communication_share": communication_share(timelines),
     }
+    if coords is not None:
+        section["stage_times"] = _stage_times(config, timelines, coords)
+    return section
+
+
+def _stage_times(config: TrainConfig, timelines, coords) -> list[dict]:
+    """Per virtual stage, the simulated seconds of micro-batch 0's forward (F), input
+    gradient (I: the ZB paper's B), weight gradient (W) and full backward (B, or I + W),
+    averaged over the steps, on the dp = tp = 0 rank that runs it: the T_F, T_B, T_W of
+    the papers' bubble formulas. Without a split backward, I and W are None."""
+    spec = SCHEDULES[config.schedule]
+    p, v, steps = config.pp, config.virtual_stages, config.steps
+    times = []
+    for timeline, where in zip(timelines, coords, strict=True):
+        if where["dp"] or where["tp"]:
+            continue
+        seconds = labelled_compute_seconds(timeline)
+        for c in range(v):
+            suffix = "" if c == 0 else f".{c}"
+
+            def per_step(kind, suffix=suffix, seconds=seconds):
+                label = f"{kind}0{suffix}"
+                return seconds[label] / steps if label in seconds else None
+
+            forward, full = per_step("F"), per_step("B")
+            backward_input, backward_weight = per_step("I"), per_step("W")
+            if full is None and backward_input is not None:
+                full = backward_input + (backward_weight or 0.0)
+            times.append({"stage": spec.virtual_stage(p, where["pp"], c),
+                          "rank": where["pp"], "chunk": c, "forward_s": forward,
+                          "backward_input_s": backward_input,
+                          "backward_weight_s": backward_weight, "backward_s": full})
+    return sorted(times, key=lambda t: t["stage"])
 
 
 # ------------------------------------------------------------------ validation

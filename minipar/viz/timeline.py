@@ -8,7 +8,9 @@ background, so the pipeline bubble is the grey. Compute bars carry their label w
 run set one (the pipeline labels each micro-batch: F3 = forward of micro-batch 3,
 B3.1 = backward of micro-batch 3 on model chunk 1); later chunks of an interleaved schedule
 are drawn lighter, as in Figure 4 of Narayanan et al. 2021, and the legend shows each
-chunk's shade ("forward, chunk 0 / 1").
+chunk's shade ("forward, chunk 0 / 1"). A zero-bubble schedule's
+backward is split: I3 (its input gradient, the backward colour) and W3 (the weight
+gradients, WEIGHT_COLOR, with its own legend entry), as the ZB paper draws B and W apart.
 
 Built on `matplotlib.figure.Figure`, never pyplot, so it works without a display and a
 notebook shows each figure once.
@@ -31,6 +33,7 @@ COLORS = {
     "idle": "#e6e6e6",
 }
 COMM_STREAM = "#7a1f1f"  # transfers in flight, also while the rank computes
+WEIGHT_COLOR = "#8c6bb1"  # W: a backward labelled "W3" (weight gradients only)
 TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
 
 
@@ -93,6 +96,7 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
     fig = Figure(figsize=(width, 1.4 + 0.45 * n), layout="constrained")
     ax = fig.subplots()
     min_text_width = (t1 - t0) / 40  # label a bar only if it is wider than this
+    weights_drawn = False
     for y, row in enumerate(rows):
         ax.broken_barh([((0.0), (t1 - t0) / scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
         bars: dict[tuple, list] = {}
@@ -102,6 +106,8 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
             if e <= s or kind == "idle":
                 continue
             color = COLORS.get(kind, "#999999")
+            if kind == "backward" and label.startswith("W"):
+                color, weights_drawn = WEIGHT_COLOR, True
             if max_chunk and kind in ("forward", "backward"):
                 color = _lighter(color, 0.5 * _chunk(label) / max_chunk)
             bars.setdefault(color, []).append(((s - t0) / scale, (e - s) / scale))
@@ -135,6 +141,9 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
         title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
     ax.set_title(title)
     handles, labels = _legend_entries(max_chunk)
+    if weights_drawn:
+        handles.insert(2, Patch(facecolor=WEIGHT_COLOR))
+        labels.insert(2, "backward weight (W)")
     if transfers is not None:
         handles.append(Patch(facecolor=COMM_STREAM))
         labels.append("transfer (comm stream)")

@@ -237,8 +237,9 @@ class PipelineExplorer(Explorer):
         right.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
         formula = SCHEDULES[schedule].bubble_formula
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
-                   f"{formula} = {result['formula']:.3f} for uniform stages (the last stage "
-                   f"also runs the head and loss); stage 0 holds "
+                   f"{formula} = {result['formula']:.3f} for uniform stages (the last virtual "
+                   f"stage also runs the head and loss: rank p-1, or rank 0 in a V); "
+                   f"stage 0 holds "
                    f"{result['in_flight'][0]} micro-batches of activations at once")
         return [timeline, fig], message
 

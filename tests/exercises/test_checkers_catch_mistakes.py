@@ -394,7 +394,55 @@ def test_06_forgetting_the_lm_heads_backward_all_reduce_under_tp():
     assert all("tp predicted" in d for d in detail.values())
 
 
-@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05", "06"])
+# ------------------------------------------------------------------ 07 zero bubble
+def test_07_an_untransposed_weight_is_named():
+    detail = only_failure("07", linear_backward_input=lambda g, w: g @ w)
+    assert "g @ W^T" in detail
+
+
+def test_07_a_bias_gradient_summed_over_the_first_axis_only_is_named():
+    _, sol = mutant("07")
+
+    def first_axis_bias(x, g):
+        grad_w, _ = sol.linear_backward_weight(x, g)
+        return grad_w, g.sum(axis=0)  # right for 2D x, (s, out) for (b, s, in)
+
+    detail = only_failure("07", linear_backward_weight=first_axis_bias)
+    assert "sum g over every axis but the last" in detail
+
+
+def test_07_w_right_after_i_is_1f1b_with_a_split_backward():
+    _, sol = mutant("07")
+
+    def no_delay(pp, m, rank):
+        return sol.zb_h1_compute_order(pp, m, 0) if rank == 0 else [
+            step for kind, i in _one_f_one_b_split(pp, m, rank) for step in [(kind, i)]]
+
+    detail = failures("07", zb_h1_compute_order=no_delay)
+    assert "delays its W's by r" in "\n".join(detail.values())
+
+
+def test_07_every_w_at_the_end_holds_m_micro_batches():
+    _, sol = mutant("07")
+
+    def all_w_last(pp, m, rank):
+        order = [step for step in sol.zb_h1_compute_order(pp, m, rank) if step[0] != "W"]
+        return order + [("W", i) for i in range(m)]
+
+    detail = failures("07", zb_h1_compute_order=all_w_last)
+    assert "all W's at the end" in "\n".join(detail.values())
+
+
+def _one_f_one_b_split(pp, m, rank):
+    """1F1B with each B split into I and an immediate W."""
+    _, sol = mutant("05")
+    order = []
+    for kind, i in sol.compute_order(pp, m, rank):
+        order += [("F", i)] if kind == "F" else [("I", i), ("W", i)]
+    return order
+
+
+@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05", "06", "07"])
 def test_an_error_in_the_code_under_test_is_a_failure_with_its_place(number):
     """Not a traceback wall: the error, the file and line, the rank."""
     exercise = find(number)
@@ -405,7 +453,7 @@ def test_an_error_in_the_code_under_test_is_a_failure_with_its_place(number):
         raise ZeroDivisionError("planted")
 
     for name in ("ring_all_reduce", "column_parallel_linear", "train_step", "Zero2AdamW",
-                 "one_f_one_b", "predict_rank"):
+                 "one_f_one_b", "predict_rank", "zb_h1_compute_order"):
         if name in broken:
             broken[name] = boom
     report = exercise.check(types.SimpleNamespace(**broken))

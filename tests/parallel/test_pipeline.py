@@ -14,6 +14,7 @@ import pytest
 from minipar import distributed as dist
 from minipar.autograd.tensor import Context
 from minipar.autograd.tracking import use_device
+from minipar.distributed.timeline import labelled_compute_seconds
 from minipar.nn import GPT, AdamW, GPTConfig, clip_grad_norm_
 from minipar.nn.optim import scale_grads_
 from minipar.parallel.pipeline import (
@@ -25,6 +26,7 @@ from minipar.parallel.pipeline import (
     time_breakdown,
 )
 from minipar.parallel.schedules import (
+    SCHEDULES,
     Backward,
     Forward,
     RecvActivation,
@@ -188,6 +190,33 @@ def test_pipeline_training_equals_single_device_in_fp64(schedule, pp, m, dp):
     check_equivalent(config, schedule, pp, m, dp, v)
 
 
+ZERO_BUBBLE = {"zb-h1": 1, "zb-h2": 1, "zb-v": 2, "dualpipe-v": 2}  # name -> chunks
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", list(ZERO_BUBBLE))
+def test_zero_bubble_training_equals_single_device_in_fp64(schedule, pp, dp, tied):
+    """I and W split the backward, the V puts the first and last stage (both copies of a
+    tied wte, and the loss) on rank 0: still the single-device run, to 1e-10."""
+    v = ZERO_BUBBLE[schedule]
+    m = 2 * pp  # every schedule's fewest micro-batches (DualPipe-V: 2p)
+    config = gpt_config(pp * v, tied)
+    results = dist.launch(pipeline_rank, dp * pp, config, schedule, pp, m, dp, v)
+    ref_losses, ref_state = single_device(config.n_layer, m, dp, tied)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-12)
+    replica = [r["state"] for r in results if r["coords"]["dp"] == 0]
+    state = consolidate_state_dicts(replica, config)
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+    if tied:  # the two copies of wte, on ranks 0 and p-1 or both on rank 0, agree
+        copies = [c for r in results if r["coords"]["dp"] == 0 for c in r["wte_copies"]]
+        assert len(copies) == 2
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
 def test_untied_head_uneven_split_one_stage_and_checkpointing_are_equivalent_too():
     check_equivalent(gpt_config(4, tied=False), "1f1b", 2, 4, 1)
     check_equivalent(gpt_config(4), "1f1b", 1, 4, 1)  # pp = 1: gradient accumulation
@@ -264,6 +293,61 @@ def test_uniform_stages_have_the_papers_bubble(schedule, p, m, v):
     idle = sum(d.clock.idle_s for d in devices)
     total = sum(d.clock.now for d in devices)
     assert idle / total == pytest.approx(measured, rel=1e-9)
+
+
+def stage_costs(devices, v):
+    """The mean T_F, T_B (the I action) and T_W of micro-batch 0 over the chunks."""
+    seconds = [labelled_compute_seconds(d.clock.events) for d in devices]
+    suffixes = [""] + [f".{c}" for c in range(1, v)]
+    return [np.mean([s[f"{kind}0{x}"] for s in seconds for x in suffixes])
+            for kind in ("F", "I", "W")]
+
+
+@pytest.mark.parametrize("schedule, p, m", [("zb-h1", 4, 8), ("zb-h1", 3, 3),
+                                             ("zb-h2", 4, 8), ("zb-h2", 2, 5)])
+def test_uniform_stages_have_the_zero_bubble_papers_bubble(schedule, p, m):
+    """Uniform stages, free communication: the idle time per rank is Table 2 of Qi et al.
+    2024 evaluated with the measured T_F, T_B, T_W of one block (ZB-H1 (p-1)(T_F+T_B-T_W);
+    ZB-H2 (p-1)(T_F+T_B-2T_W), here (p-1)T_F, the skew the step's end keeps)."""
+    _, devices = dist.launch(one_step, p, gpt_config(p), schedule, m, 1, True, device=FREE,
+                             return_devices=True)
+    f, b, w = stage_costs(devices, 1)
+    assert w < b and w <= f  # the papers' regime: the weight GEMMs alone are the least
+    idle = SCHEDULES[schedule].bubble_time(p, m, 1, f, b, w)
+    assert bubble_fraction([d.clock.events for d in devices]) == pytest.approx(
+        idle / (idle + m * (f + b + w)), rel=1e-9)
+
+
+def test_zb_h1_keeps_1f1b_s_activation_peak_zb_h2_holds_2p_minus_1():
+    p, m = 4, 8
+    peaks = {}
+    for schedule in ("1f1b", "zb-h1", "zb-h2"):
+        _, devices = dist.launch(one_step, p, gpt_config(p), schedule, m, 1, False,
+                                 return_devices=True)
+        peaks[schedule] = [d.memory.peak["activations"] for d in devices]
+    # 1F1B's peak is rank 0's p micro-batches; ZB-H1's rank 0 holds the same, the middle
+    # ranks no more (their W's wait r micro-batches, but W needs less than F saved) ...
+    # (plus the LayerNorm weight gradients B computes anyway and W adds in: 2 x d floats)
+    assert peaks["zb-h1"][0] - peaks["1f1b"][0] == 2 * D * 8
+    assert all(peak <= peaks["1f1b"][0] for peak in peaks["zb-h1"][1:-1])
+    # ... but the last rank's delayed W's keep the head's input and logits gradient
+    # (b, s, V): the papers' "1F1B memory" counts uniform stages, not the head
+    assert peaks["zb-h1"][-1] > peaks["1f1b"][-1]
+    # rank 0 runs W right after I: 2p - 1 micro-batches of stage activations at once
+    # (and a few of W's small partial gradients: within 0.2%)
+    assert peaks["zb-h2"][0] / peaks["1f1b"][0] == pytest.approx((2 * p - 1) / p, rel=2e-3)
+
+
+def test_the_v_sends_twice_the_point_to_point_bytes_of_1f1b():
+    """2(p-1) rank boundaries instead of p-1 (the V's tip stays on rank p-1)."""
+    p, m = 4, 8
+    sent = {}
+    for schedule, v in (("1f1b", 1), ("zb-v", 2), ("dualpipe-v", 2)):
+        _, devices = dist.launch(one_step, p, gpt_config(p * v), schedule, m, v, False,
+                                 return_devices=True)
+        sent[schedule] = sum(r.sent_bytes for d in devices for r in d.comm.records
+                             if r.op == "send")
+    assert sent["zb-v"] == sent["dualpipe-v"] == 2 * sent["1f1b"]
 
 
 def test_real_stages_deviate_the_embedding_head_and_loss_are_not_free():

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from minipar.parallel.pipeline_actions import (
+    BackwardWeight,
     Forward,
     RecvActivation,
     RecvGrad,
@@ -18,10 +19,8 @@ from minipar.parallel.pipeline_actions import (
     SendActivation,
     SendGrad,
     from_compute_orders,
-    in_flight_peak,
-    simulate_step,
-    validate,
 )
+from minipar.parallel.pipeline_simulator import in_flight_peak, simulate_step, validate
 from minipar.parallel.schedules import (
     SCHEDULES,
     ScheduleSpec,
@@ -36,7 +35,8 @@ from minipar.plan.layout import ParallelConfig, PlanError
 from minipar.train.config import ConfigError, TrainConfig
 from minipar.train.report import SCHEMA_PATH
 
-SETTINGS = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8) for v in (1, 2, 3)]
+SETTINGS = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12, 16)
+            for v in (1, 2, 3)]
 
 
 def accepted(name, p, m, v) -> bool:
@@ -71,10 +71,23 @@ def test_every_schedule_s_facts_are_what_its_action_lists_do(name):
         assert spec.accepts_chunks(v) and schedule.placement == spec.placement
         stages = sorted(schedule.virtual_stage(r, c) for r in range(p) for c in range(v))
         assert stages == list(range(p * v))  # every virtual stage on exactly one rank
-        for backward_time in (1.0, 2.0, 3.5):
-            run = simulate_step(schedule, 1.0, backward_time)
-            assert idle_share(run) == pytest.approx(uniform_bubble_fraction(name, p, m, v),
-                                                    abs=1e-12)
+        split = any(isinstance(a, BackwardWeight) for rank in schedule for a in rank)
+        if not split:  # a share that does not depend on t_b / t_f
+            for backward_time in (1.0, 2.0, 3.5):
+                run = simulate_step(schedule, 1.0, backward_time)
+                assert idle_share(run) == pytest.approx(
+                    uniform_bubble_fraction(name, p, m, v), abs=1e-12)
+        run = simulate_step(schedule, 1.0, 2.0, weight=1.0)  # T_F = T_B = T_W
+        assert idle_share(run) == pytest.approx(uniform_bubble_fraction(name, p, m, v),
+                                                abs=1e-12)
+        if spec.bubble_time is not None:  # the papers' bubble column, in their regime:
+            # W the shortest of the three (a Linear's dW GEMM costs its dX GEMM)
+            for f, b, w in ((1.0, 1.0, 1.0), (1.0, 1.2, 0.7), (1.3, 1.0, 1.0),
+                            (1.0, 1.5, 0.5), (1.5, 0.9, 0.6)):
+                run = simulate_step(schedule, f, b + w, weight=w)
+                work = m * v * (f + b + w)
+                assert max(run.finish) - work == pytest.approx(
+                    spec.bubble_time(p, m, v, f, b, w), abs=1e-9), (p, m, v, f, b, w)
         for rank in range(p):
             assert spec.in_flight(p, m, v, rank) == in_flight_peak(schedule, rank)
         last = schedule.rank_of(p * v - 1)
@@ -94,7 +107,8 @@ def test_the_rules_say_what_the_generators_need():
 def test_the_report_schema_file_lists_the_registered_schedules():
     schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
     assert schema["properties"]["config"]["properties"]["schedule"]["enum"] == list(
-        schedule_names()) == ["gpipe", "1f1b", "interleaved"]
+        schedule_names()) == ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v",
+                              "dualpipe-v"]
 
 
 def test_names_are_registered_once():
@@ -232,13 +246,14 @@ def test_the_v_placement_puts_chunk_1_of_rank_r_on_stage_2p_minus_1_minus_r():
 
 def test_the_simulator_checks_a_v_shaped_schedule_by_its_placement():
     """One micro-batch down ranks 0, 1 (chunk 0) and back up 1, 0 (chunk 1): the message
-    from stage 1 to stage 2 stays on rank 1, and the loss is on rank 0."""
+    from stage 1 to stage 2 stays on rank 1 (handed over in memory, no message: a real
+    p2p library does not send to itself), and the loss is on rank 0."""
     orders = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)],
               [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]]
     schedule = from_compute_orders("v-gpipe", 2, 1, 2, orders, placement="v")
     assert schedule[0][:4] == (Forward(0), SendActivation(0, 0, 1),
                                RecvActivation(0, 1, 1), Forward(0, 1))
-    assert schedule[1][:3] == (RecvActivation(0, 0, 0), Forward(0), SendActivation(0, 0, 1))
+    assert schedule[1][:3] == (RecvActivation(0, 0, 0), Forward(0), Forward(0, 1))
     run = simulate_step(schedule, 1.0, 2.0)
     assert max(run.finish) == pytest.approx(4 * 1.0 + 4 * 2.0)  # a chain of 4 stages
     wrong = list(schedule[0])

@@ -85,3 +85,31 @@ def test_emulated_cluster_prices_compute_at_the_profile_rate():
     shape = ModelShape(n_layer=1, d_model=32, n_head=4, vocab_size=32, seq_len=8)
     est = estimate(shape, ParallelConfig(precision="fp32"), spec)
     assert est.time["tokens_per_s"] == pytest.approx(8 / est.step_time)
+
+
+def test_chunk_costs_follow_the_schedule_s_placement():
+    """In a V rank 0 runs the first stage (embedding) and the last (head and loss): the
+    planner prices rank 0's chunk 1 as the head's, not rank p-1's last chunk."""
+    from minipar.plan.timing import chunk_costs
+
+    shape = presets.model("gpt2")
+    looped = ParallelConfig(pp=4, grad_accum_steps=8, schedule="interleaved",
+                            virtual_stages=2)
+    v_shape = ParallelConfig(pp=4, grad_accum_steps=8, schedule="zb-v", virtual_stages=2)
+    forward_looped, _ = chunk_costs(shape, looped, UNIFORM)
+    forward_v, _ = chunk_costs(shape, v_shape, UNIFORM)
+    head_looped = forward_looped[3][1]  # stage 7 = 1 * 4 + 3
+    head_v = forward_v[0][1]  # stage 7 = 2p - 1 - 0
+    assert head_v == pytest.approx(head_looped, rel=1e-12)
+    assert head_v > forward_v[3][1]  # rank 3's chunk 1 is stage 4: blocks only
+
+
+@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2),
+                                         ("dualpipe-v", 2)])
+def test_the_zero_bubble_schedules_are_planned_below_1f1b(schedule, v):
+    """The planner simulates their action lists (I and W at half the backward each)."""
+    shape = presets.model("gpt2")
+    one_f_one_b = estimate(shape, ParallelConfig(pp=4, grad_accum_steps=8), UNIFORM)
+    ours = estimate(shape, ParallelConfig(pp=4, grad_accum_steps=8, schedule=schedule,
+                                          virtual_stages=v), UNIFORM)
+    assert ours.time["bubble_fraction"] < one_f_one_b.time["bubble_fraction"]

@@ -8,6 +8,7 @@ import importlib
 import pytest
 
 from minipar.parallel.pipeline import Pipeline
+from minipar.parallel.schedules import schedule_names
 from minipar.train.grid import GRID, REPRESENTATIVE, Case, run_case, run_grid
 from minipar.viz.tables import grid_table
 
@@ -17,7 +18,8 @@ def test_the_grid_covers_every_axis_and_the_required_layouts():
     assert {"dp2 tp2 pp2 zero1 (8 ranks)", "dp3 tp1 pp2 zero1 (odd, 6 ranks)"} <= names
     configs = [case.config() for case in GRID]
     assert {c.zero for c in configs} == {0, 1, 2, 3}
-    assert {c.schedule for c in configs if c.pp > 1} == {"gpipe", "1f1b", "interleaved"}
+    # every registered schedule (the zero-bubble ones of issue 17 too) is trained
+    assert {c.schedule for c in configs if c.pp > 1} == set(schedule_names())
     assert any(c.sequence_parallel for c in configs)
     assert any(c.activation_checkpointing for c in configs)
     assert all(c.precision == "fp64" and c.check for c in configs)
@@ -73,3 +75,11 @@ def test_refusals_cost_no_training(name, monkeypatch):
     monkeypatch.setattr(importlib.import_module("minipar.train.grid"), "reference_run",
                         no_training)
     assert run_case(case).passed
+
+
+def test_a_v_with_data_parallelism_reduces_its_buckets_right():
+    """ZB-V under DP with overlapped reduction: the hooks fire during each chunk's last W,
+    and the wte that rank 0's two chunks share is reduced after the schedule."""
+    (case,) = [c for c in GRID if c.name.startswith("dp2 pp2 zb-v zero1")]
+    result = run_case(case)
+    assert result.passed, result.equivalence

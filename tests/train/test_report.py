@@ -162,3 +162,30 @@ def test_exposed_communication_is_reported_beside_comm_time():
         total = after["time"]["exposed_comm_s"] + after["time"]["overlapped_comm_s"]
         assert total == pytest.approx(before["time"]["exposed_comm_s"], rel=1e-9)
         assert after["time"]["exposed_comm_s"] < before["time"]["exposed_comm_s"]
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)])
+def test_stage_times_are_one_micro_batch_s_f_b_w_per_virtual_stage(schedule, v):
+    """pipeline.stage_times: the T_F, T_B, T_W of the papers' bubble formulas, measured
+    on the simulated clock; I + W of a split backward costs the full backward's time."""
+    settings = dict(pp=2, grad_accum_steps=4, steps=2, n_layer=4, seq_len=8, d_model=16,
+                    n_head=2, micro_batch_size=2, virtual_stages=v)
+    times = {}
+    for name in ("1f1b", schedule):
+        chunks = v if name == schedule else 1
+        report = train(TrainConfig(**{**settings, "virtual_stages": chunks}, schedule=name))
+        validate_report(report.to_dict())
+        times[name] = report.pipeline["stage_times"]
+    stages = times[schedule]
+    assert [t["stage"] for t in stages] == list(range(2 * v))
+    split = schedule != "1f1b"
+    for t in stages:
+        assert t["forward_s"] > 0 and t["backward_s"] > 0
+        assert (t["backward_input_s"] is not None) == split
+        if split:
+            assert t["backward_s"] == pytest.approx(t["backward_input_s"]
+                                                    + t["backward_weight_s"])
+    if v == 1:  # the same stage, split or not: the same compute time
+        for ours, plain in zip(stages, times["1f1b"], strict=True):
+            assert ours["forward_s"] == pytest.approx(plain["forward_s"], rel=1e-12)
+            assert ours["backward_s"] == pytest.approx(plain["backward_s"], rel=1e-12)

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from minipar import distributed as dist
 from minipar.distributed.clock import TimelineEvent
-from minipar.viz.timeline import COLORS, plot_timeline
+from minipar.viz.timeline import COLORS, WEIGHT_COLOR, plot_timeline
 
 # Two ranks, in seconds: rank 1 waits 1 s, so the run is 3 s and 2 of 6 rank-seconds idle.
 TIMELINES = [
@@ -72,6 +72,19 @@ def test_later_model_chunks_are_lighter():
     colors = {start: color for _, color, start, _ in bars(fig) if color != COLORS["idle"]}
     dark, light = np.array(to_rgb(colors[0.0])), np.array(to_rgb(colors[1.0]))
     assert colors[0.0] == COLORS["forward"] and np.all(light > dark)
+
+
+def test_a_split_backward_draws_w_apart_with_its_own_legend_entry():
+    """ZB schedules: I keeps the backward colour, W (weight gradients) gets its own."""
+    split = [[TimelineEvent("forward", 0.0, 1.0, "F0"), TimelineEvent("backward", 1.0, 2.0, "I0"),
+              TimelineEvent("backward", 2.0, 3.0, "W0")]]
+    fig = plot_timeline(split)
+    colors = {start: color for _, color, start, _ in bars(fig) if color != COLORS["idle"]}
+    assert colors[1.0] == COLORS["backward"] and colors[2.0] == WEIGHT_COLOR
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "backward weight (W)" in legend
+    plain = [t.get_text() for t in plot_timeline(TIMELINES).legends[0].get_texts()]
+    assert "backward weight (W)" not in plain
 
 
 def test_a_real_run_saves_a_png(tmp_path):

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from minipar.parallel.pipeline_actions import simulate_step
+from minipar.parallel.pipeline_simulator import simulate_step
 from minipar.parallel.schedules import make_schedule, simulate
 
 
