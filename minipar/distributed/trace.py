@@ -122,6 +122,20 @@ def _memory_counters(history, pid: int) -> list[dict]:
     return events
 
 
+def memory_peak(history) -> dict:
+    """The largest total the ledger held, replayed from its history: bytes, the simulated
+    moment ("at_s", the first time it was reached) and the bytes of each category then."""
+    current = dict.fromkeys(CATEGORIES, 0)
+    best = {"bytes": 0, "at_s": 0.0, "by_category": dict(current)}
+    total = 0
+    for t, category, nbytes in history:
+        total += nbytes - current[category]
+        current[category] = nbytes
+        if total > best["bytes"]:
+            best = {"bytes": total, "at_s": t, "by_category": dict(current)}
+    return best
+
+
 def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
     """One rank's trace as a dict (what `write_traces` writes to rank<N>.json).
 
@@ -199,6 +213,9 @@ def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
     if device.memory.history is not None:
         events.extend(_memory_counters(device.memory.history, pid))
     profile = device.profile
+    extra = dict(metadata or {})
+    if device.memory.history is not None:
+        extra["memory_peak"] = memory_peak(device.memory.history)
     return {
         # HTA finds a file's rank with the regex '"rank":\s+(\d+)' on the first line that
         # has one: distributedInfo comes first.
@@ -211,7 +228,7 @@ def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
         "traceName": f"rank{rank}.json",
         "minipar": {"schema": TRACE_SCHEMA, "rank": rank, "node": device.node,
                     "gpus_per_node": device.gpus_per_node, "device": asdict(profile),
-                    "end_s": device.clock.now, **(metadata or {})},
+                    "end_s": device.clock.now, **extra},
         "traceEvents": events,
     }
 

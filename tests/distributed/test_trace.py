@@ -116,6 +116,29 @@ def test_memory_counters_replay_the_ledger():
     assert peak["args"]["buffers"] == 4096 * 4  # the peak is while the buffer is held
 
 
+def test_the_memory_peak_is_replayed_exactly_with_its_moment():
+    device = traced()[0]
+    peak = rank_trace(device)["minipar"]["memory_peak"]
+    assert peak["bytes"] == device.memory.peak_total
+    assert peak["by_category"]["buffers"] == 4096 * 4 and peak["at_s"] == 0.0
+    # a buffer held and released at one instant shows in the peak, not on the counter
+    def spike():
+        device = dist.get_device()
+        device.compute(FLOPS, "forward")
+        spike = np.zeros(100, dtype=np.float64)
+        device.memory.hold(spike, "buffers")
+        device.memory.release(spike)
+        device.compute(FLOPS, "forward")
+
+    device = traced(spike, world=1)[0]
+    trace = rank_trace(device)
+    assert trace["minipar"]["memory_peak"] == {
+        "bytes": 800, "at_s": FLOPS / 400e12,
+        "by_category": {"params": 0, "grads": 0, "optimizer": 0, "activations": 0,
+                        "buffers": 800}}
+    assert all(sum(e["args"].values()) == 0 for e in trace["traceEvents"] if e["ph"] == "C")
+
+
 def test_profiler_steps_and_metadata():
     device = traced()[0]
     trace = rank_trace(device, steps=[(0, 0.0, 1e-6), (1, 1e-6, 2e-6)],
