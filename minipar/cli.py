@@ -4,6 +4,8 @@
     minipar train [flags] [--json PATH]      train any mix and print what each rank measured
     minipar check [--quick]                  the equivalence matrix against single device
     minipar timeline [flags] --out PNG       train, then draw the ranks' Gantt chart
+    minipar train [flags] --trace DIR        also write a profiler trace per rank (Perfetto, HTA)
+    minipar profile DIR [--json PATH]        the bottleneck report of a traced run
     minipar consolidate CKPT OUT.npz         a sharded checkpoint -> one state dict
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
@@ -13,8 +15,10 @@ end the program with one line naming the flag and exit status 2, never a traceba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
+import tempfile
 import types
 import typing
 
@@ -161,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="CKPT",
                        help="continue from a checkpoint (or the latest one in a --save DIR), "
                             "saved under any --dp / --zero")
+    train.add_argument("--trace", metavar="DIR",
+                       help="write a Chrome Trace Event file per rank (DIR/rank<N>.json; open "
+                            "DIR/merged/all_ranks.json in Perfetto, or DIR in HTA)")
+    train.add_argument("--profile", action="store_true",
+                       help="print the bottleneck report (as `minipar profile DIR`) and add "
+                            "it to the --json report as \"profile\"")
+    profile = commands.add_parser(
+        "profile", help="read a traced run (minipar train --trace DIR) and name its "
+                        "bottleneck: compute, exposed communication, bubble, memory peak")
+    profile.add_argument("trace_dir", metavar="DIR", help="the folder of rank<N>.json traces")
+    profile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     check = commands.add_parser(
         "check", help="train a grid of dp x tp x pp x ZeRO layouts in fp64 and compare each "
                       "with single-device training, step by step")
@@ -196,6 +211,8 @@ def cmd_train(args) -> int:
         check_output_file("json", args.json)
     if args.save is not None:
         check_output_dir("save", args.save)
+    if args.trace is not None:
+        check_output_dir("trace", args.trace)
     check_fits(config)  # the planner's estimate, before anything is allocated
     bar = None
     if not args.quiet:
@@ -211,17 +228,28 @@ def cmd_train(args) -> int:
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     late = None  # an output that failed after the run: said last, the results kept
-    try:
-        report = train(config, progress=progress, save_dir=args.save,
-                       save_every=args.save_every, resume_from=args.resume,
-                       device=device_profile(args.device))
-    except OutputError as err:
-        if err.report is None:
-            raise
-        report, late = err.report, OutputError("save", err.detail)  # its flag is --save
-    finally:
-        if bar is not None:
-            bar.close()
+    profile = None
+    with contextlib.ExitStack() as stack:
+        trace = args.trace
+        if args.profile and trace is None:  # --profile alone: trace to a folder we drop
+            trace = stack.enter_context(tempfile.TemporaryDirectory(prefix="minipar-trace-"))
+        try:
+            report = train(config, progress=progress, save_dir=args.save,
+                           save_every=args.save_every, resume_from=args.resume,
+                           device=device_profile(args.device), trace=trace)
+        except OutputError as err:
+            if err.report is None:
+                raise
+            report, late = err.report, OutputError("save", err.detail)  # its flag is --save
+        finally:
+            if bar is not None:
+                bar.close()
+        if args.profile:
+            from minipar.distributed import read_traces
+            from minipar.plan.profile import profile_traces
+
+            profile = profile_traces(read_traces(trace))
+            report.profile = profile.to_dict()
     if args.json:
         try:
             report.to_json(args.json)
@@ -229,7 +257,7 @@ def cmd_train(args) -> int:
             late = OutputError("json", f"{args.json}: the report could not be written "
                                f"({err.strerror or err}); it is printed above instead")
             print(report.to_json())
-    print_summary(report, config, args, late)
+    print_summary(report, config, args, late, profile)
     if late is not None:
         raise late
     check = report.equivalence
@@ -240,8 +268,9 @@ def cmd_train(args) -> int:
     return 0
 
 
-def print_summary(report, config: TrainConfig, args, late=None) -> None:
-    """What `minipar train` prints after the run (nothing with --quiet)."""
+def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
+    """What `minipar train` prints after the run (nothing with --quiet); `profile` is
+    minipar profile's report of the run (--profile)."""
     from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
 
     check = report.equivalence
@@ -266,6 +295,11 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
             print(f"\n{equivalence_line(check)}")
         if args.save and not (late is not None and late.setting == "save"):
             print(f"checkpoints written to {args.save}")
+        if args.trace:
+            print(f"\ntraces written to {args.trace}/rank<N>.json (every rank: "
+                  f"{args.trace}/merged/all_ranks.json; `minipar profile {args.trace}`)")
+        if profile is not None:
+            print(f"\n{profile.text()}")
         if args.json and not (late is not None and late.setting == "json"):
             print(f"\nreport written to {args.json}")
 
@@ -288,6 +322,21 @@ def pipeline_line(pipeline: dict, device: str = "h100") -> str:
                 f"apply{hint}")
     return (line + f"; uniform stages with free communication would give "
             f"{pipeline['uniform_bubble_fraction']:.1%}")
+
+
+def cmd_profile(args) -> int:
+    import json
+
+    from minipar.distributed import read_traces
+    from minipar.plan.profile import profile_traces
+
+    profile = profile_traces(read_traces(args.trace_dir))
+    print(profile.text())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(profile.to_dict(), out, indent=2)
+        print(f"\nprofile written to {args.json}")
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -382,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
-                    "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan}
+                    "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan,
+                    "profile": cmd_profile}
         return commands[args.command](args)
     except (MiniparError, NotImplementedError) as err:
         # Every refusal (a setting, a checkpoint, a diverged run, a stuck rank) is one

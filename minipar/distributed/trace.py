@@ -36,6 +36,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from minipar.errors import MiniparError
+
 from .memory import CATEGORIES
 
 TRACE_SCHEMA = "minipar.trace/1"
@@ -264,7 +266,7 @@ def write_traces(directory, devices, steps=None, metadata=None) -> list[Path]:
     return paths
 
 
-class TraceError(ValueError):
+class TraceError(MiniparError, ValueError):
     """A trace folder minipar cannot read (missing, empty, not its format)."""
 
 
