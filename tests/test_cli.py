@@ -71,6 +71,9 @@ def test_demo_trains_8_ranks_checks_explains_and_saves_three_figures(tmp_path):
         assert f"\n{run_name} " in text
     for name in ("timeline.png", "memory.png", "traffic.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "trace").glob("*.json")) == [
+        f"rank{r}.json" for r in range(8)]
+    assert "profiler trace written to" in text
     assert "(demo took " in text  # the wall time is printed, never asserted on
     # while it works it says what it is doing, on stderr (stdout stays the report)
     for working in ("... training DP 2 x TP 2 x PP 2 + ZeRO-1 and the same batches on one",

@@ -150,10 +150,15 @@ def diagnose(profile) -> dict:
             by_group[g] = by_group.get(g, 0.0) + s
     group = max(by_group, key=by_group.get) if by_group else None
     knob = _knob(profile, bottleneck, group)
+    waste = None
+    if knob is None and bottleneck == "compute":
+        # Compute-bound is the goal; the knob then goes after the largest waste left.
+        waste = max(("idle", "exposed_comm"), key=lambda k: shares[k])
+        knob = _knob(profile, waste, group)
     peak = profile.memory_peak
-    verdict = {"bottleneck": bottleneck, "shares": shares,
-               "exposed_comm_group": group if bottleneck == "exposed_comm" else None,
-               "knob": knob, "memory_knob": MEMORY_KNOBS[peak["largest_category"]]}
+    verdict = {"bottleneck": bottleneck, "shares": shares, "largest_waste": waste,
+               "exposed_comm_group": group, "knob": knob,
+               "memory_knob": MEMORY_KNOBS[peak["largest_category"]]}
     verdict["paragraph"] = _paragraph(profile, verdict)
     return verdict
 
@@ -165,11 +170,13 @@ def _paragraph(profile, verdict: dict) -> str:
                                    else " (ranks waiting for each other)"),
             "exposed_comm": f"communication no compute hides (mostly "
                             f"{verdict['exposed_comm_group']})",
-            "compute": "compute (where a training run should spend its time)"}[b]
-    text = (f"Bottleneck: {what}, {s[b]:.0%} of rank-time (compute {s['compute']:.0%}, "
+            "compute": "compute (where a training run should spend its time)"}
+    text = (f"Bottleneck: {what[b]}, {s[b]:.0%} of rank-time (compute {s['compute']:.0%}, "
             f"exposed communication {s['exposed_comm']:.0%}, idle {s['idle']:.0%}; "
             f"MFU {profile.mfu:.1%} on the simulated {profile.device['name'].split(' (')[0]}).")
-    knob = verdict["knob"]
+    knob, waste = verdict["knob"], verdict["largest_waste"]
+    if waste is not None:
+        text += f" The largest waste left is {what[waste]}, {s[waste]:.0%}."
     if knob is not None:
         before, after = knob["planner_before"], knob["planner_after"]
         verb = "Knob to try" if knob["throughput_change"] > 0 else "No knob helps; the best"
