@@ -33,6 +33,7 @@ time, as minipar's report counts it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def comm_kernel_name(op: str) -> str:
     ones also carry the reduction, dtype and protocol: ..._AllReduce_Sum_bf16_RING_LL)."""
     name = NCCL_NAMES[op]
     return f"ncclDevKernel_{name}" if name == "SendRecv" else f"ncclDevKernel_{name}_RING"
+
+
+def span_us(start: float, end: float) -> tuple[float, float]:
+    """(ts, dur) in microseconds with ts + dur <= end * 1e6 exactly in floating point, so
+    back-to-back kernels never overlap by a rounding error (viewers then nest them wrongly)."""
+    ts, end_us = start * US, end * US
+    dur = end_us - ts
+    while dur > 0 and ts + dur > end_us:
+        dur = math.nextafter(dur, 0.0)
+    return ts, max(dur, 0.0)
 
 
 def flow_id(message: tuple[int, int, int, int], world_size: int) -> int:
@@ -159,9 +170,9 @@ def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
          "args": {"name": f"stream {COMPUTE_STREAM} compute"}},
     ]
     for number, start, end in steps:
+        ts, dur = span_us(start, end)
         events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{number}",
-                       "pid": pid, "tid": HOST_TID, "ts": start * US,
-                       "dur": (end - start) * US, "args": {}})
+                       "pid": pid, "tid": HOST_TID, "ts": ts, "dur": dur, "args": {}})
     correlation = 0
 
     def launch(ts: float) -> dict:
@@ -171,14 +182,14 @@ def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
 
     for kind, op, label, start, end, flops in device.trace.kernels:
         correlation += 1
-        events.append(launch(start * US))
+        ts, dur = span_us(start, end)
+        events.append(launch(ts))
         args = {"stream": COMPUTE_STREAM, "device": local, "correlation": correlation,
                 "External id": correlation, "kind": kind, "op": op, "flops": flops}
         if label:
             args["micro_batch"] = label
         events.append({"ph": "X", "cat": "kernel", "name": kernel_name(op, kind), "pid": pid,
-                       "tid": COMPUTE_STREAM, "ts": start * US, "dur": (end - start) * US,
-                       "args": args})
+                       "tid": COMPUTE_STREAM, "ts": ts, "dur": dur, "args": args})
     records = device.comm.records
     named: set[int] = set()
     for record, stream in zip(records, _streams(records), strict=True):
@@ -187,12 +198,12 @@ def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
             named.add(stream)
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": stream,
                            "args": {"name": f"stream {stream} nccl {record.group_kind}"}})
-        ts = record.start * US
+        ts, dur = span_us(record.start, record.end)
         events.append(launch(ts))
         ranks = list(record.group_ranks)
         events.append({
             "ph": "X", "cat": "kernel", "name": comm_kernel_name(record.op), "pid": pid,
-            "tid": stream, "ts": ts, "dur": (record.end - record.start) * US,
+            "tid": stream, "ts": ts, "dur": dur,
             "args": {"stream": stream, "device": local, "correlation": correlation,
                      "External id": correlation, "op": record.op,
                      "group": record.group_kind, "group_ranks": ranks,

@@ -2,11 +2,11 @@
 
 import pytest
 
+from minipar.demo import DEMO_PROFILE
 from minipar.distributed import read_traces
 from minipar.plan.profile import profile_traces
 from minipar.plan.shapes import from_train_config
 from minipar.train import TrainConfig, train, validate_report
-from minipar.train.demo import DEMO_PROFILE
 
 TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=2)
 

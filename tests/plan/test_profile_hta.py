@@ -10,10 +10,10 @@ import logging
 
 import pytest
 
+from minipar.demo import DEMO_PROFILE
 from minipar.distributed import read_traces
 from minipar.plan.profile import profile_traces, rank_breakdown
 from minipar.train import train
-from minipar.train.demo import DEMO_PROFILE
 
 hta = pytest.importorskip(
     "hta", reason="Holistic Trace Analysis is not installed: pip install -e '.[profile]'")
