@@ -12,14 +12,15 @@ that addresses what the profile shows. Where the rank-time of the run went decid
                           backward (DDP's bucket_cap_mb), ZeRO-3 -> ZeRO-2 (no parameter
                           all-gathers); pp -> fewer stages
   compute                 the goal. With activation checkpointing on, turning it off saves
-                          the recomputation (if memory allows); otherwise more GPUs.
+                          the recomputation (if memory allows); and the knobs of the waste
+                          left (idle, exposed communication) still apply.
 and the memory peak's largest category (params / grads / optimizer / activations) decides
 the memory knob (ZeRO-3 / ZeRO-2 / ZeRO-1 / activation checkpointing).
 
 Each knob is a TrainConfig change that minipar can run (validated as `minipar train`
-would); the planner (estimate.py, tested against the emulator to 1e-3) predicts step
-time, bubble, MFU and peak memory before and after, so the verdict says what to expect
-before anyone trains it.
+would); the one with the most tokens/s at the same global batch wins. The planner
+(estimate.py, tested against the emulator to 1e-3) predicts step time, bubble, MFU and
+peak memory before and after, so the verdict says what to expect before anyone trains it.
 """
 
 from __future__ import annotations
@@ -111,29 +112,41 @@ def _planned(config, profile) -> dict:
             "global_batch_size": config.global_batch_size}
 
 
-def _knob(profile, bottleneck: str, group: str | None) -> dict | None:
-    """The first candidate knob that minipar can run and that the planner says raises
-    throughput (tokens/s); failing that, the best of those it could estimate."""
+def _knob(profile, targets: list[str], group: str | None) -> dict | None:
+    """The knob for one of `targets` (bottlenecks, in order) that the planner says raises
+    throughput (tokens/s) the most at the same global batch; failing that, the best one
+    that changes the global batch (a different recipe: the verdict says so); failing
+    that, the best of those it could estimate. Only knobs minipar can run are tried."""
     from minipar.train.config import ConfigError
 
     tried = []
-    for why, changes in _candidates(profile, bottleneck, group):
-        values = {**profile.config, **changes}
-        if {"micro_batch_size", "grad_accum_steps", "dp"} & set(changes):
-            values["global_batch_size"] = None
-        try:
-            new = _train_config(values)
-            before = _planned(_train_config(profile.config), profile)
-            after = _planned(new, profile)
-        except (ConfigError, PlanError, ValueError):
-            continue  # minipar cannot run it (the layout check says why): next one
-        knob = {"setting": why, "changes": changes, "planner_before": before,
-                "planner_after": after,
-                "throughput_change": after["tokens_per_s"] / before["tokens_per_s"] - 1}
-        if knob["throughput_change"] > 0:
-            return knob
-        tried.append(knob)
-    return max(tried, key=lambda k: k["throughput_change"]) if tried else None
+    for target in targets:
+        for why, changes in _candidates(profile, target, group):
+            values = {**profile.config, **changes}
+            if {"micro_batch_size", "grad_accum_steps", "dp"} & set(changes):
+                values["global_batch_size"] = None
+            try:
+                new = _train_config(values)
+                before = _planned(_train_config(profile.config), profile)
+                after = _planned(new, profile)
+            except (ConfigError, PlanError, ValueError):
+                continue  # minipar cannot run it (the layout check says why): next one
+            tried.append({"target": target, "setting": why, "changes": changes,
+                          "planner_before": before, "planner_after": after,
+                          "throughput_change": after["tokens_per_s"] / before["tokens_per_s"]
+                          - 1})
+    if not tried:
+        return None
+
+    def same_batch(knob):
+        return (knob["planner_after"]["global_batch_size"]
+                == knob["planner_before"]["global_batch_size"])
+
+    for pool in ([k for k in tried if same_batch(k) and k["throughput_change"] > 0],
+                 [k for k in tried if k["throughput_change"] > 0], tried):
+        if pool:
+            return max(pool, key=lambda k: k["throughput_change"])
+    return None
 
 
 def diagnose(profile) -> dict:
@@ -149,12 +162,10 @@ def diagnose(profile) -> dict:
         for g, s in row["exposed_comm_by_group_s"].items():
             by_group[g] = by_group.get(g, 0.0) + s
     group = max(by_group, key=by_group.get) if by_group else None
-    knob = _knob(profile, bottleneck, group)
-    waste = None
-    if knob is None and bottleneck == "compute":
-        # Compute-bound is the goal; the knob then goes after the largest waste left.
-        waste = max(("idle", "exposed_comm"), key=lambda k: shares[k])
-        knob = _knob(profile, waste, group)
+    # Compute-bound is the goal; a knob then goes after a waste that is left.
+    targets = [bottleneck] + (["idle", "exposed_comm"] if bottleneck == "compute" else [])
+    knob = _knob(profile, targets, group)
+    waste = None if knob is None or knob["target"] == bottleneck else knob["target"]
     peak = profile.memory_peak
     verdict = {"bottleneck": bottleneck, "shares": shares, "largest_waste": waste,
                "exposed_comm_group": group, "knob": knob,
@@ -176,7 +187,7 @@ def _paragraph(profile, verdict: dict) -> str:
             f"MFU {profile.mfu:.1%} on the simulated {profile.device['name'].split(' (')[0]}).")
     knob, waste = verdict["knob"], verdict["largest_waste"]
     if waste is not None:
-        text += f" The largest waste left is {what[waste]}, {s[waste]:.0%}."
+        text += f" The waste to go after: {what[waste]}, {s[waste]:.0%}."
     if knob is not None:
         before, after = knob["planner_before"], knob["planner_after"]
         verb = "Knob to try" if knob["throughput_change"] > 0 else "No knob helps; the best"
@@ -184,7 +195,10 @@ def _paragraph(profile, verdict: dict) -> str:
                  f"{knob['throughput_change']:+.0%} tokens/s (a step of "
                  f"{human_seconds(before['step_s'])} -> {human_seconds(after['step_s'])} for "
                  f"a global batch of {before['global_batch_size']} -> "
-                 f"{after['global_batch_size']}), bubble {before['bubble_fraction']:.0%} -> "
+                 f"{after['global_batch_size']}"
+                 + ("" if after["global_batch_size"] == before["global_batch_size"] else
+                    ": a different recipe, check the learning rate")
+                 + f"), bubble {before['bubble_fraction']:.0%} -> "
                  f"{after['bubble_fraction']:.0%}, MFU {before['mfu']:.1%} -> "
                  f"{after['mfu']:.1%}, peak memory {human_bytes(before['peak_memory_bytes'])}"
                  f" -> {human_bytes(after['peak_memory_bytes'])}.")
