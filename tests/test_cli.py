@@ -235,3 +235,14 @@ def test_profile_without_a_trace_is_a_one_line_error(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "--trace" in lines[0]
+
+
+def test_profile_alone_traces_to_a_folder_it_drops(tmp_path):
+    out = tmp_path / "out.json"
+    result = run("train", "--steps", "1", "--profile", "--quiet", "--json", str(out), *SMALL)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""  # --quiet
+    report = json.loads(out.read_text())
+    assert report["profile"]["ranks"][0]["compute_s"] == pytest.approx(
+        report["ranks"][0]["time"]["compute_s"], rel=1e-9)
+    assert list(tmp_path.iterdir()) == [out]
