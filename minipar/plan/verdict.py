@@ -79,8 +79,11 @@ def _candidates(profile, bottleneck: str, group: str | None) -> list[tuple[str, 
     elif bottleneck == "exposed_comm":
         if group == "tp" and c["tp"] > 1:
             why, changes = _more_dp(c)
+            changes["tp"] = c["tp"] // 2
+            if changes["tp"] == 1 and c["sequence_parallel"]:
+                changes["sequence_parallel"] = False  # sequence parallelism needs TP
             out.append((f"half the tensor parallelism (tp {c['tp']} -> {c['tp'] // 2}, "
-                        f"{why})", {"tp": c["tp"] // 2, **changes}))
+                        f"{why})", changes))
         if group == "dp":
             if c["zero"] == 3:
                 out.append(("ZeRO-2 instead of ZeRO-3 (no parameter all-gathers)",
@@ -162,13 +165,13 @@ def diagnose(profile) -> dict:
         for g, s in row["exposed_comm_by_group_s"].items():
             by_group[g] = by_group.get(g, 0.0) + s
     group = max(by_group, key=by_group.get) if by_group else None
-    # Compute-bound is the goal; a knob then goes after a waste that is left.
-    targets = [bottleneck] + (["idle", "exposed_comm"] if bottleneck == "compute" else [])
+    # The bottleneck's knobs, and those of the other shares: the best one at the same
+    # global batch wins (compute-bound is the goal; a knob then goes after a waste left).
+    targets = [bottleneck] + [k for k in ("idle", "exposed_comm", "compute") if k != bottleneck]
     knob = _knob(profile, targets, group)
-    waste = None if knob is None or knob["target"] == bottleneck else knob["target"]
     peak = profile.memory_peak
-    verdict = {"bottleneck": bottleneck, "shares": shares, "largest_waste": waste,
-               "exposed_comm_group": group, "knob": knob,
+    verdict = {"bottleneck": bottleneck, "shares": shares, "exposed_comm_group": group,
+               "knob": knob,
                "memory_knob": MEMORY_KNOBS[peak["largest_category"]]}
     verdict["paragraph"] = _paragraph(profile, verdict)
     return verdict
@@ -185,9 +188,11 @@ def _paragraph(profile, verdict: dict) -> str:
     text = (f"Bottleneck: {what[b]}, {s[b]:.0%} of rank-time (compute {s['compute']:.0%}, "
             f"exposed communication {s['exposed_comm']:.0%}, idle {s['idle']:.0%}; "
             f"MFU {profile.mfu:.1%} on the simulated {profile.device['name'].split(' (')[0]}).")
-    knob, waste = verdict["knob"], verdict["largest_waste"]
+    knob = verdict["knob"]
+    waste = None if knob is None or knob["target"] == b else knob["target"]
     if waste is not None:
-        text += f" The waste to go after: {what[waste]}, {s[waste]:.0%}."
+        text += (f" The knob that buys the most goes after {what[waste]}, "
+                 f"{s[waste]:.0%}.")
     if knob is not None:
         before, after = knob["planner_before"], knob["planner_after"]
         verb = "Knob to try" if knob["throughput_change"] > 0 else "No knob helps; the best"

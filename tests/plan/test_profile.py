@@ -100,13 +100,17 @@ def test_a_bubble_bound_pipeline_is_told_to_use_more_micro_batches(tmp_path):
     assert after > before
 
 
-def test_exposed_tensor_parallel_traffic_is_told_to_use_less_tp(pipeline):
+def test_a_knob_that_changes_the_global_batch_is_the_last_resort_and_says_so(pipeline):
+    """Exposed TP traffic, but halving TP at the same global batch halves the micro-batches
+    per data-parallel rank and the bubble grows: the planner says it loses. So the verdict
+    falls back to doubling the accumulation, and says that is a different recipe."""
     report, profile = pipeline
     verdict = profile.verdict
     assert verdict["bottleneck"] == "exposed_comm" and verdict["exposed_comm_group"] == "tp"
     knob = verdict["knob"]
-    assert knob["changes"]["tp"] == 1 and knob["changes"]["dp"] == 4
-    assert knob["planner_after"]["global_batch_size"] == report.config["global_batch_size"]
+    assert knob["changes"] == {"grad_accum_steps": 4} and knob["throughput_change"] > 0
+    assert knob["planner_after"]["global_batch_size"] == 2 * report.config["global_batch_size"]
+    assert "a different recipe" in verdict["paragraph"]
     after = measured_tokens_per_s({**report.config, **knob["changes"],
                                    "global_batch_size": None})
     assert knob["planner_after"]["tokens_per_s"] == pytest.approx(after, rel=1e-3)
@@ -120,3 +124,14 @@ def test_the_profile_is_a_valid_report_section(pipeline):
     for heading in ("Time per rank", "Top collectives by time", "Top collectives by bytes",
                     "Memory peak", "Pipeline stages", "Bottleneck:"):
         assert heading in text
+
+
+def test_less_tensor_parallelism_drops_sequence_parallelism_with_it(tmp_path):
+    report, profile = traced(tmp_path, tp=2, sequence_parallel=True, micro_batch_size=2,
+                             n_layer=2)
+    knob = profile.verdict["knob"]
+    assert profile.verdict["bottleneck"] == "exposed_comm"
+    assert knob["changes"]["tp"] == 1 and knob["changes"]["sequence_parallel"] is False
+    after = measured_tokens_per_s({**report.config, **knob["changes"],
+                                   "global_batch_size": None})
+    assert knob["planner_after"]["tokens_per_s"] == pytest.approx(after, rel=1e-3)
