@@ -39,7 +39,9 @@ from pathlib import Path
 
 from minipar.errors import MiniparError
 
+from .clock import DeviceProfile
 from .memory import CATEGORIES
+from .roofline import Roofline
 
 TRACE_SCHEMA = "minipar.trace/1"
 HOST_TID = 1  # the rank's Python thread (its host)
@@ -275,6 +277,22 @@ def write_traces(directory, devices, steps=None, metadata=None) -> list[Path]:
                 "traceEvents": [e for trace in traces for e in trace["traceEvents"]]},
                directory / "merged" / "all_ranks.json")
     return paths
+
+
+def device_profile(values: dict) -> DeviceProfile:
+    """The DeviceProfile a trace's "minipar"."device" section describes (JSON turned the
+    roofline into a dict and its tile into a list)."""
+    roofline = values.get("roofline")
+    if roofline is not None:
+        roofline = Roofline(**{**roofline, "tile": tuple(roofline["tile"])})
+    return DeviceProfile(**{**values, "roofline": roofline})
+
+
+def peak_flops(values: dict) -> float:
+    """The peak FLOP/s of a trace's device: MFU's denominator (the roofline's tensor-core
+    peak on a roofline profile, else the one rate every FLOP runs at)."""
+    roofline = values.get("roofline")
+    return values["flops"] if roofline is None else roofline["peak_flops"]
 
 
 class TraceError(MiniparError, ValueError):

@@ -18,9 +18,10 @@ pipeline stage that waits for its first activation counts that wait as bubble. (
 is a rank's first to last kernel: it leaves out a stage's wait before its first kernel.)
 
 MFU on the simulated device: model FLOPs (the planner's 3 x forward matmuls, no
-recomputation; Narayanan et al. 2021 eq. 3) over rank-time x the device's FLOP/s. HFU
-counts every FLOP executed (recomputation too); on the simulated GPU every kernel runs at
-its peak, so HFU is the compute share of the window.
+recomputation; Narayanan et al. 2021 eq. 3) over rank-time x the device's peak FLOP/s.
+HFU counts every FLOP executed (recomputation too). On a uniform profile every kernel runs
+at the peak, so HFU is the compute share of the window; on a roofline profile (--device
+h100 / a100) kernels run below it and HFU is lower than the compute share.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from minipar.distributed.memory import CATEGORIES
 from minipar.distributed.timeline import comm_overlap
-from minipar.distributed.trace import COMPUTE_STREAM
+from minipar.distributed.trace import COMPUTE_STREAM, peak_flops
 from minipar.plan.layout import layer_counts
 from minipar.plan.shapes import from_train_config
 
@@ -153,12 +154,12 @@ def profile_traces(traces: list[dict], verdict: bool = True) -> Profile:
     for trace in traces:
         compute, _ = _kernels(trace)
         executed.append(sum(e["args"]["flops"] for e in compute))
-    peak_flops = device["flops"]
+    peak = peak_flops(device)
     ranks = []
     for trace, flops in zip(traces, executed, strict=True):
         row = {"rank": trace["distributedInfo"]["rank"], "coords": trace["minipar"]["coords"]}
         row.update(rank_breakdown(trace, 0.0, window))
-        capacity = window * peak_flops
+        capacity = window * peak
         # The rank's share of the model FLOPs, in proportion to what it executed.
         share = model_flops * flops / sum(executed) if sum(executed) else 0.0
         row["hfu"] = flops / capacity if capacity else 0.0
@@ -169,7 +170,7 @@ def profile_traces(traces: list[dict], verdict: bool = True) -> Profile:
         world_size=len(traces), steps=steps, window_s=window, ranks=ranks,
         collectives=_collectives(traces), memory_peak=_memory_peak(traces),
         stages=_stages(traces, ranks, steps) if config["pp"] > 1 else None,
-        mfu=model_flops / (window * len(traces) * peak_flops) if window else 0.0,
+        mfu=model_flops / (window * len(traces) * peak) if window else 0.0,
         config=config, device=device)
     if verdict:
         from minipar.plan.verdict import diagnose

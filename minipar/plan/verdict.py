@@ -25,7 +25,7 @@ peak memory before and after, so the verdict says what to expect before anyone t
 
 from __future__ import annotations
 
-from minipar.distributed.clock import DeviceProfile
+from minipar.distributed.trace import device_profile
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate, human_bytes, human_seconds
 from minipar.plan.layout import ParallelConfig, PlanError
@@ -105,7 +105,7 @@ def _candidates(profile, bottleneck: str, group: str | None) -> list[tuple[str, 
 
 
 def _planned(config, profile) -> dict:
-    device = DeviceProfile(**profile.device)
+    device = device_profile(profile.device)
     cluster = ClusterSpec.from_device_profile(device, gpus_per_node=config.gpus_per_node)
     est = estimate(from_train_config(config), ParallelConfig.from_train_config(config),
                    cluster, all_stages=True)

@@ -188,3 +188,14 @@ def test_reading_a_folder_that_is_not_a_trace_says_so(tmp_path):
     (tmp_path / "rank0.json").write_text('{"traceEvents": []}')
     with pytest.raises(TraceError, match="not a minipar trace"):
         read_traces(tmp_path)
+
+
+def test_the_device_section_reads_back_as_the_profile_it_came_from():
+    from dataclasses import asdict
+
+    from minipar.distributed.trace import device_profile, peak_flops
+
+    for profile in (dist.DeviceProfile(), dist.H100, dist.A100):
+        values = json.loads(json.dumps(asdict(profile)))  # as a trace file holds it
+        assert device_profile(values) == profile
+    assert peak_flops(asdict(dist.A100)) == dist.A100.roofline.peak_flops
