@@ -28,6 +28,7 @@ from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
+from minipar.plan.profile_cli import add_profile_command, profile_folder, run_profile
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
 from minipar.train.outputs import check_output_dir, check_output_file
 
@@ -165,17 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="CKPT",
                        help="continue from a checkpoint (or the latest one in a --save DIR), "
                             "saved under any --dp / --zero")
-    train.add_argument("--trace", metavar="DIR",
-                       help="write a Chrome Trace Event file per rank (DIR/rank<N>.json; open "
-                            "DIR/merged/all_ranks.json in Perfetto, or DIR in HTA)")
-    train.add_argument("--profile", action="store_true",
-                       help="print the bottleneck report (as `minipar profile DIR`) and add "
-                            "it to the --json report as \"profile\"")
-    profile = commands.add_parser(
-        "profile", help="read a traced run (minipar train --trace DIR) and name its "
-                        "bottleneck: compute, exposed communication, bubble, memory peak")
-    profile.add_argument("trace_dir", metavar="DIR", help="the folder of rank<N>.json traces")
-    profile.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    train.add_argument("--trace", metavar="DIR", help="a profiler trace per rank, DIR/rank<N>"
+                       ".json (Perfetto: DIR/merged/all_ranks.json; HTA: DIR)")
+    train.add_argument("--profile", action="store_true", help="the bottleneck report (as "
+                       "`minipar profile DIR`), also in the --json report as \"profile\"")
+    add_profile_command(commands)
     check = commands.add_parser(
         "check", help="train a grid of dp x tp x pp x ZeRO layouts in fp64 and compare each "
                       "with single-device training, step by step")
@@ -245,10 +240,7 @@ def cmd_train(args) -> int:
             if bar is not None:
                 bar.close()
         if args.profile:
-            from minipar.distributed import read_traces
-            from minipar.plan.profile import profile_traces
-
-            profile = profile_traces(read_traces(trace))
+            profile = profile_folder(trace)
             report.profile = profile.to_dict()
     if args.json:
         try:
@@ -269,8 +261,7 @@ def cmd_train(args) -> int:
 
 
 def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
-    """What `minipar train` prints after the run (nothing with --quiet); `profile` is
-    minipar profile's report of the run (--profile)."""
+    """What `minipar train` prints after the run (nothing with --quiet; profile: --profile)."""
     from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
 
     check = report.equivalence
@@ -295,9 +286,8 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
             print(f"\n{equivalence_line(check)}")
         if args.save and not (late is not None and late.setting == "save"):
             print(f"checkpoints written to {args.save}")
-        if args.trace:
-            print(f"\ntraces written to {args.trace}/rank<N>.json (every rank: "
-                  f"{args.trace}/merged/all_ranks.json; `minipar profile {args.trace}`)")
+        if args.trace:  # rank<N>.json, and merged/all_ranks.json for Perfetto
+            print(f"\ntraces written to {args.trace}/ (`minipar profile {args.trace}`)")
         if profile is not None:
             print(f"\n{profile.text()}")
         if args.json and not (late is not None and late.setting == "json"):
@@ -322,21 +312,6 @@ def pipeline_line(pipeline: dict, device: str = "h100") -> str:
                 f"apply{hint}")
     return (line + f"; uniform stages with free communication would give "
             f"{pipeline['uniform_bubble_fraction']:.1%}")
-
-
-def cmd_profile(args) -> int:
-    import json
-
-    from minipar.distributed import read_traces
-    from minipar.plan.profile import profile_traces
-
-    profile = profile_traces(read_traces(args.trace_dir))
-    print(profile.text())
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(profile.to_dict(), out, indent=2)
-        print(f"\nprofile written to {args.json}")
-    return 0
 
 
 def cmd_demo(args) -> int:
@@ -432,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
                     "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan,
-                    "profile": cmd_profile}
+                    "profile": run_profile}
         return commands[args.command](args)
     except (MiniparError, NotImplementedError) as err:
         # Every refusal (a setting, a checkpoint, a diverged run, a stuck rank) is one
