@@ -15,10 +15,8 @@ end the program with one line naming the flag and exit status 2, never a traceba
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
-import tempfile
 import types
 import typing
 
@@ -26,9 +24,9 @@ from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
 from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.schedules import SCHEDULES, schedule_names
+from minipar.plan import profile_cli
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
-from minipar.plan.profile_cli import add_profile_command, profile_folder, run_profile
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
 from minipar.train.outputs import check_output_dir, check_output_file
 
@@ -166,11 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="CKPT",
                        help="continue from a checkpoint (or the latest one in a --save DIR), "
                             "saved under any --dp / --zero")
-    train.add_argument("--trace", metavar="DIR", help="a profiler trace per rank, DIR/rank<N>"
-                       ".json (Perfetto: DIR/merged/all_ranks.json; HTA: DIR)")
-    train.add_argument("--profile", action="store_true", help="the bottleneck report (as "
-                       "`minipar profile DIR`), also in the --json report as \"profile\"")
-    add_profile_command(commands)
+    profile_cli.add_trace_flags(train)
+    profile_cli.add_profile_command(commands)
     check = commands.add_parser(
         "check", help="train a grid of dp x tp x pp x ZeRO layouts in fp64 and compare each "
                       "with single-device training, step by step")
@@ -206,8 +201,6 @@ def cmd_train(args) -> int:
         check_output_file("json", args.json)
     if args.save is not None:
         check_output_dir("save", args.save)
-    if args.trace is not None:
-        check_output_dir("trace", args.trace)
     check_fits(config)  # the planner's estimate, before anything is allocated
     bar = None
     if not args.quiet:
@@ -224,10 +217,7 @@ def cmd_train(args) -> int:
 
     late = None  # an output that failed after the run: said last, the results kept
     profile = None
-    with contextlib.ExitStack() as stack:
-        trace = args.trace
-        if args.profile and trace is None:  # --profile alone: trace to a folder we drop
-            trace = stack.enter_context(tempfile.TemporaryDirectory(prefix="minipar-trace-"))
+    with profile_cli.trace_folder(args) as trace:  # checked before the work
         try:
             report = train(config, progress=progress, save_dir=args.save,
                            save_every=args.save_every, resume_from=args.resume,
@@ -240,7 +230,7 @@ def cmd_train(args) -> int:
             if bar is not None:
                 bar.close()
         if args.profile:
-            profile = profile_folder(trace)
+            profile = profile_cli.profile_folder(trace)
             report.profile = profile.to_dict()
     if args.json:
         try:
@@ -407,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
                     "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan,
-                    "profile": run_profile}
+                    "profile": profile_cli.run_profile}
         return commands[args.command](args)
     except (MiniparError, NotImplementedError) as err:
         # Every refusal (a setting, a checkpoint, a diverged run, a stuck rank) is one

@@ -11,7 +11,9 @@ through the CLI's MiniparError handling). The figures are minipar.plan.profile's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import tempfile
 
 from minipar.distributed.trace import read_traces
 from minipar.plan.profile import Profile, profile_traces
@@ -20,6 +22,29 @@ from minipar.plan.profile import Profile, profile_traces
 def profile_folder(directory) -> Profile:
     """The profile of the traces in `directory` (minipar train --trace DIR)."""
     return profile_traces(read_traces(directory))
+
+
+def add_trace_flags(train: argparse.ArgumentParser) -> None:
+    """`minipar train`'s --trace DIR and --profile."""
+    train.add_argument("--trace", metavar="DIR", help="a profiler trace per rank, DIR/rank<N>"
+                       ".json (Perfetto: DIR/merged/all_ranks.json; HTA: DIR)")
+    train.add_argument("--profile", action="store_true", help="the bottleneck report (as "
+                       "`minipar profile DIR`), also in the --json report as \"profile\"")
+
+
+@contextlib.contextmanager
+def trace_folder(args):
+    """Where `minipar train` writes its traces: --trace DIR (checked before the run, as
+    every output is), a temporary folder for --profile alone, or None."""
+    from minipar.train.outputs import check_output_dir
+
+    if args.trace is not None:
+        yield check_output_dir("trace", args.trace)
+    elif args.profile:
+        with tempfile.TemporaryDirectory(prefix="minipar-trace-") as folder:
+            yield folder
+    else:
+        yield None
 
 
 def add_profile_command(subparsers) -> argparse.ArgumentParser:
