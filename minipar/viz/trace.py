@@ -61,6 +61,7 @@ def plot_trace(traces: list[dict], step: int | None = None, ranks=None,
     else:
         ax, mem_ax = fig.add_subplot(), None
     flows: dict[int, dict] = {}
+    bars: dict[tuple[int, str], list] = {}  # (track, colour) -> spans: one collection each
     labels = []
     for trace in traces:
         rank = trace["distributedInfo"]["rank"]
@@ -75,8 +76,7 @@ def plot_trace(traces: list[dict], step: int | None = None, ranks=None,
                     color = COLORS[args["kind"]]
                 else:
                     color = GROUP_COLORS[args["group"]]
-                ax.barh(y, (t - s) / scale, left=(s - start) / scale, height=0.8, color=color,
-                        linewidth=0)
+                bars.setdefault((y, color), []).append(((s - start) / scale, (t - s) / scale))
             elif e.get("ph") in ("s", "f") and start <= e["ts"] * US <= end:
                 # both ends of an arrow share the flow id, in two ranks' files
                 flows.setdefault(e["id"], {})[e["ph"]] = (
@@ -87,6 +87,8 @@ def plot_trace(traces: list[dict], step: int | None = None, ranks=None,
                     e["args"]["group"] for e in trace["traceEvents"]
                     if e.get("cat") == "kernel" and e["args"]["stream"] == stream)
                 labels.append(f"rank {rank} {kind} (stream {stream})")
+    for (y, color), spans in bars.items():
+        ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=color, linewidth=0)
     for ends in flows.values():
         if "s" in ends and "f" in ends:
             (x0, y0), (x1, y1) = ends["s"], ends["f"]
