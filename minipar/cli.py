@@ -4,8 +4,7 @@
     minipar train [flags] [--json PATH]      train any mix and print what each rank measured
     minipar check [--quick]                  the equivalence matrix against single device
     minipar timeline [flags] --out PNG       train, then draw the ranks' Gantt chart
-    minipar train [flags] --trace DIR        also write a profiler trace per rank (Perfetto, HTA)
-    minipar profile DIR [--json PATH]        the bottleneck report of a traced run
+    minipar train --trace DIR; minipar profile DIR   a profiler trace per rank; its bottleneck
     minipar consolidate CKPT OUT.npz         a sharded checkpoint -> one state dict
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
@@ -216,7 +215,6 @@ def cmd_train(args) -> int:
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     late = None  # an output that failed after the run: said last, the results kept
-    profile = None
     with profile_cli.trace_folder(args) as trace:  # checked before the work
         try:
             report = train(config, progress=progress, save_dir=args.save,
@@ -229,8 +227,8 @@ def cmd_train(args) -> int:
         finally:
             if bar is not None:
                 bar.close()
-        if args.profile:
-            profile = profile_cli.profile_folder(trace)
+        profile = profile_cli.profile_folder(trace) if args.profile else None
+        if profile is not None:
             report.profile = profile.to_dict()
     if args.json:
         try:
