@@ -9,6 +9,8 @@
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
+This module is long because it is every subcommand's flags and printing; `minipar plan` and
+`minipar profile` keep theirs in minipar/plan/cli.py and minipar/plan/profile_cli.py.
 """
 
 from __future__ import annotations
