@@ -4,10 +4,13 @@
     minipar train [flags] [--json PATH]      train any mix and print what each rank measured
     minipar check [--quick]                  the equivalence matrix against single device
     minipar timeline [flags] --out PNG       train, then draw the ranks' Gantt chart
+    minipar train --trace DIR; minipar profile DIR   a profiler trace per rank; its bottleneck
     minipar consolidate CKPT OUT.npz         a sharded checkpoint -> one state dict
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
+This module is long because it is every subcommand's flags and printing; `minipar plan` and
+`minipar profile` keep theirs in minipar/plan/cli.py and minipar/plan/profile_cli.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
 from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.schedules import SCHEDULES, schedule_names
+from minipar.plan import profile_cli
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
 from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
@@ -161,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="CKPT",
                        help="continue from a checkpoint (or the latest one in a --save DIR), "
                             "saved under any --dp / --zero")
+    profile_cli.add_trace_flags(train)
+    profile_cli.add_profile_command(commands)
     check = commands.add_parser(
         "check", help="train a grid of dp x tp x pp x ZeRO layouts in fp64 and compare each "
                       "with single-device training, step by step")
@@ -211,17 +217,21 @@ def cmd_train(args) -> int:
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
     late = None  # an output that failed after the run: said last, the results kept
-    try:
-        report = train(config, progress=progress, save_dir=args.save,
-                       save_every=args.save_every, resume_from=args.resume,
-                       device=device_profile(args.device))
-    except OutputError as err:
-        if err.report is None:
-            raise
-        report, late = err.report, OutputError("save", err.detail)  # its flag is --save
-    finally:
-        if bar is not None:
-            bar.close()
+    with profile_cli.trace_folder(args) as trace:  # checked before the work
+        try:
+            report = train(config, progress=progress, save_dir=args.save,
+                           save_every=args.save_every, resume_from=args.resume,
+                           device=device_profile(args.device), trace=trace)
+        except OutputError as err:
+            if err.report is None:
+                raise
+            report, late = err.report, OutputError("save", err.detail)  # its flag is --save
+        finally:
+            if bar is not None:
+                bar.close()
+        profile = profile_cli.profile_folder(trace) if args.profile else None
+        if profile is not None:
+            report.profile = profile.to_dict()
     if args.json:
         try:
             report.to_json(args.json)
@@ -229,7 +239,7 @@ def cmd_train(args) -> int:
             late = OutputError("json", f"{args.json}: the report could not be written "
                                f"({err.strerror or err}); it is printed above instead")
             print(report.to_json())
-    print_summary(report, config, args, late)
+    print_summary(report, config, args, late, profile)
     if late is not None:
         raise late
     check = report.equivalence
@@ -240,8 +250,8 @@ def cmd_train(args) -> int:
     return 0
 
 
-def print_summary(report, config: TrainConfig, args, late=None) -> None:
-    """What `minipar train` prints after the run (nothing with --quiet)."""
+def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
+    """What `minipar train` prints after the run (nothing with --quiet; profile: --profile)."""
     from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
 
     check = report.equivalence
@@ -266,6 +276,10 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
             print(f"\n{equivalence_line(check)}")
         if args.save and not (late is not None and late.setting == "save"):
             print(f"checkpoints written to {args.save}")
+        if args.trace:  # rank<N>.json, and merged/all_ranks.json for Perfetto
+            print(f"\ntraces written to {args.trace}/ (`minipar profile {args.trace}`)")
+        if profile is not None:
+            print(f"\n{profile.text()}")
         if args.json and not (late is not None and late.setting == "json"):
             print(f"\nreport written to {args.json}")
 
@@ -382,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
-                    "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan}
+                    "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan,
+                    "profile": profile_cli.run_profile}
         return commands[args.command](args)
     except (MiniparError, NotImplementedError) as err:
         # Every refusal (a setting, a checkpoint, a diverged run, a stuck rank) is one

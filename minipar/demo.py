@@ -144,8 +144,9 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
     say(f"simulated GPU: {profile.name}: {profile.flops / 1e9:g} GFLOP/s, links "
         f"{_rate(profile.intra_node_bandwidth)} in a node, "
         f"{_rate(profile.inter_node_bandwidth)} across (see docs/3d-and-demo.md)")
+    trace_dir = Path(out_dir) / "trace"
     report = working(f"training {layout_name(config)} and the same batches on one device "
-                     "(the check)", lambda: train(config, device=profile))
+                     "(the check)", lambda: train(config, device=profile, trace=trace_dir))
     exact = working("the same layout in fp64, 2 steps, checked",
                     lambda: train(config.replace(precision="fp64", steps=2), device=profile))
     single = report.reference
@@ -188,6 +189,9 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
                       "cache)", lambda: save_figures(report, single, Path(out_dir)))
     say()
     say(f"figures written to {Path(out_dir)}/: " + ", ".join(p.name for p in figures))
+    say(f"profiler trace written to {trace_dir}/: rank<N>.json per rank (open "
+        f"merged/all_ranks.json in Perfetto UI); `minipar profile {trace_dir}` names the "
+        "bottleneck (docs/profiling.md)")
     seconds = time.perf_counter() - started
     say(f"(demo took {seconds:.1f} s of wall time)")
     return DemoResult(report, exact, single, ablations, figures, lines, seconds)

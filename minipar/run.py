@@ -28,5 +28,6 @@ def train(config: TrainConfig | None = None, **kwargs):
     return loop.train(config, **options)
 
 
-TRAIN_OPTIONS = ("progress", "save_dir", "save_every", "resume_from", "device", "reference")
+TRAIN_OPTIONS = ("progress", "save_dir", "save_every", "resume_from", "device", "reference",
+                 "trace")
 train.__doc__ = (train.__doc__ or "") + "\n\n" + (loop.train.__doc__ or "")

@@ -71,6 +71,9 @@ def test_demo_trains_8_ranks_checks_explains_and_saves_three_figures(tmp_path):
         assert f"\n{run_name} " in text
     for name in ("timeline.png", "memory.png", "traffic.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "trace").glob("*.json")) == [
+        f"rank{r}.json" for r in range(8)]
+    assert "profiler trace written to" in text
     assert "(demo took " in text  # the wall time is printed, never asserted on
     # while it works it says what it is doing, on stderr (stdout stays the report)
     for working in ("... training DP 2 x TP 2 x PP 2 + ZeRO-1 and the same batches on one",
@@ -204,3 +207,42 @@ def test_plan_lints_more_recomputed_layers_than_a_stage_holds():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "INVALID_LAYOUT: --recompute-num-layers: 4 layers but a pipeline chunk holds " \
            "at most 3" in result.stdout
+
+
+def test_train_traces_every_rank_and_profile_names_the_bottleneck(tmp_path):
+    trace, out = tmp_path / "trace", tmp_path / "out.json"
+    result = run("train", "--dp", "2", "--pp", "2", "--steps", "2", "--device", "demo",
+                 "--trace", str(trace), "--profile", "--json", str(out), *SMALL[:4])
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in trace.glob("*.json")) == [f"rank{r}.json" for r in range(4)]
+    assert (trace / "merged" / "all_ranks.json").exists()
+    report = json.loads(out.read_text())
+    validate_report(report)
+    assert report["profile"]["verdict"]["bottleneck"] in ("compute", "exposed_comm", "idle")
+    assert "Bottleneck:" in result.stdout and "minipar profile" in result.stdout
+    again = run("profile", str(trace), "--json", str(tmp_path / "profile.json"))
+    assert again.returncode == 0, again.stderr
+    assert report["profile"]["verdict"]["paragraph"] in again.stdout
+    assert json.loads((tmp_path / "profile.json").read_text()) == report["profile"]
+
+
+def test_profile_without_a_trace_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for args in (["profile", str(tmp_path / "missing")], ["profile", str(tmp_path)],
+                 ["train", "--trace", str(tmp_path / "file"), "--steps", "1"]):
+        result = run(*args)
+        assert result.returncode == 2, result
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "--trace" in lines[0]
+
+
+def test_profile_alone_traces_to_a_folder_it_drops(tmp_path):
+    out = tmp_path / "out.json"
+    result = run("train", "--steps", "1", "--profile", "--quiet", "--json", str(out), *SMALL)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""  # --quiet
+    report = json.loads(out.read_text())
+    assert report["profile"]["ranks"][0]["compute_s"] == pytest.approx(
+        report["ranks"][0]["time"]["compute_s"], rel=1e-9)
+    assert list(tmp_path.iterdir()) == [out]

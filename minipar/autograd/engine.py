@@ -35,7 +35,7 @@ import numpy as np
 
 from minipar.autograd.function import Context
 from minipar.autograd.kernels import Kernel, array_bytes
-from minipar.autograd.tracking import _current_device, device_phase
+from minipar.autograd.tracking import _current_device, charge, device_phase
 
 if TYPE_CHECKING:  # only annotations: tensor.py imports this module
     from minipar.autograd.tensor import Tensor
@@ -369,12 +369,13 @@ def _report_backward(device, node: Context, grads, input_grads) -> None:
     """Book a node's backward on the device: its FLOPs and, for a device that prices
     kernels, the kernels the op named or one reading the incoming gradients and the saved
     arrays and writing the input gradients (function.py)."""
+    op = node.function.__name__
     if not getattr(device, "wants_kernels", False):
-        device.compute(node.flops_backward, "backward")
+        charge(device, node.flops_backward, "backward", op)
         return
     kernels = node.kernels_backward
     if not kernels:
         saved = node.saved_tensors if node._saved is not None else ()
         nbytes = array_bytes(grads) + array_bytes(input_grads) + array_bytes(saved)
         kernels = (Kernel(node.flops_backward, nbytes),)
-    device.compute(node.flops_backward, "backward", kernels)
+    charge(device, node.flops_backward, "backward", op, kernels)

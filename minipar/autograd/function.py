@@ -25,7 +25,7 @@ import numpy as np
 
 from minipar.autograd.grad_mode import _grad_enabled
 from minipar.autograd.kernels import Kernel, array_bytes
-from minipar.autograd.tracking import _current_device
+from minipar.autograd.tracking import _current_device, charge
 
 
 class Context:
@@ -188,9 +188,9 @@ class Function:
             if getattr(device, "wants_kernels", False):
                 kernels = ctx.kernels_forward or (Kernel(ctx.flops_forward, array_bytes(raw)
                                                          + array_bytes(_as_tuple(out))),)
-                device.compute(ctx.flops_forward, "forward", kernels)
+                charge(device, ctx.flops_forward, "forward", cls.__name__, kernels)
             else:
-                device.compute(ctx.flops_forward, "forward")
+                charge(device, ctx.flops_forward, "forward", cls.__name__)
         if not record:
             if isinstance(out, tuple):
                 return tuple(_new_tensor(o, None, 0) for o in out)

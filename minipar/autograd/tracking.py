@@ -13,6 +13,8 @@ A device is anything with
     device.phase                                 # optional, read/write: the phase
                                                  # communication is charged to
                                                  # ("backward" during a backward pass)
+A device that records a profiler trace (its `trace` attribute is not None) also takes the
+op's name: `device.compute(flops, kind, op="Linear")`; `charge` calls it either way.
 (`minipar.distributed.Device` is the real one.) While activation checkpointing runs a
 forward again inside backward, `is_recomputing()` is true, so a device can tell the
 recomputed FLOPs (reported as "forward", which they are) from the first forward's.
@@ -76,3 +78,12 @@ def recomputing():
 def is_recomputing() -> bool:
     """True while a checkpointed function's forward runs again during backward."""
     return _recomputing.get()
+
+
+def charge(device, flops: float, kind: str, op: str, kernels=None) -> None:
+    """device.compute(flops, kind[, kernels]), naming the op when the device records a trace."""
+    args = (flops, kind) if kernels is None else (flops, kind, kernels)
+    if getattr(device, "trace", None) is not None:
+        device.compute(*args, op=op)
+    else:
+        device.compute(*args)

@@ -14,8 +14,8 @@ Modules: launch (threads and rank context), cluster (rendezvous, deadlock detect
 collectives, p2p, ring (collectives on send/recv), groups and mesh, device (one rank's
 ledgers), memory and buffers (what a rank holds, and for how long), clock, timeline
 (busy/idle time, the bubble and the communication compute hides, from the clocks'
-timelines), comm_log (the byte ledger),
-errors.
+timelines), trace (Chrome Trace Event files per rank, as torch.profiler writes them),
+comm_log (the byte ledger), errors.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .p2p import Work, irecv, isend, recv, send
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .roofline import Roofline
 from .timeline import comm_overlap, device_comm_overlap
+from .trace import TraceError, read_traces, write_traces
 
 __all__ = [
     "A100",
@@ -78,6 +79,7 @@ __all__ = [
     "RankAborted",
     "Roofline",
     "TimelineEvent",
+    "TraceError",
     "Work",
     "all_gather",
     "all_reduce",
@@ -99,6 +101,7 @@ __all__ = [
     "phase",
     "recv",
     "reduce",
+    "read_traces",
     "reduce_scatter",
     "release",
     "ring_all_gather",
@@ -109,4 +112,5 @@ __all__ = [
     "timeline_label",
     "transient",
     "traffic_matrix",
+    "write_traces",
 ]

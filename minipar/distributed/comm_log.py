@@ -27,6 +27,8 @@ class CommRecord:
     sent_to     ((peer global rank, bytes), ...): where the sent bytes went
     phase       forward | backward | optimizer | other (set with `minipar.distributed.phase`)
     start, end  simulated seconds: the transfer's start (its last member arrived) and end
+    message     send / recv only: (src, dst, tag, n) = the n-th message on that channel,
+                the same on both sides (a trace draws an arrow from the send to the recv)
     """
 
     op: str
@@ -38,6 +40,7 @@ class CommRecord:
     phase: str
     start: float
     end: float
+    message: tuple[int, int, int, int] | None = None
 
 
 class CommLedger:

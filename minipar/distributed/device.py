@@ -4,6 +4,10 @@ A Device is what `minipar.autograd.tracking.current_device()` returns inside a r
 autograd engine calls `device.compute(flops, kind, kernels)` for every op and `device.memory.hold`
 / `release` for the arrays it keeps. The collectives book their bytes in `device.comm`
 and their time on `device.clock`. A Device is only ever touched by its own rank's thread.
+
+`start_trace()` (called by `launch(..., trace=True)`) makes the device also keep what a
+profiler trace needs and the summaries do not: every op's compute span (`trace`, a
+TraceRecorder) and the memory ledger's history. Off by default, so untraced runs pay nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from .clock import COMPUTE_KINDS, Clock, DeviceProfile
 from .comm_log import PHASES, CommLedger
 from .errors import RankAborted
 from .memory import MemoryLedger
+from .trace import TraceRecorder
 
 
 class Device:
@@ -44,6 +49,8 @@ class Device:
         # to stop promptly when another rank failed.
         self._cluster = cluster
         self._calls_per_group: dict[tuple[int, ...], int] = {}  # collective sequence numbers
+        self._messages: dict[tuple[int, int, int], int] = {}  # p2p sequence numbers
+        self.trace: TraceRecorder | None = None  # set by start_trace()
         self._pending_works: dict[int, object] = {}  # isend/irecv not yet waited, by id
 
     # --- the autograd device protocol --------------------------------------------------
@@ -53,16 +60,26 @@ class Device:
         need to describe their kernels (minipar.autograd.kernels)."""
         return self.profile.roofline is not None
 
-    def compute(self, flops: float, kind: str, kernels=None) -> None:
+    def compute(self, flops: float, kind: str, kernels=None, op: str = "") -> None:
         """Advance this rank's clock by `flops` of work of `kind` (forward|backward|optimizer),
-        run as `kernels` (priced on the profile's roofline, if it has one)."""
+        run as `kernels` (priced on the profile's roofline, if it has one); `op` names the
+        operation (e.g. "Linear") for the trace."""
         if self._cluster is not None and self._cluster.failure is not None:
             raise RankAborted  # another rank failed: stop here rather than compute on
         if kind not in COMPUTE_KINDS:
             raise ValueError(f"compute kind {kind!r} is not one of {COMPUTE_KINDS}")
         if is_recomputing():
             self.recompute_flops += flops
+        start = self.clock.now
         self.clock.compute(self.profile.compute_seconds(flops, kernels), kind)
+        if self.trace is not None and self.clock.now > start:
+            self.trace.kernel(kind, op or kind, self.clock.compute_label, start,
+                              self.clock.now, flops)
+
+    def start_trace(self) -> None:
+        """Record every compute span and the memory history from now on (see trace.py)."""
+        self.trace = TraceRecorder()
+        self.memory.record_history(self.clock)
 
     # --- the phase communication is charged to -----------------------------------------
     @property
@@ -80,6 +97,12 @@ class Device:
         number = self._calls_per_group.get(group_ranks, 0)
         self._calls_per_group[group_ranks] = number + 1
         return number
+
+    def next_message(self, channel: tuple[int, int, int]) -> tuple[int, int, int, int]:
+        """(src, dst, tag, n): this rank's next message on the channel is its n-th."""
+        number = self._messages.get(channel, 0)
+        self._messages[channel] = number + 1
+        return channel + (number,)
 
     def summary(self) -> dict:
         """One entry of the report's "ranks" list (the caller adds "coords")."""

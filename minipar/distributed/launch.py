@@ -124,6 +124,7 @@ def launch(
     device: DeviceProfile | None = None,
     return_devices: bool = False,
     timeout: float | None = None,
+    trace: bool = False,
     **kwargs,
 ):
     """Run fn(*args, **kwargs) on `world_size` virtual ranks; return results by rank.
@@ -135,6 +136,8 @@ def launch(
     timeout: seconds after which the watchdog raises LaunchTimeoutError (a rank waiting
         that long, or no rank acting for that long); default: launch_timeout(), then
         $MINIPAR_LAUNCH_TIMEOUT, then DEFAULT_TIMEOUT (600 s).
+    trace: record what a profiler trace needs from the start (every op's compute span,
+        the memory history; see trace.py): `write_traces(dir, devices)` writes it.
     """
     if _rank_context.get() is not None:
         raise DistError(
@@ -143,6 +146,9 @@ def launch(
             "program, and use process groups (dist.new_group, DeviceMesh) inside it")
     timeout = resolve_timeout(timeout)
     cluster = Cluster(world_size, gpus_per_node, device)
+    if trace:
+        for rank_device in cluster.devices:
+            rank_device.start_trace()
     results: list = [None] * world_size
     threads = [
         threading.Thread(

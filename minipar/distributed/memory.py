@@ -11,6 +11,10 @@ Views share memory with their base, so the ledger tracks *root buffers*: it foll
 `.base` to the array that owns the memory and reference-counts that. Holding a view of a
 held array (or the same array twice, in any category) adds no bytes; the bytes leave the
 ledger when the last hold of the root is released. The first hold decides the category.
+
+While a trace is recorded (`record_history`), every change is also appended to `history`
+as (simulated time, category, bytes of that category now): the memory counters of the
+trace and the moment of the peak come from it. Off by default: nothing is kept.
 """
 
 from __future__ import annotations
@@ -56,6 +60,14 @@ class MemoryLedger:
         self.moment = None
         # id(root) -> [root, category, count]. Keeping `root` alive keeps its id unique.
         self._held: dict[int, list] = {}
+        self.history: list[tuple[float, str, int]] | None = None  # only while tracing
+        self._clock = None
+
+    def record_history(self, clock) -> None:
+        """From now on, append (clock.now, category, current bytes) at every change; the
+        history starts with the bytes held now (a category at 0 is left out)."""
+        self._clock = clock
+        self.history = [(clock.now, c, b) for c, b in self.current.items() if b]
 
     def hold(self, array: np.ndarray, category: str) -> None:
         """Start counting `array` (its root buffer) under `category`."""
@@ -74,6 +86,8 @@ class MemoryLedger:
             self.at_peak = dict(self.current)
             if self.moment is not None:
                 self.at_peak["time_s"], self.at_peak["phase"] = self.moment()
+        if self.history is not None:
+            self.history.append((self._clock.now, category, self.current[category]))
 
     def release(self, array: np.ndarray) -> None:
         """Drop one hold of `array`'s root buffer; its bytes leave at the last release."""
@@ -89,6 +103,8 @@ class MemoryLedger:
             root, category, _ = self._held.pop(key)
             self.current[category] -= root.nbytes
             self.total -= root.nbytes
+            if self.history is not None:
+                self.history.append((self._clock.now, category, self.current[category]))
 
     def is_held(self, array: np.ndarray) -> bool:
         return id(root_array(array)) in self._held

@@ -28,6 +28,8 @@ class Work:
                  category: str | None = None) -> None:
         self._cluster, self._device = cluster, device
         self._transfer, self._side, self._kind = transfer, side, kind
+        # Both sides number the messages of a channel alike: the n-th send matches the n-th recv.
+        self._message = device.next_message((transfer.src, transfer.dst, transfer.tag))
         self._finished = False
         # irecv(category=...): book the received array in the ledger when it arrives.
         self._category = None if category is None else check_category(category)
@@ -57,6 +59,7 @@ class Work:
                     phase=device.phase,
                     start=transfer.start,
                     end=transfer.end,
+                    message=self._message,
                 )
             )
             if self._category is not None:

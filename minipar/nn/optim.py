@@ -23,7 +23,7 @@ import numpy as np
 
 from minipar.autograd.kernels import Kernel
 from minipar.autograd.precision import bfloat16, float32
-from minipar.autograd.tracking import current_device
+from minipar.autograd.tracking import charge, current_device
 
 ADAMW_FLOPS_PER_ELEMENT = 14
 
@@ -40,9 +40,9 @@ def report_optimizer(device, elements: int, nbytes: int) -> None:
     kernel for a device that prices kernels: minipar.distributed.roofline)."""
     flops = ADAMW_FLOPS_PER_ELEMENT * elements
     if getattr(device, "wants_kernels", False):
-        device.compute(flops, "optimizer", (Kernel(flops, nbytes),))
+        charge(device, flops, "optimizer", "AdamW", (Kernel(flops, nbytes),))
     else:
-        device.compute(flops, "optimizer")
+        charge(device, flops, "optimizer", "AdamW")
 
 
 def adamw_update(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray,

@@ -64,6 +64,7 @@ class RunOptions:
     save_failures: list = field(default_factory=list)
     progress: object = None  # a _StepLog, or None
     device: dist.DeviceProfile | None = None  # the simulated GPU (default: H100)
+    trace: Path | None = None  # write a profiler trace per rank here (trace.py)
 
 
 # ------------------------------------------------------------------ the rank program
@@ -82,6 +83,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             scale=equivalence.SCALES[config.precision])
     history, states, step_ends = [], {}, []
     clock = dist.get_device().clock
+    loop_start = clock.now
     accum = config.grad_accum_steps
     for step in range(start_step, config.steps):
         lr = learning_rate(config, step)
@@ -113,7 +115,8 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
                 failures=options.save_failures)
         if options.progress is not None:
             options.progress.report(rank, record)
-    return {"steps": history, "step_ends": step_ends, "coords": mesh.coords(),
+    return {"steps": history, "step_ends": step_ends, "loop_start": loop_start,
+            "coords": mesh.coords(),
             "pieces": engine.parameter_pieces(),
             "sharding": engine.describe(), "states": states,
             "check": None if checker is None else checker.summary()}
@@ -149,8 +152,23 @@ def _launch(config: TrainConfig, options: RunOptions):
     (shaped in report.py), the results are what each rank returned."""
     results, devices = dist.launch(_rank_program, config.world_size, config, options,
                                    gpus_per_node=config.gpus_per_node,
-                                   device=options.device, return_devices=True)
+                                   device=options.device, return_devices=True,
+                                   trace=options.trace is not None)
+    if options.trace is not None:
+        start_step = 0 if options.start is None else options.start.step
+        _write_trace(options.trace, config, devices, results, start_step)
     return report_from_run(config, results, devices), results
+
+
+def _write_trace(directory: Path, config: TrainConfig, devices, results, first_step: int):
+    """rank<N>.json per rank: ProfilerStep#N from each rank's own step boundaries."""
+    steps, metadata = [], []
+    for result in results:
+        starts = [result["loop_start"], *result["step_ends"][:-1]]
+        steps.append([(first_step + k, s, e)
+                      for k, (s, e) in enumerate(zip(starts, result["step_ends"], strict=True))])
+        metadata.append({"config": config.to_dict(), "coords": result["coords"]})
+    dist.write_traces(directory, devices, steps, metadata)
 
 
 def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
@@ -202,7 +220,7 @@ def reference_run(config: TrainConfig, *, resume_from=None,
 
 def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
           save_every: int = 0, resume_from=None, device: dist.DeviceProfile | None = None,
-          reference: Reference | None = None, **overrides) -> Report:
+          reference: Reference | None = None, trace=None, **overrides) -> Report:
     """Train the model described by `config` and return its measured Report.
 
     progress(step, record): called after every optimizer step (the CLI's progress bar).
@@ -213,7 +231,10 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
     Keyword overrides build or modify the config: `train(steps=5, precision="fp64")`.
     With config.check, the single-device reference is trained first (or `reference`, a
     `reference_run` of the same reference config, is reused) and the report gets an
-    `equivalence` section; `report.reference` is the reference's own report."""
+    `equivalence` section; `report.reference` is the reference's own report.
+    trace: a folder to write one profiler trace per rank to (rank<N>.json, Chrome Trace
+    Event format on the simulated clock; see minipar.distributed.trace and
+    docs/profiling.md); `minipar profile DIR` reads it."""
     if config is None:
         config = TrainConfig(**overrides)
     elif overrides:
@@ -222,6 +243,8 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
         raise ConfigError("save_every", f"must be >= 0, got {save_every}")
     if save_dir is not None:
         check_output_dir("save_dir", save_dir)  # before the work, not after it
+    if trace is not None:
+        check_output_dir("trace", trace)
     stream = make_stream(config.data, config.vocab_size)
     config = config.replace(vocab_size=stream.vocab_size)
     check_layout(config)  # refuse an unsupported mix before anything runs
@@ -239,7 +262,7 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
         reference_states=None if reference is None else reference.states,
         save_dir=None if save_dir is None else Path(save_dir), save_every=save_every,
         progress=None if progress is None else _StepLog(progress, config.world_size),
-        device=device)
+        device=device, trace=None if trace is None else Path(trace))
     report, results = _launch(config, options)
     if config.check:
         report.reference = reference.report

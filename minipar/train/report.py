@@ -57,6 +57,7 @@ class Report:
     traffic: dict | None = None  # {"matrix": bytes rank i sent to j, "by_group": {...}}
     step_end_s: list[float] | None = None  # simulated time when each step ended (all ranks)
     device: dict | None = None  # the simulated GPU (minipar.distributed.DeviceProfile's fields)
+    profile: dict | None = None  # minipar profile's figures and verdict (--profile)
     # Not part of the JSON contract: per-rank timeline events (for plots) and the final
     # consolidated single-device state dict (for equivalence checks and inspection).
     timelines: list[list[dict]] | None = field(default=None, repr=False)
@@ -113,6 +114,8 @@ class Report:
             out["step_end_s"] = self.step_end_s
         if self.device is not None:
             out["device"] = self.device
+        if self.profile is not None:
+            out["profile"] = self.profile
         return out
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -130,7 +133,7 @@ class Report:
                    pipeline=data.get("pipeline"), equivalence=data.get("equivalence"),
                    layout=data.get("layout"), warnings=data.get("warnings", []),
                    traffic=data.get("traffic"), step_end_s=data.get("step_end_s"),
-                   device=data.get("device"))
+                   device=data.get("device"), profile=data.get("profile"))
 
     @classmethod
     def from_json(cls, path: str | Path) -> Report:

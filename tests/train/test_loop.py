@@ -186,3 +186,27 @@ def test_3d_checkpoints_resume_under_another_layout(tmp_path):
     np.testing.assert_allclose(resumed.losses, full.losses[2:], rtol=1e-12)
     for name, value in full.state_dict.items():
         np.testing.assert_allclose(resumed.state_dict[name], value, rtol=1e-9, atol=1e-13)
+
+
+def test_a_traced_run_writes_one_nested_trace_per_rank_and_changes_no_number(tmp_path):
+    from minipar.distributed import read_traces
+
+    config = TrainConfig(steps=2, dp=2, pp=2, grad_accum_steps=2, precision="fp64", **SMALL)
+    traced, plain = train(config, trace=tmp_path), train(config)
+    assert traced.losses == plain.losses and traced.ranks == plain.ranks
+    traces = read_traces(tmp_path)
+    assert len(traces) == 4
+    for trace, rank in zip(traces, traced.ranks, strict=True):
+        events = trace["traceEvents"]
+        steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+        assert [e["name"] for e in steps] == ["ProfilerStep#0", "ProfilerStep#1"]
+        assert trace["minipar"]["coords"] == rank["coords"]
+        by_thread = {}
+        for e in events:
+            if e.get("cat") == "kernel":
+                by_thread.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+        for spans in by_thread.values():  # slices on one thread never overlap
+            spans.sort()
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    ends = [s["ts"] + s["dur"] for s in steps]
+    assert ends[-1] == pytest.approx(traced.step_end_s[-1] * 1e6)
