@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GROUP_KINDS = ("dp", "tp", "pp", "other")
+GROUP_KINDS = ("dp", "tp", "pp", "cp", "other")
+# A ledger's by-group totals start with these (and gain "cp" when a CP group first
+# sends: reports of runs without context parallelism keep their shape).
+LEDGER_KINDS = ("dp", "tp", "pp", "other")
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
@@ -21,7 +24,7 @@ class CommRecord:
 
     op          all_reduce | all_gather | reduce_scatter | broadcast | reduce | barrier
                 | send | recv
-    group_kind  dp | tp | pp | other (who the bytes are charged to)
+    group_kind  dp | tp | pp | cp | other (who the bytes are charged to)
     group_ranks global ranks of the group, in ring order
     sent_bytes, recv_bytes   bytes this rank put on / took off the wire
     sent_to     ((peer global rank, bytes), ...): where the sent bytes went
@@ -49,8 +52,8 @@ class CommLedger:
         self.recv_bytes = 0
         self.sent_by_op: dict[str, int] = {}
         self.recv_by_op: dict[str, int] = {}
-        self.sent_by_group = dict.fromkeys(GROUP_KINDS, 0)
-        self.recv_by_group = dict.fromkeys(GROUP_KINDS, 0)
+        self.sent_by_group = dict.fromkeys(LEDGER_KINDS, 0)
+        self.recv_by_group = dict.fromkeys(LEDGER_KINDS, 0)
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
@@ -58,8 +61,9 @@ class CommLedger:
         self.recv_bytes += record.recv_bytes
         self.sent_by_op[record.op] = self.sent_by_op.get(record.op, 0) + record.sent_bytes
         self.recv_by_op[record.op] = self.recv_by_op.get(record.op, 0) + record.recv_bytes
-        self.sent_by_group[record.group_kind] += record.sent_bytes
-        self.recv_by_group[record.group_kind] += record.recv_bytes
+        kind = record.group_kind
+        self.sent_by_group[kind] = self.sent_by_group.get(kind, 0) + record.sent_bytes
+        self.recv_by_group[kind] = self.recv_by_group.get(kind, 0) + record.recv_bytes
 
     @property
     def calls(self) -> int:
