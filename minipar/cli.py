@@ -42,6 +42,9 @@ HELP = {
     "schedule": "pipeline schedule",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
+    "cp": "context-parallel size: each sequence cut over this many ranks (ring attention)",
+    "cp_load_balance": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, "
+                       "so causal attention gives every rank the same work",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
     "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
     "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "

@@ -54,6 +54,10 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    # context parallelism: every sequence cut over cp ranks, ring attention (a mesh
+    # dp x pp x cp x tp); load balancing gives rank r chunks r and 2cp-1-r of 2cp
+    cp: int = 1
+    cp_load_balance: bool = True
     gpus_per_node: int = 8
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
@@ -100,7 +104,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Check every setting; derive grad_accum_steps / global_batch_size."""
         check_positive_integers(self, ("seq_len", "n_layer", "n_head", "d_model",
-                                       "gpus_per_node", "steps"))
+                                       "gpus_per_node", "steps", "cp"))
         check_parallel_settings(self)
         if self.world_size > MAX_WORLD_SIZE:  # the emulator's limit, not the planner's
             largest = max(("dp", "tp", "pp"), key=lambda name: getattr(self, name))
@@ -152,7 +156,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ views
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def recompute(self) -> Recompute:

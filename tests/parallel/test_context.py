@@ -89,3 +89,57 @@ def test_ring_traffic_is_n_minus_1_kv_blocks_forward_and_twice_that_backward():
             sent[record.phase] += record.sent_bytes
         # forward: N-1 hops of K/V; backward: N-1 hops of K/V and N-1 of dK/dV
         assert sent == {"forward": (n - 1) * kv_block, "backward": 2 * (n - 1) * kv_block}
+
+
+# ---------------------------------------------------------------- a GPT cut over CP
+CHECK = dict(steps=2, precision="fp64", check=True, seq_len=16, n_layer=2, d_model=32,
+             n_head=4, micro_batch_size=2, data="synthetic", vocab_size=32)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(cp=2), dict(cp=4), dict(cp=2, cp_load_balance=False),
+    dict(cp=4, cp_load_balance=False),
+    dict(cp=2, tp=2), dict(cp=2, tp=2, sequence_parallel=True),
+    dict(cp=4, tp=2, sequence_parallel=True),
+    dict(cp=2, pp=2, grad_accum_steps=2), dict(cp=4, pp=2, grad_accum_steps=2),
+    dict(cp=2, dp=2, zero=1), dict(cp=4, dp=2, zero=1),
+    dict(cp=2, dp=2, tp=2, pp=2, zero=1, sequence_parallel=True, grad_accum_steps=2),
+], ids=lambda s: " ".join(f"{k}={v}" for k, v in s.items()))
+def test_context_parallel_training_equals_one_device_in_fp64(settings):
+    from minipar.train.loop import train
+
+    report = train(**CHECK, **settings)
+    equivalence = report.equivalence
+    assert equivalence["passed"], equivalence["first_mismatch"]
+    assert equivalence["max_rel_param_diff"] < 1e-10
+    assert equivalence["max_rel_loss_diff"] < 1e-13
+    # every rank of a CP group held its own tokens: coordinates gain cp
+    assert sorted({r["coords"]["cp"] for r in report.ranks}) == list(range(settings["cp"]))
+
+
+def test_gradients_are_averaged_over_dp_times_cp_and_cp_bytes_are_the_ring_attention():
+    from minipar.train.loop import train
+
+    report = train(**{**CHECK, "check": False, "steps": 1}, cp=2, dp=2)
+    assert report.layout["groups"]["cp"] == [[0, 1], [2, 3]]
+    for rank in report.ranks:
+        by_group = rank["comm"]["by_group"]
+        assert by_group["cp"] > 0 and by_group["dp"] > 0
+        assert rank["coords"] == {"dp": rank["rank"] // 2, "pp": 0, "cp": rank["rank"] % 2,
+                                  "tp": 0}
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(cp=3), "does not split into 2 x cp = 6 chunks"),
+    (dict(cp=3, cp_load_balance=False), "does not split into cp = 3 pieces"),
+    (dict(cp=2, tp=4, sequence_parallel=True, seq_len=12), "do not split over --tp 4"),
+    (dict(cp=2, dropout=0.1, check=False), "attention dropout"),
+])
+def test_layouts_that_cannot_cut_the_sequence_are_refused_with_the_reason(settings, message):
+    from minipar.train.build import check_layout
+    from minipar.train.config import TrainConfig
+
+    config = TrainConfig(**{**CHECK, "vocab_size": 32, **settings})
+    with pytest.raises(ValueError, match=message) as err:
+        check_layout(config)
+    assert str(err.value).startswith("--") and "--cp" in str(err.value)
