@@ -54,6 +54,7 @@ class CommLedger:
         self.recv_by_op: dict[str, int] = {}
         self.sent_by_group = dict.fromkeys(LEDGER_KINDS, 0)
         self.recv_by_group = dict.fromkeys(LEDGER_KINDS, 0)
+        self.sent_by_group_phase: dict[str, dict[str, int]] = {}  # kind -> phase -> bytes
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
@@ -64,6 +65,9 @@ class CommLedger:
         kind = record.group_kind
         self.sent_by_group[kind] = self.sent_by_group.get(kind, 0) + record.sent_bytes
         self.recv_by_group[kind] = self.recv_by_group.get(kind, 0) + record.recv_bytes
+        if record.sent_bytes:
+            phases = self.sent_by_group_phase.setdefault(kind, {})
+            phases[record.phase] = phases.get(record.phase, 0) + record.sent_bytes
 
     @property
     def calls(self) -> int:
@@ -71,7 +75,8 @@ class CommLedger:
 
     def summary(self) -> dict:
         """The report's "comm" entry. by_op and by_group count bytes *sent*; the matching
-        received bytes are under recv_by_op and recv_by_group."""
+        received bytes are under recv_by_op and recv_by_group; by_group_phase splits the
+        sent bytes of each group kind by phase (forward | backward | optimizer | other)."""
         return {
             "sent_bytes": self.sent_bytes,
             "recv_bytes": self.recv_bytes,
@@ -80,6 +85,8 @@ class CommLedger:
             "by_group": dict(self.sent_by_group),
             "recv_by_op": dict(self.recv_by_op),
             "recv_by_group": dict(self.recv_by_group),
+            "by_group_phase": {kind: dict(phases)
+                               for kind, phases in self.sent_by_group_phase.items()},
         }
 
 
