@@ -68,6 +68,10 @@ from minipar.nn import GPTConfig, Module
 from minipar.nn.gpt import Block, CausalSelfAttention, check_token_ids
 from minipar.parallel.mappings import scatter_to_sequence_parallel_region
 
+SELECTIVE_WITH_CP = ("selective recomputation (the attention core) with --cp: ring "
+                     "attention already keeps no (s, s) scores for backward, only q, k, v, "
+                     "its output and the log-sum-exp, so there is nothing to recompute; "
+                     "drop --recompute-granularity selective, or use full")
 KV_TAG, DKV_TAG = 21, 22  # p2p tags of the K/V blocks and of their gradients' sums
 SEQUENCE_DIM = 1  # activations and token ids are (B, T, ...)
 

@@ -27,6 +27,7 @@ emulator).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
+from minipar.plan.shapes import SOFTMAX_FLOPS, ModelShape
 
 
 def ring_attention_bytes(b: int, s: int, h: int, cp: int, itemsize: int, tp: int = 1,
@@ -116,7 +117,57 @@ def serial_ring_time(step_compute: list[float], kv_transfer: float,
     return sum(step_compute) + hops * kv_transfer + extra
 
 
+# ---------------------------------------------------------------------------- the planner's use
+def local_shape(shape: ModelShape, cp: int) -> ModelShape:
+    """The model as one CP rank runs it: s/cp tokens per sequence through every layer
+    (the parameters are the full model's: use `shape` for those)."""
+    return shape if cp == 1 else shape.with_seq_len(shape.seq_len // cp)
+
+
+def busiest_pairs(cp: int, load_balance: bool) -> int:
+    """Chunk pairs the busiest rank computes per layer (the one everyone waits for)."""
+    return max(sum(steps) for steps in pairs_per_step(cp, load_balance))
+
+
+def attention_flops_correction(shape: ModelShape, b: int, tp: int, cp: int,
+                               load_balance: bool) -> tuple[float, float]:
+    """(forward, backward) FLOPs to add to `local_shape(shape, cp).layer_flops(b, tp)`
+    per layer on the busiest CP rank: that counts one (s/cp)^2 block of full attention,
+    ring attention computes `busiest_pairs` chunk pairs and recomputes p in backward."""
+    if cp == 1:
+        return 0.0, 0.0
+    s, d = shape.seq_len // cp, shape.head_dim
+    heads = b * shape.n_head // tp
+    counted_f = 4 * heads * s * s * d + SOFTMAX_FLOPS[0] * heads * s * s
+    counted_b = 8 * heads * s * s * d + SOFTMAX_FLOPS[1] * heads * s * s
+    pair_f, pair_b = pair_flops(heads, chunk_tokens(shape.seq_len, cp, load_balance), d)
+    pairs = busiest_pairs(cp, load_balance)
+    return pairs * pair_f - counted_f, pairs * pair_b - counted_b
+
+
+def exposed_ring_seconds(pair_seconds: tuple[float, float], cp: int, load_balance: bool,
+                         kv_hop: float, dkv_hop: float) -> tuple[float, float]:
+    """(forward, backward) seconds per layer that the ring's transfers add to the busiest
+    rank's attention compute (`ring_times` minus the compute it overlaps). Exact with
+    load balancing (every rank alike); without it, the last rank's path."""
+    if cp == 1:
+        return 0.0, 0.0
+    pairs = pairs_per_step(cp, load_balance)
+    forward = [[p * pair_seconds[0] for p in steps] for steps in pairs]
+    backward = [[p * pair_seconds[1] for p in steps] for steps in pairs]
+    forward_end = ring_times(forward, kv_hop)
+    backward_end = ring_times(backward, kv_hop, dkv_hop, start=forward_end)
+    busiest_f = max(sum(steps) for steps in forward)
+    busiest_b = max(sum(steps) for steps in backward)
+    return (max(forward_end) - busiest_f,
+            max(backward_end) - max(forward_end) - busiest_b)
+
+
 __all__ = [
+    "attention_flops_correction",
+    "busiest_pairs",
+    "exposed_ring_seconds",
+    "local_shape",
     "attention_imbalance",
     "chunk_tokens",
     "pair_flops",

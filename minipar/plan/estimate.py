@@ -65,8 +65,8 @@ class Estimate:
     @property
     def traffic(self) -> dict:
         """Bytes per step the busiest rank sends, per group."""
-        return {group: max(s.traffic[group] for s in self.stages) for group in ("dp", "tp",
-                                                                              "pp")}
+        groups = ("dp", "tp", "pp", "cp") if self.config.cp > 1 else ("dp", "tp", "pp")
+        return {group: max(s.traffic[group] for s in self.stages) for group in groups}
 
     @property
     def fits(self) -> bool:
@@ -82,9 +82,10 @@ class Estimate:
 
     def comm_time_by_group(self) -> dict[str, float]:
         """Seconds per step the slowest rank spends in each group's collectives."""
-        totals = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+        groups = ("dp", "tp", "pp", "cp") if self.config.cp > 1 else ("dp", "tp", "pp")
+        totals = dict.fromkeys(groups, 0.0)
         for stage in self.stages:
-            per = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+            per = dict.fromkeys(groups, 0.0)
             for tr in stage.transfers:
                 per[tr.group] += tr.count * transfer_time(tr, self.cluster,
                                                           self.links[tr.group])

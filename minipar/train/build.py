@@ -42,7 +42,11 @@ from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
 from minipar.nn import GPT, GPTConfig
-from minipar.parallel.context import context_parallel_class, validate_context_parallel
+from minipar.parallel.context import (
+    SELECTIVE_WITH_CP,
+    context_parallel_class,
+    validate_context_parallel,
+)
 from minipar.parallel.data import DataParallel
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
@@ -94,6 +98,8 @@ def check_layout(config: TrainConfig) -> list[str]:
             validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
         except ValueError as err:
             raise LayoutError("tp", str(err)) from None
+    if config.cp > 1 and config.recompute.selective:
+        raise LayoutError("recompute_granularity", SELECTIVE_WITH_CP)
     if config.cp > 1:
         try:
             validate_context_parallel(gpt_config(config), config.cp, config.cp_load_balance,

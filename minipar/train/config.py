@@ -104,7 +104,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Check every setting; derive grad_accum_steps / global_batch_size."""
         check_positive_integers(self, ("seq_len", "n_layer", "n_head", "d_model",
-                                       "gpus_per_node", "steps", "cp"))
+                                       "gpus_per_node", "steps"))
         check_parallel_settings(self)
         if self.world_size > MAX_WORLD_SIZE:  # the emulator's limit, not the planner's
             largest = max(("dp", "tp", "pp"), key=lambda name: getattr(self, name))
@@ -194,7 +194,7 @@ def check_positive_integers(settings, names, error=ConfigError) -> None:
 def check_parallel_settings(settings, error=ConfigError) -> None:
     """The layout's rules, shared by TrainConfig and the planner's ParallelConfig: mesh
     sizes and micro-batch size, ZeRO stage, precision, schedule name, bucket size."""
-    check_positive_integers(settings, ("dp", "tp", "pp", "virtual_stages",
+    check_positive_integers(settings, ("dp", "tp", "pp", "cp", "virtual_stages",
                                        "micro_batch_size"), error)
     if settings.zero not in (0, 1, 2, 3):
         raise error("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {settings.zero!r}")

@@ -131,3 +131,46 @@ def test_activations_per_rank_fall_as_one_over_cp():
     for cp, per_rank in measured.items():
         assert len(set(per_rank)) == 1  # every CP rank holds the same
         assert per_rank[0] * cp == measured[2][0] * 2  # exactly 1/N of the sequence's
+
+
+# ---------------------------------------------------------------- the planner's estimate
+@pytest.mark.parametrize("settings", [
+    dict(cp=2, micro_batch_size=2, grad_accum_steps=2),
+    dict(cp=4, micro_batch_size=2, precision="bf16-mixed"),
+    dict(cp=2, dp=2, zero=1, micro_batch_size=2, grad_accum_steps=2),
+    dict(cp=2, tp=2, micro_batch_size=2),
+    dict(cp=2, tp=2, sequence_parallel=True, micro_batch_size=2),
+    dict(cp=2, pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4),
+    dict(cp=2, activation_checkpointing=True, micro_batch_size=2, grad_accum_steps=2),
+], ids=lambda s: " ".join(f"{k}={v}" for k, v in s.items()))
+def test_planner_predicts_context_parallel_training(settings):
+    """As tests/plan/test_estimate.py: memory exact (buffers and total within 10%),
+    bytes per group exact, simulated time within 0.1%."""
+    from minipar.plan.cluster import ClusterSpec
+    from minipar.plan.estimate import estimate
+    from minipar.plan.layout import ParallelConfig
+    from minipar.plan.shapes import from_train_config
+    from minipar.train import TrainConfig, train
+
+    steps = 2
+    config = TrainConfig(**{**TRAIN, "steps": steps, **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
+    for stage in est.stages:
+        for cp_rank in range(config.cp):
+            coords = {"dp": 0, "pp": stage.rank, "cp": cp_rank, "tp": 0}
+            (measured,) = [r for r in report.ranks if r["coords"] == coords]
+            label = f"pipeline rank {stage.rank}, cp rank {cp_rank}"
+            memory = measured["memory"]
+            for category in ("params", "grads", "optimizer", "activations"):
+                assert stage.memory[category] == memory[category], f"{label}: {category}"
+            for category in ("buffers", "peak_total"):
+                assert stage.memory[category] == pytest.approx(memory[category], rel=0.10), (
+                    f"{label}: {category}")
+            for group in ("dp", "tp", "pp", "cp"):
+                assert steps * stage.traffic[group] == measured["comm"]["by_group"].get(
+                    group, 0), f"{label}: {group} bytes"
+            spent = sum(measured["time"].values())
+            assert spent == pytest.approx(steps * est.step_time, rel=1e-3), f"{label}: time"
