@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
+from minipar.parallel.context import SELECTIVE_WITH_CP
 from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
-from minipar.parallel.context import SELECTIVE_WITH_CP
 from minipar.train.config import (
     check_parallel_settings,
     replace_settings,

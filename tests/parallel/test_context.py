@@ -134,6 +134,7 @@ def test_gradients_are_averaged_over_dp_times_cp_and_cp_bytes_are_the_ring_atten
     (dict(cp=3, cp_load_balance=False), "does not split into cp = 3 pieces"),
     (dict(cp=2, tp=4, sequence_parallel=True, seq_len=12), "do not split over --tp 4"),
     (dict(cp=2, dropout=0.1, check=False), "attention dropout"),
+    (dict(cp=2, recompute_granularity="selective"), "nothing to recompute"),
 ])
 def test_layouts_that_cannot_cut_the_sequence_are_refused_with_the_reason(settings, message):
     from minipar.train.build import check_layout
