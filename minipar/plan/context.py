@@ -43,9 +43,14 @@ def chunk_tokens(s: int, cp: int, load_balance: bool) -> int:
     return s // (2 * cp if load_balance else cp)
 
 
-def pairs_per_step(cp: int, load_balance: bool) -> list[list[int]]:
+def pairs_per_step(cp: int, load_balance: bool, count_masked: bool = False
+                   ) -> list[list[int]]:
     """[rank][step]: chunk pairs rank r computes at ring step i (it holds the K/V of
-    rank (r - i) mod N)."""
+    rank (r - i) mod N). count_masked: price every pair, masked or not (the planner's
+    FlashAttention convention, which counts all s^2 scores of causal attention: under it
+    CP splits the same work evenly, so CP and no CP compare like for like)."""
+    if count_masked:
+        return [[4 if load_balance else 1] * cp for _ in range(cp)]
     if load_balance:
         return [[3 if i == 0 else 2 for i in range(cp)] for _ in range(cp)]
     return [[1 if i <= r else 0 for i in range(cp)] for r in range(cp)]
@@ -124,13 +129,14 @@ def local_shape(shape: ModelShape, cp: int) -> ModelShape:
     return shape if cp == 1 else shape.with_seq_len(shape.seq_len // cp)
 
 
-def busiest_pairs(cp: int, load_balance: bool) -> int:
+def busiest_pairs(cp: int, load_balance: bool, count_masked: bool = False) -> int:
     """Chunk pairs the busiest rank computes per layer (the one everyone waits for)."""
-    return max(sum(steps) for steps in pairs_per_step(cp, load_balance))
+    return max(sum(steps) for steps in pairs_per_step(cp, load_balance, count_masked))
 
 
 def attention_flops_correction(shape: ModelShape, b: int, tp: int, cp: int,
-                               load_balance: bool) -> tuple[float, float]:
+                               load_balance: bool, count_masked: bool = False
+                               ) -> tuple[float, float]:
     """(forward, backward) FLOPs to add to `local_shape(shape, cp).layer_flops(b, tp)`
     per layer on the busiest CP rank: that counts one (s/cp)^2 block of full attention,
     ring attention computes `busiest_pairs` chunk pairs and recomputes p in backward."""
@@ -141,18 +147,19 @@ def attention_flops_correction(shape: ModelShape, b: int, tp: int, cp: int,
     counted_f = 4 * heads * s * s * d + SOFTMAX_FLOPS[0] * heads * s * s
     counted_b = 8 * heads * s * s * d + SOFTMAX_FLOPS[1] * heads * s * s
     pair_f, pair_b = pair_flops(heads, chunk_tokens(shape.seq_len, cp, load_balance), d)
-    pairs = busiest_pairs(cp, load_balance)
+    pairs = busiest_pairs(cp, load_balance, count_masked)
     return pairs * pair_f - counted_f, pairs * pair_b - counted_b
 
 
 def exposed_ring_seconds(pair_seconds: tuple[float, float], cp: int, load_balance: bool,
-                         kv_hop: float, dkv_hop: float) -> tuple[float, float]:
+                         kv_hop: float, dkv_hop: float, count_masked: bool = False
+                         ) -> tuple[float, float]:
     """(forward, backward) seconds per layer that the ring's transfers add to the busiest
     rank's attention compute (`ring_times` minus the compute it overlaps). Exact with
     load balancing (every rank alike); without it, the last rank's path."""
     if cp == 1:
         return 0.0, 0.0
-    pairs = pairs_per_step(cp, load_balance)
+    pairs = pairs_per_step(cp, load_balance, count_masked)
     forward = [[p * pair_seconds[0] for p in steps] for steps in pairs]
     backward = [[p * pair_seconds[1] for p in steps] for steps in pairs]
     forward_end = ring_times(forward, kv_hop)

@@ -122,7 +122,8 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
     if ring is not None:  # each chunk pair's kernels (minipar/parallel/context.py)
         chunk, pairs = ring
         block_f, block_b = ring_attention_block_kernels(b * shape.n_head // tp, chunk,
-                                                        shape.head_dim, itemsize)
+                                                        shape.head_dim, itemsize,
+                                                        flash_attention)
         return block_f * pairs, block_b * pairs
     h, s, e = shape.d_model, shape.seq_len, itemsize
     tokens = b * s
@@ -191,7 +192,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     ring = None
     if config.cp > 1:
         ring = (chunk_tokens(full.seq_len, config.cp, config.cp_load_balance),
-                busiest_pairs(config.cp, config.cp_load_balance))
+                busiest_pairs(config.cp, config.cp_load_balance, config.flash_attention))
     layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring)
     recompute = config.recompute
     forward = [(stage.layers, layer_f)]

@@ -86,7 +86,8 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     local = local_shape(shape, config.cp)  # my s/cp tokens of each sequence
     layer_f, layer_b = local.layer_flops(b, t, sp)
-    ring_f, ring_b = attention_flops_correction(shape, b, t, config.cp, config.cp_load_balance)
+    ring_f, ring_b = attention_flops_correction(shape, b, t, config.cp, config.cp_load_balance,
+                                                config.flash_attention)
     layer_f, layer_b = layer_f + ring_f, layer_b + ring_b
     forward = stage.layers * layer_f
     backward = stage.layers * layer_b
@@ -142,12 +143,13 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
         pair = tuple(f / cluster.sustained_flops for f in pair_flops(heads, c, shape.head_dim))
     else:
         pair = tuple(cluster.roofline.total_seconds(k) for k in ring_attention_block_kernels(
-            heads, c, shape.head_dim, e.activation))
+            heads, c, shape.head_dim, e.activation, config.flash_attention))
     alpha, bandwidth = cluster.link(group_links(config, cluster)["cp"])
     kv = 2 * b * (shape.seq_len // cp) * (shape.d_model // t)
     forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
                                              alpha + kv * e.activation / bandwidth,
-                                             alpha + kv * e.compute / bandwidth)
+                                             alpha + kv * e.compute / bandwidth,
+                                             config.flash_attention)
     recomputed = sum(config.recompute.recomputed_layers(n) for n in chunk_layers)
     forward, backward = layers * forward, layers * backward + recomputed * forward
     return (forward, backward) if split else forward + backward
