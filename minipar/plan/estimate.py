@@ -173,27 +173,31 @@ def compute_model(cluster: ClusterSpec) -> str:
 def format_estimate(est: Estimate) -> str:
     """A plain-text table: memory per pipeline rank by category, traffic, time."""
     c, shape = est.config, est.shape
+    groups = ("dp", "tp", "pp", "cp") if c.cp > 1 else ("dp", "tp", "pp")
     lines = [
         f"{shape.name}: {shape.n_params / 1e9:.2f}B parameters, {shape.n_layer} layers, "
         f"h={shape.d_model}, seq {shape.seq_len}, vocab {shape.vocab_size}",
-        f"layout: dp={c.dp} tp={c.tp} pp={c.pp} ({c.world_size} GPUs on {est.cluster.name}, "
+        f"layout: dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "")
+        + f" ({c.world_size} GPUs on {est.cluster.name}, "
         f"{est.cluster.gpus_per_node}/node), ZeRO-{c.zero}, {c.schedule}"
         + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
         + f", micro-batch {c.micro_batch_size} x {c.micro_batches} accum x dp {c.dp} = "
           f"global {c.global_batch_size}, {c.precision}"
         + (", activation checkpointing" if c.activation_checkpointing else "")
         + (", sequence parallel" if c.sequence_parallel else "")
-        + (", flash attention" if c.flash_attention else ""),
+        + (", flash attention" if c.flash_attention else "")
+        + (", ring attention" + ("" if c.cp_load_balance else " without load balancing")
+           if c.cp > 1 else ""),
         "",
     ]
-    header = ["pp rank", "layers", "in flight", *CATEGORIES, "total", "dp sent", "tp sent",
-              "pp sent"]
+    header = ["pp rank", "layers", "in flight", *CATEGORIES, "total",
+              *(f"{g} sent" for g in groups)]
     rows = [header]
     for s in est.stages:
         rows.append([str(s.rank), str(s.layers), str(s.in_flight)]
                     + [human_bytes(s.memory[k]) for k in CATEGORIES]
                     + [human_bytes(s.memory["peak_total"])]
-                    + [human_bytes(s.traffic[g]) for g in ("dp", "tp", "pp")])
+                    + [human_bytes(s.traffic[g]) for g in groups])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
@@ -213,5 +217,5 @@ def format_estimate(est: Estimate) -> str:
     comm = est.comm_time_by_group()
     lines.append("communication per step: " + ", ".join(
         f"{g} {human_seconds(comm[g])}" + (" (crosses nodes)" if est.links[g] else "")
-        for g in ("dp", "tp", "pp")))
+        for g in groups))
     return "\n".join(lines)
