@@ -199,10 +199,10 @@ def test_advisor_considers_cp_for_long_sequences_only():
 def test_plan_command_takes_cp_and_refuses_a_sequence_that_does_not_cut(capsys):
     from minipar.plan.cli import main
 
-    assert main(["--model", "llama2-7b", "--seq-len", "32768", "--cluster", "h100",
+    assert main(["plan", "--model", "llama2-7b", "--seq-len", "32768", "--cluster", "h100",
                  "--cp", "8", "--zero", "1", "--micro-batch-size", "2",
                  "--global-batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "cp=8" in out and "cp sent" in out
-    assert main(["--model", "llama2-7b", "--seq-len", "32760", "--cp", "8"]) == 2
+    assert main(["plan", "--model", "llama2-7b", "--seq-len", "32760", "--cp", "8"]) == 2
     assert "does not split into 16 chunks" in capsys.readouterr().out
