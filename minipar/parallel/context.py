@@ -26,12 +26,16 @@ again around the ring together with their gradients' running sums, which arrive 
 owners after N - 1 hops (TE's backward sends dK/dV the same way).
 
 Causality and load balancing. With the sequence cut into N contiguous pieces, rank 0's
-queries see one block and rank N-1's see N: rank N-1 does (N+1)/2 times the average
-work and everyone waits for it. Megatron-LM's `get_batch_on_this_cp_rank`
-(megatron/training/utils.py) cuts the sequence into 2N chunks instead and gives rank r
-chunks r and 2N-1-r (one early, one late), so every rank computes the same number of
+queries see one block and rank N-1's see N: rank N-1 does 2N/(N+1) times the average
+work and everyone waits for it. Megatron-LM cuts the sequence into 2N chunks instead and
+gives rank r chunks r and 2N-1-r, one early and one late ("zigzag":
+`get_batch_on_this_cp_rank` -> `_get_batch_on_this_cp_rank_per_sequence_balancing` in
+megatron/core/utils.py, Megatron-LM d98e8a64), so every rank computes the same number of
 chunk pairs: 2N-1 full ones and 2 diagonal (causally masked) ones. Token ids, position
 embeddings and targets follow the same permutation (`sequence_shard`, `positions`).
+Megatron's mesh order "tp-cp-ep-dp-pp" (`initialize_model_parallel` in
+megatron/core/parallel_state.py) keeps CP next to TP, and its gradients are reduced over
+`get_data_parallel_group(with_context_parallel=True)`: minipar's "dp-cp" group.
 
 Per chunk pair (query chunk a, key chunk b): b < a attend fully, b == a causally,
 b > a skip (all masked). Both layouts use this one rule; they differ in which chunks a
@@ -79,8 +83,8 @@ SEQUENCE_DIM = 1  # activations and token ids are (B, T, ...)
 # ---------------------------------------------------------------------------- layout
 def chunk_ids(cp_rank: int, cp_size: int, load_balance: bool) -> tuple[int, ...]:
     """The chunks of the sequence rank `cp_rank` holds, in its local order: (r,) of N
-    equal chunks, or (r, 2N-1-r) of 2N with load balancing (Megatron-LM's
-    `get_batch_on_this_cp_rank`)."""
+    equal chunks, or (r, 2N-1-r) of 2N with load balancing (Megatron-LM's zigzag
+    `_get_batch_on_this_cp_rank_per_sequence_balancing`)."""
     if not load_balance:
         return (cp_rank,)
     return (cp_rank, 2 * cp_size - 1 - cp_rank)

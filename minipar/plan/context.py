@@ -14,8 +14,8 @@ Work. The sequence is cut into N chunks (or 2N with load balancing) and a query 
 attends to the key chunks at or before it; every chunk pair costs the same. Without load
 balancing rank r computes r + 1 pairs of (s/N)^2 (steps 0..r of the ring), so the
 slowest rank does 2N/(N+1) times the mean; with it every rank computes 2N+1 pairs of
-(s/2N)^2, 3 at step 0 (its own chunks) and 2 at every later step (Megatron-LM's
-`get_batch_on_this_cp_rank`; TE's `AttnFuncWithCPAndKVP2P` splits steps the same way).
+(s/2N)^2, 3 at step 0 (its own chunks) and 2 at every later step (Megatron-LM's zigzag
+chunks, megatron/core/utils.py; TE's `AttnFuncWithCPAndKVP2P` splits steps the same way).
 
 Time: `ring_times` walks the ring as the emulator does: at each step a rank posts the
 next block's send and receive, computes its pairs, then waits for the block (so a

@@ -144,3 +144,16 @@ def test_layouts_that_cannot_cut_the_sequence_are_refused_with_the_reason(settin
     with pytest.raises(ValueError, match=message) as err:
         check_layout(config)
     assert str(err.value).startswith("--") and "--cp" in str(err.value)
+
+
+def test_a_checkpoint_saved_under_cp_resumes_under_any_cp(tmp_path):
+    from minipar.train.loop import train
+
+    base = dict(seq_len=16, n_layer=2, d_model=32, n_head=4, micro_batch_size=2,
+                data="synthetic", vocab_size=32, precision="fp64", global_batch_size=4)
+    uninterrupted = train(**base, steps=4)
+    train(**{**base, "global_batch_size": None}, steps=2, cp=2, dp=2, zero=1,
+          save_dir=tmp_path)
+    for cp in (1, 4):
+        resumed = train(**base, steps=4, cp=cp, resume_from=tmp_path)
+        np.testing.assert_allclose(resumed.losses, uninterrupted.losses[2:], rtol=1e-12)
