@@ -203,7 +203,8 @@ def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
 
 
 # ---------------------------------------------------------------------------- the Function
-def _split_heads(qkv: np.ndarray, head_dim: int, work):
+def _split_heads(qkv: np.ndarray, head_dim: int):
+    """qkv (B, T, 3 H hd) -> a view (3, B, H, T, hd) and H."""
     batch, length, width = qkv.shape
     n_heads = width // (3 * head_dim)
     heads = qkv.reshape(batch, length, 3, n_heads, head_dim)
@@ -225,7 +226,7 @@ class RingAttention(Function):
         ring = RingExchange(group)
         n, r = ring.size, ring.index
         work = compute_dtype(qkv.dtype)
-        heads, n_heads = _split_heads(qkv, head_dim, work)
+        heads, n_heads = _split_heads(qkv, head_dim)
         q = heads[0].astype(work)  # (B, H, T/N, hd)
         kv = np.ascontiguousarray(heads[1:])  # (2, B, H, T/N, hd), the activations' dtype
         mine = chunk_ids(r, n, load_balance)
@@ -268,7 +269,7 @@ class RingAttention(Function):
         ring = RingExchange(ctx.group)
         n, r = ring.size, ring.index
         work = compute_dtype(qkv.dtype)
-        heads, n_heads = _split_heads(qkv, head_dim, work)
+        heads, n_heads = _split_heads(qkv, head_dim)
         batch, length = qkv.shape[:2]
         q = heads[0].astype(work)
         kv = np.ascontiguousarray(heads[1:])
