@@ -42,9 +42,6 @@ HELP = {
     "schedule": "pipeline schedule",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
-    "cp": "context-parallel size: each sequence cut over this many ranks (ring attention)",
-    "cp_load_balance": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, "
-                       "so causal attention gives every rank the same work",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
     "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
     "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "
@@ -105,9 +102,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         name = flag(f.name)
         if kind is bool:
             parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=HELP.get(f.name))
+                                default=f.default, help=HELP.get(f.name, f.metadata.get("help")))
         else:
-            help_text = HELP.get(f.name)
+            help_text = HELP.get(f.name, f.metadata.get("help"))
             if f.name == "schedule":  # each registered schedule says what it does
                 help_text += ": " + "; ".join(f"{spec.name}: {spec.description}"
                                               for spec in SCHEDULES.values())

@@ -56,8 +56,11 @@ class TrainConfig:
     sequence_parallel: bool = False
     # context parallelism: every sequence cut over cp ranks, ring attention (a mesh
     # dp x pp x cp x tp); load balancing gives rank r chunks r and 2cp-1-r of 2cp
-    cp: int = 1
-    cp_load_balance: bool = True
+    cp: int = dataclasses.field(default=1, metadata={
+        "help": "context-parallel size: each sequence cut over this many ranks (ring attention)"})
+    cp_load_balance: bool = dataclasses.field(default=True, metadata={
+        "help": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, so causal "
+                "attention gives every rank the same work"})
     gpus_per_node: int = 8
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
