@@ -106,9 +106,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         name = flag(f.name)
         if kind is bool:
             parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=HELP.get(f.name))
+                                default=f.default, help=HELP.get(f.name, f.metadata.get("help")))
         else:
-            help_text = HELP.get(f.name)
+            help_text = HELP.get(f.name, f.metadata.get("help"))
             if f.name == "schedule":  # each registered schedule says what it does
                 help_text += ": " + "; ".join(f"{spec.name}: {spec.description}"
                                               for spec in SCHEDULES.values())

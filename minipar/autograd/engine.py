@@ -368,7 +368,11 @@ _FREED_MESSAGE = (
 def _report_backward(device, node: Context, grads, input_grads) -> None:
     """Book a node's backward on the device: its FLOPs and, for a device that prices
     kernels, the kernels the op named or one reading the incoming gradients and the saved
-    arrays and writing the input gradients (function.py)."""
+    arrays and writing the input gradients (function.py). An op with no FLOPs and
+    kernels_backward == () charged its backward itself as it ran (ring attention, which
+    overlaps its blocks with communication: minipar.distributed.compute)."""
+    if node.kernels_backward == () and not node.flops_backward:
+        return
     op = node.function.__name__
     if not getattr(device, "wants_kernels", False):
         charge(device, node.flops_backward, "backward", op)

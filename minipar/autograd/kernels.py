@@ -82,3 +82,31 @@ def attention_kernels(heads: int, s: int, d: int, itemsize: int, dropout: bool
 def array_bytes(items) -> int:
     """Bytes of the ndarrays among `items` (other values count nothing)."""
     return sum(item.nbytes for item in items if isinstance(item, np.ndarray))
+
+
+def ring_attention_block_kernels(heads: int, c: int, d: int, itemsize: int,
+                                 flash: bool = False
+                                 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """(forward, backward) kernels of one chunk pair of ring attention (c query tokens
+    against c key tokens, `heads` (sequence, head) pairs, head_dim d), FlashAttention's
+    way (minipar/parallel/context.py): forward the scores GEMM, the online-softmax
+    update (reads the scores, 5 FLOPs each as `attention_kernels`' softmax) and the GEMM
+    p v; backward recomputes the scores and p (1 FLOP each more), the GEMMs dV = p^T dO
+    and dP = dO V^T, the softmax backward (4 per score; reads p and dP, writes dS) and
+    the GEMMs dQ = dS K, dK = dS^T Q. flash: the same FLOPs as one fused kernel each
+    way that reads q, k, v (and dO) and writes o (dq, dk, dv), as Transformer Engine
+    runs each block with FlashAttention (the planner's `flash_attention` clusters)."""
+    e, scores = itemsize, heads * c * c
+    if flash:
+        forward_flops = 4 * scores * d + 5 * scores
+        backward_flops = 10 * scores * d + 9 * scores
+        q_k_v_o = 4 * e * heads * c * d
+        return ((Kernel(forward_flops, q_k_v_o, gemm=(heads, c, d, c)),),
+                (Kernel(backward_flops, 2 * q_k_v_o, gemm=(heads, c, d, c)),))
+    forward = (gemm_kernel(heads, c, c, d, e), Kernel(5 * scores, 2 * e * scores),
+               gemm_kernel(heads, c, d, c, e))
+    backward = (gemm_kernel(heads, c, c, d, e), Kernel(5 * scores, 2 * e * scores),
+                gemm_kernel(heads, c, d, c, e), gemm_kernel(heads, c, c, d, e),
+                Kernel(4 * scores, 3 * e * scores),
+                gemm_kernel(heads, c, d, c, e), gemm_kernel(heads, c, d, c, e))
+    return forward, backward

@@ -20,7 +20,7 @@ comm_log (the byte ledger), errors.
 
 from __future__ import annotations
 
-from .buffers import hold, release, transient
+from .buffers import compute, hold, release, transient
 from .clock import A100, H100, Clock, DeviceProfile, TimelineEvent, collective_time
 from .cluster import MAX_WORLD_SIZE, Cluster
 from .collectives import (
@@ -88,6 +88,7 @@ __all__ = [
     "broadcast",
     "collective_time",
     "comm_overlap",
+    "compute",
     "device_comm_overlap",
     "get_device",
     "get_rank",

@@ -45,3 +45,13 @@ def transient(array: np.ndarray, category: str = "buffers"):
         yield array
     finally:
         memory.release(array)
+
+
+def compute(flops: float, kind: str, kernels=()) -> None:
+    """Charge the running rank's clock now with `flops` of `kind` work (forward |
+    backward), run as `kernels` on a roofline profile. For an op that interleaves its
+    compute with its communication (ring attention overlaps each block with the K/V
+    transfer), so each piece lands on the timeline where it runs; such an op reports no
+    FLOPs of its own to the autograd engine (flops 0, kernels_backward ())."""
+    device = get_device()
+    device.compute(flops, kind, tuple(kernels) if device.wants_kernels else None)

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GROUP_KINDS = ("dp", "tp", "pp", "other")
+GROUP_KINDS = ("dp", "tp", "pp", "cp", "other")
+# A ledger's by-group totals start with these (and gain "cp" when a CP group first
+# sends: reports of runs without context parallelism keep their shape).
+LEDGER_KINDS = ("dp", "tp", "pp", "other")
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
@@ -21,7 +24,7 @@ class CommRecord:
 
     op          all_reduce | all_gather | reduce_scatter | broadcast | reduce | barrier
                 | send | recv
-    group_kind  dp | tp | pp | other (who the bytes are charged to)
+    group_kind  dp | tp | pp | cp | other (who the bytes are charged to)
     group_ranks global ranks of the group, in ring order
     sent_bytes, recv_bytes   bytes this rank put on / took off the wire
     sent_to     ((peer global rank, bytes), ...): where the sent bytes went
@@ -52,8 +55,9 @@ class CommLedger:
         self.recv_bytes = 0
         self.sent_by_op: dict[str, int] = {}
         self.recv_by_op: dict[str, int] = {}
-        self.sent_by_group = dict.fromkeys(GROUP_KINDS, 0)
-        self.recv_by_group = dict.fromkeys(GROUP_KINDS, 0)
+        self.sent_by_group = dict.fromkeys(LEDGER_KINDS, 0)
+        self.recv_by_group = dict.fromkeys(LEDGER_KINDS, 0)
+        self.sent_by_group_phase: dict[str, dict[str, int]] = {}  # kind -> phase -> bytes
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
@@ -61,8 +65,12 @@ class CommLedger:
         self.recv_bytes += record.recv_bytes
         self.sent_by_op[record.op] = self.sent_by_op.get(record.op, 0) + record.sent_bytes
         self.recv_by_op[record.op] = self.recv_by_op.get(record.op, 0) + record.recv_bytes
-        self.sent_by_group[record.group_kind] += record.sent_bytes
-        self.recv_by_group[record.group_kind] += record.recv_bytes
+        kind = record.group_kind
+        self.sent_by_group[kind] = self.sent_by_group.get(kind, 0) + record.sent_bytes
+        self.recv_by_group[kind] = self.recv_by_group.get(kind, 0) + record.recv_bytes
+        if record.sent_bytes:
+            phases = self.sent_by_group_phase.setdefault(kind, {})
+            phases[record.phase] = phases.get(record.phase, 0) + record.sent_bytes
 
     @property
     def calls(self) -> int:
@@ -70,7 +78,8 @@ class CommLedger:
 
     def summary(self) -> dict:
         """The report's "comm" entry. by_op and by_group count bytes *sent*; the matching
-        received bytes are under recv_by_op and recv_by_group."""
+        received bytes are under recv_by_op and recv_by_group; by_group_phase splits the
+        sent bytes of each group kind by phase (forward | backward | optimizer | other)."""
         return {
             "sent_bytes": self.sent_bytes,
             "recv_bytes": self.recv_bytes,
@@ -79,6 +88,8 @@ class CommLedger:
             "by_group": dict(self.sent_by_group),
             "recv_by_op": dict(self.recv_by_op),
             "recv_by_group": dict(self.recv_by_group),
+            "by_group_phase": {kind: dict(phases)
+                               for kind, phases in self.sent_by_group_phase.items()},
         }
 
 

@@ -16,7 +16,7 @@ from .context import current
 
 @dataclass(frozen=True)
 class ProcessGroup:
-    """ranks: global ranks in ring order (sorted); kind: dp | tp | pp | other."""
+    """ranks: global ranks in ring order (sorted); kind: dp | tp | pp | cp | other."""
 
     ranks: tuple[int, ...]
     kind: str = "other"

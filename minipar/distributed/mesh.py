@@ -1,8 +1,15 @@
-"""The device mesh: world ranks laid out as a dp x pp x tp grid.
+"""The device mesh: world ranks laid out as a dp x pp x cp x tp grid.
 
-tp varies fastest, then pp, then dp (picotron's `torch.arange(world).view(dp, pp, tp)`):
+tp varies fastest, then cp, then pp, then dp (picotron's
+`torch.arange(world).view(dp, pp, cp, tp)`):
 
-    rank = (dp_index * pp + pp_index) * tp + tp_index
+    rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index
+
+Context parallelism (cp, minipar/parallel/context.py) talks second most (K/V blocks
+around its ring in every attention layer), so its groups come right after TP's and stay
+inside a node when tp x cp divides gpus_per_node, as in Megatron-LM's
+`parallel_state.initialize_model_parallel` (order "tp-cp-ep-dp-pp"). With cp = 1 the
+mesh and its coordinates are the 3-D ones (no "cp" key), so older reports read the same.
 
 Tensor parallelism talks the most (an all-reduce per layer, forward and backward), so
 its groups are consecutive ranks and stay inside a node, on NVLink, whenever tp divides
@@ -13,18 +20,27 @@ parallelism ... within a multi-GPU server"). Megatron itself orders pp slowest
 Example, dp=2, pp=2, tp=2 (8 ranks):
     tp groups [0,1] [2,3] [4,5] [6,7];  pp groups [0,2] [1,3] [4,6] [5,7];
     dp groups [0,4] [1,5] [2,6] [3,7]
+Example, dp=2, cp=2, tp=2: tp [0,1] [2,3] ...; cp [0,2] [1,3] [4,6] [5,7]; dp [0,4] ...;
+    and the group the gradients are averaged over, dp x cp ("dp-cp"), [0,2,4,6] [1,3,5,7]
+    (Megatron's `get_data_parallel_group(with_context_parallel=True)`).
 """
 
 from __future__ import annotations
 
+import itertools
+
 from .context import _rank_context
 from .groups import ProcessGroup, make_group
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
+# Groups over several axes: their name, axes, and the kind their bytes are charged to.
+# Parameters are replicated over CP, so their gradients are averaged over DP x CP: that
+# traffic is data-parallel traffic.
+COMBINED = {"dp-cp": (("dp", "cp"), "dp")}
 
 
 class DeviceMesh:
-    """dp x pp x tp grid over the world. Inside a launch the sizes must multiply to the
+    """dp x pp x cp x tp grid over the world. Inside a launch the sizes must multiply to the
     world size; outside one (e.g. for a planner), pass world_size or let it be the product.
 
     Methods taking `rank=None` mean the running rank.
@@ -36,10 +52,11 @@ class DeviceMesh:
         pp: int = 1,
         tp: int = 1,
         *,
+        cp: int = 1,
         world_size: int | None = None,
         gpus_per_node: int | None = None,
     ) -> None:
-        for axis, size in zip(AXES, (dp, pp, tp), strict=True):
+        for axis, size in zip(AXES, (dp, pp, cp, tp), strict=True):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"DeviceMesh {axis}={size!r}: every size must be an int >= 1")
         context = _rank_context.get()
@@ -47,19 +64,27 @@ class DeviceMesh:
             cluster = context[0]
             world_size = cluster.world_size if world_size is None else world_size
             gpus_per_node = cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
-        self.dp, self.pp, self.tp = dp, pp, tp
-        self.world_size = dp * pp * tp if world_size is None else world_size
+        self.dp, self.pp, self.cp, self.tp = dp, pp, cp, tp
+        size = dp * pp * cp * tp
+        self.world_size = size if world_size is None else world_size
         self.gpus_per_node = 8 if gpus_per_node is None else gpus_per_node
-        if dp * pp * tp != self.world_size:
+        if size != self.world_size:
+            sizes = f"dp={dp} x pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
             raise ValueError(
-                f"DeviceMesh dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but the world "
+                f"DeviceMesh {sizes} = {size} ranks, but the world "
                 f"has {self.world_size}: choose sizes whose product is {self.world_size}"
             )
         self._groups: dict[tuple[str, int], ProcessGroup] = {}
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.pp, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        """(dp, pp, tp), or (dp, pp, cp, tp) with context parallelism (the `axes` order)."""
+        return tuple(getattr(self, axis) for axis in self.axes)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh's axes, slowest first: ("dp", "pp", "tp"), with "cp" if cp > 1."""
+        return AXES if self.cp > 1 else ("dp", "pp", "tp")
 
     # --- coordinates ---------------------------------------------------------------------
     def _rank(self, rank: int | None) -> int:
@@ -72,15 +97,18 @@ class DeviceMesh:
             raise ValueError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
         return rank
 
-    def rank_at(self, dp: int, pp: int, tp: int) -> int:
-        """Global rank at mesh coordinates (dp, pp, tp)."""
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank_at(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        """Global rank at mesh coordinates (dp, pp, cp, tp)."""
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """{"dp": i, "pp": j, "tp": k} of `rank`."""
+        """{"dp": i, "pp": j, "tp": k} of `rank`, with "cp" (after "pp") if cp > 1."""
         rest, tp = divmod(self._rank(rank), self.tp)
+        rest, cp = divmod(rest, self.cp)
         dp, pp = divmod(rest, self.pp)
-        return {"dp": dp, "pp": pp, "tp": tp}
+        if self.cp == 1:
+            return {"dp": dp, "pp": pp, "tp": tp}
+        return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
 
     def node(self, rank: int | None = None) -> int:
         return self._rank(rank) // self.gpus_per_node
@@ -97,19 +125,25 @@ class DeviceMesh:
     def tp_rank(self) -> int:
         return self.coords()["tp"]
 
+    @property
+    def cp_rank(self) -> int:
+        return self.coords().get("cp", 0)
+
     # --- groups ----------------------------------------------------------------------------
     def group(self, axis: str, rank: int | None = None) -> ProcessGroup:
-        """The group of ranks that share all coordinates of `rank` except `axis`."""
-        if axis not in AXES:
-            raise ValueError(f"mesh axis {axis!r} is not one of {AXES}")
-        c = self.coords(rank)
+        """The group of ranks that share all coordinates of `rank` except `axis` (or,
+        for a combined name such as "dp-cp", except each of its axes)."""
+        if axis not in AXES and axis not in COMBINED:
+            raise ValueError(f"mesh axis {axis!r} is not one of {AXES + tuple(COMBINED)}")
+        axes, kind = COMBINED.get(axis, ((axis,), axis))
+        c = {"cp": 0, **self.coords(rank)}
         members = []
-        for i in range(getattr(self, axis)):
-            c[axis] = i
-            members.append(self.rank_at(c["dp"], c["pp"], c["tp"]))
-        key = (axis, members[0])
+        for index in itertools.product(*(range(getattr(self, a)) for a in axes)):
+            c.update(zip(axes, index, strict=True))
+            members.append(self.rank_at(c["dp"], c["pp"], c["tp"], c["cp"]))
+        key = (axis, min(members))
         if key not in self._groups:
-            self._groups[key] = make_group(members, axis, self.world_size)
+            self._groups[key] = make_group(members, kind, self.world_size)
         return self._groups[key]
 
     def dp_group(self, rank: int | None = None) -> ProcessGroup:
@@ -121,10 +155,18 @@ class DeviceMesh:
     def tp_group(self, rank: int | None = None) -> ProcessGroup:
         return self.group("tp", rank)
 
+    def cp_group(self, rank: int | None = None) -> ProcessGroup:
+        return self.group("cp", rank)
+
+    def dp_cp_group(self, rank: int | None = None) -> ProcessGroup:
+        """DP x CP: the ranks holding the same parameters (gradients averaged here)."""
+        return self.group("dp-cp", rank)
+
     def all_groups(self, axis: str) -> list[ProcessGroup]:
         """Every group along `axis`, ordered by first member."""
         unique = {self.group(axis, r) for r in range(self.world_size)}
         return sorted(unique, key=lambda g: g.ranks)
 
     def __repr__(self) -> str:
-        return f"DeviceMesh(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return f"DeviceMesh(dp={self.dp}, pp={self.pp}{cp}, tp={self.tp})"

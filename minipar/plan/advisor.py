@@ -14,6 +14,10 @@ guesses, and lets the estimate decide between what remains:
   per rank when the layers and micro-batches allow it;
 - sequence parallelism whenever tp > 1 (same traffic as plain TP, less activation
   memory: Korthikanti et al. 2022, section 4.2.2);
+- context parallelism (cp > 1: each sequence cut over cp GPUs, ring attention) only for
+  long sequences, from LONG_SEQUENCE tokens on (Megatron-LM's context-parallel docs:
+  "for long context training"; Llama 3 used cp 16 at 128k), cp up to 16 and cutting the
+  sequence into 2cp chunks; the mesh keeps it next to tp (dp x pp x cp x tp);
 - recomputation off, selective (the attention core only: Korthikanti et al. 2022,
   section 5, a few percent more compute) and full (every layer: about a third more), so
   the ranking picks the cheapest that fits: selective whenever it suffices.
@@ -31,6 +35,8 @@ from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layo
 from minipar.plan.shapes import ModelShape
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+LONG_SEQUENCE = 8192  # tokens from which the search also tries context parallelism
+MAX_CP = 16
 # none, selective, full (every layer; what --activation-checkpointing has always meant)
 RECOMPUTE_OPTIONS = ({}, {"recompute_granularity": "selective"},
                      {"activation_checkpointing": True})
@@ -81,41 +87,52 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
+    """The cp sizes the search tries on `gpus` GPUs: 1, and for long sequences the
+    divisors up to MAX_CP that cut the sequence into 2cp chunks."""
+    if shape.seq_len < LONG_SEQUENCE:
+        return [1]
+    return [cp for cp in divisors(gpus) if cp <= MAX_CP and shape.seq_len % (2 * cp) == 0]
+
+
 def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                       global_batch_size: int, precision: str = "bf16-mixed",
                       flash_attention: bool = True, lr: float | None = None):
     """Every layout of `gpus` GPUs the search considers (see the module docstring)."""
+    layouts = []
     for tp in divisors(min(gpus_per_node, gpus)):
         if gpus % tp or gpus_per_node % tp:
             continue
-        for pp in divisors(gpus // tp):
-            if pp > shape.n_layer:
+        for cp in context_parallel_sizes(shape, gpus // tp):
+            layouts += [(tp, cp, pp) for pp in divisors(gpus // (tp * cp))]
+    for tp, cp, pp in layouts:
+        if pp > shape.n_layer:
+            continue
+        dp = gpus // (tp * pp * cp)
+        for micro in MICRO_BATCH_SIZES:
+            if global_batch_size % (micro * dp):
                 continue
-            dp = gpus // (tp * pp)
-            for micro in MICRO_BATCH_SIZES:
-                if global_batch_size % (micro * dp):
-                    continue
-                m = global_batch_size // (micro * dp)
-                # the schedules that say the search should try them, where their rules
-                # allow, with chunks that split the layers evenly
-                schedules = [(spec.name, v) for spec in SCHEDULES.values()
-                             for v in spec.searched_virtual_stages
-                             if _accepts(spec.name, pp, m, v)
-                             and (v == 1 or shape.n_layer % (pp * v) == 0)]
-                for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                    for schedule, v in schedules:
-                        for recompute in RECOMPUTE_OPTIONS:
-                            try:
-                                config = ParallelConfig(
-                                    dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
-                                    virtual_stages=v, sequence_parallel=tp > 1,
-                                    micro_batch_size=micro, global_batch_size=global_batch_size,
-                                    precision=precision, flash_attention=flash_attention,
-                                    lr=lr, **recompute)
-                                check_model_fits_layout(shape, config)
-                            except PlanError:
-                                continue
-                            yield config
+            m = global_batch_size // (micro * dp)
+            # the schedules that say the search should try them, where their rules
+            # allow, with chunks that split the layers evenly
+            schedules = [(spec.name, v) for spec in SCHEDULES.values()
+                         for v in spec.searched_virtual_stages
+                         if _accepts(spec.name, pp, m, v)
+                         and (v == 1 or shape.n_layer % (pp * v) == 0)]
+            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                for schedule, v in schedules:
+                    for recompute in RECOMPUTE_OPTIONS:
+                        try:
+                            config = ParallelConfig(
+                                dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
+                                virtual_stages=v, sequence_parallel=tp > 1,
+                                micro_batch_size=micro, global_batch_size=global_batch_size,
+                                precision=precision, flash_attention=flash_attention,
+                                lr=lr, cp=cp, **recompute)
+                            check_model_fits_layout(shape, config)
+                        except PlanError:
+                            continue
+                        yield config
 
 
 def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
@@ -171,7 +188,8 @@ def explain(advice: Advice) -> str:
     lines = [
         f"Best of {len(advice.ranked)} fitting layouts ({advice.searched} tried) for "
         f"{shape.name} ({shape.n_params / 1e9:.1f}B parameters) on {advice.gpus} GPUs "
-        f"({nodes} node{'s' * (nodes > 1)} of {gpn}): dp={c.dp} x tp={c.tp} x pp={c.pp}, "
+        f"({nodes} node{'s' * (nodes > 1)} of {gpn}): dp={c.dp} x tp={c.tp} x pp={c.pp}"
+        f"{f' x cp={c.cp}' if c.cp > 1 else ''}, "
         f"ZeRO-{c.zero}, micro-batch {c.micro_batch_size}, "
         f"{'activation checkpointing, ' if c.activation_checkpointing else ''}"
         f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}.",
@@ -196,6 +214,15 @@ def explain(advice: Advice) -> str:
     else:
         lines.append("- No tensor parallelism: every layer fits on one GPU, so there is no "
                      "need to pay its per-layer all-reduces.")
+    if c.cp > 1:
+        lines.append(
+            f"- Context parallelism (cp={c.cp}) cuts each {shape.seq_len}-token sequence "
+            f"into {2 * c.cp} chunks over {c.cp} GPUs (rank r keeps chunks r and "
+            f"{2 * c.cp - 1}-r, so causal attention is balanced): every GPU holds the "
+            f"activations of {shape.seq_len // c.cp} tokens, and ring attention passes K/V "
+            f"blocks around the CP group ({human_bytes(est.traffic['cp'])} per GPU per "
+            f"step, {human_seconds(comm['cp'])} of transfers, mostly hidden behind the "
+            "block computations).")
     if c.pp > 1:
         lines.append(
             f"- Pipeline parallelism (pp={c.pp}) cuts the {shape.n_layer} layers into {c.pp} "
@@ -227,6 +254,11 @@ def explain(advice: Advice) -> str:
             lines.append(f"  ZeRO-{lower.config.zero} would fit too, at "
                          f"{human_seconds(lower.step_time)} per step; ZeRO-{c.zero} is "
                          "as fast or faster and leaves more memory free.")
+    elif c.cp > 1:
+        lines.append(f"- No data parallelism: the GPUs cut the sequence instead. The "
+                     f"parameters are replicated over the {c.cp} CP ranks, so ZeRO-{c.zero} "
+                     f"{zero_text} over them (Megatron's data-parallel group with context "
+                     "parallelism).")
     else:
         lines.append("- No data parallelism: all GPUs are needed to hold one model replica.")
     if c.recompute.full:
@@ -260,7 +292,8 @@ def explain(advice: Advice) -> str:
     if runner_up is not None:
         r = runner_up.config
         lines.append(
-            f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp} ZeRO-{r.zero} micro-batch "
+            f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp}"
+            f"{f' cp={r.cp}' if r.cp > 1 else ''} ZeRO-{r.zero} micro-batch "
             f"{r.micro_batch_size}"
             f"{'' if not r.recomputes else ' with ' + r.recompute.label + ' recomputation'}"
             f", step {human_seconds(runner_up.step_time)} "
@@ -270,13 +303,13 @@ def explain(advice: Advice) -> str:
 
 def format_ranking(advice: Advice, top: int = 5) -> str:
     """A table of the `top` fitting layouts."""
-    header = ["#", "dp", "tp", "pp", "zero", "sched", "mb", "accum", "recompute", "memory",
-              "step", "bubble", "MFU"]
+    header = ["#", "dp", "tp", "pp", "cp", "zero", "sched", "mb", "accum", "recompute",
+              "memory", "step", "bubble", "MFU"]
     rows = [header]
     for i, e in enumerate(advice.ranked[:top], start=1):
         c = e.config
         sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule}x{c.virtual_stages}"
-        rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.zero), sched,
+        rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.cp), str(c.zero), sched,
                      str(c.micro_batch_size), str(c.micro_batches),
                      c.recompute.label,
                      human_bytes(e.memory["peak_total"]), human_seconds(e.step_time),

@@ -30,7 +30,7 @@ from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import PRECISIONS
 
-LAYOUT_FLAGS = ("dp", "tp", "pp")
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp")
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -174,8 +174,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
         if args.recompute_granularity is not None and args.activation_checkpointing is None:
             changes["activation_checkpointing"] = False  # the finer flags replace it
         return base.replace(**changes) if changes else base
-    dp, tp, pp = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
-    values = dict(dp=dp, tp=tp, pp=pp, zero=args.zero or 0,
+    dp, tp, pp, cp = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
+    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=args.zero or 0,
                   schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
                   sequence_parallel=bool(args.sequence_parallel),
                   micro_batch_size=args.micro_batch_size or 1,
@@ -193,7 +193,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
             raise PlanError("layer_split", f"{args.layer_split!r} is not a comma-separated "
                             "list of layer counts") from None
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
-        values["global_batch_size"] = _global_batch(args, shape, dp * tp * pp)
+        values["global_batch_size"] = _global_batch(args, shape, dp * tp * pp * cp)
     return values
 
 

@@ -65,8 +65,8 @@ class Estimate:
     @property
     def traffic(self) -> dict:
         """Bytes per step the busiest rank sends, per group."""
-        return {group: max(s.traffic[group] for s in self.stages) for group in ("dp", "tp",
-                                                                              "pp")}
+        groups = ("dp", "tp", "pp", "cp") if self.config.cp > 1 else ("dp", "tp", "pp")
+        return {group: max(s.traffic[group] for s in self.stages) for group in groups}
 
     @property
     def fits(self) -> bool:
@@ -82,9 +82,10 @@ class Estimate:
 
     def comm_time_by_group(self) -> dict[str, float]:
         """Seconds per step the slowest rank spends in each group's collectives."""
-        totals = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+        groups = ("dp", "tp", "pp", "cp") if self.config.cp > 1 else ("dp", "tp", "pp")
+        totals = dict.fromkeys(groups, 0.0)
         for stage in self.stages:
-            per = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+            per = dict.fromkeys(groups, 0.0)
             for tr in stage.transfers:
                 per[tr.group] += tr.count * transfer_time(tr, self.cluster,
                                                           self.links[tr.group])
@@ -172,27 +173,31 @@ def compute_model(cluster: ClusterSpec) -> str:
 def format_estimate(est: Estimate) -> str:
     """A plain-text table: memory per pipeline rank by category, traffic, time."""
     c, shape = est.config, est.shape
+    groups = ("dp", "tp", "pp", "cp") if c.cp > 1 else ("dp", "tp", "pp")
     lines = [
         f"{shape.name}: {shape.n_params / 1e9:.2f}B parameters, {shape.n_layer} layers, "
         f"h={shape.d_model}, seq {shape.seq_len}, vocab {shape.vocab_size}",
-        f"layout: dp={c.dp} tp={c.tp} pp={c.pp} ({c.world_size} GPUs on {est.cluster.name}, "
+        f"layout: dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "")
+        + f" ({c.world_size} GPUs on {est.cluster.name}, "
         f"{est.cluster.gpus_per_node}/node), ZeRO-{c.zero}, {c.schedule}"
         + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
         + f", micro-batch {c.micro_batch_size} x {c.micro_batches} accum x dp {c.dp} = "
           f"global {c.global_batch_size}, {c.precision}"
         + (", activation checkpointing" if c.activation_checkpointing else "")
         + (", sequence parallel" if c.sequence_parallel else "")
-        + (", flash attention" if c.flash_attention else ""),
+        + (", flash attention" if c.flash_attention else "")
+        + (", ring attention" + ("" if c.cp_load_balance else " without load balancing")
+           if c.cp > 1 else ""),
         "",
     ]
-    header = ["pp rank", "layers", "in flight", *CATEGORIES, "total", "dp sent", "tp sent",
-              "pp sent"]
+    header = ["pp rank", "layers", "in flight", *CATEGORIES, "total",
+              *(f"{g} sent" for g in groups)]
     rows = [header]
     for s in est.stages:
         rows.append([str(s.rank), str(s.layers), str(s.in_flight)]
                     + [human_bytes(s.memory[k]) for k in CATEGORIES]
                     + [human_bytes(s.memory["peak_total"])]
-                    + [human_bytes(s.traffic[g]) for g in ("dp", "tp", "pp")])
+                    + [human_bytes(s.traffic[g]) for g in groups])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
@@ -212,5 +217,5 @@ def format_estimate(est: Estimate) -> str:
     comm = est.comm_time_by_group()
     lines.append("communication per step: " + ", ".join(
         f"{g} {human_seconds(comm[g])}" + (" (crosses nodes)" if est.links[g] else "")
-        for g in ("dp", "tp", "pp")))
+        for g in groups))
     return "\n".join(lines)

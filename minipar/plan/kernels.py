@@ -38,7 +38,9 @@ from minipar.autograd.kernels import (
     gemm_kernel,
     linear_backward_kernels,
     linear_kernels,
+    ring_attention_block_kernels,
 )
+from minipar.plan.context import busiest_pairs, chunk_tokens, local_shape
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.shapes import (
@@ -55,9 +57,12 @@ from minipar.plan.shapes import (
 
 
 def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
-                  itemsize: int = 2, flash_attention: bool = False
+                  itemsize: int = 2, flash_attention: bool = False,
+                  ring: tuple[int, int] | None = None
                   ) -> tuple[list[Kernel], list[Kernel]]:
-    """(forward, backward) kernels of one layer on one TP rank for b sequences."""
+    """(forward, backward) kernels of one layer on one TP rank for b sequences. ring:
+    (chunk tokens, chunk pairs) of context parallelism's ring attention, whose blocks
+    replace the attention kernels (shape then holds one CP rank's s/cp tokens)."""
     h, s, f, e = shape.d_model, shape.seq_len, shape.ffn, itemsize
     tokens = b * s
     stream = tokens // tp if sequence_parallel else tokens
@@ -94,7 +99,7 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
         rotated = tokens * (h + shape.kv_dim) // tp
         add(elementwise(ROPE_FLOPS[0] * rotated, 2 * e * rotated,
                         ROPE_FLOPS[1] * rotated, 2 * e * rotated))
-    add(attention_core_kernels(shape, b, tp, itemsize, flash_attention))
+    add(attention_core_kernels(shape, b, tp, itemsize, flash_attention, ring))
     add(linear_kernels(tokens, h, h // tp, e, False))  # its bias is in the residual add
     add(residual())
     add(norm())
@@ -108,10 +113,18 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
 
 
 def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int = 2,
-                           flash_attention: bool = False
+                           flash_attention: bool = False, ring: tuple[int, int] | None = None
                            ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """(forward, backward) kernels of the attention core softmax(QK^T)V of my heads: what
-    selective recomputation runs again in backward."""
+    selective recomputation runs again in backward. ring: (chunk tokens, chunk pairs) of
+    context parallelism's ring attention, whose blocks are then the core (shape holds
+    one CP rank's s/cp tokens)."""
+    if ring is not None:  # each chunk pair's kernels (minipar/parallel/context.py)
+        chunk, pairs = ring
+        block_f, block_b = ring_attention_block_kernels(b * shape.n_head // tp, chunk,
+                                                        shape.head_dim, itemsize,
+                                                        flash_attention)
+        return block_f * pairs, block_b * pairs
     h, s, e = shape.d_model, shape.seq_len, itemsize
     tokens = b * s
     heads = b * shape.n_head // tp  # (sequence, head) pairs of my heads
@@ -175,14 +188,19 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     times. The kernel list behind timing.stage_compute's FLOPs."""
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     e = config.bytes.activation
-    layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention)
+    full, shape = shape, local_shape(shape, config.cp)  # my s/cp tokens of each sequence
+    ring = None
+    if config.cp > 1:
+        ring = (chunk_tokens(full.seq_len, config.cp, config.cp_load_balance),
+                busiest_pairs(config.cp, config.cp_load_balance, config.flash_attention))
+    layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring)
     recompute = config.recompute
     forward = [(stage.layers, layer_f)]
     if recompute.full:  # the checkpointed layers run their forward again first
         again = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
         backward = [(again, layer_f + layer_b), (stage.layers - again, layer_b)]
     elif recompute.selective:  # every layer's attention core again
-        core_f, _ = attention_core_kernels(shape, b, t, e, config.flash_attention)
+        core_f, _ = attention_core_kernels(shape, b, t, e, config.flash_attention, ring)
         backward = [(stage.layers, list(core_f) + layer_b)]
     else:
         backward = [(stage.layers, layer_b)]
@@ -194,7 +212,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         f, bw = head_kernels(shape, b, t, sp, e)
         forward.append((1, f))
         backward.insert(0, (1, bw))
-    params = stage_parameters(shape, config, stage)
+    params = stage_parameters(full, config, stage)
     elements = params.numel if config.zero == 0 else min(sharded_numel(params, config),
                                                           params.numel)
     return {"forward": forward, "backward": backward,

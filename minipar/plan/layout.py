@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
+from minipar.parallel.context import SELECTIVE_WITH_CP
 from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
@@ -83,6 +84,8 @@ class ParallelConfig:
     # ZeRO-3 prefetch (TrainConfig.zero3_prefetch): one more unit's parameters gathered
     # while the current one computes. Memory only: the step time prices the waited run.
     zero3_prefetch: bool = True
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (ring attention)
+    cp_load_balance: bool = True
 
     def __post_init__(self) -> None:
         # TrainConfig's rules and messages (minipar.train.config), raised as PlanError
@@ -104,7 +107,13 @@ class ParallelConfig:
     # ------------------------------------------------------------------ views
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged and ZeRO
+        shards: dp x cp (parameters are replicated over context parallelism)."""
+        return self.dp * self.cp
 
     @property
     def micro_batches(self) -> int:
@@ -155,7 +164,8 @@ class ParallelConfig:
                    recompute_method=config.recompute_method,
                    recompute_num_layers=config.recompute_num_layers,
                    bucket_size_mb=config.bucket_size_mb, lr=config.lr,
-                   zero3_prefetch=config.zero3_prefetch)
+                   zero3_prefetch=config.zero3_prefetch, cp=config.cp,
+                   cp_load_balance=config.cp_load_balance)
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
@@ -172,6 +182,19 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
     if config.sequence_parallel and shape.seq_len % t:
         raise PlanError("sequence_parallel", f"seq_len={shape.seq_len} is not divisible by "
                         f"tp={t}")
+    if config.cp > 1:
+        chunks = 2 * config.cp if config.cp_load_balance else config.cp
+        if shape.seq_len % chunks:
+            raise PlanError("cp", f"seq_len={shape.seq_len} does not split into {chunks} "
+                            f"chunks ({'2 x ' if config.cp_load_balance else ''}cp)")
+        if config.sequence_parallel and (shape.seq_len // config.cp) % t:
+            raise PlanError("sequence_parallel", f"each CP rank's {shape.seq_len // config.cp}"
+                            f" tokens are not divisible by tp={t}")
+        if shape.dropout > 0:
+            raise PlanError("cp", "attention dropout under context parallelism is not "
+                            "modelled (minipar refuses it)")
+        if config.recompute.selective:
+            raise PlanError("recompute_granularity", SELECTIVE_WITH_CP)
     stages = config.pp * config.virtual_stages
     if config.layer_split is not None:
         split = tuple(config.layer_split)

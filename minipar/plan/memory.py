@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 from minipar.parallel.schedules import SCHEDULES
+from minipar.plan.context import local_shape
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.shapes import ModelShape
 
@@ -94,7 +95,7 @@ def shard(numel: int, n: int) -> int:
 
 def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
     """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer; 3: per unit)."""
-    n = config.dp
+    n = config.replicas
     if config.zero == 3:
         return sum(shard(u, n) for u in params.units)
     return shard(params.numel, n)
@@ -104,7 +105,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     """Peak bytes of each category (and `peak_total`) on one rank of pipeline stage
     `stage`. Also returns the parts behind them under "detail"."""
     nbytes = config.bytes
-    n, zero = config.dp, config.zero
+    n, zero = config.replicas, config.zero
     params = stage_parameters(shape, config, stage)
     local = params.numel
     sharded = sharded_numel(params, config)
@@ -120,7 +121,9 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         param_elements = grad_elements = optimizer_elements = sharded
 
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
-    layer_input = shape.layer_input_bytes(b, t, sp, nbytes.activation)
+    # activations are of my s/cp tokens (context parallelism); parameters of the model
+    layer_input = local_shape(shape, config.cp).layer_input_bytes(b, t, sp,
+                                                                  nbytes.activation)
     grads = grad_elements * nbytes.grad
     recompute = config.recompute
     if recompute.full and stage.layers:
@@ -158,7 +161,10 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     nbytes = config.bytes
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     a, c = nbytes.activation, nbytes.compute
-    layer = shape.layer_activation_bytes(b, t, sp, a, c, config.flash_attention)
+    full, shape = shape, local_shape(shape, config.cp)  # my s/cp tokens of each sequence
+    # ring attention keeps, like FlashAttention, only the log-sum-exp per query
+    flash = config.flash_attention or config.cp > 1
+    layer = shape.layer_activation_bytes(b, t, sp, a, c, flash)
     embedding = shape.embedding_activation_bytes(b, t) if stage.first else 0
     head = shape.head_activation_bytes(b, t, sp, a, c) if stage.last else 0
     v, k = config.virtual_stages, stage.in_flight
@@ -199,10 +205,13 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # section 4.2.2): a column-parallel layer (or the head) re-gathers its full
         # (b, s, h) input to form its weight gradient, a buffer while it does.
         forward_buffers += b * shape.seq_len * shape.d_model * a
+    if config.cp > 1 and stage.layers:
+        # ring attention's received K/V block (one at a time: used, then released)
+        forward_buffers += 2 * b * shape.seq_len * shape.d_model // t * a
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head
         # uses), held while the unit computes
-        params = stage_parameters(shape, config, stage)
+        params = stage_parameters(full, config, stage)
         largest = max(params.units) if params.units else 0
         # with prefetch, the next unit's all-gather is in flight meanwhile: at most one
         # more unit (bounded by the largest)
@@ -252,7 +261,7 @@ def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int)
     its reduce-scatter, plus one unit's gathered parameters and gradients.
     """
     nbytes = config.bytes
-    n, g, local = config.dp, nbytes.grad, params.numel
+    n, g, local = config.replicas, nbytes.grad, params.numel
     if config.zero == 0:
         if n == 1:
             return 0

@@ -27,6 +27,10 @@ that waits for every reduction and gather (`overlap_grad_reduce=False`,
 `zero3_prefetch=False`), and an upper bound for one that overlaps them (buckets reduced
 during backward, prefetch; tests/plan/test_estimate.py checks both).
 
+Context parallelism: a rank computes its s/cp tokens (the busiest rank's ring attention
+chunk pairs, minipar/plan/context.py), and each layer's ring adds only the part of its
+K/V (and dK/dV) hops that its block computations do not hide (`exposed_ring_seconds`).
+
 MFU (Chowdhery et al. 2022, PaLM, appendix B) = model FLOPs per step (three forward
 passes' matmuls, no recomputation; shapes.model_flops_per_sequence) / (step time x GPUs
 x peak FLOP/s).
@@ -34,6 +38,7 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
+from minipar.autograd.kernels import ring_attention_block_kernels
 from minipar.parallel.schedules import (
     check_schedule_name,
     make_schedule,
@@ -41,6 +46,13 @@ from minipar.parallel.schedules import (
     uniform_bubble_fraction,
 )
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
+from minipar.plan.context import (
+    attention_flops_correction,
+    chunk_tokens,
+    exposed_ring_seconds,
+    local_shape,
+    pair_flops,
+)
 from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
 from minipar.plan.memory import sharded_numel, stage_parameters
@@ -49,12 +61,17 @@ from minipar.plan.traffic import GRADIENT_NORM, PARAMETER_ALL_GATHER, Transfer, 
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
-    """Whether the dp, tp and pp groups cross nodes (minipar.distributed.mesh's rank order)."""
+    """Whether the dp, tp, cp and pp groups cross nodes (minipar.distributed.mesh's rank
+    order dp x pp x cp x tp; the gradients' dp x cp group crosses when the dp one does or
+    the cp one does)."""
     world, gpn = config.world_size, cluster.gpus_per_node
+    tp, cp = config.tp, config.cp
     return {
-        "tp": group_crosses_nodes(config.tp, 1, world, gpn),
-        "pp": group_crosses_nodes(config.pp, config.tp, world, gpn),
-        "dp": group_crosses_nodes(config.dp, config.tp * config.pp, world, gpn),
+        "tp": group_crosses_nodes(tp, 1, world, gpn),
+        "cp": group_crosses_nodes(cp, tp, world, gpn),
+        "pp": group_crosses_nodes(config.pp, tp * cp, world, gpn),
+        "dp": (group_crosses_nodes(config.dp, tp * cp * config.pp, world, gpn)
+               or group_crosses_nodes(cp, tp, world, gpn)),
     }
 
 
@@ -72,7 +89,11 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     """FLOPs of one micro-batch (forward, backward incl. recomputation) and of the
     optimizer step on one rank of pipeline stage `stage`."""
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
-    layer_f, layer_b = shape.layer_flops(b, t, sp)
+    local = local_shape(shape, config.cp)  # my s/cp tokens of each sequence
+    layer_f, layer_b = local.layer_flops(b, t, sp)
+    ring_f, ring_b = attention_flops_correction(shape, b, t, config.cp, config.cp_load_balance,
+                                                config.flash_attention)
+    layer_f, layer_b = layer_f + ring_f, layer_b + ring_b
     forward = stage.layers * layer_f
     backward = stage.layers * layer_b
     recompute = config.recompute
@@ -85,10 +106,10 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         recompute_flops = 0.0
     backward += recompute_flops
     if stage.first:
-        f, bw = shape.embedding_flops(b, t)
+        f, bw = local.embedding_flops(b, t)
         forward, backward = forward + f, backward + bw
     if stage.last:
-        f, bw = shape.head_flops(b, t, sp)
+        f, bw = local.head_flops(b, t, sp)
         forward, backward = forward + f, backward + bw
     params = stage_parameters(shape, config, stage)
     optimizer_elements = params.numel if config.zero == 0 else min(
@@ -111,6 +132,34 @@ def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             for kind, groups in stage_kernels(shape, config, stage).items()}
 
 
+def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                 chunk_layers: tuple[int, ...], split: bool = False):
+    """Seconds per micro-batch that the ring attention exchanges of a rank's layers
+    (`chunk_layers` per model chunk) add on top of their compute: forward, and backward
+    with the forward of the layers full recomputation runs again; split: return
+    (forward, backward) instead of their sum."""
+    layers = sum(chunk_layers)
+    if config.cp == 1 or not layers:
+        return (0.0, 0.0) if split else 0.0
+    b, t, cp, e = config.micro_batch_size, config.tp, config.cp, config.bytes
+    heads = b * shape.n_head // t
+    c = chunk_tokens(shape.seq_len, cp, config.cp_load_balance)
+    if cluster.roofline is None:
+        pair = tuple(f / cluster.sustained_flops for f in pair_flops(heads, c, shape.head_dim))
+    else:
+        pair = tuple(cluster.roofline.total_seconds(k) for k in ring_attention_block_kernels(
+            heads, c, shape.head_dim, e.activation, config.flash_attention))
+    alpha, bandwidth = cluster.link(group_links(config, cluster)["cp"])
+    kv = 2 * b * (shape.seq_len // cp) * (shape.d_model // t)
+    forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
+                                             alpha + kv * e.activation / bandwidth,
+                                             alpha + kv * e.compute / bandwidth,
+                                             config.flash_attention)
+    recomputed = sum(config.recompute.recomputed_layers(n) for n in chunk_layers)
+    forward, backward = layers * forward, layers * backward + recomputed * forward
+    return (forward, backward) if split else forward + backward
+
+
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                stage: StagePlan, transfers: list[Transfer]) -> dict[str, float]:
     """Seconds of one micro-batch (t_r) and of the step's tail on one rank."""
@@ -119,8 +168,11 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
     links = group_links(config, cluster)
     m = config.micro_batches
     per_micro_comm = step_comm = p2p = 0.0
+    per_micro_comm += ring_seconds(shape, config, cluster, stage.chunk_layers)
     for transfer in transfers:
         seconds = transfer_time(transfer, cluster, links[transfer.group])
+        if transfer.group == "cp":  # counted as the ring's exposed part, above
+            continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
         elif transfer.phase == "step":
@@ -192,8 +244,11 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
                               last=stage == p * v - 1, tied_copy=False, in_flight=1)
             compute = stage_seconds(shape, config, cluster, chunk)
             seconds = {"forward": compute["forward"], "backward": compute["backward"]}
+            ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
+            seconds["forward"] += ring[0]
+            seconds["backward"] += ring[1]
             for transfer in stage_traffic(shape, config, chunk):
-                if transfer.phase in seconds and transfer.group != "pp":
+                if transfer.phase in seconds and transfer.group not in ("pp", "cp"):
                     seconds[transfer.phase] += (transfer.count / m * transfer_time(
                         transfer, cluster, links[transfer.group]))
             forward[r][c], backward[r][c] = seconds["forward"], seconds["backward"]
@@ -211,7 +266,7 @@ def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: Clus
     (inter-node) pipeline link and the receiving stage all-gathers it over NVLink.
     minipar's pipeline sends the whole tensor from every TP rank (the default)."""
     links = group_links(config, cluster)
-    tokens = config.micro_batch_size * shape.seq_len
+    tokens = config.micro_batch_size * shape.seq_len // config.cp
     if config.sequence_parallel:
         tokens //= config.tp
     nbytes = tokens * shape.d_model * config.bytes.activation

@@ -27,6 +27,11 @@ Pipeline parallelism (group "pp", per micro-batch; Narayanan et al. 2021, sectio
     each chunk sends its (b, s, h) output forward and its input's gradient back; per step
     the first and last rank all-reduce the tied embedding's gradient (Megatron's
     embedding group) and the last rank broadcasts the loss (one fp64 number).
+Context parallelism (group "cp", per micro-batch; minipar/plan/context.py): each layer's
+ring attention sends (N-1) K/V blocks of my s/N tokens forward, and in backward the K/V
+again and the dK/dV partial sums (in the compute dtype); recomputation repeats the
+forward's. Data parallelism's group is then dp x cp (the parameters' replicas), and the
+TP and PP volumes are those of s/N tokens.
 Gradient clipping (per step): each rank sums the squares of the gradient elements it
 counts (TP replicas on TP rank 0, a tied embedding on the first stage), then all-reduces
 that fp64 number over DP (ZeRO-1..3 only: DDP's gradients are already replicated), over
@@ -44,6 +49,7 @@ from minipar.plan.cluster import (
     broadcast_sent,
     reduce_scatter_sent,
 )
+from minipar.plan.context import local_shape, ring_attention_bytes
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import shard, stage_parameters
 from minipar.plan.shapes import ModelShape, padded_vocab
@@ -80,12 +86,13 @@ class Transfer:
 
 def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> list[Transfer]:
     """Every transfer of the first rank (dp 0, tp 0) of pipeline stage `stage`."""
-    return (_data_parallel(shape, config, stage) + _tensor_parallel(shape, config, stage)
-            + _pipeline(shape, config, stage))
+    local = local_shape(shape, config.cp)  # activations: my s/cp tokens
+    return (_data_parallel(shape, config, stage) + _tensor_parallel(local, config, stage)
+            + _pipeline(local, config, stage) + _context_parallel(shape, config, stage))
 
 
 def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
-    totals = {"dp": 0, "tp": 0, "pp": 0}
+    totals = {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
     for transfer in transfers:
         totals[transfer.group] += transfer.sent_per_step
     return totals
@@ -93,7 +100,7 @@ def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
 
 # ------------------------------------------------------------------ data parallel
 def _data_parallel(shape, config, stage) -> list[Transfer]:
-    n, m, zero = config.dp, config.micro_batches, config.zero
+    n, m, zero = config.replicas, config.micro_batches, config.zero
     if n == 1:
         return []
     nbytes = config.bytes
@@ -233,6 +240,32 @@ def _pipeline(shape, config, stage) -> list[Transfer]:
     transfers.append(Transfer("all_reduce", "pp", p, NORM_BYTES, 1,
                               all_reduce_sent(1, NORM_BYTES, p, stage.rank), "step",
                               GRADIENT_NORM))
+    return transfers
+
+
+# ------------------------------------------------------------------ context parallel
+RING_KV = "ring attention K/V"
+RING_DKV = "ring attention dK/dV"
+
+
+def _context_parallel(shape, config, stage) -> list[Transfer]:
+    n, layers = config.cp, stage.layers
+    if n == 1 or not layers:
+        return []
+    nbytes = config.bytes
+    b, m = config.micro_batch_size, config.micro_batches
+    forward, backward = ring_attention_bytes(b, shape.seq_len, shape.d_model, n,
+                                             nbytes.activation, config.tp, nbytes.compute)
+    kv = forward // (n - 1)
+    dkv = backward // (n - 1) - kv
+    hops = (n - 1) * layers * m
+    transfers = [Transfer("send", "cp", n, kv, hops, kv, "forward", RING_KV),
+                 Transfer("send", "cp", n, kv, hops, kv, "backward", RING_KV),
+                 Transfer("send", "cp", n, dkv, hops, dkv, "backward", RING_DKV)]
+    recomputed = sum(config.recompute.recomputed_layers(c) for c in stage.chunk_layers)
+    if recomputed:  # full recomputation runs those layers' ring forward again
+        transfers.append(Transfer("send", "cp", n, kv, (n - 1) * recomputed * m, kv,
+                                  "backward", RING_KV + " (recomputed)"))
     return transfers
 
 

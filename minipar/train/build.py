@@ -42,13 +42,18 @@ from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
 from minipar.nn import GPT, GPTConfig
+from minipar.parallel.context import (
+    SELECTIVE_WITH_CP,
+    context_parallel_class,
+    validate_context_parallel,
+)
 from minipar.parallel.data import DataParallel
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
 from minipar.parallel.tensor import (
+    TensorParallelGPT,
     TensorParallelMixin,
     counts_once_in_norm,
-    tensor_parallel_gpt,
     validate_tensor_parallel,
 )
 from minipar.parallel.zero import ZeroOptimizer
@@ -93,6 +98,14 @@ def check_layout(config: TrainConfig) -> list[str]:
             validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
         except ValueError as err:
             raise LayoutError("tp", str(err)) from None
+    if config.cp > 1 and config.recompute.selective:
+        raise LayoutError("recompute_granularity", SELECTIVE_WITH_CP)
+    if config.cp > 1:
+        try:
+            validate_context_parallel(gpt_config(config), config.cp, config.cp_load_balance,
+                                      tp, config.sequence_parallel)
+        except ValueError as err:
+            raise LayoutError("cp", str(err)) from None
     if config.check and config.dropout > 0 and config.world_size > 1:
         raise LayoutError("check", f"with --dropout {config.dropout} every rank (and "
                           "pipeline stage) draws its own dropout masks, which cannot equal "
@@ -116,8 +129,8 @@ def check_layout(config: TrainConfig) -> list[str]:
 
 def tp_groups_across_nodes(config: TrainConfig) -> list[list[int]]:
     """The TP groups whose ranks are on more than one node."""
-    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
-                           gpus_per_node=config.gpus_per_node)
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
     groups = [list(g.ranks) for g in mesh.all_groups("tp")]
     return [g for g in groups if len({r // config.gpus_per_node for r in g}) > 1]
 
@@ -240,16 +253,24 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     common = dict(seed=config.seed, precision=config.precision,
                   activation_checkpointing=config.activation_checkpointing,
                   recompute=config.recompute)
+
+    def with_context_parallel(model_class: type) -> type:
+        # CP converts what TP built: ring attention on its heads, my tokens' positions
+        if config.cp == 1:
+            return model_class
+        return context_parallel_class(model_class, mesh.cp_group(), config.cp_load_balance)
+
     if config.pp == 1:
         if config.tp == 1:
-            model = GPT(gpt, **common)
+            model = with_context_parallel(GPT)(gpt, **common)
         else:
-            model = tensor_parallel_gpt(gpt, tp_group=tp_group,
-                                        sequence_parallel=config.sequence_parallel, **common)
+            model = with_context_parallel(TensorParallelGPT)(
+                gpt, tp_group=tp_group, sequence_parallel=config.sequence_parallel, **common)
         named = list(model.named_parameters())
     else:
-        stage_class = (PipelineStage if config.tp == 1
-                       else tensor_parallel_stage(tp_group, config.sequence_parallel))
+        stage_class = with_context_parallel(
+            PipelineStage if config.tp == 1
+            else tensor_parallel_stage(tp_group, config.sequence_parallel))
         pipeline = Pipeline(gpt, pp_group=pp_group, schedule=config.schedule,
                             micro_batches=config.grad_accum_steps,
                             virtual_stages=config.virtual_stages, stage_class=stage_class,
@@ -268,7 +289,10 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
 
     adamw = {"lr": config.lr, "betas": (config.beta1, config.beta2),
              "weight_decay": config.weight_decay}
-    engine = data_parallel_engine(model, named, mesh.dp_group(), zero_stage=config.zero,
+    # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
+    # states) over DP x CP, Megatron's data-parallel group with context parallelism.
+    replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
+    engine = data_parallel_engine(model, named, replicas, zero_stage=config.zero,
                                   bucket_bytes=config.bucket_size_mb * 2**20, adamw=adamw,
                                   norm_groups=(tp_group, pp_group),
                                   counts_in_norm=counts_in_norm,

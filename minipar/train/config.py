@@ -54,6 +54,13 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    # context parallelism: every sequence cut over cp ranks, ring attention (a mesh
+    # dp x pp x cp x tp); load balancing gives rank r chunks r and 2cp-1-r of 2cp
+    cp: int = dataclasses.field(default=1, metadata={
+        "help": "context-parallel size: each sequence cut over this many ranks (ring attention)"})
+    cp_load_balance: bool = dataclasses.field(default=True, metadata={
+        "help": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, so causal "
+                "attention gives every rank the same work"})
     gpus_per_node: int = 8
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
@@ -152,7 +159,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ views
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def recompute(self) -> Recompute:
@@ -190,7 +197,7 @@ def check_positive_integers(settings, names, error=ConfigError) -> None:
 def check_parallel_settings(settings, error=ConfigError) -> None:
     """The layout's rules, shared by TrainConfig and the planner's ParallelConfig: mesh
     sizes and micro-batch size, ZeRO stage, precision, schedule name, bucket size."""
-    check_positive_integers(settings, ("dp", "tp", "pp", "virtual_stages",
+    check_positive_integers(settings, ("dp", "tp", "pp", "cp", "virtual_stages",
                                        "micro_batch_size"), error)
     if settings.zero not in (0, 1, 2, 3):
         raise error("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {settings.zero!r}")

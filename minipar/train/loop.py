@@ -32,6 +32,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.errors import OutputError
 from minipar.nn import lr_schedule
+from minipar.parallel import context
 from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model, check_layout
 from minipar.train.config import ConfigError, TrainConfig, flag
@@ -70,7 +71,7 @@ class RunOptions:
 # ------------------------------------------------------------------ the rank program
 def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
     """What every rank runs (SPMD): build my share of the model and its engine, train."""
-    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp)
+    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp)
     rank = dist.get_rank()
     rank_model = build_rank_model(config, mesh, options.start)
     engine = rank_model.engine
@@ -79,7 +80,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
     if options.reference_states is not None:
         checker = equivalence.StepChecker(
             options.reference_states, equivalence.TOLERANCES[config.precision], rank,
-            mesh.coords(), dict(zip(("dp", "pp", "tp"), mesh.shape, strict=True)),
+            mesh.coords(), dict(zip(mesh.axes, mesh.shape, strict=True)),
             scale=equivalence.SCALES[config.precision])
     history, states, step_ends = [], {}, []
     clock = dist.get_device().clock
@@ -92,6 +93,10 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
         micro_batches = [micro_batch(inputs, targets, dp_rank=mesh.dp_rank, micro_step=k,
                                      micro_batch_size=config.micro_batch_size,
                                      grad_accum_steps=accum) for k in range(accum)]
+        if config.cp > 1:  # my CP rank's tokens of each sequence, targets alike
+            micro_batches = [tuple(context.sequence_shard(a, mesh.cp_rank, config.cp,
+                                                          config.cp_load_balance)
+                                   for a in batch) for batch in micro_batches]
         loss = rank_model.forward_backward(micro_batches)
         with dist.phase("optimizer"):
             grad_norm = engine.clip_grad_norm_(config.grad_clip)

@@ -172,8 +172,8 @@ def check_manifest(manifest, path) -> TrainConfig:
             f"{path}: world_size {manifest['world_size']} and {len(files)} file(s), but the "
             f"config's mesh is dp x tp x pp = {config.dp} x {config.tp} x {config.pp} = "
             f"{config.world_size} ranks")
-    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
-                           gpus_per_node=config.gpus_per_node)
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
     for rank, record in enumerate(files):
         expected = {"file": rank_file(rank), "rank": rank, "coords": mesh.coords(rank)}
         actual = {k: record[k] for k in expected}

@@ -199,12 +199,11 @@ def _flops(device) -> dict[str, float]:
 def _layout(config: TrainConfig) -> dict:
     """Where the ranks are: the mesh, the nodes, every group, and whether a TP group
     spans nodes (its all-reduces then cross the slow inter-node network)."""
-    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, world_size=config.world_size,
-                           gpus_per_node=config.gpus_per_node)
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
     per_node = config.gpus_per_node
-    groups = {axis: [list(g.ranks) for g in mesh.all_groups(axis)]
-              for axis in ("dp", "pp", "tp")}
-    return {"mesh": {"dp": config.dp, "pp": config.pp, "tp": config.tp},
+    groups = {axis: [list(g.ranks) for g in mesh.all_groups(axis)] for axis in mesh.axes}
+    return {"mesh": dict(zip(mesh.axes, mesh.shape, strict=True)),
             "gpus_per_node": per_node, "nodes": -(-config.world_size // per_node),
             "groups": groups,
             "tp_group_crosses_nodes": any(len({r // per_node for r in g}) > 1

@@ -89,7 +89,7 @@ def _rank_state(config: TrainConfig):
     does (minipar.train.build); return what I hold of each kind of state. The gradient
     is the one the engine keeps for the optimizer: ZeRO-2/3 their shard, DP and ZeRO-1
     the full local gradient backward creates (ZeRO-1 reduce-scatters it after)."""
-    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp)
+    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp)
     held = build_rank_model(config, mesh).engine.holdings()
     return mesh.coords(), mesh.tp_rank, {
         kind: [h for h in held if h.kind in HOLDING_KINDS[kind]] for kind in KINDS}

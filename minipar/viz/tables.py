@@ -48,28 +48,32 @@ def loss_table(report: Report, max_rows: int = 12) -> str:
 
 def memory_table(report: Report) -> str:
     """Peak bytes per memory category, one row per rank (measured by each rank's ledger)."""
-    headers = ["rank", "dp/pp/tp", *MEMORY_CATEGORIES, "peak_total"]
+    headers = ["rank", _coords_header(report), *MEMORY_CATEGORIES, "peak_total"]
     rows = []
     for r in report.ranks:
-        c = r["coords"]
-        rows.append([r["rank"], f"{c['dp']}/{c['pp']}/{c['tp']}",
+        rows.append([r["rank"], _coords(r),
                      *(human_bytes(r["memory"][k]) for k in MEMORY_CATEGORIES),
                      human_bytes(r["memory"]["peak_total"])])
     return format_table(headers, rows)
 
 
 def _coords(rank: dict) -> str:
+    """"dp/pp/tp", or "dp/pp/cp/tp" for a rank of a context-parallel mesh."""
     c = rank["coords"]
-    return f"{c['dp']}/{c['pp']}/{c['tp']}"
+    return "/".join(str(c[axis]) for axis in ("dp", "pp", "cp", "tp") if axis in c)
+
+
+def _coords_header(report: Report) -> str:
+    return "dp/pp/cp/tp" if any("cp" in r["coords"] for r in report.ranks) else "dp/pp/tp"
 
 
 def traffic_table(report: Report) -> str:
     """Bytes each rank sent per optimizer step, by group kind and by collective."""
     steps = max(1, len(report.steps))
-    groups = [g for g in ("dp", "tp", "pp", "other")
+    groups = [g for g in ("dp", "tp", "pp", "cp", "other")
               if any(r["comm"]["by_group"].get(g, 0) for r in report.ranks)]
     ops = sorted({op for r in report.ranks for op, b in r["comm"]["by_op"].items() if b})
-    headers = ["rank", "dp/pp/tp", "node", *(f"{g} group" for g in groups), *ops,
+    headers = ["rank", _coords_header(report), "node", *(f"{g} group" for g in groups), *ops,
                "sent/step", "calls/step"]
     rows = []
     for r in report.ranks:
@@ -92,7 +96,7 @@ def human_seconds(seconds: float) -> str:
 def time_table(report: Report) -> str:
     """Simulated seconds each rank spent computing, communicating and idle (waiting for
     a peer: the pipeline bubble, a collective's last member), over the run."""
-    headers = ["rank", "dp/pp/tp", "compute", "comm", "idle", "compute %", "comm %",
+    headers = ["rank", _coords_header(report), "compute", "comm", "idle", "compute %", "comm %",
                "idle %"]
     rows = []
     for r in report.ranks:

@@ -57,3 +57,16 @@ def test_groups_are_validated():
         dist.launch(lambda: dist.new_group([0, 1], kind="data"), 4)
     group = dist.launch(lambda: dist.new_group([3, 1], kind="tp"), 4)[0]
     assert group.ranks == (1, 3) and group.group_rank(3) == 1 and 2 not in group
+
+
+def test_cp_axis_sits_between_pp_and_tp_and_dp_cp_group_averages_gradients():
+    mesh = dist.DeviceMesh(dp=2, pp=1, tp=2, cp=2, world_size=8)
+    assert mesh.axes == ("dp", "pp", "cp", "tp") and mesh.shape == (2, 1, 2, 2)
+    assert mesh.coords(6) == {"dp": 1, "pp": 0, "cp": 1, "tp": 0}
+    assert [list(g.ranks) for g in mesh.all_groups("cp")] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [list(g.ranks) for g in mesh.all_groups("tp")] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [list(g.ranks) for g in mesh.all_groups("dp-cp")] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert mesh.group("cp", 0).kind == "cp" and mesh.group("dp-cp", 0).kind == "dp"
+    for rank in range(8):
+        assert mesh.rank_at(**mesh.coords(rank)) == rank
+    assert dist.DeviceMesh(dp=2, world_size=2).coords(1) == {"dp": 1, "pp": 0, "tp": 0}
