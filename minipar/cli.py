@@ -382,7 +382,7 @@ def equivalence_line(check: dict) -> str:
 def cmd_consolidate(args) -> int:
     from minipar.train.checkpoint import consolidate, save_state_dict
 
-    check_output_file("output", args.output)
+    check_output_file("OUT.npz", args.output)
     state_dict = consolidate(args.checkpoint)
     save_state_dict(args.output, state_dict)
     n = sum(a.size for a in state_dict.values())

@@ -32,7 +32,11 @@ class MiniparError(Exception):
 
 
 def flag(setting: str) -> str:
-    """The CLI flag of a setting: micro_batch_size -> --micro-batch-size."""
+    """The CLI flag of a setting: micro_batch_size -> --micro-batch-size. A positional
+    argument is named by its metavar, which is capitalised (consolidate's OUT.npz) and is
+    shown as it is: there is no --OUT.npz flag to point the user at."""
+    if setting[:1].isupper():
+        return setting
     return "--" + setting.replace("_", "-")
 
 

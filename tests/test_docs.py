@@ -41,3 +41,35 @@ def test_python_block_runs(name, source, tmp_path, monkeypatch):
         assert runner.failures == 0, f"{name}: the example's output differs:\n" + "".join(failures)
     else:
         exec(compile(source, name, "exec"), {"__name__": "__docs__"})
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors: lower-case, punctuation dropped, spaces to hyphens."""
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", text, re.M):
+        anchor = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(anchor)
+    return anchors
+
+
+def test_every_relative_link_resolves():
+    """A link to a file of the repository (and its #anchor, for Markdown) must exist, as
+    the page is read on GitHub or in an editor: relative to the document's folder."""
+    broken = []
+    for document in [*DOCUMENTS, ROOT / "benchmarks" / "README.md",
+                     ROOT / "exercises" / "README.md"]:
+        text = FENCE.sub("", document.read_text())
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (document.parent / path).resolve() if path else document
+            if not file.exists():
+                broken.append(f"{document.relative_to(ROOT)}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in heading_anchors(
+                    file.read_text()):
+                broken.append(f"{document.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)

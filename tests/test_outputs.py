@@ -76,7 +76,7 @@ def test_the_api_checks_save_dir_before_training(tmp_path, no_training):
 
 def test_consolidate_timeline_and_demo_check_their_outputs_first(tmp_path, capsys):
     one_line_exit_2(capsys, ["consolidate", str(tmp_path), str(tmp_path / "no" / "o.npz")],
-                    "--output: ")
+                    "OUT.npz: ")
     one_line_exit_2(capsys, ["timeline", *SMALL, "--out", str(tmp_path)], "is a directory")
     (tmp_path / "f").write_text("")
     one_line_exit_2(capsys, ["demo", "--out", str(tmp_path / "f")], "is a file")
@@ -130,3 +130,11 @@ def test_check_output_helpers_accept_what_can_be_written(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == []  # and leaves no probe behind
     np.save(tmp_path / "x.npy", np.zeros(1))
     check_output_file("output", tmp_path / "x.npy")  # overwriting a file is fine
+
+
+def test_consolidate_names_its_positional_output_not_a_flag_that_does_not_exist(tmp_path,
+                                                                                capsys):
+    code = cli.main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "no" / "o.npz")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "OUT.npz" in err[0] and "--output" not in err[0]
