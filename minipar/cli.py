@@ -24,7 +24,14 @@ from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
-from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
+from minipar.train.config import (
+    DATASETS,
+    OFFLOAD_DEVICES,
+    PRECISIONS,
+    ConfigError,
+    TrainConfig,
+    flag,
+)
 from minipar.train.outputs import check_output_dir, check_output_file
 
 HELP = {
@@ -42,6 +49,10 @@ HELP = {
     "schedule": "pipeline schedule",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
+    "offload_optimizer": "ZeRO-Offload: keep the optimizer state and run Adam on the host "
+                         "CPU (cpu; --zero >= 1) or keep the state on NVMe (nvme; --zero 3)",
+    "offload_param": "ZeRO-Infinity: keep each rank's parameter shard in host memory or "
+                     "on NVMe between uses (--zero 3)",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
     "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
     "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "
@@ -76,7 +87,8 @@ HELP = {
 def choices() -> dict[str, tuple]:
     """The fields whose values are a fixed set; the schedules are the registry's now."""
     return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS,
-            "recompute_granularity": GRANULARITIES, "recompute_method": METHODS}
+            "recompute_granularity": GRANULARITIES, "recompute_method": METHODS,
+            "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
 
 
 class OneLineParser(argparse.ArgumentParser):

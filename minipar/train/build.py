@@ -78,6 +78,26 @@ def check_layout(config: TrainConfig) -> list[str]:
             "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
             "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
             f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
+    if config.offload_param != "none" and config.zero != 3:
+        raise LayoutError(
+            "offload_param", f"--offload-param {config.offload_param} needs --zero 3 (got "
+            f"--zero {config.zero}): below stage 3 every rank keeps the full parameters on "
+            "its GPU to run forward and backward, so there is no parameter shard to offload "
+            "(DeepSpeed: offload_param is valid only with stage 3); use --zero 3, or "
+            "--offload-optimizer cpu to offload the optimizer state")
+    if config.offload_optimizer != "none" and config.zero == 0:
+        raise LayoutError(
+            "offload_optimizer", f"--offload-optimizer {config.offload_optimizer} needs "
+            "--zero 1, 2 or 3: ZeRO-Offload moves a rank's ZeRO partition of the optimizer "
+            "state to the host, and --zero 0 has none (DeepSpeed: offload_optimizer is "
+            "valid with stage 1, 2 and 3); add --zero 1")
+    if config.offload_optimizer == "nvme" and config.zero < 3:
+        raise LayoutError(
+            "offload_optimizer", f"--offload-optimizer nvme needs --zero 3 (got --zero "
+            f"{config.zero}): DeepSpeed's stage 1/2 optimizer has no NVMe swapper (its "
+            "stage_1_and_2.py keeps the state in CPU memory for any offload device); "
+            "ZeRO-Infinity's NVMe swapping is stage 3's. Use --offload-optimizer cpu or "
+            "--zero 3")
     if config.sequence_parallel and tp == 1:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
@@ -204,13 +224,15 @@ class RankModel:
 def data_parallel_engine(model, named_params, group, *, zero_stage: int,
                          bucket_bytes: float, adamw: dict, norm_groups=(),
                          counts_in_norm=None, overlap_comm: bool = True,
-                         zero3_prefetch: bool = True):
+                         zero3_prefetch: bool = True,
+                         offload_optimizer: str = "none", offload_param: str = "none"):
     """The engine of one DP rank, by ZeRO stage (DeepSpeed's `zero_optimization.stage`):
     0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, which also hooks the
     model's embed, blocks and head to gather their parameters (`gpt_units`; model is a
     GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP);
     overlap_comm: reduce buckets asynchronously (DeepSpeed's name); zero3_prefetch:
-    stage 3 prefetches the next module's parameters."""
+    stage 3 prefetches the next module's parameters; offload_optimizer, offload_param:
+    DeepSpeed's offload devices (parallel/offload.py)."""
     named_params = list(named_params)
     common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm,
               "overlap_comm": overlap_comm}
@@ -218,12 +240,13 @@ def data_parallel_engine(model, named_params, group, *, zero_stage: int,
         return DataParallel(named_params, group, bucket_bytes=bucket_bytes, **common)
     if zero_stage in (1, 2):
         return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
-                             **common)
+                             offload_optimizer=offload_optimizer, **common)
     if zero_stage != 3:
         raise ValueError(f"data_parallel_engine: zero_stage must be 0, 1, 2 or 3, "
                          f"got {zero_stage}")
     units, sites = gpt_units(model, named_params)
     engine = Zero3Optimizer(named_params, group, units=units, prefetch=zero3_prefetch,
+                            offload_optimizer=offload_optimizer, offload_param=offload_param,
                             **common)
     for owner, attribute, unit_names in sites:
         engine.hook_module(owner, attribute, unit_names)
@@ -273,7 +296,9 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                                   norm_groups=(tp_group, pp_group),
                                   counts_in_norm=counts_in_norm,
                                   overlap_comm=config.overlap_grad_reduce,
-                                  zero3_prefetch=config.zero3_prefetch)
+                                  zero3_prefetch=config.zero3_prefetch,
+                                  offload_optimizer=config.offload_optimizer,
+                                  offload_param=config.offload_param)
     if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
         engine.defer_reduction(pipeline.tied_embedding_parameters())
     rank = RankModel(mesh, engine, model, pipeline, config.overlap_grad_reduce)

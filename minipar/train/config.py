@@ -34,6 +34,8 @@ PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps it portable
 DATASETS = ("corpus", "synthetic")
+# DeepSpeed's zero_optimization.offload_optimizer.device / offload_param.device
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass
@@ -55,6 +57,10 @@ class TrainConfig:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     gpus_per_node: int = 8
+    # ZeRO-Offload / ZeRO-Infinity (minipar/parallel/offload.py): where the optimizer
+    # state (ZeRO >= 1) and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
     bucket_size_mb: float = 0.25
