@@ -162,3 +162,23 @@ def test_exposed_communication_is_reported_beside_comm_time():
         total = after["time"]["exposed_comm_s"] + after["time"]["overlapped_comm_s"]
         assert total == pytest.approx(before["time"]["exposed_comm_s"], rel=1e-9)
         assert after["time"]["exposed_comm_s"] < before["time"]["exposed_comm_s"]
+
+
+def test_an_offloaded_run_reports_its_tiers_and_transfers_in_the_schema():
+    """ranks[i].memory_host / memory_nvme (the GPU ledger's keys) and ranks[i].transfers
+    (four totals), as DESIGN.md names them; `memory` stays the GPU's."""
+    report = train(TrainConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, steps=1,
+                               data="synthetic", dp=2, zero=3, offload_optimizer="nvme",
+                               offload_param="cpu"))
+    data = json.loads(json.dumps(report.to_dict()))
+    validate_report(data)
+    rank = data["ranks"][0]
+    assert set(rank["memory_host"]) == set(rank["memory_nvme"]) == set(rank["memory"])
+    assert rank["memory_nvme"]["optimizer"] > 0 and rank["memory"]["optimizer"] == 0
+    assert rank["memory_host"]["params"] > 0 and rank["memory"]["params"] == 0
+    assert all(rank["transfers"][f"{d}_bytes"] > 0
+               for d in ("to_host", "to_device", "nvme_read", "nvme_write"))
+    bad = json.loads(json.dumps(data))
+    del bad["ranks"][0]["transfers"]["nvme_read_bytes"]
+    with pytest.raises(ValueError, match="nvme_read_bytes"):
+        validate_report(bad)
