@@ -150,17 +150,19 @@ class Offload:
             param_shard[...] = weights  # same memory tier: a cast in place, no copy
         elif weights_tier == "host" and target == "gpu":
             if self.stage < 3:  # fp32_partition.to(device), then the cast on the GPU
-                with dist.transient(dist.copy_to_device(weights, "buffers")) as gpu:
-                    param_shard[...] = gpu
+                gpu = dist.copy_to_device(weights, "buffers")
+                param_shard[...] = gpu
+                dist.release(gpu)
             else:  # copy_ into the bf16 shard casts on the CPU: bf16 crosses
                 with dist.transient(weights.astype(self.param_dtype), tier="host") as cast:
                     dist.copy_into(param_shard, cast, "to_device")
         elif weights_tier == "gpu" and target == "host":
             dist.copy_into(param_shard, weights, "to_host")  # cast on the CPU after
         elif target == "nvme":
-            if weights_tier == "gpu":
-                with dist.transient(dist.copy_to_host(weights, "buffers"), tier="host") as h:
-                    self.store_parameters(param_shard, h, "host")
+            if weights_tier == "gpu":  # down first (a host buffer), then to the drive
+                host = dist.copy_to_host(weights, "buffers")
+                self.store_parameters(param_shard, host, "host")
+                dist.release(host)
                 return
             with dist.transient(weights.astype(self.param_dtype), tier="host") as cast:
                 dist.copy_into(param_shard, cast, "nvme_write")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
+from minipar.plan.offload import tier_memory, tier_transfers
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     group_links,
@@ -42,6 +43,9 @@ class StageEstimate:
     traffic: dict  # bytes sent per step by group
     transfers: list
     time: dict
+    memory_host: dict = field(default_factory=dict)  # the host tier (plan/offload.py)
+    memory_nvme: dict = field(default_factory=dict)  # the NVMe tier
+    tier_transfers: dict = field(default_factory=dict)  # bytes per step between tiers
 
 
 @dataclass
@@ -69,8 +73,21 @@ class Estimate:
                                                                               "pp")}
 
     @property
+    def memory_host(self) -> dict:
+        """Peak bytes by category of the host tier behind the fullest rank (offload)."""
+        return max((s.memory_host for s in self.stages), key=lambda m: m["peak_total"])
+
+    @property
+    def memory_nvme(self) -> dict:
+        return max((s.memory_nvme for s in self.stages), key=lambda m: m["peak_total"])
+
+    @property
     def fits(self) -> bool:
-        return self.memory["peak_total"] <= self.cluster.usable_memory
+        """The fullest GPU's peak fits its usable memory, and what it offloads fits the
+        host memory and NVMe drive behind it."""
+        return (self.memory["peak_total"] <= self.cluster.usable_memory
+                and self.memory_host["peak_total"] <= self.cluster.host_memory_bytes
+                and self.memory_nvme["peak_total"] <= self.cluster.nvme_bytes)
 
     @property
     def step_time(self) -> float:
@@ -101,6 +118,8 @@ class Estimate:
             "world_size": self.config.world_size,
             "fits": self.fits,
             "memory": self.memory,
+            "memory_host": self.memory_host,
+            "memory_nvme": self.memory_nvme,
             "traffic": self.traffic,
             "time": self.time,
             "comm_time": self.comm_time_by_group(),
@@ -108,6 +127,8 @@ class Estimate:
             "stages": [{"pp_rank": s.rank, "layers": s.layers, "in_flight": s.in_flight,
                         "memory": {k: v for k, v in s.memory.items() if k != "detail"},
                         "traffic": s.traffic,
+                        "memory_host": s.memory_host, "memory_nvme": s.memory_nvme,
+                        "transfers": s.tier_transfers,
                         "time": {k: v for k, v in s.time.items() if k != "flops"},
                         "flops_per_micro_batch": s.time["flops"]} for s in self.stages],
         }
@@ -134,10 +155,13 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     stages = []
     for plan in plans:
         transfers = stage_traffic(shape, config, plan)
+        tiers = tier_memory(shape, config, plan)
         stages.append(StageEstimate(
             rank=plan.rank, layers=plan.layers, in_flight=plan.in_flight,
             memory=stage_memory(shape, config, plan), traffic=sent_by_group(transfers),
-            transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers)))
+            transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers),
+            memory_host=tiers["host"], memory_nvme=tiers["nvme"],
+            tier_transfers=tier_transfers(shape, config, plan)))
     if exact_pipeline and config.pp > 1:
         time = simulated_step_time(shape, config, cluster, scatter_gather=scatter_gather)
     else:

@@ -83,6 +83,9 @@ class ParallelConfig:
     # ZeRO-3 prefetch (TrainConfig.zero3_prefetch): one more unit's parameters gathered
     # while the current one computes. Memory only: the step time prices the waited run.
     zero3_prefetch: bool = True
+    # ZeRO-Offload / ZeRO-Infinity (plan/offload.py): none | cpu | nvme
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
 
     def __post_init__(self) -> None:
         # TrainConfig's rules and messages (minipar.train.config), raised as PlanError
@@ -155,7 +158,9 @@ class ParallelConfig:
                    recompute_method=config.recompute_method,
                    recompute_num_layers=config.recompute_num_layers,
                    bucket_size_mb=config.bucket_size_mb, lr=config.lr,
-                   zero3_prefetch=config.zero3_prefetch)
+                   zero3_prefetch=config.zero3_prefetch,
+                   offload_optimizer=config.offload_optimizer,
+                   offload_param=config.offload_param)
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:

@@ -119,6 +119,19 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     else:
         param_elements = grad_elements = optimizer_elements = sharded
 
+    # Offload (plan/offload.py has the host and NVMe side): the optimizer state leaves
+    # the GPU; so does ZeRO-3's parameter shard; ZeRO-2/3's gradient shard only lives on
+    # the GPU while a step's micro-batches accumulate (the boundary sends it to the host).
+    if config.offload_optimizer != "none":
+        optimizer_elements = 0
+        if zero >= 2 and config.micro_batches == 1:
+            grad_elements = 0
+    optimizer_bytes = nbytes.optimizer
+    if config.offload_param != "none":
+        param_elements = 0
+        if config.offload_optimizer == "none" and config.precision != "bf16-mixed":
+            optimizer_bytes += nbytes.param  # the optimizer's own copy of my shard
+
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     layer_input = shape.layer_input_bytes(b, t, sp, nbytes.activation)
     grads = grad_elements * nbytes.grad
@@ -130,7 +143,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
 
     activations, forward_buffers = _activations(shape, config, stage, layer_input)
     sync_buffers = _sync_buffers(config, params, sharded)
-    state = param_elements * nbytes.param + optimizer_elements * nbytes.optimizer
+    state = param_elements * nbytes.param + optimizer_elements * optimizer_bytes
     buffers = max(forward_buffers, sync_buffers)
     if config.micro_batches == 1:
         # zero_grad frees the gradients after each step (set_to_none; every stage,
@@ -143,7 +156,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     return {
         "params": param_elements * nbytes.param,
         "grads": grads,
-        "optimizer": optimizer_elements * nbytes.optimizer,
+        "optimizer": optimizer_elements * optimizer_bytes,
         "activations": activations,
         "buffers": buffers,
         "peak_total": total,
@@ -205,9 +218,13 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         params = stage_parameters(shape, config, stage)
         largest = max(params.units) if params.units else 0
         # with prefetch, the next unit's all-gather is in flight meanwhile: at most one
-        # more unit (bounded by the largest)
-        in_flight = 2 if config.zero3_prefetch else 1
+        # more unit (bounded by the largest); an offloaded shard is not prefetched
+        # (minipar/parallel/zero3.py) but fetched to the GPU to be gathered
+        offloaded = config.offload_param != "none"
+        in_flight = 2 if config.zero3_prefetch and not offloaded else 1
         forward_buffers += in_flight * largest * nbytes.param
+        if offloaded:
+            forward_buffers += shard(largest, config.dp) * nbytes.param
     return activations, forward_buffers
 
 

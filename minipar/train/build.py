@@ -78,26 +78,6 @@ def check_layout(config: TrainConfig) -> list[str]:
             "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
             "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
             f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
-    if config.offload_param != "none" and config.zero != 3:
-        raise LayoutError(
-            "offload_param", f"--offload-param {config.offload_param} needs --zero 3 (got "
-            f"--zero {config.zero}): below stage 3 every rank keeps the full parameters on "
-            "its GPU to run forward and backward, so there is no parameter shard to offload "
-            "(DeepSpeed: offload_param is valid only with stage 3); use --zero 3, or "
-            "--offload-optimizer cpu to offload the optimizer state")
-    if config.offload_optimizer != "none" and config.zero == 0:
-        raise LayoutError(
-            "offload_optimizer", f"--offload-optimizer {config.offload_optimizer} needs "
-            "--zero 1, 2 or 3: ZeRO-Offload moves a rank's ZeRO partition of the optimizer "
-            "state to the host, and --zero 0 has none (DeepSpeed: offload_optimizer is "
-            "valid with stage 1, 2 and 3); add --zero 1")
-    if config.offload_optimizer == "nvme" and config.zero < 3:
-        raise LayoutError(
-            "offload_optimizer", f"--offload-optimizer nvme needs --zero 3 (got --zero "
-            f"{config.zero}): DeepSpeed's stage 1/2 optimizer has no NVMe swapper (its "
-            "stage_1_and_2.py keeps the state in CPU memory for any offload device); "
-            "ZeRO-Infinity's NVMe swapping is stage 3's. Use --offload-optimizer cpu or "
-            "--zero 3")
     if config.sequence_parallel and tp == 1:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "

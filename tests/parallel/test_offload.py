@@ -9,7 +9,6 @@ import pytest
 from minipar import distributed as dist
 from minipar.nn.optim import ADAMW_FLOPS_PER_ELEMENT
 from minipar.train import TrainConfig, train
-from minipar.train.build import LayoutError
 from minipar.train.config import ConfigError
 
 TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=2,
@@ -116,8 +115,8 @@ def test_nvme_holds_the_optimizer_state_and_swaps_it_through_the_host():
     (dict(zero=1, offload_optimizer="nvme"), "--offload-optimizer nvme needs --zero 3"),
 ])
 def test_mixes_deepspeed_does_not_run_are_refused_with_the_reason(settings, match):
-    with pytest.raises(LayoutError, match=match):
-        train(TrainConfig(**{**TINY, "dp": 2, **settings}))
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**{**TINY, "dp": 2, **settings})
 
 
 def test_an_unknown_offload_device_is_a_config_error():
