@@ -233,6 +233,17 @@ def format_estimate(est: Estimate) -> str:
         f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} {compute_model(est.cluster)}, "
         f"{t['tokens_per_s']:,.0f} tokens/s",
     ]
+    if c.offload_optimizer != "none" or c.offload_param != "none":
+        host, nvme = est.memory_host, est.memory_nvme
+        moved = max(est.stages, key=lambda st: st.memory_host["peak_total"]).tier_transfers
+        lines.append(
+            f"offload (optimizer {c.offload_optimizer}, params {c.offload_param}): host "
+            f"{human_bytes(host['peak_total'])} of {human_bytes(est.cluster.host_memory_bytes)}"
+            f", NVMe {human_bytes(nvme['peak_total'])} per GPU; per step PCIe down "
+            f"{human_bytes(moved['to_host_bytes'])}, up {human_bytes(moved['to_device_bytes'])}"
+            f", NVMe read {human_bytes(moved['nvme_read_bytes'])}, write "
+            f"{human_bytes(moved['nvme_write_bytes'])}; CPU Adam "
+            f"{human_seconds(max(st.time['host_optimizer_s'] for st in est.stages))}")
     comm = est.comm_time_by_group()
     lines.append("communication per step: " + ", ".join(
         f"{g} {human_seconds(comm[g])}" + (" (crosses nodes)" if est.links[g] else "")
