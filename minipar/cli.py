@@ -254,7 +254,13 @@ def cmd_train(args) -> int:
 
 def print_summary(report, config: TrainConfig, args, late=None) -> None:
     """What `minipar train` prints after the run (nothing with --quiet)."""
-    from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
+    from minipar.viz.tables import (
+        loss_table,
+        memory_table,
+        tier_table,
+        time_table,
+        traffic_table,
+    )
 
     check = report.equivalence
     if not args.quiet:
@@ -265,6 +271,10 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
         print(loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
         print(memory_table(report))
+        tiers = tier_table(report)
+        if tiers is not None:
+            print("\nOffload: peak bytes behind each GPU and bytes copied between tiers:")
+            print(tiers)
         if report.world_size > 1:
             print("\nTraffic per rank and step, by group and collective (bytes sent):")
             print(traffic_table(report))
