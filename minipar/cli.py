@@ -254,13 +254,7 @@ def cmd_train(args) -> int:
 
 def print_summary(report, config: TrainConfig, args, late=None) -> None:
     """What `minipar train` prints after the run (nothing with --quiet)."""
-    from minipar.viz.tables import (
-        loss_table,
-        memory_table,
-        tier_table,
-        time_table,
-        traffic_table,
-    )
+    from minipar.viz import tables
 
     check = report.equivalence
     if not args.quiet:
@@ -268,18 +262,18 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
               f"precision {config.precision}, global batch {config.global_batch_size} "
               f"= micro {config.micro_batch_size} x accum {config.grad_accum_steps} "
               f"x dp {config.dp}\n")
-        print(loss_table(report))
+        print(tables.loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
-        print(memory_table(report))
-        tiers = tier_table(report)
+        print(tables.memory_table(report))
+        tiers = tables.tier_table(report)
         if tiers is not None:
             print("\nOffload: peak bytes behind each GPU and bytes copied between tiers:")
             print(tiers)
         if report.world_size > 1:
             print("\nTraffic per rank and step, by group and collective (bytes sent):")
-            print(traffic_table(report))
+            print(tables.traffic_table(report))
             print("\nSimulated time per rank over the run:")
-            print(time_table(report))
+            print(tables.time_table(report))
         if report.pipeline is not None:
             print(pipeline_line(report.pipeline, args.device))
         for warning in report.warnings:
