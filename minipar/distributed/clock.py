@@ -61,9 +61,11 @@ class DeviceProfile:
     nvme_latency: seconds per request: ~80-100 us for a read at low queue depth on the
         same drives' datasheets; we take 100 us.
     host_flops: FLOP/s of the host CPU cores serving one GPU, running DeepSpeed's CPU-Adam
-        (`csrc/adam/cpu_adam_impl.cpp`: AVX-512 SIMD, OpenMP threads, tiled). ZeRO-Offload
-        (Ren et al. 2021, Table 2) reports CPU-Adam updating 1B parameters in ~0.22 s on a
-        DGX-2 host's 2 x 24-core Xeon Platinum 8168 (~4.5e9 parameters/s, ~1e8 per core).
+        (`csrc/adam/cpu_adam_impl.cpp`: AVX-512 SIMD, OpenMP threads, tiled), which
+        DeepSpeed's ZeRO-Offload tutorial puts at 5-7x PyTorch's CPU Adam. ZeRO-Offload
+        (Ren et al. 2021, Table 2, as we read it; not re-checked here, so verify before
+        quoting) has CPU-Adam updating 1B parameters in ~0.22 s on a DGX-2 host's 2 x
+        24-core Xeon Platinum 8168 (~4.5e9 parameters/s, ~1e8 per core).
         An 8-GPU H100 host has ~112 cores, ~14 per GPU: ~1.4e9 parameters/s per rank, x 14
         FLOPs of AdamW per parameter (minipar.nn.optim) = ~20 GFLOP/s. We take 20e9:
         20,000x slower than the GPU, which is why only the optimizer step, O(Psi) work,
