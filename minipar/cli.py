@@ -49,10 +49,8 @@ HELP = {
     "schedule": "pipeline schedule",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
-    "offload_optimizer": "ZeRO-Offload: keep the optimizer state and run Adam on the host "
-                         "CPU (cpu; --zero >= 1) or keep the state on NVMe (nvme; --zero 3)",
-    "offload_param": "ZeRO-Infinity: keep each rank's parameter shard in host memory or "
-                     "on NVMe between uses (--zero 3)",
+    "offload_optimizer": "ZeRO-Offload: optimizer state and Adam on the host (--zero >= 1)",
+    "offload_param": "ZeRO-Infinity: the parameter shard in host memory / NVMe (--zero 3)",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
     "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
     "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "
@@ -265,10 +263,8 @@ def print_summary(report, config: TrainConfig, args, late=None) -> None:
         print(tables.loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
         print(tables.memory_table(report))
-        tiers = tables.tier_table(report)
-        if tiers is not None:
-            print("\nOffload: peak bytes behind each GPU and bytes copied between tiers:")
-            print(tiers)
+        if (tiers := tables.tier_table(report)) is not None:
+            print(f"\nOffload: peak bytes behind each GPU, bytes between tiers:\n{tiers}")
         if report.world_size > 1:
             print("\nTraffic per rank and step, by group and collective (bytes sent):")
             print(tables.traffic_table(report))

@@ -343,7 +343,9 @@ def _host_share(runs: dict[str, Report]) -> float:
     """CPU Adam's share of rank 0's time in the first offloaded run."""
     report = next(r for r in runs.values() if r.config["offload_optimizer"] != "none")
     time = report.ranks[0]["time"]
-    return time.get("host_compute_s", 0.0) / sum(time.values())
+    spent = sum(time.get(k, 0.0) for k in ("compute_s", "comm_s", "idle_s",
+                                           "host_compute_s", "transfer_s"))
+    return time.get("host_compute_s", 0.0) / spent
 
 
 # ------------------------------------------------------------------ figures

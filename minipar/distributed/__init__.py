@@ -60,7 +60,6 @@ from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .roofline import Roofline
-from .timeline import comm_overlap, device_comm_overlap
 from .tiers import (
     TIERS,
     TransferLedger,
@@ -72,6 +71,7 @@ from .tiers import (
     swap_out,
     wait_transfers,
 )
+from .timeline import comm_overlap, device_comm_overlap
 
 __all__ = [
     "A100",

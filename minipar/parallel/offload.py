@@ -123,22 +123,22 @@ class Offload:
             return dist.copy_to_host(cast, "grads", async_op=self.stage < 3)
 
     # -------------------------------------------------------------- the step
-    def step_on_host(self, states: list[np.ndarray], update) -> int:
-        """Run `update(*states_on_host) -> elements` on the host CPU: states on NVMe are
-        read into host buffers first and written back after. Prices CPU Adam."""
-        if self.optimizer_tier == "nvme":
-            return self._swapped(states, update)
-        elements = update(*states)
-        dist.host_compute(ADAMW_FLOPS_PER_ELEMENT * elements)
-        return elements
-
-    def _swapped(self, states, update) -> int:
+    def step_on_host(self, states: list[np.ndarray], update, store) -> int:
+        """Run `update(*states_on_host) -> elements` on the host CPU (priced as CPU Adam),
+        then `store(new_weights_on_host)`: states on NVMe are read into host buffers
+        first and written back after."""
         with contextlib.ExitStack() as stack:
-            host = [stack.enter_context(dist.swap_in(state, "optimizer")) for state in states]
+            if self.optimizer_tier == "nvme":
+                host = [stack.enter_context(dist.swap_in(state, "optimizer"))
+                        for state in states]
+            else:
+                host = states
             elements = update(*host)
             dist.host_compute(ADAMW_FLOPS_PER_ELEMENT * elements)
-            for buffer, state in zip(host, states, strict=True):
-                dist.swap_out(buffer, state)
+            store(host[0])
+            if self.optimizer_tier == "nvme":
+                for buffer, state in zip(host, states, strict=True):
+                    dist.swap_out(buffer, state)
         return elements
 
     def store_parameters(self, param_shard: np.ndarray, weights: np.ndarray,

@@ -45,8 +45,9 @@ class ZeroOptimizer(ZeroEngine):
     stage: 1 or 2; bucket_bytes: bucket capacity (0 = one flat bucket); adamw: lr, betas,
     eps, weight_decay as for `minipar.nn.AdamW`; norm_groups, counts_in_norm: as for
     `DataParallel` (the TP / PP groups the gradient norm is also summed over, and which
-    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine); offload_optimizer: none |
-    cpu (ZeRO-Offload: the optimizer state and step on the host, offload.py).
+    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine);
+    offload_optimizer: none | cpu (ZeRO-Offload: the optimizer state and step on the
+    host, offload.py).
 
     Every rank keeps the full flat parameters (the model's p.data are views of them) and
     owns one shard of each bucket: its optimizer state, and under stage 2 its gradient.

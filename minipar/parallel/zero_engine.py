@@ -14,7 +14,9 @@ shard, an all-reduce adds the N partial sums, and the square root is the same no
 a single device.
 
 The engines built on `ZeroEngine`: `ZeroOptimizer` (stages 1 and 2, zero.py) and
-`Zero3Optimizer` (stage 3, zero3.py). Where the next features go (issues 14 and 15): a
+`Zero3Optimizer` (stage 3, zero3.py). This module is long because it is the one body the
+three engines share (layout, reduction, clipping, the step, the state), read together.
+Where the next features go (issues 14 and 15): a
 bucket is reduced in one place, `ZeroEngine.reduce_bucket` (bucketed overlap); the
 optimizer state of a shard is made in `_allocate_optimizer_state` and updated in
 `_update_shard`, and where it lives (host memory, NVMe: ZeRO-Offload / ZeRO-Infinity)
@@ -340,15 +342,18 @@ class ZeroEngine:
                              exp_avg_sq[lo:hi], self.step_count, lr, beta1, beta2,
                              self.eps, decay)
                 elements += hi - lo
-            if weights is not sb.param_shard:
-                tier = "gpu" if offload.optimizer_on_gpu else "host"
-                offload.store_parameters(sb.param_shard, weights, tier)
             return elements
+
+        def store(updated, tier: str) -> None:  # the new weights into my parameter shard
+            if updated is not sb.param_shard:
+                offload.store_parameters(sb.param_shard, updated, tier)
 
         states = [weights, sb.exp_avg, sb.exp_avg_sq]
         if offload.optimizer_on_gpu:
-            return update(*states)
-        return offload.step_on_host(states, update)
+            elements = update(*states)
+            store(weights, "gpu")
+            return elements
+        return offload.step_on_host(states, update, lambda host: store(host, "host"))
 
     def zero_grad(self) -> None:
         """Set-to-none: drop my gradient shard (the next step's first reduce-scatter

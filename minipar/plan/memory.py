@@ -120,12 +120,16 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         param_elements = grad_elements = optimizer_elements = sharded
 
     # Offload (plan/offload.py has the host and NVMe side): the optimizer state leaves
-    # the GPU; so does ZeRO-3's parameter shard; ZeRO-2/3's gradient shard only lives on
-    # the GPU while a step's micro-batches accumulate (the boundary sends it to the host).
+    # the GPU; so does ZeRO-3's parameter shard. ZeRO-2/3's gradient shard is a GPU array
+    # only until the accumulation boundary sends it to the host: one bucket's reduced
+    # piece at a time with one micro-batch; with accumulation every bucket's running sum
+    # plus the piece being added to it (exact for ZeRO-2's one bucket; for ZeRO-3 the
+    # largest unit's piece, an upper bound within one unit's shard).
     if config.offload_optimizer != "none":
         optimizer_elements = 0
-        if zero >= 2 and config.micro_batches == 1:
-            grad_elements = 0
+        if zero >= 2:
+            largest = max(shard(u, n) for u in params.units) if zero == 3 else sharded
+            grad_elements = largest + (sharded if config.micro_batches > 1 else 0)
     optimizer_bytes = nbytes.optimizer
     if config.offload_param != "none":
         param_elements = 0
@@ -145,7 +149,12 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     sync_buffers = _sync_buffers(config, params, sharded)
     state = param_elements * nbytes.param + optimizer_elements * optimizer_bytes
     buffers = max(forward_buffers, sync_buffers)
-    if config.micro_batches == 1:
+    if config.offload_optimizer != "none" and zero >= 2:
+        # the GPU keeps only the running sums between micro-batches; the piece being
+        # added and sent to the host is transient, after the synchronisation's peak
+        persistent = sharded * nbytes.grad if config.micro_batches > 1 else 0
+        total = state + persistent + max(activations + forward_buffers, sync_buffers)
+    elif config.micro_batches == 1:
         # zero_grad frees the gradients after each step (set_to_none; every stage,
         # ZeRO-2/3's shard too, as DeepSpeed frees its partitioned gradients), so with
         # one micro-batch they are born in backward as the activations die: the peak is

@@ -303,6 +303,9 @@ OFFLOAD_GRID = [
 # fetched, so part of each copy hides: the prediction is an upper bound, by at most the
 # overlapped copies (measured: 0.4% to 7% on these tiny, latency-bound models).
 OFFLOAD_TIME_BOUND = 0.10
+# a rank's simulated time: its clock's disjoint parts (exposed / overlapped communication
+# split comm_s, they do not add to it)
+SPENT = ("compute_s", "comm_s", "idle_s", "host_compute_s", "transfer_s")
 
 
 @pytest.mark.parametrize("settings", OFFLOAD_GRID)
@@ -319,6 +322,13 @@ def test_planner_predicts_the_offload_tiers_and_transfers(settings, request):
         (measured,) = [r for r in report.ranks
                        if r["coords"] == {"dp": 0, "pp": stage.rank, "tp": 0}]
         label = f"{name}, pipeline rank {stage.rank}"
+        if config.zero == 3 and config.grad_accum_steps > 1 and config.offload_optimizer != "none":
+            # the running sums plus the largest unit's piece: an upper bound within one
+            # unit's shard (which unit's piece meets the peak depends on the order)
+            grads = measured["memory"]["grads"]
+            assert grads <= stage.memory["grads"] <= grads * (1 + TRANSIENT_TOLERANCE), label
+            measured = {**measured, "memory": {**measured["memory"],
+                                               "grads": stage.memory["grads"]}}
         check_rank(measured, stage, label)
         for tier, predicted in (("memory_host", stage.memory_host),
                                 ("memory_nvme", stage.memory_nvme)):
@@ -327,7 +337,7 @@ def test_planner_predicts_the_offload_tiers_and_transfers(settings, request):
         for direction, per_step in stage.tier_transfers.items():
             assert STEPS * per_step == measured["transfers"][direction], (
                 f"{label}: {direction}")
-        spent = sum(measured["time"].values())
+        spent = sum(measured["time"].get(k, 0.0) for k in SPENT)
         # CPU Adam is slow enough that a pipeline rank with a smaller shard visibly
         # finishes its last step first (earlier steps end when the next one can start)
         end = est.time.get("rank_end_s", [est.step_time] * config.pp)[stage.rank]
