@@ -8,6 +8,7 @@
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
+This module is long because it is every command's flags, summary and dispatch in one place.
 """
 
 from __future__ import annotations
@@ -21,17 +22,11 @@ import typing
 from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
 from minipar.nn.recompute import GRANULARITIES, METHODS
+from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
-from minipar.train.config import (
-    DATASETS,
-    OFFLOAD_DEVICES,
-    PRECISIONS,
-    ConfigError,
-    TrainConfig,
-    flag,
-)
+from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
 from minipar.train.outputs import check_output_dir, check_output_file
 
 HELP = {

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute, recompute_problem
+from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 from minipar.parallel.schedules import check_schedule_name
 
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
@@ -34,8 +35,6 @@ PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps it portable
 DATASETS = ("corpus", "synthetic")
-# DeepSpeed's zero_optimization.offload_optimizer.device / offload_param.device
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass
