@@ -24,6 +24,7 @@ import typing
 from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
 from minipar.nn.recompute import GRANULARITIES, METHODS
+from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES
 from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan import profile_cli
 from minipar.plan.cli import add_plan_command, run_plan
@@ -46,6 +47,8 @@ HELP = {
     "schedule": "pipeline schedule",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
     "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
+    "offload_optimizer": "ZeRO-Offload: optimizer state and Adam on the host (--zero >= 1)",
+    "offload_param": "ZeRO-Infinity: the parameter shard in host memory / NVMe (--zero 3)",
     "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
     "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
     "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "
@@ -80,7 +83,8 @@ HELP = {
 def choices() -> dict[str, tuple]:
     """The fields whose values are a fixed set; the schedules are the registry's now."""
     return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS,
-            "recompute_granularity": GRANULARITIES, "recompute_method": METHODS}
+            "recompute_granularity": GRANULARITIES, "recompute_method": METHODS,
+            "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -252,7 +256,7 @@ def cmd_train(args) -> int:
 
 def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
     """What `minipar train` prints after the run (nothing with --quiet; profile: --profile)."""
-    from minipar.viz.tables import loss_table, memory_table, time_table, traffic_table
+    from minipar.viz import tables
 
     check = report.equivalence
     if not args.quiet:
@@ -260,14 +264,16 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
               f"precision {config.precision}, global batch {config.global_batch_size} "
               f"= micro {config.micro_batch_size} x accum {config.grad_accum_steps} "
               f"x dp {config.dp}\n")
-        print(loss_table(report))
+        print(tables.loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
-        print(memory_table(report))
+        print(tables.memory_table(report))
+        if (tiers := tables.tier_table(report)) is not None:
+            print(f"\nOffload: peak bytes behind each GPU, bytes between tiers:\n{tiers}")
         if report.world_size > 1:
             print("\nTraffic per rank and step, by group and collective (bytes sent):")
-            print(traffic_table(report))
+            print(tables.traffic_table(report))
             print("\nSimulated time per rank over the run:")
-            print(time_table(report))
+            print(tables.time_table(report))
         if report.pipeline is not None:
             print(pipeline_line(report.pipeline, args.device))
         for warning in report.warnings:

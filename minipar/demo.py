@@ -66,7 +66,16 @@ DEMO_PROFILE = DeviceProfile(
     name="demo GPU (H100 link ratios, compute per byte scaled to the demo model)",
     flops=40e9, intra_node_bandwidth=0.8e9, inter_node_bandwidth=0.8e9 / 9,
     intra_node_latency=1e-6, inter_node_latency=8e-6 / 3,
+    # the offload tiers in the H100 profile's ratios: PCIe 50 / NVLink 450, NVMe 13 and
+    # 6.6 / 450, CPU Adam 20 GFLOP/s / 400 TFLOP/s, latencies / 3 as the links'
+    pcie_bandwidth=0.8e9 / 9, pcie_latency=10e-6 / 3, nvme_read_bandwidth=0.8e9 * 13 / 450,
+    nvme_write_bandwidth=0.8e9 * 6.6 / 450, nvme_latency=100e-6 / 3,
+    host_flops=40e9 * 20e9 / 400e12,
 )
+# ZeRO-Offload / ZeRO-Infinity runs of the demo's second table (over the DP group alone)
+OFFLOADS = {"DP 2 + ZeRO-1 + offload optimizer cpu": dict(zero=1, offload_optimizer="cpu"),
+            "DP 2 + ZeRO-3 + offload nvme, params nvme": dict(zero=3, offload_optimizer="nvme",
+                                                              offload_param="nvme")}
 FIGURES = ("timeline.png", "memory.png", "traffic.png")
 
 
@@ -185,6 +194,16 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
     for line in summary(single, ablations, report, layout_name(config)):
         say(line)
 
+    if config.dp > 1:
+        base = next((r for r in ablations.values() if r.config["zero"] == 1
+                     and r.world_size == config.dp), None)
+        offloaded = {name: working(f"{name}, for the offload table",
+                                   lambda c=c: train(c, device=profile))
+                     for name, c in offload_configs(config).items()}
+        say()
+        for line in offload_summary(base, offloaded):
+            say(line)
+
     figures = working("drawing the figures (a first run also builds matplotlib's font "
                       "cache)", lambda: save_figures(report, single, Path(out_dir)))
     say()
@@ -283,6 +302,54 @@ def _sentence(name: str, single: Report, report: Report, plain_dp: Report | None
                      f"{report.config['pp']} micro-batches of its layers in flight")
     speed = _step_seconds(single) / _step_seconds(report)  # runs of 3 steps and of 1
     return text + f"; step {speed:.1f}x faster than one GPU."
+
+
+def offload_configs(config: TrainConfig) -> dict[str, TrainConfig]:
+    """The demo's DP group alone with ZeRO-1/3 and offload, one step each."""
+    common = dict(tp=1, pp=1, sequence_parallel=False, check=False, steps=1,
+                  global_batch_size=config.global_batch_size, grad_accum_steps=None)
+    return {name.replace("DP 2", f"DP {config.dp}"): config.replace(**common, **settings)
+            for name, settings in OFFLOADS.items()}
+
+
+def offload_summary(base: Report | None, runs: dict[str, Report]) -> list[str]:
+    """The second table: where offload moves the model state (GPU / host / NVMe peak
+    bytes of the worst rank), what crosses PCIe and the NVMe drive per step, and the
+    step time it costs."""
+    runs = {**({"DP " + str(base.config["dp"]) + " + ZeRO-1": base} if base else {}), **runs}
+    rows = []
+    for name, report in runs.items():
+        steps = max(1, len(report.steps))
+        peak = {tier: max(r.get(tier, {}).get("peak_total", 0) for r in report.ranks)
+                for tier in ("memory", "memory_host", "memory_nvme")}
+        moved = {k: max(r.get("transfers", {}).get(k, 0) for r in report.ranks) / steps
+                 for k in ("to_host_bytes", "to_device_bytes", "nvme_read_bytes",
+                           "nvme_write_bytes")}
+        rows.append([name, *(human_bytes(peak[t]) for t in peak),
+                     f"{human_bytes(moved['to_host_bytes'])} / "
+                     f"{human_bytes(moved['to_device_bytes'])}",
+                     f"{human_bytes(moved['nvme_read_bytes'])} / "
+                     f"{human_bytes(moved['nvme_write_bytes'])}",
+                     human_seconds(report.step_end_s[-1] / steps)])
+    return ["Where offload moves the model state, and what it costs (worst rank's peak "
+            "bytes per tier; bytes per step over PCIe and to the NVMe drive; simulated "
+            "time per step):",
+            format_table(["run", "GPU", "host", "NVMe", "PCIe down / up",
+                          "NVMe read / write", "step time"], rows),
+            "- Offload cuts GPU bytes, not work: what leaves the GPU crosses PCIe (the "
+            "gradient down, the parameters up, ZeRO-3's shards for every gather) and Adam "
+            f"runs on the CPU, here {_host_share(runs):.0%} of the offloaded ZeRO-1 step: "
+            "this batch is too small to hide it; offload pays when the model does not "
+            "fit otherwise (docs/data-parallel-and-zero.md)."]
+
+
+def _host_share(runs: dict[str, Report]) -> float:
+    """CPU Adam's share of rank 0's time in the first offloaded run."""
+    report = next(r for r in runs.values() if r.config["offload_optimizer"] != "none")
+    time = report.ranks[0]["time"]
+    spent = sum(time.get(k, 0.0) for k in ("compute_s", "comm_s", "idle_s",
+                                           "host_compute_s", "transfer_s"))
+    return time.get("host_compute_s", 0.0) / spent
 
 
 # ------------------------------------------------------------------ figures

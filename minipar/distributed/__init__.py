@@ -12,7 +12,8 @@
 
 Modules: launch (threads and rank context), cluster (rendezvous, deadlock detection),
 collectives, p2p, ring (collectives on send/recv), groups and mesh, device (one rank's
-ledgers), memory and buffers (what a rank holds, and for how long), clock, timeline
+ledgers), memory and buffers (what a rank holds, and for how long), tiers (host memory
+and NVMe behind each GPU, and the copies between them), clock, timeline
 (busy/idle time, the bubble and the communication compute hides, from the clocks'
 timelines), trace (Chrome Trace Event files per rank, as torch.profiler writes them),
 comm_log (the byte ledger), errors.
@@ -21,7 +22,15 @@ comm_log (the byte ledger), errors.
 from __future__ import annotations
 
 from .buffers import compute, hold, release, transient
-from .clock import A100, H100, Clock, DeviceProfile, TimelineEvent, collective_time
+from .clock import (
+    A100,
+    H100,
+    Clock,
+    DeviceProfile,
+    TimelineEvent,
+    collective_time,
+    tier_copy_time,
+)
 from .cluster import MAX_WORLD_SIZE, Cluster
 from .collectives import (
     CollectiveWork,
@@ -51,6 +60,17 @@ from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .roofline import Roofline
+from .tiers import (
+    TIERS,
+    TransferLedger,
+    copy_into,
+    copy_to_device,
+    copy_to_host,
+    host_compute,
+    swap_in,
+    swap_out,
+    wait_transfers,
+)
 from .timeline import comm_overlap, device_comm_overlap
 from .trace import TraceError, read_traces, write_traces
 
@@ -62,6 +82,7 @@ __all__ = [
     "H100",
     "MAX_WORLD_SIZE",
     "PHASES",
+    "TIERS",
     "Clock",
     "Cluster",
     "CollectiveMismatchError",
@@ -80,6 +101,7 @@ __all__ = [
     "Roofline",
     "TimelineEvent",
     "TraceError",
+    "TransferLedger",
     "Work",
     "all_gather",
     "all_reduce",
@@ -90,10 +112,14 @@ __all__ = [
     "comm_overlap",
     "compute",
     "device_comm_overlap",
+    "copy_into",
+    "copy_to_device",
+    "copy_to_host",
     "get_device",
     "get_rank",
     "get_world_size",
     "hold",
+    "host_compute",
     "irecv",
     "isend",
     "launch",
@@ -110,8 +136,12 @@ __all__ = [
     "ring_chunk_bytes",
     "ring_reduce_scatter",
     "send",
+    "swap_in",
+    "swap_out",
+    "tier_copy_time",
     "timeline_label",
     "transient",
     "traffic_matrix",
     "write_traces",
+    "wait_transfers",
 ]

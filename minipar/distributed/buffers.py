@@ -7,6 +7,7 @@ bookkeeping in the rank's `MemoryLedger` (memory.py):
         p.grad[...] = averaged            #   ("buffers" unless told otherwise)
     dist.hold(shard, "optimizer")         # an array that lives on (returns it)
     dist.release(shard)                   # ... until here
+    dist.hold(state, "optimizer", tier="host")   # in host memory (ZeRO-Offload)
 
 The collectives and `recv` take `category=` to book the array they return themselves
 (`dist.reduce_scatter(flat, category="buffers")`): the result is counted from the moment
@@ -23,23 +24,27 @@ import numpy as np
 from .context import get_device
 
 
-def hold(array: np.ndarray, category: str) -> np.ndarray:
-    """Count `array` in the running rank's ledger under `category`; returns `array`."""
-    get_device().memory.hold(array, category)
+def hold(array: np.ndarray, category: str, tier: str = "gpu") -> np.ndarray:
+    """Count `array` in the running rank's ledger of `tier` (gpu, host or nvme: see
+    tiers.py) under `category`; returns `array`."""
+    get_device().ledger(tier).hold(array, category)
     return array
 
 
 def release(array: np.ndarray) -> None:
-    """Stop counting `array` (one hold of its root buffer) in the running rank's ledger."""
-    get_device().memory.release(array)
+    """Stop counting `array` (one hold of its root buffer) in the ledger of the tier that
+    holds it (the GPU's if none does: its error names the array)."""
+    device = get_device()
+    (device.ledger_holding(array) or device.memory).release(array)
 
 
 @contextlib.contextmanager
-def transient(array: np.ndarray, category: str = "buffers"):
-    """Count `array` under `category` inside the `with` block only (a transient buffer:
-    a gathered copy, a reduction's result being scattered into place). Yields `array`.
-    The ledger releases it on leaving the block, also when the block raises."""
-    memory = get_device().memory
+def transient(array: np.ndarray, category: str = "buffers", tier: str = "gpu"):
+    """Count `array` under `category` (in `tier`'s ledger) inside the `with` block only
+    (a transient buffer: a gathered copy, a reduction's result being scattered into
+    place). Yields `array`. The ledger releases it on leaving the block, also when the
+    block raises."""
+    memory = get_device().ledger(tier)
     memory.hold(array, category)
     try:
         yield array

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from .roofline import A100_SXM_80GB, H100_SXM_80GB, Roofline
 
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
+# Work the host CPU does for a rank (ZeRO-Offload's CPU Adam), priced by `host_flops`.
+HOST_COMPUTE_KINDS = ("host_optimizer",)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,33 @@ class DeviceProfile:
         clean identities (bubble (p-1)/(m+p-1), compute proportional to FLOPs) the tests
         and docs rely on. A Roofline prices each kernel an op reports instead (`H100`,
         `A100` below); `flops` is then only the fallback for work reported without kernels.
+
+    The offload tiers (ZeRO-Offload / ZeRO-Infinity; minipar/distributed/tiers.py):
+    pcie_bandwidth: bytes/s between one GPU and host memory, per direction (PCIe is full
+        duplex, so a copy down and a copy up run at once). PCIe Gen5 x16 is 32 GT/s x 16
+        lanes with 128b/130b coding = 63 GB/s per direction, theoretical; pinned-memory
+        copies on H100 measure ~50-55 GB/s (NVIDIA's nvbandwidth host_to_device /
+        device_to_host tests). We take 50 GB/s. (ZeRO-Offload's V100s had Gen3 x16,
+        ~12 GB/s: the paper's whole design is about crossing PCIe as little as possible.)
+    pcie_latency: seconds per copy: a cudaMemcpyAsync of a few bytes costs ~5-10 us of
+        launch and DMA set-up; we take 10 us.
+    nvme_read_bandwidth, nvme_write_bandwidth: one datacenter Gen5 NVMe SSD per GPU (a
+        DGX H100 ships 8 U.2 data drives for 8 GPUs). Samsung PM1743 datasheet: 13.0 GB/s
+        sequential read, 6.6 GB/s sequential write (128 KiB blocks, queue depth 32).
+        DeepSpeed's async I/O (`deepspeed/ops/aio`, the ZeRO-Infinity paper's section 6.3)
+        issues large blocks in parallel to approach the sequential rates.
+    nvme_latency: seconds per request: ~80-100 us for a read at low queue depth on the
+        same drives' datasheets; we take 100 us.
+    host_flops: FLOP/s of the host CPU cores serving one GPU, running DeepSpeed's CPU-Adam
+        (`csrc/adam/cpu_adam_impl.cpp`: AVX-512 SIMD, OpenMP threads, tiled), which
+        DeepSpeed's ZeRO-Offload tutorial puts at 5-7x PyTorch's CPU Adam. ZeRO-Offload
+        (Ren et al. 2021, Table 2, as we read it; not re-checked here, so verify before
+        quoting) has CPU-Adam updating 1B parameters in ~0.22 s on a DGX-2 host's 2 x
+        24-core Xeon Platinum 8168 (~4.5e9 parameters/s, ~1e8 per core).
+        An 8-GPU H100 host has ~112 cores, ~14 per GPU: ~1.4e9 parameters/s per rank, x 14
+        FLOPs of AdamW per parameter (minipar.nn.optim) = ~20 GFLOP/s. We take 20e9:
+        20,000x slower than the GPU, which is why only the optimizer step, O(Psi) work,
+        moves to the CPU and never forward or backward, O(tokens x Psi).
     """
 
     name: str = "H100-SXM (NVLink 4, 400 Gb/s IB NDR)"
@@ -50,13 +79,22 @@ class DeviceProfile:
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 8e-6
     roofline: Roofline | None = None
+    pcie_bandwidth: float = 50e9
+    pcie_latency: float = 10e-6
+    nvme_read_bandwidth: float = 13.0e9
+    nvme_write_bandwidth: float = 6.6e9
+    nvme_latency: float = 100e-6
+    host_flops: float = 20e9
 
     def __post_init__(self) -> None:
-        for setting in ("flops", "intra_node_bandwidth", "inter_node_bandwidth"):
+        for setting in ("flops", "intra_node_bandwidth", "inter_node_bandwidth",
+                        "pcie_bandwidth", "nvme_read_bandwidth", "nvme_write_bandwidth",
+                        "host_flops"):
             value = getattr(self, setting)
             if not value > 0:
                 raise ValueError(f"DeviceProfile.{setting} must be > 0, got {value}")
-        for setting in ("intra_node_latency", "inter_node_latency"):
+        for setting in ("intra_node_latency", "inter_node_latency", "pcie_latency",
+                        "nvme_latency"):
             value = getattr(self, setting)
             if not value >= 0:
                 raise ValueError(f"DeviceProfile.{setting} must be >= 0, got {value}")
@@ -74,6 +112,24 @@ class DeviceProfile:
             return self.intra_node_latency, self.intra_node_bandwidth
         return self.inter_node_latency, self.inter_node_bandwidth
 
+    def tier_link(self, direction: str) -> tuple[float, float]:
+        """(latency in s, bandwidth in bytes/s) of a copy between tiers: direction is
+        to_host or to_device (PCIe), nvme_read or nvme_write (the NVMe drive)."""
+        if direction in ("to_host", "to_device"):
+            return self.pcie_latency, self.pcie_bandwidth
+        if direction == "nvme_read":
+            return self.nvme_latency, self.nvme_read_bandwidth
+        if direction == "nvme_write":
+            return self.nvme_latency, self.nvme_write_bandwidth
+        raise ValueError(f"no link for a copy {direction!r}")
+
+
+def tier_copy_time(direction: str, nbytes: int, profile: DeviceProfile) -> float:
+    """Seconds of one copy of nbytes between tiers: alpha + S/B (the same alpha-beta
+    model as a message between GPUs)."""
+    alpha, bandwidth = profile.tier_link(direction)
+    return alpha + nbytes / bandwidth
+
 
 # One GPU of a DGX node priced on its roofline: the profiles `minipar train --device h100 /
 # a100` simulate and the planner's h100-80gb / a100-80gb presets use (same links).
@@ -81,7 +137,9 @@ H100 = DeviceProfile(name="H100-SXM roofline (NVLink 4, 400 Gb/s IB NDR)",
                      flops=H100_SXM_80GB.peak_flops, roofline=H100_SXM_80GB)
 A100 = DeviceProfile(name="A100-SXM-80GB roofline (NVLink 3, 200 Gb/s IB HDR)",
                      flops=A100_SXM_80GB.peak_flops, intra_node_bandwidth=300e9,
-                     inter_node_bandwidth=25e9, roofline=A100_SXM_80GB)
+                     inter_node_bandwidth=25e9, roofline=A100_SXM_80GB,
+                     # PCIe Gen4 x16 on a DGX A100: 31.5 GB/s per direction, ~25 measured
+                     pcie_bandwidth=25e9)
 
 
 def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float) -> float:
@@ -109,7 +167,9 @@ def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float
 
 @dataclass
 class TimelineEvent:
-    """One stretch of a rank's timeline. kind: forward | backward | optimizer | comm | idle."""
+    """One stretch of a rank's timeline. kind: forward | backward | optimizer | comm | idle,
+    and with offload: host_optimizer (the CPU's Adam) | transfer (waiting for a copy
+    between GPU, host and NVMe)."""
 
     kind: str
     start: float
@@ -128,6 +188,8 @@ class Clock:
     compute_s  time spent computing (forward, backward, optimizer)
     comm_s     time blocked while data moves
     idle_s     time waiting for peers to arrive (a collective starts with its last member)
+    host_compute_s  time the host CPU computes for this rank while it waits (CPU Adam)
+    transfer_s      time blocked while data moves between GPU, host memory and NVMe
     compute_label  text attached to compute events (e.g. "F3": forward of micro-batch 3),
                    set with `minipar.distributed.timeline_label`; compute under another label
                    starts a new event, so a plot can name each micro-batch
@@ -137,6 +199,8 @@ class Clock:
     compute_s: float = 0.0
     comm_s: float = 0.0
     idle_s: float = 0.0
+    host_compute_s: float = 0.0
+    transfer_s: float = 0.0
     compute_label: str = ""
     events: list[TimelineEvent] = field(default_factory=list)
 
@@ -158,6 +222,23 @@ class Clock:
         self.compute_s += seconds
         self._append(kind, start, self.now, self.compute_label)
 
+    def host_compute(self, seconds: float, kind: str = "host_optimizer") -> None:
+        """Advance by `seconds` the host CPU computes for this rank (the GPU waits)."""
+        if seconds <= 0:
+            return
+        start = self.now
+        self.now = start + seconds
+        self.host_compute_s += seconds
+        self._append(kind, start, self.now, self.compute_label)
+
+    def wait_transfer(self, end: float, label: str) -> None:
+        """Be blocked until a copy between tiers ends at `end` (no-op if it already has:
+        an asynchronous copy that ran while the rank computed)."""
+        if end > self.now:
+            self.transfer_s += end - self.now
+            self._append("transfer", self.now, end, label)
+            self.now = end
+
     def wait_until(self, t: float) -> None:
         """Idle until simulated time t (no-op if already past it)."""
         if t > self.now:
@@ -178,4 +259,9 @@ class Clock:
             self.now = end
 
     def summary(self) -> dict:
-        return {"compute_s": self.compute_s, "comm_s": self.comm_s, "idle_s": self.idle_s}
+        """compute_s, comm_s, idle_s; and host_compute_s, transfer_s when the rank offloads
+        (their sum is the rank's simulated time)."""
+        summary = {"compute_s": self.compute_s, "comm_s": self.comm_s, "idle_s": self.idle_s}
+        if self.host_compute_s or self.transfer_s:
+            summary.update(host_compute_s=self.host_compute_s, transfer_s=self.transfer_s)
+        return summary

@@ -3,7 +3,10 @@
 A Device is what `minipar.autograd.tracking.current_device()` returns inside a rank: the
 autograd engine calls `device.compute(flops, kind, kernels)` for every op and `device.memory.hold`
 / `release` for the arrays it keeps. The collectives book their bytes in `device.comm`
-and their time on `device.clock`. A Device is only ever touched by its own rank's thread.
+and their time on `device.clock`. Behind the GPU are two more tiers (tiers.py): host
+memory (`memory_host`) and an NVMe drive (`memory_nvme`), ledgers with the same
+categories, and `transfers`, the bytes copied between them. A Device is only ever touched
+by its own rank's thread.
 
 `start_trace()` (called by `launch(..., trace=True)`) makes the device also keep what a
 profiler trace needs and the summaries do not: every op's compute span (`trace`, a
@@ -18,11 +21,13 @@ from .clock import COMPUTE_KINDS, Clock, DeviceProfile
 from .comm_log import PHASES, CommLedger
 from .errors import RankAborted
 from .memory import MemoryLedger
+from .tiers import TransferLedger, check_tier
 from .trace import TraceRecorder
 
 
 class Device:
-    """rank, world_size, node (= rank // gpus_per_node), profile, memory, clock, comm, phase."""
+    """rank, world_size, node (= rank // gpus_per_node), profile, memory (the GPU's),
+    memory_host, memory_nvme, transfers, clock, comm, phase."""
 
     def __init__(
         self,
@@ -38,6 +43,9 @@ class Device:
         self.node = rank // gpus_per_node
         self.profile = profile if profile is not None else DeviceProfile()
         self.memory = MemoryLedger()
+        self.memory_host = MemoryLedger()
+        self.memory_nvme = MemoryLedger()
+        self.transfers = TransferLedger()
         self.clock = Clock()
         self.memory.moment = lambda: (self.clock.now, self._phase)  # when a peak happens
         self.comm = CommLedger()
@@ -81,6 +89,18 @@ class Device:
         self.trace = TraceRecorder()
         self.memory.record_history(self.clock)
 
+    def ledger(self, tier: str = "gpu") -> MemoryLedger:
+        """The memory ledger of `tier` (gpu, host or nvme)."""
+        check_tier(tier)
+        return {"gpu": self.memory, "host": self.memory_host, "nvme": self.memory_nvme}[tier]
+
+    def ledger_holding(self, array) -> MemoryLedger | None:
+        """The ledger that holds `array` (its root buffer), or None."""
+        for ledger in (self.memory, self.memory_host, self.memory_nvme):
+            if ledger.is_held(array):
+                return ledger
+        return None
+
     # --- the phase communication is charged to -----------------------------------------
     @property
     def phase(self) -> str:
@@ -111,6 +131,9 @@ class Device:
             "node": self.node,
             "memory": self.memory.summary(),
             "memory_at_peak": dict(self.memory.at_peak),
+            "memory_host": self.memory_host.summary(),
+            "memory_nvme": self.memory_nvme.summary(),
+            "transfers": self.transfers.summary(),
             "comm": self.comm.summary(),
             "time": self.clock.summary(),
         }

@@ -45,14 +45,17 @@ class ZeroOptimizer(ZeroEngine):
     stage: 1 or 2; bucket_bytes: bucket capacity (0 = one flat bucket); adamw: lr, betas,
     eps, weight_decay as for `minipar.nn.AdamW`; norm_groups, counts_in_norm: as for
     `DataParallel` (the TP / PP groups the gradient norm is also summed over, and which
-    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine).
+    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine);
+    offload_optimizer: none | cpu (ZeRO-Offload: the optimizer state and step on the
+    host, offload.py).
 
     Every rank keeps the full flat parameters (the model's p.data are views of them) and
     owns one shard of each bucket: its optimizer state, and under stage 2 its gradient.
     """
 
     def __init__(self, named_params, group, *, stage: int, bucket_bytes: float = 0,
-                 adamw: dict, norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
+                 adamw: dict, norm_groups=(), counts_in_norm=None, overlap_comm: bool = True,
+                 offload_optimizer: str = "none"):
         check_stage(stage, "ZeroOptimizer", (1, 2))
         named_params = list(named_params)
         self.stage = stage
@@ -60,7 +63,7 @@ class ZeroOptimizer(ZeroEngine):
         super().__init__(named_params, group,
                          build_buckets(named_params, bucket_bytes, group.size),
                          adamw=adamw, norm_groups=norm_groups, counts_in_norm=counts_in_norm,
-                         overlap_comm=overlap_comm)
+                         overlap_comm=overlap_comm, offload_optimizer=offload_optimizer)
 
     def _partition_parameters(self, sb: ShardedBucket) -> None:
         """The full flat parameters stay on every rank; p.data become views of them."""

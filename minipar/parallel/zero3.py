@@ -58,7 +58,9 @@ class Zero3Optimizer(ZeroEngine):
 
     named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup; units:
     the gather units, [(unit name, [(name, Parameter), ...]), ...] in forward order (see
-    `gpt_units`); adamw, norm_groups, counts_in_norm: as for `ZeroOptimizer`.
+    `gpt_units`); adamw, norm_groups, counts_in_norm: as for `ZeroOptimizer`;
+    offload_optimizer, offload_param: none | cpu | nvme (ZeRO-Infinity, offload.py: my
+    optimizer state and my parameter shard in host memory or on NVMe).
     After construction every p.data is an empty placeholder; `hook_module` makes the
     model's calls gather their units.
     """
@@ -67,7 +69,8 @@ class Zero3Optimizer(ZeroEngine):
     partition_gradients = True
 
     def __init__(self, named_params, group, *, units=None, adamw: dict, norm_groups=(),
-                 counts_in_norm=None, overlap_comm: bool = True, prefetch: bool = True):
+                 counts_in_norm=None, overlap_comm: bool = True, prefetch: bool = True,
+                 offload_optimizer: str = "none", offload_param: str = "none"):
         if units is None:
             raise ValueError("Zero3Optimizer: stage 3 needs `units` (which parameters "
                              "each module gathers); see gpt_units()")
@@ -76,9 +79,13 @@ class Zero3Optimizer(ZeroEngine):
         self.unit_names = [name for name, _ in units]
         buckets = [Bucket(i, params, group.size) for i, (_, params) in enumerate(units)]
         super().__init__(named_params, group, buckets, adamw=adamw, norm_groups=norm_groups,
-                         counts_in_norm=counts_in_norm, overlap_comm=overlap_comm)
+                         counts_in_norm=counts_in_norm, overlap_comm=overlap_comm,
+                         offload_optimizer=offload_optimizer, offload_param=offload_param)
         self._in_backward = False  # keep gathered parameters for the backward
-        self.prefetch_enabled = prefetch
+        # Prefetch launches the next unit's all-gather early; with the shard offloaded
+        # minipar fetches it when the gather runs (blocking, no prefetch: DeepSpeed also
+        # prefetches the copy from host / NVMe, which minipar does not model).
+        self.prefetch_enabled = prefetch and self.offload.param_tier == "gpu"
         self._sites: list[list[ShardedBucket]] = []  # hooked calls, in forward order
         self._prefetched: dict[int, tuple[np.ndarray, object]] = {}  # bucket -> (out, work)
 
@@ -86,7 +93,8 @@ class Zero3Optimizer(ZeroEngine):
         """Keep only my shard of the flat parameters."""
         bucket = sb.bucket
         flat = bucket.flatten([p.data for p in bucket.params], self.param_dtype)
-        sb.param_shard = dist.hold(flat[sb.start:sb.stop].copy(), "params")
+        sb.param_shard = dist.hold(flat[sb.start:sb.stop].copy(), "params",
+                                   self.offload.param_tier)
         # Each parameter's data is an empty array until a module gathers it: using it
         # unexpectedly fails loudly instead of computing with stale values.
         sb.placeholders = [np.empty(0, self.param_dtype) for _ in bucket.params]
@@ -104,7 +112,11 @@ class Zero3Optimizer(ZeroEngine):
             if prefetched is not None:  # launched earlier: wait for what is left of it
                 full = prefetched[1].wait()
             else:
-                full = dist.all_gather(sb.param_shard, group=self.group, category="buffers")
+                # An offloaded shard comes to the GPU first (offload.fetch_shard).
+                local = self.offload.fetch_shard(sb.param_shard)
+                full = dist.all_gather(local, group=self.group, category="buffers")
+                if local is not sb.param_shard:
+                    dist.release(local)
             sb.gathered = full
             for i, p in enumerate(sb.bucket.params):
                 p.data = sb.bucket.view(full, i)

@@ -14,10 +14,15 @@ shard, an all-reduce adds the N partial sums, and the square root is the same no
 a single device.
 
 The engines built on `ZeroEngine`: `ZeroOptimizer` (stages 1 and 2, zero.py) and
-`Zero3Optimizer` (stage 3, zero3.py). Where the next features go (issues 14 and 15): a
+`Zero3Optimizer` (stage 3, zero3.py). This module is long because it is the one body the
+three engines share (layout, reduction, clipping, the step, the state), read together.
+Where the next features go (issues 14 and 15): a
 bucket is reduced in one place, `ZeroEngine.reduce_bucket` (bucketed overlap); the
 optimizer state of a shard is made in `_allocate_optimizer_state` and updated in
-`_update_shard` (a CPU / NVMe tier for it); the gradient shard has set-to-none
+`_update_shard`, and where it lives (host memory, NVMe: ZeRO-Offload / ZeRO-Infinity)
+is `Offload` in offload.py, which the engine asks at those points (and in `_complete`:
+an offloaded optimizer's gradient goes to the host at the accumulation boundary); the
+gradient shard has set-to-none
 semantics (PyTorch's `zero_grad(set_to_none=True)`; DeepSpeed frees its partitioned
 gradients after the step): the step's first reduce-scatter returns it (`reduce_bucket`,
 booked as "grads"), `_complete` accumulates into it and `zero_grad` drops it, so no stage
@@ -35,6 +40,7 @@ from minipar import distributed as dist
 from minipar.autograd.precision import bfloat16, float32
 from minipar.nn.optim import adamw_update, grad_norm_squared, report_optimizer, scale_grads_
 from minipar.parallel.data import MAX_IN_FLIGHT, Bucket, Holding, Piece, sum_over_groups
+from minipar.parallel.offload import Offload
 
 CHECK_MESSAGE = ("every parameter must take part in the loss (DeepSpeed and FSDP need "
                  "the same)")
@@ -52,6 +58,10 @@ class ShardedBucket:
     grad_shard   my piece of the averaged gradient, None between steps (set-to-none):
                  the step's first reduce-scatter makes it, stage 2/3 accumulate the
                  later micro-batches into it, zero_grad drops it
+    optimizer_params  fp32/fp64 with the optimizer offloaded: the optimizer's copy of my
+                 parameters in its tier (DeepSpeed's fp32 partition), else None
+    grad_accumulator  offloaded optimizer: my gradient shard summed on the GPU over a
+                 step's earlier micro-batches, until the boundary copies it to the host
     segments     (start, stop, weight_decay) runs of the shard; padding is in none
     norm_segments  (start, stop) runs of the shard that count in the global gradient
                  norm (all of it, unless TP replicas or a tied copy must count once)
@@ -66,6 +76,7 @@ class ShardedBucket:
         self.gathered = None
         self.placeholders = None
         self.master = self.exp_avg = self.exp_avg_sq = self.grad_shard = None
+        self.optimizer_params = self.grad_accumulator = None
         self.segments = []
         self.norm_segments = []
         for i, _, _, lo, hi in bucket.overlaps(self.start, self.stop):
@@ -110,7 +121,8 @@ class ZeroEngine:
     partition_gradients: bool  # keep only my shard of the gradient (stages 2 and 3)
 
     def __init__(self, named_params, group, buckets: list[Bucket], *, adamw: dict,
-                 norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
+                 norm_groups=(), counts_in_norm=None, overlap_comm: bool = True,
+                 offload_optimizer: str = "none", offload_param: str = "none"):
         self.group = group
         # DeepSpeed's `overlap_comm`: reduce buckets asynchronously while backward goes
         # on (False: wait for each reduce-scatter as soon as it starts).
@@ -127,6 +139,8 @@ class ZeroEngine:
         # Mixed precision keeps fp32 master weights; fp32/fp64 update the parameters.
         self.mixed = self.param_dtype == bfloat16
         self.state_dtype = float32 if self.mixed else self.param_dtype
+        self.offload = Offload(offload_optimizer, offload_param, stage=self.stage,
+                               param_dtype=self.param_dtype, state_dtype=self.state_dtype)
         self.shards = [ShardedBucket(b, self.rank, self.weight_decay, counts_in_norm)
                        for b in buckets]
         self._shard_of = {}
@@ -150,12 +164,16 @@ class ZeroEngine:
 
     def _allocate_optimizer_state(self, sb: ShardedBucket) -> None:
         """fp32 master weights (mixed precision) and Adam's moments of my shard only:
-        the 12Ψ/N of every stage. (An offload tier would place them elsewhere.)"""
-        numel = sb.stop - sb.start
+        the 12Ψ/N of every stage, in the optimizer's tier (GPU, host or NVMe; placing
+        them there at start-up is not priced, as loading the weights is not)."""
+        numel, tier = sb.stop - sb.start, self.offload.optimizer_tier
         if self.mixed:
-            sb.master = dist.hold(sb.param_shard.astype(float32), "optimizer")
-        sb.exp_avg = dist.hold(np.zeros(numel, self.state_dtype), "optimizer")
-        sb.exp_avg_sq = dist.hold(np.zeros(numel, self.state_dtype), "optimizer")
+            sb.master = dist.hold(sb.param_shard.astype(float32), "optimizer", tier)
+        elif tier != "gpu" or self.offload.param_tier != "gpu":
+            # fp32/fp64 offloaded: the optimizer's own copy of my shard, where it runs
+            sb.optimizer_params = dist.hold(sb.param_shard.copy(), "optimizer", tier)
+        sb.exp_avg = dist.hold(np.zeros(numel, self.state_dtype), "optimizer", tier)
+        sb.exp_avg_sq = dist.hold(np.zeros(numel, self.state_dtype), "optimizer", tier)
 
     # -------------------------------------------------------------- gradients
     def _on_gradient_ready(self, param) -> None:
@@ -217,11 +235,33 @@ class ZeroEngine:
         gradients it read."""
         piece = work.wait()
         dist.release(flat)
+        if not self.offload.optimizer_on_gpu:
+            self._offload_gradient(sb, piece)
+            return
         if sb.grad_shard is None:
             sb.grad_shard = piece  # lives until zero_grad()
         else:
             sb.grad_shard += piece
             dist.release(piece)
+
+    def _offload_gradient(self, sb: ShardedBucket, piece: np.ndarray) -> None:
+        """The optimizer runs on the host: sum my shard on the GPU until the step's last
+        micro-batch (the accumulation boundary), then send it to the host (offload.py)."""
+        if sb.grad_accumulator is not None:
+            sb.grad_accumulator += piece
+            dist.release(piece)
+            piece, sb.grad_accumulator = sb.grad_accumulator, None
+        if not (self.stage == 1 or self.require_backward_grad_sync):
+            dist.release(piece)  # a reduce-scatter result ("buffers") that lives on
+            sb.grad_accumulator = dist.hold(piece, "grads")
+            return
+        host = self.offload.gradient_to_host(piece)
+        dist.release(piece)
+        if sb.grad_shard is None:
+            sb.grad_shard = host
+        else:
+            sb.grad_shard += host
+            dist.release(host)
 
     def synchronize_gradients(self) -> None:
         """Reduce every bucket now (after a pipeline flush); only ZeRO-1 can."""
@@ -248,6 +288,8 @@ class ZeroEngine:
         """The global gradient norm: my shard's sum of squares (its counted runs;
         padding is zero and adds nothing), all-reduced over the DP group and then the
         norm groups; scale my shard if it exceeds max_norm."""
+        if not self.offload.optimizer_on_gpu:
+            dist.wait_transfers()  # the host gradients must have arrived
         grads = [sb.grad_shard for sb in self.shards]
         if any(g is None for g in grads):
             raise RuntimeError(f"ZeRO-{self.stage}: no reduced gradient: run backward "
@@ -262,9 +304,15 @@ class ZeroEngine:
         return norm
 
     def step(self, lr: float) -> None:
-        """AdamW on my shard of every bucket."""
+        """AdamW on my shard of every bucket: on the GPU, or on the host CPU when the
+        optimizer state is offloaded (ZeRO-Offload's CPU Adam, offload.py)."""
         self.lr = lr
         self.step_count += 1
+        if not self.offload.optimizer_on_gpu:
+            dist.wait_transfers()
+            for sb in self.shards:
+                self._update_shard(sb, lr)
+            return
         elements = sum(self._update_shard(sb, lr) for sb in self.shards)
         if elements:
             report_optimizer(dist.get_device(), elements, elements * self._bytes_per_element())
@@ -278,19 +326,34 @@ class ZeroEngine:
         return 2 * (sb.param_shard.itemsize + state) + sb.grad_shard.itemsize
 
     def _update_shard(self, sb: ShardedBucket, lr: float) -> int:
-        """AdamW on one shard (segment by segment, for weight decay); the new weights
-        land in `sb.param_shard`. Returns the elements updated."""
+        """AdamW on one shard (segment by segment, for weight decay) where its state
+        lives; the new weights land in `sb.param_shard`, wherever it lives. Returns the
+        elements updated."""
+        offload = self.offload
+        weights = sb.master if self.mixed else sb.optimizer_params
+        if weights is None:
+            weights = sb.param_shard  # fp32/fp64 on the GPU: update in place
         beta1, beta2 = self.betas
-        weight = sb.master if self.mixed else sb.param_shard
-        elements = 0
-        for lo, hi, decay in sb.segments:
-            adamw_update(weight[lo:hi], sb.grad_shard[lo:hi], sb.exp_avg[lo:hi],
-                         sb.exp_avg_sq[lo:hi], self.step_count, lr, beta1, beta2,
-                         self.eps, decay)
-            elements += hi - lo
-        if self.mixed:
-            sb.param_shard[...] = sb.master.astype(self.param_dtype)
-        return elements
+
+        def update(weights, exp_avg, exp_avg_sq) -> int:
+            elements = 0
+            for lo, hi, decay in sb.segments:
+                adamw_update(weights[lo:hi], sb.grad_shard[lo:hi], exp_avg[lo:hi],
+                             exp_avg_sq[lo:hi], self.step_count, lr, beta1, beta2,
+                             self.eps, decay)
+                elements += hi - lo
+            return elements
+
+        def store(updated, tier: str) -> None:  # the new weights into my parameter shard
+            if updated is not sb.param_shard:
+                offload.store_parameters(sb.param_shard, updated, tier)
+
+        states = [weights, sb.exp_avg, sb.exp_avg_sq]
+        if offload.optimizer_on_gpu:
+            elements = update(*states)
+            store(weights, "gpu")
+            return elements
+        return offload.step_on_host(states, update, lambda host: store(host, "host"))
 
     def zero_grad(self) -> None:
         """Set-to-none: drop my gradient shard (the next step's first reduce-scatter
@@ -351,7 +414,7 @@ class ZeroEngine:
         padded = sum(sb.bucket.padded_numel for sb in self.shards)
         return {"zero_stage": self.stage, "buckets": len(self.shards), "numel": numel,
                 "padded_numel": padded, "padding_elements": padded - numel,
-                "shard_numel": padded // self.world}
+                "shard_numel": padded // self.world, **self.offload.describe()}
 
 
 def check_stage(stage: int, engine: str, accepted: tuple[int, ...]) -> None:

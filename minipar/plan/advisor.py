@@ -20,7 +20,11 @@ guesses, and lets the estimate decide between what remains:
   sequence into 2cp chunks; the mesh keeps it next to tp (dp x pp x cp x tp);
 - recomputation off, selective (the attention core only: Korthikanti et al. 2022,
   section 5, a few percent more compute) and full (every layer: about a third more), so
-  the ranking picks the cheapest that fits: selective whenever it suffices.
+  the ranking picks the cheapest that fits: selective whenever it suffices;
+- offload only when nothing fits on the GPUs alone: ZeRO-Offload (the optimizer state and
+  Adam on the host, any ZeRO stage) first, then ZeRO-Infinity's parameter offload to the
+  host and both to NVMe (ZeRO-3). Offload trades PCIe copies and a CPU optimizer step for
+  GPU memory (plan/offload.py), so it is the last resort the papers present it as.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ MAX_CP = 16
 # none, selective, full (every layer; what --activation-checkpointing has always meant)
 RECOMPUTE_OPTIONS = ({}, {"recompute_granularity": "selective"},
                      {"activation_checkpointing": True})
+# (offload_optimizer, offload_param) tried, in order, when no layout fits on the GPUs
+OFFLOADS = (("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
 
 
 def _accepts(name: str, pp: int, micro_batches: int, virtual_stages: int) -> bool:
@@ -150,6 +156,11 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)
+    if searched and not fitting:  # the last resort: offload (see the module docstring)
+        for config in offload_candidates([e.config for e in not_fitting]):
+            searched += 1
+            est = estimate(shape, config, cluster, exact_pipeline=False)
+            (fitting if est.fits else not_fitting).append(est)
     if not searched:
         raise PlanError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
                         f"of {global_batch_size} into micro-batches of "
@@ -157,6 +168,16 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     fitting.sort(key=lambda e: (e.step_time, e.memory["peak_total"]))
     not_fitting.sort(key=lambda e: e.memory["peak_total"])
     return Advice(shape, cluster, gpus, global_batch_size, fitting, searched, not_fitting)
+
+
+def offload_candidates(configs):
+    """The offload variants of layouts that do not fit: ZeRO >= 1 with the optimizer on
+    the host; ZeRO-3 also with the parameters on the host, and both on NVMe."""
+    for config in configs:
+        for optimizer, param in OFFLOADS:
+            if config.zero == 0 or (param != "none" or optimizer == "nvme") and config.zero < 3:
+                continue
+            yield config.replace(offload_optimizer=optimizer, offload_param=param)
 
 
 # ------------------------------------------------------------------ explanation
@@ -261,6 +282,16 @@ def explain(advice: Advice) -> str:
                      "parallelism).")
     else:
         lines.append("- No data parallelism: all GPUs are needed to hold one model replica.")
+    if c.offload_optimizer != "none" or c.offload_param != "none":
+        on_gpu = estimate(shape, c.replace(offload_optimizer="none", offload_param="none"),
+                          cluster)
+        lines.append(
+            f"- Offload (optimizer state: {c.offload_optimizer}, parameters: "
+            f"{c.offload_param}): no layout fits on the GPUs alone (this one would need "
+            f"{human_bytes(on_gpu.memory['peak_total'])} per GPU). The host holds "
+            f"{human_bytes(est.memory_host['peak_total'])} and the NVMe drive "
+            f"{human_bytes(est.memory_nvme['peak_total'])} per GPU; PCIe copies and CPU Adam "
+            f"make the step {human_seconds(t['step_s'] - on_gpu.step_time)} longer.")
     if c.recompute.full:
         without = estimate(shape, c.with_recompute(Recompute()), cluster)
         selective = estimate(shape, c.with_recompute(Recompute("selective")), cluster)

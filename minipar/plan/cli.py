@@ -66,6 +66,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     for name in LAYOUT_FLAGS:
         layout.add_argument("--" + name, type=int, dest=name)
     layout.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
+    for name in ("offload-optimizer", "offload-param"):  # DeepSpeed's offload devices
+        layout.add_argument("--" + name, dest=name.replace("-", "_"), default="none",
+                            choices=("none", "cpu", "nvme"))
     layout.add_argument("--schedule", choices=schedule_names(), default=None)
     layout.add_argument("--virtual-stages", type=int, dest="virtual_stages", default=None)
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
@@ -185,7 +188,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   recompute_granularity=args.recompute_granularity,
                   recompute_method=args.recompute_method,
                   recompute_num_layers=args.recompute_num_layers,
-                  flash_attention=args.flash_attention, lr=args.lr)
+                  flash_attention=args.flash_attention, lr=args.lr,
+                  offload_optimizer=args.offload_optimizer, offload_param=args.offload_param)
     if args.layer_split:
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))

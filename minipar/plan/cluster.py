@@ -48,6 +48,12 @@ class ClusterSpec:
         by its shape and bytes; None for the uniform model.
     intra_node_bandwidth, inter_node_bandwidth: bytes/s one GPU sends in one direction.
     intra_node_latency, inter_node_latency: seconds per ring step (alpha).
+    pcie_bandwidth, pcie_latency, nvme_read_bandwidth, nvme_write_bandwidth, nvme_latency,
+        host_flops: the offload tiers behind each GPU (sources in
+        minipar.distributed.clock.DeviceProfile): PCIe per direction, one NVMe drive, and
+        the host cores' CPU-Adam rate.
+    host_memory_bytes, nvme_bytes: host DRAM and NVMe capacity per GPU (a DGX H100: 2 TiB
+        of DRAM and 8 x 3.84 TB U.2 drives for 8 GPUs).
     """
 
     name: str
@@ -61,6 +67,14 @@ class ClusterSpec:
     inter_node_latency: float = 8e-6
     usable_memory_fraction: float = 0.9
     roofline: Roofline | None = None
+    pcie_bandwidth: float = 50e9
+    pcie_latency: float = 10e-6
+    nvme_read_bandwidth: float = 13.0e9
+    nvme_write_bandwidth: float = 6.6e9
+    nvme_latency: float = 100e-6
+    host_flops: float = 20e9
+    host_memory_bytes: float = 256 * GIB
+    nvme_bytes: float = 3.84e12
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -94,6 +108,15 @@ class ClusterSpec:
         alpha, bandwidth = self.link(crosses_nodes)
         return collective_time(op, n, nbytes, alpha, bandwidth)
 
+    def tier_copy_time(self, direction: str, nbytes: float) -> float:
+        """Seconds of one copy between tiers (to_host, to_device, nvme_read, nvme_write):
+        alpha + S/B, as minipar.distributed.tiers prices it."""
+        if direction in ("to_host", "to_device"):
+            return self.pcie_latency + nbytes / self.pcie_bandwidth
+        bandwidth = (self.nvme_read_bandwidth if direction == "nvme_read"
+                     else self.nvme_write_bandwidth)
+        return self.nvme_latency + nbytes / bandwidth
+
     def with_memory(self, memory_bytes: float) -> ClusterSpec:
         return replace(self, memory_bytes=memory_bytes)
 
@@ -117,7 +140,11 @@ class ClusterSpec:
                    inter_node_bandwidth=profile.inter_node_bandwidth,
                    intra_node_latency=profile.intra_node_latency,
                    inter_node_latency=profile.inter_node_latency,
-                   usable_memory_fraction=1.0)
+                   usable_memory_fraction=1.0, pcie_bandwidth=profile.pcie_bandwidth,
+                   pcie_latency=profile.pcie_latency,
+                   nvme_read_bandwidth=profile.nvme_read_bandwidth,
+                   nvme_write_bandwidth=profile.nvme_write_bandwidth,
+                   nvme_latency=profile.nvme_latency, host_flops=profile.host_flops)
 
 
 # ---------------------------------------------------------------------- bytes per rank

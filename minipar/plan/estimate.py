@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
+from minipar.plan.offload import tier_memory, tier_transfers
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     group_links,
@@ -42,6 +43,9 @@ class StageEstimate:
     traffic: dict  # bytes sent per step by group
     transfers: list
     time: dict
+    memory_host: dict = field(default_factory=dict)  # the host tier (plan/offload.py)
+    memory_nvme: dict = field(default_factory=dict)  # the NVMe tier
+    tier_transfers: dict = field(default_factory=dict)  # bytes per step between tiers
 
 
 @dataclass
@@ -69,8 +73,21 @@ class Estimate:
         return {group: max(s.traffic[group] for s in self.stages) for group in groups}
 
     @property
+    def memory_host(self) -> dict:
+        """Peak bytes by category of the host tier behind the fullest rank (offload)."""
+        return max((s.memory_host for s in self.stages), key=lambda m: m["peak_total"])
+
+    @property
+    def memory_nvme(self) -> dict:
+        return max((s.memory_nvme for s in self.stages), key=lambda m: m["peak_total"])
+
+    @property
     def fits(self) -> bool:
-        return self.memory["peak_total"] <= self.cluster.usable_memory
+        """The fullest GPU's peak fits its usable memory, and what it offloads fits the
+        host memory and NVMe drive behind it."""
+        return (self.memory["peak_total"] <= self.cluster.usable_memory
+                and self.memory_host["peak_total"] <= self.cluster.host_memory_bytes
+                and self.memory_nvme["peak_total"] <= self.cluster.nvme_bytes)
 
     @property
     def step_time(self) -> float:
@@ -102,6 +119,8 @@ class Estimate:
             "world_size": self.config.world_size,
             "fits": self.fits,
             "memory": self.memory,
+            "memory_host": self.memory_host,
+            "memory_nvme": self.memory_nvme,
             "traffic": self.traffic,
             "time": self.time,
             "comm_time": self.comm_time_by_group(),
@@ -109,6 +128,8 @@ class Estimate:
             "stages": [{"pp_rank": s.rank, "layers": s.layers, "in_flight": s.in_flight,
                         "memory": {k: v for k, v in s.memory.items() if k != "detail"},
                         "traffic": s.traffic,
+                        "memory_host": s.memory_host, "memory_nvme": s.memory_nvme,
+                        "transfers": s.tier_transfers,
                         "time": {k: v for k, v in s.time.items() if k != "flops"},
                         "flops_per_micro_batch": s.time["flops"]} for s in self.stages],
         }
@@ -135,10 +156,13 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     stages = []
     for plan in plans:
         transfers = stage_traffic(shape, config, plan)
+        tiers = tier_memory(shape, config, plan)
         stages.append(StageEstimate(
             rank=plan.rank, layers=plan.layers, in_flight=plan.in_flight,
             memory=stage_memory(shape, config, plan), traffic=sent_by_group(transfers),
-            transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers)))
+            transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers),
+            memory_host=tiers["host"], memory_nvme=tiers["nvme"],
+            tier_transfers=tier_transfers(shape, config, plan)))
     if exact_pipeline and config.pp > 1:
         time = simulated_step_time(shape, config, cluster, scatter_gather=scatter_gather)
     else:
@@ -214,6 +238,17 @@ def format_estimate(est: Estimate) -> str:
         f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} {compute_model(est.cluster)}, "
         f"{t['tokens_per_s']:,.0f} tokens/s",
     ]
+    if c.offload_optimizer != "none" or c.offload_param != "none":
+        host, nvme = est.memory_host, est.memory_nvme
+        moved = max(est.stages, key=lambda st: st.memory_host["peak_total"]).tier_transfers
+        lines.append(
+            f"offload (optimizer {c.offload_optimizer}, params {c.offload_param}): host "
+            f"{human_bytes(host['peak_total'])} of {human_bytes(est.cluster.host_memory_bytes)}"
+            f", NVMe {human_bytes(nvme['peak_total'])} per GPU; per step PCIe down "
+            f"{human_bytes(moved['to_host_bytes'])}, up {human_bytes(moved['to_device_bytes'])}"
+            f", NVMe read {human_bytes(moved['nvme_read_bytes'])}, write "
+            f"{human_bytes(moved['nvme_write_bytes'])}; CPU Adam "
+            f"{human_seconds(max(st.time['host_optimizer_s'] for st in est.stages))}")
     comm = est.comm_time_by_group()
     lines.append("communication per step: " + ", ".join(
         f"{g} {human_seconds(comm[g])}" + (" (crosses nodes)" if est.links[g] else "")

@@ -34,6 +34,9 @@ GRAD_CLIP = 1.0
 DEFAULT_LR = 3e-4
 
 
+NVME_PATH = "/local_nvme"  # DeepSpeed's docs' example; set it to the node's NVMe mount
+
+
 def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
     """The DeepSpeed config JSON (as a dict) of `config`."""
     ds = {
@@ -50,6 +53,15 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
     }
+    # ZeRO-Offload / ZeRO-Infinity (deepspeed/runtime/zero/offload_config.py); NVMe needs
+    # a path on the node's drive, which the user must set (DeepSpeed requires nvme_path)
+    zero = ds["zero_optimization"]
+    for key, device in (("offload_optimizer", config.offload_optimizer),
+                        ("offload_param", config.offload_param)):
+        if device != "none":
+            zero[key] = {"device": device, "pin_memory": True}
+            if device == "nvme":
+                zero[key]["nvme_path"] = NVME_PATH
     if config.precision == "bf16-mixed":
         ds["bf16"] = {"enabled": True}
     if config.recompute.full:  # DeepSpeed checkpoints whole layers; it has no selective

@@ -86,6 +86,9 @@ class ParallelConfig:
     zero3_prefetch: bool = True
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (ring attention)
     cp_load_balance: bool = True
+    # ZeRO-Offload / ZeRO-Infinity (plan/offload.py): none | cpu | nvme
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
 
     def __post_init__(self) -> None:
         # TrainConfig's rules and messages (minipar.train.config), raised as PlanError
@@ -165,7 +168,9 @@ class ParallelConfig:
                    recompute_num_layers=config.recompute_num_layers,
                    bucket_size_mb=config.bucket_size_mb, lr=config.lr,
                    zero3_prefetch=config.zero3_prefetch, cp=config.cp,
-                   cp_load_balance=config.cp_load_balance)
+                   cp_load_balance=config.cp_load_balance,
+                   offload_optimizer=config.offload_optimizer,
+                   offload_param=config.offload_param)
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:

@@ -275,7 +275,7 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
                     options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
                     break
         for stage in range(config.zero + 1, 4 if config.pp == 1 else 2):
-            z = estimate(shape, config.replace(zero=stage), cluster)
+            z = estimate(shape, _with_stage(config, stage), cluster)
             if z.fits:
                 options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
                 break
@@ -356,20 +356,28 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
     return None
 
 
+def _with_stage(config, stage: int):
+    """`config` at another ZeRO stage, keeping the offload that stage allows."""
+    optimizer = "none" if stage == 0 or (stage < 3 and config.offload_optimizer == "nvme") \
+        else config.offload_optimizer
+    param = config.offload_param if stage == 3 else "none"
+    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param)
+
+
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
     if config.zero == 0 or config.dp == 1:
         return []
     dp_seconds = max(sum(tr.count * transfer_time(tr, cluster, est.links["dp"])
                          for tr in stage.transfers if tr.group == "dp")
                      for stage in est.stages)
-    baseline = estimate(shape, config.replace(zero=0), cluster)
+    baseline = estimate(shape, _with_stage(config, 0), cluster)
     base_seconds = baseline.comm_time_by_group()["dp"]
     extra = dp_seconds - base_seconds
     if extra <= share * est.step_time:
         return []
     lower = None
     for stage in range(config.zero - 1, -1, -1):
-        candidate = estimate(shape, config.replace(zero=stage), cluster)
+        candidate = estimate(shape, _with_stage(config, stage), cluster)
         if candidate.fits:
             lower = candidate
             break

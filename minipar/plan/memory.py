@@ -120,6 +120,23 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     else:
         param_elements = grad_elements = optimizer_elements = sharded
 
+    # Offload (plan/offload.py has the host and NVMe side): the optimizer state leaves
+    # the GPU; so does ZeRO-3's parameter shard. ZeRO-2/3's gradient shard is a GPU array
+    # only until the accumulation boundary sends it to the host: one bucket's reduced
+    # piece at a time with one micro-batch; with accumulation every bucket's running sum
+    # plus the piece being added to it (exact for ZeRO-2's one bucket; for ZeRO-3 the
+    # largest unit's piece, an upper bound within one unit's shard).
+    if config.offload_optimizer != "none":
+        optimizer_elements = 0
+        if zero >= 2:
+            largest = max(shard(u, n) for u in params.units) if zero == 3 else sharded
+            grad_elements = largest + (sharded if config.micro_batches > 1 else 0)
+    optimizer_bytes = nbytes.optimizer
+    if config.offload_param != "none":
+        param_elements = 0
+        if config.offload_optimizer == "none" and config.precision != "bf16-mixed":
+            optimizer_bytes += nbytes.param  # the optimizer's own copy of my shard
+
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     # activations are of my s/cp tokens (context parallelism); parameters of the model
     layer_input = local_shape(shape, config.cp).layer_input_bytes(b, t, sp,
@@ -133,9 +150,14 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
 
     activations, forward_buffers = _activations(shape, config, stage, layer_input)
     sync_buffers = _sync_buffers(config, params, sharded)
-    state = param_elements * nbytes.param + optimizer_elements * nbytes.optimizer
+    state = param_elements * nbytes.param + optimizer_elements * optimizer_bytes
     buffers = max(forward_buffers, sync_buffers)
-    if config.micro_batches == 1:
+    if config.offload_optimizer != "none" and zero >= 2:
+        # the GPU keeps only the running sums between micro-batches; the piece being
+        # added and sent to the host is transient, after the synchronisation's peak
+        persistent = sharded * nbytes.grad if config.micro_batches > 1 else 0
+        total = state + persistent + max(activations + forward_buffers, sync_buffers)
+    elif config.micro_batches == 1:
         # zero_grad frees the gradients after each step (set_to_none; every stage,
         # ZeRO-2/3's shard too, as DeepSpeed frees its partitioned gradients), so with
         # one micro-batch they are born in backward as the activations die: the peak is
@@ -146,7 +168,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     return {
         "params": param_elements * nbytes.param,
         "grads": grads,
-        "optimizer": optimizer_elements * nbytes.optimizer,
+        "optimizer": optimizer_elements * optimizer_bytes,
         "activations": activations,
         "buffers": buffers,
         "peak_total": total,
@@ -214,9 +236,13 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         params = stage_parameters(full, config, stage)
         largest = max(params.units) if params.units else 0
         # with prefetch, the next unit's all-gather is in flight meanwhile: at most one
-        # more unit (bounded by the largest)
-        in_flight = 2 if config.zero3_prefetch else 1
+        # more unit (bounded by the largest); an offloaded shard is not prefetched
+        # (minipar/parallel/zero3.py) but fetched to the GPU to be gathered
+        offloaded = config.offload_param != "none"
+        in_flight = 2 if config.zero3_prefetch and not offloaded else 1
         forward_buffers += in_flight * largest * nbytes.param
+        if offloaded:
+            forward_buffers += shard(largest, config.dp) * nbytes.param
     return activations, forward_buffers
 
 

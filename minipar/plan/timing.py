@@ -56,6 +56,7 @@ from minipar.plan.context import (
 from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
 from minipar.plan.memory import sharded_numel, stage_parameters
+from minipar.plan.offload import offload_time
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.traffic import GRADIENT_NORM, PARAMETER_ALL_GATHER, Transfer, stage_traffic
 
@@ -180,15 +181,25 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         else:
             per_micro_comm += transfer.count * seconds / m
     compute = compute_s["forward"] + compute_s["backward"]
+    offload = offload_time(shape, config, cluster, stage)
     return {
         "micro_batch_compute_s": compute,
         "micro_batch_comm_s": per_micro_comm,
-        "micro_batch_s": compute + per_micro_comm,
+        "micro_batch_offload_s": offload["micro_s"] / m,
+        "micro_batch_s": compute + per_micro_comm + offload["micro_s"] / m,
         "p2p_s": p2p,
         "step_comm_s": step_comm,
-        "optimizer_s": compute_s["optimizer"],
+        "optimizer_s": optimizer_seconds(config, compute_s, offload),
+        "host_optimizer_s": offload["host_optimizer_s"],
         "flops": flops,
     }
+
+
+def optimizer_seconds(config: ParallelConfig, compute_s: dict, offload: dict) -> float:
+    """The step's optimizer time: AdamW on the GPU, or, offloaded (plan/offload.py), the
+    exposed gradient copy, CPU Adam and the copies of the step."""
+    gpu = compute_s["optimizer"] if config.offload_optimizer == "none" else 0.0
+    return gpu + offload["gradient_s"] + offload["step_s"]
 
 
 def step_time(config: ParallelConfig, stage_times: list[dict], shape: ModelShape,
@@ -311,9 +322,13 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
                          if t.group != "pp" and t.label != PARAMETER_ALL_GATHER)
         norm = seconds(t for t in step_transfers
                        if t.group == "pp" and t.label == GRADIENT_NORM)
-        optimizer = stage_seconds(shape, config, cluster, plan)["optimizer"]
+        offload = offload_time(shape, config, cluster, plan)
+        optimizer = optimizer_seconds(config, stage_seconds(shape, config, cluster, plan),
+                                      offload) - offload["gradient_s"]
         gather = seconds(t for t in step_transfers if t.label == PARAMETER_ALL_GATHER)
-        tails.append((tied, broadcast + reduce, norm, optimizer + gather))
+        # an offloaded gradient copy is waited for before the norm's all-reduces
+        tails.append((tied, broadcast + reduce + offload["gradient_s"], norm,
+                      optimizer + gather))
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
         start = max(clock[0], clock[-1])
         clock[0] = clock[-1] = start + tails[0][0]
@@ -330,6 +345,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     model_flops = shape.model_flops_per_sequence() * config.global_batch_size
     return {
         "step_s": step,
+        "rank_end_s": end,  # when each pipeline rank finishes its step
         "pipeline_s": pipeline,
         "tail_s": step - pipeline,
         "bubble_fraction": 1 - busy / total if total > 0 else 0.0,

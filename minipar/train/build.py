@@ -217,13 +217,15 @@ class RankModel:
 def data_parallel_engine(model, named_params, group, *, zero_stage: int,
                          bucket_bytes: float, adamw: dict, norm_groups=(),
                          counts_in_norm=None, overlap_comm: bool = True,
-                         zero3_prefetch: bool = True):
+                         zero3_prefetch: bool = True,
+                         offload_optimizer: str = "none", offload_param: str = "none"):
     """The engine of one DP rank, by ZeRO stage (DeepSpeed's `zero_optimization.stage`):
     0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, which also hooks the
     model's embed, blocks and head to gather their parameters (`gpt_units`; model is a
     GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP);
     overlap_comm: reduce buckets asynchronously (DeepSpeed's name); zero3_prefetch:
-    stage 3 prefetches the next module's parameters."""
+    stage 3 prefetches the next module's parameters; offload_optimizer, offload_param:
+    DeepSpeed's offload devices (parallel/offload.py)."""
     named_params = list(named_params)
     common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm,
               "overlap_comm": overlap_comm}
@@ -231,12 +233,13 @@ def data_parallel_engine(model, named_params, group, *, zero_stage: int,
         return DataParallel(named_params, group, bucket_bytes=bucket_bytes, **common)
     if zero_stage in (1, 2):
         return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
-                             **common)
+                             offload_optimizer=offload_optimizer, **common)
     if zero_stage != 3:
         raise ValueError(f"data_parallel_engine: zero_stage must be 0, 1, 2 or 3, "
                          f"got {zero_stage}")
     units, sites = gpt_units(model, named_params)
     engine = Zero3Optimizer(named_params, group, units=units, prefetch=zero3_prefetch,
+                            offload_optimizer=offload_optimizer, offload_param=offload_param,
                             **common)
     for owner, attribute, unit_names in sites:
         engine.hook_module(owner, attribute, unit_names)
@@ -297,7 +300,9 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                                   norm_groups=(tp_group, pp_group),
                                   counts_in_norm=counts_in_norm,
                                   overlap_comm=config.overlap_grad_reduce,
-                                  zero3_prefetch=config.zero3_prefetch)
+                                  zero3_prefetch=config.zero3_prefetch,
+                                  offload_optimizer=config.offload_optimizer,
+                                  offload_param=config.offload_param)
     if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute, recompute_problem
+from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 from minipar.parallel.schedules import check_schedule_name
 
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
@@ -62,6 +63,10 @@ class TrainConfig:
         "help": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, so causal "
                 "attention gives every rank the same work"})
     gpus_per_node: int = 8
+    # ZeRO-Offload / ZeRO-Infinity (minipar/parallel/offload.py): where the optimizer
+    # state (ZeRO >= 1) and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
     # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
     # bucket reduced after backward, > 0 = buckets reduced while backward goes on
     bucket_size_mb: float = 0.25
@@ -208,6 +213,34 @@ def check_parallel_settings(settings, error=ConfigError) -> None:
             not math.isfinite(bucket) or bucket < 0:  # NaN compares False with every bound
         raise error("bucket_size_mb", f"must be a finite number >= 0 (0 = one bucket), got "
                     f"{bucket!r}")
+    check_offload_settings(settings, error)
+
+
+def check_offload_settings(settings, error=ConfigError) -> None:
+    """ZeRO-Offload / ZeRO-Infinity's devices and the stages DeepSpeed runs them with
+    (deepspeed/runtime/zero/offload_config.py; minipar/parallel/offload.py)."""
+    optimizer, param, zero = settings.offload_optimizer, settings.offload_param, settings.zero
+    _choice("offload_optimizer", optimizer, OFFLOAD_DEVICES, error)
+    _choice("offload_param", param, OFFLOAD_DEVICES, error)
+    if param != "none" and zero != 3:
+        raise error("offload_param",
+                    f"--offload-param {param} needs --zero 3 (got --zero {zero}): below "
+                    "stage 3 every rank keeps the full parameters on its GPU to run forward "
+                    "and backward, so there is no parameter shard to offload (DeepSpeed: "
+                    "offload_param is valid only with stage 3); use --zero 3, or "
+                    "--offload-optimizer cpu to offload the optimizer state")
+    if optimizer != "none" and zero == 0:
+        raise error("offload_optimizer",
+                    f"--offload-optimizer {optimizer} needs --zero 1, 2 or 3: ZeRO-Offload "
+                    "moves a rank's ZeRO partition of the optimizer state to the host, and "
+                    "--zero 0 has none (DeepSpeed: offload_optimizer is valid with stage 1, "
+                    "2 and 3); add --zero 1")
+    if optimizer == "nvme" and zero < 3:
+        raise error("offload_optimizer",
+                    f"--offload-optimizer nvme needs --zero 3 (got --zero {zero}): "
+                    "DeepSpeed's stage 1/2 optimizer has no NVMe swapper (stage_1_and_2.py "
+                    "keeps the state in CPU memory for any offload device); ZeRO-Infinity's "
+                    "NVMe swapping is stage 3's. Use --offload-optimizer cpu or --zero 3")
 
 
 def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,

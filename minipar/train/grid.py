@@ -89,6 +89,13 @@ GRID = [
     Case("cp2 tp2 sp", dict(cp=2, tp=2, sequence_parallel=True)),
     Case("dp2 cp2 pp2 zero1", dict(dp=2, cp=2, pp=2, zero=1, grad_accum_steps=2)),
     Case("cp3 (16 tokens do not cut into 6 chunks)", dict(cp=3), refused=True),
+    # ZeRO-Offload / ZeRO-Infinity: the same numbers with the state in another tier
+    Case("dp2 zero2 offload cpu accum2", dict(dp=2, zero=2, offload_optimizer="cpu",
+                                              grad_accum_steps=2)),
+    Case("dp2 tp2 zero3 offload nvme, params cpu",
+         dict(dp=2, tp=2, zero=3, offload_optimizer="nvme", offload_param="cpu")),
+    Case("dp2 pp2 zero1 offload cpu", dict(dp=2, pp=2, zero=1, offload_optimizer="cpu",
+                                           grad_accum_steps=2)),
     Case("dp2 pp2 zero2 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=2, grad_accum_steps=2),
          refused=True),
     Case("dp2 pp2 zero3 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=3, grad_accum_steps=2),

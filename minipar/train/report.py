@@ -188,12 +188,20 @@ def merge_step(records: list[dict]) -> dict:
 
 
 def _flops(device) -> dict[str, float]:
-    """FLOPs a rank computed, by kind, from its simulated clock (time x FLOP/s)."""
+    """FLOPs a rank computed, by kind, from its simulated clock (time x FLOP/s): the
+    GPU's kinds at its FLOP rate, and with offload the host's CPU Adam ("host_optimizer")
+    at the host's."""
     seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)
+    host = 0.0
     for event in device.clock.events:
         if event.kind in seconds:
             seconds[event.kind] += event.end - event.start
-    return {kind: s * device.profile.flops for kind, s in seconds.items()}
+        elif event.kind == "host_optimizer":
+            host += event.end - event.start
+    flops = {kind: s * device.profile.flops for kind, s in seconds.items()}
+    if host:
+        flops["host_optimizer"] = host * device.profile.host_flops
+    return flops
 
 
 def _layout(config: TrainConfig) -> dict:

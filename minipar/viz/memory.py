@@ -11,6 +11,11 @@ moments (activations during the forward, optimizer state throughout), so the sta
 an upper bound and the tick is what a GPU would actually need. Baselines (e.g. the
 single-device run) are drawn first, hatched, so a cut is visible at a glance.
 
+With offload (ZeRO-Offload / ZeRO-Infinity), a second panel beside the GPU's shows what
+each rank keeps behind its GPU: the host (CPU DRAM) tier and the NVMe tier (hatched),
+from the report's `memory_host` / `memory_nvme`, in the same categories and scale, so the
+optimizer state visibly moves from one panel to the other.
+
 Built on `matplotlib.figure.Figure`, never pyplot.
 """
 
@@ -54,30 +59,62 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     bars += [(label, memory, False) for label, memory in _rows(report)]
     if not bars:
         raise ValueError("plot_memory: the report has no ranks")
-    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+    tiers = _tier_bars(report)
+    every = [m for _, m, _ in bars] + [m for _, m, _ in tiers]
+    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for m in every)
     unit, scale = next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
 
-    fig = Figure(figsize=(width or max(6.0, 1.6 + 0.75 * len(bars)), 4.2),
-                 layout="constrained")
-    ax = fig.subplots()
-    for x, (_, memory, is_baseline) in enumerate(bars):
-        bottom = 0.0
-        for category in MEMORY_CATEGORIES:
-            height = memory[category] / scale
-            ax.bar(x, height, bottom=bottom, color=COLORS[category], width=0.7,
-                   hatch="//" if is_baseline else None, edgecolor="white", linewidth=0.5)
-            bottom += height
-        ax.plot([x - 0.38, x + 0.38], [memory["peak_total"] / scale] * 2, color="black",
-                linewidth=2)
+    width = width or max(6.0, 1.6 + 0.75 * len(bars))
+    fig = Figure(figsize=(width * (1.6 if tiers else 1.0), 4.2), layout="constrained")
+    if tiers:
+        ax, behind = fig.subplots(1, 2, sharey=True, width_ratios=[len(bars), len(tiers)])
+    else:
+        ax = fig.subplots()
+    _stacked(ax, bars, scale)
     ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
     if report.world_size > 1:
         ax.set_xlabel("rank (dp, pp, tp)", fontsize=8)
     ax.set_ylabel(f"peak bytes held ({unit})")
-    ax.set_title(title or "memory per rank: peak of each category (stacked); black tick = "
-                          "peak of the total", fontsize=10)
+    title = title or ("memory per rank: peak of each category (stacked); black tick = "
+                      "peak of the total")
+    if tiers:  # one title over both panels, each panel named by its tier
+        fig.suptitle(title, fontsize=10)
+        ax.set_title("GPU", fontsize=9)
+    else:
+        ax.set_title(title, fontsize=10)
     handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
     handles.append(Patch(facecolor="black", label="peak_total"))
+    if tiers:
+        _stacked(behind, tiers, scale, hatch="xx")
+        behind.set_xticks(range(len(tiers)), [label for label, _, _ in tiers], fontsize=7)
+        behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=9)
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="NVMe"))
     # Level with the bottom of the bars, not the top: a long title runs past the axes'
     # right edge, and would run under a legend there.
     fig.legend(handles=handles, fontsize=8, loc="outside right lower", frameon=False)
     return fig
+
+
+def _tier_bars(report) -> list[tuple[str, dict, bool]]:
+    """(label, memory, hatched) of each rank's host and NVMe tiers, if any holds bytes."""
+    tiers = []
+    for label, r in zip((label for label, _ in _rows(report)), report.ranks, strict=True):
+        for tier, name in (("memory_host", "host"), ("memory_nvme", "NVMe")):
+            memory = r.get(tier)
+            if memory and memory["peak_total"]:
+                tiers.append((f"{name}\n{label.splitlines()[0]}", memory, tier == "memory_nvme"))
+    return tiers
+
+
+def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:
+    """One stacked bar per (label, memory, hatched), categories bottom-up (hatched ones
+    with `hatch`), and a black tick at peak_total."""
+    for x, (_, memory, hatched) in enumerate(bars):
+        bottom = 0.0
+        for category in MEMORY_CATEGORIES:
+            height = memory[category] / scale
+            ax.bar(x, height, bottom=bottom, color=COLORS[category], width=0.7,
+                   hatch=hatch if hatched else None, edgecolor="white", linewidth=0.5)
+            bottom += height
+        ax.plot([x - 0.38, x + 0.38], [memory["peak_total"] / scale] * 2, color="black",
+                linewidth=2)

@@ -57,6 +57,26 @@ def memory_table(report: Report) -> str:
     return format_table(headers, rows)
 
 
+def tier_table(report: Report) -> str | None:
+    """With offload: each rank's peak host and NVMe bytes and what it copied between its
+    tiers per step (ranks[i].memory_host / memory_nvme / transfers); None without."""
+    ranks = [r for r in report.ranks
+             if r.get("memory_host", {}).get("peak_total") or
+             r.get("memory_nvme", {}).get("peak_total")]
+    if not ranks:
+        return None
+    steps = max(1, len(report.steps))
+    headers = ["rank", "GPU peak", "host peak", "NVMe peak", "PCIe down/step",
+               "PCIe up/step", "NVMe read/step", "NVMe write/step"]
+    rows = [[r["rank"], human_bytes(r["memory"]["peak_total"]),
+             human_bytes(r["memory_host"]["peak_total"]),
+             human_bytes(r["memory_nvme"]["peak_total"]),
+             *(human_bytes(r["transfers"][k] / steps) for k in
+               ("to_host_bytes", "to_device_bytes", "nvme_read_bytes", "nvme_write_bytes"))]
+            for r in ranks]
+    return format_table(headers, rows)
+
+
 def _coords(rank: dict) -> str:
     """"dp/pp/tp", or "dp/pp/cp/tp" for a rank of a context-parallel mesh."""
     c = rank["coords"]
@@ -95,17 +115,21 @@ def human_seconds(seconds: float) -> str:
 
 def time_table(report: Report) -> str:
     """Simulated seconds each rank spent computing, communicating and idle (waiting for
-    a peer: the pipeline bubble, a collective's last member), over the run."""
-    headers = ["rank", _coords_header(report), "compute", "comm", "idle", "compute %", "comm %",
-               "idle %"]
+    a peer: the pipeline bubble, a collective's last member), over the run; with offload
+    also the host CPU's Adam and the waits for PCIe / NVMe copies."""
+    offload = any("transfer_s" in r["time"] for r in report.ranks)
+    kinds = ["compute_s", "comm_s", "idle_s"] + (["host_compute_s", "transfer_s"]
+                                                 if offload else [])
+    names = {"compute_s": "compute", "comm_s": "comm", "idle_s": "idle",
+             "host_compute_s": "CPU Adam", "transfer_s": "copies"}
+    headers = ["rank", _coords_header(report), *(names[k] for k in kinds),
+               *(f"{names[k]} %" for k in kinds)]
     rows = []
     for r in report.ranks:
-        t = r["time"]
-        total = t["compute_s"] + t["comm_s"] + t["idle_s"]
-        share = [f"{100 * t[k] / total:.0f}%" if total else "-"
-                 for k in ("compute_s", "comm_s", "idle_s")]
-        rows.append([r["rank"], _coords(r), human_seconds(t["compute_s"]),
-                     human_seconds(t["comm_s"]), human_seconds(t["idle_s"]), *share])
+        t = {k: r["time"].get(k, 0.0) for k in kinds}
+        total = sum(t.values())
+        share = [f"{100 * t[k] / total:.0f}%" if total else "-" for k in kinds]
+        rows.append([r["rank"], _coords(r), *(human_seconds(t[k]) for k in kinds), *share])
     return format_table(headers, rows)
 
 

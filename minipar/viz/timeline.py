@@ -31,9 +31,13 @@ COLORS = {
     "optimizer": "#3a923a",
     "comm": "#c03d3e",
     "idle": "#e6e6e6",
+    # with offload (minipar/distributed/tiers.py): CPU Adam, waiting for PCIe / NVMe
+    "host_optimizer": "#8c564b",
+    "transfer": "#9467bd",
 }
 COMM_STREAM = "#7a1f1f"  # transfers in flight, also while the rank computes
 WEIGHT_COLOR = "#8c6bb1"  # W: a backward labelled "W3" (weight gradients only)
+OFFLOAD_KINDS = ("host_optimizer", "transfer")
 TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
 
 
@@ -140,7 +144,8 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
         bubble = bubble_fraction(timelines, t0, t1)
         title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
     ax.set_title(title)
-    handles, labels = _legend_entries(max_chunk)
+    present = {kind for row in rows for kind, *_ in row}
+    handles, labels = _legend_entries(max_chunk, present)
     if weights_drawn:
         handles.insert(2, Patch(facecolor=WEIGHT_COLOR))
         labels.insert(2, "backward weight (W)")
@@ -153,11 +158,14 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
     return fig
 
 
-def _legend_entries(max_chunk: int) -> tuple[list, list[str]]:
-    """(handles, labels), one per kind; with model chunks (interleaved) forward and
-    backward show one swatch per chunk side by side, in the shades the bars use."""
+def _legend_entries(max_chunk: int, present=()) -> tuple[list, list[str]]:
+    """(handles, labels), one per kind (the offload kinds only if `present` has them);
+    with model chunks (interleaved) forward and backward show one swatch per chunk side
+    by side, in the shades the bars use."""
     handles, labels = [], []
     for kind, color in COLORS.items():
+        if kind in OFFLOAD_KINDS and kind not in present:
+            continue
         if max_chunk and kind in ("forward", "backward"):
             handles.append(tuple(Patch(facecolor=_lighter(color, 0.5 * c / max_chunk))
                                  for c in range(max_chunk + 1)))

@@ -163,6 +163,11 @@ class MemoryExplorer(Explorer):
                                          "150px"),
             "activation_checkpointing": _control("check", "checkpointing", value=False,
                                                  width="140px"),
+            # ZeRO-Offload / ZeRO-Infinity: a second panel shows the host and NVMe tiers
+            "offload_optimizer": _control("dropdown", "offload optimizer",
+                                          ["none", "cpu", "nvme"], "none", "210px"),
+            "offload_param": _control("dropdown", "offload params", ["none", "cpu", "nvme"],
+                                      "none", "200px"),
         }
         for name, value in initial.items():
             controls[name].value = value
@@ -179,7 +184,9 @@ class MemoryExplorer(Explorer):
         fig = plot_memory(report, width=FIGURE_WIDTH, title=(
             f"peak bytes per rank, measured: dp={c['dp']} tp={c['tp']} pp={c['pp']} "
             f"ZeRO-{c['zero']} {c['precision']}"
-            + (" + checkpointing" if c["activation_checkpointing"] else "")))
+            + (" + checkpointing" if c["activation_checkpointing"] else "")
+            + (f" + offload {c['offload_optimizer']}/{c['offload_param']}"
+               if c["offload_optimizer"] != "none" or c["offload_param"] != "none" else "")))
         fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.35)
         for legend in fig.legends:  # level with the bars' bottom, clear of a long title
             legend.set_bbox_to_anchor((1.0, 0.75 / fig.get_size_inches()[1]),
@@ -188,6 +195,14 @@ class MemoryExplorer(Explorer):
         message = (f"{report.world_size} ranks, Ψ = {report.n_params:,} parameters; "
                    f"peak per rank {human_bytes(min(peaks))} to {human_bytes(max(peaks))} "
                    f"(bars: each category's own peak; black tick: the peak of their sum)")
+        host = max(r["memory_host"]["peak_total"] for r in report.ranks)
+        nvme = max(r["memory_nvme"]["peak_total"] for r in report.ranks)
+        if host or nvme:
+            moved = report.ranks[0]["transfers"]
+            message += (f"; behind each GPU up to {human_bytes(host)} in host memory and "
+                        f"{human_bytes(nvme)} on NVMe; rank 0 copied "
+                        f"{human_bytes(moved['to_host_bytes'])} down and "
+                        f"{human_bytes(moved['to_device_bytes'])} up over PCIe")
         return [fig], message
 
 

@@ -97,3 +97,25 @@ def test_selective_recomputation_is_chosen_when_it_suffices():
                                         activation_checkpointing=True), advice.cluster)
     assert full.fits and full.step_time > advice.best.step_time
     assert "Selective recomputation" in advice.explain()
+
+
+def test_offload_is_the_last_resort_when_nothing_fits_on_the_gpus():
+    """Llama-2 7B on one 80 GB GPU: 16 bytes per parameter (112 GB) cannot fit whatever the
+    layout, so the advisor turns to ZeRO-Offload; the explanation says what it costs."""
+    advice = advise(presets.model("llama2-7b"), 1, presets.cluster("h100"),
+                    global_batch_size=8)
+    best = advice.best
+    assert best is not None and best.fits
+    assert best.config.offload_optimizer != "none"
+    assert best.memory["optimizer"] == 0 and best.memory_host["optimizer"] > 0
+    on_gpu = estimate(presets.model("llama2-7b"),
+                      best.config.replace(offload_optimizer="none", offload_param="none"),
+                      presets.cluster("h100"))
+    assert not on_gpu.fits and best.step_time > on_gpu.step_time
+    assert "Offload" in advice.explain()
+    assert len(advice.ranked) + len(advice.not_fitting) == advice.searched
+
+
+def test_offload_is_not_chosen_when_a_layout_fits_without_it(llama70b_64):
+    assert all(e.config.offload_optimizer == e.config.offload_param == "none"
+               for e in llama70b_64.ranked)

@@ -125,3 +125,24 @@ def test_recomputation_exports_megatrons_flags(settings, expected):
     # no selective recomputation
     ds = deepspeed_config(shape, config)
     assert ("activation_checkpointing" in ds) == config.recompute.full
+
+
+@pytest.mark.parametrize("optimizer, param", [("cpu", "none"), ("cpu", "cpu"),
+                                              ("nvme", "nvme")])
+def test_offload_writes_deepspeeds_offload_keys(optimizer, param):
+    config = ParallelConfig(dp=8, zero=3 if param != "none" or optimizer == "nvme" else 2,
+                            micro_batch_size=8, global_batch_size=512,
+                            offload_optimizer=optimizer, offload_param=param)
+    zero = deepspeed_config(presets.model("gpt2"), config)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == optimizer
+    if param == "none":
+        assert "offload_param" not in zero
+    else:
+        assert zero["offload_param"]["device"] == param
+    if optimizer == "nvme":  # DeepSpeed refuses NVMe offload without a path
+        assert zero["offload_optimizer"]["nvme_path"]
+
+
+def test_no_offload_keys_without_offload():
+    zero = deepspeed_config(*LAYOUTS["gpt2 zero3"][:2])["zero_optimization"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero

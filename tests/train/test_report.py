@@ -189,3 +189,23 @@ def test_stage_times_are_one_micro_batch_s_f_b_w_per_virtual_stage(schedule, v):
         for ours, plain in zip(stages, times["1f1b"], strict=True):
             assert ours["forward_s"] == pytest.approx(plain["forward_s"], rel=1e-12)
             assert ours["backward_s"] == pytest.approx(plain["backward_s"], rel=1e-12)
+
+
+def test_an_offloaded_run_reports_its_tiers_and_transfers_in_the_schema():
+    """ranks[i].memory_host / memory_nvme (the GPU ledger's keys) and ranks[i].transfers
+    (four totals), as DESIGN.md names them; `memory` stays the GPU's."""
+    report = train(TrainConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, steps=1,
+                               data="synthetic", dp=2, zero=3, offload_optimizer="nvme",
+                               offload_param="cpu"))
+    data = json.loads(json.dumps(report.to_dict()))
+    validate_report(data)
+    rank = data["ranks"][0]
+    assert set(rank["memory_host"]) == set(rank["memory_nvme"]) == set(rank["memory"])
+    assert rank["memory_nvme"]["optimizer"] > 0 and rank["memory"]["optimizer"] == 0
+    assert rank["memory_host"]["params"] > 0 and rank["memory"]["params"] == 0
+    assert all(rank["transfers"][f"{d}_bytes"] > 0
+               for d in ("to_host", "to_device", "nvme_read", "nvme_write"))
+    bad = json.loads(json.dumps(data))
+    del bad["ranks"][0]["transfers"]["nvme_read_bytes"]
+    with pytest.raises(ValueError, match="nvme_read_bytes"):
+        validate_report(bad)

@@ -251,3 +251,18 @@ def test_fixed_margins_keep_every_label_inside_the_picture(make):
         width, height = fig.get_size_inches()
         assert drawn.x0 >= -0.02 and drawn.y0 >= -0.02, drawn
         assert drawn.x1 <= width + 0.02 and drawn.y1 <= height + 0.02, drawn
+
+
+def test_memory_explorer_shows_the_offload_tiers_behind_each_gpu(counted_runs):
+    """Offloading the optimizer moves its bar from the GPU panel to the host panel."""
+    explorer = MemoryExplorer(SMALL, dp=2, zero=1, precision="bf16-mixed")
+    (ax,) = explorer.figure.axes
+    on_gpu = bar_heights(ax, "optimizer") * byte_scale(ax)
+    explorer.controls["offload_optimizer"].value = "cpu"
+    assert explorer.error is None
+    gpu_ax, host_ax = explorer.figure.axes
+    assert np.allclose(bar_heights(gpu_ax, "optimizer"), 0)
+    assert np.allclose(bar_heights(host_ax, "optimizer") * byte_scale(gpu_ax), on_gpu)
+    assert "host memory" in explorer.status.value and "PCIe" in explorer.status.value
+    explorer.controls["offload_param"].value = "cpu"  # ZeRO-1 has no parameter shard
+    assert explorer.error is not None and "--zero 3" in explorer.error
