@@ -22,8 +22,8 @@ PHASES = ("forward", "backward", "optimizer", "other")
 class CommRecord:
     """One communication call as seen by one rank.
 
-    op          all_reduce | all_gather | reduce_scatter | broadcast | reduce | barrier
-                | send | recv
+    op          all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | reduce
+                | barrier | send | recv
     group_kind  dp | tp | pp | cp | other (who the bytes are charged to)
     group_ranks global ranks of the group, in ring order
     sent_bytes, recv_bytes   bytes this rank put on / took off the wire
