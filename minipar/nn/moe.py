@@ -29,7 +29,9 @@ the model returns LM loss + aux loss (a plain sum, the same gradients; `GPT.last
 says how much of the reported loss is aux).
 
 Each layer keeps what it routed in `last_routing` (tokens per expert before dropping,
-dropped assignments, capacity): the report's load-imbalance figures come from there.
+dropped assignments, capacity) and sums it over the training forwards in
+`routing_totals` (forwards with gradients on: an activation-checkpointed block counts
+once, at its recomputation): the report's load-imbalance figures come from there.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import math
 import numpy as np
 
 from minipar.autograd import functional as F
+from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.ops import concat
 from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import Linear
@@ -125,6 +128,8 @@ class MoE(Module):
         self.exchange = lambda buffer: run_local_experts(self.experts, buffer)
         self.aux_loss: Tensor | None = None
         self.last_routing: dict | None = None
+        self.routing_totals = {"tokens_per_expert": [0] * num_experts, "dropped": 0,
+                               "assigned": 0, "forwards": 0}
 
     def forward(self, x):
         b, t, d = x.shape
@@ -157,4 +162,11 @@ class MoE(Module):
         self.last_routing = {"tokens_per_expert": tokens_per_expert.tolist(),
                              "dropped": int((~kept).sum()), "assigned": n * k,
                              "capacity": cap}
+        if is_grad_enabled():
+            totals = self.routing_totals
+            totals["tokens_per_expert"] = [a + b for a, b in zip(
+                totals["tokens_per_expert"], tokens_per_expert.tolist(), strict=True)]
+            totals["dropped"] += int((~kept).sum())
+            totals["assigned"] += n * k
+            totals["forwards"] += 1
         return y.reshape(b, t, d)

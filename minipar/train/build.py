@@ -220,6 +220,11 @@ class RankModel:
             losses.append(float(loss.data))
         return float(np.mean(losses))
 
+    def routing(self) -> list[dict]:
+        """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), in order."""
+        source = self.pipeline if self.pipeline is not None else self.model
+        return [dict(m.routing_totals) for m in source.modules() if hasattr(m, "routing_totals")]
+
     def named_parameters(self) -> list:
         """(name, Parameter) of what this rank holds (its model or pipeline chunks)."""
         source = self.pipeline if self.pipeline is not None else self.model

@@ -125,6 +125,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             "coords": mesh.coords(),
             "pieces": engine.parameter_pieces(),
             "sharding": engine.describe(), "states": states,
+            "routing": rank_model.routing(),
             "check": None if checker is None else checker.summary()}
 
 
