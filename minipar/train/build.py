@@ -222,8 +222,10 @@ class RankModel:
 
     def routing(self) -> list[dict]:
         """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), in order."""
-        source = self.pipeline if self.pipeline is not None else self.model
-        return [dict(m.routing_totals) for m in source.modules() if hasattr(m, "routing_totals")]
+        if self.model is None:  # an MoE pipeline is refused (check_layout)
+            return []
+        return [dict(m.routing_totals) for m in self.model.modules()
+                if hasattr(m, "routing_totals")]
 
     def named_parameters(self) -> list:
         """(name, Parameter) of what this rank holds (its model or pipeline chunks)."""
