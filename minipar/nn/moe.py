@@ -13,12 +13,13 @@ buffer between ranks in minipar/parallel/expert.py, the math here is unchanged):
     out[e]       = expert_e(buffer[e])         (E, C, d) an MLP d -> 4d -> d per expert
     y[t]         = sum_j gates[t, j] out[top_k[t, j], slot[t, j]]        (N, d)
 
-Followed: Megatron-LM megatron/core/transformer/moe/ -- router.py (TopKRouter, a
+Followed: Megatron-LM (commit d98e8a6) megatron/core/transformer/moe/ -- router.py (TopKRouter, a
 bias-free (E, d) gate; minipar stores it (d, E) like its other Linear weights),
 moe_utils.py `topk_softmax_with_capacity` (default `moe_router_pre_softmax=False`:
 top-k of the logits, then a softmax over those k; `get_capacity` = ceil(N k / E x c);
-`drop_policy="position"`: an expert keeps the first C tokens in token order, GShard's
-rule, Lepikhin et al. 2021, section 2.2) and `switch_load_balancing_loss_func`:
+its `drop_policy="position"`: an expert keeps the first C tokens in token order, GShard's
+rule, Lepikhin et al. 2021, section 2.2; Megatron's default, "probs", keeps the C most
+probable instead; `get_capacity` is called with N k tokens) and `switch_load_balancing_loss_func`:
 
     aux = coeff x E / (N^2 k) x sum_e (sum_t softmax(logits)[t, e]) x tokens_e
 
