@@ -44,7 +44,7 @@ HELP = {
     "moe_top_k": "experts each token is routed to (--moe-router-topk)",
     "moe_capacity_factor": "expert capacity = ceil(tokens x k / E x factor); overflow dropped",
     "moe_aux_loss_coeff": "load-balancing auxiliary loss coefficient (Switch/GShard)",
-    "moe_layer_freq": "every k-th block is MoE (block i with i % k == 0)",
+    "moe_layer_freq": "every k-th block is MoE (blocks 0, k, 2k, ...)",
     "ep": "expert-parallel size (splits the experts inside the data-parallel group)",
     "dp": "data-parallel size",
     "tp": "tensor-parallel size",
