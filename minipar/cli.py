@@ -29,10 +29,10 @@ from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan import profile_cli
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
-from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
+from minipar.train.config import DATASETS, MOE_HELP, PRECISIONS, ConfigError, TrainConfig, flag
 from minipar.train.outputs import check_output_dir, check_output_file
 
-HELP = {
+HELP = {**MOE_HELP,  # the MoE and --ep flags, beside their settings in train/config.py
     "vocab_size": "vocabulary size (default: the data's tokenizer)",
     "seq_len": "tokens per sequence (T)",
     "n_layer": "transformer blocks",
@@ -40,12 +40,6 @@ HELP = {
     "d_model": "hidden size (h)",
     "dropout": "dropout probability (0 = off)",
     "tie_embeddings": "share the LM head with the token embedding (GPT-2 does)",
-    "moe_num_experts": "experts per MoE layer (0 = dense MLP; Megatron's --num-experts)",
-    "moe_top_k": "experts each token is routed to (--moe-router-topk)",
-    "moe_capacity_factor": "expert capacity = ceil(tokens x k / E x factor); overflow dropped",
-    "moe_aux_loss_coeff": "load-balancing auxiliary loss coefficient (Switch/GShard)",
-    "moe_layer_freq": "every k-th block is MoE (blocks 0, k, 2k, ...)",
-    "ep": "expert-parallel size (splits the experts inside the data-parallel group)",
     "dp": "data-parallel size",
     "tp": "tensor-parallel size",
     "pp": "pipeline-parallel size",

@@ -32,6 +32,15 @@ from minipar.parallel.schedules import check_schedule_name
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+# The CLI help of the mixture-of-experts flags (Megatron-LM's names in brackets).
+MOE_HELP = {
+    "moe_num_experts": "experts per MoE layer (0 = dense MLP; Megatron's --num-experts)",
+    "moe_top_k": "experts each token is routed to (--moe-router-topk)",
+    "moe_capacity_factor": "expert capacity = ceil(tokens x k / E x factor); overflow dropped",
+    "moe_aux_loss_coeff": "load-balancing auxiliary loss coefficient (Switch/GShard)",
+    "moe_layer_freq": "every k-th block is MoE (blocks 0, k, 2k, ...)",
+    "ep": "expert-parallel size (splits the experts inside the data-parallel group)",
+}
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps it portable
 DATASETS = ("corpus", "synthetic")
