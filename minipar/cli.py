@@ -29,10 +29,10 @@ from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan import profile_cli
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
-from minipar.train.config import DATASETS, PRECISIONS, ConfigError, TrainConfig, flag
+from minipar.train.config import DATASETS, MOE_HELP, PRECISIONS, ConfigError, TrainConfig, flag
 from minipar.train.outputs import check_output_dir, check_output_file
 
-HELP = {
+HELP = {**MOE_HELP,  # the MoE and --ep flags, beside their settings in train/config.py
     "vocab_size": "vocabulary size (default: the data's tokenizer)",
     "seq_len": "tokens per sequence (T)",
     "n_layer": "transformer blocks",

@@ -151,12 +151,14 @@ def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float
       reduce_scatter     (n-1) alpha +  (n-1)/n S/B
       broadcast, reduce  (n-1) alpha +          S/B   (pipelined chain along the ring)
       barrier           2(n-1) alpha                  (an all-reduce of nothing)
+      all_to_all         (n-1) alpha +  (n-1)/n S/B   (n-1 pairwise exchanges; S is
+                                                       one rank's buffer)
     """
     if n <= 1:
         return 0.0
     if op == "all_reduce":
         return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
     if op in ("broadcast", "reduce"):
         return (n - 1) * alpha + nbytes / bandwidth

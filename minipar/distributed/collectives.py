@@ -5,6 +5,7 @@
     reduce_scatter(x, op, dim=0)  rank i gets chunk i of the reduction     (x / n along dim)
     broadcast(x, src)             every rank gets src's x
     reduce(x, dst, op)            dst gets the reduction, the others None
+    all_to_all(x, dim=0)          rank i gets chunk i of every rank's x    (same shape as x)
     barrier()                     returns when every member has arrived
 
 all_reduce, all_gather and reduce_scatter take `async_op=True` (as in torch.distributed):
@@ -20,6 +21,9 @@ that order), so results are bit-identical whatever order the threads arrive in.
 
 Each call books, on the calling rank, the bytes the ring algorithm (Patarasuk & Yuan
 2009) makes it send and receive, and advances its clock by the alpha-beta ring time.
+all_to_all has no ring: it is n-1 pairwise exchanges (NCCL's send/recv loop), so each
+rank sends the n-1 chunks meant for the others, (n-1)/n of its buffer, each straight to
+its owner (`sent_to` names every peer), and receives as much.
 `ring.py` runs the same ring with send/recv and books the same bytes (a test checks it).
 """
 
@@ -82,6 +86,8 @@ class _Collective:
         self.group, self.n = group, group.size
         self.index = group.group_rank(self.device.rank)  # position on the ring
         self.phase = self.device.phase  # charged to the phase the call was made in
+        # ((peer, bytes), ...) when the bytes do not all go to the ring successor
+        self.sent_to: tuple[tuple[int, int], ...] | None = None
 
     def run(self, x: np.ndarray | None, params: dict, combine, full_nbytes: int,
             sent: int, received: int, async_op: bool = False, category: str | None = None):
@@ -107,6 +113,8 @@ class _Collective:
         """Record the call in the rank's byte ledger and advance its clock to the end."""
         device, group = self.device, self.group
         successor = group.ranks[(self.index + 1) % self.n]
+        sent_to = self.sent_to if self.sent_to is not None else (
+            ((successor, sent),) if sent else ())
         device.clock.communicate(start, end, f"{self.api} {group.kind}")
         device.comm.record(
             CommRecord(
@@ -115,7 +123,7 @@ class _Collective:
                 group_ranks=group.ranks,
                 sent_bytes=sent,
                 recv_bytes=received,
-                sent_to=((successor, sent),) if sent else (),
+                sent_to=sent_to,
                 phase=self.phase,
                 start=start,
                 end=end,
@@ -323,6 +331,40 @@ def reduce(x, dst: int, op: str = "sum", group: ProcessGroup | None = None):
     # A chain along the ring ending at dst: it starts at dst's successor.
     sent, received = chain_bytes(x.nbytes, c.n, (c.index - root - 1) % c.n)
     return c.run(x, {"dst": dst, "op": op}, combine, x.nbytes, sent, received)
+
+
+def all_to_all(x, group: ProcessGroup | None = None, dim: int = 0,
+               category: str | None = None) -> np.ndarray:
+    """Chunk j of x (along dim, n equal chunks) goes to group rank j; the result is the
+    chunks every rank sent me, concatenated in group order along dim. Shape of x.
+
+    torch.distributed's `all_to_all_single` with equal splits; the MoE dispatch and
+    combine (GShard, Lepikhin et al. 2021, section 3.2). Every member passes the same shape:
+    equal chunks, as with a capacity-bounded expert buffer. Bytes: each rank sends the n-1
+    chunks that are not its own, (n-1)/n of x, one to each peer, and receives as much.
+    """
+    c = _Collective("all_to_all", group)
+    x = np.asarray(x)
+    dim = _dim("all_to_all", x, dim)
+    if x.shape[dim] % c.n:
+        raise ValueError(
+            f"all_to_all: dim {dim} of shape {x.shape} is not divisible by the group "
+            f"size {c.n}: each rank must get an equal chunk"
+        )
+    if c.n == 1:
+        work = CollectiveWork.completed(x.copy(), category, c.device)
+        return work.wait()
+
+    def combine(arrays):
+        chunks = [np.split(a, c.n, axis=dim) for a in arrays]  # chunks[src][dst]
+        return [np.concatenate([chunks[src][dst] for src in range(c.n)], axis=dim)
+                for dst in range(c.n)]
+
+    chunk_bytes = x.nbytes // c.n
+    c.sent_to = tuple((peer, chunk_bytes) for peer in c.group.ranks
+                      if peer != c.device.rank)
+    moved = (c.n - 1) * chunk_bytes
+    return c.run(x, {"dim": dim}, combine, x.nbytes, moved, moved, category=category)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

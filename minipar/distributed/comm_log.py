@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GROUP_KINDS = ("dp", "tp", "pp", "cp", "other")
-# A ledger's by-group totals start with these (and gain "cp" when a CP group first
-# sends: reports of runs without context parallelism keep their shape).
+GROUP_KINDS = ("dp", "tp", "pp", "cp", "ep", "other")
+# A ledger's by-group totals start with these (and gain "cp" or "ep" when such a group
+# first sends: reports of runs without them keep their shape).
 LEDGER_KINDS = ("dp", "tp", "pp", "other")
 PHASES = ("forward", "backward", "optimizer", "other")
 
@@ -22,9 +22,10 @@ PHASES = ("forward", "backward", "optimizer", "other")
 class CommRecord:
     """One communication call as seen by one rank.
 
-    op          all_reduce | all_gather | reduce_scatter | broadcast | reduce | barrier
-                | send | recv
-    group_kind  dp | tp | pp | cp | other (who the bytes are charged to)
+    op          all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | reduce
+                | barrier | send | recv
+    group_kind  dp | tp | pp | cp | ep | other (who the bytes are charged to; ep: the
+                expert-parallel all-to-alls)
     group_ranks global ranks of the group, in ring order
     sent_bytes, recv_bytes   bytes this rank put on / took off the wire
     sent_to     ((peer global rank, bytes), ...): where the sent bytes went

@@ -17,6 +17,13 @@ gpus_per_node (Megatron-LM, Narayanan et al. 2021, section 3.3: "tensor model
 parallelism ... within a multi-GPU server"). Megatron itself orders pp slowest
 (tp-dp-pp); the two differ only in which of dp and pp crosses nodes first.
 
+Expert parallelism lives inside the data-parallel group (Megatron-LM's expert-data-
+parallel layout, parallel_state.py `initialize_model_parallel(expert_model_parallel_size)`):
+the dp index splits as dp_index = edp_index * ep + ep_index, so an *expert-parallel group*
+is ep consecutive dp indices (they hold different experts and exchange tokens by
+all-to-all) and the *expert-data-parallel group* is the dp / ep ranks with the same
+ep_index (they hold the same experts and reduce their gradients).
+
 Example, dp=2, pp=2, tp=2 (8 ranks):
     tp groups [0,1] [2,3] [4,5] [6,7];  pp groups [0,2] [1,3] [4,6] [5,7];
     dp groups [0,4] [1,5] [2,6] [3,7]
@@ -55,6 +62,7 @@ class DeviceMesh:
         cp: int = 1,
         world_size: int | None = None,
         gpus_per_node: int | None = None,
+        ep: int = 1,
     ) -> None:
         for axis, size in zip(AXES, (dp, pp, cp, tp), strict=True):
             if not isinstance(size, int) or size < 1:
@@ -74,6 +82,10 @@ class DeviceMesh:
                 f"DeviceMesh {sizes} = {size} ranks, but the world "
                 f"has {self.world_size}: choose sizes whose product is {self.world_size}"
             )
+        if not isinstance(ep, int) or ep < 1 or dp % ep:
+            raise ValueError(f"DeviceMesh ep={ep!r}: expert parallelism splits the "
+                             f"data-parallel group, so ep must divide dp={dp}")
+        self.ep = ep
         self._groups: dict[tuple[str, int], ProcessGroup] = {}
 
     @property
@@ -161,6 +173,31 @@ class DeviceMesh:
     def dp_cp_group(self, rank: int | None = None) -> ProcessGroup:
         """DP x CP: the ranks holding the same parameters (gradients averaged here)."""
         return self.group("dp-cp", rank)
+
+    def ep_rank_of(self, rank: int | None = None) -> int:
+        """My index in my expert-parallel group (which experts I hold)."""
+        return self.coords(rank)["dp"] % self.ep
+
+    def ep_group(self, rank: int | None = None) -> ProcessGroup:
+        """The ep ranks of my DP group that hold different experts (kind "ep")."""
+        return self._dp_subgroup("ep", rank)
+
+    def expert_data_parallel_group(self, rank: int | None = None) -> ProcessGroup:
+        """The dp / ep ranks of my DP group that hold my experts (kind "dp")."""
+        return self._dp_subgroup("edp", rank)
+
+    def _dp_subgroup(self, which: str, rank: int | None) -> ProcessGroup:
+        members = list(self.dp_group(rank).ranks)
+        i = self.coords(rank)["dp"]
+        if which == "ep":
+            start = i - i % self.ep
+            members, kind = members[start:start + self.ep], "ep"
+        else:
+            members, kind = members[i % self.ep::self.ep], "dp"
+        key = (which, members[0])
+        if key not in self._groups:
+            self._groups[key] = make_group(members, kind, self.world_size)
+        return self._groups[key]
 
     def all_groups(self, axis: str) -> list[ProcessGroup]:
         """Every group along `axis`, ordered by first member."""

@@ -31,6 +31,7 @@ from minipar.autograd.precision import get_policy
 from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minipar.nn.module import Module, ModuleList, Parameter
+from minipar.nn.moe import MoE
 from minipar.nn.recompute import Recompute, run_blocks
 
 
@@ -45,6 +46,14 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # Mixture of experts (minipar/nn/moe.py; Megatron's --num-experts, --moe-router-topk,
+    # --moe-expert-capacity-factor, --moe-aux-loss-coeff, --moe-layer-freq): 0 experts is
+    # the dense GPT-2; otherwise block i's MLP is an MoE when i % moe_layer_freq == 0.
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.0
+    moe_aux_loss_coeff: float = 0.01
+    moe_layer_freq: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -59,10 +68,34 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.moe_num_experts:
+            check_moe_settings(self)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Block i's MLP is a mixture of experts (Megatron's moe_layer_freq pattern)."""
+        return self.moe_num_experts > 0 and i % self.moe_layer_freq == 0
+
+
+def check_moe_settings(config: GPTConfig) -> None:
+    """The MoE settings, each with its flag's name in the message."""
+    e, k = config.moe_num_experts, config.moe_top_k
+    for name, value in (("moe_num_experts", e), ("moe_top_k", k),
+                        ("moe_layer_freq", config.moe_layer_freq)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+    if k > e:
+        raise ValueError(f"GPTConfig: moe_top_k={k} exceeds moe_num_experts={e}: a token "
+                         "picks k distinct experts")
+    if not config.moe_capacity_factor > 0:
+        raise ValueError("GPTConfig.moe_capacity_factor must be > 0, got "
+                         f"{config.moe_capacity_factor!r}")
+    if not config.moe_aux_loss_coeff >= 0:
+        raise ValueError("GPTConfig.moe_aux_loss_coeff must be >= 0, got "
+                         f"{config.moe_aux_loss_coeff!r}")
 
 
 def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -76,9 +109,16 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
             p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
             p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
-            p + "mlp.c_fc.weight": (d, 4 * d), p + "mlp.c_fc.bias": (4 * d,),
-            p + "mlp.c_proj.weight": (4 * d, d), p + "mlp.c_proj.bias": (d,),
         })
+        mlps = [p + "mlp."]
+        if config.is_moe_layer(i):
+            shapes[p + "mlp.router.weight"] = (d, config.moe_num_experts)
+            mlps = [f"{p}mlp.experts.{e}." for e in range(config.moe_num_experts)]
+        for m in mlps:
+            shapes.update({
+                m + "c_fc.weight": (d, 4 * d), m + "c_fc.bias": (4 * d,),
+                m + "c_proj.weight": (4 * d, d), m + "c_proj.bias": (d,),
+            })
     shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
     if not config.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -164,17 +204,22 @@ class MLP(Module):
 
 
 class Block(Module):
-    """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+    """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+    moe: the MLP is a mixture of experts (minipar/nn/moe.py)."""
 
     def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None,
-                 checkpoint_core_attention: bool = False):
+                 checkpoint_core_attention: bool = False, moe: bool = False):
         super().__init__()
         d = config.d_model
         self.ln_1 = LayerNorm(d, dtype=dtype)
         self.attn = CausalSelfAttention(config, dtype=dtype, generator=generator,
                                         checkpoint_core_attention=checkpoint_core_attention)
         self.ln_2 = LayerNorm(d, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, generator=generator)
+        if moe:
+            self.mlp = MoE(d, config.moe_num_experts, config.moe_top_k,
+                           config.moe_capacity_factor, config.moe_aux_loss_coeff, dtype=dtype)
+        else:
+            self.mlp = MLP(config, dtype=dtype, generator=generator)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -231,8 +276,9 @@ class GPT(Module):
         self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
         self.drop = Dropout(config.dropout, gen)
         self.h = ModuleList(Block(config, dtype=dtype, generator=gen,
-                                  checkpoint_core_attention=self.recompute.selective)
-                            for _ in range(config.n_layer))
+                                  checkpoint_core_attention=self.recompute.selective,
+                                  moe=config.is_moe_layer(i))
+                            for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.d_model, dtype=dtype)
         if not config.tie_embeddings:
             self.lm_head = LMHead(config.vocab_size, config.d_model, dtype=dtype)
@@ -264,4 +310,14 @@ class GPT(Module):
         x = self.embed(idx)
         generator = self.dropout_generator if self.config.dropout > 0 else None
         x = run_blocks(self.h, x, self.recompute, generator)
-        return self.head(x, targets)
+        loss = self.head(x, targets)
+        return loss if targets is None else add_aux_losses(loss, self.h)
+
+
+def add_aux_losses(loss, blocks):
+    """loss + every MoE block's load-balancing loss of this forward (none: loss)."""
+    for block in blocks:
+        aux = getattr(block.mlp, "aux_loss", None)
+        if aux is not None:
+            loss = loss + aux
+    return loss

@@ -48,6 +48,11 @@ from minipar.parallel.context import (
     validate_context_parallel,
 )
 from minipar.parallel.data import DataParallel
+from minipar.parallel.expert import (
+    ExpertDataParallel,
+    expert_parallel_gpt,
+    is_expert_parameter,
+)
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
 from minipar.parallel.tensor import (
@@ -65,7 +70,11 @@ def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:
     """The model part of a TrainConfig."""
     return GPTConfig(vocab_size=vocab_size or config.vocab_size, seq_len=config.seq_len,
                      n_layer=config.n_layer, n_head=config.n_head, d_model=config.d_model,
-                     dropout=config.dropout, tie_embeddings=config.tie_embeddings)
+                     dropout=config.dropout, tie_embeddings=config.tie_embeddings,
+                     moe_num_experts=config.moe_num_experts, moe_top_k=config.moe_top_k,
+                     moe_capacity_factor=config.moe_capacity_factor,
+                     moe_aux_loss_coeff=config.moe_aux_loss_coeff,
+                     moe_layer_freq=config.moe_layer_freq)
 
 
 # ------------------------------------------------------------------ which mixes run
@@ -83,6 +92,16 @@ def check_layout(config: TrainConfig) -> list[str]:
             "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
             "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
             f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
+    offload = config.offload_optimizer != "none" or config.offload_param != "none"
+    if config.moe_num_experts and (tp > 1 or pp > 1 or config.cp > 1 or config.zero >= 2
+                                   or (offload and config.ep > 1)):
+        setting = ("tp" if tp > 1 else "pp" if pp > 1 else "cp" if config.cp > 1
+                   else "zero" if config.zero >= 2 else "offload_optimizer")
+        raise LayoutError(setting, "an MoE model runs with --dp, --ep and --zero 0/1 only "
+                          "for now: the tensor-parallel experts, the pipeline stages' aux "
+                          "losses, context-parallel routing and ZeRO-2/3's expert buckets "
+                          "and offloaded expert engines are not built yet (issue 18); use --tp 1 "
+                          "--pp 1 --cp 1 --zero 0 or 1, no offload with --ep")
     if config.sequence_parallel and tp == 1:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
@@ -201,6 +220,13 @@ class RankModel:
             losses.append(float(loss.data))
         return float(np.mean(losses))
 
+    def routing(self) -> list[dict]:
+        """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), in order."""
+        if self.model is None:  # an MoE pipeline is refused (check_layout)
+            return []
+        return [dict(m.routing_totals) for m in self.model.modules()
+                if hasattr(m, "routing_totals")]
+
     def named_parameters(self) -> list:
         """(name, Parameter) of what this rank holds (its model or pipeline chunks)."""
         source = self.pipeline if self.pipeline is not None else self.model
@@ -246,6 +272,26 @@ def data_parallel_engine(model, named_params, group, *, zero_stage: int,
     return engine
 
 
+def expert_data_parallel_engine(config: TrainConfig, model, named, mesh, adamw,
+                                counts_in_norm) -> ExpertDataParallel:
+    """Megatron's expert-data-parallel layout: non-expert parameters over the DP group,
+    expert parameters over the expert-data-parallel group (their squared norm summed over
+    the ep group too, as each ep rank holds different experts)."""
+    dense = [(n, p) for n, p in named if not is_expert_parameter(n)]
+    experts = [(n, p) for n, p in named if is_expert_parameter(n)]
+    norm_groups = (mesh.tp_group(), mesh.pp_group())
+    bucket_bytes = config.bucket_size_mb * 2**20
+    engines = [data_parallel_engine(model, params, group, zero_stage=config.zero,
+                                    bucket_bytes=bucket_bytes, adamw=adamw,
+                                    norm_groups=groups, counts_in_norm=counts_in_norm,
+                                    overlap_comm=config.overlap_grad_reduce)
+               for params, group, groups in (
+                   (dense, mesh.dp_group(), norm_groups),
+                   (experts, mesh.expert_data_parallel_group(),
+                    (*norm_groups, mesh.ep_group())))]
+    return ExpertDataParallel(*engines)
+
+
 def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> RankModel:
     """My share of the model (initial weights, or `start`'s: a checkpoint.TrainingState)
     and the DP / ZeRO engine over it. Call inside a launch, on every rank."""
@@ -266,6 +312,8 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     if config.pp == 1:
         if config.tp == 1:
             model = with_context_parallel(GPT)(gpt, **common)
+            if config.ep > 1:
+                expert_parallel_gpt(model, mesh.ep_group(), mesh.ep_rank_of())
         else:
             model = with_context_parallel(TensorParallelGPT)(
                 gpt, tp_group=tp_group, sequence_parallel=config.sequence_parallel, **common)
@@ -295,14 +343,18 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    engine = data_parallel_engine(model, named, replicas, zero_stage=config.zero,
-                                  bucket_bytes=config.bucket_size_mb * 2**20, adamw=adamw,
-                                  norm_groups=(tp_group, pp_group),
-                                  counts_in_norm=counts_in_norm,
-                                  overlap_comm=config.overlap_grad_reduce,
-                                  zero3_prefetch=config.zero3_prefetch,
-                                  offload_optimizer=config.offload_optimizer,
-                                  offload_param=config.offload_param)
+    if config.ep > 1:  # (MoE with cp > 1 or offload is refused in check_layout)
+        engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
+                                             counts_in_norm)
+    else:
+        engine = data_parallel_engine(model, named, replicas, zero_stage=config.zero,
+                                      bucket_bytes=config.bucket_size_mb * 2**20,
+                                      adamw=adamw, norm_groups=(tp_group, pp_group),
+                                      counts_in_norm=counts_in_norm,
+                                      overlap_comm=config.overlap_grad_reduce,
+                                      zero3_prefetch=config.zero3_prefetch,
+                                      offload_optimizer=config.offload_optimizer,
+                                      offload_param=config.offload_param)
     if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())

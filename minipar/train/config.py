@@ -32,6 +32,15 @@ from minipar.parallel.schedules import check_schedule_name
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+# The CLI help of the mixture-of-experts flags (Megatron-LM's names in brackets).
+MOE_HELP = {
+    "moe_num_experts": "experts per MoE layer (0 = dense MLP; Megatron's --num-experts)",
+    "moe_top_k": "experts each token is routed to (--moe-router-topk)",
+    "moe_capacity_factor": "expert capacity = ceil(tokens x k / E x factor); overflow dropped",
+    "moe_aux_loss_coeff": "load-balancing auxiliary loss coefficient (Switch/GShard)",
+    "moe_layer_freq": "every k-th block is MoE (blocks 0, k, 2k, ...)",
+    "ep": "expert-parallel size (splits the experts inside the data-parallel group)",
+}
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps it portable
 DATASETS = ("corpus", "synthetic")
@@ -47,6 +56,12 @@ class TrainConfig:
     d_model: int = 64
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # mixture of experts (minipar/nn/moe.py); 0 experts = the dense GPT-2
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.0
+    moe_aux_loss_coeff: float = 0.01
+    moe_layer_freq: int = 1
     # parallel layout (a device mesh dp x pp x tp; see minipar.distributed.DeviceMesh)
     dp: int = 1
     tp: int = 1
@@ -62,6 +77,8 @@ class TrainConfig:
     cp_load_balance: bool = dataclasses.field(default=True, metadata={
         "help": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, so causal "
                 "attention gives every rank the same work"})
+    # expert parallelism: the experts split over ep ranks inside the DP group
+    ep: int = 1
     gpus_per_node: int = 8
     # ZeRO-Offload / ZeRO-Infinity (minipar/parallel/offload.py): where the optimizer
     # state (ZeRO >= 1) and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
@@ -127,6 +144,7 @@ class TrainConfig:
                               f"{_divisors(self.d_model)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+        self._validate_moe()
         _choice("data", self.data, DATASETS)
         # Real numbers first: NaN compares False with everything, so `lr <= 0` alone
         # lets --lr nan through (and --grad-clip nan silently turned clipping off).
@@ -160,6 +178,35 @@ class TrainConfig:
             raise ConfigError(*problem)
         self.grad_accum_steps, self.global_batch_size = resolve_batch(
             self.micro_batch_size, self.dp, self.grad_accum_steps, self.global_batch_size)
+
+    def _validate_moe(self) -> None:
+        """The MoE settings (GPTConfig's rules, as flags) and --ep inside --dp."""
+        _integer("moe_num_experts", self.moe_num_experts, 0)
+        _integer("ep", self.ep, 1)
+        if self.moe_num_experts:
+            _integer("moe_top_k", self.moe_top_k, 1)
+            _integer("moe_layer_freq", self.moe_layer_freq, 1)
+            for name in ("moe_capacity_factor", "moe_aux_loss_coeff"):
+                _finite(name, getattr(self, name))
+            if self.moe_top_k > self.moe_num_experts:
+                raise ConfigError("moe_top_k", f"{self.moe_top_k} exceeds --moe-num-experts "
+                                  f"{self.moe_num_experts}: a token picks k distinct experts")
+            if not self.moe_capacity_factor > 0:
+                raise ConfigError("moe_capacity_factor", "must be > 0, got "
+                                  f"{self.moe_capacity_factor}")
+            if self.moe_aux_loss_coeff < 0:
+                raise ConfigError("moe_aux_loss_coeff", "must be >= 0, got "
+                                  f"{self.moe_aux_loss_coeff}")
+        if self.ep > 1:
+            if not self.moe_num_experts:
+                raise ConfigError("ep", "expert parallelism splits the experts of an MoE "
+                                  "model: add --moe-num-experts")
+            if self.dp % self.ep:
+                raise ConfigError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the "
+                                  "experts are split inside the data-parallel group")
+            if self.moe_num_experts % self.ep:
+                raise ConfigError("ep", f"--ep {self.ep} must divide --moe-num-experts "
+                                  f"{self.moe_num_experts}: each rank holds E / ep experts")
 
     # ------------------------------------------------------------------ views
     @property

@@ -46,8 +46,8 @@ SCALES = {"fp64": "tensor", "fp32": "tensor", "bf16-mixed": "model"}
 def reference_config(config: TrainConfig) -> TrainConfig:
     """The single-device run a parallel run must match: one rank, the same micro-batches
     (micro_batch_size x grad_accum_steps x dp of them per step), everything else equal."""
-    return config.replace(dp=1, tp=1, pp=1, cp=1, zero=0, sequence_parallel=False, check=False,
-                          offload_optimizer="none", offload_param="none",
+    return config.replace(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False,
+                          check=False, offload_optimizer="none", offload_param="none",
                           schedule="1f1b", virtual_stages=1,
                           micro_batch_size=config.micro_batch_size,
                           grad_accum_steps=config.grad_accum_steps * config.dp,

@@ -71,7 +71,8 @@ class RunOptions:
 # ------------------------------------------------------------------ the rank program
 def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
     """What every rank runs (SPMD): build my share of the model and its engine, train."""
-    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp)
+    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp,
+                           ep=config.ep)
     rank = dist.get_rank()
     rank_model = build_rank_model(config, mesh, options.start)
     engine = rank_model.engine
@@ -124,6 +125,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             "coords": mesh.coords(),
             "pieces": engine.parameter_pieces(),
             "sharding": engine.describe(), "states": states,
+            "routing": rank_model.routing(),
             "check": None if checker is None else checker.summary()}
 
 

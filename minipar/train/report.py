@@ -51,6 +51,7 @@ class Report:
     steps: list[dict] = field(default_factory=list)
     ranks: list[dict] = field(default_factory=list)
     pipeline: dict | None = None
+    moe: dict | None = None
     equivalence: dict | None = None
     layout: dict | None = None  # mesh, nodes, groups, tp_group_crosses_nodes
     warnings: list[str] = field(default_factory=list)  # runs, but costs more than needed
@@ -103,6 +104,8 @@ class Report:
         }
         if self.pipeline is not None:
             out["pipeline"] = self.pipeline
+        if self.moe is not None:
+            out["moe"] = self.moe
         if self.equivalence is not None:
             out["equivalence"] = self.equivalence
         if self.layout is not None:
@@ -130,7 +133,8 @@ class Report:
         validate_report(data)
         return cls(config=data["config"], world_size=data["world_size"],
                    n_params=data["n_params"], steps=data["steps"], ranks=data["ranks"],
-                   pipeline=data.get("pipeline"), equivalence=data.get("equivalence"),
+                   pipeline=data.get("pipeline"), moe=data.get("moe"),
+                   equivalence=data.get("equivalence"),
                    layout=data.get("layout"), warnings=data.get("warnings", []),
                    traffic=data.get("traffic"), step_end_s=data.get("step_end_s"),
                    device=data.get("device"), profile=data.get("profile"))
@@ -176,7 +180,32 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
                                                           strict=True)])
     if config.pp > 1:
         report.pipeline = _pipeline(config, timelines, [r["coords"] for r in results])
+    if config.moe_num_experts:
+        report.moe = _moe(config, results, devices)
     return report
+
+
+def _moe(config: TrainConfig, results: list[dict], devices) -> dict:
+    """The MoE section: per MoE layer, tokens routed to each expert over the run (summed
+    over the ranks, before dropping) and the dropped share; per rank, the expert
+    parameter bytes it holds and the all-to-all bytes it sent (minipar/parallel/expert.py)."""
+    layers = []
+    for per_rank in zip(*(r["routing"] for r in results), strict=True):
+        tokens = np.sum([t["tokens_per_expert"] for t in per_rank], axis=0)
+        assigned = sum(t["assigned"] for t in per_rank)
+        dropped = sum(t["dropped"] for t in per_rank)
+        layers.append({"tokens_per_expert": [int(t) for t in tokens],
+                       "assigned": int(assigned), "dropped": int(dropped),
+                       "dropped_fraction": dropped / assigned if assigned else 0.0,
+                       "max_over_mean_load": float(tokens.max() / tokens.mean())
+                       if tokens.sum() else 0.0})
+    expert_bytes = [sum(p.values.nbytes for p in r["pieces"] if ".mlp.experts." in p.name)
+                    for r in results]
+    return {"num_experts": config.moe_num_experts, "top_k": config.moe_top_k,
+            "capacity_factor": config.moe_capacity_factor, "ep": config.ep,
+            "layers": layers, "expert_param_bytes": expert_bytes,
+            "all_to_all_sent_bytes": [d.comm.sent_by_op.get("all_to_all", 0)
+                                      for d in devices]}
 
 
 def merge_step(records: list[dict]) -> dict:

@@ -96,8 +96,10 @@ def test_collective_time_formulas():
     assert dist.collective_time("all_gather", 4, S, a, B) == pytest.approx(3 * a + 0.75 * S / B)
     assert dist.collective_time("broadcast", 4, S, a, B) == pytest.approx(3 * a + S / B)
     assert dist.collective_time("all_reduce", 1, S, a, B) == 0.0
+    # pairwise exchanges: (n-1) alpha + (n-1)/n S/B, S one rank's buffer
+    assert dist.collective_time("all_to_all", 4, S, a, B) == pytest.approx(3 * a + 0.75 * S / B)
     with pytest.raises(ValueError, match="no cost model"):
-        dist.collective_time("all_to_all", 4, S, a, B)
+        dist.collective_time("scatter", 4, S, a, B)
 
 
 def test_timeline_events_for_plots():

@@ -1,0 +1,170 @@
+"""Expert parallelism: the E experts of every MoE layer split over the ep ranks of an
+expert-parallel group, tokens moved to their expert and back by all-to-all.
+
+One rank of an ep group (E_local = E / ep experts: ep_rank x E_local ...), per MoE layer
+and micro-batch; the routing math is minipar/nn/moe.py's, unchanged:
+
+    buffer (E, C, d)           my tokens' dispatch buffer, expert-major
+    all_to_all (dispatch)      -> (ep, E_local, C, d): every rank's tokens for my experts
+    my experts                 each on its ep x C rows
+    all_to_all (combine)       -> (E, C, d): my tokens' expert outputs, back in place
+
+and backward runs the two all-to-alls again, in reverse (the all-to-all is its own
+transpose): four all-to-alls of E x C x d elements per MoE layer per micro-batch
+(GShard, Lepikhin et al. 2021, section 3.2; Megatron-LM
+megatron/core/transformer/moe/token_dispatcher.py `MoEAlltoAllTokenDispatcher`, which
+permutes tokens, all-to-alls them and sorts them by local expert in `token_permutation`,
+and undoes it in `token_unpermutation`). Megatron sends variable-sized chunks (no
+capacity, `moe_expert_capacity_factor=None`, or dropless); minipar always pads to capacity,
+so every chunk is E_local x C x d and the all-to-all has equal splits.
+
+Gradients (Megatron-LM's expert-data-parallel layout, parallel_state.py and
+distributed/distributed_data_parallel.py): non-expert parameters are replicas over the
+whole DP group and averaged over it as before; an expert's gradient already sums the
+tokens of the ep ranks that sent to it, so it is reduced over the expert-data-parallel
+group only (dp / ep ranks) and scaled by edp / dp (Megatron's
+`expert_gradient_scaling_factor`): the combine's backward scales the gradient entering my
+experts by 1 / ep, the dispatch's backward undoes it for the tokens' gradient (exact for
+a power of two), and the expert engine averages over edp: sum / dp, as a single device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minipar import distributed as dist
+from minipar.autograd.function import Function
+from minipar.nn.moe import MoE, run_local_experts
+
+
+class AllToAll(Function):
+    """x -> all_to_all(x) over `group`; backward: the all-to-all of the gradient, times
+    `grad_scale` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, group, grad_scale):
+        ctx.group, ctx.grad_scale = group, grad_scale
+        return dist.all_to_all(x, group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = dist.all_to_all(np.ascontiguousarray(grad), group=ctx.group)
+        if ctx.grad_scale != 1.0:
+            out = out * np.asarray(ctx.grad_scale, dtype=out.dtype)
+        return out, None, None
+
+
+def local_expert_ids(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The global ids of the experts ep rank `ep_rank` holds (a contiguous block)."""
+    per_rank = num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def expert_parallel_exchange(moe: MoE, ep_group):
+    """The `MoE.exchange` of an expert-parallel rank: buffer (E, C, d) -> (E, C, d)."""
+    ep = ep_group.size
+
+    def exchange(buffer):
+        e, cap, d = buffer.shape
+        local = e // ep
+        received = AllToAll.apply(buffer, ep_group, float(ep))        # (ep * E_l, C, d)
+        by_expert = received.reshape(ep, local, cap, d).permute(1, 0, 2, 3)
+        out = run_local_experts(moe.experts, by_expert.reshape(local, ep * cap, d))
+        back = out.reshape(local, ep, cap, d).permute(1, 0, 2, 3).reshape(e, cap, d)
+        return AllToAll.apply(back, ep_group, 1.0 / ep)               # (E, C, d)
+
+    return exchange
+
+
+def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
+    """Keep only my experts in every MoE layer of `model` and route through the ep group.
+    Each rank builds the full initial weights first (their init is a function of the
+    name), so the experts it keeps are the single device's."""
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        keep = set(local_expert_ids(module.num_experts, ep_group.size, ep_rank))
+        for e in module.experts.ids:
+            if e not in keep:
+                delattr(module.experts, str(e))
+        module.experts.ids = tuple(sorted(keep))
+        module.exchange = expert_parallel_exchange(module, ep_group)
+
+
+def is_expert_parameter(name: str) -> bool:
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
+class ExpertDataParallel:
+    """Two data-parallel engines as one: `dense` over the DP group (non-expert
+    parameters), `experts` over the expert-data-parallel group. The training loop sees
+    one engine; the gradient norm is the whole model's (both engines' squares)."""
+
+    def __init__(self, dense, experts) -> None:
+        self.dense, self.experts = dense, experts
+        self.engines = (dense, experts)
+        self.stage = dense.stage
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.dense.require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        for engine in self.engines:
+            engine.require_backward_grad_sync = value
+
+    def synchronize_gradients(self) -> None:
+        for engine in self.engines:
+            engine.synchronize_gradients()
+
+    def finish_gradient_synchronization(self) -> None:
+        for engine in self.engines:
+            engine.finish_gradient_synchronization()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """sqrt(dense^2 + experts^2); each engine then scales by the same coefficient
+        (asking it to clip to coefficient x its own norm)."""
+        norms = [engine.clip_grad_norm_(0.0) for engine in self.engines]
+        norm = math.sqrt(sum(n * n for n in norms))
+        coefficient = max_norm / (norm + 1e-6)
+        if max_norm > 0 and coefficient < 1.0:
+            for engine, own in zip(self.engines, norms, strict=True):
+                engine.clip_grad_norm_(coefficient * (own + 1e-6))
+        return norm
+
+    def step(self, lr: float) -> None:
+        for engine in self.engines:
+            engine.step(lr)
+
+    def zero_grad(self) -> None:
+        for engine in self.engines:
+            engine.zero_grad()
+
+    @property
+    def step_count(self) -> int:
+        return self.dense.step_count
+
+    def parameter_pieces(self):
+        return [p for engine in self.engines for p in engine.parameter_pieces()]
+
+    def state_pieces(self):
+        return [p for engine in self.engines for p in engine.state_pieces()]
+
+    def holdings(self):
+        return [h for engine in self.engines for h in engine.holdings()]
+
+    def load_optimizer_state(self, step: int, state) -> None:
+        for engine in self.engines:
+            engine.load_optimizer_state(step, state)
+
+    def describe(self) -> dict:
+        dense, experts = (engine.describe() for engine in self.engines)
+        merged = dict(dense)
+        for key in ("buckets", "numel", "padded_numel", "padding_elements"):
+            if key in experts:
+                merged[key] = dense.get(key, 0) + experts[key]
+        merged["expert_numel"] = experts.get("numel", 0)
+        return merged
