@@ -63,16 +63,18 @@ class ClusterSpec:
     efficiency: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
-    intra_node_latency: float = 3e-6
-    inter_node_latency: float = 8e-6
+    # The links' latencies and the offload tiers default to the emulator's device profile,
+    # whose docstring cites each figure: one source for both (minipar.distributed.clock).
+    intra_node_latency: float = DeviceProfile.intra_node_latency
+    inter_node_latency: float = DeviceProfile.inter_node_latency
     usable_memory_fraction: float = 0.9
     roofline: Roofline | None = None
-    pcie_bandwidth: float = 50e9
-    pcie_latency: float = 10e-6
-    nvme_read_bandwidth: float = 13.0e9
-    nvme_write_bandwidth: float = 6.6e9
-    nvme_latency: float = 100e-6
-    host_flops: float = 20e9
+    pcie_bandwidth: float = DeviceProfile.pcie_bandwidth
+    pcie_latency: float = DeviceProfile.pcie_latency
+    nvme_read_bandwidth: float = DeviceProfile.nvme_read_bandwidth
+    nvme_write_bandwidth: float = DeviceProfile.nvme_write_bandwidth
+    nvme_latency: float = DeviceProfile.nvme_latency
+    host_flops: float = DeviceProfile.host_flops
     host_memory_bytes: float = 256 * GIB
     nvme_bytes: float = 3.84e12
 
