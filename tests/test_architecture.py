@@ -46,10 +46,7 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 # Import cycles (the modules of one cycle) owned by another branch of issue 12.
 KNOWN_CYCLES: dict[frozenset[str], str] = {}
 # Modules over MAX_LINES owned by another branch of issue 12 (split, or say why).
-KNOWN_LONG: dict[str, str] = {
-    "minipar/parallel/pipeline.py": "issue 12 (a)/(b): bookkeeping to distributed, "
-                                    "one simulator",
-}
+KNOWN_LONG: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- reading the imports
