@@ -97,9 +97,7 @@ class SequenceParallelLinear(Function):
         if need_w:
             # The extra all-gather of Korthikanti et al.: the full input is a transient
             # buffer again, alive only while the weight gradient is formed.
-            full = dist.all_gather(x, group=group, dim=SEQUENCE_DIM)
-            device = dist.get_device()
-            device.memory.hold(full, "buffers")
+            full = dist.all_gather(x, group=group, dim=SEQUENCE_DIM, category="buffers")
         if need_x:
             w = weight if ctx.transpose_weight else weight.T  # (out/t, in)
             dx = _matmul(g2, w).astype(dtype, copy=False)
@@ -109,7 +107,7 @@ class SequenceParallelLinear(Function):
             f2 = full.reshape(-1, full.shape[-1])
             dw = _matmul(g2.T, f2) if ctx.transpose_weight else _matmul(f2.T, g2)
             grad_w = dw.astype(dtype, copy=False)
-            device.memory.release(full)
+            dist.release(full)
         if need_b:
             work = float32 if dtype == bfloat16 else dtype
             grad_b = g2.sum(axis=0, dtype=work).astype(dtype, copy=False)
