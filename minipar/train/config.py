@@ -62,7 +62,7 @@ class TrainConfig:
     moe_capacity_factor: float = 1.0
     moe_aux_loss_coeff: float = 0.01
     moe_layer_freq: int = 1
-    # parallel layout (a device mesh dp x pp x tp; see minipar.distributed.DeviceMesh)
+    # parallel layout (a device mesh dp x pp x cp x tp; see minipar.distributed.DeviceMesh)
     dp: int = 1
     tp: int = 1
     pp: int = 1
