@@ -40,12 +40,12 @@ from minipar import distributed as dist
 from minipar.autograd.engine import backward_input
 from minipar.distributed.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.nn import GPTConfig
+from minipar.nn.optim import grad_norm_squared
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline_stage import (  # noqa: F401 - re-exported (older imports)
     PipelineStage,
     StageBlocks,
     StageInput,
-    consolidate_state_dicts,
     split_layers,
 )
 from minipar.parallel.schedules import (
@@ -124,6 +124,7 @@ class Pipeline:
             head.wte, head.holds_tied_copy = self.chunks[0].wte, False
         # Megatron's embedding group: the ranks holding the two copies of a tied wte.
         first, last = pp_group.ranks[self.first_rank], pp_group.ranks[self.last_rank]
+        self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
         self.embedding_group = None
         if config.tie_embeddings and first != last:
             self.embedding_group = dist.new_group(sorted([first, last]), kind="pp")
@@ -148,15 +149,18 @@ class Pipeline:
         stage's is the same): the union over the pp group is the single-device dict."""
         return {name: p.data.copy() for name, p in self.named_parameters(False)}
 
+    def counts_in_norm(self, param) -> bool:
+        """Does my `param` count in the global gradient norm? Every parameter once: not
+        the last stage's tied copy of wte (equal to the first stage's after the step)."""
+        if self._counted_in_norm is None:  # the chunks' parameters are fixed once built
+            self._counted_in_norm = frozenset(map(id, self.parameters(include_tied_copy=False)))
+        return id(param) in self._counted_in_norm
+
     def grad_norm_squared(self) -> float:
-        """Sum of squared gradients of this rank's parameters, the tied copy counted once
-        (on the first stage). Sum it over the pp group for the squared global norm."""
-        total = 0.0
-        for p in self.parameters(include_tied_copy=False):
-            if p.grad is not None:
-                g = p.grad.astype(np.float64, copy=False)
-                total += float(np.sum(g * g))
-        return total
+        """Sum of squared gradients of the parameters that `counts_in_norm`, on this rank.
+        Sum it over the pp group for the squared global norm."""
+        return grad_norm_squared(p.grad for p in self.parameters()
+                                 if p.grad is not None and self.counts_in_norm(p))
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, micro_batches, grad_sync=None) -> float:

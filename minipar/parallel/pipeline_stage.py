@@ -13,9 +13,9 @@ stage keeps its own copy of wte; after every step's backward the first and last 
 all-reduce the gradient of their copies (Megatron's "embedding group"), so both copies
 receive the same update and stay equal.
 
-`split_layers` cuts the layers; `PipelineStage` is one virtual stage (a model chunk);
-`consolidate_state_dicts` joins the stages' state dicts back into one. The executor that
-runs a schedule over these chunks is minipar/parallel/pipeline.py.
+`split_layers` cuts the layers; `PipelineStage` is one virtual stage (a model chunk).
+The executor that runs a schedule over these chunks is minipar/parallel/pipeline.py;
+`minipar.train.checkpoint.assemble` joins the stages' pieces back into one state dict.
 """
 
 
@@ -29,7 +29,7 @@ from minipar.autograd import Tensor
 from minipar.autograd import functional as F
 from minipar.autograd.precision import get_policy
 from minipar.nn import Block, Embedding, GPTConfig, LayerNorm, LMHead, Module
-from minipar.nn.gpt import check_token_ids, initialize_parameters, parameter_shapes
+from minipar.nn.gpt import check_token_ids, initialize_parameters
 from minipar.nn.layers import Dropout
 from minipar.nn.recompute import Recompute, run_blocks
 from minipar.parallel.schedules import (
@@ -164,22 +164,3 @@ class StageInput(Tensor):
 
     __slots__ = ()
     grad_category = "buffers"
-
-
-# --------------------------------------------------------------------------- whole runs
-def consolidate_state_dicts(pieces, config: GPTConfig) -> dict[str, np.ndarray]:
-    """The single-device state dict from the pp ranks' `Pipeline.state_dict()`s, keys in
-    `GPT.state_dict()` order. Raises if a parameter is missing or held twice."""
-    merged: dict[str, np.ndarray] = {}
-    for rank, piece in enumerate(pieces):
-        for name, array in piece.items():
-            if name in merged:
-                raise PipelineError(f"consolidate: {name} is held by two pipeline ranks "
-                                    f"(the second is rank {rank})")
-            merged[name] = array
-    names = list(parameter_shapes(config))
-    missing = [n for n in names if n not in merged]
-    unexpected = [n for n in merged if n not in names]
-    if missing or unexpected:
-        raise PipelineError(f"consolidate: missing {missing}, unexpected {unexpected}")
-    return {name: merged[name] for name in names}

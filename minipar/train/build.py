@@ -298,7 +298,6 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     gpt = gpt_config(config)
     tp_group, pp_group = mesh.tp_group(), mesh.pp_group()
     model = pipeline = None
-    tied_copies: set[int] = set()
     common = dict(seed=config.seed, precision=config.precision,
                   activation_checkpointing=config.activation_checkpointing,
                   recompute=config.recompute)
@@ -327,16 +326,15 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                             virtual_stages=config.virtual_stages, stage_class=stage_class,
                             **common)
         named = list(pipeline.named_parameters())
-        counted = {id(p) for p in pipeline.parameters(include_tied_copy=False)}
-        tied_copies = {id(p) for _, p in named if id(p) not in counted}
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
     tp_rank = mesh.tp_rank
 
     def counts_in_norm(param) -> bool:
-        # Each element of the full model once: TP replicas on TP rank 0, a tied
-        # embedding on the first pipeline stage (its copy on the last is equal).
-        return id(param) not in tied_copies and counts_once_in_norm(param, tp_rank)
+        # Each element of the full model once: TP replicas on TP rank 0 (tensor.py), a
+        # tied embedding on the first pipeline stage (Pipeline.counts_in_norm).
+        return ((pipeline is None or pipeline.counts_in_norm(param))
+                and counts_once_in_norm(param, tp_rank))
 
     adamw = {"lr": config.lr, "betas": (config.beta1, config.beta2),
              "weight_decay": config.weight_decay}

@@ -343,11 +343,18 @@ def consolidate(directory) -> dict[str, np.ndarray]:
     from minipar.train.config import TrainConfig
 
     config = TrainConfig.from_dict(state.config)
-    order = parameter_shapes(gpt_config(config, config.vocab_size))
-    if set(order) != set(weights):
-        raise CheckpointError(f"{directory}: the checkpoint holds {sorted(weights)}, the "
-                              f"model of its config has {sorted(order)}")
-    return {name: weights[name] for name in order}
+    return in_model_order(weights, parameter_shapes(gpt_config(config, config.vocab_size)),
+                          f"{directory}: the checkpoint")
+
+
+def in_model_order(weights: dict[str, np.ndarray], shapes: dict,
+                   source: str = "the ranks") -> dict[str, np.ndarray]:
+    """`weights` (e.g. `assemble(...)["param"]`) keyed in the single-device GPT's order
+    (`parameter_shapes`); raises if a parameter is missing or not the model's."""
+    if set(shapes) != set(weights):
+        raise CheckpointError(f"{source} holds {sorted(weights)}, the model of its config "
+                              f"has {sorted(shapes)}")
+    return {name: weights[name] for name in shapes}
 
 
 def save_state_dict(path, state_dict: dict[str, np.ndarray]) -> Path:

@@ -168,7 +168,7 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
     # Replicas must agree; with check on, a difference is reported, not raised.
     state_dict = checkpoint.assemble(held, config.to_dict(), strict=not config.check)["param"]
     shapes = parameter_shapes(gpt_config(config, config.vocab_size))
-    state_dict = {name: state_dict[name] for name in shapes}
+    state_dict = checkpoint.in_model_order(state_dict, shapes)
     timelines = [device.clock.events for device in devices]
     report = Report(config=config.to_dict(), world_size=config.world_size,
                     n_params=int(sum(np.prod(s) for s in shapes.values())), steps=steps,

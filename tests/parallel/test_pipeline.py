@@ -16,12 +16,13 @@ from minipar.autograd.tensor import Context
 from minipar.autograd.tracking import use_device
 from minipar.distributed.timeline import labelled_compute_seconds
 from minipar.nn import GPT, AdamW, GPTConfig, clip_grad_norm_
+from minipar.nn.gpt import parameter_shapes
 from minipar.nn.optim import scale_grads_
+from minipar.parallel.buckets import Piece
 from minipar.parallel.pipeline import (
     Pipeline,
     PipelineError,
     bubble_fraction,
-    consolidate_state_dicts,
     split_layers,
     time_breakdown,
 )
@@ -36,6 +37,7 @@ from minipar.parallel.schedules import (
     SendActivation,
     SendGrad,
 )
+from minipar.train.checkpoint import assemble, in_model_order
 from minipar.train.data import micro_batch, synthetic_stream
 
 SEED, B, T, D, VOCAB = 0, 2, 8, 16, 32
@@ -49,6 +51,15 @@ FREE = dist.DeviceProfile(intra_node_latency=0.0, inter_node_latency=0.0,
 def gpt_config(n_layer: int, tied: bool = True) -> GPTConfig:
     return GPTConfig(vocab_size=VOCAB, seq_len=T, n_layer=n_layer, n_head=2, d_model=D,
                      tie_embeddings=tied)
+
+
+def consolidate_state_dicts(pieces, config: GPTConfig) -> dict[str, np.ndarray]:
+    """The single-device state dict from the pp ranks' `Pipeline.state_dict()`s, through
+    the path a run's report takes (checkpoint.assemble, then the model's key order)."""
+    held = [(f"pp rank {rank}", {}, Piece("param", name, array.shape, 0, array.size,
+                                          array.reshape(-1)))
+            for rank, piece in enumerate(pieces) for name, array in piece.items()]
+    return in_model_order(assemble(held, {})["param"], parameter_shapes(config))
 
 
 def random_micro_batches(m: int, seed: int = 0):
