@@ -20,6 +20,7 @@ import dataclasses
 import sys
 import types
 import typing
+import warnings
 
 from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
@@ -263,7 +264,8 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
         print(f"\nminipar: {report.world_size} rank(s), {report.n_params:,} parameters, "
               f"precision {config.precision}, global batch {config.global_batch_size} "
               f"= micro {config.micro_batch_size} x accum {config.grad_accum_steps} "
-              f"x dp {config.dp}\n")
+              f"x dp {config.dp}, recompute {config.recompute.label}\n"
+              f"simulated GPU: {report.device['name']} (--device {args.device})\n")
         print(tables.loss_table(report))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
         print(tables.memory_table(report))
@@ -400,11 +402,16 @@ def cmd_consolidate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A warning (a resumed run that changed a setting) is one line like an error, not
+    # Python's "file:line: UserWarning" with a source line the user did not write.
     try:
         commands = {"train": cmd_train, "consolidate": cmd_consolidate, "demo": cmd_demo,
                     "check": cmd_check, "timeline": cmd_timeline, "plan": run_plan,
                     "profile": profile_cli.run_profile}
-        return commands[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = lambda message, *_: print(
+                f"minipar {args.command}: warning: {message}", file=sys.stderr)
+            return commands[args.command](args)
     except (MiniparError, NotImplementedError) as err:
         # Every refusal (a setting, a checkpoint, a diverged run, a stuck rank) is one
         # line and exit status 2; anything else is a bug in minipar and keeps its traceback.

@@ -26,6 +26,21 @@ def test_train_writes_a_valid_report_and_prints_tables(tmp_path):
     validate_report(report)
     assert len(report["steps"]) == 5
     assert "loss" in result.stdout and "peak_total" in result.stdout
+    # the header names what was simulated: the GPU profile and the recomputation policy
+    assert "simulated GPU: H100-SXM" in result.stdout and "(--device uniform)" in result.stdout
+    assert "recompute none" in result.stdout
+
+
+def test_resuming_with_a_changed_batch_warns_in_one_line_naming_where_it_came_from(tmp_path):
+    saved = run("train", "--steps", "1", "--save", str(tmp_path / "ckpt"), "--quiet", *SMALL)
+    assert saved.returncode == 0, saved.stderr
+    resumed = run("train", "--steps", "2", "--dp", "2", "--resume", str(tmp_path / "ckpt"),
+                  "--quiet", *SMALL)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr.splitlines() == [
+        f"minipar train: warning: resuming {tmp_path / 'ckpt'} with --global-batch-size 4 = "
+        "micro 2 x accum 1 x dp 2 (saved with 2): the run continues with the new value and "
+        "is no longer the uninterrupted run"]
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -348,7 +348,7 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
         if fewer.memory["peak_total"] <= roomy:
             return Finding(
                 "RECOMPUTES_TOO_MUCH", "info",
-                f"{what} recomputes {done} of the {chunk} layers of each pipeline chunk, "
+                f"{what} recomputes {done} of the {chunk} layers of its largest pipeline chunk, "
                 f"but recomputing {k} fits ({human_bytes(fewer.memory['peak_total'])} of "
                 f"{human_bytes(usable)}); the extra recomputation costs {slower(fewer)}.",
                 f"use --recompute-granularity full --recompute-method block "

@@ -82,7 +82,7 @@ CLUSTERS: dict[str, ClusterSpec] = {
         # (Samsung PM1733 datasheet: 7.0 GB/s read, 3.8 GB/s write)
         pcie_bandwidth=25e9, nvme_read_bandwidth=7.0e9, nvme_write_bandwidth=3.8e9),
     "h100-80gb": ClusterSpec(
-        name="8x H100-SXM-80GB, NVLink 4, 400 Gb/s NDR IB per GPU", gpus_per_node=8,
+        name="8x H100-SXM5-80GB, NVLink 4, 400 Gb/s NDR IB per GPU", gpus_per_node=8,
         memory_bytes=80 * GIB, peak_flops=989e12, efficiency=0.5,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
         intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=H100_SXM_80GB),

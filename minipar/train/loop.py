@@ -196,9 +196,12 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
     for name in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
                  "grad_clip", "global_batch_size"):
         if name in saved and saved[name] != getattr(config, name):
+            # The global batch is usually derived (micro x accum x dp): name where it came from.
+            derived = (f" = micro {config.micro_batch_size} x accum {config.grad_accum_steps}"
+                       f" x dp {config.dp}" if name == "global_batch_size" else "")
             warnings.warn(f"resuming {resume_from} with {flag(name)} {getattr(config, name)!r}"
-                          f" (saved with {saved[name]!r}): the run continues with the new "
-                          "value and is no longer the uninterrupted run", stacklevel=3)
+                          f"{derived} (saved with {saved[name]!r}): the run continues with the"
+                          " new value and is no longer the uninterrupted run", stacklevel=3)
     return state
 
 
