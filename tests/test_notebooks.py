@@ -113,11 +113,36 @@ def test_notebook_carries_the_metadata_jupyterlab_writes(path):
         JUPYTERLAB_METADATA)
 
 
+@pytest.fixture(scope="module")
+def stripped(tmp_path_factory) -> dict[tuple[str, str], bytes]:
+    """{(notebook stem, "committed" | "run"): what nbstripout makes of it}, for every
+    notebook, from one nbstripout process over copies of all of them (one process per
+    file costs ~1.5 s of start-up each). In-place mode writes with the same nbformat
+    writer as the stdin mode the git filter uses (`strip`, which the scratch-repository
+    test below runs through git itself)."""
+    pytest.importorskip("nbstripout")
+    folder = tmp_path_factory.mktemp("stripped")
+    files = {}
+    for path in NOTEBOOKS:
+        for kind, data in (("committed", path.read_bytes()), ("run", as_run_in_jupyterlab(path))):
+            files[path.stem, kind] = folder / f"{path.stem}.{kind}.ipynb"
+            files[path.stem, kind].write_bytes(data)
+    subprocess.run([sys.executable, "-m", "nbstripout", "--extra-keys", EXTRA_KEYS,
+                    *map(str, files.values())], capture_output=True, check=True)
+    return {key: file.read_bytes() for key, file in files.items()}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_the_clean_filter_leaves_a_committed_notebook_and_strips_a_run_one_back(path):
+def test_the_clean_filter_leaves_a_committed_notebook_and_strips_a_run_one_back(path, stripped):
     committed = path.read_bytes()
-    assert strip(committed) == committed  # a fresh clone with the filter is clean
-    assert strip(as_run_in_jupyterlab(path)) == committed
+    assert stripped[path.stem, "committed"] == committed  # a fresh clone is clean
+    assert stripped[path.stem, "run"] == committed
+
+
+def test_the_filter_on_standard_input_strips_as_the_batch_above_does(stripped):
+    """The git filter reads the notebook on stdin: same bytes as the in-place batch."""
+    path = NOTEBOOKS[-1]
+    assert strip(as_run_in_jupyterlab(path)) == stripped[path.stem, "run"]
 
 
 def test_gitattributes_route_notebooks_through_nbstripout():
