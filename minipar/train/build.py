@@ -34,7 +34,7 @@ pipeline has flushed and the tied embedding's two copies have summed their gradi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +55,10 @@ from minipar.parallel.expert import (
 )
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
+from minipar.parallel.sequence import (
+    allreduce_sequence_parallel_grads,
+    defer_gradient_reduction,
+)
 from minipar.parallel.tensor import (
     TensorParallelGPT,
     TensorParallelMixin,
@@ -184,10 +188,32 @@ class RankModel:
     model: GPT | None = None
     pipeline: Pipeline | None = None
     overlap_grad_reduce: bool = True
+    # (name, SequenceParallelParameter) whose TP all-reduce waits for the step
+    sequence_parallel_params: list = field(default_factory=list)
 
     def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
-        gradients averaged over the DP group at the end; returns the mean loss."""
+        gradients averaged over the DP group at the end and finalized
+        (`finalize_model_grads`); returns the mean loss."""
+        loss = self._forward_backward(micro_batches)
+        self.finalize_model_grads()
+        return loss
+
+    def finalize_model_grads(self) -> None:
+        """After the data-parallel sync, what Megatron-LM's `finalize_model_grads`
+        (megatron/core/distributed/finalize_model_grads.py) does for sequence
+        parallelism: all-reduce the sequence-parallel parameters' gradients, summands
+        over TP until now, over the TP group in one flat buffer. (The tied embedding's
+        sum over the pipeline happens inside the pipeline's flush here.)"""
+        if not self.sequence_parallel_params:
+            return
+        params = [p for _, p in self.sequence_parallel_params]
+        with dist.phase("backward"):
+            allreduce_sequence_parallel_grads(self.sequence_parallel_params,
+                                              self.engine.main_grads(params),
+                                              self.mesh.tp_group())
+
+    def _forward_backward(self, micro_batches) -> float:
         engine = self.engine
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
@@ -357,6 +383,11 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())
     rank = RankModel(mesh, engine, model, pipeline, config.overlap_grad_reduce)
+    if config.sequence_parallel and config.offload_optimizer == "none":
+        # One TP all-reduce of these gradients per step, after the DP sync (Megatron).
+        # An offloaded optimizer's gradient shard leaves the GPU as its DP reduction
+        # completes, so there it stays in f's backward, per parameter and micro-batch.
+        rank.sequence_parallel_params = defer_gradient_reduction(named)
     if start is not None:
         engine.load_optimizer_state(start.step, local_state(named, start.tensors, mesh))
         # My saved dropout-generator state (rank 0's if the checkpoint had fewer ranks).
