@@ -60,6 +60,9 @@ from minipar.plan.shapes import ModelShape, padded_vocab
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
 GRADIENT_NORM = "gradient norm"  # the label of the clipping's all-reduces (dp, tp, pp)
 PARAMETER_ALL_GATHER = "parameter all-gather"  # ZeRO-1/2's, after the optimizer
+# Sequence parallelism's norm and bias gradients, summed over TP once per step at the end
+# of the last backward: on the clock, part of the step's tail (timing.py)
+SEQUENCE_PARALLEL_GRADIENTS = "norm and bias gradient all-reduce (coalesced)"
 
 
 @dataclass(frozen=True)
@@ -188,11 +191,16 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         vectors = small * layers + (norms // 2 if stage.last else 0)  # + ln_f's
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
-            # finalize_model_grads; minipar/parallel/sequence.py)
+            # finalize_model_grads; minipar/parallel/sequence.py), of the elements the
+            # optimizer reads: under ZeRO my shard's (about 1/N of them: the exact share
+            # depends on where the vectors fall in the flat buckets)
+            elements = vectors * h
+            if config.zero and config.replicas > 1:
+                elements = shard(elements, config.replicas)
             transfers.append(Transfer(
-                "all_reduce", "tp", t, vectors * h * nbytes.grad, 1,
-                all_reduce_sent(vectors * h, nbytes.grad, t), "backward",
-                "norm and bias gradient all-reduce (coalesced)"))
+                "all_reduce", "tp", t, elements * nbytes.grad, 1,
+                all_reduce_sent(elements, nbytes.grad, t), "backward",
+                SEQUENCE_PARALLEL_GRADIENTS))
         else:  # (an offloaded optimizer keeps f's all-reduce per vector and micro-batch)
             add("all_reduce", vectors, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
                 "backward", "norm and bias gradient all-reduce")
