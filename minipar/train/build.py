@@ -13,7 +13,8 @@ zero.py, ZeRO-3 in zero3.py). Every rank builds its pieces from the same full in
 weights, so every layout starts where a single device starts.
 
     rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
-    loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
+    loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step,
+                                                    # then finalize_model_grads (SP's TP sum)
     rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
 
 `check_layout(config)` decides, before anything runs, whether a mix is supported; it
