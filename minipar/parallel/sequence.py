@@ -225,7 +225,7 @@ def allreduce_sequence_parallel_grads(named_params, grads: list[np.ndarray], gro
                                  "backward since the last reduction): a second sum would "
                                  "multiply it by the TP size")
     coalesced = dist.hold(np.concatenate([g.reshape(-1) for g in grads]), "buffers")
-    if coalesced.size:  # (a ZeRO shard with none of them: nor have its TP peers)
+    if coalesced.size:  # (empty: my ZeRO shard holds none, nor do my TP peers')
         synced = dist.all_reduce(coalesced, group=group, category="buffers")
         offset = 0
         for grad in grads:
@@ -239,8 +239,8 @@ def allreduce_sequence_parallel_grads(named_params, grads: list[np.ndarray], gro
 
 class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on a sequence piece (B, T/t, d). Weight and bias are replicated but see
-    only my tokens, so they enter through f: backward all-reduces their gradients over
-    the TP group (Megatron's all-reduce of `sequence_parallel` parameters). `name` (e.g.
+    only my tokens, so their gradients are summed over the TP group: by f's backward, or
+    once per step when deferred (see SequenceParallelParameter). `name` (e.g.
     "h.0.ln_1") names them in placement errors."""
 
     def __init__(self, layer_norm: LayerNorm, group, name: str = "LayerNorm"):
