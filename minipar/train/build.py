@@ -13,8 +13,7 @@ zero.py, ZeRO-3 in zero3.py). Every rank builds its pieces from the same full in
 weights, so every layout starts where a single device starts.
 
     rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
-    loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step,
-                                                    # then finalize_model_grads (SP's TP sum)
+    loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
     rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
 
 `check_layout(config)` decides, before anything runs, whether a mix is supported; it
@@ -56,10 +55,7 @@ from minipar.parallel.expert import (
 )
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
-from minipar.parallel.sequence import (
-    allreduce_sequence_parallel_grads,
-    defer_gradient_reduction,
-)
+from minipar.parallel.sequence import allreduce_sequence_parallel_grads, defer_gradient_reduction
 from minipar.parallel.tensor import (
     TensorParallelGPT,
     TensorParallelMixin,
@@ -189,32 +185,17 @@ class RankModel:
     model: GPT | None = None
     pipeline: Pipeline | None = None
     overlap_grad_reduce: bool = True
-    # (name, SequenceParallelParameter) whose TP all-reduce waits for the step
-    sequence_parallel_params: list = field(default_factory=list)
+    sequence_parallel_params: list = field(default_factory=list)  # deferred TP sums
+
+    def finalize_model_grads(self) -> None:
+        """Megatron's finalize_model_grads after the DP sync: SP's one TP all-reduce."""
+        with dist.phase("backward"):
+            allreduce_sequence_parallel_grads(self.sequence_parallel_params, self.engine,
+                                              self.mesh.tp_group())
 
     def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
-        gradients averaged over the DP group at the end and finalized
-        (`finalize_model_grads`); returns the mean loss."""
-        loss = self._forward_backward(micro_batches)
-        self.finalize_model_grads()
-        return loss
-
-    def finalize_model_grads(self) -> None:
-        """After the data-parallel sync, what Megatron-LM's `finalize_model_grads`
-        (megatron/core/distributed/finalize_model_grads.py) does for sequence
-        parallelism: all-reduce the sequence-parallel parameters' gradients, summands
-        over TP until now, over the TP group in one flat buffer. (The tied embedding's
-        sum over the pipeline happens inside the pipeline's flush here.)"""
-        if not self.sequence_parallel_params:
-            return
-        params = [p for _, p in self.sequence_parallel_params]
-        with dist.phase("backward"):
-            allreduce_sequence_parallel_grads(self.sequence_parallel_params,
-                                              self.engine.main_grads(params),
-                                              self.mesh.tp_group())
-
-    def _forward_backward(self, micro_batches) -> float:
+        gradients averaged over DP, then `finalize_model_grads`; returns the mean loss."""
         engine = self.engine
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
@@ -230,6 +211,7 @@ class RankModel:
             engine.require_backward_grad_sync = False
             with dist.phase("backward"):
                 engine.synchronize_gradients()
+            self.finalize_model_grads()
             return loss
         accum, losses = len(micro_batches), []
         for k, (x, y) in enumerate(micro_batches):
@@ -245,6 +227,7 @@ class RankModel:
             with dist.phase("backward"):  # DDP waits in its end-of-backward callback
                 engine.finish_gradient_synchronization()
             losses.append(float(loss.data))
+        self.finalize_model_grads()
         return float(np.mean(losses))
 
     def routing(self) -> list[dict]:
@@ -384,10 +367,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())
     rank = RankModel(mesh, engine, model, pipeline, config.overlap_grad_reduce)
-    if config.sequence_parallel and config.offload_optimizer == "none":
-        # One TP all-reduce of these gradients per step, after the DP sync (Megatron).
-        # An offloaded optimizer's gradient shard leaves the GPU as its DP reduction
-        # completes, so there it stays in f's backward, per parameter and micro-batch.
+    if config.sequence_parallel and config.offload_optimizer == "none":  # (else f sums)
         rank.sequence_parallel_params = defer_gradient_reduction(named)
     if start is not None:
         engine.load_optimizer_state(start.step, local_state(named, start.tensors, mesh))
