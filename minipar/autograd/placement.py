@@ -136,6 +136,25 @@ def require_replicated(name: str, placement: Placement) -> None:
                              "a reduction (all-reduce or all-gather) is missing before it")
 
 
+def require_replicated_gradients(named_params) -> None:
+    """Refuse to read gradients that are still a per-rank summand.
+
+    named_params: (name, parameter) pairs; a parameter's `grad_placement` (minipar.nn.
+    Parameter) is Partial() between the backward that accumulated its summand and the
+    all-reduce that sums it (sequence parallelism defers that to once per step). The
+    optimizers call this before the gradient norm and the step: each replica would
+    otherwise step with its own share of the gradient."""
+    for name, param in named_params:
+        placement = getattr(param, "grad_placement", None)
+        if placement is not None and not isinstance(placement, Replicate):
+            raise PlacementError(
+                f"{name}: its gradient is {placement} over the {param.placement_group} "
+                "group (this rank's summand) but the gradient norm and the optimizer "
+                "step need Replicate(): the step's all-reduce of the sequence-parallel "
+                "gradients (finalize_model_grads, minipar/parallel/sequence.py) has not "
+                "run since the last backward, so each replica would step differently")
+
+
 # ---------------------------------------------------------------------------- activations
 class PartialSum(Tensor):
     """A Tensor holding this rank's summand of a value (placement Partial()): the output

@@ -24,9 +24,13 @@ class Parameter(Tensor):
     the group of kind `placement_group` ("tp", "dp", ...): see minipar.autograd.placement.
     A plain single-device parameter is `Replicate()` over no group. `grad_category` is
     the memory-ledger category its `.grad` is booked under when backward creates it.
+    `grad_placement` is how its gradient relates to the full one over the same group:
+    `Replicate()`, except for a sequence-parallel parameter whose gradient holds only my
+    tokens' summand, `Partial()`, until the step's all-reduce sums it
+    (minipar/parallel/sequence.py); the optimizers refuse it until then.
     """
 
-    __slots__ = ("placement", "placement_group", "grad_category")
+    __slots__ = ("placement", "placement_group", "grad_category", "grad_placement")
 
     def __init__(self, data, requires_grad: bool = True, placement=None, placement_group=None):
         super().__init__(data, requires_grad=requires_grad)
@@ -34,6 +38,7 @@ class Parameter(Tensor):
         self.placement_group = placement_group
         # The ledger category of the .grad that backward creates (ZeRO-2/3: "buffers").
         self.grad_category = "grads"
+        self.grad_placement = Replicate()
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.shape}, dtype={self.dtype})"

@@ -57,6 +57,7 @@ import math
 import numpy as np
 
 from minipar import distributed as dist
+from minipar.autograd.placement import require_replicated_gradients
 from minipar.nn.optim import AdamW, grad_norm_squared, scale_grads_
 from minipar.parallel.buckets import Bucket, Holding, Piece, build_buckets
 
@@ -170,9 +171,15 @@ class DataParallel:
         _check_all_reduced(self.buckets)
 
     # -------------------------------------------------------------- optimizer
+    def main_grads(self, params) -> list[np.ndarray]:
+        """The averaged gradient the optimizer will read for each of `params`, to be
+        finished in place (Megatron's `param.main_grad`): its whole p.grad."""
+        return [p.grad for p in params]
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient norm (identical on every replica after the all-reduce);
         gradients are scaled to `max_norm` when it is > 0 and exceeded."""
+        require_replicated_gradients(zip(self.names, self.params, strict=True))
         grads = [p.grad for p in self.params]
         counted = [p.grad for p in self.params if self.counts_in_norm(p)]
         norm = math.sqrt(sum_over_groups(grad_norm_squared(counted), self.norm_groups))
@@ -181,6 +188,7 @@ class DataParallel:
         return norm
 
     def step(self, lr: float) -> None:
+        require_replicated_gradients(zip(self.names, self.params, strict=True))
         self.optimizer.lr = lr
         self.optimizer.step()
 

@@ -129,7 +129,8 @@ class RowParallelLinear(Module):
             return y
         bias = self.bias
         if self.sequence_parallel:
-            # The bias meets only my tokens: its gradient is a partial sum (f sums it).
+            # The bias meets only my tokens: its gradient is a partial sum (f sums it, or
+            # the step does once it is deferred: sequence.py).
             bias = copy_parameter_to_tensor_parallel_region(bias, self.group)
         return y + bias
 

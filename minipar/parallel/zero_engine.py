@@ -37,6 +37,7 @@ import math
 import numpy as np
 
 from minipar import distributed as dist
+from minipar.autograd.placement import require_replicated_gradients
 from minipar.autograd.precision import bfloat16, float32
 from minipar.nn.optim import adamw_update, grad_norm_squared, report_optimizer, scale_grads_
 from minipar.parallel.data import MAX_IN_FLIGHT, Bucket, Holding, Piece, sum_over_groups
@@ -283,11 +284,36 @@ class ZeroEngine:
                     f"({', '.join(sb.bucket.names)}) got a gradient in this backward; "
                     + CHECK_MESSAGE)
 
+    def main_grads(self, params) -> list[np.ndarray]:
+        """For each of `params`, the part of my averaged gradient shard that holds it
+        (empty if my shard holds none of it), to be finished in place: the part of
+        Megatron's `param.main_grad` that its distributed optimizer reads. After the
+        last backward's synchronisation; the optimizer must run on the GPU."""
+        if not self.offload.optimizer_on_gpu:
+            raise RuntimeError(f"ZeRO-{self.stage} with the optimizer offloaded: the "
+                               "gradient shard leaves the GPU as its reduction completes")
+        views = []
+        for p in params:
+            sb = self._shard_of[id(p)]
+            if sb.grad_shard is None:
+                raise RuntimeError(f"ZeRO-{self.stage}: no reduced gradient yet: call "
+                                   "main_grads after the last backward's synchronisation")
+            i = next(i for i, q in enumerate(sb.bucket.params) if q is p)
+            lo = max(sb.bucket.offsets[i], sb.start)
+            hi = min(sb.bucket.offsets[i] + sb.bucket.sizes[i], sb.stop)
+            views.append(sb.grad_shard[lo - sb.start:max(lo, hi) - sb.start])
+        return views
+
     # -------------------------------------------------------------- optimizer
+    def _named_params(self):
+        return ((name, p) for sb in self.shards
+                for name, p in zip(sb.bucket.names, sb.bucket.params, strict=True))
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global gradient norm: my shard's sum of squares (its counted runs;
         padding is zero and adds nothing), all-reduced over the DP group and then the
         norm groups; scale my shard if it exceeds max_norm."""
+        require_replicated_gradients(self._named_params())
         if not self.offload.optimizer_on_gpu:
             dist.wait_transfers()  # the host gradients must have arrived
         grads = [sb.grad_shard for sb in self.shards]
@@ -306,6 +332,7 @@ class ZeroEngine:
     def step(self, lr: float) -> None:
         """AdamW on my shard of every bucket: on the GPU, or on the host CPU when the
         optimizer state is offloaded (ZeRO-Offload's CPU Adam, offload.py)."""
+        require_replicated_gradients(self._named_params())
         self.lr = lr
         self.step_count += 1
         if not self.offload.optimizer_on_gpu:

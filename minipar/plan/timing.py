@@ -58,7 +58,13 @@ from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_p
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
-from minipar.plan.traffic import GRADIENT_NORM, PARAMETER_ALL_GATHER, Transfer, stage_traffic
+from minipar.plan.traffic import (
+    GRADIENT_NORM,
+    PARAMETER_ALL_GATHER,
+    SEQUENCE_PARALLEL_GRADIENTS,
+    Transfer,
+    stage_traffic,
+)
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
@@ -176,7 +182,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
-        elif transfer.phase == "step":
+        elif transfer.phase == "step" or transfer.label == SEQUENCE_PARALLEL_GRADIENTS:
             step_comm += transfer.count * seconds
         else:
             per_micro_comm += transfer.count * seconds / m
@@ -259,7 +265,8 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             seconds["forward"] += ring[0]
             seconds["backward"] += ring[1]
             for transfer in stage_traffic(shape, config, chunk):
-                if transfer.phase in seconds and transfer.group not in ("pp", "cp"):
+                if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
+                        and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                     seconds[transfer.phase] += (transfer.count / m * transfer_time(
                         transfer, cluster, links[transfer.group]))
             forward[r][c], backward[r][c] = seconds["forward"], seconds["backward"]
@@ -313,7 +320,8 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         def seconds(selected) -> float:
             return sum(t.count * transfer_time(t, cluster, links[t.group]) for t in selected)
 
-        step_transfers = [t for t in transfers if t.phase == "step"]
+        step_transfers = [t for t in transfers
+                          if t.phase == "step" or t.label == SEQUENCE_PARALLEL_GRADIENTS]
         tied = seconds(t for t in step_transfers if t.label.startswith("tied"))
         broadcast = seconds(t for t in step_transfers if t.op == "broadcast")
         # DP reduction, then the norm's all-reduces over DP and TP (groups inside the

@@ -22,7 +22,10 @@ Tensor parallelism (group "tp", per micro-batch; Shoeybi et al. 2019, section 3)
     two (b, s) statistics forward. With sequence parallelism (Korthikanti et al. 2022,
     section 4.2.2) each all-reduce becomes an all-gather plus a reduce-scatter, the
     column-parallel layers gather their input again in backward, and the norms' and
-    row-parallel biases' gradients are all-reduced. Recomputation repeats the forward's.
+    row-parallel biases' gradients are all-reduced, all of them in one flat buffer once
+    per step at the end of the last backward (Megatron's finalize_model_grads; per
+    vector and micro-batch with an offloaded optimizer). Recomputation repeats the
+    forward's.
 Pipeline parallelism (group "pp", per micro-batch; Narayanan et al. 2021, section 2.2):
     each chunk sends its (b, s, h) output forward and its input's gradient back; per step
     the first and last rank all-reduce the tied embedding's gradient (Megatron's
@@ -57,6 +60,9 @@ from minipar.plan.shapes import ModelShape, padded_vocab
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
 GRADIENT_NORM = "gradient norm"  # the label of the clipping's all-reduces (dp, tp, pp)
 PARAMETER_ALL_GATHER = "parameter all-gather"  # ZeRO-1/2's, after the optimizer
+# Sequence parallelism's norm and bias gradients, summed over TP once per step at the end
+# of the last backward: on the clock, part of the step's tail (timing.py)
+SEQUENCE_PARALLEL_GRADIENTS = "norm and bias gradient all-reduce (coalesced)"
 
 
 @dataclass(frozen=True)
@@ -182,15 +188,27 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             "input re-gather and gradient all-gather")
         add("reduce_scatter", 2 * layers, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")
-        add("all_reduce", small * layers, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
-            "backward", "norm and bias gradient all-reduce")
+        vectors = small * layers + (norms // 2 if stage.last else 0)  # + ln_f's
+        if config.offload_optimizer == "none":
+            # one flat all-reduce of them all per step, after the DP sync (Megatron's
+            # finalize_model_grads; minipar/parallel/sequence.py), of the elements the
+            # optimizer reads: under ZeRO my shard's (about 1/N of them: the exact share
+            # depends on where the vectors fall in the flat buckets)
+            elements = vectors * h
+            if config.zero and config.replicas > 1:
+                elements = shard(elements, config.replicas)
+            transfers.append(Transfer(
+                "all_reduce", "tp", t, elements * nbytes.grad, 1,
+                all_reduce_sent(elements, nbytes.grad, t), "backward",
+                SEQUENCE_PARALLEL_GRADIENTS))
+        else:  # (an offloaded optimizer keeps f's all-reduce per vector and micro-batch)
+            add("all_reduce", vectors, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
+                "backward", "norm and bias gradient all-reduce")
         if stage.first:
             add("all_reduce", 1, numel * a, all_reduce_sent(numel, a, t), "forward",
                 "vocab-parallel embedding")
             add("all_gather", 1, numel * a, gather, "backward", "embedding gradient gather")
         if stage.last:
-            add("all_reduce", norms // 2, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
-                "backward", "final norm gradient all-reduce")
             add("all_gather", 1, numel * a, gather, "forward", "logits input all-gather")
             add("all_gather", 1, numel * a, gather, "backward", "logits input re-gather")
             add("reduce_scatter", 1, numel * a, scatter, "backward",

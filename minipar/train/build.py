@@ -34,7 +34,7 @@ pipeline has flushed and the tied embedding's two copies have summed their gradi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from minipar.parallel.expert import (
 )
 from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
 from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
+from minipar.parallel.sequence import allreduce_sequence_parallel_grads, defer_gradient_reduction
 from minipar.parallel.tensor import (
     TensorParallelGPT,
     TensorParallelMixin,
@@ -184,10 +185,17 @@ class RankModel:
     model: GPT | None = None
     pipeline: Pipeline | None = None
     overlap_grad_reduce: bool = True
+    sequence_parallel_params: list = field(default_factory=list)  # deferred TP sums
+
+    def finalize_model_grads(self) -> None:
+        """Megatron's finalize_model_grads after the DP sync: SP's one TP all-reduce."""
+        with dist.phase("backward"):
+            allreduce_sequence_parallel_grads(self.sequence_parallel_params, self.engine,
+                                              self.mesh.tp_group())
 
     def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
-        gradients averaged over the DP group at the end; returns the mean loss."""
+        gradients averaged over DP, then `finalize_model_grads`; returns the mean loss."""
         engine = self.engine
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
@@ -203,6 +211,7 @@ class RankModel:
             engine.require_backward_grad_sync = False
             with dist.phase("backward"):
                 engine.synchronize_gradients()
+            self.finalize_model_grads()
             return loss
         accum, losses = len(micro_batches), []
         for k, (x, y) in enumerate(micro_batches):
@@ -218,6 +227,7 @@ class RankModel:
             with dist.phase("backward"):  # DDP waits in its end-of-backward callback
                 engine.finish_gradient_synchronization()
             losses.append(float(loss.data))
+        self.finalize_model_grads()
         return float(np.mean(losses))
 
     def routing(self) -> list[dict]:
@@ -357,6 +367,8 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())
     rank = RankModel(mesh, engine, model, pipeline, config.overlap_grad_reduce)
+    if config.sequence_parallel and config.offload_optimizer == "none":  # (else f sums)
+        rank.sequence_parallel_params = defer_gradient_reduction(named)
     if start is not None:
         engine.load_optimizer_state(start.step, local_state(named, start.tensors, mesh))
         # My saved dropout-generator state (rank 0's if the checkpoint had fewer ranks).

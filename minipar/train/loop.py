@@ -10,7 +10,10 @@ Megatron-LM / DeepSpeed code is):
     loss = rank.forward_backward(micro_batches)   # pp = 1: forward + backward each,
                                                   #   DDP's no_sync until the last;
                                                   # pp > 1: the pipeline schedule, then
-                                                  #   the DP reduction after the flush
+                                                  #   the DP reduction after the flush;
+                                                  # then SP's one TP all-reduce of the
+                                                  #   norm/bias gradients (Megatron's
+                                                  #   finalize_model_grads)
     grad_norm = engine.clip_grad_norm_(grad_clip)  # global norm over DP shards, TP, PP
     engine.step(lr); engine.zero_grad()             # AdamW on my replica or shard
 

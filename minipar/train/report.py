@@ -262,7 +262,7 @@ def _traffic(devices) -> dict:
 
 def _transfers(devices) -> list[list[dict]]:
     return [[{"op": r.op, "group": r.group_kind, "sent_bytes": r.sent_bytes,
-              "recv_bytes": r.recv_bytes, "start": r.start, "end": r.end}
+              "recv_bytes": r.recv_bytes, "start": r.start, "end": r.end, "phase": r.phase}
              for r in device.comm.records] for device in devices]
 
 
