@@ -79,9 +79,10 @@ def expert_parallel_exchange(moe: MoE, ep_group):
 
 
 def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
-    """Keep only my experts in every MoE layer of `model` and route through the ep group.
-    Each rank builds the full initial weights first (their init is a function of the
-    name), so the experts it keeps are the single device's."""
+    """Keep only my experts in every MoE layer of `model` (a GPT, a tensor-parallel GPT
+    or a pipeline stage) and route through the ep group. Each rank builds the full
+    initial weights first (their init is a function of the name), so the experts it keeps
+    are the single device's (under TP, its slices of them)."""
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
@@ -115,6 +116,10 @@ class ExpertDataParallel:
     def require_backward_grad_sync(self, value: bool) -> None:
         for engine in self.engines:
             engine.require_backward_grad_sync = value
+
+    def defer_reduction(self, params) -> None:
+        """A pipeline's late-reduced parameters (a tied wte's copies) are dense ones."""
+        self.dense.defer_reduction(params)
 
     def synchronize_gradients(self) -> None:
         for engine in self.engines:

@@ -42,6 +42,7 @@ from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
 from minipar.nn import GPT, GPTConfig
+from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context import (
     SELECTIVE_WITH_CP,
     context_parallel_class,
@@ -92,16 +93,8 @@ def check_layout(config: TrainConfig) -> list[str]:
             "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
             "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
             f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
-    offload = config.offload_optimizer != "none" or config.offload_param != "none"
-    if config.moe_num_experts and (tp > 1 or pp > 1 or config.cp > 1 or config.zero >= 2
-                                   or (offload and config.ep > 1)):
-        setting = ("tp" if tp > 1 else "pp" if pp > 1 else "cp" if config.cp > 1
-                   else "zero" if config.zero >= 2 else "offload_optimizer")
-        raise LayoutError(setting, "an MoE model runs with --dp, --ep and --zero 0/1 only "
-                          "for now: the tensor-parallel experts, the pipeline stages' aux "
-                          "losses, context-parallel routing and ZeRO-2/3's expert buckets "
-                          "and offloaded expert engines are not built yet (issue 18); use --tp 1 "
-                          "--pp 1 --cp 1 --zero 0 or 1, no offload with --ep")
+    if config.moe_num_experts:
+        moe_layout_refusal(config)
     if config.sequence_parallel and tp == 1:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
@@ -146,6 +139,36 @@ def check_layout(config: TrainConfig) -> list[str]:
     return warnings
 
 
+def moe_layout_refusal(config: TrainConfig) -> None:
+    """The mixes an MoE model cannot run yet, each refused naming its flag and why. It
+    runs with --dp, --ep, --tp (with or without --sequence-parallel), --pp (every
+    registered schedule) and --zero 0/1 (docs/expert-parallel.md)."""
+    if config.cp > 1:
+        raise LayoutError("cp", f"--cp {config.cp} with an MoE model is refused: each CP rank "
+                          "holds a piece of every sequence, and routing (capacity, which "
+                          "tokens an expert drops, the aux loss's token counts) would have "
+                          "to be decided over the whole sequence, as Megatron's router does "
+                          "over its sequence_partition_group; that is not built. Use --cp 1")
+    if config.zero >= 2:
+        raise LayoutError("zero", f"--zero {config.zero} with an MoE model is refused: "
+                          "ZeRO-2/3 would partition the expert parameters' gradients"
+                          + (" and the parameters themselves" if config.zero == 3 else "")
+                          + " over the expert-data-parallel group, whose buckets, "
+                          "reduce-scatters" + (" and gathers inside the experts' "
+                                               "all-to-all" if config.zero == 3 else "")
+                          + " are not built; use --zero 1 (it shards the optimizer "
+                          "states, the largest part) or --zero 0")
+    offload = config.offload_optimizer != "none" or config.offload_param != "none"
+    if offload and config.ep > 1:
+        setting = ("offload_optimizer" if config.offload_optimizer != "none"
+                   else "offload_param")
+        raise LayoutError(setting, f"--{setting.replace('_', '-')} with --ep {config.ep} is "
+                          "refused: expert parallelism runs two engines (dense parameters "
+                          "over DP, experts over the expert-data-parallel group), and "
+                          "offloading is built into one engine only; use --ep 1 with "
+                          "offload, or no offload with --ep")
+
+
 def tp_groups_across_nodes(config: TrainConfig) -> list[list[int]]:
     """The TP groups whose ranks are on more than one node."""
     mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
@@ -187,8 +210,12 @@ class RankModel:
 
     def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
-        gradients averaged over the DP group at the end; returns the mean loss."""
+        gradients averaged over the DP group at the end; returns the mean (LM) loss."""
         engine = self.engine
+        # Each micro-batch's loss is seeded with 1/m, so its MoE aux losses weigh 1/m too
+        # (Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)).
+        for part in self.parts():
+            set_aux_loss_scale(part, 1.0 / len(micro_batches))
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
             # each chunk's buckets during its last backward (Megatron's
@@ -220,12 +247,22 @@ class RankModel:
             losses.append(float(loss.data))
         return float(np.mean(losses))
 
+    def parts(self) -> list:
+        """The modules this rank runs: its model, or its pipeline chunks."""
+        return [self.model] if self.pipeline is None else list(self.pipeline.chunks)
+
+    def moe_layers(self) -> list[tuple[str, MoE]]:
+        """(global name such as "h.2.mlp", MoE) of the MoE layers this rank holds."""
+        return [(name, m) for part in self.parts() for name, m in part.named_modules()
+                if isinstance(m, MoE)]
+
     def routing(self) -> list[dict]:
-        """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), in order."""
-        if self.model is None:  # an MoE pipeline is refused (check_layout)
-            return []
-        return [dict(m.routing_totals) for m in self.model.modules()
-                if hasattr(m, "routing_totals")]
+        """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), by name."""
+        return [{"name": name, **m.routing_totals} for name, m in self.moe_layers()]
+
+    def aux_loss_total(self) -> float:
+        """The aux losses of my MoE layers summed over every training forward so far."""
+        return sum(m.routing_totals["aux_loss"] for _, m in self.moe_layers())
 
     def named_parameters(self) -> list:
         """(name, Parameter) of what this rank holds (its model or pipeline chunks)."""
@@ -311,11 +348,11 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     if config.pp == 1:
         if config.tp == 1:
             model = with_context_parallel(GPT)(gpt, **common)
-            if config.ep > 1:
-                expert_parallel_gpt(model, mesh.ep_group(), mesh.ep_rank_of())
         else:
             model = with_context_parallel(TensorParallelGPT)(
                 gpt, tp_group=tp_group, sequence_parallel=config.sequence_parallel, **common)
+        if config.ep > 1:  # my experts (under TP my slices of them) over my ep group
+            expert_parallel_gpt(model, mesh.ep_group(), mesh.ep_rank_of())
         named = list(model.named_parameters())
     else:
         stage_class = with_context_parallel(
@@ -325,6 +362,9 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                             micro_batches=config.grad_accum_steps,
                             virtual_stages=config.virtual_stages, stage_class=stage_class,
                             **common)
+        if config.ep > 1:  # each stage keeps its own layers' experts
+            for chunk in pipeline.chunks:
+                expert_parallel_gpt(chunk, mesh.ep_group(), mesh.ep_rank_of())
         named = list(pipeline.named_parameters())
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
@@ -341,7 +381,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    if config.ep > 1:  # (MoE with cp > 1 or offload is refused in check_layout)
+    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: moe_layout_refusal)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
     else:
