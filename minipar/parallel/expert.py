@@ -94,6 +94,35 @@ def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
         module.exchange = expert_parallel_exchange(module, ep_group)
 
 
+def expert_layout_problem(cp: int, zero: int, ep: int, offload_optimizer: str = "none",
+                          offload_param: str = "none") -> tuple[str, str] | None:
+    """(setting, reason) of a mix an MoE model cannot run yet, or None. It runs with
+    --dp, --ep, --tp (with or without --sequence-parallel), --pp (every registered
+    schedule) and --zero 0/1 (docs/expert-parallel.md); the training config and the
+    planner raise what this returns, naming the flag."""
+    if cp > 1:
+        return "cp", (f"--cp {cp} with an MoE model is refused: each CP rank holds a piece "
+                      "of every sequence, and routing (capacity, which tokens an expert "
+                      "drops, the aux loss's token counts) would have to be decided over "
+                      "the whole sequence, as Megatron's router does over its "
+                      "sequence_partition_group; that is not built. Use --cp 1")
+    if zero >= 2:
+        what = "gradients and parameters" if zero == 3 else "gradients"
+        return "zero", (f"--zero {zero} with an MoE model is refused: ZeRO-{zero} would "
+                        f"partition the experts' {what} over the expert-data-parallel "
+                        "group, and those buckets are not built; use --zero 1 (it shards "
+                        "the optimizer states, the largest part) or --zero 0")
+    for setting, device in (("offload_optimizer", offload_optimizer),
+                            ("offload_param", offload_param)):
+        if device != "none" and ep > 1:
+            flag = "--" + setting.replace("_", "-")
+            return setting, (f"{flag} with --ep {ep} is refused: expert parallelism runs "
+                             "two engines (dense parameters over DP, experts over the "
+                             "expert-data-parallel group), and offloading is built into "
+                             f"one engine only; use --ep 1 with {flag}, or no offload")
+    return None
+
+
 def is_expert_parameter(name: str) -> bool:
     return ".mlp.experts." in name or name.startswith("mlp.experts.")
 

@@ -7,8 +7,11 @@ The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape
     tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
                                           their matrices, embedding and head cut over TP)
 
-and then the data-parallel engine wraps whatever parameters the rank ended up with, over
-its DP group (`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in
+With --ep an MoE model's ranks then keep only their experts (minipar/parallel/expert.py;
+under TP their slices of them, in a pipeline each stage its own layers' experts), and
+two engines reduce dense parameters over DP and experts over the expert-data-parallel
+group. Otherwise the data-parallel engine wraps whatever parameters the rank ended up
+with, over its DP group (`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in
 zero.py, ZeRO-3 in zero3.py). Every rank builds its pieces from the same full initial
 weights, so every layout starts where a single device starts.
 
@@ -51,6 +54,7 @@ from minipar.parallel.context import (
 from minipar.parallel.data import DataParallel
 from minipar.parallel.expert import (
     ExpertDataParallel,
+    expert_layout_problem,
     expert_parallel_gpt,
     is_expert_parameter,
 )
@@ -93,8 +97,11 @@ def check_layout(config: TrainConfig) -> list[str]:
             "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
             "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
             f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
-    if config.moe_num_experts:
-        moe_layout_refusal(config)
+    if config.moe_num_experts:  # the mixes MoE cannot run yet (parallel/expert.py)
+        problem = expert_layout_problem(config.cp, config.zero, config.ep,
+                                        config.offload_optimizer, config.offload_param)
+        if problem is not None:
+            raise LayoutError(*problem)
     if config.sequence_parallel and tp == 1:
         raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
@@ -137,36 +144,6 @@ def check_layout(config: TrainConfig) -> list[str]:
             f"stages, so it never fills: idle share at least {spec.bubble_formula} = "
             f"{spec.uniform_bubble(pp, m, v):.0%}; use --grad-accum-steps {pp} or more")
     return warnings
-
-
-def moe_layout_refusal(config: TrainConfig) -> None:
-    """The mixes an MoE model cannot run yet, each refused naming its flag and why. It
-    runs with --dp, --ep, --tp (with or without --sequence-parallel), --pp (every
-    registered schedule) and --zero 0/1 (docs/expert-parallel.md)."""
-    if config.cp > 1:
-        raise LayoutError("cp", f"--cp {config.cp} with an MoE model is refused: each CP rank "
-                          "holds a piece of every sequence, and routing (capacity, which "
-                          "tokens an expert drops, the aux loss's token counts) would have "
-                          "to be decided over the whole sequence, as Megatron's router does "
-                          "over its sequence_partition_group; that is not built. Use --cp 1")
-    if config.zero >= 2:
-        raise LayoutError("zero", f"--zero {config.zero} with an MoE model is refused: "
-                          "ZeRO-2/3 would partition the expert parameters' gradients"
-                          + (" and the parameters themselves" if config.zero == 3 else "")
-                          + " over the expert-data-parallel group, whose buckets, "
-                          "reduce-scatters" + (" and gathers inside the experts' "
-                                               "all-to-all" if config.zero == 3 else "")
-                          + " are not built; use --zero 1 (it shards the optimizer "
-                          "states, the largest part) or --zero 0")
-    offload = config.offload_optimizer != "none" or config.offload_param != "none"
-    if offload and config.ep > 1:
-        setting = ("offload_optimizer" if config.offload_optimizer != "none"
-                   else "offload_param")
-        raise LayoutError(setting, f"--{setting.replace('_', '-')} with --ep {config.ep} is "
-                          "refused: expert parallelism runs two engines (dense parameters "
-                          "over DP, experts over the expert-data-parallel group), and "
-                          "offloading is built into one engine only; use --ep 1 with "
-                          "offload, or no offload with --ep")
 
 
 def tp_groups_across_nodes(config: TrainConfig) -> list[list[int]]:
@@ -381,7 +358,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: moe_layout_refusal)
+    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused above)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
     else:
