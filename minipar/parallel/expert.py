@@ -26,6 +26,13 @@ group only (dp / ep ranks) and scaled by edp / dp (Megatron's
 `expert_gradient_scaling_factor`): the combine's backward scales the gradient entering my
 experts by 1 / ep, the dispatch's backward undoes it for the tokens' gradient (exact for
 a power of two), and the expert engine averages over edp: sum / dp, as a single device.
+
+With the other strategies (docs/expert-parallel.md): under TP every rank of an ep group
+has the same TP index and holds its TP slices of its experts (tensor.py,
+`tensor_parallel_experts`), routing replicated tokens identically, so its all-to-all
+moves the same E x C x d bytes as without TP; in a pipeline each stage keeps its own
+layers' experts and trains their aux losses locally (minipar/nn/moe.py,
+`MoEAuxLossAutoScaler`). `expert_layout_problem` is the rule for what is refused.
 """
 
 from __future__ import annotations

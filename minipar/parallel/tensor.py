@@ -29,6 +29,9 @@ them, and come out identical on every TP rank (Megatron all-reduces them once pe
 instead; we pay one small all-reduce per parameter and micro-batch, and nothing outside
 backward has to remember to do it).
 
+An MoE block's experts are each cut like the MLP, the router left whole
+(`tensor_parallel_experts`, Megatron-core's expert tensor parallelism).
+
 Entry points: `tensor_parallel_gpt(...)` builds a rank's model; `parallelize_tensor`
 converts any module tree holding GPT pieces and `TensorParallelMixin` gives a pipeline
 stage the matching embed/head; `counts_once_in_norm` says which pieces count in the
