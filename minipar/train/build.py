@@ -7,13 +7,12 @@ The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape
     tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
                                           their matrices, embedding and head cut over TP)
 
-With --ep an MoE model's ranks then keep only their experts (minipar/parallel/expert.py;
-under TP their slices of them, in a pipeline each stage its own layers' experts), and
-two engines reduce dense parameters over DP and experts over the expert-data-parallel
-group. Otherwise the data-parallel engine wraps whatever parameters the rank ended up
-with, over its DP group (`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in
-zero.py, ZeRO-3 in zero3.py). Every rank builds its pieces from the same full initial
-weights, so every layout starts where a single device starts.
+(with --ep keeping only its experts, minipar/parallel/expert.py), and then the
+data-parallel engine wraps whatever parameters the rank ended up with, over its DP group
+(`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in zero.py, ZeRO-3 in
+zero3.py; with --ep a pair, dense over DP and experts over expert-data-parallel). Every
+rank builds its pieces from the same full initial weights, so every layout starts where
+a single device starts.
 
     rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
@@ -189,8 +188,7 @@ class RankModel:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
         gradients averaged over the DP group at the end; returns the mean (LM) loss."""
         engine = self.engine
-        # Each micro-batch's loss is seeded with 1/m, so its MoE aux losses weigh 1/m too
-        # (Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)).
+        # Each loss is seeded 1/m, so MoE aux losses weigh 1/m too (Megatron's set_loss_scale)
         for part in self.parts():
             set_aux_loss_scale(part, 1.0 / len(micro_batches))
         if self.pipeline is not None:
@@ -328,9 +326,6 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
         else:
             model = with_context_parallel(TensorParallelGPT)(
                 gpt, tp_group=tp_group, sequence_parallel=config.sequence_parallel, **common)
-        if config.ep > 1:  # my experts (under TP my slices of them) over my ep group
-            expert_parallel_gpt(model, mesh.ep_group(), mesh.ep_rank_of())
-        named = list(model.named_parameters())
     else:
         stage_class = with_context_parallel(
             PipelineStage if config.tp == 1
@@ -339,10 +334,10 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                             micro_batches=config.grad_accum_steps,
                             virtual_stages=config.virtual_stages, stage_class=stage_class,
                             **common)
-        if config.ep > 1:  # each stage keeps its own layers' experts
-            for chunk in pipeline.chunks:
-                expert_parallel_gpt(chunk, mesh.ep_group(), mesh.ep_rank_of())
-        named = list(pipeline.named_parameters())
+    if config.ep > 1:  # my experts (under TP my slices; a stage its own layers' experts)
+        for part in [model] if pipeline is None else pipeline.chunks:
+            expert_parallel_gpt(part, mesh.ep_group(), mesh.ep_rank_of())
+    named = list((model if pipeline is None else pipeline).named_parameters())
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
     tp_rank = mesh.tp_rank
