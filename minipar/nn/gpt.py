@@ -31,7 +31,7 @@ from minipar.autograd.precision import get_policy
 from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import Dropout, Embedding, LayerNorm, Linear
 from minipar.nn.module import Module, ModuleList, Parameter
-from minipar.nn.moe import MoE
+from minipar.nn.moe import MoE, attach_aux_loss
 from minipar.nn.recompute import Recompute, run_blocks
 
 
@@ -223,7 +223,10 @@ class Block(Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        y = self.mlp(self.ln_2(x))
+        if isinstance(self.mlp, MoE):  # the aux loss's gradient rides on y (moe.py)
+            y = attach_aux_loss(y, self.mlp)
+        return x + y
 
 
 class LMHead(Module):
@@ -310,14 +313,5 @@ class GPT(Module):
         x = self.embed(idx)
         generator = self.dropout_generator if self.config.dropout > 0 else None
         x = run_blocks(self.h, x, self.recompute, generator)
-        loss = self.head(x, targets)
-        return loss if targets is None else add_aux_losses(loss, self.h)
-
-
-def add_aux_losses(loss, blocks):
-    """loss + every MoE block's load-balancing loss of this forward (none: loss)."""
-    for block in blocks:
-        aux = getattr(block.mlp, "aux_loss", None)
-        if aux is not None:
-            loss = loss + aux
-    return loss
+        # The LM loss; MoE blocks' aux losses join the gradients in backward (moe.py).
+        return self.head(x, targets)

@@ -24,15 +24,24 @@ probable instead; `get_capacity` is called with N k tokens) and `switch_load_bal
     aux = coeff x E / (N^2 k) x sum_e (sum_t softmax(logits)[t, e]) x tokens_e
 
 (Switch Transformer, Fedus et al. 2022, eq. 4: E sum_e f_e P_e), with tokens_e counted
-before dropping, as Megatron counts them. Where minipar differs: Megatron adds the aux
-loss to the graph with `MoEAuxLossAutoScaler` so the logged loss stays the LM loss; here
-the model returns LM loss + aux loss (a plain sum, the same gradients; `GPT.last_aux_loss`
-says how much of the reported loss is aux).
+before dropping, as Megatron counts them.
+
+The aux loss reaches the gradients as in Megatron, by `MoEAuxLossAutoScaler`
+(moe_utils.py; router.py applies it to the router's output): the block's output passes
+through it unchanged, and its backward adds d(objective)/d(aux) = `aux_loss_scale` to the
+aux loss's gradient. So the model's returned (and logged) loss is the LM loss, and a
+pipeline stage's MoE layers get their aux-loss gradient locally, in the backward that
+already runs there (the aux loss never travels down the pipeline). The scale is what the
+backward seeds the LM loss with: 1 for `model(idx, targets).backward()`, 1/m with m
+micro-batches per step (Megatron's schedules.py `forward_step` calls
+`MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)`; here the scale is
+an attribute of each layer, set by `set_aux_loss_scale`, not a class-wide global).
 
 Each layer keeps what it routed in `last_routing` (tokens per expert before dropping,
-dropped assignments, capacity) and sums it over the training forwards in
-`routing_totals` (forwards with gradients on: an activation-checkpointed block counts
-once, at its recomputation): the report's load-imbalance figures come from there.
+dropped assignments, capacity) and sums it, and its aux loss, over the training forwards
+in `routing_totals` (forwards with gradients on: an activation-checkpointed block counts
+once, at its recomputation): the report's load-imbalance and aux-loss figures come from
+there.
 """
 
 from __future__ import annotations
@@ -42,11 +51,43 @@ import math
 import numpy as np
 
 from minipar.autograd import functional as F
+from minipar.autograd.function import Function
 from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.ops import concat
 from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import Linear
 from minipar.nn.module import Module, Parameter
+
+
+class MoEAuxLossAutoScaler(Function):
+    """Megatron's trick (moe_utils.py): forward returns `output` unchanged; backward passes
+    the output's gradient through and gives `aux_loss` the gradient `scale` (the weight of
+    the aux loss in the objective), so the aux loss is trained without being added to
+    the returned loss."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale):
+        ctx.aux_dtype, ctx.scale = aux_loss.dtype, scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, np.asarray(ctx.scale, dtype=ctx.aux_dtype), None
+
+
+def attach_aux_loss(output: Tensor, moe: MoE) -> Tensor:
+    """`output` with `moe`'s aux loss of this forward hung on it (MoEAuxLossAutoScaler)."""
+    if moe.aux_loss is None or not is_grad_enabled():
+        return output
+    return MoEAuxLossAutoScaler.apply(output, moe.aux_loss, moe.aux_loss_scale)
+
+
+def set_aux_loss_scale(module: Module, scale: float) -> None:
+    """Every MoE layer of `module` weighs its aux loss by `scale` in backward: the seed
+    of the LM loss's backward (1 / micro-batches per step)."""
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.aux_loss_scale = scale
 
 
 def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -127,12 +168,17 @@ class MoE(Module):
         ids = range(num_experts) if expert_ids is None else expert_ids
         self.experts = Experts(ids, d_model, dtype=dtype)
         self.exchange = lambda buffer: run_local_experts(self.experts, buffer)
+        # Tensor parallelism replaces these (minipar/parallel/tensor.py): with sequence
+        # parallelism, gather my tokens' sequence pieces before routing, scatter after.
+        self.enter_region = self.leave_region = lambda x: x
         self.aux_loss: Tensor | None = None
+        self.aux_loss_scale = 1.0  # d(objective)/d(aux_loss): set_aux_loss_scale
         self.last_routing: dict | None = None
         self.routing_totals = {"tokens_per_expert": [0] * num_experts, "dropped": 0,
-                               "assigned": 0, "forwards": 0}
+                               "assigned": 0, "forwards": 0, "aux_loss": 0.0}
 
     def forward(self, x):
+        x = self.enter_region(x)
         b, t, d = x.shape
         n, e, k = b * t, self.num_experts, self.top_k
         tokens = x.reshape(n, d)
@@ -170,4 +216,5 @@ class MoE(Module):
             totals["dropped"] += int((~kept).sum())
             totals["assigned"] += n * k
             totals["forwards"] += 1
-        return y.reshape(b, t, d)
+            totals["aux_loss"] += float(self.aux_loss.data)
+        return self.leave_region(y.reshape(b, t, d))

@@ -26,6 +26,13 @@ group only (dp / ep ranks) and scaled by edp / dp (Megatron's
 `expert_gradient_scaling_factor`): the combine's backward scales the gradient entering my
 experts by 1 / ep, the dispatch's backward undoes it for the tokens' gradient (exact for
 a power of two), and the expert engine averages over edp: sum / dp, as a single device.
+
+With the other strategies (docs/expert-parallel.md): under TP every rank of an ep group
+has the same TP index and holds its TP slices of its experts (tensor.py,
+`tensor_parallel_experts`), routing replicated tokens identically, so its all-to-all
+moves the same E x C x d bytes as without TP; in a pipeline each stage keeps its own
+layers' experts and trains their aux losses locally (minipar/nn/moe.py,
+`MoEAuxLossAutoScaler`). `expert_layout_problem` is the rule for what is refused.
 """
 
 from __future__ import annotations
@@ -79,9 +86,10 @@ def expert_parallel_exchange(moe: MoE, ep_group):
 
 
 def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
-    """Keep only my experts in every MoE layer of `model` and route through the ep group.
-    Each rank builds the full initial weights first (their init is a function of the
-    name), so the experts it keeps are the single device's."""
+    """Keep only my experts in every MoE layer of `model` (a GPT, a tensor-parallel GPT
+    or a pipeline stage) and route through the ep group. Each rank builds the full
+    initial weights first (their init is a function of the name), so the experts it keeps
+    are the single device's (under TP, its slices of them)."""
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
@@ -91,6 +99,35 @@ def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
                 delattr(module.experts, str(e))
         module.experts.ids = tuple(sorted(keep))
         module.exchange = expert_parallel_exchange(module, ep_group)
+
+
+def expert_layout_problem(cp: int, zero: int, ep: int, offload_optimizer: str = "none",
+                          offload_param: str = "none") -> tuple[str, str] | None:
+    """(setting, reason) of a mix an MoE model cannot run yet, or None. It runs with
+    --dp, --ep, --tp (with or without --sequence-parallel), --pp (every registered
+    schedule) and --zero 0/1 (docs/expert-parallel.md); the training config and the
+    planner raise what this returns, naming the flag."""
+    if cp > 1:
+        return "cp", (f"--cp {cp} with an MoE model is refused: each CP rank holds a piece "
+                      "of every sequence, and routing (capacity, which tokens an expert "
+                      "drops, the aux loss's token counts) would have to be decided over "
+                      "the whole sequence, as Megatron's router does over its "
+                      "sequence_partition_group; that is not built. Use --cp 1")
+    if zero >= 2:
+        what = "gradients and parameters" if zero == 3 else "gradients"
+        return "zero", (f"--zero {zero} with an MoE model is refused: ZeRO-{zero} would "
+                        f"partition the experts' {what} over the expert-data-parallel "
+                        "group, and those buckets are not built; use --zero 1 (it shards "
+                        "the optimizer states, the largest part) or --zero 0")
+    for setting, device in (("offload_optimizer", offload_optimizer),
+                            ("offload_param", offload_param)):
+        if device != "none" and ep > 1:
+            flag = "--" + setting.replace("_", "-")
+            return setting, (f"{flag} with --ep {ep} is refused: expert parallelism runs "
+                             "two engines (dense parameters over DP, experts over the "
+                             "expert-data-parallel group), and offloading is built into "
+                             f"one engine only; use --ep 1 with {flag}, or no offload")
+    return None
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -115,6 +152,10 @@ class ExpertDataParallel:
     def require_backward_grad_sync(self, value: bool) -> None:
         for engine in self.engines:
             engine.require_backward_grad_sync = value
+
+    def defer_reduction(self, params) -> None:
+        """A pipeline's late-reduced parameters (a tied wte's copies) are dense ones."""
+        self.dense.defer_reduction(params)
 
     def synchronize_gradients(self) -> None:
         for engine in self.engines:

@@ -21,7 +21,9 @@ sequence-split region (B, T/t, ...) <-> the tensor-parallel region (B, T, ...):
     scatter_to_sequence_parallel_region        keep my tokens forward (free),
                                                all-gather backward
     gather_from_sequence_parallel_region       all-gather forward, reduce-scatter
-                                               backward (the paper's g)
+                                               backward (the paper's g; or, for a
+                                               replicated consumer such as an MoE
+                                               layer, keep my piece of the gradient)
     reduce_scatter_to_sequence_parallel_region reduce-scatter forward, all-gather
                                                backward (the paper's g-bar)
 
@@ -141,16 +143,22 @@ class ScatterToSequenceParallelRegion(Function):
 
 class GatherFromSequenceParallelRegion(Function):
     """All-gather along the sequence (forward); reduce-scatter the gradient (backward):
-    the paper's `g`. x (B, T/t, d) -> (B, T, d)."""
+    the paper's `g`. x (B, T/t, d) -> (B, T, d).
+
+    tensor_parallel_output_grad=False (Megatron's flag of the same name): what follows
+    computes the same thing on every rank (an MoE layer routing all tokens), so each
+    rank's gradient is already whole and backward keeps my tokens' piece of it."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, tensor_parallel_output_grad=True):
+        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
         return dist.all_gather(x, group=group, dim=SEQUENCE_DIM)
 
     @staticmethod
     def backward(ctx, grad):
-        return dist.reduce_scatter(grad, group=ctx.group, dim=SEQUENCE_DIM), None
+        if not ctx.reduce:
+            return my_sequence_piece(grad, ctx.group), None, None
+        return dist.reduce_scatter(grad, group=ctx.group, dim=SEQUENCE_DIM), None, None
 
 
 class ReduceScatterToSequenceParallelRegion(Function):
@@ -174,8 +182,9 @@ def scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
     return ScatterToSequenceParallelRegion.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: Tensor, group) -> Tensor:
-    return GatherFromSequenceParallelRegion.apply(x, group)
+def gather_from_sequence_parallel_region(x: Tensor, group,
+                                         tensor_parallel_output_grad: bool = True) -> Tensor:
+    return GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:

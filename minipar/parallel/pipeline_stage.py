@@ -124,7 +124,8 @@ class PipelineStage(Module):
             self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
             self.drop = Dropout(config.dropout, gen)
         self.h = StageBlocks({i: Block(config, dtype=dtype, generator=gen,
-                                       checkpoint_core_attention=self.recompute.selective)
+                                       checkpoint_core_attention=self.recompute.selective,
+                                       moe=config.is_moe_layer(i))
                               for i in layers})
         if self.is_last:
             self.ln_f = LayerNorm(config.d_model, dtype=dtype)

@@ -29,6 +29,9 @@ them, and come out identical on every TP rank (Megatron all-reduces them once pe
 instead; we pay one small all-reduce per parameter and micro-batch, and nothing outside
 backward has to remember to do it).
 
+An MoE block's experts are each cut like the MLP, the router left whole
+(`tensor_parallel_experts`, Megatron-core's expert tensor parallelism).
+
 Entry points: `tensor_parallel_gpt(...)` builds a rank's model; `parallelize_tensor`
 converts any module tree holding GPT pieces and `TensorParallelMixin` gives a pipeline
 stage the matching embed/head; `counts_once_in_norm` says which pieces count in the
@@ -50,8 +53,10 @@ from minipar.nn import (
     Module,
     Parameter,
 )
+from minipar.nn.moe import MoE
 from minipar.parallel import vocab
 from minipar.parallel.mappings import (
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -109,11 +114,14 @@ def parallelize_tensor(module: Module, config: GPTConfig, tp_group, *,
             attn.c_proj = RowParallelLinear.from_linear(attn.c_proj, tp_group,
                                                         sequence_parallel=sp,
                                                         name=f"{prefix}attn.c_proj")
-            mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp_group,
-                                                        sequence_parallel=sp)
-            mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp_group,
-                                                       sequence_parallel=sp,
-                                                       name=f"{prefix}mlp.c_proj")
+            if isinstance(mlp, MoE):
+                tensor_parallel_experts(mlp, tp_group, sp, f"{prefix}mlp")
+            else:
+                mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp_group,
+                                                            sequence_parallel=sp)
+                mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp_group,
+                                                           sequence_parallel=sp,
+                                                           name=f"{prefix}mlp.c_proj")
             if sp:
                 parent.ln_1 = SequenceParallelLayerNorm(parent.ln_1, tp_group, f"{prefix}ln_1")
                 parent.ln_2 = SequenceParallelLayerNorm(parent.ln_2, tp_group, f"{prefix}ln_2")
@@ -129,6 +137,33 @@ def parallelize_tensor(module: Module, config: GPTConfig, tp_group, *,
     for p in module.parameters():
         p.placement_group = "tp"
     return module
+
+
+def tensor_parallel_experts(moe: MoE, tp_group, sequence_parallel: bool, name: str) -> None:
+    """Cut every expert of `moe` as the dense MLP is cut (Megatron-core's expert tensor
+    parallelism, megatron/core/transformer/moe/experts.py: linear_fc1 column-parallel,
+    linear_fc2 row-parallel within each expert): expert e's c_fc (d, 4d) by columns,
+    its c_proj (4d, d) by rows, one all-reduce (g) per expert summing its partial output.
+    The router stays whole on every TP rank: the tokens are replicated over TP, so
+    every rank routes them identically, and the all-to-all runs over the ep group (the
+    ranks with my TP index).
+
+    With sequence parallelism my ranks hold (B, T/t, d) pieces: the layer all-gathers
+    them first (its backward keeps my piece of the gradient, which every rank computed
+    whole) and hands back my piece of its output, so routing sees the single device's
+    N tokens and capacity. Megatron instead routes each rank's own N/t tokens
+    (capacity per piece) and all-gathers over TP after the all-to-all
+    (token_dispatcher.py `MoEAlltoAllTokenDispatcher.dispatch_postprocess`), which
+    sends 1/t of the bytes but drops different tokens than one device would."""
+    for e in moe.experts.ids:
+        expert = moe.experts.local(e)
+        expert.c_fc = ColumnParallelLinear.from_linear(expert.c_fc, tp_group)
+        expert.c_proj = RowParallelLinear.from_linear(expert.c_proj, tp_group,
+                                                      name=f"{name}.experts.{e}.c_proj")
+    if sequence_parallel:
+        moe.enter_region = lambda x: gather_from_sequence_parallel_region(
+            x, tp_group, tensor_parallel_output_grad=False)
+        moe.leave_region = lambda y: scatter_to_sequence_parallel_region(y, tp_group)
 
 
 class TensorParallelMixin:
@@ -209,6 +244,7 @@ __all__ = [
     "TensorParallelMixin",
     "counts_once_in_norm",
     "parallelize_tensor",
+    "tensor_parallel_experts",
     "tensor_parallel_gpt",
     "validate_tensor_parallel",
 ]

@@ -83,8 +83,8 @@ def check_fits(config, available: int | None = None) -> int:
     """Raise ConfigError if `config` (a TrainConfig) needs more memory than `available`
     bytes (default: this machine's); return the estimate. Runs in microseconds: the
     planner's arithmetic, nothing allocated."""
-    from minipar.train.build import check_layout
     from minipar.train.data import make_stream
+    from minipar.train.layouts import check_layout
 
     if config.vocab_size is None:
         config = config.replace(vocab_size=make_stream(config.data).vocab_size)

@@ -41,8 +41,8 @@ MEMORY_KNOBS = {
 
 
 def _train_config(values: dict):
-    from minipar.train.build import check_layout
     from minipar.train.config import TrainConfig
+    from minipar.train.layouts import check_layout
 
     config = TrainConfig.from_dict(values)
     check_layout(config)

@@ -7,29 +7,18 @@ The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape
     tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
                                           their matrices, embedding and head cut over TP)
 
-and then the data-parallel engine wraps whatever parameters the rank ended up with, over
-its DP group (`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in
-zero.py, ZeRO-3 in zero3.py). Every rank builds its pieces from the same full initial
-weights, so every layout starts where a single device starts.
+(with --ep keeping only its experts, minipar/parallel/expert.py), and then the
+data-parallel engine wraps whatever parameters the rank ended up with, over its DP group
+(`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in zero.py, ZeRO-3 in
+zero3.py; with --ep a pair, dense over DP and experts over expert-data-parallel). Every
+rank builds its pieces from the same full initial weights, so every layout starts where
+a single device starts.
 
     rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
     rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
 
-`check_layout(config)` decides, before anything runs, whether a mix is supported; it
-raises a `ConfigError` that names the setting and the fix, or returns warnings (a TP
-group across nodes, a pipeline that never fills) that the report carries.
-
-ZeRO-2/3 with pipeline parallelism is refused, as DeepSpeed refuses it
-(`PipelineEngine` asserts `zero_optimization_stage() < 2`). A pipeline runs m >= pp
-micro-batches per step, and ZeRO-2 must reduce-scatter each micro-batch's gradients
-during its backward (it keeps only a shard, so there is no full gradient to accumulate
-into): m reduce-scatters per step instead of one, (m+1)(N-1)/N Psi bytes instead of
-2(N-1)/N Psi. ZeRO-3 would all-gather each stage's parameters for every micro-batch's
-forward and again for its backward: 3m(N-1)/N Psi. Both are measured with gradient
-accumulation, which is the same thing (docs/data-parallel-and-zero.md). ZeRO-1 keeps the
-full gradient, accumulates the m micro-batches locally and reduce-scatters once, after the
-pipeline has flushed and the tied embedding's two copies have summed their gradients.
+`check_layout` (which mixes run, and why the others are refused) is in layouts.py.
 """
 
 from __future__ import annotations
@@ -40,12 +29,10 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
-from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
-from minipar.nn import GPT, GPTConfig
+from minipar.nn import GPT
+from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context import (
-    SELECTIVE_WITH_CP,
     context_parallel_class,
-    validate_context_parallel,
 )
 from minipar.parallel.data import DataParallel
 from minipar.parallel.expert import (
@@ -53,106 +40,17 @@ from minipar.parallel.expert import (
     expert_parallel_gpt,
     is_expert_parameter,
 )
-from minipar.parallel.pipeline import Pipeline, PipelineStage, split_layers
-from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
+from minipar.parallel.pipeline import Pipeline, PipelineStage
 from minipar.parallel.sequence import allreduce_sequence_parallel_grads, defer_gradient_reduction
 from minipar.parallel.tensor import (
     TensorParallelGPT,
     TensorParallelMixin,
     counts_once_in_norm,
-    validate_tensor_parallel,
 )
 from minipar.parallel.zero import ZeroOptimizer
 from minipar.parallel.zero3 import Zero3Optimizer, gpt_units
-from minipar.train.config import TrainConfig
-
-
-def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:
-    """The model part of a TrainConfig."""
-    return GPTConfig(vocab_size=vocab_size or config.vocab_size, seq_len=config.seq_len,
-                     n_layer=config.n_layer, n_head=config.n_head, d_model=config.d_model,
-                     dropout=config.dropout, tie_embeddings=config.tie_embeddings,
-                     moe_num_experts=config.moe_num_experts, moe_top_k=config.moe_top_k,
-                     moe_capacity_factor=config.moe_capacity_factor,
-                     moe_aux_loss_coeff=config.moe_aux_loss_coeff,
-                     moe_layer_freq=config.moe_layer_freq)
-
-
-# ------------------------------------------------------------------ which mixes run
-def check_layout(config: TrainConfig) -> list[str]:
-    """Raise LayoutError if this dp x tp x pp x zero mix cannot run (naming the fix);
-    otherwise return warnings about a layout that runs but costs more than it should.
-    config.vocab_size must be resolved (the data's vocabulary)."""
-    tp, pp, v, m = config.tp, config.pp, config.virtual_stages, config.grad_accum_steps
-    if pp > 1 and config.zero >= 2:
-        z = config.zero
-        raise LayoutError(
-            "zero", f"--zero {z} with --pp {pp} is refused, as DeepSpeed refuses it: ZeRO-{z} "
-            "reduce-scatters gradients" + (" and all-gathers parameters" if z == 3 else "")
-            + " for every micro-batch, and a pipeline runs many micro-batches per step "
-            "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
-            "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
-            f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
-    offload = config.offload_optimizer != "none" or config.offload_param != "none"
-    if config.moe_num_experts and (tp > 1 or pp > 1 or config.cp > 1 or config.zero >= 2
-                                   or (offload and config.ep > 1)):
-        setting = ("tp" if tp > 1 else "pp" if pp > 1 else "cp" if config.cp > 1
-                   else "zero" if config.zero >= 2 else "offload_optimizer")
-        raise LayoutError(setting, "an MoE model runs with --dp, --ep and --zero 0/1 only "
-                          "for now: the tensor-parallel experts, the pipeline stages' aux "
-                          "losses, context-parallel routing and ZeRO-2/3's expert buckets "
-                          "and offloaded expert engines are not built yet (issue 18); use --tp 1 "
-                          "--pp 1 --cp 1 --zero 0 or 1, no offload with --ep")
-    if config.sequence_parallel and tp == 1:
-        raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
-                          "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
-                          "add --tp or drop --sequence-parallel")
-    # the schedule's own rules (its registry entry), then enough layers for its stages
-    check_schedule_settings(config.schedule, pp, m, v, LayoutError)
-    try:
-        split_layers(config.n_layer, pp * v)
-    except PipelineError as err:
-        raise LayoutError("schedule", str(err)) from None
-    if tp > 1:
-        try:
-            validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
-        except ValueError as err:
-            raise LayoutError("tp", str(err)) from None
-    if config.cp > 1 and config.recompute.selective:
-        raise LayoutError("recompute_granularity", SELECTIVE_WITH_CP)
-    if config.cp > 1:
-        try:
-            validate_context_parallel(gpt_config(config), config.cp, config.cp_load_balance,
-                                      tp, config.sequence_parallel)
-        except ValueError as err:
-            raise LayoutError("cp", str(err)) from None
-    if config.check and config.dropout > 0 and config.world_size > 1:
-        raise LayoutError("check", f"with --dropout {config.dropout} every rank (and "
-                          "pipeline stage) draws its own dropout masks, which cannot equal "
-                          "the single device's; check equivalence with --dropout 0")
-    warnings = []
-    crossing = tp_groups_across_nodes(config)
-    if crossing:
-        warnings.append(
-            f"tensor-parallel group(s) {crossing[0]}{' ...' if len(crossing) > 1 else ''} "
-            f"span nodes (--tp {tp}, --gpus-per-node {config.gpus_per_node}): their "
-            "per-layer all-reduces cross the inter-node network instead of NVLink; make "
-            "--tp a divisor of --gpus-per-node")
-    if pp > 1 and m < pp:
-        spec = SCHEDULES[config.schedule]
-        warnings.append(
-            f"--grad-accum-steps {m} gives the {pp}-stage pipeline fewer micro-batches than "
-            f"stages, so it never fills: idle share at least {spec.bubble_formula} = "
-            f"{spec.uniform_bubble(pp, m, v):.0%}; use --grad-accum-steps {pp} or more")
-    return warnings
-
-
-def tp_groups_across_nodes(config: TrainConfig) -> list[list[int]]:
-    """The TP groups whose ranks are on more than one node."""
-    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
-                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
-    groups = [list(g.ranks) for g in mesh.all_groups("tp")]
-    return [g for g in groups if len({r // config.gpus_per_node for r in g}) > 1]
+from minipar.train.config import TrainConfig, gpt_config
+from minipar.train.layouts import check_layout, tp_groups_across_nodes  # noqa: F401 - re-exported
 
 
 # ------------------------------------------------------------------ one rank's model
@@ -195,8 +93,11 @@ class RankModel:
 
     def forward_backward(self, micro_batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """Forward and backward of one optimizer step's micro-batches (this DP rank's),
-        gradients averaged over DP, then `finalize_model_grads`; returns the mean loss."""
+        gradients averaged over DP, then `finalize_model_grads`; returns the mean (LM) loss."""
         engine = self.engine
+        # Each loss is seeded 1/m, so MoE aux losses weigh 1/m too (Megatron's set_loss_scale)
+        for part in self.parts():
+            set_aux_loss_scale(part, 1.0 / len(micro_batches))
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
             # each chunk's buckets during its last backward (Megatron's
@@ -230,12 +131,22 @@ class RankModel:
         self.finalize_model_grads()
         return float(np.mean(losses))
 
+    def parts(self) -> list:
+        """The modules this rank runs: its model, or its pipeline chunks."""
+        return [self.model] if self.pipeline is None else list(self.pipeline.chunks)
+
+    def moe_layers(self) -> list[tuple[str, MoE]]:
+        """(global name such as "h.2.mlp", MoE) of the MoE layers this rank holds."""
+        return [(name, m) for part in self.parts() for name, m in part.named_modules()
+                if isinstance(m, MoE)]
+
     def routing(self) -> list[dict]:
-        """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), in order."""
-        if self.model is None:  # an MoE pipeline is refused (check_layout)
-            return []
-        return [dict(m.routing_totals) for m in self.model.modules()
-                if hasattr(m, "routing_totals")]
+        """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), by name."""
+        return [{"name": name, **m.routing_totals} for name, m in self.moe_layers()]
+
+    def aux_loss_total(self) -> float:
+        """The aux losses of my MoE layers summed over every training forward so far."""
+        return sum(m.routing_totals["aux_loss"] for _, m in self.moe_layers())
 
     def named_parameters(self) -> list:
         """(name, Parameter) of what this rank holds (its model or pipeline chunks)."""
@@ -321,12 +232,9 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     if config.pp == 1:
         if config.tp == 1:
             model = with_context_parallel(GPT)(gpt, **common)
-            if config.ep > 1:
-                expert_parallel_gpt(model, mesh.ep_group(), mesh.ep_rank_of())
         else:
             model = with_context_parallel(TensorParallelGPT)(
                 gpt, tp_group=tp_group, sequence_parallel=config.sequence_parallel, **common)
-        named = list(model.named_parameters())
     else:
         stage_class = with_context_parallel(
             PipelineStage if config.tp == 1
@@ -335,7 +243,10 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                             micro_batches=config.grad_accum_steps,
                             virtual_stages=config.virtual_stages, stage_class=stage_class,
                             **common)
-        named = list(pipeline.named_parameters())
+    if config.ep > 1:  # my experts (under TP my slices; a stage its own layers' experts)
+        for part in [model] if pipeline is None else pipeline.chunks:
+            expert_parallel_gpt(part, mesh.ep_group(), mesh.ep_rank_of())
+    named = list((model if pipeline is None else pipeline).named_parameters())
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
     tp_rank = mesh.tp_rank
@@ -351,7 +262,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    if config.ep > 1:  # (MoE with cp > 1 or offload is refused in check_layout)
+    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused above)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
     else:

@@ -339,8 +339,7 @@ def consolidate(directory) -> dict[str, np.ndarray]:
     state = load_checkpoint(directory)
     weights = state.tensors.get("master") or state.tensors["param"]
     from minipar.nn.gpt import parameter_shapes
-    from minipar.train.build import gpt_config
-    from minipar.train.config import TrainConfig
+    from minipar.train.config import TrainConfig, gpt_config
 
     config = TrainConfig.from_dict(state.config)
     return in_model_order(weights, parameter_shapes(gpt_config(config, config.vocab_size)),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
+from minipar.nn.gpt import GPTConfig
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 from minipar.parallel.schedules import check_schedule_name
@@ -353,3 +354,14 @@ def _choice(name: str, value, options, error=ConfigError) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:
+    """The model part of a TrainConfig."""
+    return GPTConfig(vocab_size=vocab_size or config.vocab_size, seq_len=config.seq_len,
+                     n_layer=config.n_layer, n_head=config.n_head, d_model=config.d_model,
+                     dropout=config.dropout, tie_embeddings=config.tie_embeddings,
+                     moe_num_experts=config.moe_num_experts, moe_top_k=config.moe_top_k,
+                     moe_capacity_factor=config.moe_capacity_factor,
+                     moe_aux_loss_coeff=config.moe_aux_loss_coeff,
+                     moe_layer_freq=config.moe_layer_freq)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.train.build import check_layout
 from minipar.train.config import ConfigError, TrainConfig
 from minipar.train.data import make_stream
 from minipar.train.equivalence import reference_config
+from minipar.train.layouts import check_layout
 from minipar.train.loop import Reference, reference_run, train
 
 # Small enough that the whole grid runs in seconds; 4 layers so that pp=4 and
@@ -100,8 +100,14 @@ GRID = [
                                            moe_capacity_factor=1.25, grad_accum_steps=2)),
     Case("moe E4 top1 dp4 ep4, every 2nd block", dict(dp=4, ep=4, moe_num_experts=4,
                                                       moe_top_k=1, moe_layer_freq=2)),
-    Case("moe tp2 (not built yet)", dict(dp=2, tp=2, ep=2, moe_num_experts=4),
-         refused=True),
+    Case("moe E4 dp2 ep2 tp2 sp", dict(dp=2, tp=2, ep=2, moe_num_experts=4,
+                                       sequence_parallel=True)),
+    Case("moe E4 dp2 ep2 pp2 zero1 1f1b", dict(dp=2, pp=2, ep=2, zero=1, moe_num_experts=4,
+                                               grad_accum_steps=2)),
+    Case("moe cp2 (routing over a split sequence: not built)",
+         dict(cp=2, moe_num_experts=4), refused=True),
+    Case("moe dp2 zero2 (experts' ZeRO-2 buckets: not built)",
+         dict(dp=2, zero=2, moe_num_experts=4), refused=True),
     Case("dp2 pp2 zero2 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=2, grad_accum_steps=2),
          refused=True),
     Case("dp2 pp2 zero3 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=3, grad_accum_steps=2),

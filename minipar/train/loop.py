@@ -37,10 +37,11 @@ from minipar.errors import OutputError
 from minipar.nn import lr_schedule
 from minipar.parallel import context
 from minipar.train import checkpoint, equivalence
-from minipar.train.build import build_rank_model, check_layout
+from minipar.train.build import build_rank_model
 from minipar.train.config import ConfigError, TrainConfig, flag
 from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.divergence import check_finite
+from minipar.train.layouts import check_layout
 from minipar.train.outputs import check_output_dir
 from minipar.train.report import Report, merge_step, report_from_run
 
@@ -101,13 +102,16 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             micro_batches = [tuple(context.sequence_shard(a, mesh.cp_rank, config.cp,
                                                           config.cp_load_balance)
                                    for a in batch) for batch in micro_batches]
-        loss = rank_model.forward_backward(micro_batches)
+        aux_before = rank_model.aux_loss_total()
+        loss = rank_model.forward_backward(micro_batches)  # the LM loss (MoE: aux apart)
         with dist.phase("optimizer"):
             grad_norm = engine.clip_grad_norm_(config.grad_clip)
             check_finite(step, loss, grad_norm, rank_model)  # before NaN reaches the weights
             engine.step(lr)
             engine.zero_grad()
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm)}
+        if config.moe_num_experts:  # my MoE layers' aux losses, mean over my micro-batches
+            record["aux_loss"] = (rank_model.aux_loss_total() - aux_before) / accum
         history.append(record)
         step_ends.append(clock.now)
         if checker is not None:
@@ -186,8 +190,8 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
     state = checkpoint.load_checkpoint(resume_from)
     saved = state.config
     for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "tie_embeddings",
-                 "precision", "data", "seed"):
-        if saved.get(name) != getattr(config, name):
+                 "precision", "data", "seed", "moe_num_experts", "moe_layer_freq"):
+        if saved.get(name, getattr(TrainConfig, name, None)) != getattr(config, name):
             raise ConfigError(name, f"the checkpoint {resume_from} was saved with "
                               f"{name}={saved.get(name)!r}, this run has "
                               f"{getattr(config, name)!r}; use the same value to resume")
@@ -197,7 +201,8 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
     # Optimisation settings may change on purpose when resuming (a new learning rate, a
     # bigger batch), but then the run no longer continues the saved one: say so.
     for name in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
-                 "grad_clip", "global_batch_size"):
+                 "grad_clip", "global_batch_size", "moe_top_k", "moe_capacity_factor",
+                 "moe_aux_loss_coeff"):
         if name in saved and saved[name] != getattr(config, name):
             # The global batch is usually derived (micro x accum x dp): name where it came from.
             derived = (f" = micro {config.micro_batch_size} x accum {config.grad_accum_steps}"

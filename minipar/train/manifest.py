@@ -16,7 +16,8 @@ any array is read (checkpoint.load_checkpoint, hence resume and `minipar consoli
    tensor of the config's model present in every kind the precision keeps (and nothing
    else), each local shape the full shape or its 1/tp shard along the placement's dim,
    each dtype the one the precision stores, and every element of every local tensor held
-   by exactly one data-parallel rank (ZeRO; every replica under plain DP).
+   by exactly one data-parallel rank (ZeRO; every replica under plain DP: dp of them,
+   dp / ep of an expert's).
 
 Then checkpoint.py checks each file against its record (size, sha256, and the file's own
 description of itself, written inside it, equal to the record).
@@ -200,7 +201,7 @@ def _check_tensors(manifest: dict, config: TrainConfig, path) -> None:
     """Names, kinds, shapes and dtypes from the config; every element held exactly once
     per data-parallel group (every DP replica under ZeRO-0)."""
     from minipar.nn.gpt import parameter_shapes
-    from minipar.train.build import gpt_config
+    from minipar.train.config import gpt_config
 
     full = parameter_shapes(gpt_config(config, config.vocab_size))
     kinds = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if config.precision ==
@@ -234,8 +235,11 @@ def _check_tensors(manifest: dict, config: TrainConfig, path) -> None:
                 "size": int(np.prod(shape)), "ranges": [], "stages": set()})
             slot["ranges"].append((entry["start"], entry["stop"]))
             slot["stages"].add(record["coords"]["pp"])
-    replicas = config.dp if config.zero == 0 else 1  # ZeRO-0: every DP rank saves its replica
     for (kind, name, index), slot in slots.items():
+        # ZeRO-0: every DP rank saves its replica; of an expert (--ep) only the dp / ep
+        # ranks of its expert-data-parallel group hold one.
+        replicas = 1 if config.zero else config.dp // (config.ep if ".mlp.experts." in name
+                                                       else 1)
         # A tied embedding lives on the first and the last pipeline stage: one copy each.
         expected = replicas * len(slot["stages"])
         for start, held in _coverage(slot["ranges"], slot["size"]):

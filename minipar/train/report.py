@@ -35,8 +35,8 @@ from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline import bubble_fraction, split_layers
 from minipar.parallel.schedules import SCHEDULES, schedule_names, uniform_bubble_fraction
 from minipar.train import checkpoint
-from minipar.train.build import check_layout, gpt_config
-from minipar.train.config import TrainConfig
+from minipar.train.config import TrainConfig, gpt_config
+from minipar.train.layouts import check_layout
 
 SCHEMA = "minipar.report/1"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -187,23 +187,35 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
 
 def _moe(config: TrainConfig, results: list[dict], devices) -> dict:
     """The MoE section: per MoE layer, tokens routed to each expert over the run (summed
-    over the ranks, before dropping) and the dropped share; per rank, the expert
-    parameter bytes it holds and the all-to-all bytes it sent (minipar/parallel/expert.py)."""
+    over the DP ranks, before dropping; TP ranks route the same tokens, so TP rank 0's
+    count) and the dropped share; per step, the aux loss; per rank, the expert parameter
+    bytes it holds and the all-to-all bytes it sent (minipar/parallel/expert.py)."""
+    routers = [r for r in results if r["coords"].get("tp", 0) == 0]
+    by_layer: dict[str, list[dict]] = {}
+    for result in routers:  # a pipeline stage holds only its own layers
+        for totals in result["routing"]:
+            by_layer.setdefault(totals["name"], []).append(totals)
     layers = []
-    for per_rank in zip(*(r["routing"] for r in results), strict=True):
+    for name in sorted(by_layer, key=lambda n: int(n.split(".")[1])):
+        per_rank = by_layer[name]
         tokens = np.sum([t["tokens_per_expert"] for t in per_rank], axis=0)
         assigned = sum(t["assigned"] for t in per_rank)
         dropped = sum(t["dropped"] for t in per_rank)
-        layers.append({"tokens_per_expert": [int(t) for t in tokens],
+        layers.append({"name": name, "tokens_per_expert": [int(t) for t in tokens],
                        "assigned": int(assigned), "dropped": int(dropped),
                        "dropped_fraction": dropped / assigned if assigned else 0.0,
                        "max_over_mean_load": float(tokens.max() / tokens.mean())
                        if tokens.sum() else 0.0})
+    # The aux loss of a step: every layer's (summed over the pipeline stages that hold
+    # them), averaged over the DP ranks' micro-batches, as the objective weighs it.
+    dp = config.dp * config.cp
+    aux = [float(sum(r["steps"][k]["aux_loss"] for r in routers) / dp)
+           for k in range(len(results[0]["steps"]))]
     expert_bytes = [sum(p.values.nbytes for p in r["pieces"] if ".mlp.experts." in p.name)
                     for r in results]
     return {"num_experts": config.moe_num_experts, "top_k": config.moe_top_k,
             "capacity_factor": config.moe_capacity_factor, "ep": config.ep,
-            "layers": layers, "expert_param_bytes": expert_bytes,
+            "layers": layers, "aux_loss": aux, "expert_param_bytes": expert_bytes,
             "all_to_all_sent_bytes": [d.comm.sent_by_op.get("all_to_all", 0)
                                       for d in devices]}
 

@@ -31,9 +31,10 @@ from matplotlib.patches import Rectangle
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.nn.gpt import parameter_shapes
-from minipar.train.build import build_rank_model, check_layout, gpt_config
-from minipar.train.config import TrainConfig
+from minipar.train.build import build_rank_model
+from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
+from minipar.train.layouts import check_layout
 
 KINDS = ("params", "grads", "optimizer")
 # The memory categories' colours (the memory explorer uses the same ones).

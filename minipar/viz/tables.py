@@ -33,17 +33,25 @@ def format_table(headers: list[str], rows: list[list], align: str | None = None)
 
 
 def loss_table(report: Report, max_rows: int = 12) -> str:
-    """Loss, learning rate and gradient norm per step (the middle elided on long runs)."""
-    steps = report.steps
+    """Loss, learning rate and gradient norm per step (the middle elided on long runs);
+    an MoE run adds its aux loss beside the LM loss (Megatron logs "lm loss" and
+    "load_balancing_loss" apart)."""
+    steps = [dict(s) for s in report.steps]
+    aux = report.moe["aux_loss"] if report.moe and "aux_loss" in report.moe else None
+    if aux is not None:
+        for s, value in zip(steps, aux, strict=True):
+            s["aux_loss"] = value
     if len(steps) > max_rows:
         half = max_rows // 2
         shown = steps[:half] + [None] + steps[-half:]
     else:
         shown = steps
-    rows = [["...", "", "", ""] if s is None else
+    header = ["step", "loss", "lr", "grad_norm"] + ([] if aux is None else ["aux_loss"])
+    rows = [["...", *[""] * (len(header) - 1)] if s is None else
             [s["step"], f"{s['loss']:.4f}", f"{s['lr']:.2e}", f"{s['grad_norm']:.3f}"]
+            + ([] if aux is None else [f"{s['aux_loss']:.5f}"])
             for s in shown]
-    return format_table(["step", "loss", "lr", "grad_norm"], rows)
+    return format_table(header, rows)
 
 
 def memory_table(report: Report) -> str:

@@ -42,8 +42,7 @@ from minipar.parallel.schedules import (
     check_schedule_settings,
     schedule_names,
 )
-from minipar.train.build import gpt_config
-from minipar.train.config import TrainConfig
+from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
 from minipar.train.report import Report
 from minipar.viz.explorer import (

@@ -142,3 +142,40 @@ def test_moe_gpt_trains_loss_falls():
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
     assert model.h[0].mlp.experts.local(3).c_fc.weight.grad is not None
+
+
+def test_the_model_returns_the_lm_loss_and_backward_trains_lm_plus_aux():
+    # Megatron's MoEAuxLossAutoScaler: the loss is the LM loss alone, yet its backward
+    # gives the gradient of LM + sum of aux losses (checked by finite differences).
+    config = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, moe_num_experts=4,
+                       moe_aux_loss_coeff=1.0)
+    model = GPT(config, seed=0)
+    rng = np.random.default_rng(5)
+    idx = rng.integers(0, 65, (2, 8))
+    targets = np.roll(idx, -1, axis=1)
+    logits = model(idx).data
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    lm = -np.take_along_axis(log_probs, targets[..., None], -1).mean()
+    loss = model(idx, targets)
+    assert loss.item() == pytest.approx(lm, rel=1e-12)
+    loss.backward()
+    router = model.h[0].mlp.router.weight
+
+    def objective(with_aux: bool) -> float:
+        value = model(idx, targets).item()
+        return value + with_aux * sum(block.mlp.aux_loss.item() for block in model.h)
+
+    for i, j in [(0, 0), (3, 1), (7, 3)]:
+        numeric = {}
+        for with_aux in (True, False):
+            saved = router.data[i, j]
+            router.data[i, j] = saved + 1e-6
+            up = objective(with_aux)
+            router.data[i, j] = saved - 1e-6
+            down = objective(with_aux)
+            router.data[i, j] = saved
+            numeric[with_aux] = (up - down) / 2e-6
+        assert router.grad[i, j] == pytest.approx(numeric[True], rel=1e-5, abs=1e-9)
+        # ... and not the LM loss's alone: the aux term is there to see
+        assert router.grad[i, j] != pytest.approx(numeric[False], rel=1e-2)

@@ -105,9 +105,3 @@ def test_bad_expert_settings_are_config_errors(settings, flag):
     with pytest.raises(ConfigError) as info:
         TrainConfig(**{**SMALL, **settings})
     assert info.value.setting == flag
-
-
-@pytest.mark.parametrize("settings", [dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2, zero=2)])
-def test_mixes_not_built_yet_are_refused_with_the_reason(settings):
-    with pytest.raises(ConfigError, match="MoE model runs with --dp, --ep and --zero 0/1"):
-        _run(**settings)

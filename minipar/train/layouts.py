@@ -1,0 +1,99 @@
+"""Which dp x tp x pp x cp x ep x zero mixes run.
+
+`check_layout(config)` decides, before anything runs, whether a mix is supported; it
+raises a `ConfigError` that names the setting and the fix, or returns warnings (a TP
+group across nodes, a pipeline that never fills) that the report carries.
+
+ZeRO-2/3 with pipeline parallelism is refused, as DeepSpeed refuses it
+(`PipelineEngine` asserts `zero_optimization_stage() < 2`). A pipeline runs m >= pp
+micro-batches per step, and ZeRO-2 must reduce-scatter each micro-batch's gradients
+during its backward (it keeps only a shard, so there is no full gradient to accumulate
+into): m reduce-scatters per step instead of one, (m+1)(N-1)/N Psi bytes instead of
+2(N-1)/N Psi. ZeRO-3 would all-gather each stage's parameters for every micro-batch's
+forward and again for its backward: 3m(N-1)/N Psi. Both are measured with gradient
+accumulation, which is the same thing (docs/data-parallel-and-zero.md). ZeRO-1 keeps the
+full gradient, accumulates the m micro-batches locally and reduce-scatters once, after the
+pipeline has flushed and the tied embedding's two copies have summed their gradients.
+"""
+
+from __future__ import annotations
+
+from minipar import distributed as dist
+from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
+from minipar.parallel.context import SELECTIVE_WITH_CP, validate_context_parallel
+from minipar.parallel.expert import expert_layout_problem
+from minipar.parallel.pipeline_stage import split_layers
+from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
+from minipar.parallel.tensor import validate_tensor_parallel
+from minipar.train.config import TrainConfig, gpt_config
+
+
+def check_layout(config: TrainConfig) -> list[str]:
+    """Raise LayoutError if this dp x tp x pp x zero mix cannot run (naming the fix);
+    otherwise return warnings about a layout that runs but costs more than it should.
+    config.vocab_size must be resolved (the data's vocabulary)."""
+    tp, pp, v, m = config.tp, config.pp, config.virtual_stages, config.grad_accum_steps
+    if pp > 1 and config.zero >= 2:
+        z = config.zero
+        raise LayoutError(
+            "zero", f"--zero {z} with --pp {pp} is refused, as DeepSpeed refuses it: ZeRO-{z} "
+            "reduce-scatters gradients" + (" and all-gathers parameters" if z == 3 else "")
+            + " for every micro-batch, and a pipeline runs many micro-batches per step "
+            "(at least pp to fill it), so the DP traffic would be paid per micro-batch "
+            "instead of once per step. Use --zero 1 with --pp (it shards the optimizer "
+            f"state, 12 of the 16 bytes per parameter in bf16-mixed), or --pp 1 with --zero {z}")
+    if config.moe_num_experts:  # the mixes MoE cannot run yet (parallel/expert.py)
+        problem = expert_layout_problem(config.cp, config.zero, config.ep,
+                                        config.offload_optimizer, config.offload_param)
+        if problem is not None:
+            raise LayoutError(*problem)
+    if config.sequence_parallel and tp == 1:
+        raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
+                          "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
+                          "add --tp or drop --sequence-parallel")
+    # the schedule's own rules (its registry entry), then enough layers for its stages
+    check_schedule_settings(config.schedule, pp, m, v, LayoutError)
+    try:
+        split_layers(config.n_layer, pp * v)
+    except PipelineError as err:
+        raise LayoutError("schedule", str(err)) from None
+    if tp > 1:
+        try:
+            validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
+        except ValueError as err:
+            raise LayoutError("tp", str(err)) from None
+    if config.cp > 1 and config.recompute.selective:
+        raise LayoutError("recompute_granularity", SELECTIVE_WITH_CP)
+    if config.cp > 1:
+        try:
+            validate_context_parallel(gpt_config(config), config.cp, config.cp_load_balance,
+                                      tp, config.sequence_parallel)
+        except ValueError as err:
+            raise LayoutError("cp", str(err)) from None
+    if config.check and config.dropout > 0 and config.world_size > 1:
+        raise LayoutError("check", f"with --dropout {config.dropout} every rank (and "
+                          "pipeline stage) draws its own dropout masks, which cannot equal "
+                          "the single device's; check equivalence with --dropout 0")
+    warnings = []
+    crossing = tp_groups_across_nodes(config)
+    if crossing:
+        warnings.append(
+            f"tensor-parallel group(s) {crossing[0]}{' ...' if len(crossing) > 1 else ''} "
+            f"span nodes (--tp {tp}, --gpus-per-node {config.gpus_per_node}): their "
+            "per-layer all-reduces cross the inter-node network instead of NVLink; make "
+            "--tp a divisor of --gpus-per-node")
+    if pp > 1 and m < pp:
+        spec = SCHEDULES[config.schedule]
+        warnings.append(
+            f"--grad-accum-steps {m} gives the {pp}-stage pipeline fewer micro-batches than "
+            f"stages, so it never fills: idle share at least {spec.bubble_formula} = "
+            f"{spec.uniform_bubble(pp, m, v):.0%}; use --grad-accum-steps {pp} or more")
+    return warnings
+
+
+def tp_groups_across_nodes(config: TrainConfig) -> list[list[int]]:
+    """The TP groups whose ranks are on more than one node."""
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
+    groups = [list(g.ranks) for g in mesh.all_groups("tp")]
+    return [g for g in groups if len({r // config.gpus_per_node for r in g}) > 1]
