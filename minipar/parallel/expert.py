@@ -165,6 +165,12 @@ class ExpertDataParallel:
         for engine in self.engines:
             engine.finish_gradient_synchronization()
 
+    def main_grads(self, params) -> list:
+        """Sequence parallelism's LayerNorms and biases (sequence.py's one TP all-reduce
+        per step) are dense parameters, the experts run on the gathered sequence: the
+        dense engine holds their gradients."""
+        return self.dense.main_grads(params)
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """sqrt(dense^2 + experts^2); each engine then scales by the same coefficient
         (asking it to clip to coefficient x its own norm)."""

@@ -29,6 +29,7 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
+from minipar.errors import LayoutError  # noqa: F401 - re-exported (a ConfigError)
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context import (
