@@ -31,7 +31,7 @@ from minipar.plan.timing import (
     step_time,
     transfer_time,
 )
-from minipar.plan.traffic import sent_by_group, stage_traffic
+from minipar.plan.traffic import GRADIENT_NORM, sent_by_group, stage_traffic
 
 
 @dataclass
@@ -103,7 +103,11 @@ class Estimate:
         totals = dict.fromkeys(groups, 0.0)
         for stage in self.stages:
             per = dict.fromkeys(groups, 0.0)
+            # the DP reduction and gathers bucket by bucket, hidden or not (overlap.py)
+            per["dp"] = stage.time.get("dp_comm_s", 0.0)
             for tr in stage.transfers:
+                if tr.group == "dp" and tr.label != GRADIENT_NORM:
+                    continue
                 per[tr.group] += tr.count * transfer_time(tr, self.cluster,
                                                           self.links[tr.group])
             for group in totals:
