@@ -34,6 +34,11 @@ Context parallelism: a rank computes its s/cp tokens (the busiest rank's ring at
 chunk pairs, minipar/plan/context.py), and each layer's ring adds only the part of its
 K/V (and dK/dV) hops that its block computations do not hide (`exposed_ring_seconds`).
 
+This module is long because it is the one time model read together: a rank's costs per
+micro-batch (and per module, for overlap.py), the closed form and the schedule's
+simulation with the step's tail (the latter could move to its own module, were
+chunk_costs not imported from here).
+
 MFU (Chowdhery et al. 2022, PaLM, appendix B) = model FLOPs per step (three forward
 passes' matmuls, no recomputation; shapes.model_flops_per_sequence) / (step time x GPUs
 x peak FLOP/s).
