@@ -35,11 +35,12 @@ next one (forward order in forward, reverse in backward) is launched, so it runs
 the current one computes and the next gather finds it done or waits for what is left.
 Without prefetch each gather blocks (`--no-zero3-prefetch`).
 
-Where the model is coarse: a bucket counts as complete at the end of the module (a
-transformer layer, the embedding, the head) that holds its last parameter, where the
-emulator completes each parameter at its own op inside the module: an upper bound of at
-most one module's backward per bucket. Module times are the planner's compute and
-blocking tensor-parallel communication of that module (timing.module_seconds).
+Inside a module (a transformer layer, the embedding, the head) a parameter's gradient
+is complete when backward has run the op that uses it: its share of the module's
+backward is that of the ops before it and its own, by FLOPs (`layer_ready`,
+`head_ready`; the attention core sits between the output projection and QKV). Module
+times are the planner's compute and blocking tensor-parallel communication of that
+module (timing.stage_modules).
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ from dataclasses import dataclass
 from minipar.parallel.data import MAX_IN_FLIGHT
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
-from minipar.plan.shapes import ModelShape, padded_vocab
+from minipar.plan.shapes import (
+    ACTIVATION_FLOPS,
+    CROSS_ENTROPY_FLOPS,
+    NORM_FLOPS,
+    SOFTMAX_FLOPS,
+    ModelShape,
+    padded_vocab,
+)
 
 MIB = 2**20
 
@@ -66,6 +74,9 @@ class Module:
     backward_s: float
     tensors: tuple[int, ...]
     late: tuple[bool, ...]
+    # share of the module's backward run when each tensor's gradient is complete (None:
+    # all at its end)
+    ready: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,54 @@ def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
     if sum(tensors) != sum(shape.layer_params(tp)):  # a layer this list does not know
         return (sum(shape.layer_params(tp)),)
     return tuple(tensors)
+
+
+def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False
+                ) -> tuple[float, ...]:
+    """Share of a layer's backward run when each tensor of `layer_tensors` is complete.
+    Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
+    MLP-in GEMM, norm 2, attention output GEMM, the attention core (no parameters), QKV
+    GEMM, norm 1; a GEMM's backward costs 4 T x its weight's elements."""
+    h, s, tokens = shape.d_model, shape.seq_len, b * shape.seq_len
+    stream = tokens // tp if sequence_parallel else tokens
+    norm = NORM_FLOPS[shape.norm][1] * stream * h
+    scores = b * shape.n_head // tp * s * s
+    core = 2 * 4 * scores * shape.head_dim + SOFTMAX_FLOPS[1] * scores
+    steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
+        (4 * tokens * shape.ffn * h / tp, "mlp out"),
+        (ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
+        (4 * tokens * h * shape.mlp_in_width / tp, "mlp in"),
+        (norm, "norm 2"),
+        (4 * tokens * h * h / tp, "attention out"),
+        (core, None),
+        (4 * tokens * h * shape.qkv_width / tp, "qkv"),
+        (norm, "norm 1"),
+    ]
+    total, done, share = sum(f for f, _ in steps), 0.0, {}
+    for flops, group in steps:
+        done += flops
+        if group is not None:
+            share[group] = done / total
+    norms = 2 if shape.norm == "layernorm" else 1
+    biases = 1 if shape.bias else 0
+    groups = (["norm 1"] * norms + ["qkv"] * (1 + biases) + ["attention out"] * (1 + biases)
+              + ["norm 2"] * norms + ["mlp in"] * (1 + biases) + ["mlp out"] * (1 + biases))
+    if len(groups) != len(layer_tensors(shape, tp)):
+        return (1.0,) * len(layer_tensors(shape, tp))
+    return tuple(share[g] for g in groups)
+
+
+def head_ready(shape: ModelShape, b: int, tp: int, tensors: tuple[int, ...]
+               ) -> tuple[float, ...]:
+    """Share of the head's backward run when each of `head_tensors` is complete: the
+    cross-entropy and the logits GEMM (the LM head's weight, or the tied copy) first, the
+    final norm last."""
+    tokens, h = b * shape.seq_len, shape.d_model
+    vocab = padded_vocab(shape.vocab_size, tp) // tp
+    logits = CROSS_ENTROPY_FLOPS[1] * tokens * vocab + 4 * tokens * h * vocab
+    share = logits / (logits + NORM_FLOPS[shape.norm][1] * tokens * h)
+    norms = 2 if shape.norm == "layernorm" else 1
+    return (1.0,) * norms + (share,) * (len(tensors) - norms)
 
 
 def embedding_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
@@ -126,12 +185,8 @@ def gradient_buckets(modules: list[Module], config: ParallelConfig) -> list[Grad
     """Buckets in the order backward completes them (minipar.parallel.buckets.
     build_buckets: reverse registration order, at most bucket_size_mb of parameters
     each, a larger parameter alone; 0 = one bucket); ZeRO-3: one per module (its gather
-    unit, zero3.gpt_units), complete when the module's backward ends.
-
-    Inside a module backward meets the parameters in reverse registration order; the
-    model spreads the module's backward time over them by their elements (a GEMM's
-    weight gradient costs in proportion to its weight), so a parameter is complete once
-    the share of the module's time of itself and the parameters before it has run."""
+    unit, zero3.gpt_units), complete when the module's backward ends; a bucket is
+    complete when its last parameter is (Module.ready)."""
     n = config.replicas
     backward = list(reversed(modules))
     if config.zero == 3:
@@ -146,13 +201,13 @@ def gradient_buckets(modules: list[Module], config: ParallelConfig) -> list[Grad
     groups: list[list[tuple[int, float, bool]]] = [[]]
     size, done = 0, 0.0
     for mod in backward:
-        total, seen = sum(mod.tensors), 0
-        for numel, late in zip(reversed(mod.tensors), reversed(mod.late), strict=True):
+        ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
+        for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
+                                      reversed(ready), strict=True):
             if cap > 0 and groups[-1] and size + numel * itemsize > cap:
                 groups.append([])
                 size = 0
-            seen += numel
-            groups[-1].append((numel, done + mod.backward_s * seen / total, late))
+            groups[-1].append((numel, done + mod.backward_s * share, late))
             size += numel * itemsize
         done += mod.backward_s
     shards = 1 if config.zero == 0 else n
@@ -177,9 +232,10 @@ class Stream:
 def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
                            durations: list[float], overlap: bool,
                            max_in_flight: int | None, stream: Stream | None = None,
-                           start: float = 0.0) -> float:
-    """When the rank has finished one backward of `backward_s` compute seconds, begun at
-    `start`, and waited for its buckets' reductions (the recurrence above).
+                           start: float = 0.0) -> tuple[float, float]:
+    """(when the compute stream has finished one backward of `backward_s` compute
+    seconds begun at `start`, stalls included; when its last reduction ends): the
+    recurrence above. The rank waits for both at the end of backward.
 
     buckets[k] is complete after buckets[k].after_s of that compute and is reduced in
     durations[k] seconds on `stream`; overlap False: each reduction is waited for as it
@@ -200,7 +256,7 @@ def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
         else:
             clock = end
     clock += backward_s - done
-    return max([clock, *pending])
+    return clock, max(pending, default=clock)
 
 
 def zero3_micro_batch(modules: list[Module], gather_s: list[float],
@@ -302,7 +358,7 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     op = "all_reduce" if zero == 0 else "reduce_scatter"
     durations = [collective(op, bucket.numel * b.grad) for bucket in buckets]
     limit = None if zero == 0 else MAX_IN_FLIGHT
-    exposed = reduce_during_backward(compute, buckets, durations, overlap, limit) - compute
+    exposed = max(reduce_during_backward(compute, buckets, durations, overlap, limit)) - compute
     out["late_s"] = sum(d for d, bucket in zip(durations, buckets, strict=True) if bucket.late)
     reductions = m if zero == 2 else 1
     if zero == 2:
@@ -318,26 +374,30 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
 
 
 def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: ParallelConfig,
-                       collective) -> tuple[float, float]:
-    """A pipeline rank's DP reduction (ZeRO-0/1): (when the reductions started during the
-    chunks' last backwards end, seconds of reduction left for after the flush).
+                       collective) -> dict:
+    """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
 
     chunks: (start of the chunk's last micro-batch backward, its modules in forward
-    order), from the schedule's simulation. With overlap each chunk's buckets are reduced
-    during that backward (Megatron's --overlap-grad-reduce), on one stream; the late ones
-    (a tied embedding) and, without overlap, all of them, after the flush. Each chunk's
-    parameters are bucketed alone (exact for one chunk per rank), and a third reduction
-    in flight does not stall the schedule here (the emulator's ZeRO-1 waits for the
-    oldest one, minipar.parallel.data.MAX_IN_FLIGHT)."""
-    stream, after = Stream(), 0.0
+    order). With overlap each chunk's buckets are reduced during that backward
+    (Megatron's --overlap-grad-reduce), on one stream; the late ones (a tied embedding)
+    and, without overlap, all of them, after the flush. Returns
+      overlapped_end_s  when the reductions started during the last backwards end
+      after_flush_s     seconds of reduction left for after the flush
+      stall_s           how long ZeRO-1's limit of reductions in flight held the compute
+                        stream (it delays the rank's end of the schedule)
+    Each chunk's parameters are bucketed alone (exact for one chunk per rank)."""
+    stream, after, stall = Stream(), 0.0, 0.0
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
+    limit = None if config.zero == 0 else MAX_IN_FLIGHT
     for start, modules in sorted(chunks, key=lambda chunk: chunk[0]):
         buckets = gradient_buckets(modules, config)
         durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
         if config.overlap_grad_reduce:
-            reduce_during_backward(sum(mod.backward_s for mod in modules), buckets,
-                                   durations, True, None, stream, start)
+            backward = sum(mod.backward_s for mod in modules)
+            computed, _ = reduce_during_backward(backward, buckets, durations, True, limit,
+                                                 stream, start)
+            stall += computed - start - backward
             after += sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
         else:
             after += sum(durations)
-    return stream.free_at, after
+    return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall}

@@ -76,7 +76,9 @@ from minipar.plan.overlap import (
     Module,
     data_parallel_time,
     embedding_tensors,
+    head_ready,
     head_tensors,
+    layer_ready,
     layer_tensors,
     pipeline_reduction,
 )
@@ -223,11 +225,14 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     if stage.layers:
         forward, backward = seconds(part(stage.chunk_layers), 1 / stage.layers)
         tensors = layer_tensors(shape, t)
+        ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
+                            config.sequence_parallel)
         modules += [Module(f"layer {i}", forward, backward, tensors,
-                           (False,) * len(tensors)) for i in range(stage.layers)]
+                           (False,) * len(tensors), ready) for i in range(stage.layers)]
     if stage.last:
         tensors, late = head_tensors(shape, t, stage.tied_copy)
-        modules.append(Module("head", *seconds(part((0,), last=True)), tensors, late))
+        modules.append(Module("head", *seconds(part((0,), last=True)), tensors, late,
+                              head_ready(shape, config.micro_batch_size, t, tensors)))
     return modules
 
 
@@ -419,12 +424,12 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
     if config.replicas == 1:
-        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "after_step_s": 0.0}
-    end, after = pipeline_reduction(chunks, config, collective)
+        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
+                "after_step_s": 0.0}
     whole = stage_plan(shape, config, rank)
     after_step = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
                                     collective)["after_step_s"]
-    return {"overlapped_end_s": end, "after_flush_s": after, "after_step_s": after_step}
+    return {**pipeline_reduction(chunks, config, collective), "after_step_s": after_step}
 
 
 def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -474,8 +479,14 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
                                        and t.phase in ("forward", "backward")))
     # Each rank's communication spans after its last compute of the schedule (HTA's
-    # exposed communication is their union; the p2p waits inside it are run.comm).
+    # exposed communication is their union; the p2p waits inside it are run.comm): its
+    # last send, if it outlasts that compute, and the tail's collectives.
     spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    for r in range(p):
+        computed = _last_compute_end(run.timelines[r])
+        if clock[r] > computed:
+            spans[r].append((max(computed, clock[r] - message), clock[r]))
+        clock[r] += data_parallel[r]["stall_s"]  # ZeRO-1's reductions held its compute
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
         start = max(clock[0], clock[-1])
         clock[0] = clock[-1] = start + tails[0][0]

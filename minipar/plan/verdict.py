@@ -113,12 +113,16 @@ def _candidates(profile, bottleneck: str, group: str | None) -> list[tuple[str, 
 def _planned(config, profile) -> dict:
     device = device_profile(profile.device)
     cluster = ClusterSpec.from_device_profile(device, gpus_per_node=config.gpus_per_node)
-    est = estimate(from_train_config(config), ParallelConfig.from_train_config(config),
-                   cluster, all_stages=True)
+    shape, layout = from_train_config(config), ParallelConfig.from_train_config(config)
+    est = estimate(shape, layout, cluster, all_stages=True)
+    # the run that waits for every reduction and gather: an upper bound of the step
+    waited = estimate(shape, layout.replace(overlap_grad_reduce=False, zero3_prefetch=False),
+                      cluster)
     # exposed_comm_s: the busiest rank's, per step, with the run's overlap settings
     # (plan/overlap.py), to set beside the profile's measured exposed communication
     return {"step_s": est.step_time, "tokens_per_s": est.time["tokens_per_s"],
             "exposed_comm_s": est.time["exposed_comm_s"],
+            "waited_tokens_per_s": waited.time["tokens_per_s"],
             "bubble_fraction": est.time["bubble_fraction"], "mfu": est.mfu,
             "peak_memory_bytes": est.memory["peak_total"],
             "global_batch_size": config.global_batch_size}

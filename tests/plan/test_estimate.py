@@ -38,19 +38,18 @@ ACTIVATION_TOLERANCE = 0.0
 INTERLEAVED_ACTIVATION_TOLERANCE = 0.05
 TIME_TOLERANCE = 1e-3
 TRANSIENT_TOLERANCE = 0.10
-# Overlap (plan/overlap.py against the emulator's HTA-style exposed_comm_s). Runs that
-# wait, and ZeRO-3's prefetch (whose gathers start at module boundaries, as the model
-# has them): within TIME_TOLERANCE. Buckets smaller than a module: the emulator completes
-# each parameter's gradient at its own op; the planner spreads a module's backward over
-# its parameters by their elements, ignoring that the attention core and the
-# elementwise ops hold none, so buckets are ready a little early and the exposed part
-# comes out up to ~9% low on these 2-layer models (measured): 12%. Under pipeline
-# parallelism HTA also counts the isends running while a rank waits, which the planner
-# leaves out (measured up to 5.5% low): 8%. The step time, of which exposed
-# communication is a part: 2%.
-BUCKET_EXPOSED_TOLERANCE = 0.12
-PIPELINE_EXPOSED_TOLERANCE = 0.08
-OVERLAP_STEP_TOLERANCE = 0.02
+# Overlap (plan/overlap.py against the emulator's HTA-style exposed_comm_s). Waited
+# runs and ZeRO-3's prefetch (gathers start at module boundaries, as the model has them):
+# TIME_TOLERANCE. Buckets smaller than a module complete at the op that uses their last
+# parameter; the planner finds that op by the FLOPs of the GEMMs, norms, activation and
+# attention core before it, leaving out the residual adds (measured <= 0.07% on the
+# exposed part): 1%. ZeRO-1 under pipeline parallelism with many buckets: its limit of
+# two reductions in flight stalls the last stage's last backward, which delays the
+# gradient it sends to the first stage; the planner adds the stall to the stalled rank
+# only (measured 0.65% on the step): 1% there.
+BUCKET_EXPOSED_TOLERANCE = 0.01
+OVERLAP_STEP_TOLERANCE = TIME_TOLERANCE
+STALLED_PIPELINE_STEP_TOLERANCE = 0.01
 STEPS = 2
 TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=STEPS)
 EMULATED = ClusterSpec.from_device_profile(gpus_per_node=8)
@@ -395,8 +394,9 @@ COMPARABLE = dist.DeviceProfile(name="compute ~ communication", flops=1e11,
 SMALL_BUCKETS = dict(bucket_size_mb=0.01)  # 13 buckets of the 2-layer model
 
 
-def overlap_case(name, exposed_tolerance, **settings):
-    return pytest.param(settings, exposed_tolerance, id=name)
+def overlap_case(name, exposed_tolerance, step_tolerance=OVERLAP_STEP_TOLERANCE,
+                 **settings):
+    return pytest.param(settings, exposed_tolerance, step_tolerance, id=name)
 
 
 OVERLAP_GRID = [
@@ -408,14 +408,18 @@ OVERLAP_GRID = [
                    zero=3, zero3_prefetch=on, overlap_grad_reduce=on)
       for on in (True, False)),
     *(overlap_case(f"dp2 pp2 1f1b buckets {'overlap' if on else 'waited'}",
-                   PIPELINE_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    overlap_grad_reduce=on, **SMALL_BUCKETS)
       for on in (True, False)),
+    overlap_case("dp2 pp2 1f1b zero1 buckets overlap", BUCKET_EXPOSED_TOLERANCE,
+                 STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
+                 grad_accum_steps=4, **SMALL_BUCKETS),
 ]
 
 
-@pytest.mark.parametrize(("settings", "exposed_tolerance"), OVERLAP_GRID)
-def test_planner_predicts_exposed_communication(settings, exposed_tolerance, request):
+@pytest.mark.parametrize(("settings", "exposed_tolerance", "step_tolerance"), OVERLAP_GRID)
+def test_planner_predicts_exposed_communication(settings, exposed_tolerance, step_tolerance,
+                                                request):
     """Predicted exposed communication and step time, every pipeline rank, against the
     report's ranks[i].time.exposed_comm_s and its simulated clock."""
     name = request.node.callspec.id
@@ -435,7 +439,7 @@ def test_planner_predicts_exposed_communication(settings, exposed_tolerance, req
         assert relative(time["exposed_comm_s"], exposed) <= exposed_tolerance, (
             f"{label}: exposed measured {time['exposed_comm_s']} predicted {exposed}")
         spent = time["compute_s"] + time["comm_s"] + time["idle_s"]
-        assert relative(spent, STEPS * est.step_time) <= OVERLAP_STEP_TOLERANCE, (
+        assert relative(spent, STEPS * est.step_time) <= step_tolerance, (
             f"{label}: step measured {spent} predicted {STEPS * est.step_time}")
 
 
