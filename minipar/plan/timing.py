@@ -194,15 +194,28 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     return (forward, backward) if split else forward + backward
 
 
+def overlap_needs_times(config: ParallelConfig) -> bool:
+    """Whether the DP reduction's exposed part depends on when backward completes each
+    bucket: not when every reduction is waited for, nor for one bucket (complete only
+    at the end of backward: all of it is exposed) unless ZeRO-3 prefetches."""
+    if config.zero == 3:
+        return config.zero3_prefetch or config.overlap_grad_reduce
+    return config.overlap_grad_reduce and config.bucket_size_mb > 0
+
+
 def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                   stage: StagePlan) -> list[Module]:
     """The modules of `stage` in forward order (embedding, layers, head) with one
     micro-batch's forward and backward seconds each (compute, the ring's exposed part and
     the tensor-parallel collectives they wait for) and their parameters: what
-    plan/overlap.py lays into gradient buckets and ZeRO-3 units."""
+    plan/overlap.py lays into gradient buckets and ZeRO-3 units. The seconds are left
+    0 where the reduction does not depend on them (overlap_needs_times)."""
     links, m, t = group_links(config, cluster), config.micro_batches, config.tp
+    timed = overlap_needs_times(config)
 
     def seconds(part: StagePlan, share: float = 1.0) -> tuple[float, float]:
+        if not timed:
+            return 0.0, 0.0
         compute = stage_seconds(shape, config, cluster, part)
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
