@@ -37,8 +37,7 @@ Without prefetch each gather blocks (`--no-zero3-prefetch`).
 
 Inside a module (a transformer layer, the embedding, the head) a parameter's gradient
 is complete when backward has run the op that uses it: its share of the module's
-backward is that of the ops before it and its own, by FLOPs (`layer_ready`,
-`head_ready`; the attention core sits between the output projection and QKV). Module
+backward is that of the ops before it and its own (plan/parameter_order.py). Module
 times are the planner's compute and blocking tensor-parallel communication of that
 module (timing.stage_modules).
 """
@@ -50,14 +49,6 @@ from dataclasses import dataclass
 from minipar.parallel.data import MAX_IN_FLIGHT
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
-from minipar.plan.shapes import (
-    ACTIVATION_FLOPS,
-    CROSS_ENTROPY_FLOPS,
-    NORM_FLOPS,
-    SOFTMAX_FLOPS,
-    ModelShape,
-    padded_vocab,
-)
 
 MIB = 2**20
 
@@ -87,98 +78,6 @@ class GradientBucket:
     numel: int
     after_s: float
     late: bool
-
-
-# ------------------------------------------------------------------ parameters
-def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
-    """Elements of a transformer layer's parameters on one TP rank, in minipar's (and
-    Hugging Face GPT-2's) registration order: ln_1, attn.c_attn, attn.c_proj, ln_2,
-    mlp.c_fc (gate and up with SwiGLU), mlp.c_proj; weights before biases."""
-    h = shape.d_model
-    norm = (h, h) if shape.norm == "layernorm" else (h,)
-    tensors = [*norm, h * shape.qkv_width // tp]
-    tensors += [shape.qkv_width // tp] if shape.bias else []
-    tensors += [h * h // tp] + ([h] if shape.bias else [])
-    tensors += [*norm, h * shape.mlp_in_width // tp]
-    tensors += [shape.mlp_in_width // tp] if shape.bias else []
-    tensors += [shape.ffn * h // tp] + ([h] if shape.bias else [])
-    if sum(tensors) != sum(shape.layer_params(tp)):  # a layer this list does not know
-        return (sum(shape.layer_params(tp)),)
-    return tuple(tensors)
-
-
-def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False
-                ) -> tuple[float, ...]:
-    """Share of a layer's backward run when each tensor of `layer_tensors` is complete.
-    Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
-    MLP-in GEMM, norm 2, attention output GEMM, the attention core (no parameters), QKV
-    GEMM, norm 1; a GEMM's backward costs 4 T x its weight's elements."""
-    h, s, tokens = shape.d_model, shape.seq_len, b * shape.seq_len
-    stream = tokens // tp if sequence_parallel else tokens
-    norm = NORM_FLOPS[shape.norm][1] * stream * h
-    scores = b * shape.n_head // tp * s * s
-    core = 2 * 4 * scores * shape.head_dim + SOFTMAX_FLOPS[1] * scores
-    steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
-        (4 * tokens * shape.ffn * h / tp, "mlp out"),
-        (ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
-        (4 * tokens * h * shape.mlp_in_width / tp, "mlp in"),
-        (norm, "norm 2"),
-        (4 * tokens * h * h / tp, "attention out"),
-        (core, None),
-        (4 * tokens * h * shape.qkv_width / tp, "qkv"),
-        (norm, "norm 1"),
-    ]
-    total, done, share = sum(f for f, _ in steps), 0.0, {}
-    for flops, group in steps:
-        done += flops
-        if group is not None:
-            share[group] = done / total
-    norms = 2 if shape.norm == "layernorm" else 1
-    biases = 1 if shape.bias else 0
-    groups = (["norm 1"] * norms + ["qkv"] * (1 + biases) + ["attention out"] * (1 + biases)
-              + ["norm 2"] * norms + ["mlp in"] * (1 + biases) + ["mlp out"] * (1 + biases))
-    if len(groups) != len(layer_tensors(shape, tp)):
-        return (1.0,) * len(layer_tensors(shape, tp))
-    return tuple(share[g] for g in groups)
-
-
-def head_ready(shape: ModelShape, b: int, tp: int, tensors: tuple[int, ...]
-               ) -> tuple[float, ...]:
-    """Share of the head's backward run when each of `head_tensors` is complete: the
-    cross-entropy and the logits GEMM (the LM head's weight, or the tied copy) first, the
-    final norm last."""
-    tokens, h = b * shape.seq_len, shape.d_model
-    vocab = padded_vocab(shape.vocab_size, tp) // tp
-    logits = CROSS_ENTROPY_FLOPS[1] * tokens * vocab + 4 * tokens * h * vocab
-    share = logits / (logits + NORM_FLOPS[shape.norm][1] * tokens * h)
-    norms = 2 if shape.norm == "layernorm" else 1
-    return (1.0,) * norms + (share,) * (len(tensors) - norms)
-
-
-def embedding_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
-    """wte (vocabulary-parallel), wpe (learned positions), an embedding norm (BLOOM)."""
-    tensors = [padded_vocab(shape.vocab_size, tp) // tp * shape.d_model]
-    if shape.position == "learned":
-        tensors.append(shape.seq_len * shape.d_model)
-    if shape.embedding_norm:
-        tensors += [shape.d_model] * (2 if shape.norm == "layernorm" else 1)
-    return tuple(tensors)
-
-
-def head_tensors(shape: ModelShape, tp: int = 1, tied_copy: bool = False
-                 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """ln_f, then the untied LM head or the last stage's copy of a tied wte (late)."""
-    h = shape.d_model
-    tensors = [h, h] if shape.norm == "layernorm" else [h]
-    late = [False] * len(tensors)
-    vocab_rows = padded_vocab(shape.vocab_size, tp) // tp * h
-    if not shape.tie_embeddings:
-        tensors.append(vocab_rows)
-        late.append(False)
-    elif tied_copy:
-        tensors.append(vocab_rows)
-        late.append(True)
-    return tuple(tensors), tuple(late)
 
 
 def gradient_buckets(modules: list[Module], config: ParallelConfig) -> list[GradientBucket]:

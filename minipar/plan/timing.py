@@ -72,15 +72,13 @@ from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
-from minipar.plan.overlap import (
-    Module,
-    data_parallel_time,
+from minipar.plan.overlap import Module, data_parallel_time, pipeline_reduction
+from minipar.plan.parameter_order import (
     embedding_tensors,
     head_ready,
     head_tensors,
     layer_ready,
     layer_tensors,
-    pipeline_reduction,
 )
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.traffic import (
@@ -213,17 +211,22 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     links, m, t = group_links(config, cluster), config.micro_batches, config.tp
     timed = overlap_needs_times(config)
 
-    def seconds(part: StagePlan, share: float = 1.0) -> tuple[float, float]:
+    def seconds(part: StagePlan, share: float = 1.0) -> tuple[float, float, float]:
+        """forward, backward, and the share of the backward in TP collectives."""
         if not timed:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         compute = stage_seconds(shape, config, cluster, part)
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
+        backward_comm = 0.0
         for transfer in stage_traffic(shape, config, part):
-            if transfer.group == "tp" and transfer.phase in out:
-                out[transfer.phase] += (transfer.count / m
-                                        * transfer_time(transfer, cluster, links["tp"]))
-        return out["forward"] * share, out["backward"] * share
+            if (transfer.group == "tp" and transfer.phase in out
+                    and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
+                spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
+                out[transfer.phase] += spent
+                backward_comm += spent if transfer.phase == "backward" else 0.0
+        comm_share = backward_comm / out["backward"] if out["backward"] > 0 else 0.0
+        return out["forward"] * share, out["backward"] * share, comm_share
 
     def part(layers: tuple[int, ...], first: bool = False, last: bool = False) -> StagePlan:
         return StagePlan(rank=stage.rank, chunk_layers=layers, first=first, last=last,
@@ -233,19 +236,23 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     modules = []
     if stage.first:
         tensors = embedding_tensors(shape, t)
-        modules.append(Module("embedding", *seconds(part((0,), first=True)), tensors,
+        forward, backward, _ = seconds(part((0,), first=True))
+        modules.append(Module("embedding", forward, backward, tensors,
                               (late_wte,) + (False,) * (len(tensors) - 1)))
     if stage.layers:
-        forward, backward = seconds(part(stage.chunk_layers), 1 / stage.layers)
+        forward, backward, comm = seconds(part(stage.chunk_layers), 1 / stage.layers)
         tensors = layer_tensors(shape, t)
+        layers = part(stage.chunk_layers)
+        recompute = stage_compute(shape, config, layers)["recompute"] / stage.layers
         ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
-                            config.sequence_parallel)
+                            config.sequence_parallel, comm, recompute)
         modules += [Module(f"layer {i}", forward, backward, tensors,
                            (False,) * len(tensors), ready) for i in range(stage.layers)]
     if stage.last:
         tensors, late = head_tensors(shape, t, stage.tied_copy)
-        modules.append(Module("head", *seconds(part((0,), last=True)), tensors, late,
-                              head_ready(shape, config.micro_batch_size, t, tensors)))
+        forward, backward, comm = seconds(part((0,), last=True))
+        modules.append(Module("head", forward, backward, tensors, late,
+                              head_ready(shape, config.micro_batch_size, t, tensors, comm)))
     return modules
 
 
@@ -490,7 +497,8 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         tails.append((tied, broadcast, reduce + offload["gradient_s"], norm,
                       optimizer, gather))
         tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
-                                       and t.phase in ("forward", "backward")))
+                                       and t.phase in ("forward", "backward")
+                                       and t.label != SEQUENCE_PARALLEL_GRADIENTS))
     # Each rank's communication spans after its last compute of the schedule (HTA's
     # exposed communication is their union; the p2p waits inside it are run.comm): its
     # last send, if it outlasts that compute, and the tail's collectives.
@@ -518,7 +526,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     start = max(clock)  # so does the gradient norm's all-reduce over the stages
     clock = [start + tails[r][3] for r in range(p)]
     end = [clock[r] + tails[r][4] + tails[r][5] for r in range(p)]
-    exposed = [run.comm[r] + config.micro_batches * tensor_parallel[r]
+    exposed = [run.comm[r] + tensor_parallel[r]  # (the TP transfers' counts are per step)
                + sum(e - s for s, e in merge_intervals(spans[r]))
                + tails[r][3] + tails[r][5] for r in range(p)]
     step = max(end)

@@ -41,10 +41,11 @@ TRANSIENT_TOLERANCE = 0.10
 # Overlap (plan/overlap.py against the emulator's HTA-style exposed_comm_s). Waited
 # runs and ZeRO-3's prefetch (gathers start at module boundaries, as the model has them):
 # TIME_TOLERANCE. Buckets smaller than a module complete at the op that uses their last
-# parameter; the planner finds that op by the FLOPs of the GEMMs, norms, activation and
-# attention core before it, leaving out the residual adds (measured <= 0.07% on the
-# exposed part): 1%. ZeRO-1 under pipeline parallelism with many buckets: its limit of
-# two reductions in flight stalls the last stage's last backward, which delays the
+# parameter; the planner finds that op by the FLOPs of the recomputation, GEMMs, norms,
+# activation and attention core before it and the time of the TP collectives between
+# them, leaving out the residual adds (measured <= 0.07% on the exposed part): 1%.
+# ZeRO-1 under pipeline parallelism with many buckets: its limit of two reductions in
+# flight stalls the last stage's last backward, which delays the
 # gradient it sends to the first stage; the planner adds the stall to the stalled rank
 # only (measured 0.65% on the step): 1% there.
 BUCKET_EXPOSED_TOLERANCE = 0.01
@@ -411,6 +412,15 @@ OVERLAP_GRID = [
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    overlap_grad_reduce=on, **SMALL_BUCKETS)
       for on in (True, False)),
+    # tensor-parallel all-reduces and recomputation inside the layers' backward
+    overlap_case("dp2 tp2 buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2,
+                 **SMALL_BUCKETS),
+    overlap_case("dp2 tp2 sequence parallel buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2,
+                 tp=2, sequence_parallel=True, **SMALL_BUCKETS),
+    overlap_case("dp2 tp2 pp2 buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2, pp=2,
+                 n_layer=4, grad_accum_steps=4, **SMALL_BUCKETS),
+    overlap_case("dp2 zero2 checkpointing buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2,
+                 zero=2, activation_checkpointing=True, **SMALL_BUCKETS),
     overlap_case("dp2 pp2 1f1b zero1 buckets overlap", BUCKET_EXPOSED_TOLERANCE,
                  STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
                  grad_accum_steps=4, **SMALL_BUCKETS),
@@ -430,8 +440,8 @@ def test_planner_predicts_exposed_communication(settings, exposed_tolerance, ste
     est = estimate(shape, ParallelConfig.from_train_config(config),
                    ClusterSpec.from_device_profile(COMPARABLE), all_stages=True)
     for stage in est.stages:
-        (measured,) = [r for r in report.ranks
-                       if r["coords"]["dp"] == 0 and r["coords"]["pp"] == stage.rank]
+        (measured,) = [r for r in report.ranks if r["coords"]["dp"] == 0
+                       and r["coords"]["pp"] == stage.rank and r["coords"]["tp"] == 0]
         time = measured["time"]
         label = f"{name}, pipeline rank {stage.rank}"
         assert measured["sharding"]["buckets"] == stage.time["dp_buckets"] or config.zero == 3
