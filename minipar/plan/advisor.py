@@ -143,8 +143,11 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
 
 def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
            precision: str = "bf16-mixed", flash_attention: bool = True,
-           lr: float | None = None) -> Advice:
-    """Rank every candidate layout of `gpus` GPUs that fits by predicted step time."""
+           lr: float | None = None, overlap_grad_reduce: bool = True,
+           zero3_prefetch: bool = True) -> Advice:
+    """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
+    overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
+    (plan/overlap.py); both False ranks the runs that wait for every reduction and gather."""
     if not isinstance(gpus, int) or gpus < 1:
         raise PlanError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
@@ -153,6 +156,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     fitting, not_fitting, searched = [], [], 0
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
                                     precision, flash_attention, lr):
+        config = config.replace(overlap_grad_reduce=overlap_grad_reduce,
+                                zero3_prefetch=zero3_prefetch)
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)

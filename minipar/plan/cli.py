@@ -93,6 +93,17 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "as minipar's own attention)")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
+    # the trainer's overlap flags (minipar train), priced by plan/overlap.py
+    layout.add_argument("--bucket-size-mb", type=float, dest="bucket_size_mb", default=None,
+                        help="gradient bucket size in MiB (0 = one bucket, the default)")
+    layout.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
+                        dest="overlap_grad_reduce", default=True,
+                        help="reduce gradient buckets while backward goes on (under --pp: "
+                             "during each stage's last micro-batch backward)")
+    layout.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction,
+                        dest="zero3_prefetch", default=True,
+                        help="ZeRO-3: all-gather the next module's parameters while the "
+                             "current one computes")
     layout.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
     layout.add_argument("--reference-global-batch-size", type=int,
@@ -176,7 +187,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                    if getattr(args, k) is not None}
         if args.recompute_granularity is not None and args.activation_checkpointing is None:
             changes["activation_checkpointing"] = False  # the finer flags replace it
-        return base.replace(**changes) if changes else base
+        changes.update(_overlap(args))
+        return base.replace(**changes)
     dp, tp, pp, cp = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
     values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=args.zero or 0,
                   schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
@@ -189,7 +201,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   recompute_method=args.recompute_method,
                   recompute_num_layers=args.recompute_num_layers,
                   flash_attention=args.flash_attention, lr=args.lr,
-                  offload_optimizer=args.offload_optimizer, offload_param=args.offload_param)
+                  offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+                  **_overlap(args))
     if args.layer_split:
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
@@ -199,6 +212,15 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
         values["global_batch_size"] = _global_batch(args, shape, dp * tp * pp * cp)
     return values
+
+
+def _overlap(args) -> dict:
+    """The overlap settings given (the trainer's names)."""
+    settings = {"overlap_grad_reduce": args.overlap_grad_reduce,
+                "zero3_prefetch": args.zero3_prefetch}
+    if args.bucket_size_mb is not None:
+        settings["bucket_size_mb"] = args.bucket_size_mb
+    return settings
 
 
 def _emit_json(args, payload: dict) -> None:
@@ -261,7 +283,8 @@ def _run(args) -> int:
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
                         precision=args.precision, flash_attention=args.flash_attention,
-                        lr=args.lr)
+                        lr=args.lr, overlap_grad_reduce=args.overlap_grad_reduce,
+                        zero3_prefetch=args.zero3_prefetch)
         if args.json:
             payload = advice.to_dict(top=args.top)
             if advice.best is not None:

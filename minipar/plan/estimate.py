@@ -31,7 +31,7 @@ from minipar.plan.timing import (
     step_time,
     transfer_time,
 )
-from minipar.plan.traffic import sent_by_group, stage_traffic
+from minipar.plan.traffic import GRADIENT_NORM, sent_by_group, stage_traffic
 
 
 @dataclass
@@ -103,7 +103,11 @@ class Estimate:
         totals = dict.fromkeys(groups, 0.0)
         for stage in self.stages:
             per = dict.fromkeys(groups, 0.0)
+            # the DP reduction and gathers bucket by bucket, hidden or not (overlap.py)
+            per["dp"] = stage.time.get("dp_comm_s", 0.0)
             for tr in stage.transfers:
+                if tr.group == "dp" and tr.label != GRADIENT_NORM:
+                    continue
                 per[tr.group] += tr.count * transfer_time(tr, self.cluster,
                                                           self.links[tr.group])
             for group in totals:
@@ -165,9 +169,14 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
             tier_transfers=tier_transfers(shape, config, plan)))
     if exact_pipeline and config.pp > 1:
         time = simulated_step_time(shape, config, cluster, scatter_gather=scatter_gather)
+        for stage in stages:  # the schedule's p2p waits and the tail, per rank
+            stage.time["exposed_comm_s"] = time["rank_exposed_comm_s"][stage.rank]
     else:
         time = step_time(config, [s.time for s in stages], shape, cluster,
                          [p.rank for p in plans])
+    # communication not hidden behind compute (HTA's exposed), on the rank that has most
+    time["exposed_comm_s"] = max(s.time["exposed_comm_s"] for s in stages)
+    time["dp_comm_s"] = max(s.time["dp_comm_s"] for s in stages)
     return Estimate(shape, config, cluster, stages, time, links=group_links(config, cluster))
 
 
@@ -253,4 +262,10 @@ def format_estimate(est: Estimate) -> str:
     lines.append("communication per step: " + ", ".join(
         f"{g} {human_seconds(comm[g])}" + (" (crosses nodes)" if est.links[g] else "")
         for g in groups))
+    lines.append(
+        f"exposed communication (not hidden behind compute): "
+        f"{human_seconds(t['exposed_comm_s'])} per step on the busiest rank, of "
+        f"{human_seconds(sum(comm.values()))}; overlap: gradient buckets "
+        f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}"
+        + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else ""))
     return "\n".join(lines)

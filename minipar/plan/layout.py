@@ -81,8 +81,11 @@ class ParallelConfig:
     layer_split: tuple[int, ...] | None = None
     bucket_size_mb: float = 0.0
     lr: float | None = None
-    # ZeRO-3 prefetch (TrainConfig.zero3_prefetch): one more unit's parameters gathered
-    # while the current one computes. Memory only: the step time prices the waited run.
+    # Communication overlap (TrainConfig's names; plan/overlap.py prices them): gradient
+    # buckets reduced while backward goes on, and ZeRO-3's next unit gathered while the
+    # current one computes (its memory too: one more unit's parameters). False, False
+    # prices the run that waits for every reduction and gather.
+    overlap_grad_reduce: bool = True
     zero3_prefetch: bool = True
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (ring attention)
     cp_load_balance: bool = True
@@ -167,6 +170,7 @@ class ParallelConfig:
                    recompute_method=config.recompute_method,
                    recompute_num_layers=config.recompute_num_layers,
                    bucket_size_mb=config.bucket_size_mb, lr=config.lr,
+                   overlap_grad_reduce=config.overlap_grad_reduce,
                    zero3_prefetch=config.zero3_prefetch, cp=config.cp,
                    cp_load_balance=config.cp_load_balance,
                    offload_optimizer=config.offload_optimizer,

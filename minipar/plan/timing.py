@@ -22,14 +22,22 @@ bubble is the idle share of all ranks' time: (p - 1)/(m + p - 1) for uniform sta
 After the last backward come the step's collectives (DP gradient reduction and parameter
 all-gather, gradient-norm all-reduces, the tied embedding's all-reduce, the loss
 broadcast) and the optimizer: AdamW's 14 FLOPs per parameter of the rank's shard.
-None of it overlaps with compute, nor do ZeRO-3's gathers: this is the step of a run
-that waits for every reduction and gather (`overlap_grad_reduce=False`,
-`zero3_prefetch=False`), and an upper bound for one that overlaps them (buckets reduced
-during backward, prefetch; tests/plan/test_estimate.py checks both).
+The data-parallel part hides behind compute as far as plan/overlap.py's model says:
+gradient buckets reduced while backward goes on (`overlap_grad_reduce`; under pipeline
+parallelism during each chunk's last micro-batch backward), ZeRO-3's next unit gathered
+while the current one computes (`zero3_prefetch`); only the exposed part is on the
+critical path. With both off this is the step of a run that waits for every reduction
+and gather, an upper bound of the overlapped one (tests/plan/test_estimate.py checks
+both against the emulator).
 
 Context parallelism: a rank computes its s/cp tokens (the busiest rank's ring attention
 chunk pairs, minipar/plan/context.py), and each layer's ring adds only the part of its
 K/V (and dK/dV) hops that its block computations do not hide (`exposed_ring_seconds`).
+
+This module is long because it is the one time model read together: a rank's costs per
+micro-batch (and per module, for overlap.py), the closed form and the schedule's
+simulation with the step's tail (the latter could move to its own module, were
+chunk_costs not imported from here).
 
 MFU (Chowdhery et al. 2022, PaLM, appendix B) = model FLOPs per step (three forward
 passes' matmuls, no recomputation; shapes.model_flops_per_sequence) / (step time x GPUs
@@ -39,7 +47,14 @@ x peak FLOP/s).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
+from minipar.distributed.timeline import merge_intervals
 from minipar.parallel.schedules import (
+    Backward,
+    BackwardWeight,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
     check_schedule_name,
     make_schedule,
     simulate_step,
@@ -57,6 +72,14 @@ from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
+from minipar.plan.overlap import Module, data_parallel_time, pipeline_reduction
+from minipar.plan.parameter_order import (
+    embedding_tensors,
+    head_ready,
+    head_tensors,
+    layer_ready,
+    layer_tensors,
+)
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.traffic import (
     GRADIENT_NORM,
@@ -65,6 +88,8 @@ from minipar.plan.traffic import (
     Transfer,
     stage_traffic,
 )
+
+P2P_ACTIONS = (SendActivation, SendGrad, RecvActivation, RecvGrad)
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
@@ -167,18 +192,105 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     return (forward, backward) if split else forward + backward
 
 
+def overlap_needs_times(config: ParallelConfig) -> bool:
+    """Whether the DP reduction's exposed part depends on when backward completes each
+    bucket: not when every reduction is waited for, nor for one bucket (complete only
+    at the end of backward: all of it is exposed) unless ZeRO-3 prefetches."""
+    if config.zero == 3:
+        return config.zero3_prefetch or config.overlap_grad_reduce
+    return config.overlap_grad_reduce and config.bucket_size_mb > 0
+
+
+def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                  stage: StagePlan) -> list[Module]:
+    """The modules of `stage` in forward order (embedding, layers, head) with one
+    micro-batch's forward and backward seconds each (compute, the ring's exposed part and
+    the tensor-parallel collectives they wait for) and their parameters: what
+    plan/overlap.py lays into gradient buckets and ZeRO-3 units. The seconds are left
+    0 where the reduction does not depend on them (overlap_needs_times)."""
+    links, m, t = group_links(config, cluster), config.micro_batches, config.tp
+    timed = overlap_needs_times(config)
+
+    def seconds(part: StagePlan, share: float = 1.0) -> tuple[float, float, float]:
+        """forward, backward, and the share of the backward in TP collectives."""
+        if not timed:
+            return 0.0, 0.0, 0.0
+        compute = stage_seconds(shape, config, cluster, part)
+        ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
+        out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
+        backward_comm = 0.0
+        for transfer in stage_traffic(shape, config, part):
+            if (transfer.group == "tp" and transfer.phase in out
+                    and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
+                spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
+                out[transfer.phase] += spent
+                backward_comm += spent if transfer.phase == "backward" else 0.0
+        comm_share = backward_comm / out["backward"] if out["backward"] > 0 else 0.0
+        return out["forward"] * share, out["backward"] * share, comm_share
+
+    def part(layers: tuple[int, ...], first: bool = False, last: bool = False) -> StagePlan:
+        return StagePlan(rank=stage.rank, chunk_layers=layers, first=first, last=last,
+                         tied_copy=False, in_flight=1)
+
+    late_wte = config.pp > 1 and shape.tie_embeddings  # summed over the stages first
+    modules = []
+    if stage.first:
+        tensors = embedding_tensors(shape, t)
+        forward, backward, _ = seconds(part((0,), first=True))
+        modules.append(Module("embedding", forward, backward, tensors,
+                              (late_wte,) + (False,) * (len(tensors) - 1)))
+    if stage.layers:
+        forward, backward, comm = seconds(part(stage.chunk_layers), 1 / stage.layers)
+        tensors = layer_tensors(shape, t)
+        layers = part(stage.chunk_layers)
+        recompute = stage_compute(shape, config, layers)["recompute"] / stage.layers
+        ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
+                            config.sequence_parallel, comm, recompute)
+        modules += [Module(f"layer {i}", forward, backward, tensors,
+                           (False,) * len(tensors), ready) for i in range(stage.layers)]
+    if stage.last:
+        tensors, late = head_tensors(shape, t, stage.tied_copy)
+        forward, backward, comm = seconds(part((0,), last=True))
+        modules.append(Module("head", forward, backward, tensors, late,
+                              head_ready(shape, config.micro_batch_size, t, tensors, comm)))
+    return modules
+
+
+def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                          stage: StagePlan) -> dict:
+    """plan/overlap.py's data-parallel time of one rank of `stage` (see
+    data_parallel_time) on this cluster's DP links."""
+    crosses = group_links(config, cluster)["dp"]
+
+    def collective(op: str, nbytes: float) -> float:
+        return cluster.collective_time(op, config.replicas, nbytes, crosses)
+
+    modules = stage_modules(shape, config, cluster, stage) if config.replicas > 1 else []
+    return data_parallel_time(modules, config, collective)
+
+
+def _overlap_priced(transfer: Transfer) -> bool:
+    """The DP transfers plan/overlap.py times (all but the gradient norm's)."""
+    return transfer.group == "dp" and transfer.label != GRADIENT_NORM
+
+
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                stage: StagePlan, transfers: list[Transfer]) -> dict[str, float]:
-    """Seconds of one micro-batch (t_r) and of the step's tail on one rank."""
+    """Seconds of one micro-batch (t_r) and of the step's tail on one rank; the
+    data-parallel reduction and gathers only as far as they are exposed (overlap.py)."""
     flops = stage_compute(shape, config, stage)
     compute_s = stage_seconds(shape, config, cluster, stage)
     links = group_links(config, cluster)
     m = config.micro_batches
     per_micro_comm = step_comm = p2p = 0.0
     per_micro_comm += ring_seconds(shape, config, cluster, stage.chunk_layers)
+    data_parallel = data_parallel_seconds(shape, config, cluster, stage)
+    per_micro_comm += data_parallel["per_micro_batch_s"]
+    step_comm += (data_parallel["last_backward_s"] + data_parallel["late_s"]
+                  + data_parallel["after_step_s"])
     for transfer in transfers:
         seconds = transfer_time(transfer, cluster, links[transfer.group])
-        if transfer.group == "cp":  # counted as the ring's exposed part, above
+        if transfer.group == "cp" or _overlap_priced(transfer):  # counted above
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
@@ -195,6 +307,11 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         "micro_batch_s": compute + per_micro_comm + offload["micro_s"] / m,
         "p2p_s": p2p,
         "step_comm_s": step_comm,
+        # communication the rank waits for per step (HTA's exposed communication), and
+        # the data-parallel transfers' time whether hidden or not
+        "exposed_comm_s": m * per_micro_comm + step_comm,
+        "dp_comm_s": data_parallel["comm_s"],
+        "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
         "host_optimizer_s": offload["host_optimizer_s"],
         "flops": flops,
@@ -295,6 +412,46 @@ def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: Clus
             + cluster.collective_time("all_gather", config.tp, nbytes, links["tp"]))
 
 
+def _last_compute_end(timeline) -> float:
+    """When a rank's last compute action of the simulated schedule ends."""
+    return max((end for action, _, end in timeline
+                if not isinstance(action, P2P_ACTIONS)), default=0.0)
+
+
+def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                            rank: int, run) -> dict:
+    """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) with the
+    starts of its chunks' last backwards from the schedule's simulation `run`, and
+    ZeRO-1's parameter all-gathers after the step."""
+    spec = check_schedule_name(config.schedule)
+    p, v = config.pp, config.virtual_stages
+    counts = layer_counts(shape.n_layer, p * v, config.layer_split)
+    last_start = {}
+    for action, start, _ in run.timelines[rank]:
+        if isinstance(action, (Backward, BackwardWeight)):
+            last_start[action.chunk] = start
+    chunks = []
+    for c in range(v):
+        stage = spec.virtual_stage(p, rank, c)
+        plan = StagePlan(rank=rank, chunk_layers=(counts[stage],), first=stage == 0,
+                         last=stage == p * v - 1, in_flight=1,
+                         tied_copy=shape.tie_embeddings and stage == p * v - 1
+                         and spec.virtual_stage(p, rank, 0) != 0)
+        chunks.append((last_start.get(c, 0.0), stage_modules(shape, config, cluster, plan)))
+    crosses = group_links(config, cluster)["dp"]
+
+    def collective(op: str, nbytes: float) -> float:
+        return cluster.collective_time(op, config.replicas, nbytes, crosses)
+
+    if config.replicas == 1:
+        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
+                "after_step_s": 0.0}
+    whole = stage_plan(shape, config, rank)
+    after_step = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
+                                    collective)["after_step_s"]
+    return {**pipeline_reduction(chunks, config, collective), "after_step_s": after_step}
+
+
 def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                         scatter_gather: bool = False) -> dict[str, float]:
     """Step time of a pipelined config from a simulation of its schedule (simulate_step),
@@ -312,10 +469,11 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     run = simulate_step(schedule, forward, backward, message)  # validates as it times
     clock = list(run.finish)
     pipeline = max(clock)
-    tails = []
+    tails, data_parallel, tensor_parallel = [], [], []
     for r in range(p):
         plan = stage_plan(shape, config, r)
-        transfers = stage_traffic(shape, config, plan)
+        transfers = [t for t in stage_traffic(shape, config, plan) if not _overlap_priced(t)]
+        data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
 
         def seconds(selected) -> float:
             return sum(t.count * transfer_time(t, cluster, links[t.group]) for t in selected)
@@ -334,17 +492,43 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         optimizer = optimizer_seconds(config, stage_seconds(shape, config, cluster, plan),
                                       offload) - offload["gradient_s"]
         gather = seconds(t for t in step_transfers if t.label == PARAMETER_ALL_GATHER)
+        gather += data_parallel[r]["after_step_s"]
         # an offloaded gradient copy is waited for before the norm's all-reduces
-        tails.append((tied, broadcast + reduce + offload["gradient_s"], norm,
-                      optimizer + gather))
+        tails.append((tied, broadcast, reduce + offload["gradient_s"], norm,
+                      optimizer, gather))
+        tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
+                                       and t.phase in ("forward", "backward")
+                                       and t.label != SEQUENCE_PARALLEL_GRADIENTS))
+    # Each rank's communication spans after its last compute of the schedule (HTA's
+    # exposed communication is their union; the p2p waits inside it are run.comm): its
+    # last send, if it outlasts that compute, and the tail's collectives.
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    for r in range(p):
+        computed = _last_compute_end(run.timelines[r])
+        if clock[r] > computed:
+            spans[r].append((max(computed, clock[r] - message), clock[r]))
+        clock[r] += data_parallel[r]["stall_s"]  # ZeRO-1's reductions held its compute
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
         start = max(clock[0], clock[-1])
         clock[0] = clock[-1] = start + tails[0][0]
+        spans[0].append((start, clock[0]))
+        spans[-1].append((start, clock[-1]))
     start = max(clock)  # the loss broadcast starts with its last member
-    clock = [start + tails[r][1] for r in range(p)]
+    # then each rank waits for its DP reduction (started during its last backwards when
+    # it overlaps) and reduces what is left, and the DP and TP norms
+    for r in range(p):
+        dp = data_parallel[r]
+        spans[r] += [(start, start + tails[r][1]),
+                     (_last_compute_end(run.timelines[r]), dp["overlapped_end_s"])]
+        clock[r] = max(start + tails[r][1], dp["overlapped_end_s"])
+        spans[r].append((clock[r], clock[r] + dp["after_flush_s"] + tails[r][2]))
+        clock[r] += dp["after_flush_s"] + tails[r][2]
     start = max(clock)  # so does the gradient norm's all-reduce over the stages
-    clock = [start + tails[r][2] for r in range(p)]
-    end = [clock[r] + tails[r][3] for r in range(p)]
+    clock = [start + tails[r][3] for r in range(p)]
+    end = [clock[r] + tails[r][4] + tails[r][5] for r in range(p)]
+    exposed = [run.comm[r] + tensor_parallel[r]  # (the TP transfers' counts are per step)
+               + sum(e - s for s, e in merge_intervals(spans[r]))
+               + tails[r][3] + tails[r][5] for r in range(p)]
     step = max(end)
     # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
     # pipeline's span (a rank that finished early idles until the last one does).
@@ -354,6 +538,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     return {
         "step_s": step,
         "rank_end_s": end,  # when each pipeline rank finishes its step
+        "rank_exposed_comm_s": exposed,  # communication not hidden by compute, per rank
         "pipeline_s": pipeline,
         "tail_s": step - pipeline,
         "bubble_fraction": 1 - busy / total if total > 0 else 0.0,

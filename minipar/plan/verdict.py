@@ -88,6 +88,12 @@ def _candidates(profile, bottleneck: str, group: str | None) -> list[tuple[str, 
             if c["zero"] == 3:
                 out.append(("ZeRO-2 instead of ZeRO-3 (no parameter all-gathers)",
                             {"zero": 2}))
+            if c["zero"] == 3 and not c.get("zero3_prefetch", True):
+                out.append(("ZeRO-3 prefetch (the next module's gather runs while the "
+                            "current one computes)", {"zero3_prefetch": True}))
+            if not c.get("overlap_grad_reduce", True):
+                out.append(("gradient buckets reduced while backward goes on "
+                            "(--overlap-grad-reduce)", {"overlap_grad_reduce": True}))
             if c["bucket_size_mb"] == 0 and c["pp"] == 1:
                 out.append(("gradient buckets of 0.1 MiB reduced while backward goes on",
                             {"bucket_size_mb": 0.1}))
@@ -107,9 +113,16 @@ def _candidates(profile, bottleneck: str, group: str | None) -> list[tuple[str, 
 def _planned(config, profile) -> dict:
     device = device_profile(profile.device)
     cluster = ClusterSpec.from_device_profile(device, gpus_per_node=config.gpus_per_node)
-    est = estimate(from_train_config(config), ParallelConfig.from_train_config(config),
-                   cluster, all_stages=True)
+    shape, layout = from_train_config(config), ParallelConfig.from_train_config(config)
+    est = estimate(shape, layout, cluster, all_stages=True)
+    # the run that waits for every reduction and gather: an upper bound of the step
+    waited = estimate(shape, layout.replace(overlap_grad_reduce=False, zero3_prefetch=False),
+                      cluster)
+    # exposed_comm_s: the busiest rank's, per step, with the run's overlap settings
+    # (plan/overlap.py), to set beside the profile's measured exposed communication
     return {"step_s": est.step_time, "tokens_per_s": est.time["tokens_per_s"],
+            "exposed_comm_s": est.time["exposed_comm_s"],
+            "waited_tokens_per_s": waited.time["tokens_per_s"],
             "bubble_fraction": est.time["bubble_fraction"], "mfu": est.mfu,
             "peak_memory_bytes": est.memory["peak_total"],
             "global_batch_size": config.global_batch_size}

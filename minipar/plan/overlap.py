@@ -1,0 +1,302 @@
+"""Communication hidden behind compute: bucketed gradient reduction and ZeRO-3 prefetch.
+
+The one home of the planner's overlap model (timing.py feeds it module times and uses
+what it returns). A rank's data-parallel communication runs on its group's stream
+(one NCCL communicator: collectives of a group run one after another) while its compute
+stream goes on; what the step pays is only the *exposed* part, the time the rank waits
+for a transfer while it computes nothing (Holistic Trace Analysis's definition, as
+minipar.distributed.timeline.comm_overlap measures it).
+
+Gradient buckets (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3; DeepSpeed's
+`overlap_comm` / `reduce_bucket_size`; Megatron-LM's `--overlap-grad-reduce`). The
+parameters are laid, in reverse registration order (about the order backward finishes
+their gradients), into buckets of at most `bucket_size_mb` (`build_buckets`; ZeRO-3: one
+bucket per gather unit). Bucket k is complete when backward has finished the module
+holding its last parameter, at r_k; its reduction of d_k seconds starts when both the
+bucket and the stream are free:
+
+    start_k = max(r_k, end_(k-1)),   end_k = start_k + d_k,
+    exposed = max(0, end_K - T_backward)
+
+so what outlasts the backward is about the last bucket (it is ready only when backward
+ends) plus whatever the reductions exceed the compute left behind them. ZeRO (DeepSpeed's
+double-buffered reduction bucket, minipar.parallel.data.MAX_IN_FLIGHT) keeps at most two
+reductions in flight: launching a third first waits for the oldest, which stalls the
+compute stream too. Without overlap (`--no-overlap-grad-reduce`) every bucket is waited
+for as it starts: exposed = sum_k d_k, the upper bound the planner used to price.
+DDP and ZeRO-1 reduce only in the step's last micro-batch (`no_sync`); ZeRO-2 and -3 in
+every micro-batch's backward. Under pipeline parallelism the same recurrence runs in
+each chunk's last micro-batch backward (Megatron's `enable_grad_sync()` before it), and
+the tied embedding's bucket waits until its copies are summed after the flush.
+
+ZeRO-3 prefetch (PyTorch FSDP's `forward_prefetch` / `backward_prefetch=BACKWARD_PRE`;
+DeepSpeed's `stage3_prefetch_bucket_size`): as a module starts, the all-gather of the
+next one (forward order in forward, reverse in backward) is launched, so it runs while
+the current one computes and the next gather finds it done or waits for what is left.
+Without prefetch each gather blocks (`--no-zero3-prefetch`).
+
+Inside a module (a transformer layer, the embedding, the head) a parameter's gradient
+is complete when backward has run the op that uses it: its share of the module's
+backward is that of the ops before it and its own (plan/parameter_order.py). Module
+times are the planner's compute and blocking tensor-parallel communication of that
+module (timing.stage_modules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minipar.parallel.data import MAX_IN_FLIGHT
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.memory import shard
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module of a rank's chunk, as backward meets it: name (embedding, h.<i>, head),
+    one micro-batch's forward and backward seconds, its parameters' elements in
+    registration order, and which of them are reduced only after the flush (a tied
+    embedding's copies under pipeline parallelism)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    tensors: tuple[int, ...]
+    late: tuple[bool, ...]
+    # share of the module's backward run when each tensor's gradient is complete (None:
+    # all at its end)
+    ready: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GradientBucket:
+    """numel: elements reduced (padded to a multiple of N for ZeRO); after_s: seconds of
+    backward compute before the bucket is complete; late: reduced only after the flush."""
+
+    numel: int
+    after_s: float
+    late: bool
+
+
+def gradient_buckets(modules: list[Module], config: ParallelConfig) -> list[GradientBucket]:
+    """Buckets in the order backward completes them (minipar.parallel.buckets.
+    build_buckets: reverse registration order, at most bucket_size_mb of parameters
+    each, a larger parameter alone; 0 = one bucket); ZeRO-3: one per module (its gather
+    unit, zero3.gpt_units), complete when the module's backward ends; a bucket is
+    complete when its last parameter is (Module.ready)."""
+    n = config.replicas
+    backward = list(reversed(modules))
+    if config.zero == 3:
+        ends, done = [], 0.0
+        for mod in backward:
+            done += mod.backward_s
+            ends.append(done)
+        return [GradientBucket(shard(sum(mod.tensors), n) * n, end, any(mod.late))
+                for mod, end in zip(backward, ends, strict=True) if mod.tensors]
+    cap = config.bucket_size_mb * MIB
+    itemsize = config.bytes.param  # DDP's bucket_cap_mb counts parameter bytes
+    groups: list[list[tuple[int, float, bool]]] = [[]]
+    size, done = 0, 0.0
+    for mod in backward:
+        ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
+        for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
+                                      reversed(ready), strict=True):
+            if cap > 0 and groups[-1] and size + numel * itemsize > cap:
+                groups.append([])
+                size = 0
+            groups[-1].append((numel, done + mod.backward_s * share, late))
+            size += numel * itemsize
+        done += mod.backward_s
+    shards = 1 if config.zero == 0 else n
+    return [GradientBucket(shard(sum(t[0] for t in g), shards) * shards, g[-1][1],
+                           any(t[2] for t in g)) for g in groups if g]
+
+
+# ------------------------------------------------------------------ the recurrences
+@dataclass
+class Stream:
+    """A group's communication stream: when it is free again."""
+
+    free_at: float = 0.0
+
+    def launch(self, now: float, seconds: float) -> float:
+        """Post a collective at `now`; it runs when the stream is free. Returns its end."""
+        start = max(now, self.free_at)
+        self.free_at = start + seconds
+        return self.free_at
+
+
+def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
+                           durations: list[float], overlap: bool,
+                           max_in_flight: int | None, stream: Stream | None = None,
+                           start: float = 0.0) -> tuple[float, float]:
+    """(when the compute stream has finished one backward of `backward_s` compute
+    seconds begun at `start`, stalls included; when its last reduction ends): the
+    recurrence above. The rank waits for both at the end of backward.
+
+    buckets[k] is complete after buckets[k].after_s of that compute and is reduced in
+    durations[k] seconds on `stream`; overlap False: each reduction is waited for as it
+    starts; max_in_flight: at most that many reductions pending (ZeRO), None: no limit
+    (DDP). Late buckets are skipped (the caller reduces them after the flush)."""
+    stream = Stream() if stream is None else stream
+    clock, done, pending = start, 0.0, []
+    for bucket, seconds in zip(buckets, durations, strict=True):
+        if bucket.late:
+            continue
+        clock += bucket.after_s - done  # compute until the bucket is complete
+        done = bucket.after_s
+        if max_in_flight is not None and len(pending) == max_in_flight:
+            clock = max(clock, pending.pop(0))  # the compute stream waits too
+        end = stream.launch(clock, seconds)
+        if overlap:
+            pending.append(end)
+        else:
+            clock = end
+    clock += backward_s - done
+    return clock, max(pending, default=clock)
+
+
+def zero3_micro_batch(modules: list[Module], gather_s: list[float],
+                      reduce_s: list[float], prefetch: bool, overlap: bool,
+                      tied_head: bool) -> tuple[float, float]:
+    """(seconds, communication seconds) of one micro-batch's forward and backward under
+    ZeRO-3, the gathers, prefetches and reduce-scatters on one stream (zero3.py's hooks).
+
+    modules in forward order, gather_s / reduce_s: each module's unit all-gather and
+    reduce-scatter; the head's call gathers the embedding unit too when it is tied."""
+    stream = Stream()
+    embed = 0 if modules and modules[0].name == "embedding" else None
+    sites = [[j] for j in range(len(modules))]
+    if tied_head and embed is not None and len(modules) > 1:
+        sites[-1] = [len(modules) - 1, embed]
+    comm = 0.0
+    clock = 0.0
+    gathered: set[int] = set()
+    in_flight: dict[int, float] = {}
+
+    def gather(units) -> None:
+        nonlocal clock, comm
+        for u in units:
+            if u in gathered:
+                continue
+            if u in in_flight:
+                clock = max(clock, in_flight.pop(u))
+            else:  # a blocking all-gather
+                clock = stream.launch(clock, gather_s[u])
+                comm += gather_s[u]
+            gathered.add(u)
+
+    def prefetch_site(i: int) -> None:
+        nonlocal comm
+        if not prefetch or not 0 <= i < len(sites):
+            return
+        for u in sites[i]:
+            if u not in gathered and u not in in_flight:
+                in_flight[u] = stream.launch(clock, gather_s[u])
+                comm += gather_s[u]
+
+    for i, units in enumerate(sites):  # forward: gather, prefetch the next, compute, free
+        gather(units)
+        prefetch_site(i + 1)
+        clock += modules[i].forward_s
+        gathered.difference_update(units)
+    pending: list[float] = []
+    for i in reversed(range(len(sites))):  # backward
+        gather(sites[i])
+        prefetch_site(i - 1)
+        clock += modules[i].backward_s
+        if len(pending) == MAX_IN_FLIGHT:
+            clock = max(clock, pending.pop(0))
+        end = stream.launch(clock, reduce_s[i])
+        comm += reduce_s[i]
+        if overlap:
+            pending.append(end)
+        else:
+            clock = end
+        gathered.discard(i)
+    return max([clock, *pending]), comm
+
+
+# ------------------------------------------------------------------ one rank's step
+def data_parallel_time(modules: list[Module], config: ParallelConfig, collective) -> dict:
+    """Seconds of a rank's data-parallel gradient reduction and parameter gathers per
+    step, for a chunk of `modules` (forward order) and `collective(op, nbytes)` -> the
+    group's alpha-beta time. Returns
+
+      per_micro_batch_s  ZeRO-2/3: what every micro-batch's forward and backward wait
+                         for (exposed), beyond their compute
+      last_backward_s    DDP / ZeRO-1: what the last backward waits for (exposed)
+      late_s             buckets reduced after the flush (tied embedding copies)
+      after_step_s       ZeRO-1/2: the parameter all-gathers after the optimizer
+      comm_s             every one of these transfers' time, hidden or not, per step
+      buckets            how many gradient buckets
+    """
+    zero, m = config.zero, config.micro_batches
+    b = config.bytes
+    out = dict(per_micro_batch_s=0.0, last_backward_s=0.0, late_s=0.0, after_step_s=0.0,
+               comm_s=0.0, buckets=0)
+    if config.replicas == 1 or not modules:
+        return out
+    overlap = config.overlap_grad_reduce
+    buckets = gradient_buckets(modules, config)
+    out["buckets"] = len(buckets)
+    compute = sum(mod.backward_s for mod in modules)
+    if zero == 3:
+        forward_units = [shard(sum(mod.tensors), config.replicas) * config.replicas
+                         for mod in modules]
+        gather_s = [collective("all_gather", u * b.param) for u in forward_units]
+        reduce_s = [collective("reduce_scatter", u * b.grad) for u in forward_units]
+        seconds, comm = zero3_micro_batch(modules, gather_s, reduce_s, config.zero3_prefetch,
+                                          overlap, tied_head=any(mod.name == "head"
+                                                                 for mod in modules))
+        out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
+        out["comm_s"] = m * comm
+        return out
+    op = "all_reduce" if zero == 0 else "reduce_scatter"
+    durations = [collective(op, bucket.numel * b.grad) for bucket in buckets]
+    limit = None if zero == 0 else MAX_IN_FLIGHT
+    exposed = max(reduce_during_backward(compute, buckets, durations, overlap, limit)) - compute
+    out["late_s"] = sum(d for d, bucket in zip(durations, buckets, strict=True) if bucket.late)
+    reductions = m if zero == 2 else 1
+    if zero == 2:
+        out["per_micro_batch_s"] = exposed
+    else:
+        out["last_backward_s"] = exposed
+    out["comm_s"] = reductions * sum(durations)
+    if zero in (1, 2):
+        gathers = [collective("all_gather", bucket.numel * b.param) for bucket in buckets]
+        out["after_step_s"] = sum(gathers)
+        out["comm_s"] += sum(gathers)
+    return out
+
+
+def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: ParallelConfig,
+                       collective) -> dict:
+    """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
+
+    chunks: (start of the chunk's last micro-batch backward, its modules in forward
+    order). With overlap each chunk's buckets are reduced during that backward
+    (Megatron's --overlap-grad-reduce), on one stream; the late ones (a tied embedding)
+    and, without overlap, all of them, after the flush. Returns
+      overlapped_end_s  when the reductions started during the last backwards end
+      after_flush_s     seconds of reduction left for after the flush
+      stall_s           how long ZeRO-1's limit of reductions in flight held the compute
+                        stream (it delays the rank's end of the schedule)
+    Each chunk's parameters are bucketed alone (exact for one chunk per rank)."""
+    stream, after, stall = Stream(), 0.0, 0.0
+    op = "all_reduce" if config.zero == 0 else "reduce_scatter"
+    limit = None if config.zero == 0 else MAX_IN_FLIGHT
+    for start, modules in sorted(chunks, key=lambda chunk: chunk[0]):
+        buckets = gradient_buckets(modules, config)
+        durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
+        if config.overlap_grad_reduce:
+            backward = sum(mod.backward_s for mod in modules)
+            computed, _ = reduce_during_backward(backward, buckets, durations, True, limit,
+                                                 stream, start)
+            stall += computed - start - backward
+            after += sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
+        else:
+            after += sum(durations)
+    return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall}

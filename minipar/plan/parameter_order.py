@@ -1,0 +1,121 @@
+"""Which parameters each module of a rank holds, in registration order, and when its
+backward completes each: what plan/overlap.py lays into gradient buckets.
+
+minipar registers a GPT's parameters as Hugging Face GPT-2 names them (DESIGN.md): wte,
+wpe, then per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights
+before biases), then ln_f and an untied lm_head; a pipeline's last stage keeps its own
+copy of a tied wte. DDP's buckets follow the reverse of that order (Li et al. 2020,
+section 3.2.3), and a parameter's gradient is complete when backward has run the op that
+uses it (a post-accumulate-grad hook): `layer_ready` / `head_ready` give that point as a
+share of the module's backward.
+"""
+
+from __future__ import annotations
+
+from minipar.plan.shapes import (
+    ACTIVATION_FLOPS,
+    CROSS_ENTROPY_FLOPS,
+    NORM_FLOPS,
+    SOFTMAX_FLOPS,
+    ModelShape,
+    padded_vocab,
+)
+
+
+def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
+    """Elements of a transformer layer's parameters on one TP rank, in minipar's (and
+    Hugging Face GPT-2's) registration order: ln_1, attn.c_attn, attn.c_proj, ln_2,
+    mlp.c_fc (gate and up with SwiGLU), mlp.c_proj; weights before biases."""
+    h = shape.d_model
+    norm = (h, h) if shape.norm == "layernorm" else (h,)
+    tensors = [*norm, h * shape.qkv_width // tp]
+    tensors += [shape.qkv_width // tp] if shape.bias else []
+    tensors += [h * h // tp] + ([h] if shape.bias else [])
+    tensors += [*norm, h * shape.mlp_in_width // tp]
+    tensors += [shape.mlp_in_width // tp] if shape.bias else []
+    tensors += [shape.ffn * h // tp] + ([h] if shape.bias else [])
+    if sum(tensors) != sum(shape.layer_params(tp)):  # a layer this list does not know
+        return (sum(shape.layer_params(tp)),)
+    return tuple(tensors)
+
+
+def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
+                comm_share: float = 0.0, recompute_flops: float = 0.0) -> tuple[float, ...]:
+    """Share of a layer's backward run when each tensor of `layer_tensors` is complete.
+    Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
+    MLP-in GEMM, the TP all-reduce of its input gradient (Megatron's f), norm 2,
+    attention output GEMM, the attention core (no parameters), QKV GEMM, the second f,
+    norm 1; a GEMM's backward costs 4 T x its weight's elements. comm_share: the part of
+    the layer's backward time in those TP collectives (the rest is shared by FLOPs);
+    recompute_flops: the layer's recomputation, which runs first."""
+    h, s, tokens = shape.d_model, shape.seq_len, b * shape.seq_len
+    stream = tokens // tp if sequence_parallel else tokens
+    norm = NORM_FLOPS[shape.norm][1] * stream * h
+    scores = b * shape.n_head // tp * s * s
+    core = 2 * 4 * scores * shape.head_dim + SOFTMAX_FLOPS[1] * scores
+    steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
+        (recompute_flops, None),
+        (4 * tokens * shape.ffn * h / tp, "mlp out"),
+        (ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
+        (4 * tokens * h * shape.mlp_in_width / tp, "mlp in"),
+        ("f", None),
+        (norm, "norm 2"),
+        (4 * tokens * h * h / tp, "attention out"),
+        (core, None),
+        (4 * tokens * h * shape.qkv_width / tp, "qkv"),
+        ("f", None),
+        (norm, "norm 1"),
+    ]
+    total = sum(f for f, _ in steps if f != "f")
+    done, share = 0.0, {}
+    for flops, group in steps:
+        done += comm_share / 2 if flops == "f" else (1 - comm_share) * flops / total
+        if group is not None:
+            share[group] = done
+    norms = 2 if shape.norm == "layernorm" else 1
+    biases = 1 if shape.bias else 0
+    groups = (["norm 1"] * norms + ["qkv"] * (1 + biases) + ["attention out"] * (1 + biases)
+              + ["norm 2"] * norms + ["mlp in"] * (1 + biases) + ["mlp out"] * (1 + biases))
+    if len(groups) != len(layer_tensors(shape, tp)):
+        return (1.0,) * len(layer_tensors(shape, tp))
+    return tuple(share[g] for g in groups)
+
+
+def head_ready(shape: ModelShape, b: int, tp: int, tensors: tuple[int, ...],
+               comm_share: float = 0.0) -> tuple[float, ...]:
+    """Share of the head's backward run when each of `head_tensors` is complete: the
+    cross-entropy and the logits GEMM (the LM head's weight, or the tied copy) first,
+    then the TP all-reduce of its input gradient (comm_share of the time), the final norm
+    last."""
+    tokens, h = b * shape.seq_len, shape.d_model
+    vocab = padded_vocab(shape.vocab_size, tp) // tp
+    logits = CROSS_ENTROPY_FLOPS[1] * tokens * vocab + 4 * tokens * h * vocab
+    share = (1 - comm_share) * logits / (logits + NORM_FLOPS[shape.norm][1] * tokens * h)
+    norms = 2 if shape.norm == "layernorm" else 1
+    return (1.0,) * norms + (share,) * (len(tensors) - norms)
+
+
+def embedding_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
+    """wte (vocabulary-parallel), wpe (learned positions), an embedding norm (BLOOM)."""
+    tensors = [padded_vocab(shape.vocab_size, tp) // tp * shape.d_model]
+    if shape.position == "learned":
+        tensors.append(shape.seq_len * shape.d_model)
+    if shape.embedding_norm:
+        tensors += [shape.d_model] * (2 if shape.norm == "layernorm" else 1)
+    return tuple(tensors)
+
+
+def head_tensors(shape: ModelShape, tp: int = 1, tied_copy: bool = False
+                 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """ln_f, then the untied LM head or the last stage's copy of a tied wte (late)."""
+    h = shape.d_model
+    tensors = [h, h] if shape.norm == "layernorm" else [h]
+    late = [False] * len(tensors)
+    vocab_rows = padded_vocab(shape.vocab_size, tp) // tp * h
+    if not shape.tie_embeddings:
+        tensors.append(vocab_rows)
+        late.append(False)
+    elif tied_copy:
+        tensors.append(vocab_rows)
+        late.append(True)
+    return tuple(tensors), tuple(late)

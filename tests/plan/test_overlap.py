@@ -1,0 +1,126 @@
+"""The overlap model (minipar/plan/overlap.py) and the parameter order it buckets
+(minipar/plan/parameter_order.py), as specifications: hand-worked recurrences, and the
+planner's parameter lists against minipar's own modules. tests/plan/test_estimate.py
+compares the whole model with the emulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from minipar import GPT, GPTConfig
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.overlap import (
+    GradientBucket,
+    Module,
+    Stream,
+    data_parallel_time,
+    gradient_buckets,
+    reduce_during_backward,
+    zero3_micro_batch,
+)
+from minipar.plan.parameter_order import (
+    embedding_tensors,
+    head_tensors,
+    layer_ready,
+    layer_tensors,
+)
+from minipar.plan.shapes import ModelShape
+
+TINY = ModelShape(n_layer=2, d_model=32, n_head=4, vocab_size=65, seq_len=16)
+
+
+def buckets(*after_s: float) -> list[GradientBucket]:
+    return [GradientBucket(numel=1, after_s=a, late=False) for a in after_s]
+
+
+# ------------------------------------------------------------------ the recurrence
+def test_waited_reductions_add_up():
+    # backward 10 s; buckets done at 2, 6, 10; each reduction 3 s, waited as it starts
+    computed, comm_end = reduce_during_backward(10.0, buckets(2, 6, 10), [3, 3, 3],
+                                                overlap=False, max_in_flight=None)
+    assert computed == comm_end == 10 + 9
+
+
+def test_buckets_hide_behind_the_backward_left():
+    # starts 2, 6, 10 -> ends 5, 9, 13: only the last bucket outlasts the backward
+    computed, comm_end = reduce_during_backward(10.0, buckets(2, 6, 10), [3, 3, 3],
+                                                overlap=True, max_in_flight=None)
+    assert computed == 10 and comm_end == 13
+
+
+def test_reductions_longer_than_the_compute_queue_on_one_stream():
+    # 5 s each from 2: 2-7, 7-12, 12-17
+    _, comm_end = reduce_during_backward(10.0, buckets(2, 6, 10), [5, 5, 5], overlap=True,
+                                         max_in_flight=None)
+    assert comm_end == 17
+
+
+def test_a_third_reduction_in_flight_waits_for_the_oldest():
+    # ZeRO's two in flight: reductions run 1-6 and 6-11; at 2.5 the third bucket waits
+    # for the first (until 6), so backward's last 0.5 s runs 6-6.5; the third runs 11-16
+    computed, comm_end = reduce_during_backward(3.0, buckets(1, 2, 2.5), [5, 5, 5],
+                                                overlap=True, max_in_flight=2)
+    assert computed == 6.5 and comm_end == 16
+
+
+def test_late_buckets_are_left_for_after_the_flush():
+    late = [GradientBucket(1, 2.0, False), GradientBucket(1, 10.0, True)]
+    stream = Stream()
+    reduce_during_backward(10.0, late, [3, 100], overlap=True, max_in_flight=None,
+                           stream=stream)
+    assert stream.free_at == 5
+
+
+def test_prefetch_hides_each_gather_behind_the_module_before():
+    # three modules of 4 s forward, 8 s backward; gathers of 3 s, reduce-scatters of 2 s
+    modules = [Module(f"m{i}", 4.0, 8.0, (1,), (False,)) for i in range(3)]
+    waited, comm = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=False,
+                                     overlap=False, tied_head=False)
+    assert comm == 6 * 3 + 3 * 2 and waited == 3 * 12 + comm
+    prefetched, _ = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=True,
+                                      overlap=True, tied_head=False)
+    # only the first forward gather and the first backward gather (nothing before them to
+    # hide behind) and the last reduce-scatter (after the last module) are exposed
+    assert prefetched == 3 * 12 + 3 + 3 + 2
+
+
+# ------------------------------------------------------------------ buckets
+def test_buckets_follow_the_reverse_registration_order_with_ddp_capacity():
+    modules = [Module("a", 1.0, 1.0, (100, 300), (False, False)),
+               Module("b", 1.0, 1.0, (200,), (False,))]
+    config = ParallelConfig(dp=2, precision="fp32", bucket_size_mb=2000 / 2**20)
+    # backward order: b's 200, a's 300 (4 bytes each: 2000 B, the capacity), a's 100
+    assert [b.numel for b in gradient_buckets(modules, config)] == [500, 100]
+    one = config.replace(bucket_size_mb=0)
+    assert [b.numel for b in gradient_buckets(modules, one)] == [600]
+
+
+def test_one_bucket_is_all_exposed_whatever_the_backward():
+    modules = [Module("layer", 1.0, 50.0, (1000,), (False,))]
+    config = ParallelConfig(dp=2, precision="fp32", micro_batch_size=1, grad_accum_steps=1)
+
+    def collective(op, nbytes):
+        return nbytes * 1e-3
+
+    out = data_parallel_time(modules, config, collective)
+    assert out["last_backward_s"] == pytest.approx(4.0) == out["comm_s"]
+
+
+# ------------------------------------------------------------------ parameter order
+def test_parameter_lists_follow_minipars_registration_order():
+    model = GPT(GPTConfig(vocab_size=65, seq_len=16, n_layer=2, n_head=4, d_model=32,
+                          tie_embeddings=False), seed=0)
+    sizes = [p.size for _, p in model.named_parameters()]
+    shape = ModelShape(n_layer=2, d_model=32, n_head=4, vocab_size=65, seq_len=16,
+                       tie_embeddings=False)
+    planned = [*embedding_tensors(shape), *layer_tensors(shape), *layer_tensors(shape),
+               *head_tensors(shape)[0]]
+    assert planned == sizes
+
+
+def test_backward_completes_the_last_registered_parameters_first():
+    ready = layer_ready(TINY, b=2)
+    assert list(ready) == sorted(ready, reverse=True)  # ln_1 last, mlp.c_proj first
+    assert ready[0] == pytest.approx(1.0)
+    with_tp = layer_ready(TINY, b=2, tp=2, comm_share=0.5)
+    assert len(with_tp) == len(layer_tensors(TINY, 2))
