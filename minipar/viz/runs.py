@@ -45,6 +45,9 @@ class RunCache:
         self._runs[key] = value
         return value
 
+    def __contains__(self, key) -> bool:
+        return key in self._runs
+
     def __len__(self) -> int:
         return len(self._runs)
 
