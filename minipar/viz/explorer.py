@@ -110,7 +110,10 @@ class Explorer(widgets.VBox):
     process's shared worker then, else None."""
 
     dpi = EXPLORER_DPI
-    SLIDER_REACH = 2  # a slider's prefetched neighbours: value +- 1, +- 2
+    # A slider's prefetched neighbours: value +- 1 .. +- SLIDER_REACH (None: its whole
+    # range; a slider without continuous updates moves in one change as far as it is
+    # dragged).
+    SLIDER_REACH: int | None = None
 
     def __init__(self, controls: dict, cache: RunCache | None = None,
                  prefetch: bool | None = None):
@@ -206,8 +209,9 @@ class Explorer(widgets.VBox):
             if isinstance(control, widgets.Checkbox):
                 ordered = [[not value]]
             elif isinstance(control, widgets.IntSlider):
+                reach = self.SLIDER_REACH or control.max - control.min
                 ordered = [[v for v in (value - d, value + d) if control.min <= v <= control.max]
-                           for d in range(1, self.SLIDER_REACH + 1)]
+                           for d in range(1, reach + 1)]
             else:
                 options = list(control._options_values)  # the values behind the labels
                 here = options.index(value)
@@ -232,7 +236,10 @@ class Explorer(widgets.VBox):
         wanted = []
         for order, setting in enumerate(self.neighbours(values)):
             key = self.picture_key(setting)
-            cost = self.prefetch_cost(setting)
+            try:
+                cost = self.prefetch_cost(setting)
+            except REFUSALS:  # a setting the rules refuse: cheap to find out and show
+                cost = 0.0
             if key not in self.cache and key not in self._refused and cost is not None:
                 wanted.append((cost, order, key, setting))
         wanted.sort(key=lambda item: item[:2])

@@ -259,6 +259,10 @@ class PipelineExplorer(Explorer):
         return self.cache.get(key, lambda: pipeline_step(schedule, pp, micro_batches,
                                                          virtual_stages))
 
+    def prefetch_cost(self, values: dict) -> float:
+        """Every stage runs every micro-batch through each of its chunks."""
+        return values["pp"] * values["micro_batches"] * values["virtual_stages"]
+
     def draw(self, schedule, pp, micro_batches, virtual_stages):
         check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
         result = self.run(schedule, pp, micro_batches, virtual_stages)

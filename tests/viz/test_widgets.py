@@ -303,3 +303,18 @@ def test_a_prefetched_traffic_picture_is_the_one_a_direct_draw_gives(counted_run
     for shown, direct in zip(explorer.images, fresh.images, strict=True):
         assert bytes(shown.value) == bytes(direct.value)
     explorer.worker.cancel(explorer)
+
+
+def test_a_neighbour_the_rules_refuse_is_queued_as_cheap_not_raised():
+    class Recorder:
+        def prefetch(self, owner, jobs):
+            self.keys = [key for key, _ in jobs]
+
+    explorer = MemoryExplorer(SMALL, dp=1, zero=0)
+    explorer.worker = recorder = Recorder()
+    explorer._prefetch_neighbours(explorer.values())  # offloading needs ZeRO >= 1
+    refused = explorer.picture_key({**explorer.values(), "offload_optimizer": "cpu"})
+    assert refused in recorder.keys[:3]  # cost 0: its refusal is found without a run
+    eight = explorer.picture_key({**explorer.values(), "dp": 8})
+    assert recorder.keys.index(eight) > recorder.keys.index(
+        explorer.picture_key({**explorer.values(), "dp": 2}))  # cheaper runs first
