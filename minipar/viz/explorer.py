@@ -114,6 +114,9 @@ class Explorer(widgets.VBox):
     # range; a slider without continuous updates moves in one change as far as it is
     # dragged).
     SLIDER_REACH: int | None = None
+    # A drop-down's: the options up to OPTION_REACH places either side (a long list such
+    # as the sharding explorer's ~50 tensors would keep the worker busy for seconds).
+    OPTION_REACH = 3
 
     def __init__(self, controls: dict, cache: RunCache | None = None,
                  prefetch: bool | None = None):
@@ -201,8 +204,8 @@ class Explorer(widgets.VBox):
     # ------------------------------------------------------------------ prefetching
     def neighbours(self, values: dict) -> list[dict]:
         """The settings one control change away, nearest options first: every control's
-        adjacent option, then the options two away, and so on (a slider: SLIDER_REACH
-        steps either side; a check box: toggled)."""
+        adjacent option, then the options two away, and so on up to OPTION_REACH (a
+        slider: SLIDER_REACH steps either side; a check box: toggled)."""
         rings: list[list[dict]] = []
         for name, control in self.controls.items():
             value = values[name]
@@ -216,7 +219,8 @@ class Explorer(widgets.VBox):
                 options = list(control._options_values)  # the values behind the labels
                 here = options.index(value)
                 ordered = [[options[i] for i in (here - d, here + d)
-                            if 0 <= i < len(options)] for d in range(1, len(options))]
+                            if 0 <= i < len(options)]
+                           for d in range(1, min(len(options), self.OPTION_REACH + 1))]
             for distance, near in enumerate(ordered):
                 while len(rings) <= distance:
                     rings.append([])
