@@ -25,7 +25,8 @@ setting the rules refuse is counted apart: its answer is the refusal).
 (minipar/viz/prefetch.py): after each answer the reader looks at the picture, for
 --think seconds or, by default, until the worker has prepared every neighbouring
 setting (at most 60 s), then makes the next change. "ready" counts the new settings
-whose picture was ready when asked for.
+whose picture was ready when asked for; "looked" is how long the reader looked (median
+/ max seconds: until ready, the time the worker took to prepare the neighbours).
 
 Reported: median and max over the settings visited, in milliseconds of wall time and,
 for new settings, of CPU time of the whole process (time.process_time: what the answer
@@ -85,7 +86,7 @@ def bench(name: str, quick: bool, prefetch: bool = False,
         visits = visits[:1]
     times: dict[str, list[float]] = {"first draw": [], "new setting": [], "revisited": [],
                                      "view change": [], "cpu": [], "refused": [],
-                                     "ready": []}
+                                     "ready": [], "looked": []}
     explorer = None
 
     def build():
@@ -95,10 +96,12 @@ def bench(name: str, quick: bool, prefetch: bool = False,
     def look():  # the reader looks at the picture before the next change
         if getattr(explorer, "worker", None) is None:  # or an explorer without prefetch
             return
+        started = time.perf_counter()
         if think is None:
             explorer.worker.wait_idle(60.0)
         else:
             time.sleep(think)
+        times["looked"].append(time.perf_counter() - started)
 
     times["first draw"].append(timed(build))
     seen = [explorer.values()]
@@ -161,7 +164,9 @@ def main() -> None:
         print(f"| {name} | {times['first draw'][0]:.0f} | {cell(times['new setting'])} | "
               f"{cell(times['cpu'])} | {sum(times['ready'])} of {len(times['ready'])} | "
               f"{len(times['refused'])} | {cell(times['revisited'])} | "
-              f"{cell(times['view change'])} |")
+              f"{cell(times['view change'])} |"
+              + (f" looked {statistics.median(times['looked']):.1f} / "
+                 f"{max(times['looked']):.1f} s |" if times["looked"] else ""))
     print("(milliseconds per control change, on the default explorer models)")
 
 
