@@ -39,6 +39,14 @@ class Bars(Explorer):
         return [fig], f"n={n}"
 
 
+def test_prefetch_is_off_outside_a_jupyter_kernel_unless_asked_for():
+    assert not prefetch.in_kernel()  # pytest: the default, prefetch=None, means off
+    assert Bars(n=2).worker is None
+    asked = Bars(prefetch=True, n=1)
+    assert asked.worker is prefetch.shared_worker()
+    asked.worker.cancel(asked)
+
+
 def test_neighbours_are_one_control_change_away_nearest_option_first():
     explorer = Bars(n=2)
     assert explorer.neighbours(explorer.values()) == [
