@@ -20,7 +20,8 @@ its duration, process-wide, and two launches at once would restore each other's 
 too early. The price: an urgent job waits for the spare job in progress (at most one run
 and its figures). Spare jobs run only after the process has been idle for `IDLE_SECONDS`
 and, in a Jupyter kernel, never while a cell is executing (IPython's pre/post_run_cell
-events): "Run All" is not slowed by explorers higher up in the notebook.
+events; a cell that starts while a spare job runs waits for it first, so the cell's own
+runs never overlap the worker's): "Run All" is not slowed by explorers higher up.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 
 IDLE_SECONDS = 0.3  # quiet time (no urgent job, no cell running) before spare work starts
+CELL_WAIT = 30.0  # seconds a starting cell waits at most for the spare job in progress
 
 
 class Worker:
@@ -44,6 +46,7 @@ class Worker:
         self._busy_until = 0.0  # monotonic time before which spare work waits
         self._cells_running = 0  # IPython cells executing now (pre/post_run_cell)
         self.working = False  # a job is running on the thread
+        self._spare_running = False  # ... and it is a spare one
         self.spare_done = 0  # spare jobs finished (for tests and benchmarks)
         self._thread = threading.Thread(target=self._loop, name="minipar-explorer-worker",
                                         daemon=True)
@@ -94,8 +97,14 @@ class Worker:
 
     # -------------------------------------------------------------- IPython cells
     def cell_started(self, *_) -> None:
+        """A cell starts: no spare job starts until it ends, and the cell waits for the
+        one in progress (at most one run and its figures, CELL_WAIT at most), so a
+        cell's own runs never overlap the worker's."""
+        deadline = time.monotonic() + CELL_WAIT
         with self._changed:
             self._cells_running += 1
+            while self._spare_running and time.monotonic() < deadline:
+                self._changed.wait(0.05)
 
     def cell_finished(self, *_) -> None:
         with self._changed:
@@ -124,7 +133,7 @@ class Worker:
         while True:
             with self._changed:
                 job, future = self._next()
-                self.working = True
+                self.working, self._spare_running = True, future is None
             try:
                 if future is None:
                     try:
@@ -138,7 +147,7 @@ class Worker:
                         future.set_exception(error)
             finally:
                 with self._changed:
-                    self.working = False
+                    self.working = self._spare_running = False
                     if future is None:
                         self.spare_done += 1
                     else:

@@ -128,3 +128,11 @@ def test_spare_work_waits_while_a_notebook_cell_runs():
     worker.cell_finished()  # post_run_cell: after IDLE_SECONDS of quiet, the spare job
     assert worker.wait_idle(10)
     assert order == ["block", "a"]
+
+
+def test_a_cell_that_starts_during_a_spare_job_waits_for_it():
+    worker, release, order = _blocked_worker()
+    threading.Timer(0.2, release.set).start()
+    worker.cell_started()  # returns once the spare job in progress is done
+    assert order == ["block"] and not worker.working
+    worker.cell_finished()
