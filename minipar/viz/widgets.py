@@ -20,7 +20,9 @@ Every picture comes from a run, never from a formula (formulas appear only as th
 reference they are compared with). Runs (minipar.viz.runs) are cached by their settings
 in a `RunCache`,
 so going back to a setting is instant and a new one costs one small run (figures in
-benchmarks/README.md, `python benchmarks/bench_widgets.py`).
+benchmarks/README.md, `python benchmarks/bench_widgets.py`); in a Jupyter kernel the
+settings one control change away are measured and drawn in the background while the
+reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them ready.
 
 Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
 twice) and shown as PNG in an `ipywidgets.Image`, drawn once by Agg with margins fixed
