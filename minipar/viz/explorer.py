@@ -60,6 +60,10 @@ def figure_png(fig: Figure, dpi: int = EXPLORER_DPI) -> bytes:
     buffer = io.BytesIO()
     fig.set_dpi(dpi)
     FigureCanvasAgg(fig).print_png(buffer, pil_kwargs={"compress_level": 1})
+    # A fresh canvas holds no pixels: the drawn one keeps its RGBA buffer (~1.2 MB for
+    # an 880 x 340 picture) for as long as the cached figure lives, and the explorers
+    # cache every picture they show or prefetch. A later draw makes a new buffer.
+    FigureCanvasAgg(fig)
     return buffer.getvalue()
 
 
@@ -114,6 +118,10 @@ class Explorer(widgets.VBox):
     # range; a slider without continuous updates moves in one change as far as it is
     # dragged).
     SLIDER_REACH: int | None = None
+    # Prepared pictures kept that were never shown, beyond the current neighbours: each is
+    # a few MB of figures and runs (3.6 MB for the traffic explorer's), and a reader who
+    # moves on leaves ~10-25 of them behind at every change.
+    KEEP_UNSHOWN = 32
     # A drop-down's: the options up to OPTION_REACH places either side (a long list such
     # as the sharding explorer's ~50 tensors would keep the worker busy for seconds).
     OPTION_REACH = 3
@@ -125,6 +133,9 @@ class Explorer(widgets.VBox):
         self.worker: Worker | None = (shared_worker() if (in_kernel() if prefetch is None
                                                           else prefetch) else None)
         self._refused: set = set()  # picture keys a prefetch found refused
+        # picture key -> the cache keys its prefetch added, for pictures prepared but not
+        # shown yet, oldest first (what `_forget_unshown` may discard)
+        self._unshown: dict = {}
         self.status = widgets.HTML()
         self.images: list = []
         self.figures: list[Figure] = []
@@ -199,6 +210,7 @@ class Explorer(widgets.VBox):
         self.status.value = message
         self.draws += 1
         self.last_seconds = time.perf_counter() - start
+        self._unshown.pop(key, None)  # shown: kept like every picture shown
         self._prefetch_neighbours(values)
 
     # ------------------------------------------------------------------ prefetching
@@ -249,12 +261,22 @@ class Explorer(widgets.VBox):
         wanted.sort(key=lambda item: item[:2])
         self.worker.prefetch(self, [(key, lambda k=key, s=setting: self._prefetch(k, s))
                                     for _, _, key, setting in wanted])
+        self._forget_unshown({self.picture_key(s) for s in self.neighbours(values)})
 
     def _prefetch(self, key, values: dict) -> None:
         try:
-            self.cache.get(key, lambda: self._picture(values))
+            with self.cache.recording() as made:
+                self.cache.get(key, lambda: self._picture(values))
+            self._unshown[key] = made
         except REFUSALS:
             self._refused.add(key)
+
+    def _forget_unshown(self, near: set) -> None:
+        """Discard the oldest prepared-but-never-shown pictures (and what their prefetch
+        added to the cache) past KEEP_UNSHOWN, except the current neighbours'."""
+        old = [key for key in list(self._unshown) if key not in near]
+        for key in old[:max(0, len(old) - self.KEEP_UNSHOWN)]:
+            self.cache.discard(self._unshown.pop(key, ()))
 
     def _picture(self, values: dict):
         """(figures, their PNGs, status html) of one setting: what the cache keeps, so

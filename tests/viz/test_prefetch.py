@@ -136,3 +136,22 @@ def test_a_cell_that_starts_during_a_spare_job_waits_for_it():
     worker.cell_started()  # returns once the spare job in progress is done
     assert order == ["block"] and not worker.working
     worker.cell_finished()
+
+
+def test_prepared_pictures_never_shown_are_forgotten_once_the_reader_moves_on():
+    class Forgetful(Bars):
+        KEEP_UNSHOWN = 0
+
+    explorer = Forgetful(prefetch=True, n=1)
+    assert explorer.worker.wait_idle(30)
+    near_one = {explorer.picture_key({"n": 2, "wide": False}),
+                explorer.picture_key({"n": 1, "wide": True})}
+    assert near_one <= set(explorer._unshown) and all(k in explorer.cache for k in near_one)
+    explorer.controls["n"].value = 2  # shown: kept; n=1 wide is no neighbour of n=2 ...
+    assert explorer.worker.wait_idle(30)
+    shown, left = explorer.picture_key({"n": 2, "wide": False}), \
+        explorer.picture_key({"n": 1, "wide": True})
+    assert shown in explorer.cache and shown not in explorer._unshown
+    assert left not in explorer.cache  # ... so it was discarded
+    assert explorer.picture_key({"n": 2, "wide": True}) in explorer.cache  # a neighbour
+    explorer.worker.cancel(explorer)
