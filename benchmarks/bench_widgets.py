@@ -1,7 +1,10 @@
 """How long the notebook explorers take to answer a control change.
 
-    python benchmarks/bench_widgets.py            # ~30 s
-    python benchmarks/bench_widgets.py --quick    # one setting per explorer
+    python benchmarks/bench_widgets.py               # ~30 s
+    python benchmarks/bench_widgets.py --quick       # one setting per explorer
+    python benchmarks/bench_widgets.py --prefetch    # as in a notebook: the background
+                                                     # worker prepares the neighbours
+    python benchmarks/bench_widgets.py --prefetch --think 2   # ... for 2 s per look
 
 Each explorer (minipar.viz.widgets) is driven headless, as the tests drive it: set a
 control's `.value`; the callback runs synchronously (run, draw, PNG), so the wall time of
@@ -14,9 +17,22 @@ cases per explorer:
     view change       same run, another view (sharding: the state kind; traffic: bars by
                       op; memory and pipeline have none): figures + PNG from a cached run
 
-Reported: median and max over the settings visited, in milliseconds, with the host, so
-the figures in benchmarks/README.md can be compared with a rerun. Skips with a message
-when ipywidgets is not installed.
+A reader changes one control at a time, so a visit that names several controls is made
+as several changes, one control each (every one a setting to answer; an intermediate
+setting the rules refuse is counted apart: its answer is the refusal).
+
+--prefetch builds the explorers with prefetch=True, what they do in a Jupyter kernel
+(minipar/viz/prefetch.py): after each answer the reader looks at the picture, for
+--think seconds or, by default, until the worker has prepared every neighbouring
+setting (at most 60 s), then makes the next change. "ready" counts the new settings
+whose picture was ready when asked for; "looked" is how long the reader looked (median
+/ max seconds: until ready, the time the worker took to prepare the neighbours).
+
+Reported: median and max over the settings visited, in milliseconds of wall time and,
+for new settings, of CPU time of the whole process (time.process_time: what the answer
+cost, whatever else the machine was doing), with the host, so the figures in
+benchmarks/README.md can be compared with a rerun. Skips with a message when ipywidgets
+is not installed.
 """
 
 from __future__ import annotations
@@ -55,37 +71,66 @@ CASES = {
 }
 
 
-def timed(action) -> float:
-    started = time.perf_counter()
+def timed(action, cpu: list | None = None) -> float:
+    started, started_cpu = time.perf_counter(), time.process_time()
     action()
+    if cpu is not None:
+        cpu.append((time.process_time() - started_cpu) * 1e3)
     return (time.perf_counter() - started) * 1e3
 
 
-def bench(name: str, quick: bool) -> dict[str, list[float]]:
+def bench(name: str, quick: bool, prefetch: bool = False,
+          think: float | None = None) -> dict[str, list[float]]:
     cls, initial, visits, view = CASES[name]
     if quick:
         visits = visits[:1]
     times: dict[str, list[float]] = {"first draw": [], "new setting": [], "revisited": [],
-                                     "view change": []}
+                                     "view change": [], "cpu": [], "refused": [],
+                                     "ready": [], "looked": []}
     explorer = None
 
     def build():
         nonlocal explorer
-        explorer = cls(**initial)
+        explorer = cls(**initial, **({"prefetch": True} if prefetch else {}))
+
+    def look():  # the reader looks at the picture before the next change
+        if getattr(explorer, "worker", None) is None:  # or an explorer without prefetch
+            return
+        started = time.perf_counter()
+        if think is None:
+            explorer.worker.wait_idle(60.0)
+        else:
+            time.sleep(think)
+        times["looked"].append(time.perf_counter() - started)
 
     times["first draw"].append(timed(build))
     seen = [explorer.values()]
     for changes in visits:
-        times["new setting"].append(timed(lambda c=changes: explorer.set(**c)))
+        for control, value in changes.items():  # one control per change, as a reader
+            look()
+            ready = (hasattr(explorer, "picture_key") and explorer.picture_key(
+                {**explorer.values(), control: value}) in explorer.cache)
+            cpu: list[float] = []
+            wall = timed(lambda c=control, v=value: explorer.set(**{c: v}), cpu)
+            if explorer.error:
+                times["refused"].append(wall)
+                continue
+            times["new setting"].append(wall)
+            times["cpu"] += cpu
+            times["ready"].append(ready)
+            seen.append(explorer.values())
         if explorer.error:
             raise RuntimeError(f"{name}: {changes} was refused: {explorer.error}")
-        seen.append(explorer.values())
+    if getattr(explorer, "worker", None) is not None:
+        explorer.worker.cancel(explorer)
+        explorer.worker.wait_idle(60.0)
     for values in seen:  # back to every setting: all cached
         times["revisited"].append(timed(lambda v=values: explorer.set(**v)))
     if view is not None:
         control, options = view
         for option in options:
             explorer.set(**seen[0])
+            look()
             times["view change"].append(timed(
                 lambda o=option: setattr(explorer.controls[control], "value", o)))
     return times
@@ -94,14 +139,22 @@ def bench(name: str, quick: bool) -> dict[str, list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one setting per explorer")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="explorers with prefetch=True, as in a Jupyter kernel")
+    parser.add_argument("--think", type=float, default=None,
+                        help="with --prefetch: seconds between changes (default: until "
+                             "the neighbours are ready)")
+    parser.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
     args = parser.parse_args()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"# {platform.python_version()}, {os.cpu_count()} CPUs, load average {load:.2f}")
-    print("| explorer | first draw | new setting (median / max) | revisited (median / max) "
-          "| view change (median / max) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name in CASES:
-        times = bench(name, args.quick)
+    print(f"# {platform.python_version()}, {os.cpu_count()} CPUs, load average {load:.2f}, "
+          + ("prefetch, " + ("until ready" if args.think is None else f"think {args.think} s")
+             if args.prefetch else "no prefetch"))
+    print("| explorer | first draw | new setting (median / max) | CPU (median / max) "
+          "| ready | refused | revisited (median / max) | view change (median / max) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.only:
+        times = bench(name, args.quick, args.prefetch, args.think)
 
         def cell(values):
             if not values:
@@ -109,8 +162,12 @@ def main() -> None:
             return f"{statistics.median(values):.0f} / {max(values):.0f}"
 
         print(f"| {name} | {times['first draw'][0]:.0f} | {cell(times['new setting'])} | "
-              f"{cell(times['revisited'])} | {cell(times['view change'])} |")
-    print("(milliseconds of wall time per control change, on the default explorer models)")
+              f"{cell(times['cpu'])} | {sum(times['ready'])} of {len(times['ready'])} | "
+              f"{len(times['refused'])} | {cell(times['revisited'])} | "
+              f"{cell(times['view change'])} |"
+              + (f" looked {statistics.median(times['looked']):.1f} / "
+                 f"{max(times['looked']):.1f} s |" if times["looked"] else ""))
+    print("(milliseconds per control change, on the default explorer models)")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from minipar.autograd.checkpoint import checkpoint
 from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.precision import get_policy
 from minipar.autograd.tensor import Tensor
-from minipar.nn.layers import Dropout, Embedding, LayerNorm, Linear
+from minipar.nn.layers import INITIAL_DRAWS, Dropout, Embedding, LayerNorm, Linear
 from minipar.nn.module import Module, ModuleList, Parameter
 from minipar.nn.moe import MoE, attach_aux_loss
 from minipar.nn.recompute import Recompute, run_blocks
@@ -149,9 +149,15 @@ def init_parameter(name: str, shape: tuple[int, ...], config: GPTConfig,
 def initialize_parameters(module: Module, config: GPTConfig, seed: int,
                           prefix: str = "") -> None:
     """Set every parameter of `module` to `init_parameter(prefix + name)` (cast to its
-    dtype). `prefix` places a part in the full model, e.g. "h.3." for block 3."""
+    dtype). `prefix` places a part in the full model, e.g. "h.3." for block 3. The draws
+    are shared by every rank and model that builds the same parameter (INITIAL_DRAWS in
+    minipar/nn/layers.py): the same values, drawn once."""
     for name, p in module.named_parameters():
-        p.data[...] = init_parameter(prefix + name, p.shape, config, seed).astype(p.dtype)
+        full = prefix + name
+        # init_parameter reads only n_layer off the config (the c_proj scaling)
+        value = INITIAL_DRAWS.get(("gpt", full, tuple(p.shape), config.n_layer, seed),
+                                  lambda f=full, s=p.shape: init_parameter(f, s, config, seed))
+        p.data[...] = value.astype(p.dtype)
 
 
 class CausalSelfAttention(Module):

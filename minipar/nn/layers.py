@@ -8,15 +8,67 @@ A standalone layer initialises its weights with normal(0, 0.02) from `generator`
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
 import numpy as np
 
 from minipar.autograd import functional as F
 from minipar.nn.module import Module, Parameter
 
 
+class InitialDraws:
+    """Initial weights that are a pure function of their key, drawn once and kept
+    (read-only) for the next layer or model that asks, up to `budget` bytes (least
+    recently used dropped first).
+
+    Why: every virtual rank builds the full model before keeping its slice (as
+    Megatron-LM's `_initialize_affine_weight_cpu` draws the full master weight), so an
+    8-rank run drew the same weights 8 times, and each explorer setting (minipar.viz)
+    again: ~40% of a small model's measured training step. The values are the same
+    draws; only the drawing is shared. Thread-safe (the ranks are threads)."""
+
+    def __init__(self, budget: int = 64 * 2**20) -> None:
+        self.budget = budget
+        self._arrays: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, draw: Callable[[], np.ndarray]) -> np.ndarray:
+        """draw() (read-only), the kept array if this key was drawn before."""
+        with self._lock:
+            if key in self._arrays:
+                self._arrays.move_to_end(key)
+                return self._arrays[key]
+        array = draw()
+        array.setflags(write=False)
+        with self._lock:
+            if key not in self._arrays and array.nbytes <= self.budget:
+                self._arrays[key] = array
+                self._bytes += array.nbytes
+                while self._bytes > self.budget:
+                    _, dropped = self._arrays.popitem(last=False)
+                    self._bytes -= dropped.nbytes
+        return array
+
+    def clear(self) -> None:
+        with self._lock:
+            self._arrays.clear()
+            self._bytes = 0
+
+
+INITIAL_DRAWS = InitialDraws()
+
+
 def _normal(generator, shape, std, dtype) -> np.ndarray:
-    rng = generator if generator is not None else np.random.default_rng(0)
-    return rng.normal(0.0, std, size=shape).astype(dtype)
+    if generator is not None:
+        return generator.normal(0.0, std, size=shape).astype(dtype)
+    # The default generator is a fresh default_rng(0): the draw depends on the shape
+    # alone, so it is drawn once per shape (GPT then overwrites it by name anyway).
+    drawn = INITIAL_DRAWS.get(("layers default", tuple(shape), std),
+                              lambda: np.random.default_rng(0).normal(0.0, std, size=shape))
+    return drawn.astype(dtype)  # a copy: the layer owns its weights
 
 
 class Linear(Module):

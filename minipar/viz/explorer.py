@@ -12,6 +12,11 @@ A picture is drawn once by Agg with margins fixed in inches (`figure_png`,
 `fixed_margins`) and shown as PNG in an `ipywidgets.Image`: a constrained layout would
 measure every label again on every redraw. A refusal (a layout the rules do not run) is
 shown in the status line, never raised.
+
+With `prefetch` (the default inside a Jupyter kernel), the settings one control change
+away are measured and drawn by a background worker while the reader looks at the
+picture (minipar/viz/prefetch.py), nearest options first, so a change usually finds its
+picture ready; the pictures are the ones a direct draw gives (same code, same cache).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from matplotlib.figure import Figure
 
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
+from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 
 try:
@@ -54,6 +60,10 @@ def figure_png(fig: Figure, dpi: int = EXPLORER_DPI) -> bytes:
     buffer = io.BytesIO()
     fig.set_dpi(dpi)
     FigureCanvasAgg(fig).print_png(buffer, pil_kwargs={"compress_level": 1})
+    # A fresh canvas holds no pixels: the drawn one keeps its RGBA buffer (~1.2 MB for
+    # an 880 x 340 picture) for as long as the cached figure lives, and the explorers
+    # cache every picture they show or prefetch. A later draw makes a new buffer.
+    FigureCanvasAgg(fig)
     return buffer.getvalue()
 
 
@@ -99,13 +109,33 @@ class Explorer(widgets.VBox):
     Subclasses give `controls` (name -> widget) and `draw(**values) -> (figures, status
     html)`. `figures` are the last drawn matplotlib Figures, `draws` counts redraws,
     `error` is the last refusal (None after a successful draw), `last_seconds` the time
-    the last redraw took (run + drawing + PNG)."""
+    the last redraw took (run + drawing + PNG). `prefetch`: prepare the neighbouring
+    settings in the background (None: when running in a Jupyter kernel); `worker` is the
+    process's shared worker then, else None."""
 
     dpi = EXPLORER_DPI
+    # A slider's prefetched neighbours: value +- 1 .. +- SLIDER_REACH (None: its whole
+    # range; a slider without continuous updates moves in one change as far as it is
+    # dragged).
+    SLIDER_REACH: int | None = None
+    # Prepared pictures kept that were never shown, beyond the current neighbours: each is
+    # a few MB of figures and runs (3.6 MB for the traffic explorer's), and a reader who
+    # moves on leaves ~10-25 of them behind at every change.
+    KEEP_UNSHOWN = 32
+    # A drop-down's: the options up to OPTION_REACH places either side (a long list such
+    # as the sharding explorer's ~50 tensors would keep the worker busy for seconds).
+    OPTION_REACH = 3
 
-    def __init__(self, controls: dict, cache: RunCache | None = None):
+    def __init__(self, controls: dict, cache: RunCache | None = None,
+                 prefetch: bool | None = None):
         self.controls = controls
         self.cache = RunCache() if cache is None else cache
+        self.worker: Worker | None = (shared_worker() if (in_kernel() if prefetch is None
+                                                          else prefetch) else None)
+        self._refused: set = set()  # picture keys a prefetch found refused
+        # picture key -> the cache keys its prefetch added, for pictures prepared but not
+        # shown yet, oldest first (what `_forget_unshown` may discard)
+        self._unshown: dict = {}
         self.status = widgets.HTML()
         self.images: list = []
         self.figures: list[Figure] = []
@@ -145,19 +175,30 @@ class Explorer(widgets.VBox):
     def _changed(self, change) -> None:
         self.refresh()
 
+    def picture_key(self, values: dict) -> tuple:
+        """The RunCache key of the picture of one setting."""
+        return ("picture", type(self).__name__, repr(getattr(self, "config", None)),
+                *sorted(values.items()))
+
     def refresh(self) -> None:
         start = time.perf_counter()
         values = self.values()
-        key = (type(self).__name__, repr(getattr(self, "config", None)),
-               *sorted(values.items()))
+        key = self.picture_key(values)
+
+        def picture():
+            return self.cache.get(key, lambda: self._picture(values))
+
         try:
-            figures, pngs, message = self.cache.get(("picture", key),
-                                                    lambda: self._picture(values))
+            if self.worker is None or key in self.cache:
+                figures, pngs, message = picture()
+            else:  # on the worker thread, which does every run and drawing
+                figures, pngs, message = self.worker.run_now(picture)
         except REFUSALS as refusal:
             self.error = str(refusal)
             self.status.value = ("<span style='color:#b00020'>cannot run this layout: "
                                  f"{html.escape(self.error)}</span>")
             self.last_seconds = time.perf_counter() - start
+            self._prefetch_neighbours(values)
             return
         self.error = None
         self.figures = figures
@@ -169,6 +210,73 @@ class Explorer(widgets.VBox):
         self.status.value = message
         self.draws += 1
         self.last_seconds = time.perf_counter() - start
+        self._unshown.pop(key, None)  # shown: kept like every picture shown
+        self._prefetch_neighbours(values)
+
+    # ------------------------------------------------------------------ prefetching
+    def neighbours(self, values: dict) -> list[dict]:
+        """The settings one control change away, nearest options first: every control's
+        adjacent option, then the options two away, and so on up to OPTION_REACH (a
+        slider: SLIDER_REACH steps either side; a check box: toggled)."""
+        rings: list[list[dict]] = []
+        for name, control in self.controls.items():
+            value = values[name]
+            if isinstance(control, widgets.Checkbox):
+                ordered = [[not value]]
+            elif isinstance(control, widgets.IntSlider):
+                reach = self.SLIDER_REACH or control.max - control.min
+                ordered = [[v for v in (value - d, value + d) if control.min <= v <= control.max]
+                           for d in range(1, reach + 1)]
+            else:
+                options = list(control._options_values)  # the values behind the labels
+                here = options.index(value)
+                ordered = [[options[i] for i in (here - d, here + d)
+                            if 0 <= i < len(options)]
+                           for d in range(1, min(len(options), self.OPTION_REACH + 1))]
+            for distance, near in enumerate(ordered):
+                while len(rings) <= distance:
+                    rings.append([])
+                rings[distance] += [{**values, name: v} for v in near]
+        return [setting for ring in rings for setting in ring]
+
+    def prefetch_cost(self, values: dict) -> float | None:
+        """A neighbouring setting's relative cost to prepare unasked, or None to leave it
+        out. Neighbours are prepared cheapest first (ties: nearest first), so that a short
+        look finds most of them ready and the worst wait of a change that comes while a
+        neighbour is being prepared is short. Default: all cost the same."""
+        return 1.0
+
+    def _prefetch_neighbours(self, values: dict) -> None:
+        if self.worker is None:
+            return
+        wanted = []
+        for order, setting in enumerate(self.neighbours(values)):
+            key = self.picture_key(setting)
+            try:
+                cost = self.prefetch_cost(setting)
+            except REFUSALS:  # a setting the rules refuse: cheap to find out and show
+                cost = 0.0
+            if key not in self.cache and key not in self._refused and cost is not None:
+                wanted.append((cost, order, key, setting))
+        wanted.sort(key=lambda item: item[:2])
+        self.worker.prefetch(self, [(key, lambda k=key, s=setting: self._prefetch(k, s))
+                                    for _, _, key, setting in wanted])
+        self._forget_unshown({self.picture_key(s) for s in self.neighbours(values)})
+
+    def _prefetch(self, key, values: dict) -> None:
+        try:
+            with self.cache.recording() as made:
+                self.cache.get(key, lambda: self._picture(values))
+            self._unshown[key] = made
+        except REFUSALS:
+            self._refused.add(key)
+
+    def _forget_unshown(self, near: set) -> None:
+        """Discard the oldest prepared-but-never-shown pictures (and what their prefetch
+        added to the cache) past KEEP_UNSHOWN, except the current neighbours'."""
+        old = [key for key in list(self._unshown) if key not in near]
+        for key in old[:max(0, len(old) - self.KEEP_UNSHOWN)]:
+            self.cache.discard(self._unshown.pop(key, ()))
 
     def _picture(self, values: dict):
         """(figures, their PNGs, status html) of one setting: what the cache keeps, so

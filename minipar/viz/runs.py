@@ -13,7 +13,9 @@ dominates and the bubble is the grey between the bars.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -35,6 +37,7 @@ class RunCache:
         self._runs: dict = {}
         self.hits = 0
         self.misses = 0
+        self._recording = threading.local()  # this thread's `recording()` list, if any
 
     def get(self, key, compute: Callable):
         if key in self._runs:
@@ -43,7 +46,32 @@ class RunCache:
         self.misses += 1
         value = compute()
         self._runs[key] = value
+        made = getattr(self._recording, "keys", None)
+        if made is not None:
+            made.append(key)
         return value
+
+    @contextmanager
+    def recording(self):
+        """`with cache.recording() as made:` -> the keys this thread added meanwhile
+        (a prefetched picture's run, figures and picture, to `discard` together)."""
+        outer = getattr(self._recording, "keys", None)
+        made: list = []
+        self._recording.keys = made
+        try:
+            yield made
+        finally:
+            self._recording.keys = outer
+            if outer is not None:
+                outer.extend(made)
+
+    def discard(self, keys) -> None:
+        """Forget these keys (a later get computes them again)."""
+        for key in keys:
+            self._runs.pop(key, None)
+
+    def __contains__(self, key) -> bool:
+        return key in self._runs
 
     def __len__(self) -> int:
         return len(self._runs)

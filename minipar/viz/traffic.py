@@ -39,10 +39,11 @@ def traffic_matrices(report, per_step: bool = True) -> dict[str, np.ndarray]:
 
 
 def plot_traffic(report, *, title: str | None = None, annotate: bool | None = None,
-                 width: float | None = None) -> Figure:
+                 width: float | None = None, gpus_per_node: int | None = None) -> Figure:
     """One heatmap per group kind of the bytes rank i sent to rank j per step.
     annotate: write the bytes in the cells (default: when there are at most 8 ranks);
-    width: inches (default 3.6 per panel, plus the colour bar)."""
+    width: inches (default 3.6 per panel, plus the colour bar); gpus_per_node: where to
+    draw the node boundaries (default: the report's layout)."""
     matrices = traffic_matrices(report)
     world = report.world_size
     if annotate is None:
@@ -53,7 +54,7 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     norm = LogNorm(vmin=min(p.min() for p in positive), vmax=max(p.max() for p in positive))
     n = len(matrices)
     fig, axes, bar_axes = _layout(n, width)
-    per_node = (report.layout or {}).get("gpus_per_node", world)
+    per_node = gpus_per_node or (report.layout or {}).get("gpus_per_node", world)
     image = None
     for ax, (kind, matrix) in zip(axes, matrices.items(), strict=True):
         shown = np.ma.masked_where(matrix <= 0, matrix)

@@ -20,7 +20,9 @@ Every picture comes from a run, never from a formula (formulas appear only as th
 reference they are compared with). Runs (minipar.viz.runs) are cached by their settings
 in a `RunCache`,
 so going back to a setting is instant and a new one costs one small run (figures in
-benchmarks/README.md, `python benchmarks/bench_widgets.py`).
+benchmarks/README.md, `python benchmarks/bench_widgets.py`); in a Jupyter kernel the
+settings one control change away are measured and drawn in the background while the
+reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them ready.
 
 Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
 twice) and shown as PNG in an `ipywidgets.Image`, drawn once by Agg with margins fixed
@@ -77,7 +79,7 @@ class ShardingExplorer(Explorer):
     """dp, tp, pp, ZeRO stage, kind of state, tensor -> who holds which elements."""
 
     def __init__(self, config: TrainConfig = DEFAULT_CONFIG, cache: RunCache | None = None,
-                 **initial):
+                 prefetch: bool | None = None, **initial):
         self.config = config
         names = list(_tensor_names(config))
         controls = {
@@ -93,7 +95,7 @@ class ShardingExplorer(Explorer):
         }
         for name, value in initial.items():
             controls[name].value = value
-        super().__init__(controls, cache)
+        super().__init__(controls, cache, prefetch)
 
     def holdings(self, dp, tp, pp, zero):
         return self.cache.get(("sharding", repr(self.config), dp, tp, pp, zero),
@@ -133,6 +135,34 @@ def _tensor_names(config: TrainConfig):
 
 
 # ------------------------------------------------------------------ memory
+# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): up to 16
+# ranks, ~0.5 s of CPU each on the explorer model; 32 ranks would hold up the reader's
+# next change for a second or more if it came while one was running.
+PREFETCH_MAX_RANKS = 16
+
+
+def _train_key(config: TrainConfig) -> tuple:
+    return ("train", tuple(sorted(config.to_dict().items())))
+
+
+def _traffic_key(config: TrainConfig) -> tuple:
+    """A traffic run's key: its config but the GPUs per node (TrafficExplorer.run)."""
+    return ("train, any gpus_per_node",
+            tuple(sorted((k, v) for k, v in config.to_dict().items()
+                         if k != "gpus_per_node")))
+
+
+def training_cost(values: dict) -> float | None:
+    """What a measured step of a layout costs on the host, relatively: every rank runs
+    every one of its micro-batches through all the ops of its layers (a TP rank too, on
+    slices), one Python op at a time under the GIL, so ranks x micro-batches
+    (benchmarks/README.md, bench_emulation); None past PREFETCH_MAX_RANKS."""
+    world = values["dp"] * values["tp"] * values["pp"]
+    if world > PREFETCH_MAX_RANKS:
+        return None
+    return world * max(1, values.get("grad_accum_steps") or 1)
+
+
 def _coords_label(rank: dict) -> str:
     c = rank.get("coords", {})
     return f"r{rank['rank']}\n{c.get('dp', 0)}/{c.get('pp', 0)}/{c.get('tp', 0)}"
@@ -149,7 +179,7 @@ class MemoryExplorer(Explorer):
     """A layout and precision -> the measured peak bytes per rank, by category."""
 
     def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
-                 **initial):
+                 prefetch: bool | None = None, **initial):
         self.config = config
         controls = {
             "dp": _control("dropdown", "dp", [1, 2, 4, 8], 4, "110px"),
@@ -170,12 +200,16 @@ class MemoryExplorer(Explorer):
         }
         for name, value in initial.items():
             controls[name].value = value
-        super().__init__(controls, cache)
+        super().__init__(controls, cache, prefetch)
 
     def run(self, **settings) -> Report:
         config = self.config.replace(**settings)
-        key = ("train", tuple(sorted(config.to_dict().items())))
-        return self.cache.get(key, lambda: train_report(config))
+        return self.cache.get(_train_key(config), lambda: train_report(config))
+
+    def prefetch_cost(self, values: dict) -> float | None:
+        if _train_key(self.config.replace(**values)) in self.cache:
+            return 0.0  # measured already: only the picture is left to draw
+        return training_cost(values)
 
     def draw(self, **settings):
         report = self.run(**settings)
@@ -209,7 +243,8 @@ class MemoryExplorer(Explorer):
 class PipelineExplorer(Explorer):
     """Schedule, p, m, v -> timeline, bubble (measured and formula), activations in flight."""
 
-    def __init__(self, cache: RunCache | None = None, **initial):
+    def __init__(self, cache: RunCache | None = None, prefetch: bool | None = None,
+                 **initial):
         controls = {
             "schedule": _control("dropdown", "schedule", list(schedule_names()), "1f1b",
                                  "190px"),
@@ -219,12 +254,16 @@ class PipelineExplorer(Explorer):
         }
         for name, value in initial.items():
             controls[name].value = value
-        super().__init__(controls, cache)
+        super().__init__(controls, cache, prefetch)
 
     def run(self, schedule, pp, micro_batches, virtual_stages):
         key = ("pipeline", schedule, pp, micro_batches, virtual_stages)
         return self.cache.get(key, lambda: pipeline_step(schedule, pp, micro_batches,
                                                          virtual_stages))
+
+    def prefetch_cost(self, values: dict) -> float:
+        """Every stage runs every micro-batch through each of its chunks."""
+        return values["pp"] * values["micro_batches"] * values["virtual_stages"]
 
     def draw(self, schedule, pp, micro_batches, virtual_stages):
         check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
@@ -307,7 +346,7 @@ class TrafficExplorer(Explorer):
     """A layout -> who sends how many bytes to whom, and in which group."""
 
     def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
-                 **initial):
+                 prefetch: bool | None = None, **initial):
         self.config = config
         controls = {
             "dp": _control("dropdown", "dp", [1, 2, 4, 8], 2, "110px"),
@@ -321,22 +360,32 @@ class TrafficExplorer(Explorer):
         }
         for name, value in initial.items():
             controls[name].value = value
-        super().__init__(controls, cache)
+        super().__init__(controls, cache, prefetch)
 
     def run(self, **settings) -> Report:
+        """The measured run of a layout, shared by its gpus_per_node settings: where a
+        node ends changes the simulated clock, never which bytes go to which rank (the
+        same collectives on the same arrays; tests/viz/test_widgets.py measures both),
+        and the pictures draw the boundaries of the setting shown."""
         config = self.config.replace(**settings)
-        key = ("train", tuple(sorted(config.to_dict().items())))
-        return self.cache.get(key, lambda: train_report(config))
+        return self.cache.get(_traffic_key(config), lambda: train_report(config))
+
+    def prefetch_cost(self, values: dict) -> float | None:
+        settings = {k: v for k, v in values.items() if k != "by"}
+        if _traffic_key(self.config.replace(**settings)) in self.cache:
+            return 0.0  # measured already: only the pictures are left to draw
+        return training_cost(values)
 
     def draw(self, by, **settings):
         report = self.run(**settings)
+        per_node = settings["gpus_per_node"]
         matrix = traffic_of(report)
         # The matrices do not depend on `by`: switching the bars redraws only the bars.
         heatmaps = self.cached_figure((repr(self.config), *sorted(settings.items())),
                                       lambda: plot_traffic(report, annotate=False,
-                                                           width=FIGURE_WIDTH))
+                                                           width=FIGURE_WIDTH,
+                                                           gpus_per_node=per_node))
         figures = [heatmaps, plot_sent_bytes(report, by=by)]
-        per_node = settings["gpus_per_node"]
         crossing = cross_node_bytes(matrix, per_node)
         total = int(matrix.sum())
         groups = {kind: sum(r["comm"]["by_group"].get(kind, 0) for r in report.ranks)

@@ -266,3 +266,55 @@ def test_memory_explorer_shows_the_offload_tiers_behind_each_gpu(counted_runs):
     assert "host memory" in explorer.status.value and "PCIe" in explorer.status.value
     explorer.controls["offload_param"].value = "cpu"  # ZeRO-1 has no parameter shard
     assert explorer.error is not None and "--zero 3" in explorer.error
+
+
+def test_a_traffic_run_serves_every_gpus_per_node_and_draws_that_settings_nodes(
+        counted_runs):
+    from minipar.train import train
+
+    layout = dict(dp=2, tp=2, pp=1, zero=1, grad_accum_steps=1)
+    # the premise, measured: where a node ends changes no byte sent to any rank
+    on_two, on_four = (train(SMALL.replace(**layout, gpus_per_node=g)) for g in (2, 4))
+    assert on_two.traffic == on_four.traffic
+    assert [r["comm"] for r in on_two.ranks] == [r["comm"] for r in on_four.ranks]
+    explorer = TrafficExplorer(SMALL, **layout, gpus_per_node=4)
+    runs = len(counted_runs)
+    explorer.controls["gpus_per_node"].value = 2
+    assert len(counted_runs) == runs  # the same measured run
+    fresh = TrafficExplorer(SMALL, **layout, gpus_per_node=2)  # its own run on 2 per node
+    assert len(counted_runs) == runs + 1
+    for shown, direct in zip(explorer.images, fresh.images, strict=True):
+        assert bytes(shown.value) == bytes(direct.value)
+    assert explorer.status.value == fresh.status.value
+
+
+def test_a_prefetched_traffic_picture_is_the_one_a_direct_draw_gives(counted_runs):
+    class ZeroNeighbour(TrafficExplorer):  # prepare one neighbour only, to stay quick
+        def neighbours(self, values):
+            return [{**values, "zero": 0}]
+
+    layout = dict(dp=2, tp=1, pp=2, grad_accum_steps=2, gpus_per_node=2)
+    explorer = ZeroNeighbour(SMALL, prefetch=True, **layout, zero=1)
+    assert explorer.worker.wait_idle(60)
+    runs = len(counted_runs)
+    explorer.controls["zero"].value = 0
+    assert len(counted_runs) == runs  # measured while the reader looked
+    fresh = TrafficExplorer(SMALL, **layout, zero=0)
+    for shown, direct in zip(explorer.images, fresh.images, strict=True):
+        assert bytes(shown.value) == bytes(direct.value)
+    explorer.worker.cancel(explorer)
+
+
+def test_a_neighbour_the_rules_refuse_is_queued_as_cheap_not_raised():
+    class Recorder:
+        def prefetch(self, owner, jobs):
+            self.keys = [key for key, _ in jobs]
+
+    explorer = MemoryExplorer(SMALL, dp=1, zero=0)
+    explorer.worker = recorder = Recorder()
+    explorer._prefetch_neighbours(explorer.values())  # offloading needs ZeRO >= 1
+    refused = explorer.picture_key({**explorer.values(), "offload_optimizer": "cpu"})
+    assert refused in recorder.keys[:3]  # cost 0: its refusal is found without a run
+    eight = explorer.picture_key({**explorer.values(), "dp": 8})
+    assert recorder.keys.index(eight) > recorder.keys.index(
+        explorer.picture_key({**explorer.values(), "dp": 2}))  # cheaper runs first

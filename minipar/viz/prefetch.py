@@ -1,0 +1,190 @@
+"""The explorers' background worker: while the reader looks at a picture, measure and draw
+the settings one control change away, so that the next change finds its picture ready.
+
+    worker = shared_worker()
+    png = worker.run_now(lambda: draw(settings))          # urgent: waits for the result
+    worker.prefetch(owner, [(key, job), ...])             # spare time: replaces owner's list
+
+Why: a new setting of an explorer is a measured run plus its figures. For the traffic
+explorer that is an 8-16-rank training step (the rank threads run one Python op at a
+time under the GIL: ~10 ms per rank and micro-batch of the explorer model) and two
+figures (~150 ms of text rasterised by Agg), 0.3-1 s of CPU per setting on 2 busy cores;
+no re-use of figures brings a 16-rank step under 0.2 s. What is deterministic can be done
+before it is asked for: each setting's picture depends only on its settings, and a reader
+changes one control at a time, after looking at the picture for a few seconds. A browser
+prefetches the links a page is likely to follow for the same reason.
+
+One worker thread per process does *all* the explorers' work, urgent jobs first, so two
+measured runs never overlap: `minipar.distributed.launch` limits BLAS to one thread for
+its duration, process-wide, and two launches at once would restore each other's limit
+too early. The price: an urgent job waits for the spare job in progress (at most one run
+and its figures). Spare jobs run only after the process has been idle for `IDLE_SECONDS`
+and, in a Jupyter kernel, never while a cell is executing (IPython's pre/post_run_cell
+events; a cell that starts while a spare job runs waits for it first, so the cell's own
+runs never overlap the worker's): "Run All" is not slowed by explorers higher up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+
+IDLE_SECONDS = 0.3  # quiet time (no urgent job, no cell running) before spare work starts
+CELL_WAIT = 30.0  # seconds a starting cell waits at most for the spare job in progress
+
+
+class Worker:
+    """One daemon thread that runs urgent jobs (`run_now`) before spare ones (`prefetch`)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._urgent: deque[tuple[Callable, Future]] = deque()
+        self._spare: dict[int, deque[tuple[Hashable, Callable]]] = {}  # owner -> jobs
+        self._busy_until = 0.0  # monotonic time before which spare work waits
+        self._cells_running = 0  # IPython cells executing now (pre/post_run_cell)
+        self.working = False  # a job is running on the thread
+        self._spare_running = False  # ... and it is a spare one
+        self.spare_done = 0  # spare jobs finished (for tests and benchmarks)
+        self._thread = threading.Thread(target=self._loop, name="minipar-explorer-worker",
+                                        daemon=True)
+        self._thread.start()
+        _watch_cells(self)
+
+    # -------------------------------------------------------------- the callers' side
+    def run_now(self, job: Callable):
+        """job() on the worker thread, ahead of every spare job; its result (or error)."""
+        if threading.current_thread() is self._thread:  # a job that needs another job
+            return job()
+        future: Future = Future()
+        with self._changed:
+            self._urgent.append((job, future))
+            self._hold_spare()
+            self._changed.notify_all()
+        return future.result()
+
+    def prefetch(self, owner: object, jobs: list[tuple[Hashable, Callable]]) -> None:
+        """Replace `owner`'s spare jobs by `jobs` (most wanted first): what the owner
+        showed last decides what is worth preparing; older wishes are dropped."""
+        with self._changed:
+            self._spare[id(owner)] = deque(jobs)
+            self._changed.notify_all()
+
+    def cancel(self, owner: object) -> None:
+        with self._changed:
+            self._spare.pop(id(owner), None)
+
+    def pending(self, owner: object | None = None) -> int:
+        """Spare jobs still waiting (all owners', or one owner's)."""
+        with self._changed:
+            if owner is not None:
+                return len(self._spare.get(id(owner), ()))
+            return sum(len(jobs) for jobs in self._spare.values())
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until no job is waiting or running (a benchmark's "reader looks at the
+        picture until everything nearby is ready"); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._urgent or self.working or any(self._spare.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.05))
+        return True
+
+    # -------------------------------------------------------------- IPython cells
+    def cell_started(self, *_) -> None:
+        """A cell starts: no spare job starts until it ends, and the cell waits for the
+        one in progress (at most one run and its figures, CELL_WAIT at most), so a
+        cell's own runs never overlap the worker's."""
+        deadline = time.monotonic() + CELL_WAIT
+        with self._changed:
+            self._cells_running += 1
+            while self._spare_running and time.monotonic() < deadline:
+                self._changed.wait(0.05)
+
+    def cell_finished(self, *_) -> None:
+        with self._changed:
+            self._cells_running = max(0, self._cells_running - 1)
+            self._hold_spare()
+            self._changed.notify_all()
+
+    def _hold_spare(self) -> None:  # lock held
+        self._busy_until = time.monotonic() + IDLE_SECONDS
+
+    # -------------------------------------------------------------- the thread
+    def _next(self):
+        """(job, future or None) to run next; waits until there is one (lock held)."""
+        while True:
+            if self._urgent:
+                return self._urgent.popleft()
+            now = time.monotonic()
+            spare = next((jobs for jobs in self._spare.values() if jobs), None)
+            if spare is not None and not self._cells_running and now >= self._busy_until:
+                _, job = spare.popleft()
+                return job, None
+            wait = None if spare is None else max(self._busy_until - now, 0.01)
+            self._changed.wait(wait)
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                job, future = self._next()
+                self.working, self._spare_running = True, future is None
+            try:
+                if future is None:
+                    try:
+                        job()
+                    except Exception:  # noqa: BLE001 - a refused layout; asked for, it
+                        pass  # is computed again and its error shown then
+                elif future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(job())
+                    except BaseException as error:  # noqa: BLE001 - the caller's to raise
+                        future.set_exception(error)
+            finally:
+                with self._changed:
+                    self.working = self._spare_running = False
+                    if future is None:
+                        self.spare_done += 1
+                    else:
+                        self._hold_spare()
+                    self._changed.notify_all()
+
+
+def _watch_cells(worker: Worker) -> None:
+    """In an IPython kernel, hold spare work while a cell executes."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        shell.events.register("pre_run_cell", worker.cell_started)
+        shell.events.register("post_run_cell", worker.cell_finished)
+
+
+_shared: Worker | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_worker() -> Worker:
+    """The process's one worker (started on first use)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Worker()
+        return _shared
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (where a reader waits on the pictures)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None

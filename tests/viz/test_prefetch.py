@@ -1,0 +1,157 @@
+"""The explorers' background worker: urgent jobs first, spare jobs only when nothing else
+runs, and what it prepares is exactly what a direct draw shows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+from matplotlib.figure import Figure  # noqa: E402
+
+from minipar.viz import prefetch  # noqa: E402
+from minipar.viz.explorer import Explorer, _control  # noqa: E402
+from minipar.viz.prefetch import Worker  # noqa: E402
+
+
+class Bars(Explorer):
+    """A cheap explorer: n bars; n = 4 is refused; records where each draw ran."""
+
+    def __init__(self, prefetch: bool = False, **initial):
+        self.drawn: list[tuple[tuple, str]] = []
+        controls = {"n": _control("dropdown", "n", [1, 2, 3, 4], 2),
+                    "wide": _control("check", "wide", value=False)}
+        for name, value in initial.items():
+            controls[name].value = value
+        super().__init__(controls, prefetch=prefetch)
+
+    def draw(self, n, wide):
+        self.drawn.append(((n, wide), threading.current_thread().name))
+        if n == 4:
+            raise ValueError("four bars are refused")
+        fig = Figure(figsize=(3 if wide else 2, 1))
+        ax = fig.subplots()
+        ax.bar(range(n), range(1, n + 1))
+        ax.set_title(f"{n} bars", fontsize=7)
+        return [fig], f"n={n}"
+
+
+def test_prefetch_is_off_outside_a_jupyter_kernel_unless_asked_for():
+    assert not prefetch.in_kernel()  # pytest: the default, prefetch=None, means off
+    assert Bars(n=2).worker is None
+    asked = Bars(prefetch=True, n=1)
+    assert asked.worker is prefetch.shared_worker()
+    asked.worker.cancel(asked)
+
+
+def test_neighbours_are_one_control_change_away_nearest_option_first():
+    explorer = Bars(n=2)
+    assert explorer.neighbours(explorer.values()) == [
+        {"n": 1, "wide": False}, {"n": 3, "wide": False},  # the adjacent options
+        {"n": 2, "wide": True},                            # the check box toggled
+        {"n": 4, "wide": False}]                           # two options away
+
+
+def test_neighbours_are_queued_cheapest_first_and_unwanted_ones_left_out():
+    class Priced(Bars):
+        def prefetch_cost(self, values):
+            return None if values["wide"] else {1: 5.0, 3: 0.0, 4: 1.0}[values["n"]]
+
+    class Recorder:
+        def prefetch(self, owner, jobs):
+            self.keys = [key for key, _ in jobs]
+
+    explorer = Priced(n=2)
+    explorer.worker = recorder = Recorder()
+    explorer._prefetch_neighbours(explorer.values())
+    assert recorder.keys == [explorer.picture_key({"n": n, "wide": False}) for n in (3, 4, 1)]
+
+
+def test_prefetched_pictures_are_the_direct_draws_and_a_change_then_draws_nothing():
+    explorer = Bars(prefetch=True, n=2)
+    assert explorer.worker is prefetch.shared_worker()
+    assert explorer.worker.wait_idle(30)
+    # every neighbour was drawn on the worker thread; the refused one is remembered
+    assert {values for values, _ in explorer.drawn} == {(2, False), (1, False), (3, False),
+                                                        (2, True), (4, False)}
+    assert {thread for _, thread in explorer.drawn} == {"minipar-explorer-worker"}
+    assert explorer._refused == {explorer.picture_key({"n": 4, "wide": False})}
+    drawn = len(explorer.drawn)
+    explorer.controls["n"].value = 3  # ready: shown without drawing
+    assert len(explorer.drawn) == drawn and explorer.status.value == "n=3"
+    assert bytes(explorer.images[0].value) == bytes(Bars(n=3).images[0].value)
+    explorer.controls["n"].value = 4  # the refusal is computed again and shown
+    assert explorer.error == "four bars are refused"
+    explorer.worker.cancel(explorer)
+
+
+def _blocked_worker():
+    """A worker busy with a spare job until the returned event is set."""
+    worker, release, order = Worker(), threading.Event(), []
+    worker.prefetch("blocker", [("block", lambda: (release.wait(10), order.append("block")))])
+    deadline = time.monotonic() + 10
+    while not worker.working and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.working
+    return worker, release, order
+
+
+def test_an_urgent_job_goes_before_every_waiting_spare_one_and_new_wishes_replace_old():
+    worker, release, order = _blocked_worker()
+    worker.prefetch("explorer", [("a", lambda: order.append("a"))])
+    worker.prefetch("explorer", [("b", lambda: order.append("b")),
+                                 ("c", lambda: order.append("c"))])  # "a" is dropped
+    answer = []
+    caller = threading.Thread(target=lambda: answer.append(
+        worker.run_now(lambda: order.append("urgent") or 42)))
+    caller.start()
+    time.sleep(0.05)
+    release.set()
+    caller.join(10)
+    assert worker.wait_idle(10)
+    assert answer == [42] and order == ["block", "urgent", "b", "c"]
+    with pytest.raises(ZeroDivisionError):  # an urgent job's error is its caller's
+        worker.run_now(lambda: 1 / 0)
+
+
+def test_spare_work_waits_while_a_notebook_cell_runs():
+    worker, release, order = _blocked_worker()
+    release.set()
+    assert worker.wait_idle(10)
+    worker.cell_started()  # IPython's pre_run_cell
+    worker.prefetch("explorer", [("a", lambda: order.append("a"))])
+    time.sleep(2 * prefetch.IDLE_SECONDS)
+    assert order == ["block"] and worker.pending() == 1
+    worker.cell_finished()  # post_run_cell: after IDLE_SECONDS of quiet, the spare job
+    assert worker.wait_idle(10)
+    assert order == ["block", "a"]
+
+
+def test_a_cell_that_starts_during_a_spare_job_waits_for_it():
+    worker, release, order = _blocked_worker()
+    threading.Timer(0.2, release.set).start()
+    worker.cell_started()  # returns once the spare job in progress is done
+    assert order == ["block"] and not worker.working
+    worker.cell_finished()
+
+
+def test_prepared_pictures_never_shown_are_forgotten_once_the_reader_moves_on():
+    class Forgetful(Bars):
+        KEEP_UNSHOWN = 0
+
+    explorer = Forgetful(prefetch=True, n=1)
+    assert explorer.worker.wait_idle(30)
+    near_one = {explorer.picture_key({"n": 2, "wide": False}),
+                explorer.picture_key({"n": 1, "wide": True})}
+    assert near_one <= set(explorer._unshown) and all(k in explorer.cache for k in near_one)
+    explorer.controls["n"].value = 2  # shown: kept; n=1 wide is no neighbour of n=2 ...
+    assert explorer.worker.wait_idle(30)
+    shown, left = explorer.picture_key({"n": 2, "wide": False}), \
+        explorer.picture_key({"n": 1, "wide": True})
+    assert shown in explorer.cache and shown not in explorer._unshown
+    assert left not in explorer.cache  # ... so it was discarded
+    assert explorer.picture_key({"n": 2, "wide": True}) in explorer.cache  # a neighbour
+    explorer.worker.cancel(explorer)
