@@ -219,11 +219,12 @@ def moe_line(est: Estimate) -> str:
     factor = shape.moe_capacity_factor
     cap = expert_capacity(shape, c.micro_batch_size * shape.seq_len)
     experts = expert_parameter_bytes(shape, c.ep, c.bytes.param, c.tp)
+    local = shape.moe_num_experts // c.ep
     line = (f"MoE: {shape.n_moe_layers} of {shape.n_layer} layers, {shape.moe_num_experts} "
             f"experts, top-{shape.moe_top_k}, "
             + ("dropless (planned balanced)" if factor is None else f"capacity factor {factor}")
-            + f": C = {cap} slots per expert; {shape.moe_num_experts // c.ep} experts per "
-              f"rank ({human_bytes(experts)} of expert parameters)")
+            + f": C = {cap} slots per expert; {local} expert{'s' * (local > 1)} per rank "
+              f"({human_bytes(experts)} of expert parameters)")
     if c.ep > 1:
         line += (f", 4 all-to-alls per MoE layer and micro-batch over ep={c.ep}"
                  + (" (crosses nodes)" if est.links["ep"] else " (inside a node)"))
