@@ -25,6 +25,7 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
     INVALID_LAYOUT           the model does not split as asked (heads, layers, widths)
     SEQUENCE_PARALLEL_OFF    tp > 1 without sequence parallelism (free activation savings)
     EP_ACROSS_NODES, EXPERTS_NEED_EP, EP_WITHOUT_NEED   an MoE layout (lint_experts.py)
+This module is long because it is one short function per classic mistake above.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ activation and the (s x s) attention probabilities. minipar's fused attention ke
 probabilities but not their dropped-out copy, so with dropout it saves 2as^2b bytes less
 than their count; without dropout our count is exactly their 34sbh + 5as^2b minus the
 three dropout terms (sbh + sbh + as^2b) and minus the dropout output (2as^2b), in 16-bit.
+This module is long because one shape carries every family's counts (GPT-2, Llama,
+BLOOM and the MoE structure: the MoE per-micro-batch counts are in plan/experts.py).
 """
 
 from __future__ import annotations
