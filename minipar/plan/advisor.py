@@ -189,6 +189,8 @@ def offload_candidates(configs):
     """The offload variants of layouts that do not fit: ZeRO >= 1 with the optimizer on
     the host; ZeRO-3 also with the parameters on the host, and both on NVMe."""
     for config in configs:
+        if config.ep > 1:  # offload with expert parallelism is not modelled
+            continue
         for optimizer, param in OFFLOADS:
             if config.zero == 0 or (param != "none" or optimizer == "nvme") and config.zero < 3:
                 continue

@@ -225,6 +225,9 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
         if shape.moe_num_experts % config.ep:
             raise PlanError("ep", f"--ep {config.ep} must divide --moe-num-experts "
                             f"{shape.moe_num_experts}: each rank holds E / ep experts")
+        if config.offload_optimizer != "none" or config.offload_param != "none":
+            raise PlanError("offload_optimizer", "offload with --ep is not modelled "
+                            "(minipar train refuses it too)")
     if shape.is_moe and config.zero == 3:
         raise PlanError("zero", "ZeRO-3 of an MoE model is not modelled (its gather units "
                         "would hold experts of the expert-data-parallel group); use 0-2")
