@@ -119,6 +119,22 @@ class Estimate:
                 totals[group] = max(totals[group], per[group])
         return totals
 
+    def moe(self) -> dict:
+        """The report's moe figures, predicted for the fullest rank (per step)."""
+        c, shape = self.config, self.shape
+        stage = self.worst_stage
+        return {"num_experts": shape.moe_num_experts, "top_k": shape.moe_top_k,
+                "capacity_factor": shape.moe_capacity_factor, "ep": c.ep,
+                "capacity": expert_capacity(shape, c.micro_batch_size * shape.seq_len),
+                "expert_param_bytes": stage.memory["detail"]["expert_parameters"]
+                * c.bytes.param,
+                "all_to_all_sent_bytes": sum(t.sent_per_step for t in stage.transfers
+                                             if t.op == "all_to_all"),
+                "all_to_all_s": sum(t.count * transfer_time(t, self.cluster,
+                                                            self.links[t.link])
+                                    for t in stage.transfers if t.op == "all_to_all"),
+                "ep_crosses_nodes": self.links["ep"]}
+
     def to_dict(self) -> dict:
         return {
             "schema": "minipar.plan/1",
@@ -134,6 +150,7 @@ class Estimate:
             "time": self.time,
             "comm_time": self.comm_time_by_group(),
             "links_cross_nodes": self.links,
+            **({"moe": self.moe()} if self.shape.is_moe else {}),
             "stages": [{"pp_rank": s.rank, "layers": s.layers, "in_flight": s.in_flight,
                         "memory": {k: v for k, v in s.memory.items() if k != "detail"},
                         "traffic": s.traffic,

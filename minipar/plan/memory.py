@@ -187,7 +187,8 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         "activations": activations,
         "buffers": buffers,
         "peak_total": total,
-        "detail": {"parameters": local, "shard": sharded, "layer_input": layer_input,
+        "detail": {"parameters": local, "expert_parameters": params.expert_numel,
+                   "shard": sharded, "layer_input": layer_input,
                    "forward_buffers": forward_buffers, "sync_buffers": sync_buffers},
     }
 

@@ -144,3 +144,8 @@ def test_moe_flags_plan_what_minipar_train_measures(capsys):
         assert plan["memory"][category] == measured["memory"][category]
     for group in ("dp", "ep"):
         assert plan["traffic"][group] == measured["comm"]["by_group"][group]
+    # the plan's moe section, as the report's (one step)
+    for key in ("expert_param_bytes", "all_to_all_sent_bytes"):
+        assert plan["moe"][key] == report.moe[key][0]
+    assert plan["moe"]["capacity"] == 10  # ceil(2 x 8 tokens x top-2 / 4 experts x 1.25)
+    assert not plan["moe"]["ep_crosses_nodes"]
