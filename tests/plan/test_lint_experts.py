@@ -7,6 +7,7 @@ from minipar.plan import presets
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.lint import lint
+from minipar.plan.shapes import ModelShape
 
 MIXTRAL = presets.model("mixtral-8x7b")
 H100 = presets.cluster("h100-80gb")
@@ -50,3 +51,12 @@ def test_ep_that_does_not_divide_the_experts_is_an_invalid_layout():
     (finding,) = [f for f in lint(MIXTRAL, layout(dp=6, ep=6, global_batch_size=1020), H100)
                   if f.code == "INVALID_LAYOUT"]
     assert "--moe-num-experts 8" in finding.message
+
+
+def test_ep_across_nodes_that_buys_unneeded_memory_is_pointed_out():
+    small = ModelShape(name="moe", n_layer=4, d_model=1024, n_head=16, vocab_size=32000,
+                       seq_len=1024, moe_num_experts=8, moe_top_k=2)
+    config = layout(dp=8, tp=2, sequence_parallel=True, ep=8, global_batch_size=32)
+    found = {f.code: f for f in lint(small, config, H100)}
+    assert "EP_ACROSS_NODES" in found and found["EP_WITHOUT_NEED"].fix == "consider --ep 1"
+    assert estimate(small, config.replace(ep=1), H100).fits
