@@ -148,8 +148,9 @@ def moe_flops(shape: ModelShape, b: int, tp: int = 1) -> tuple[float, float]:
     sums = n * k * h + n * e + e  # combine over k, P_e over tokens, over experts
     gathers = n * k + rows * h + n * k * h + rows * h  # chosen logits, dispatch, combine,
     # and each local expert's rows of the received buffer: scatter-added in backward
-    forward += router + SOFTMAX_FLOPS[0] * softmax + products + sums + 1  # + aux into loss
-    backward += (2 * router + SOFTMAX_FLOPS[1] * softmax + 2 * products + sums + gathers + 1)
+    # (the aux loss joins the gradients in backward, MoEAuxLossAutoScaler: no add)
+    forward += router + SOFTMAX_FLOPS[0] * softmax + products + sums
+    backward += 2 * router + SOFTMAX_FLOPS[1] * softmax + 2 * products + sums + gathers
     return forward, backward
 
 

@@ -137,10 +137,10 @@ def moe_kernels(shape: ModelShape, b: int, tp: int, ep: int, itemsize: int = 2
     combine = n * k * h
     router_f, router_b = linear_kernels(n, experts, h, e, False)
     forward = [*router_f,
-               Kernel(SOFTMAX_FLOPS[0] * softmax + products + sums + 1, 3 * e * softmax),
+               Kernel(SOFTMAX_FLOPS[0] * softmax + products + sums, 3 * e * softmax),
                Kernel(0, 2 * e * rows * h)]  # dispatch: read the tokens, write the buffer
     backward = [*router_b,
-                Kernel(SOFTMAX_FLOPS[1] * softmax + 2 * products + sums + n * k + 1,
+                Kernel(SOFTMAX_FLOPS[1] * softmax + 2 * products + sums + n * k,
                        4 * e * softmax),
                 Kernel(2 * rows * h, 3 * e * rows * h)]  # the two scatter-adds of dispatch
     for _ in range(local):
