@@ -20,6 +20,13 @@ gradients are reduced over the expert-data-parallel group (dp / ep ranks), ZeRO 
 them over it, and the rest of the model over DP (Megatron-LM parallel_state.py;
 minipar/train/build.py `expert_data_parallel_engine`).
 
+With TP (minipar/parallel/tensor.py `tensor_parallel_experts`) every TP rank routes all
+N tokens and sends the whole buffer (the all-to-all bytes do not change with tp); each
+local expert all-reduces its (ep x C, d) partial output forward and its input's
+gradient backward instead of the MLP's (b, s, d) pair, and with sequence parallelism the
+layer all-gathers its input first and its output's gradient in backward (traffic.py).
+Megatron routes each TP rank's N/t tokens instead (sequence-parallel dispatch).
+
 What an MoE layer saves for backward beyond the ln_2 output it shares with the dense
 MLP's input (minipar's autograd, op by op of MoE.forward): the softmax of the k chosen
 logits, the kept mask and the masked gates (N k each), the dispatch buffer the experts
@@ -178,6 +185,9 @@ def moe_activation_delta(shape: ModelShape, b: int, tp: int, sequence_parallel: 
     tokens = b * shape.seq_len
     hidden = 3 if shape.mlp == "swiglu" else 2
     dense = hidden * tokens * shape.ffn // tp * activation_bytes
+    if sequence_parallel and tp > 1:  # the layer's all-gathered (N, d) input (router and
+        # dispatch read it) instead of the MLP-in's (N/t, d) piece
+        dense -= (tokens - tokens // tp) * shape.d_model * activation_bytes
     if shape.dropout > 0:
         dense += (tokens // tp if sequence_parallel else tokens) * shape.d_model
     return moe_activation_bytes(shape, b, tp, activation_bytes) - dense

@@ -59,7 +59,7 @@ from minipar.plan.cluster import (
     reduce_scatter_sent,
 )
 from minipar.plan.context import local_shape, ring_attention_bytes
-from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes
+from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import flat_buffers, shard, stage_parameters
 from minipar.plan.shapes import ModelShape, padded_vocab
@@ -128,10 +128,14 @@ def _data_parallel(shape, config, stage) -> list[Transfer]:
     params = stage_parameters(shape, config, stage)
     experts = config.ep > 1 and params.expert_numel > 0
     transfers = []
-    if experts:  # the experts' squared norm, summed over the ep group (even under DDP)
-        transfers.append(Transfer("all_reduce", "ep", config.ep, NORM_BYTES, 1,
-                                  all_reduce_sent(1, NORM_BYTES, config.ep), "step",
-                                  GRADIENT_NORM))
+    if experts:  # the experts' engine sums its squared norm over its own tp, pp and ep
+        # groups (build.expert_data_parallel_engine), even under DDP
+        for group, size, position in (("tp", config.tp, 0), ("pp", config.pp, stage.rank),
+                                      ("ep", config.ep, 0)):
+            if size > 1:
+                transfers.append(Transfer("all_reduce", group, size, NORM_BYTES, 1,
+                                          all_reduce_sent(1, NORM_BYTES, size, position),
+                                          "step", GRADIENT_NORM))
     if zero == 3:
         return _zero3(shape, config, stage, params)
     for i, (numel, n) in enumerate(flat_buffers(params, config)):
@@ -202,11 +206,24 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         if count:
             transfers.append(Transfer(op, "tp", t, nbytes_full, count * m, sent, phase, label))
 
+    # An MoE layer's MLP collectives are its experts' (minipar/parallel/tensor.py
+    # tensor_parallel_experts): each local expert all-reduces its (ep x C, d) partial
+    # output (g) and its input's gradient (f); with sequence parallelism the layer
+    # all-gathers its input first and its output's gradient in backward.
+    moe = stage.moe_layers
+    if moe:
+        experts = shape.moe_num_experts // config.ep
+        rows = dispatch_rows(shape, b) // shape.moe_num_experts * config.ep
+        expert = all_reduce_sent(rows * h, a, t)
+        add("all_reduce", experts * moe, rows * h * a, expert, "forward",
+            "expert output all-reduce (g)")
+        add("all_reduce", experts * moe, rows * h * a, expert, "backward",
+            "expert input-gradient all-reduce (f)")
     if not config.sequence_parallel:
         full = all_reduce_sent(numel, a, t)
-        add("all_reduce", 2 * (layers + recomputed), numel * a, full, "forward",
+        add("all_reduce", 2 * (layers + recomputed) - moe, numel * a, full, "forward",
             "layer output all-reduce (g)")
-        add("all_reduce", 2 * layers, numel * a, full, "backward",
+        add("all_reduce", 2 * layers - moe, numel * a, full, "backward",
             "layer input-gradient all-reduce (f)")
         if stage.first:
             add("all_reduce", 1, numel * a, full, "forward", "vocab-parallel embedding")
@@ -218,13 +235,15 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         small = norms + (2 if shape.bias else 0)  # norm weights/biases, row-parallel biases
         add("all_gather", 2 * (layers + recomputed), numel * a, gather, "forward",
             "sequence-parallel all-gather (g)")
-        add("reduce_scatter", 2 * (layers + recomputed), numel * a, scatter, "forward",
+        add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
             "sequence-parallel reduce-scatter")
-        add("all_gather", 4 * layers, numel * a, gather, "backward",
+        add("all_gather", 4 * layers - moe, numel * a, gather, "backward",
             "input re-gather and gradient all-gather")
-        add("reduce_scatter", 2 * layers, numel * a, scatter, "backward",
+        add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")
-        vectors = small * layers + (norms // 2 if stage.last else 0)  # + ln_f's
+        # (an MoE layer's experts hold their row-parallel biases whole: no all-reduce)
+        vectors = (small * layers - (moe if shape.bias else 0)
+                   + (norms // 2 if stage.last else 0))  # + ln_f's
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
             # finalize_model_grads; minipar/parallel/sequence.py), of the elements the
