@@ -283,13 +283,16 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
     def collective(op: str, nbytes: float) -> float:
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
-    modules = stage_modules(shape, config, cluster, stage) if config.replicas > 1 else []
+    modules = (stage_modules(shape, config, cluster, stage)
+               if config.replicas > 1 and not shape.is_moe else [])
     return data_parallel_time(modules, config, collective)
 
 
-def _overlap_priced(transfer: Transfer) -> bool:
-    """The DP transfers plan/overlap.py times (all but the gradient norm's)."""
-    return transfer.group == "dp" and transfer.label != GRADIENT_NORM
+def _overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
+    """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
+    model's two engines (dense over DP, experts over dp / ep) are not in overlap.py's
+    model: their transfers are priced as they block (traffic.py), an upper bound."""
+    return transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
 
 
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -308,7 +311,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                   + data_parallel["after_step_s"])
     for transfer in transfers:
         seconds = transfer_time(transfer, cluster, links[transfer.link])
-        if transfer.group == "cp" or _overlap_priced(transfer):  # counted above
+        if transfer.group == "cp" or _overlap_priced(transfer, shape):  # counted above
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
@@ -328,7 +331,9 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         # communication the rank waits for per step (HTA's exposed communication), and
         # the data-parallel transfers' time whether hidden or not
         "exposed_comm_s": m * per_micro_comm + step_comm,
-        "dp_comm_s": data_parallel["comm_s"],
+        "dp_comm_s": data_parallel["comm_s"] + sum(
+            t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
+            if t.group == "dp" and t.label != GRADIENT_NORM and shape.is_moe),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
         "host_optimizer_s": offload["host_optimizer_s"],
@@ -462,7 +467,7 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     def collective(op: str, nbytes: float) -> float:
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
-    if config.replicas == 1:
+    if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
                 "after_step_s": 0.0}
     whole = stage_plan(shape, config, rank)
@@ -491,7 +496,8 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     tails, data_parallel, tensor_parallel = [], [], []
     for r in range(p):
         plan = stage_plan(shape, config, r)
-        transfers = [t for t in stage_traffic(shape, config, plan) if not _overlap_priced(t)]
+        transfers = [t for t in stage_traffic(shape, config, plan)
+                     if not _overlap_priced(t, shape)]
         data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
 
         def seconds(selected) -> float:
