@@ -315,6 +315,8 @@ def format_estimate(est: Estimate) -> str:
         f"exposed communication (not hidden behind compute): "
         f"{human_seconds(t['exposed_comm_s'])} per step on the busiest rank, of "
         f"{human_seconds(sum(comm.values()))}; overlap: gradient buckets "
-        f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}"
+        + ("priced as they block (MoE: two engines, not in the overlap model)"
+           if shape.is_moe else
+           f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}")
         + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else ""))
     return "\n".join(lines)
