@@ -21,6 +21,11 @@ guesses, and lets the estimate decide between what remains:
 - recomputation off, selective (the attention core only: Korthikanti et al. 2022,
   section 5, a few percent more compute) and full (every layer: about a third more), so
   the ranking picks the cheapest that fits: selective whenever it suffices;
+- expert parallelism for an MoE shape: ep dividing dp and the experts (ZeRO 0-2: ZeRO-3
+  of experts is not modelled); the estimate weighs the expert memory it saves against
+  the four all-to-alls per MoE layer and micro-batch, which like TP's all-reduces sit on
+  every layer's critical path, so cheap inside a node and not across (lint says when
+  they cross);
 - offload only when nothing fits on the GPUs alone: ZeRO-Offload (the optimizer state and
   Adam on the host, any ZeRO stage) first, then ZeRO-Infinity's parameter offload to the
   host and both to NVMe (ZeRO-3). Offload trades PCIe copies and a CPU optimizer step for
@@ -29,12 +34,14 @@ guesses, and lets the estimate decide between what remains:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from minipar.nn.recompute import Recompute
 from minipar.parallel.schedules import SCHEDULES, ScheduleError, check_schedule_settings
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
+from minipar.plan.experts import expert_parameter_bytes
 from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layout
 from minipar.plan.shapes import ModelShape
 
@@ -125,7 +132,10 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                          for v in spec.searched_virtual_stages
                          if _accepts(spec.name, pp, m, v)
                          and (v == 1 or shape.n_layer % (pp * v) == 0)]
-            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+            expert_parallel = [ep for ep in divisors(dp) if shape.is_moe
+                               and shape.moe_num_experts % ep == 0] or [1]
+            for zero, ep in itertools.product((0, 1) if pp > 1 else (0, 1, 2, 3),
+                                              expert_parallel):
                 for schedule, v in schedules:
                     for recompute in RECOMPUTE_OPTIONS:
                         try:
@@ -134,7 +144,7 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                                 virtual_stages=v, sequence_parallel=tp > 1,
                                 micro_batch_size=micro, global_batch_size=global_batch_size,
                                 precision=precision, flash_attention=flash_attention,
-                                lr=lr, cp=cp, **recompute)
+                                lr=lr, cp=cp, ep=ep, **recompute)
                             check_model_fits_layout(shape, config)
                         except PlanError:
                             continue
@@ -179,6 +189,8 @@ def offload_candidates(configs):
     """The offload variants of layouts that do not fit: ZeRO >= 1 with the optimizer on
     the host; ZeRO-3 also with the parameters on the host, and both on NVMe."""
     for config in configs:
+        if config.ep > 1:  # offload with expert parallelism is not modelled
+            continue
         for optimizer, param in OFFLOADS:
             if config.zero == 0 or (param != "none" or optimizer == "nvme") and config.zero < 3:
                 continue
@@ -215,7 +227,7 @@ def explain(advice: Advice) -> str:
         f"Best of {len(advice.ranked)} fitting layouts ({advice.searched} tried) for "
         f"{shape.name} ({shape.n_params / 1e9:.1f}B parameters) on {advice.gpus} GPUs "
         f"({nodes} node{'s' * (nodes > 1)} of {gpn}): dp={c.dp} x tp={c.tp} x pp={c.pp}"
-        f"{f' x cp={c.cp}' if c.cp > 1 else ''}, "
+        f"{f' x cp={c.cp}' if c.cp > 1 else ''}{f' (ep={c.ep})' if c.ep > 1 else ''}, "
         f"ZeRO-{c.zero}, micro-batch {c.micro_batch_size}, "
         f"{'activation checkpointing, ' if c.activation_checkpointing else ''}"
         f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}.",
@@ -287,6 +299,8 @@ def explain(advice: Advice) -> str:
                      "parallelism).")
     else:
         lines.append("- No data parallelism: all GPUs are needed to hold one model replica.")
+    if shape.is_moe:
+        lines.append(expert_parallel_line(est))
     if c.offload_optimizer != "none" or c.offload_param != "none":
         on_gpu = estimate(shape, c.replace(offload_optimizer="none", offload_param="none"),
                           cluster)
@@ -329,7 +343,8 @@ def explain(advice: Advice) -> str:
         r = runner_up.config
         lines.append(
             f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp}"
-            f"{f' cp={r.cp}' if r.cp > 1 else ''} ZeRO-{r.zero} micro-batch "
+            f"{f' cp={r.cp}' if r.cp > 1 else ''}{f' ep={r.ep}' if r.ep > 1 else ''} "
+            f"ZeRO-{r.zero} micro-batch "
             f"{r.micro_batch_size}"
             f"{'' if not r.recomputes else ' with ' + r.recompute.label + ' recomputation'}"
             f", step {human_seconds(runner_up.step_time)} "
@@ -337,15 +352,37 @@ def explain(advice: Advice) -> str:
     return "\n".join(lines)
 
 
+def expert_parallel_line(est: Estimate) -> str:
+    """What expert parallelism does in the best layout (or why it is off)."""
+    c, shape = est.config, est.shape
+    experts = expert_parameter_bytes(shape, c.ep, c.bytes.param, c.tp)
+    if c.ep == 1:
+        return (f"- No expert parallelism: every GPU holds all {shape.moe_num_experts} experts "
+                f"of each MoE layer ({human_bytes(experts)} of expert parameters) and no "
+                "token leaves its GPU.")
+    return (f"- Expert parallelism (ep={c.ep}, inside the DP group) gives each GPU "
+            f"{shape.moe_num_experts // c.ep} of the {shape.moe_num_experts} experts "
+            f"({human_bytes(experts)} of expert parameters, 1/{c.ep} of them); tokens reach "
+            f"their experts by four all-to-alls per MoE layer and micro-batch "
+            f"({human_bytes(est.traffic['ep'])} per GPU per step, "
+            f"{human_seconds(est.comm_time_by_group()['ep'])}"
+            + (" across nodes" if est.links["ep"] else " inside a node") + "); "
+            + (f"expert gradients are reduced over the {c.expert_data_parallel} GPUs holding "
+               "the same experts." if c.expert_data_parallel > 1 else
+               "each GPU is alone with its experts, so their gradients need no reduction."))
+
+
 def format_ranking(advice: Advice, top: int = 5) -> str:
     """A table of the `top` fitting layouts."""
-    header = ["#", "dp", "tp", "pp", "cp", "zero", "sched", "mb", "accum", "recompute",
-              "memory", "step", "bubble", "MFU"]
+    moe = advice.shape.is_moe
+    header = ["#", "dp", "tp", "pp", "cp", *(["ep"] if moe else []), "zero", "sched", "mb",
+              "accum", "recompute", "memory", "step", "bubble", "MFU"]
     rows = [header]
     for i, e in enumerate(advice.ranked[:top], start=1):
         c = e.config
         sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule}x{c.virtual_stages}"
-        rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.cp), str(c.zero), sched,
+        rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.cp),
+                     *([str(c.ep)] if moe else []), str(c.zero), sched,
                      str(c.micro_batch_size), str(c.micro_batches),
                      c.recompute.label,
                      human_bytes(e.memory["peak_total"]), human_seconds(e.step_time),

@@ -3,6 +3,7 @@
     minipar plan --model llama2-70b --gpus 64 --gpu-mem 80        search, rank, explain
     minipar plan --model gpt2-xl --dp 4 --tp 2 --zero 1 ...        estimate and lint a layout
     minipar plan --example bloom                                   the BLOOM-176B layout
+    minipar plan --model mixtral-8x7b --dp 64 --ep 8 --zero 1 ...   an MoE layout
     minipar plan --compare-published     the time model vs Narayanan et al. 2021, Table 1
     ... --json [PATH]        the same as JSON (stdout without PATH)
     ... --export DIR         ds_config.json, megatron_args.txt and launch.sh of the layout
@@ -28,9 +29,11 @@ from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig, PlanError
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
-from minipar.train.config import PRECISIONS
+from minipar.train.config import MOE_HELP, PRECISIONS
 
-LAYOUT_FLAGS = ("dp", "tp", "pp", "cp")
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
+MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
+             "moe_layer_freq": int}
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -50,6 +53,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                             ("vocab_size", "vocabulary (custom model)"),
                             ("seq_len", "sequence length (overrides the preset's)")):
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=help_text)
+    for name, kind in MOE_FLAGS.items():  # the trainer's flags (a preset's by default)
+        model.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
+                           help=MOE_HELP[name])
     hardware = plan.add_argument_group("cluster")
     hardware.add_argument("--cluster", default="h100-80gb",
                           help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb; "
@@ -64,7 +70,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
                                      "searching)")
     for name in LAYOUT_FLAGS:
-        layout.add_argument("--" + name, type=int, dest=name)
+        layout.add_argument("--" + name, type=int, dest=name,
+                            help=MOE_HELP["ep"] if name == "ep" else None)
     layout.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
     for name in ("offload-optimizer", "offload-param"):  # DeepSpeed's offload devices
         layout.add_argument("--" + name, dest=name.replace("-", "_"), default="none",
@@ -149,6 +156,12 @@ def _shape(args) -> ModelShape:
             raise PlanError("model", str(err)) from None
     if args.seq_len is not None and args.seq_len != shape.seq_len:
         shape = shape.with_seq_len(args.seq_len)
+    moe = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name) is not None}
+    if moe:
+        try:
+            shape = replace(shape, **moe)
+        except ValueError as err:
+            raise PlanError(next(iter(moe)), str(err)) from None
     return shape
 
 
@@ -189,8 +202,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
             changes["activation_checkpointing"] = False  # the finer flags replace it
         changes.update(_overlap(args))
         return base.replace(**changes)
-    dp, tp, pp, cp = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
-    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=args.zero or 0,
+    dp, tp, pp, cp, ep = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
+    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=args.zero or 0,
                   schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
                   sequence_parallel=bool(args.sequence_parallel),
                   micro_batch_size=args.micro_batch_size or 1,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minipar.plan.cluster import GIB, ClusterSpec
+from minipar.plan.experts import expert_capacity, expert_parameter_bytes
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
 from minipar.plan.offload import tier_memory, tier_transfers
@@ -67,10 +68,14 @@ class Estimate:
         return {k: v for k, v in self.worst_stage.memory.items() if k != "detail"}
 
     @property
+    def groups(self) -> tuple[str, ...]:
+        """The groups a step's traffic is reported by (cp and ep when they are used)."""
+        return report_groups(self.config)
+
+    @property
     def traffic(self) -> dict:
         """Bytes per step the busiest rank sends, per group."""
-        groups = ("dp", "tp", "pp", "cp") if self.config.cp > 1 else ("dp", "tp", "pp")
-        return {group: max(s.traffic[group] for s in self.stages) for group in groups}
+        return {group: max(s.traffic[group] for s in self.stages) for group in self.groups}
 
     @property
     def memory_host(self) -> dict:
@@ -99,7 +104,7 @@ class Estimate:
 
     def comm_time_by_group(self) -> dict[str, float]:
         """Seconds per step the slowest rank spends in each group's collectives."""
-        groups = ("dp", "tp", "pp", "cp") if self.config.cp > 1 else ("dp", "tp", "pp")
+        groups = self.groups
         totals = dict.fromkeys(groups, 0.0)
         for stage in self.stages:
             per = dict.fromkeys(groups, 0.0)
@@ -109,10 +114,26 @@ class Estimate:
                 if tr.group == "dp" and tr.label != GRADIENT_NORM:
                     continue
                 per[tr.group] += tr.count * transfer_time(tr, self.cluster,
-                                                          self.links[tr.group])
+                                                          self.links[tr.link])
             for group in totals:
                 totals[group] = max(totals[group], per[group])
         return totals
+
+    def moe(self) -> dict:
+        """The report's moe figures, predicted for the fullest rank (per step)."""
+        c, shape = self.config, self.shape
+        stage = self.worst_stage
+        return {"num_experts": shape.moe_num_experts, "top_k": shape.moe_top_k,
+                "capacity_factor": shape.moe_capacity_factor, "ep": c.ep,
+                "capacity": expert_capacity(shape, c.micro_batch_size * shape.seq_len),
+                "expert_param_bytes": stage.memory["detail"]["expert_parameters"]
+                * c.bytes.param,
+                "all_to_all_sent_bytes": sum(t.sent_per_step for t in stage.transfers
+                                             if t.op == "all_to_all"),
+                "all_to_all_s": sum(t.count * transfer_time(t, self.cluster,
+                                                            self.links[t.link])
+                                    for t in stage.transfers if t.op == "all_to_all"),
+                "ep_crosses_nodes": self.links["ep"]}
 
     def to_dict(self) -> dict:
         return {
@@ -129,6 +150,7 @@ class Estimate:
             "time": self.time,
             "comm_time": self.comm_time_by_group(),
             "links_cross_nodes": self.links,
+            **({"moe": self.moe()} if self.shape.is_moe else {}),
             "stages": [{"pp_rank": s.rank, "layers": s.layers, "in_flight": s.in_flight,
                         "memory": {k: v for k, v in s.memory.items() if k != "detail"},
                         "traffic": s.traffic,
@@ -180,6 +202,11 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     return Estimate(shape, config, cluster, stages, time, links=group_links(config, cluster))
 
 
+def report_groups(config: ParallelConfig) -> tuple[str, ...]:
+    return (("dp", "tp", "pp") + (("cp",) if config.cp > 1 else ())
+            + (("ep",) if config.ep > 1 else ()))
+
+
 # ------------------------------------------------------------------ text
 def human_bytes(n: float) -> str:
     for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
@@ -203,14 +230,36 @@ def compute_model(cluster: ClusterSpec) -> str:
     return f"on the {cluster.roofline.name} roofline"
 
 
+def moe_line(est: Estimate) -> str:
+    """The MoE shape and what expert parallelism gives the fullest rank."""
+    shape, c = est.shape, est.config
+    factor = shape.moe_capacity_factor
+    cap = expert_capacity(shape, c.micro_batch_size * shape.seq_len)
+    experts = expert_parameter_bytes(shape, c.ep, c.bytes.param, c.tp)
+    local = shape.moe_num_experts // c.ep
+    line = (f"MoE: {shape.n_moe_layers} of {shape.n_layer} layers, {shape.moe_num_experts} "
+            f"experts, top-{shape.moe_top_k}, "
+            + ("dropless (planned balanced)" if factor is None else f"capacity factor {factor}")
+            + f": C = {cap} slots per expert; {local} expert{'s' * (local > 1)} per rank "
+              f"({human_bytes(experts)} of expert parameters)")
+    if c.ep > 1:
+        line += (f", 4 all-to-alls per MoE layer and micro-batch over ep={c.ep}"
+                 + (" (crosses nodes)" if est.links["ep"] else " (inside a node)"))
+    return line
+
+
 def format_estimate(est: Estimate) -> str:
     """A plain-text table: memory per pipeline rank by category, traffic, time."""
     c, shape = est.config, est.shape
-    groups = ("dp", "tp", "pp", "cp") if c.cp > 1 else ("dp", "tp", "pp")
+    groups = est.groups
     lines = [
-        f"{shape.name}: {shape.n_params / 1e9:.2f}B parameters, {shape.n_layer} layers, "
-        f"h={shape.d_model}, seq {shape.seq_len}, vocab {shape.vocab_size}",
+        f"{shape.name}: {shape.n_params / 1e9:.2f}B parameters"
+        + (f" ({shape.n_active_params / 1e9:.2f}B active)" if shape.is_moe else "")
+        + f", {shape.n_layer} layers, h={shape.d_model}, seq {shape.seq_len}, vocab "
+          f"{shape.vocab_size}",
+        *([moe_line(est)] if shape.is_moe else []),
         f"layout: dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "")
+        + (f" ep={c.ep}" if c.ep > 1 else "")
         + f" ({c.world_size} GPUs on {est.cluster.name}, "
         f"{est.cluster.gpus_per_node}/node), ZeRO-{c.zero}, {c.schedule}"
         + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
@@ -266,6 +315,8 @@ def format_estimate(est: Estimate) -> str:
         f"exposed communication (not hidden behind compute): "
         f"{human_seconds(t['exposed_comm_s'])} per step on the busiest rank, of "
         f"{human_seconds(sum(comm.values()))}; overlap: gradient buckets "
-        f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}"
+        + ("priced as they block (MoE: two engines, not in the overlap model)"
+           if shape.is_moe else
+           f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}")
         + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else ""))
     return "\n".join(lines)

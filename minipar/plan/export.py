@@ -76,6 +76,26 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
 FLAVORS = ("megatron-lm", "megatron-deepspeed")
 
 
+def moe_args(shape: ModelShape, config: ParallelConfig, deepspeed: bool) -> list[str]:
+    """The MoE shape and ep. Megatron-LM (megatron/core/transformer/moe/README.md): the
+    alltoall dispatcher, and with a capacity factor minipar's padded buffers and position
+    dropping. Megatron-DeepSpeed (DeepSpeed-MoE): its --moe-expert-parallel-size and
+    --moe-train-capacity-factor (its top-k gate is not exported)."""
+    e, c = str(shape.moe_num_experts), shape.moe_capacity_factor
+    if deepspeed:
+        return (["--num-experts", e, "--moe-expert-parallel-size", str(config.ep)]
+                + (["--moe-train-capacity-factor", f"{c:g}"] if c is not None else []))
+    args = ["--num-experts", e, "--moe-router-topk", str(shape.moe_top_k),
+            "--expert-model-parallel-size", str(config.ep),
+            "--moe-token-dispatcher-type", "alltoall"]
+    if shape.moe_layer_freq > 1:
+        args += ["--moe-layer-freq", str(shape.moe_layer_freq)]
+    if c is not None:
+        args += ["--moe-expert-capacity-factor", f"{c:g}", "--moe-pad-expert-input-to-capacity",
+                 "--moe-token-drop-policy", "position"]
+    return args
+
+
 def megatron_args(shape: ModelShape, config: ParallelConfig,
                   flavor: str = "megatron-lm") -> list[str]:
     """Command-line arguments of `config` for pretrain_gpt.py.
@@ -118,6 +138,8 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
         args.append("--embed-layernorm")  # Megatron-DeepSpeed only (BLOOM)
     if not shape.tie_embeddings:
         args.append("--untie-embeddings-and-output-weights")
+    if shape.is_moe:
+        args += moe_args(shape, config, deepspeed)
     if config.virtual_stages > 1:
         per_chunk = shape.n_layer // (config.pp * config.virtual_stages)
         args += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]

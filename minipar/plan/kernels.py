@@ -41,6 +41,7 @@ from minipar.autograd.kernels import (
     ring_attention_block_kernels,
 )
 from minipar.plan.context import busiest_pairs, chunk_tokens, local_shape
+from minipar.plan.experts import dispatch_rows, recomputed_layers
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.shapes import (
@@ -58,11 +59,12 @@ from minipar.plan.shapes import (
 
 def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
                   itemsize: int = 2, flash_attention: bool = False,
-                  ring: tuple[int, int] | None = None
+                  ring: tuple[int, int] | None = None, moe_ep: int | None = None
                   ) -> tuple[list[Kernel], list[Kernel]]:
     """(forward, backward) kernels of one layer on one TP rank for b sequences. ring:
     (chunk tokens, chunk pairs) of context parallelism's ring attention, whose blocks
-    replace the attention kernels (shape then holds one CP rank's s/cp tokens)."""
+    replace the attention kernels (shape then holds one CP rank's s/cp tokens). moe_ep:
+    an MoE layer's, expert-parallel over moe_ep ranks (`moe_kernels` replace its MLP)."""
     h, s, f, e = shape.d_model, shape.seq_len, shape.ffn, itemsize
     tokens = b * s
     stream = tokens // tp if sequence_parallel else tokens
@@ -79,8 +81,8 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
         return elementwise(norm_f * stream * h, 2 * e * stream * h,
                            norm_b * stream * h, 3 * e * stream * h)
 
-    def residual():  # the add, the row-parallel bias and the dropout fused (bias_dropout_add)
-        mask = stream * h if dropout else 0
+    def residual(bias=bias, dropout=dropout):  # the add, the row-parallel bias and the
+        mask = stream * h if dropout else 0      # dropout fused (bias_dropout_add)
         return elementwise((1 + bias + (DROPOUT_FLOPS[0] if dropout else 0)) * stream * h,
                            3 * e * stream * h + mask,
                            (1 + bias + (DROPOUT_FLOPS[1] if dropout else 0)) * stream * h,
@@ -103,12 +105,54 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     add(linear_kernels(tokens, h, h // tp, e, False))  # its bias is in the residual add
     add(residual())
     add(norm())
+    if moe_ep is not None:  # the experts hold their biases; an MoE MLP has no dropout
+        add(moe_kernels(shape, b, tp, moe_ep, itemsize))
+        add(residual(bias=False, dropout=False))
+        return forward, backward
     add(linear_kernels(tokens, mlp_in, h, e, bias))
     hidden = shape.ffn // tp
     add(elementwise(act_f * tokens * hidden, e * tokens * (mlp_in + hidden),
                     act_b * tokens * hidden, e * tokens * (2 * mlp_in + hidden)))
     add(linear_kernels(tokens, h, f // tp, e, False))
     add(residual())
+    return forward, backward
+
+
+def moe_kernels(shape: ModelShape, b: int, tp: int, ep: int, itemsize: int = 2
+                ) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of an MoE MLP on one rank (plan/experts.py's FLOPs):
+    the router GEMM (N, d) @ (d, E); the routing (two softmaxes, gates, aux loss); the
+    dispatch gather into the (E, C, d) buffer; each of the E/ep local experts' GEMMs on
+    its ep x C rows (as Megatron's SequentialMLP; its GroupedMLP batches them) and its
+    activation; the combine (gather, scale by the gates, sum over k). Backward: the GEMMs'
+    gradients, the elementwise ops', and the gathers' scatter-adds."""
+    h, f, e = shape.d_model, shape.ffn, itemsize
+    experts, k = shape.moe_num_experts, shape.moe_top_k
+    n, rows = b * shape.seq_len, dispatch_rows(shape, b)
+    local, per_expert = experts // ep, rows // experts * ep  # ep x C rows each
+    mlp_in, hidden = shape.mlp_in_width // tp, f // tp
+    act_f, act_b = ACTIVATION_FLOPS[shape.mlp]
+    softmax = n * (k + experts)
+    products, sums = n * k + experts + 1, n * experts + experts  # routing, aux loss
+    combine = n * k * h
+    router_f, router_b = linear_kernels(n, experts, h, e, False)
+    forward = [*router_f,
+               Kernel(SOFTMAX_FLOPS[0] * softmax + products + sums, 3 * e * softmax),
+               Kernel(0, 2 * e * rows * h)]  # dispatch: read the tokens, write the buffer
+    backward = [*router_b,
+                Kernel(SOFTMAX_FLOPS[1] * softmax + 2 * products + sums + n * k,
+                       4 * e * softmax),
+                Kernel(2 * rows * h, 3 * e * rows * h)]  # the two scatter-adds of dispatch
+    for _ in range(local):
+        fc_f, fc_b = linear_kernels(per_expert, mlp_in, h, e, shape.bias)
+        proj_f, proj_b = linear_kernels(per_expert, h, hidden, e, shape.bias)
+        forward += [*fc_f, Kernel(act_f * per_expert * hidden,
+                                  e * per_expert * (mlp_in + hidden)), *proj_f]
+        backward += [*proj_b, Kernel(act_b * per_expert * hidden,
+                                     e * per_expert * (2 * mlp_in + hidden)), *fc_b]
+    # combine: gather (N, k, d), times the gates, summed over k
+    forward.append(Kernel(2 * combine, e * (rows * h + combine + n * h)))
+    backward.append(Kernel(4 * combine, e * (n * h + 2 * combine + rows * h)))
     return forward, backward
 
 
@@ -195,15 +239,24 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
                 busiest_pairs(config.cp, config.cp_load_balance, config.flash_attention))
     layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring)
     recompute = config.recompute
-    forward = [(stage.layers, layer_f)]
+    dense, moe = stage.layers - stage.moe_layers, stage.moe_layers
+    forward = [(dense, layer_f)]
+    core_f: tuple = ()
     if recompute.full:  # the checkpointed layers run their forward again first
         again = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
-        backward = [(again, layer_f + layer_b), (stage.layers - again, layer_b)]
+        dense_again, moe_again = recomputed_layers(stage.layers, moe, again)
+        backward = [(dense_again, layer_f + layer_b), (dense - dense_again, layer_b)]
     elif recompute.selective:  # every layer's attention core again
         core_f, _ = attention_core_kernels(shape, b, t, e, config.flash_attention, ring)
-        backward = [(stage.layers, list(core_f) + layer_b)]
+        backward = [(dense, list(core_f) + layer_b)]
     else:
-        backward = [(stage.layers, layer_b)]
+        backward = [(dense, layer_b)]
+    if moe:
+        moe_f, moe_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring,
+                                     moe_ep=config.ep)
+        forward.append((moe, moe_f))
+        again_f = moe_f if recompute.full and moe_again else []
+        backward.append((moe, list(again_f) + list(core_f) + moe_b))
     if stage.first:
         f, bw = embedding_kernels(shape, b, t, e)
         forward.insert(0, (1, f))

@@ -92,10 +92,18 @@ class ParallelConfig:
     # ZeRO-Offload / ZeRO-Infinity (plan/offload.py): none | cpu | nvme
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    # expert parallelism (TrainConfig.ep; plan/experts.py): the experts split over ep
+    # ranks inside the data-parallel group
+    ep: int = 1
 
     def __post_init__(self) -> None:
         # TrainConfig's rules and messages (minipar.train.config), raised as PlanError
         check_parallel_settings(self, PlanError)
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise PlanError("ep", f"must be a positive integer, got {self.ep!r}")
+        if self.dp % self.ep:
+            raise PlanError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the experts "
+                            "are split inside the data-parallel group")
         accum, global_batch = resolve_batch(self.micro_batch_size, self.dp,
                                             self.grad_accum_steps, self.global_batch_size,
                                             PlanError)
@@ -120,6 +128,12 @@ class ParallelConfig:
         """Ranks holding the same parameters, over which gradients are averaged and ZeRO
         shards: dp x cp (parameters are replicated over context parallelism)."""
         return self.dp * self.cp
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same experts, over which expert gradients are reduced and
+        expert ZeRO shards cut: dp / ep (Megatron's expert-data-parallel group)."""
+        return self.replicas // self.ep
 
     @property
     def micro_batches(self) -> int:
@@ -174,7 +188,7 @@ class ParallelConfig:
                    zero3_prefetch=config.zero3_prefetch, cp=config.cp,
                    cp_load_balance=config.cp_load_balance,
                    offload_optimizer=config.offload_optimizer,
-                   offload_param=config.offload_param)
+                   offload_param=config.offload_param, ep=config.ep)
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
@@ -204,6 +218,19 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
                             "modelled (minipar refuses it)")
         if config.recompute.selective:
             raise PlanError("recompute_granularity", SELECTIVE_WITH_CP)
+    if config.ep > 1:
+        if not shape.is_moe:
+            raise PlanError("ep", "expert parallelism splits the experts of an MoE model: "
+                            "add --moe-num-experts")
+        if shape.moe_num_experts % config.ep:
+            raise PlanError("ep", f"--ep {config.ep} must divide --moe-num-experts "
+                            f"{shape.moe_num_experts}: each rank holds E / ep experts")
+        if config.offload_optimizer != "none" or config.offload_param != "none":
+            raise PlanError("offload_optimizer", "offload with --ep is not modelled "
+                            "(minipar train refuses it too)")
+    if shape.is_moe and config.zero == 3:
+        raise PlanError("zero", "ZeRO-3 of an MoE model is not modelled (its gather units "
+                        "would hold experts of the expert-data-parallel group); use 0-2")
     stages = config.pp * config.virtual_stages
     if config.layer_split is not None:
         split = tuple(config.layer_split)
@@ -247,10 +274,15 @@ class StagePlan:
     last: bool
     tied_copy: bool
     in_flight: int
+    chunk_moe_layers: tuple[int, ...] = ()  # MoE layers of each chunk (plan/experts.py)
 
     @property
     def layers(self) -> int:
         return sum(self.chunk_layers)
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.chunk_moe_layers)
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual_stages: int) -> int:
@@ -266,6 +298,7 @@ def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePla
     stages = [spec.virtual_stage(p, rank, c) for c in range(v)]
     first, last = 0 in stages, p * v - 1 in stages
     return StagePlan(
+        chunk_moe_layers=tuple(chunk_moe_layers(shape, counts, stage) for stage in stages),
         rank=rank,
         chunk_layers=tuple(counts[stage] for stage in stages),
         first=first,
@@ -274,6 +307,12 @@ def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePla
         tied_copy=shape.tie_embeddings and last and not first,
         in_flight=in_flight(config.schedule, p, rank, config.micro_batches, v),
     )
+
+
+def chunk_moe_layers(shape: ModelShape, counts: list[int], stage: int) -> int:
+    """MoE layers of virtual stage `stage` (layers in order over the stages)."""
+    start = sum(counts[:stage])
+    return shape.moe_layers_in(start, start + counts[stage])
 
 
 def representative_ranks(pp: int) -> list[int]:

@@ -24,6 +24,8 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
     ZERO_WITH_PIPELINE       ZeRO-2/3 with pp > 1 (DeepSpeed's pipeline engine refuses)
     INVALID_LAYOUT           the model does not split as asked (heads, layers, widths)
     SEQUENCE_PARALLEL_OFF    tp > 1 without sequence parallelism (free activation savings)
+    EP_ACROSS_NODES, EXPERTS_NEED_EP, EP_WITHOUT_NEED   an MoE layout (lint_experts.py)
+This module is long because it is one short function per classic mistake above.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from minipar.plan.layout import (
     layer_counts,
     stage_plans,
 )
+from minipar.plan.lint_experts import check_expert_parallel
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import stage_time, transfer_time
 from minipar.plan.traffic import stage_traffic
@@ -98,6 +101,7 @@ def lint(shape: ModelShape, config: ParallelConfig | Mapping, cluster: ClusterSp
     est = estimate(shape, config, cluster)
     findings += _check_memory(shape, config, cluster, est)
     findings += _check_zero_traffic(shape, config, cluster, est, zero_comm_share)
+    findings += [Finding(*f) for f in check_expert_parallel(shape, config, cluster, est)]
     if config.tp > 1 and not config.sequence_parallel:
         with_sp = estimate(shape, config.replace(sequence_parallel=True), cluster)
         saved = est.memory["activations"] - with_sp.memory["activations"]
@@ -274,7 +278,7 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
                 if ck.fits:
                     options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
                     break
-        for stage in range(config.zero + 1, 4 if config.pp == 1 else 2):
+        for stage in range(config.zero + 1, 2 if config.pp > 1 else 3 if shape.is_moe else 4):
             z = estimate(shape, _with_stage(config, stage), cluster)
             if z.fits:
                 options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
@@ -367,7 +371,7 @@ def _with_stage(config, stage: int):
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
     if config.zero == 0 or config.dp == 1:
         return []
-    dp_seconds = max(sum(tr.count * transfer_time(tr, cluster, est.links["dp"])
+    dp_seconds = max(sum(tr.count * transfer_time(tr, cluster, est.links[tr.link])
                          for tr in stage.transfers if tr.group == "dp")
                      for stage in est.stages)
     baseline = estimate(shape, _with_stage(config, 0), cluster)

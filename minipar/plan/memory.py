@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from minipar.parallel.schedules import SCHEDULES
 from minipar.plan.context import local_shape
+from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.shapes import ModelShape
 
@@ -68,12 +69,25 @@ class StageParameters:
     units: tuple[int, ...]
     embedding_unit: int  # elements of the embedding unit (0 if not on this rank)
     tied_unit: int  # elements of the tied copy (last rank, pp > 1)
+    expert_numel: int = 0  # of numel, the MoE layers' experts (reduced over dp / ep)
+
+
+def flat_buffers(params: StageParameters, config: ParallelConfig) -> list[tuple[int, int]]:
+    """(elements, ranks sharing them) of each gradient buffer the data-parallel engines
+    reduce: one over DP, or with expert parallelism the non-expert parameters over DP
+    and the experts over the expert-data-parallel group (build.expert_data_parallel_engine)."""
+    if config.ep == 1 or not params.expert_numel:
+        return [(params.numel, config.replicas)]
+    return [(params.numel - params.expert_numel, config.replicas),
+            (params.expert_numel, config.expert_data_parallel)]
 
 
 def stage_parameters(shape: ModelShape, config: ParallelConfig,
                      stage: StagePlan) -> StageParameters:
     t = config.tp
     layer = sum(shape.layer_params(t))
+    expert = expert_layer_params(shape, t, config.ep) if shape.is_moe else 0
+    moe_layer = dense_layer_params(shape, t) + expert if shape.is_moe else 0
     units = []
     embedding = sum(shape.embedding_params(t)) if stage.first else 0
     tied = shape.embedding_params(t)[0] if stage.tied_copy else 0
@@ -81,11 +95,11 @@ def stage_parameters(shape: ModelShape, config: ParallelConfig,
         units.append(embedding)
     if tied:
         units.append(tied)
-    units += [layer] * stage.layers
+    units += [layer] * (stage.layers - stage.moe_layers) + [moe_layer] * stage.moe_layers
     if stage.last:
         units.append(sum(shape.head_params(t)))
     return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
-                           tied_unit=tied)
+                           tied_unit=tied, expert_numel=stage.moe_layers * expert)
 
 
 def shard(numel: int, n: int) -> int:
@@ -94,11 +108,12 @@ def shard(numel: int, n: int) -> int:
 
 
 def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
-    """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer; 3: per unit)."""
+    """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer per engine; 3: per
+    unit)."""
     n = config.replicas
     if config.zero == 3:
         return sum(shard(u, n) for u in params.units)
-    return shard(params.numel, n)
+    return sum(shard(numel, ranks) for numel, ranks in flat_buffers(params, config))
 
 
 def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> dict:
@@ -113,7 +128,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     if zero == 0:
         param_elements, grad_elements, optimizer_elements = local, local, local
     elif zero in (1, 2):
-        padded = shard(local, n) * n
+        padded = sum(shard(numel, ranks) * ranks for numel, ranks in flat_buffers(params, config))
         param_elements = padded
         grad_elements = local if zero == 1 else sharded
         optimizer_elements = sharded
@@ -172,7 +187,8 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         "activations": activations,
         "buffers": buffers,
         "peak_total": total,
-        "detail": {"parameters": local, "shard": sharded, "layer_input": layer_input,
+        "detail": {"parameters": local, "expert_parameters": params.expert_numel,
+                   "shard": sharded, "layer_input": layer_input,
                    "forward_buffers": forward_buffers, "sync_buffers": sync_buffers},
     }
 
@@ -207,10 +223,16 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     recompute = config.recompute
     head_first = stage.last and with_head > 0
     saved, extra = 0, 0
+    moe = moe_activation_delta(shape, b, t, sp, a) if stage.moe_layers else 0
     for c, n in enumerate(stage.chunk_layers):
         holds_head = stage.last and c == v - 1
         chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
                                                     head if holds_head else 0)
+        moe_layers = stage.chunk_moe_layers[c] if stage.chunk_moe_layers else 0
+        if recompute.full:  # a recomputed MoE layer's working set (an estimate)
+            chunk_extra += moe if moe_layers else 0
+        else:  # selective recomputation leaves the MLP's activations saved
+            chunk_saved += moe_layers * moe
         saved += chunk_saved
         if holds_head or not head_first:
             extra = chunk_extra if head_first else max(extra, chunk_extra)
@@ -284,19 +306,31 @@ def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int)
     ZeRO-0: the flat gradient and its averaged copy (DDP with one bucket); ZeRO-1: the
     flat gradient and my reduced piece; ZeRO-2: the full gradients and their flat copy
     (freed after the reduce-scatter); ZeRO-3: the flat gradients of every unit awaiting
-    its reduce-scatter, plus one unit's gathered parameters and gradients.
+    its reduce-scatter, plus one unit's gathered parameters and gradients. With expert
+    parallelism the two engines synchronise one after the other: the larger one's peak.
     """
     nbytes = config.bytes
-    n, g, local = config.replicas, nbytes.grad, params.numel
-    if config.zero == 0:
-        if n == 1:
-            return 0
-        bucket = config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0 else local
-        return int(local * g + min(bucket, local) * g)
-    if config.zero == 1:
-        return local * g + sharded * g
-    if config.zero == 2:
-        return 2 * local * g
+    g, local = nbytes.grad, params.numel
+    buffers = flat_buffers(params, config)
+    if config.zero == 1 and len(buffers) == 2:
+        # both engines' reduce-scatters are launched by the last backward's hooks; the
+        # dense one is waited for first (its piece arrives while the experts' flat
+        # gradient is in flight), then the experts' while the dense piece waits for the
+        # step (ExpertDataParallel's order)
+        (dense, n), (experts, edp) = buffers
+        return (max(dense, shard(experts, edp)) + shard(dense, n) + experts) * g
+    if config.zero in (0, 1, 2):
+        peaks = [0]
+        for numel, n in buffers:
+            if config.zero == 0 and n > 1:
+                bucket = (config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0
+                          else numel)
+                peaks.append(int(numel * g + min(bucket, numel) * g))
+            elif config.zero == 1:
+                peaks.append(numel * g + shard(numel, n) * g)
+            elif config.zero == 2:
+                peaks.append(2 * numel * g)
+        return max(peaks)
     largest = max(params.units) if params.units else 0
     return ((local - params.embedding_unit) * g + largest * (nbytes.param + g)
             + params.embedding_unit * nbytes.param)

@@ -7,6 +7,13 @@ Model shapes are from the papers and released configs:
 - Llama-2 7B/13B/70B (Touvron et al. 2023, Table 1 and the released params.json):
   vocab 32000, context 4096, RMSNorm, SwiGLU of width 11008/13824/28672, rotary
   positions, no biases, untied output layer, 70B with 8 key/value heads (GQA).
+- Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1, and the released
+  config.json): Mistral 7B's shape (32 layers, h 4096, 32 heads, 8 key/value heads,
+  SwiGLU of width 14336, vocab 32000, RoPE, RMSNorm, untied) with every MLP replaced by
+  8 experts, top-2, dropless (no capacity: planned as balanced); 46.7B parameters, 12.9B
+  active. Its context is 32k tokens; the preset plans 4096-token sequences like the
+  Llama-2 presets (--seq-len 32768 for the full context). The training batch is not
+  published: 1024 x 4096 = 4M tokens, as Llama-2's, is an assumption.
 - GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads, context 2048,
   the GPT-2 tokenizer.
 - BLOOM-176B (BigScience, Le Scao et al. 2022, Table 3): 70 layers, h 14336, 112 heads,
@@ -57,19 +64,26 @@ MODELS: dict[str, ModelShape] = {
     "llama2-7b": _llama2("llama2-7b", 32, 4096, 32, 11008),
     "llama2-13b": _llama2("llama2-13b", 40, 5120, 40, 13824),
     "llama2-70b": _llama2("llama2-70b", 80, 8192, 64, 28672, n_kv_head=8),
+    "mixtral-8x7b": ModelShape(name="mixtral-8x7b", n_layer=32, d_model=4096, n_head=32,
+                               n_kv_head=8, d_ff=14336, vocab_size=32000, seq_len=4096,
+                               mlp="swiglu", norm="rmsnorm", bias=False, position="rope",
+                               tie_embeddings=False, moe_num_experts=8, moe_top_k=2,
+                               moe_capacity_factor=None),
     "gpt3-175b": ModelShape(name="gpt3-175b", n_layer=96, d_model=12288, n_head=96,
                             vocab_size=50257, seq_len=2048),
     "bloom-176b": ModelShape(name="bloom-176b", n_layer=70, d_model=14336, n_head=112,
                              vocab_size=250880, seq_len=2048, position="alibi",
                              embedding_norm=True),
 }
-ALIASES = {"gpt2-small": "gpt2", "gpt3": "gpt3-175b", "bloom": "bloom-176b"}
+ALIASES = {"gpt2-small": "gpt2", "gpt3": "gpt3-175b", "bloom": "bloom-176b",
+           "mixtral": "mixtral-8x7b"}
 
 # Sequences per optimizer step of the published runs: GPT-2 512 (Radford et al. 2019,
 # section 2.3); Llama-2 4M tokens = 1024 x 4096 (Touvron et al. 2023, section 2.2);
 # GPT-3 175B 3.2M tokens = 1536 x 2048 (Brown et al. 2020, Table 2.1); BLOOM 2048.
 GLOBAL_BATCH = {"gpt2": 512, "gpt2-medium": 512, "gpt2-large": 512, "gpt2-xl": 512,
                 "llama2-7b": 1024, "llama2-13b": 1024, "llama2-70b": 1024,
+                "mixtral-8x7b": 1024,
                 "gpt3-175b": 1536, "bloom-176b": 2048}
 
 CLUSTERS: dict[str, ClusterSpec] = {

@@ -25,6 +25,8 @@ activation and the (s x s) attention probabilities. minipar's fused attention ke
 probabilities but not their dropped-out copy, so with dropout it saves 2as^2b bytes less
 than their count; without dropout our count is exactly their 34sbh + 5as^2b minus the
 three dropout terms (sbh + sbh + as^2b) and minus the dropout output (2as^2b), in 16-bit.
+This module is long because one shape carries every family's counts (GPT-2, Llama,
+BLOOM and the MoE structure: the MoE per-micro-batch counts are in plan/experts.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class ModelShape:
     embedding_norm: a norm right after the token embedding (BLOOM).
     tie_embeddings: the LM head is the token embedding (GPT-2, BLOOM) or its own (V, h).
     dropout: probability (0 = off; real pre-training runs use 0).
+    moe_num_experts, moe_top_k, moe_capacity_factor, moe_layer_freq: a mixture of experts
+        (minipar/nn/moe.py, the trainer's flags): layers 0, f, 2f, ... replace their MLP
+        by E expert MLPs of this MLP's shape behind a top-k router (d x E, no bias);
+        capacity factor None is a dropless MoE (Mixtral), planned as perfectly balanced.
+        Their per-micro-batch counts are in plan/experts.py.
     """
 
     name: str = "custom"
@@ -76,6 +83,10 @@ class ModelShape:
     embedding_norm: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = 1.0
+    moe_layer_freq: int = 1
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
@@ -96,6 +107,18 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{name} must be one of {options}, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelShape.dropout must be in [0, 1), got {self.dropout}")
+        if self.moe_num_experts:
+            for name in ("moe_num_experts", "moe_top_k", "moe_layer_freq"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"ModelShape.{name} must be a positive integer, got "
+                                     f"{value!r}")
+            if self.moe_top_k > self.moe_num_experts:
+                raise ValueError(f"ModelShape: moe_top_k={self.moe_top_k} exceeds "
+                                 f"moe_num_experts={self.moe_num_experts}")
+            if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+                raise ValueError("ModelShape.moe_capacity_factor must be > 0 (or None: "
+                                 f"dropless), got {self.moe_capacity_factor!r}")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -126,6 +149,33 @@ class ModelShape:
 
     def with_seq_len(self, seq_len: int) -> ModelShape:
         return replace(self, seq_len=seq_len)
+
+    # ------------------------------------------------------------------ mixture of experts
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i's MLP is a mixture of experts (GPTConfig.is_moe_layer's pattern)."""
+        return self.is_moe and i % self.moe_layer_freq == 0
+
+    def moe_layers_in(self, start: int, stop: int) -> int:
+        """MoE layers among layers start .. stop - 1 (a pipeline chunk's)."""
+        return sum(self.is_moe_layer(i) for i in range(start, stop))
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.moe_layers_in(0, self.n_layer)
+
+    def mlp_params(self, tp: int = 1) -> tuple[int, int]:
+        """(split over TP, replicated) parameters of one MLP (or one expert) on a TP rank."""
+        h = self.d_model
+        split = h * self.mlp_in_width + self.ffn * h + (self.mlp_in_width if self.bias else 0)
+        return split // tp, (h if self.bias else 0)
+
+    @property
+    def router_params(self) -> int:
+        return self.d_model * self.moe_num_experts
 
     # ------------------------------------------------------------------ parameters
     def norm_params(self) -> int:
@@ -164,12 +214,25 @@ class ModelShape:
     def n_params(self) -> int:
         """Parameters of the whole model (tied embedding counted once)."""
         return (sum(self.embedding_params()) + self.n_layer * sum(self.layer_params())
-                + sum(self.head_params()))
+                + sum(self.head_params()) + self.n_moe_layers * self._moe_extra_params(
+                    self.moe_num_experts))
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters a token uses: k experts of each MoE layer (Mixtral's 12.9B of 46.7B)."""
+        return self.n_params - self.n_moe_layers * (self.moe_num_experts - self.moe_top_k
+                                                    ) * sum(self.mlp_params())
+
+    def _moe_extra_params(self, experts: int) -> int:
+        """An MoE layer's parameters beyond a dense one's: the router and `experts`
+        experts instead of one MLP."""
+        return self.router_params + (experts - 1) * sum(self.mlp_params())
 
     @property
     def n_non_embedding_params(self) -> int:
         """Parameters of the transformer layers and final norm (Kaplan et al. 2020's N)."""
-        return self.n_layer * sum(self.layer_params()) + self.norm_params()
+        return (self.n_layer * sum(self.layer_params()) + self.norm_params()
+                + self.n_moe_layers * self._moe_extra_params(self.moe_num_experts))
 
     # ------------------------------------------------------------------ FLOPs
     def layer_flops(self, b: int, tp: int = 1, sequence_parallel: bool = False
@@ -240,7 +303,11 @@ class ModelShape:
         et al. 2022, PaLM, appendix B)."""
         h, s, f = self.d_model, self.seq_len, self.ffn
         per_layer = 2 * s * h * (self.qkv_width + h + self.mlp_in_width + f) + 4 * s * s * h
-        return 3 * (self.n_layer * per_layer + 2 * s * h * self.vocab_size)
+        # an MoE layer: each token through k experts, and the router (Fedus et al. 2022)
+        moe = (self.moe_top_k - 1) * 2 * s * h * (self.mlp_in_width + f) + 2 * s * h * (
+            self.moe_num_experts)
+        return 3 * (self.n_layer * per_layer + self.n_moe_layers * moe
+                    + 2 * s * h * self.vocab_size)
 
     # ------------------------------------------------------------------ activations
     def layer_activation_bytes(self, b: int, tp: int, sequence_parallel: bool,
@@ -348,4 +415,7 @@ def from_train_config(config, vocab_size: int | None = None) -> ModelShape:
                          "data); pass vocab_size=")
     return ModelShape(name="minipar", n_layer=config.n_layer, d_model=config.d_model,
                       n_head=config.n_head, vocab_size=vocab, seq_len=config.seq_len,
-                      tie_embeddings=config.tie_embeddings, dropout=config.dropout)
+                      tie_embeddings=config.tie_embeddings, dropout=config.dropout,
+                      moe_num_experts=config.moe_num_experts, moe_top_k=config.moe_top_k,
+                      moe_capacity_factor=config.moe_capacity_factor,
+                      moe_layer_freq=config.moe_layer_freq)

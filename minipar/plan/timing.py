@@ -68,8 +68,15 @@ from minipar.plan.context import (
     local_shape,
     pair_flops,
 )
+from minipar.plan.experts import moe_flops_delta, recomputed_layers
 from minipar.plan.kernels import stage_kernels
-from minipar.plan.layout import ParallelConfig, StagePlan, layer_counts, stage_plan
+from minipar.plan.layout import (
+    ParallelConfig,
+    StagePlan,
+    chunk_moe_layers,
+    layer_counts,
+    stage_plan,
+)
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
 from minipar.plan.overlap import Module, data_parallel_time, pipeline_reduction
@@ -95,10 +102,15 @@ P2P_ACTIONS = (SendActivation, SendGrad, RecvActivation, RecvGrad)
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
     """Whether the dp, tp, cp and pp groups cross nodes (minipar.distributed.mesh's rank
     order dp x pp x cp x tp; the gradients' dp x cp group crosses when the dp one does or
-    the cp one does)."""
+    the cp one does), and the expert-parallel groups inside DP: ep consecutive dp indices
+    ("ep") and the dp / ep ranks holding the same experts ("edp")."""
     world, gpn = config.world_size, cluster.gpus_per_node
     tp, cp = config.tp, config.cp
+    dp_stride = tp * cp * config.pp
     return {
+        "ep": group_crosses_nodes(config.ep, dp_stride, world, gpn),
+        "edp": group_crosses_nodes(config.expert_data_parallel, config.ep * dp_stride,
+                                   world, gpn),
         "tp": group_crosses_nodes(tp, 1, world, gpn),
         "cp": group_crosses_nodes(cp, tp, world, gpn),
         "pp": group_crosses_nodes(config.pp, tp * cp, world, gpn),
@@ -128,10 +140,16 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     layer_f, layer_b = layer_f + ring_f, layer_b + ring_b
     forward = stage.layers * layer_f
     backward = stage.layers * layer_b
+    if stage.moe_layers:  # an MoE layer's experts and router instead of its MLP
+        moe_f, moe_b = moe_flops_delta(local, b, t, sp)
+        forward, backward = forward + stage.moe_layers * moe_f, backward + stage.moe_layers * moe_b
     recompute = config.recompute
     if recompute.full:  # the checkpointed layers' forward again
         recomputed = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
-        recompute_flops = recomputed * layer_f
+        dense_again, moe_again = recomputed_layers(stage.layers, stage.moe_layers, recomputed)
+        recompute_flops = (dense_again + moe_again) * layer_f
+        if moe_again:
+            recompute_flops += moe_again * moe_f
     elif recompute.selective:  # every layer's attention core again
         recompute_flops = stage.layers * shape.attention_core_flops(b, t)
     else:
@@ -265,13 +283,16 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
     def collective(op: str, nbytes: float) -> float:
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
-    modules = stage_modules(shape, config, cluster, stage) if config.replicas > 1 else []
+    modules = (stage_modules(shape, config, cluster, stage)
+               if config.replicas > 1 and not shape.is_moe else [])
     return data_parallel_time(modules, config, collective)
 
 
-def _overlap_priced(transfer: Transfer) -> bool:
-    """The DP transfers plan/overlap.py times (all but the gradient norm's)."""
-    return transfer.group == "dp" and transfer.label != GRADIENT_NORM
+def _overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
+    """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
+    model's two engines (dense over DP, experts over dp / ep) are not in overlap.py's
+    model: their transfers are priced as they block (traffic.py), an upper bound."""
+    return transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
 
 
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -289,8 +310,8 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
     step_comm += (data_parallel["last_backward_s"] + data_parallel["late_s"]
                   + data_parallel["after_step_s"])
     for transfer in transfers:
-        seconds = transfer_time(transfer, cluster, links[transfer.group])
-        if transfer.group == "cp" or _overlap_priced(transfer):  # counted above
+        seconds = transfer_time(transfer, cluster, links[transfer.link])
+        if transfer.group == "cp" or _overlap_priced(transfer, shape):  # counted above
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
@@ -310,7 +331,9 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         # communication the rank waits for per step (HTA's exposed communication), and
         # the data-parallel transfers' time whether hidden or not
         "exposed_comm_s": m * per_micro_comm + step_comm,
-        "dp_comm_s": data_parallel["comm_s"],
+        "dp_comm_s": data_parallel["comm_s"] + sum(
+            t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
+            if t.group == "dp" and t.label != GRADIENT_NORM and shape.is_moe),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
         "host_optimizer_s": offload["host_optimizer_s"],
@@ -375,7 +398,8 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
         for c in range(v):
             stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
             chunk = StagePlan(rank=r, chunk_layers=(counts[stage],), first=stage == 0,
-                              last=stage == p * v - 1, tied_copy=False, in_flight=1)
+                              last=stage == p * v - 1, tied_copy=False, in_flight=1,
+                              chunk_moe_layers=(chunk_moe_layers(shape, counts, stage),))
             compute = stage_seconds(shape, config, cluster, chunk)
             seconds = {"forward": compute["forward"], "backward": compute["backward"]}
             ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
@@ -385,7 +409,7 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
                 if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
                         and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                     seconds[transfer.phase] += (transfer.count / m * transfer_time(
-                        transfer, cluster, links[transfer.group]))
+                        transfer, cluster, links[transfer.link]))
             forward[r][c], backward[r][c] = seconds["forward"], seconds["backward"]
     return forward, backward
 
@@ -443,7 +467,7 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     def collective(op: str, nbytes: float) -> float:
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
-    if config.replicas == 1:
+    if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
                 "after_step_s": 0.0}
     whole = stage_plan(shape, config, rank)
@@ -472,11 +496,12 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     tails, data_parallel, tensor_parallel = [], [], []
     for r in range(p):
         plan = stage_plan(shape, config, r)
-        transfers = [t for t in stage_traffic(shape, config, plan) if not _overlap_priced(t)]
+        transfers = [t for t in stage_traffic(shape, config, plan)
+                     if not _overlap_priced(t, shape)]
         data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
 
         def seconds(selected) -> float:
-            return sum(t.count * transfer_time(t, cluster, links[t.group]) for t in selected)
+            return sum(t.count * transfer_time(t, cluster, links[t.link]) for t in selected)
 
         step_transfers = [t for t in transfers
                           if t.phase == "step" or t.label == SEQUENCE_PARALLEL_GRADIENTS]

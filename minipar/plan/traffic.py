@@ -30,6 +30,12 @@ Pipeline parallelism (group "pp", per micro-batch; Narayanan et al. 2021, sectio
     each chunk sends its (b, s, h) output forward and its input's gradient back; per step
     the first and last rank all-reduce the tied embedding's gradient (Megatron's
     embedding group) and the last rank broadcasts the loss (one fp64 number).
+Expert parallelism (group "ep", per micro-batch; plan/experts.py): four all-to-alls of
+the (E, C, d) dispatch buffer per MoE layer, dispatch and combine forward and again
+backward, each sending (ep-1)/ep of it; the non-expert gradients are reduced over DP as
+above, the experts' over the expert-data-parallel group (dp / ep ranks, booked as "dp"
+like the emulator's kind, priced on that group's link), and the experts' squared norm is
+all-reduced over the ep group too (each ep rank holds different experts).
 Context parallelism (group "cp", per micro-batch; minipar/plan/context.py): each layer's
 ring attention sends (N-1) K/V blocks of my s/N tokens forward, and in backward the K/V
 again and the dK/dV partial sums (in the compute dtype); recomputation repeats the
@@ -53,8 +59,9 @@ from minipar.plan.cluster import (
     reduce_scatter_sent,
 )
 from minipar.plan.context import local_shape, ring_attention_bytes
+from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
 from minipar.plan.layout import ParallelConfig, StagePlan
-from minipar.plan.memory import shard, stage_parameters
+from minipar.plan.memory import flat_buffers, shard, stage_parameters
 from minipar.plan.shapes import ModelShape, padded_vocab
 
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
@@ -69,11 +76,13 @@ SEQUENCE_PARALLEL_GRADIENTS = "norm and bias gradient all-reduce (coalesced)"
 class Transfer:
     """One kind of collective a rank joins.
 
-    op: all_reduce | all_gather | reduce_scatter | broadcast | send; group: dp | tp | pp;
-    group_size: ranks in the group; nbytes: the full tensor S (what the alpha-beta time
-    uses; for a send, the message); count: calls per optimizer step; sent: bytes this
-    rank sends per call; phase: forward | backward (every micro-batch) | step (after
-    the last backward). Sends are isends overlapping compute; the rest block the rank.
+    op: all_reduce | all_gather | reduce_scatter | broadcast | send | all_to_all;
+    group: dp | tp | pp | cp | ep (the report's comm.by_group kind); group_size: ranks
+    in it; nbytes: the full tensor S (what the alpha-beta time uses; for a send, the
+    message); count: calls per optimizer step; sent: bytes this rank sends per call;
+    phase: forward | backward (every micro-batch) | step (after the last backward).
+    Sends are isends overlapping compute; the rest block the rank. link_group: the group
+    whose link prices it when not `group`'s ("edp": the expert gradients, booked as dp).
     """
 
     op: str
@@ -84,6 +93,12 @@ class Transfer:
     sent: int
     phase: str
     label: str
+    link_group: str | None = None
+
+    @property
+    def link(self) -> str:
+        """The key of timing.group_links this transfer's link crossing is read from."""
+        return self.link_group or self.group
 
     @property
     def sent_per_step(self) -> int:
@@ -94,11 +109,12 @@ def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -
     """Every transfer of the first rank (dp 0, tp 0) of pipeline stage `stage`."""
     local = local_shape(shape, config.cp)  # activations: my s/cp tokens
     return (_data_parallel(shape, config, stage) + _tensor_parallel(local, config, stage)
-            + _pipeline(local, config, stage) + _context_parallel(shape, config, stage))
+            + _pipeline(local, config, stage) + _context_parallel(shape, config, stage)
+            + _expert_parallel(local, config, stage))
 
 
 def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
-    totals = {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
+    totals = {"dp": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0}
     for transfer in transfers:
         totals[transfer.group] += transfer.sent_per_step
     return totals
@@ -106,29 +122,53 @@ def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
 
 # ------------------------------------------------------------------ data parallel
 def _data_parallel(shape, config, stage) -> list[Transfer]:
-    n, m, zero = config.replicas, config.micro_batches, config.zero
+    m, zero = config.micro_batches, config.zero
+    nbytes = config.bytes
+    g, p = nbytes.grad, nbytes.param
+    params = stage_parameters(shape, config, stage)
+    experts = config.ep > 1 and params.expert_numel > 0
+    transfers = []
+    if experts:  # the experts' engine sums its squared norm over its own tp, pp and ep
+        # groups (build.expert_data_parallel_engine), even under DDP
+        for group, size, position in (("tp", config.tp, 0), ("pp", config.pp, stage.rank),
+                                      ("ep", config.ep, 0)):
+            if size > 1:
+                transfers.append(Transfer("all_reduce", group, size, NORM_BYTES, 1,
+                                          all_reduce_sent(1, NORM_BYTES, size, position),
+                                          "step", GRADIENT_NORM))
+    if zero == 3:
+        return _zero3(shape, config, stage, params)
+    for i, (numel, n) in enumerate(flat_buffers(params, config)):
+        if n == 1:
+            continue
+        link = "edp" if i == 1 else None  # the second buffer: the experts'
+        if zero == 0:
+            transfers.append(Transfer("all_reduce", "dp", n, numel * g, 1,
+                                      all_reduce_sent(numel, g, n), "step",
+                                      "gradient all-reduce", link))
+            continue
+        piece = shard(numel, n)
+        reduce_count, reduce_phase = (1, "step") if zero == 1 else (m, "backward")
+        transfers += [
+            Transfer("reduce_scatter", "dp", n, piece * n * g, reduce_count,
+                     reduce_scatter_sent(piece * n, g, n), reduce_phase,
+                     "gradient reduce-scatter", link),
+            Transfer("all_reduce", "dp", n, NORM_BYTES, 1, all_reduce_sent(1, NORM_BYTES, n),
+                     "step", GRADIENT_NORM, link),
+            Transfer("all_gather", "dp", n, piece * n * p, 1, all_gather_sent(piece, p, n),
+                     "step", PARAMETER_ALL_GATHER, link),
+        ]
+    return transfers
+
+
+def _zero3(shape, config, stage, params) -> list[Transfer]:
+    n, m = config.replicas, config.micro_batches
     if n == 1:
         return []
     nbytes = config.bytes
     g, p = nbytes.grad, nbytes.param
-    params = stage_parameters(shape, config, stage)
-    local = params.numel
-    if zero == 0:
-        return [Transfer("all_reduce", "dp", n, local * g, 1,
-                         all_reduce_sent(local, g, n), "step", "gradient all-reduce")]
     norm = Transfer("all_reduce", "dp", n, NORM_BYTES, 1, all_reduce_sent(1, NORM_BYTES, n),
                     "step", GRADIENT_NORM)
-    if zero in (1, 2):
-        piece = shard(local, n)
-        reduce_count, reduce_phase = (1, "step") if zero == 1 else (m, "backward")
-        return [
-            Transfer("reduce_scatter", "dp", n, piece * n * g, reduce_count,
-                     reduce_scatter_sent(piece * n, g, n), reduce_phase,
-                     "gradient reduce-scatter"),
-            norm,
-            Transfer("all_gather", "dp", n, piece * n * p, 1, all_gather_sent(piece, p, n),
-                     "step", PARAMETER_ALL_GATHER),
-        ]
     transfers = []
     tied_head = shape.tie_embeddings and stage.first and stage.last
     for i, unit in enumerate(params.units):
@@ -166,11 +206,24 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         if count:
             transfers.append(Transfer(op, "tp", t, nbytes_full, count * m, sent, phase, label))
 
+    # An MoE layer's MLP collectives are its experts' (minipar/parallel/tensor.py
+    # tensor_parallel_experts): each local expert all-reduces its (ep x C, d) partial
+    # output (g) and its input's gradient (f); with sequence parallelism the layer
+    # all-gathers its input first and its output's gradient in backward.
+    moe = stage.moe_layers
+    if moe:
+        experts = shape.moe_num_experts // config.ep
+        rows = dispatch_rows(shape, b) // shape.moe_num_experts * config.ep
+        expert = all_reduce_sent(rows * h, a, t)
+        add("all_reduce", experts * moe, rows * h * a, expert, "forward",
+            "expert output all-reduce (g)")
+        add("all_reduce", experts * moe, rows * h * a, expert, "backward",
+            "expert input-gradient all-reduce (f)")
     if not config.sequence_parallel:
         full = all_reduce_sent(numel, a, t)
-        add("all_reduce", 2 * (layers + recomputed), numel * a, full, "forward",
+        add("all_reduce", 2 * (layers + recomputed) - moe, numel * a, full, "forward",
             "layer output all-reduce (g)")
-        add("all_reduce", 2 * layers, numel * a, full, "backward",
+        add("all_reduce", 2 * layers - moe, numel * a, full, "backward",
             "layer input-gradient all-reduce (f)")
         if stage.first:
             add("all_reduce", 1, numel * a, full, "forward", "vocab-parallel embedding")
@@ -182,13 +235,15 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         small = norms + (2 if shape.bias else 0)  # norm weights/biases, row-parallel biases
         add("all_gather", 2 * (layers + recomputed), numel * a, gather, "forward",
             "sequence-parallel all-gather (g)")
-        add("reduce_scatter", 2 * (layers + recomputed), numel * a, scatter, "forward",
+        add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
             "sequence-parallel reduce-scatter")
-        add("all_gather", 4 * layers, numel * a, gather, "backward",
+        add("all_gather", 4 * layers - moe, numel * a, gather, "backward",
             "input re-gather and gradient all-gather")
-        add("reduce_scatter", 2 * layers, numel * a, scatter, "backward",
+        add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")
-        vectors = small * layers + (norms // 2 if stage.last else 0)  # + ln_f's
+        # (an MoE layer's experts hold their row-parallel biases whole: no all-reduce)
+        vectors = (small * layers - (moe if shape.bias else 0)
+                   + (norms // 2 if stage.last else 0))  # + ln_f's
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
             # finalize_model_grads; minipar/parallel/sequence.py), of the elements the
@@ -285,6 +340,21 @@ def _context_parallel(shape, config, stage) -> list[Transfer]:
         transfers.append(Transfer("send", "cp", n, kv, (n - 1) * recomputed * m, kv,
                                   "backward", RING_KV + " (recomputed)"))
     return transfers
+
+
+# ------------------------------------------------------------------ expert parallel
+DISPATCH, COMBINE = "MoE dispatch all-to-all", "MoE combine all-to-all"
+
+
+def _expert_parallel(shape, config, stage) -> list[Transfer]:
+    """Per MoE layer and micro-batch: dispatch and combine forward, both again backward."""
+    ep, layers = config.ep, stage.moe_layers
+    if ep == 1 or not layers:
+        return []
+    a, b, m = config.bytes.activation, config.micro_batch_size, config.micro_batches
+    full, sent = buffer_bytes(shape, b, a), all_to_all_sent_per_call(shape, b, ep, a)
+    return [Transfer("all_to_all", "ep", ep, full, layers * m, sent, phase, label)
+            for phase in ("forward", "backward") for label in (DISPATCH, COMBINE)]
 
 
 def _merge(transfers: list[Transfer]) -> list[Transfer]:

@@ -22,13 +22,14 @@ from matplotlib.ticker import FuncFormatter
 
 from minipar.viz.tables import human_bytes
 
-GROUP_TITLES = {"tp": "tensor parallel (tp)", "pp": "pipeline (pp)",
-                "dp": "data parallel / ZeRO (dp)", "other": "other"}
+GROUP_TITLES = {"tp": "tensor parallel (tp)", "cp": "context parallel (cp)",
+                "pp": "pipeline (pp)", "dp": "data parallel / ZeRO (dp)",
+                "ep": "expert parallel (ep)", "other": "other"}
 
 
 def traffic_matrices(report, per_step: bool = True) -> dict[str, np.ndarray]:
     """{group kind: (world, world) bytes sent i -> j} from the report (per step by
-    default), in the order tp, pp, dp, other, only kinds that sent something."""
+    default), in the order tp, cp, pp, dp, ep, other, only kinds that sent something."""
     if report.traffic is None:
         raise ValueError("plot_traffic: this report has no traffic matrix (reports from "
                          "minipar.train carry one in report.traffic)")

@@ -3,12 +3,15 @@ answer's placement rules, and explains its choice."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from minipar.plan import presets
 from minipar.plan.advisor import advise, candidate_configs, format_ranking
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import PlanError
+from minipar.plan.shapes import ModelShape
 
 A100 = presets.cluster("a100")
 
@@ -122,3 +125,24 @@ def test_offload_is_the_last_resort_when_nothing_fits_on_the_gpus():
 def test_offload_is_not_chosen_when_a_layout_fits_without_it(llama70b_64):
     assert all(e.config.offload_optimizer == e.config.offload_param == "none"
                for e in llama70b_64.ranked)
+
+
+MOE = ModelShape(name="moe", n_layer=4, d_model=1024, n_head=16, vocab_size=32000,
+                 seq_len=1024, moe_num_experts=8, moe_top_k=2)
+
+
+def test_search_tries_expert_parallelism_only_for_an_moe_shape():
+    configs = list(candidate_configs(MOE, 8, 8, 32))
+    assert {c.ep for c in configs} == {1, 2, 4, 8}
+    assert all(c.dp % c.ep == 0 and c.zero < 3 for c in configs)
+    dense = replace(MOE, moe_num_experts=0)
+    assert {c.ep for c in candidate_configs(dense, 8, 8, 32)} == {1}
+
+
+def test_experts_too_big_for_a_gpu_are_split_by_expert_parallelism():
+    # 4.8 GiB of model state (mostly experts) on GPUs of 3 GiB
+    advice = advise(MOE, 8, presets.cluster("h100", 3), global_batch_size=32)
+    best = advice.best
+    assert best.config.ep > 1 and not best.links["ep"]
+    assert "Expert parallelism" in advice.explain()
+    assert " ep " in format_ranking(advice).splitlines()[0] + " "

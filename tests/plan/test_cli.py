@@ -72,6 +72,10 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--model", "gpt2", "--dp", "2", "--gpus", "8"], "--gpus"),
     (["--n-layer", "2"], "--model"),
     (["--model", "gpt2", "--pp", "2", "--schedule", "interleaved"], "--virtual-stages"),
+    (["--model", "mixtral-8x7b", "--dp", "4", "--ep", "3"], "--ep"),
+    (["--model", "mixtral-8x7b", "--dp", "8", "--moe-top-k", "9"], "--moe-top-k"),
+    (["--model", "mixtral-8x7b", "--dp", "8", "--moe-capacity-factor", "0"],
+     "--moe-capacity-factor"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)
@@ -82,6 +86,15 @@ def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
 def test_invalid_layout_exits_2_with_the_finding(capsys):
     status, out, _ = run(capsys, "--model", "llama2-70b", "--tp", "16")
     assert status == 2 and "INVALID_LAYOUT" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "gpt2", "--dp", "2", "--ep", "2"],  # no experts to split
+    ["--model", "mixtral-8x7b", "--dp", "6", "--ep", "6"],  # 8 experts over 6 ranks
+])
+def test_expert_parallelism_that_cannot_split_is_an_invalid_layout(capsys, argv):
+    status, out, _ = run(capsys, *argv)
+    assert status == 2 and "INVALID_LAYOUT" in out and "--ep" in out
 
 
 def test_add_plan_command_plugs_into_any_subparsers():
@@ -111,3 +124,28 @@ def test_plan_on_the_emulated_cluster_predicts_minipar_train(capsys):
     assert plan["traffic"]["dp"] == measured["comm"]["by_group"]["dp"]
     spent = sum(measured["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
     assert plan["time"]["step_s"] == pytest.approx(spent, rel=1e-6)
+
+
+def test_moe_flags_plan_what_minipar_train_measures(capsys):
+    from minipar.train import TrainConfig, train
+
+    settings = dict(n_layer=3, d_model=16, n_head=2, seq_len=8, dp=4, ep=2, zero=1,
+                    precision="fp64", micro_batch_size=2, grad_accum_steps=2,
+                    moe_num_experts=4, moe_top_k=2, moe_capacity_factor=1.25,
+                    moe_layer_freq=2)
+    # grad_clip 0: see tests/plan/test_experts.py (clipping re-all-reduces the norms)
+    report = train(TrainConfig(**settings, steps=1, data="synthetic", grad_clip=0.0))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    status, out, _ = run(capsys, "--cluster", "emulated", "--vocab-size",
+                         str(report.config["vocab_size"]), *flags, "--json")
+    assert status == 0
+    plan, measured = json.loads(out), report.ranks[0]
+    for category in ("params", "grads", "optimizer", "activations", "peak_total"):
+        assert plan["memory"][category] == measured["memory"][category]
+    for group in ("dp", "ep"):
+        assert plan["traffic"][group] == measured["comm"]["by_group"][group]
+    # the plan's moe section, as the report's (one step)
+    for key in ("expert_param_bytes", "all_to_all_sent_bytes"):
+        assert plan["moe"][key] == report.moe[key][0]
+    assert plan["moe"]["capacity"] == 10  # ceil(2 x 8 tokens x top-2 / 4 experts x 1.25)
+    assert not plan["moe"]["ep_crosses_nodes"]

@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -146,3 +147,17 @@ def test_offload_writes_deepspeeds_offload_keys(optimizer, param):
 def test_no_offload_keys_without_offload():
     zero = deepspeed_config(*LAYOUTS["gpt2 zero3"][:2])["zero_optimization"]
     assert "offload_optimizer" not in zero and "offload_param" not in zero
+
+
+def test_mixtral_exports_its_experts_and_expert_parallelism():
+    mixtral = presets.model("mixtral-8x7b")
+    config = ParallelConfig(dp=64, ep=8, zero=1, global_batch_size=1024)
+    args = " ".join(megatron_args(mixtral, config))
+    assert ("--num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 8 "
+            "--moe-token-dispatcher-type alltoall") in args
+    assert "capacity" not in args  # dropless
+    capped = replace(mixtral, moe_capacity_factor=1.25)
+    assert "--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity" in " ".join(
+        megatron_args(capped, config))
+    fork = " ".join(megatron_args(capped, config, flavor="megatron-deepspeed"))
+    assert "--moe-expert-parallel-size 8" in fork and "--moe-train-capacity-factor 1.25" in fork

@@ -16,6 +16,7 @@ from minipar import distributed as dist
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
+from minipar.plan.experts import moe_flops_delta
 from minipar.plan.kernels import (
     attention_core_kernels,
     embedding_kernels,
@@ -137,3 +138,33 @@ def test_a_toy_run_on_a_roofline_profile_takes_the_planned_time(profile, setting
     busy = ("compute_s", "comm_s", "idle_s")
     assert sum(uniform.ranks[0]["time"][k] for k in busy) != pytest.approx(
         sum(report.ranks[0]["time"][k] for k in busy), rel=0.1)
+
+
+MOE_SHAPES = [
+    presets.model("mixtral-8x7b").with_seq_len(512),  # SwiGLU experts, no biases
+    ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=96, seq_len=32, moe_num_experts=4,
+               moe_top_k=2, moe_capacity_factor=1.25, dropout=0.1),
+]
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 4)])
+def test_moe_layer_kernel_flops_are_the_experts_counts(shape, tp, ep):
+    b = 2
+    forward, backward = layer_kernels(shape, b, tp, moe_ep=ep)
+    dense, delta = shape.layer_flops(b, tp), moe_flops_delta(shape, b, tp)
+    assert (flops(forward), flops(backward)) == pytest.approx(
+        (dense[0] + delta[0], dense[1] + delta[1]), rel=1e-12)
+
+
+@pytest.mark.parametrize("profile", [dist.H100], ids=["h100"])
+def test_an_moe_toy_run_on_a_roofline_profile_takes_the_planned_time(profile):
+    config = TrainConfig(**{**TINY, "n_layer": 3}, dp=2, ep=2, moe_num_experts=4,
+                         moe_top_k=2, moe_capacity_factor=1.25, moe_layer_freq=2,
+                         micro_batch_size=2, grad_clip=0.0)
+    report = train(config, device=profile)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(profile))
+    spent = sum(report.ranks[0]["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
+    assert spent == pytest.approx(STEPS * est.step_time, rel=TIME_TOLERANCE)

@@ -84,6 +84,17 @@ def test_traffic_matrix_has_a_panel_per_group_with_bytes_per_step():
     assert [t.get_text() for t in pp.texts] == ["20\nB"]
 
 
+def test_expert_parallel_all_to_all_has_its_own_panel():
+    report = train(TrainConfig(n_layer=1, d_model=16, n_head=2, seq_len=8, micro_batch_size=2,
+                               steps=1, data="synthetic", dp=2, ep=2, moe_num_experts=2,
+                               moe_top_k=1))
+    matrices = traffic_matrices(report)
+    assert list(matrices) == ["dp", "ep"]  # the dense gradients, the all-to-alls
+    fig = plot_traffic(report)
+    _, ep = (ax for ax in fig.axes if ax.get_label() != "<colorbar>")
+    assert "expert parallel" in ep.get_title()
+
+
 def test_traffic_needs_a_report_that_sent_something():
     with pytest.raises(ValueError, match="no traffic"):
         plot_traffic(Report(config={}, world_size=1, n_params=1))
