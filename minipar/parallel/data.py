@@ -176,6 +176,10 @@ class DataParallel:
         finished in place (Megatron's `param.main_grad`): its whole p.grad."""
         return [p.grad for p in params]
 
+    def local_gradients(self) -> list[np.ndarray]:
+        """The gradient arrays my optimizer reads (clipping scales them): every p.grad."""
+        return [p.grad for p in self.params]
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient norm (identical on every replica after the all-reduce);
         gradients are scaled to `max_norm` when it is > 0 and exceeded."""

@@ -44,6 +44,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd.function import Function
 from minipar.nn.moe import MoE, run_local_experts
+from minipar.nn.optim import scale_grads_
 
 
 class AllToAll(Function):
@@ -172,14 +173,16 @@ class ExpertDataParallel:
         return self.dense.main_grads(params)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """sqrt(dense^2 + experts^2); each engine then scales by the same coefficient
-        (asking it to clip to coefficient x its own norm)."""
+        """sqrt(dense^2 + experts^2): each engine's norm (one all-reduce of its sum of
+        squares, over its own groups), then both scale their local gradients by the
+        same coefficient, as Megatron's clip_grad_norm_fp32 does over all parameters:
+        no second all-reduce."""
         norms = [engine.clip_grad_norm_(0.0) for engine in self.engines]
         norm = math.sqrt(sum(n * n for n in norms))
-        coefficient = max_norm / (norm + 1e-6)
-        if max_norm > 0 and coefficient < 1.0:
-            for engine, own in zip(self.engines, norms, strict=True):
-                engine.clip_grad_norm_(coefficient * (own + 1e-6))
+        if max_norm > 0:
+            coefficient = max_norm / (norm + 1e-6)
+            for engine in self.engines:
+                scale_grads_(engine.local_gradients(), coefficient)
         return norm
 
     def step(self, lr: float) -> None:

@@ -309,6 +309,10 @@ class ZeroEngine:
         return ((name, p) for sb in self.shards
                 for name, p in zip(sb.bucket.names, sb.bucket.params, strict=True))
 
+    def local_gradients(self) -> list[np.ndarray]:
+        """The gradient arrays my optimizer reads (clipping scales them): my shards."""
+        return [sb.grad_shard for sb in self.shards]
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global gradient norm: my shard's sum of squares (its counted runs;
         padding is zero and adds nothing), all-reduced over the DP group and then the

@@ -9,9 +9,9 @@ fp32; and with tp 2 (+SP) and pp 2), against the report. Stated tolerances:
 - compute seconds (the MoE layers' FLOPs at the emulator's rate): within 1e-9;
 - the simulated step: within 0.1%, or an upper bound when the run hid communication
   (two engines' reduce-scatters in flight at once), as tests/plan/test_estimate.py.
-Runs use grad_clip 0: with clipping active, minipar's ExpertDataParallel asks each engine
-to clip to its share, which all-reduces the norms a second time (8 bytes per group); the
-planner counts the one all-reduce Megatron's clip_grad_norm_fp32 does.
+Runs clip (grad_clip 0.01 is below every step's norm): the planner counts the one norm
+all-reduce per group that Megatron's clip_grad_norm_fp32 does, and so must the two
+engines of ExpertDataParallel (they once all-reduced a second time to clip).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ STEPS, MICRO_BATCHES = 2, 2
 SMALL = dict(seq_len=8, n_layer=3, n_head=2, d_model=16, micro_batch_size=2, steps=STEPS,
              grad_accum_steps=MICRO_BATCHES, moe_num_experts=4, moe_top_k=2,
              moe_capacity_factor=1.25, moe_layer_freq=2, precision="fp64", data="synthetic",
-             grad_clip=0.0)
+             grad_clip=0.01)
 MEMORY = ("params", "grads", "optimizer", "activations", "buffers", "peak_total")
 TIME_TOLERANCE = 1e-3
 
