@@ -24,10 +24,10 @@ from minipar.plan.experts import expert_capacity, expert_parameter_bytes
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
 from minipar.plan.offload import tier_memory, tier_transfers
+from minipar.plan.pipeline_step import simulated_step_time
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     group_links,
-    simulated_step_time,
     stage_time,
     step_time,
     transfer_time,
@@ -175,7 +175,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     (Narayanan et al. 2021), which the advisor uses to search fast and which agrees when
     compute dominates.
     scatter_gather: price pipeline messages as Megatron-LM sends them across TP
-    (timing.p2p_message_seconds); minipar's own pipeline does not (the default).
+    (pipeline_step.p2p_message_seconds); minipar's own pipeline does not (the default).
     """
     check_model_fits_layout(shape, config)
     plans = stage_plans(shape, config, all_ranks=all_stages)

@@ -34,10 +34,7 @@ Context parallelism: a rank computes its s/cp tokens (the busiest rank's ring at
 chunk pairs, minipar/plan/context.py), and each layer's ring adds only the part of its
 K/V (and dK/dV) hops that its block computations do not hide (`exposed_ring_seconds`).
 
-This module is long because it is the one time model read together: a rank's costs per
-micro-batch (and per module, for overlap.py), the closed form and the schedule's
-simulation with the step's tail (the latter could move to its own module, were
-chunk_costs not imported from here).
+The schedule's exact simulation with the step's tail is pipeline_step.py.
 
 MFU (Chowdhery et al. 2022, PaLM, appendix B) = model FLOPs per step (three forward
 passes' matmuls, no recomputation; shapes.model_flops_per_sequence) / (step time x GPUs
@@ -47,17 +44,7 @@ x peak FLOP/s).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
-from minipar.distributed.timeline import merge_intervals
 from minipar.parallel.schedules import (
-    Backward,
-    BackwardWeight,
-    RecvActivation,
-    RecvGrad,
-    SendActivation,
-    SendGrad,
-    check_schedule_name,
-    make_schedule,
-    simulate_step,
     uniform_bubble_fraction,
 )
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
@@ -73,13 +60,10 @@ from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import (
     ParallelConfig,
     StagePlan,
-    chunk_moe_layers,
-    layer_counts,
-    stage_plan,
 )
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
-from minipar.plan.overlap import Module, data_parallel_time, pipeline_reduction
+from minipar.plan.overlap import Module, data_parallel_time
 from minipar.plan.parameter_order import (
     embedding_tensors,
     head_ready,
@@ -90,13 +74,10 @@ from minipar.plan.parameter_order import (
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.traffic import (
     GRADIENT_NORM,
-    PARAMETER_ALL_GATHER,
     SEQUENCE_PARALLEL_GRADIENTS,
     Transfer,
     stage_traffic,
 )
-
-P2P_ACTIONS = (SendActivation, SendGrad, RecvActivation, RecvGrad)
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
@@ -288,7 +269,7 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
     return data_parallel_time(modules, config, collective)
 
 
-def _overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
+def overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
     """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
     model's two engines (dense over DP, experts over dp / ep) are not in overlap.py's
     model: their transfers are priced as they block (traffic.py), an upper bound."""
@@ -311,7 +292,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                   + data_parallel["after_step_s"])
     for transfer in transfers:
         seconds = transfer_time(transfer, cluster, links[transfer.link])
-        if transfer.group == "cp" or _overlap_priced(transfer, shape):  # counted above
+        if transfer.group == "cp" or overlap_priced(transfer, shape):  # counted above
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
@@ -377,196 +358,6 @@ def step_time(config: ParallelConfig, stage_times: list[dict], shape: ModelShape
         "pipeline_s": pipeline,
         "tail_s": tail,
         "bubble_fraction": bubble,
-        "model_flops": model_flops,
-        "mfu": model_flops / (step * config.world_size * cluster.peak_flops),
-        "tokens_per_s": config.global_batch_size * shape.seq_len / step,
-    }
-
-
-# ------------------------------------------------------------------ exact pipeline time
-def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
-                ) -> tuple[list[list[float]], list[list[float]]]:
-    """Seconds of one micro-batch's forward and backward of every (rank, chunk), with the
-    tensor-parallel collectives and ZeRO-3 gathers it waits for."""
-    p, v, m = config.pp, config.virtual_stages, config.micro_batches
-    counts = layer_counts(shape.n_layer, p * v, config.layer_split)
-    links = group_links(config, cluster)
-    spec = check_schedule_name(config.schedule)
-    forward = [[0.0] * v for _ in range(p)]
-    backward = [[0.0] * v for _ in range(p)]
-    for r in range(p):
-        for c in range(v):
-            stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
-            chunk = StagePlan(rank=r, chunk_layers=(counts[stage],), first=stage == 0,
-                              last=stage == p * v - 1, tied_copy=False, in_flight=1,
-                              chunk_moe_layers=(chunk_moe_layers(shape, counts, stage),))
-            compute = stage_seconds(shape, config, cluster, chunk)
-            seconds = {"forward": compute["forward"], "backward": compute["backward"]}
-            ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
-            seconds["forward"] += ring[0]
-            seconds["backward"] += ring[1]
-            for transfer in stage_traffic(shape, config, chunk):
-                if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
-                        and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
-                    seconds[transfer.phase] += (transfer.count / m * transfer_time(
-                        transfer, cluster, links[transfer.link]))
-            forward[r][c], backward[r][c] = seconds["forward"], seconds["backward"]
-    return forward, backward
-
-
-def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                        scatter_gather: bool = False) -> float:
-    """Seconds of one pipeline message, a micro-batch's (b, s, h) activation or its
-    gradient, from a rank to its peer on the next stage.
-
-    scatter_gather: Megatron-LM's optimisation of pipeline messages across tensor
-    parallelism (Narayanan et al. 2021, section 4.1; megatron/p2p_communication.py): the
-    t ranks of a stage hold the same activation, so each sends 1/t of it over the
-    (inter-node) pipeline link and the receiving stage all-gathers it over NVLink.
-    minipar's pipeline sends the whole tensor from every TP rank (the default)."""
-    links = group_links(config, cluster)
-    tokens = config.micro_batch_size * shape.seq_len // config.cp
-    if config.sequence_parallel:
-        tokens //= config.tp
-    nbytes = tokens * shape.d_model * config.bytes.activation
-    alpha, bandwidth = cluster.link(links["pp"])
-    if not scatter_gather or config.tp == 1 or config.sequence_parallel:
-        return alpha + nbytes / bandwidth
-    return (alpha + nbytes / config.tp / bandwidth
-            + cluster.collective_time("all_gather", config.tp, nbytes, links["tp"]))
-
-
-def _last_compute_end(timeline) -> float:
-    """When a rank's last compute action of the simulated schedule ends."""
-    return max((end for action, _, end in timeline
-                if not isinstance(action, P2P_ACTIONS)), default=0.0)
-
-
-def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                            rank: int, run) -> dict:
-    """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) with the
-    starts of its chunks' last backwards from the schedule's simulation `run`, and
-    ZeRO-1's parameter all-gathers after the step."""
-    spec = check_schedule_name(config.schedule)
-    p, v = config.pp, config.virtual_stages
-    counts = layer_counts(shape.n_layer, p * v, config.layer_split)
-    last_start = {}
-    for action, start, _ in run.timelines[rank]:
-        if isinstance(action, (Backward, BackwardWeight)):
-            last_start[action.chunk] = start
-    chunks = []
-    for c in range(v):
-        stage = spec.virtual_stage(p, rank, c)
-        plan = StagePlan(rank=rank, chunk_layers=(counts[stage],), first=stage == 0,
-                         last=stage == p * v - 1, in_flight=1,
-                         tied_copy=shape.tie_embeddings and stage == p * v - 1
-                         and spec.virtual_stage(p, rank, 0) != 0)
-        chunks.append((last_start.get(c, 0.0), stage_modules(shape, config, cluster, plan)))
-    crosses = group_links(config, cluster)["dp"]
-
-    def collective(op: str, nbytes: float) -> float:
-        return cluster.collective_time(op, config.replicas, nbytes, crosses)
-
-    if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
-        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
-                "after_step_s": 0.0}
-    whole = stage_plan(shape, config, rank)
-    after_step = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
-                                    collective)["after_step_s"]
-    return {**pipeline_reduction(chunks, config, collective), "after_step_s": after_step}
-
-
-def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                        scatter_gather: bool = False) -> dict[str, float]:
-    """Step time of a pipelined config from a simulation of its schedule (simulate_step),
-    then the step's collectives in the order minipar runs them: the tied embedding's
-    all-reduce (first and last rank), the loss broadcast (all ranks), each rank's
-    data-parallel reduction and the gradient norm's all-reduces over DP and TP, the
-    norm's all-reduce over PP (all ranks again), then the optimizer and ZeRO-1/2's
-    parameter all-gather. scatter_gather: see p2p_message_seconds."""
-    p = config.pp
-    forward, backward = chunk_costs(shape, config, cluster)
-    links = group_links(config, cluster)
-    message = p2p_message_seconds(shape, config, cluster, scatter_gather)
-    schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
-                             validated=False)
-    run = simulate_step(schedule, forward, backward, message)  # validates as it times
-    clock = list(run.finish)
-    pipeline = max(clock)
-    tails, data_parallel, tensor_parallel = [], [], []
-    for r in range(p):
-        plan = stage_plan(shape, config, r)
-        transfers = [t for t in stage_traffic(shape, config, plan)
-                     if not _overlap_priced(t, shape)]
-        data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
-
-        def seconds(selected) -> float:
-            return sum(t.count * transfer_time(t, cluster, links[t.link]) for t in selected)
-
-        step_transfers = [t for t in transfers
-                          if t.phase == "step" or t.label == SEQUENCE_PARALLEL_GRADIENTS]
-        tied = seconds(t for t in step_transfers if t.label.startswith("tied"))
-        broadcast = seconds(t for t in step_transfers if t.op == "broadcast")
-        # DP reduction, then the norm's all-reduces over DP and TP (groups inside the
-        # stage), then the one over PP, which waits for every stage.
-        reduce = seconds(t for t in step_transfers
-                         if t.group != "pp" and t.label != PARAMETER_ALL_GATHER)
-        norm = seconds(t for t in step_transfers
-                       if t.group == "pp" and t.label == GRADIENT_NORM)
-        offload = offload_time(shape, config, cluster, plan)
-        optimizer = optimizer_seconds(config, stage_seconds(shape, config, cluster, plan),
-                                      offload) - offload["gradient_s"]
-        gather = seconds(t for t in step_transfers if t.label == PARAMETER_ALL_GATHER)
-        gather += data_parallel[r]["after_step_s"]
-        # an offloaded gradient copy is waited for before the norm's all-reduces
-        tails.append((tied, broadcast, reduce + offload["gradient_s"], norm,
-                      optimizer, gather))
-        tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
-                                       and t.phase in ("forward", "backward")
-                                       and t.label != SEQUENCE_PARALLEL_GRADIENTS))
-    # Each rank's communication spans after its last compute of the schedule (HTA's
-    # exposed communication is their union; the p2p waits inside it are run.comm): its
-    # last send, if it outlasts that compute, and the tail's collectives.
-    spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    for r in range(p):
-        computed = _last_compute_end(run.timelines[r])
-        if clock[r] > computed:
-            spans[r].append((max(computed, clock[r] - message), clock[r]))
-        clock[r] += data_parallel[r]["stall_s"]  # ZeRO-1's reductions held its compute
-    if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
-        start = max(clock[0], clock[-1])
-        clock[0] = clock[-1] = start + tails[0][0]
-        spans[0].append((start, clock[0]))
-        spans[-1].append((start, clock[-1]))
-    start = max(clock)  # the loss broadcast starts with its last member
-    # then each rank waits for its DP reduction (started during its last backwards when
-    # it overlaps) and reduces what is left, and the DP and TP norms
-    for r in range(p):
-        dp = data_parallel[r]
-        spans[r] += [(start, start + tails[r][1]),
-                     (_last_compute_end(run.timelines[r]), dp["overlapped_end_s"])]
-        clock[r] = max(start + tails[r][1], dp["overlapped_end_s"])
-        spans[r].append((clock[r], clock[r] + dp["after_flush_s"] + tails[r][2]))
-        clock[r] += dp["after_flush_s"] + tails[r][2]
-    start = max(clock)  # so does the gradient norm's all-reduce over the stages
-    clock = [start + tails[r][3] for r in range(p)]
-    end = [clock[r] + tails[r][4] + tails[r][5] for r in range(p)]
-    exposed = [run.comm[r] + tensor_parallel[r]  # (the TP transfers' counts are per step)
-               + sum(e - s for s, e in merge_intervals(spans[r]))
-               + tails[r][3] + tails[r][5] for r in range(p)]
-    step = max(end)
-    # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
-    # pipeline's span (a rank that finished early idles until the last one does).
-    busy = sum(run.compute) + sum(run.comm)
-    total = p * pipeline
-    model_flops = shape.model_flops_per_sequence() * config.global_batch_size
-    return {
-        "step_s": step,
-        "rank_end_s": end,  # when each pipeline rank finishes its step
-        "rank_exposed_comm_s": exposed,  # communication not hidden by compute, per rank
-        "pipeline_s": pipeline,
-        "tail_s": step - pipeline,
-        "bubble_fraction": 1 - busy / total if total > 0 else 0.0,
         "model_flops": model_flops,
         "mfu": model_flops / (step * config.world_size * cluster.peak_flops),
         "tokens_per_s": config.global_batch_size * shape.seq_len / step,

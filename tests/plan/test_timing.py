@@ -90,7 +90,7 @@ def test_emulated_cluster_prices_compute_at_the_profile_rate():
 def test_chunk_costs_follow_the_schedule_s_placement():
     """In a V rank 0 runs the first stage (embedding) and the last (head and loss): the
     planner prices rank 0's chunk 1 as the head's, not rank p-1's last chunk."""
-    from minipar.plan.timing import chunk_costs
+    from minipar.plan.pipeline_step import chunk_costs
 
     shape = presets.model("gpt2")
     looped = ParallelConfig(pp=4, grad_accum_steps=8, schedule="interleaved",
