@@ -98,8 +98,10 @@ def _coords_header(report: Report) -> str:
 def traffic_table(report: Report) -> str:
     """Bytes each rank sent per optimizer step, by group kind and by collective."""
     steps = max(1, len(report.steps))
-    groups = [g for g in ("dp", "tp", "pp", "cp", "other")
-              if any(r["comm"]["by_group"].get(g, 0) for r in report.ranks)]
+    kinds = {g for r in report.ranks for g, sent in r["comm"]["by_group"].items() if sent}
+    order = ("dp", "tp", "pp", "cp", "ep")  # then any other kind (MoE's "ep", "edp", ...)
+    groups = ([g for g in order if g in kinds] + sorted(kinds - {*order, "other"})
+              + ["other"] * ("other" in kinds))
     ops = sorted({op for r in report.ranks for op, b in r["comm"]["by_op"].items() if b})
     headers = ["rank", _coords_header(report), "node", *(f"{g} group" for g in groups), *ops,
                "sent/step", "calls/step"]

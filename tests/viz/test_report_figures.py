@@ -110,6 +110,15 @@ def test_traffic_table_shows_bytes_per_step_by_group_and_op():
     assert row1.split()[-1] == "2"  # 6 calls / 3 steps
 
 
+def test_traffic_table_has_a_column_for_every_group_kind_that_sent_bytes():
+    """MoE's expert-parallel group ("ep": the all-to-alls) is a column too, not dropped."""
+    report = two_rank_report()
+    for r in report.ranks:
+        r["comm"]["by_group"]["ep"] = 90
+    header = traffic_table(report).splitlines()[0].split()
+    assert header[3:9] == ["tp", "group", "pp", "group", "ep", "group"]
+
+
 def test_time_table_shows_each_ranks_compute_comm_idle_and_shares():
     table = time_table(two_rank_report())
     row1 = table.splitlines()[3].split()
