@@ -30,6 +30,7 @@ from minipar.parallel.context import SELECTIVE_WITH_CP
 from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
+    check_expert_parallel_settings,
     check_parallel_settings,
     replace_settings,
     resolve_batch,
@@ -101,9 +102,7 @@ class ParallelConfig:
         check_parallel_settings(self, PlanError)
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise PlanError("ep", f"must be a positive integer, got {self.ep!r}")
-        if self.dp % self.ep:
-            raise PlanError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the experts "
-                            "are split inside the data-parallel group")
+        check_expert_parallel_settings(self.ep, self.dp, None, PlanError)  # (no model yet)
         accum, global_batch = resolve_batch(self.micro_batch_size, self.dp,
                                             self.grad_accum_steps, self.global_batch_size,
                                             PlanError)
@@ -218,13 +217,9 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
                             "modelled (minipar refuses it)")
         if config.recompute.selective:
             raise PlanError("recompute_granularity", SELECTIVE_WITH_CP)
+    # TrainConfig's --ep rules and messages (minipar.train.config)
+    check_expert_parallel_settings(config.ep, config.dp, shape.moe_num_experts, PlanError)
     if config.ep > 1:
-        if not shape.is_moe:
-            raise PlanError("ep", "expert parallelism splits the experts of an MoE model: "
-                            "add --moe-num-experts")
-        if shape.moe_num_experts % config.ep:
-            raise PlanError("ep", f"--ep {config.ep} must divide --moe-num-experts "
-                            f"{shape.moe_num_experts}: each rank holds E / ep experts")
         if config.offload_optimizer != "none" or config.offload_param != "none":
             raise PlanError("offload_optimizer", "offload with --ep is not modelled "
                             "(minipar train refuses it too)")

@@ -198,16 +198,7 @@ class TrainConfig:
             if self.moe_aux_loss_coeff < 0:
                 raise ConfigError("moe_aux_loss_coeff", "must be >= 0, got "
                                   f"{self.moe_aux_loss_coeff}")
-        if self.ep > 1:
-            if not self.moe_num_experts:
-                raise ConfigError("ep", "expert parallelism splits the experts of an MoE "
-                                  "model: add --moe-num-experts")
-            if self.dp % self.ep:
-                raise ConfigError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the "
-                                  "experts are split inside the data-parallel group")
-            if self.moe_num_experts % self.ep:
-                raise ConfigError("ep", f"--ep {self.ep} must divide --moe-num-experts "
-                                  f"{self.moe_num_experts}: each rank holds E / ep experts")
+        check_expert_parallel_settings(self.ep, self.dp, self.moe_num_experts)
 
     # ------------------------------------------------------------------ views
     @property
@@ -245,6 +236,27 @@ def check_positive_integers(settings, names, error=ConfigError) -> None:
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise error(name, f"must be a positive integer, got {value!r}")
+
+
+def check_expert_parallel_settings(ep: int, dp: int, moe_num_experts: int | None,
+                                   error=ConfigError) -> None:
+    """--ep's rules, shared by TrainConfig and the planner: ep | dp (the experts are split
+    inside the DP group, Megatron's expert-data-parallel layout), an MoE model, ep | E.
+    ep and dp must already be positive integers; moe_num_experts None: the model is not
+    known yet (the planner's ParallelConfig), only the layout rule applies."""
+    if ep == 1:
+        return
+    if dp % ep:
+        raise error("ep", f"--ep {ep} must divide --dp {dp}: the experts are split inside "
+                    "the data-parallel group")
+    if moe_num_experts is None:
+        return
+    if not moe_num_experts:
+        raise error("ep", "expert parallelism splits the experts of an MoE model: add "
+                    "--moe-num-experts")
+    if moe_num_experts % ep:
+        raise error("ep", f"--ep {ep} must divide --moe-num-experts {moe_num_experts}: each "
+                    "rank holds E / ep experts")
 
 
 def check_parallel_settings(settings, error=ConfigError) -> None:
