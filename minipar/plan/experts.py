@@ -121,18 +121,28 @@ def recomputed_layers(layers: int, moe_layers: int, recomputed: int) -> tuple[in
     return min(recomputed - moe_again, layers - moe_layers), moe_again
 
 
+def _feed_forward_flops(shape: ModelShape, rows: int, output_rows: int, tp: int
+                        ) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the MLP's GEMMs, activation and biases over `rows`
+    tokens (each TP rank holds 1/tp of the hidden width); the output bias is added on
+    `output_rows` (the sequence piece under SP for a dense MLP)."""
+    h, f = shape.d_model, shape.ffn
+    matmul = 2 * rows * h * (shape.mlp_in_width + f) / tp
+    act_f, act_b = ACTIVATION_FLOPS[shape.mlp]
+    forward, backward = matmul + act_f * rows * f / tp, 2 * matmul + act_b * rows * f / tp
+    if shape.bias:
+        bias = rows * shape.mlp_in_width / tp + output_rows * h
+        forward, backward = forward + bias, backward + bias
+    return forward, backward
+
+
 def mlp_flops(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False
               ) -> tuple[float, float]:
     """(forward, backward) FLOPs of one dense MLP in shapes.layer_flops: the part of a
     layer an MoE replaces (its GEMMs, activation, biases and residual dropout)."""
-    h, f, tokens = shape.d_model, shape.ffn, b * shape.seq_len
+    h, tokens = shape.d_model, b * shape.seq_len
     stream = tokens // tp if sequence_parallel else tokens
-    matmul = 2 * tokens * h * (shape.mlp_in_width + f) / tp
-    act_f, act_b = ACTIVATION_FLOPS[shape.mlp]
-    forward, backward = matmul + act_f * tokens * f / tp, 2 * matmul + act_b * tokens * f / tp
-    if shape.bias:
-        bias = tokens * shape.mlp_in_width / tp + stream * h
-        forward, backward = forward + bias, backward + bias
+    forward, backward = _feed_forward_flops(shape, tokens, stream, tp)
     if shape.dropout > 0:
         forward += DROPOUT_FLOPS[0] * stream * h
         backward += DROPOUT_FLOPS[1] * stream * h
@@ -141,14 +151,9 @@ def mlp_flops(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = 
 
 def moe_flops(shape: ModelShape, b: int, tp: int = 1) -> tuple[float, float]:
     """(forward, backward) FLOPs of one MoE MLP on one rank (see the module docstring)."""
-    h, f, e, k = shape.d_model, shape.ffn, shape.moe_num_experts, shape.moe_top_k
+    h, e, k = shape.d_model, shape.moe_num_experts, shape.moe_top_k
     n, rows = b * shape.seq_len, dispatch_rows(shape, b)
-    matmul = 2 * rows * h * (shape.mlp_in_width + f) / tp
-    act_f, act_b = ACTIVATION_FLOPS[shape.mlp]
-    forward, backward = matmul + act_f * rows * f / tp, 2 * matmul + act_b * rows * f / tp
-    if shape.bias:
-        bias = rows * shape.mlp_in_width / tp + rows * h
-        forward, backward = forward + bias, backward + bias
+    forward, backward = _feed_forward_flops(shape, rows, rows, tp)  # the experts' rows
     router = 2 * n * h * e
     softmax = n * (k + e)  # the k chosen logits' softmax (gates), all E (aux loss)
     products = n * k + n * k * h + e + 1  # gates x kept, outputs x gates, f_e P_e, x coeff
