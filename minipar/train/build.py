@@ -263,7 +263,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused above)
+    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by layouts.check_layout)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
     else:
