@@ -199,3 +199,15 @@ def test_the_device_section_reads_back_as_the_profile_it_came_from():
         values = json.loads(json.dumps(asdict(profile)))  # as a trace file holds it
         assert device_profile(values) == profile
     assert peak_flops(asdict(dist.A100)) == dist.A100.roofline.peak_flops
+
+
+def test_every_group_kind_gets_its_own_stream_and_all_to_all_is_a_send_recv_kernel():
+    """MoE's all-to-all over an "ep" group (and CP's "cp" ring) are traced like the other
+    collectives: their own stream per group kind, NCCL's SendRecv kernel name."""
+    def worker():
+        dist.all_to_all(np.ones((2, 8)), group=dist.new_group([0, 1], kind="ep"))
+        dist.all_reduce(np.ones(8), group=dist.new_group([0, 1], kind="cp"))
+
+    trace = rank_trace(traced(worker)[0])
+    streams = {e["args"]["stream"]: e["name"] for e in kernels(trace) if "nccl" in e["name"]}
+    assert len(streams) == 2 and "ncclDevKernel_SendRecv" in streams.values()
