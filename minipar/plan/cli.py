@@ -161,7 +161,11 @@ def _shape(args) -> ModelShape:
         try:
             shape = replace(shape, **moe)
         except ValueError as err:
-            raise PlanError(next(iter(moe)), str(err)) from None
+            # name the flag the message is about (not just the first one given), in the
+            # CLI's words rather than the dataclass's
+            named = [n for n in moe if n in str(err)] or list(moe)
+            message = str(err).replace("ModelShape.", "").replace("ModelShape: ", "")
+            raise PlanError(named[0], message.removeprefix(f"{named[0]} ")) from None
     return shape
 
 
@@ -202,11 +206,15 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
             changes["activation_checkpointing"] = False  # the finer flags replace it
         changes.update(_overlap(args))
         return base.replace(**changes)
-    dp, tp, pp, cp, ep = (getattr(args, k) or 1 for k in LAYOUT_FLAGS)
-    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=args.zero or 0,
-                  schedule=args.schedule or "1f1b", virtual_stages=args.virtual_stages or 1,
+    def given(value, default):  # (not `value or default`: --dp 0 must be refused, not 1)
+        return default if value is None else value
+
+    dp, tp, pp, cp, ep = (given(getattr(args, k), 1) for k in LAYOUT_FLAGS)
+    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=given(args.zero, 0),
+                  schedule=args.schedule or "1f1b",
+                  virtual_stages=given(args.virtual_stages, 1),
                   sequence_parallel=bool(args.sequence_parallel),
-                  micro_batch_size=args.micro_batch_size or 1,
+                  micro_batch_size=given(args.micro_batch_size, 1),
                   grad_accum_steps=args.grad_accum_steps,
                   global_batch_size=args.global_batch_size, precision=args.precision,
                   activation_checkpointing=bool(args.activation_checkpointing),

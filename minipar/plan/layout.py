@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.context import SELECTIVE_WITH_CP
+from minipar.parallel.expert import expert_layout_problem
 from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
@@ -223,6 +224,8 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
         if config.offload_optimizer != "none" or config.offload_param != "none":
             raise PlanError("offload_optimizer", "offload with --ep is not modelled "
                             "(minipar train refuses it too)")
+    if shape.is_moe and config.cp > 1:  # the trainer's refusal and words (not modelled)
+        raise PlanError(*expert_layout_problem(config.cp, 0, 1, "none", "none"))
     if shape.is_moe and config.zero == 3:
         raise PlanError("zero", "ZeRO-3 of an MoE model is not modelled (its gather units "
                         "would hold experts of the expert-data-parallel group); use 0-2")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 from minipar.nn.recompute import Recompute
 from minipar.parallel.schedules import SCHEDULES
@@ -49,6 +50,7 @@ from minipar.plan.lint_experts import check_expert_parallel
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import stage_time, transfer_time
 from minipar.plan.traffic import stage_traffic
+from minipar.train.config import check_positive_integers
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -122,6 +124,9 @@ def _as_config(config, findings: list[Finding]) -> ParallelConfig:
         return ParallelConfig.from_train_config(config)
     values = {k: v for k, v in config.items() if k in ParallelConfig.__dataclass_fields__}
     micro, dp = values.get("micro_batch_size", 1), values.get("dp", 1)
+    # the batch arithmetic below divides by them: refuse 0 first, in TrainConfig's words
+    check_positive_integers(SimpleNamespace(micro_batch_size=micro, dp=dp),
+                            ("micro_batch_size", "dp"), PlanError)
     accum, global_batch = values.get("grad_accum_steps"), values.get("global_batch_size")
     if accum is not None and global_batch is not None and micro * accum * dp != global_batch:
         per_step = micro * dp

@@ -76,6 +76,11 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--model", "mixtral-8x7b", "--dp", "8", "--moe-top-k", "9"], "--moe-top-k"),
     (["--model", "mixtral-8x7b", "--dp", "8", "--moe-capacity-factor", "0"],
      "--moe-capacity-factor"),
+    (["--model", "mixtral-8x7b", "--dp", "8", "--moe-top-k", "2", "--moe-capacity-factor",
+      "nan"], "--moe-capacity-factor"),  # the flag the message is about, not the first
+    (["--model", "mixtral-8x7b", "--dp", "8", "--ep", "0"], "--ep"),  # 0 is not "unset"
+    (["--model", "gpt2", "--dp", "0"], "--dp"),
+    (["--model", "gpt2", "--dp", "2", "--micro-batch-size", "0"], "--micro-batch-size"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)
@@ -91,10 +96,11 @@ def test_invalid_layout_exits_2_with_the_finding(capsys):
 @pytest.mark.parametrize("argv", [
     ["--model", "gpt2", "--dp", "2", "--ep", "2"],  # no experts to split
     ["--model", "mixtral-8x7b", "--dp", "6", "--ep", "6"],  # 8 experts over 6 ranks
+    ["--model", "mixtral-8x7b", "--dp", "8", "--ep", "8", "--cp", "2"],  # refused by train
 ])
 def test_expert_parallelism_that_cannot_split_is_an_invalid_layout(capsys, argv):
     status, out, _ = run(capsys, *argv)
-    assert status == 2 and "INVALID_LAYOUT" in out and "--ep" in out
+    assert status == 2 and "INVALID_LAYOUT" in out and ("--ep" in out or "--cp" in out)
 
 
 def test_add_plan_command_plugs_into_any_subparsers():
