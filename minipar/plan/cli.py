@@ -272,6 +272,15 @@ def _run(args) -> int:
         args.flash_attention = shape.name != "custom"
     evaluate = args.example is not None or any(getattr(args, k) is not None
                                                for k in LAYOUT_FLAGS)
+    if args.gpus is not None and args.example is None and all(
+            getattr(args, k) is None for k in ("dp", "tp", "pp")):
+        # a search: say so rather than evaluate dp=1 with it, or silently drop it
+        for name in ("cp", "ep", "zero"):
+            if getattr(args, name) is not None:
+                raise PlanError(name, f"--gpus searches the layouts and chooses --{name} "
+                                f"itself; drop --{name}, or give --dp/--tp/--pp to "
+                                "evaluate one layout")
+        evaluate = False
     if evaluate:
         values = _layout(args, shape)
         reference = None

@@ -80,6 +80,8 @@ def test_export_writes_the_files(capsys, tmp_path):
       "nan"], "--moe-capacity-factor"),  # the flag the message is about, not the first
     (["--model", "mixtral-8x7b", "--dp", "8", "--ep", "0"], "--ep"),  # 0 is not "unset"
     (["--model", "gpt2", "--dp", "0"], "--dp"),
+    (["--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8"], "--ep"),  # the search's
+    (["--model", "gpt2", "--gpus", "8", "--zero", "1"], "--zero"),  # (not ignored)
     (["--model", "gpt2", "--dp", "2", "--micro-batch-size", "0"], "--micro-batch-size"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
