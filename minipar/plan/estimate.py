@@ -240,8 +240,9 @@ def moe_line(est: Estimate) -> str:
     line = (f"MoE: {shape.n_moe_layers} of {shape.n_layer} layers, {shape.moe_num_experts} "
             f"experts, top-{shape.moe_top_k}, "
             + ("dropless (planned balanced)" if factor is None else f"capacity factor {factor}")
-            + f": C = {cap} slots per expert; {local} expert{'s' * (local > 1)} per rank "
-              f"({human_bytes(experts)} of expert parameters)")
+            + f": C = {cap} slots per expert; {local} expert{'s' * (local > 1)} per ep rank"
+            + (f", each cut over tp={c.tp}" if c.tp > 1 else "")
+            + f" ({human_bytes(experts)} of expert parameters per GPU)")
     if c.ep > 1:
         line += (f", 4 all-to-alls per MoE layer and micro-batch over ep={c.ep}"
                  + (" (crosses nodes)" if est.links["ep"] else " (inside a node)"))

@@ -288,7 +288,9 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
             if z.fits:
                 options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
                 break
-        options.append("more tensor/pipeline parallelism or a smaller --micro-batch-size")
+        options.append(("expert parallelism (--ep: see EXPERTS_NEED_EP), "
+                        if shape.is_moe and config.ep < shape.moe_num_experts else "")
+                       + "more tensor/pipeline parallelism or a smaller --micro-batch-size")
         biggest = max(("params", "grads", "optimizer", "activations", "buffers"),
                       key=lambda k: est.memory[k])
         findings.append(Finding(
