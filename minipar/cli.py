@@ -267,6 +267,8 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
               f"x dp {config.dp}, recompute {config.recompute.label}\n"
               f"simulated GPU: {report.device['name']} (--device {args.device})\n")
         print(tables.loss_table(report))
+        if report.moe is not None:  # what the routing did (the report's `moe` section)
+            print(moe_line(report.moe))
         print("\nPeak memory per rank, by category (measured from the arrays each rank held):")
         print(tables.memory_table(report))
         if (tiers := tables.tier_table(report)) is not None:
@@ -290,6 +292,18 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
             print(f"\n{profile.text()}")
         if args.json and not (late is not None and late.setting == "json"):
             print(f"\nreport written to {args.json}")
+
+
+def moe_line(moe: dict) -> str:
+    """One line on the MoE layers: settings, dropped share, the most loaded expert."""
+    assigned = sum(layer["assigned"] for layer in moe["layers"])
+    dropped = sum(layer["dropped"] for layer in moe["layers"])
+    load = max(layer["max_over_mean_load"] for layer in moe["layers"])
+    return (f"\nMoE: {len(moe['layers'])} layer(s) of {moe['num_experts']} experts, top-"
+            f"{moe['top_k']}, capacity factor {moe['capacity_factor']:g}, ep {moe['ep']}; "
+            f"`loss` is the LM loss, the load-balancing loss is `aux_loss`; over the run "
+            f"{dropped / max(assigned, 1):.1%} of token assignments were dropped (over "
+            f"capacity), the busiest expert took {load:.2f}x the mean load")
 
 
 def pipeline_line(pipeline: dict, device: str = "h100") -> str:

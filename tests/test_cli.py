@@ -261,3 +261,12 @@ def test_profile_alone_traces_to_a_folder_it_drops(tmp_path):
     assert report["profile"]["ranks"][0]["compute_s"] == pytest.approx(
         report["ranks"][0]["time"]["compute_s"], rel=1e-9)
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_an_moe_run_says_what_routing_did_and_which_loss_is_which():
+    result = run("train", "--steps", "1", "--moe-num-experts", "4", "--dp", "2", "--ep", "2",
+                 *SMALL)
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("MoE:"))
+    assert "4 experts, top-2" in line and "ep 2" in line and "`loss` is the LM loss" in line
+    assert "of token assignments were dropped" in line and "mean load" in line
