@@ -120,7 +120,9 @@ class Estimate:
         return totals
 
     def moe(self) -> dict:
-        """The report's moe figures, predicted for the fullest rank (per step)."""
+        """The report's moe figures, predicted for the fullest rank: `expert_param_bytes` as
+        one entry of the report's per-rank list; the all-to-all bytes and seconds per step
+        (the report's `all_to_all_sent_bytes` are over the run)."""
         c, shape = self.config, self.shape
         stage = self.worst_stage
         return {"num_experts": shape.moe_num_experts, "top_k": shape.moe_top_k,
@@ -128,7 +130,7 @@ class Estimate:
                 "capacity": expert_capacity(shape, c.micro_batch_size * shape.seq_len),
                 "expert_param_bytes": stage.memory["detail"]["expert_parameters"]
                 * c.bytes.param,
-                "all_to_all_sent_bytes": sum(t.sent_per_step for t in stage.transfers
+                "all_to_all_sent_bytes_per_step": sum(t.sent_per_step for t in stage.transfers
                                              if t.op == "all_to_all"),
                 "all_to_all_s": sum(t.count * transfer_time(t, self.cluster,
                                                             self.links[t.link])

@@ -153,7 +153,7 @@ def test_moe_flags_plan_what_minipar_train_measures(capsys):
     for group in ("dp", "ep"):
         assert plan["traffic"][group] == measured["comm"]["by_group"][group]
     # the plan's moe section, as the report's (one step)
-    for key in ("expert_param_bytes", "all_to_all_sent_bytes"):
-        assert plan["moe"][key] == report.moe[key][0]
+    assert plan["moe"]["expert_param_bytes"] == report.moe["expert_param_bytes"][0]
+    assert plan["moe"]["all_to_all_sent_bytes_per_step"] == report.moe["all_to_all_sent_bytes"][0]
     assert plan["moe"]["capacity"] == 10  # ceil(2 x 8 tokens x top-2 / 4 experts x 1.25)
     assert not plan["moe"]["ep_crosses_nodes"]
