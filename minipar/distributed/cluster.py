@@ -18,6 +18,10 @@ release is a hand-off to another thread, two context switches, ~70k of them and 
 kernel than user CPU time in one 16-rank step of the explorers' tiny model. With the turn,
 the GIL is uncontended and ranks switch only where they wait, at collectives and messages.
 Nothing measured depends on it (every number is determined whatever the thread timing).
+One turn, not two: a second rank could run a GEMM on the other core while one runs Python
+(the demo model's 8-rank step took 7-21% less wall time with two turns than with one, on
+an idle machine), but the two then contend for the GIL again (3-17k switches instead of
+~6k in the step above), and on busy cores, where the explorers must answer, CPU counts.
 The turn is a preference, not a lock: a rank that waited TURN_PATIENCE_S for it runs
 anyway, so a rank that sleeps or loops in its own code stops nobody (the watchdog and the
 deadlock checks see the others run and wait as they would without the turn).
