@@ -10,21 +10,7 @@ ranks outside the cycle are doing. No polling here: what no wait-for graph can s
 rank in an infinite loop) is the launch watchdog's job (launch.py), for which the cluster
 keeps each rank's last action and when each wait began.
 
-One rank runs at a time (`start_running` / `stop_running`): a rank takes the turn when it
-starts and after each wake-up, and gives it back when it waits or returns. Only the GIL
-would otherwise decide who runs, and it decides badly for threads that call NumPy: every
-NumPy call on an array large enough releases the GIL, and with 16 runnable ranks each such
-release is a hand-off to another thread, two context switches, ~70k of them and more
-kernel than user CPU time in one 16-rank step of the explorers' tiny model. With the turn,
-the GIL is uncontended and ranks switch only where they wait, at collectives and messages.
-Nothing measured depends on it (every number is determined whatever the thread timing).
-One turn, not two: a second rank could run a GEMM on the other core while one runs Python
-(the demo model's 8-rank step took 7-21% less wall time with two turns than with one, on
-an idle machine), but the two then contend for the GIL again (3-17k switches instead of
-~6k in the step above), and on busy cores, where the explorers must answer, CPU counts.
-The turn is a preference, not a lock: a rank that waited TURN_PATIENCE_S for it runs
-anyway, so a rank that sleeps or loops in its own code stops nobody (the watchdog and the
-deadlock checks see the others run and wait as they would without the turn).
+Ranks take turns to run (turns.py): one at a time, switching where they wait.
 """
 
 from __future__ import annotations
@@ -37,16 +23,13 @@ from .clock import DeviceProfile
 from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, RankAborted
 from .groups import ProcessGroup
+from .turns import Turns
 
 # The most virtual ranks one launch runs: each is a Python thread with its own stack and
 # ledgers, and the operating system's thread limit ("can't start new thread") comes long
 # before a real cluster's size. 1024 covers every layout the lessons use (dp x tp x pp of
 # an 8 x 8 x 8 mesh is 512) and starts in about a second here. docs/refusals.md.
 MAX_WORLD_SIZE = 1024
-
-# How long a rank waits for its turn before it runs anyway: longer than the compute of a
-# tiny model between two collectives (~1 ms), short next to a human-visible delay.
-TURN_PATIENCE_S = 0.05
 
 
 class Call:
@@ -162,9 +145,7 @@ class Cluster:
         self.failed_rank: int | None = None
         self.lock = threading.Lock()
         self._wakeup = [threading.Condition(self.lock) for _ in range(world_size)]
-        # The turn (module docstring): held by at most one rank, which self._has_turn names.
-        self._turn = threading.Lock()
-        self._has_turn = [False] * world_size
+        self.turns = Turns(world_size)  # who runs now (turns.py)
         self._waiting: list[Wait | None] = [None] * world_size
         self._returned = [False] * world_size
         # The watchdog's flight recorder (launch.py): collectives and messages each rank
@@ -210,25 +191,14 @@ class Cluster:
                 if cycle is not None:
                     self._report_deadlock([self._waiting[r] for r in cycle])
                     raise RankAborted
-            self.stop_running(rank)
+            self.turns.give_back(rank)
             self._wakeup[rank].wait()
             # Take the turn back without the lock: the rank running now may need the lock.
             self.lock.release()
             try:
-                self.start_running(rank)
+                self.turns.take(rank)
             finally:
                 self.lock.acquire()
-
-    # --- the turn (module docstring) -----------------------------------------------------------
-    def start_running(self, rank: int) -> None:
-        """Wait for the turn (at most TURN_PATIENCE_S), before `rank` runs its own code."""
-        self._has_turn[rank] = self._turn.acquire(timeout=TURN_PATIENCE_S)
-
-    def stop_running(self, rank: int) -> None:
-        """Give the turn back, if `rank` has it (it is about to wait, or has returned)."""
-        if self._has_turn[rank]:
-            self._has_turn[rank] = False
-            self._turn.release()
 
     def _wake(self, target, ranks) -> None:
         """Wake those of `ranks` whose wait was on `target` (it is complete now)."""
