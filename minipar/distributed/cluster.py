@@ -9,6 +9,8 @@ new wait closes a cycle of waits (rank 0 waits for 1, which waits for 0), whatev
 ranks outside the cycle are doing. No polling here: what no wait-for graph can show (a
 rank in an infinite loop) is the launch watchdog's job (launch.py), for which the cluster
 keeps each rank's last action and when each wait began.
+
+Ranks take turns to run (turns.py): one at a time, switching where they wait.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .clock import DeviceProfile
 from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, RankAborted
 from .groups import ProcessGroup
+from .turns import Turns
 
 # The most virtual ranks one launch runs: each is a Python thread with its own stack and
 # ledgers, and the operating system's thread limit ("can't start new thread") comes long
@@ -142,6 +145,7 @@ class Cluster:
         self.failed_rank: int | None = None
         self.lock = threading.Lock()
         self._wakeup = [threading.Condition(self.lock) for _ in range(world_size)]
+        self.turns = Turns(world_size)  # who runs now (turns.py)
         self._waiting: list[Wait | None] = [None] * world_size
         self._returned = [False] * world_size
         # The watchdog's flight recorder (launch.py): collectives and messages each rank
@@ -187,7 +191,14 @@ class Cluster:
                 if cycle is not None:
                     self._report_deadlock([self._waiting[r] for r in cycle])
                     raise RankAborted
+            self.turns.give_back(rank)
             self._wakeup[rank].wait()
+            # Take the turn back without the lock: the rank running now may need the lock.
+            self.lock.release()
+            try:
+                self.turns.take(rank)
+            finally:
+                self.lock.acquire()
 
     def _wake(self, target, ranks) -> None:
         """Wake those of `ranks` whose wait was on `target` (it is complete now)."""

@@ -103,6 +103,7 @@ def _run_rank(cluster: Cluster, rank: int, fn, args, kwargs, results: list) -> N
     device = cluster.devices[rank]
     _rank_context.set((cluster, device))  # this thread's context only
     try:
+        cluster.turns.take(rank)  # one rank runs at a time (turns.py)
         with use_device(device):
             results[rank] = fn(*args, **kwargs)
             finish_pending(device)
@@ -114,6 +115,7 @@ def _run_rank(cluster: Cluster, rank: int, fn, args, kwargs, results: list) -> N
     finally:
         with cluster.lock:
             cluster.rank_returned(rank)
+        cluster.turns.give_back(rank)
 
 
 def launch(

@@ -1,0 +1,45 @@
+"""Turns: one rank runs at a time, a rank that waited too long runs anyway, and nothing a
+run measures depends on them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minipar import distributed as dist
+from minipar.distributed import turns
+from minipar.distributed.turns import Turns
+
+
+def test_one_rank_has_the_turn_and_a_rank_out_of_patience_runs_without_it(monkeypatch):
+    monkeypatch.setattr(turns, "PATIENCE_S", 0.01)
+    ranks = Turns(3)
+    ranks.take(0)
+    ranks.take(1)  # rank 0 has it: rank 1 runs anyway, without it
+    assert ranks._has_turn == [True, False, False]
+    ranks.give_back(1)  # giving back what it does not have frees nothing
+    ranks.take(2)
+    assert ranks._has_turn == [True, False, False]
+    ranks.give_back(0)
+    ranks.take(2)
+    assert ranks._has_turn == [False, False, True]
+
+
+def test_every_rank_gives_its_turn_back_when_it_waits_and_when_it_returns():
+    """A ring of messages and collectives over 4 ranks completes (each wait hands the turn
+    on), and afterwards no rank holds it."""
+    def program():
+        # even ranks send to their successor then receive; odd ranks receive, then pass on
+        # what they got, plus one: rank r ends with what rank r - 1 sent
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank % 2 == 0:
+            dist.send(np.full(2, float(rank)), (rank + 1) % world)
+            got = dist.recv((rank - 1) % world)
+        else:
+            got = dist.recv((rank - 1) % world)
+            dist.send(got + 1, (rank + 1) % world)
+        return dist.all_reduce(got).tolist()
+
+    results, devices = dist.launch(program, 4, return_devices=True)
+    # rank 1 got 0, rank 2 got 0 + 1, rank 3 got 2, rank 0 got 2 + 1
+    assert results == [[6.0, 6.0]] * 4
+    assert devices[0]._cluster.turns._has_turn == [False] * 4
