@@ -51,11 +51,19 @@ from .errors import (
     CollectiveMismatchError,
     DeadlockError,
     DistError,
+    LaunchCancelled,
     LaunchTimeoutError,
     RankAborted,
 )
 from .groups import ProcessGroup, new_group
-from .launch import DEFAULT_TIMEOUT, launch, launch_timeout, phase, timeline_label
+from .launch import (
+    DEFAULT_TIMEOUT,
+    Cancellation,
+    launch,
+    launch_timeout,
+    phase,
+    timeline_label,
+)
 from .memory import CATEGORIES, MemoryLedger
 from .mesh import DeviceMesh
 from .p2p import Work, irecv, isend, recv, send
@@ -78,6 +86,7 @@ from .trace import TraceError, read_traces, write_traces
 __all__ = [
     "A100",
     "CATEGORIES",
+    "Cancellation",
     "DEFAULT_TIMEOUT",
     "GROUP_KINDS",
     "H100",
@@ -95,6 +104,7 @@ __all__ = [
     "DeviceMesh",
     "DeviceProfile",
     "DistError",
+    "LaunchCancelled",
     "LaunchTimeoutError",
     "MemoryLedger",
     "ProcessGroup",

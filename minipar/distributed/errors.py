@@ -39,6 +39,13 @@ class LaunchTimeoutError(DistError):
         self.timeout, self.stacks, self.left_running = timeout, stacks, list(left_running)
 
 
+class LaunchCancelled(DistError):
+    """The launch was stopped from outside by `Cancellation.cancel()` (launch.py): its
+    ranks stopped at their next call into minipar and its results were thrown away. The
+    notebook explorers' background worker cancels the spare run in progress when the
+    reader asks for another setting (minipar/viz/prefetch.py)."""
+
+
 class RankAborted(BaseException):  # noqa: N818 (not an error of its own: a signal to stop)
     """Raised inside a rank's thread when another rank failed and the launch is aborting.
 

@@ -26,6 +26,12 @@ bytecode, so a thread blocked inside one long C call (time.sleep, a huge matmul)
 stops when that call returns. Such a thread is left running as a daemon thread (it
 cannot keep the interpreter alive) and the error says so.
 
+Cancelling: launches started inside `with cancellation:` (a `Cancellation`, by this
+thread) stop when any thread calls `cancellation.cancel()`, as after a failure, and raise
+LaunchCancelled. There is no such thing in torch.distributed (a job is killed from
+outside); the explorers' background worker needs it to drop a run nobody waits for
+(minipar/viz/prefetch.py).
+
 A launch inside a rank is refused: a rank is one GPU, not a cluster.
 """
 
@@ -49,7 +55,7 @@ from .clock import COMPUTE_KINDS, DeviceProfile
 from .cluster import Call, Cluster
 from .comm_log import PHASES
 from .context import _rank_context, get_device
-from .errors import DistError, LaunchTimeoutError, RankAborted
+from .errors import DistError, LaunchCancelled, LaunchTimeoutError, RankAborted
 from .p2p import finish_pending
 
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's default for NCCL process groups
@@ -72,6 +78,61 @@ def launch_timeout(seconds: float):
         yield
     finally:
         _scoped_timeout.reset(token)
+
+
+class Cancellation:
+    """A switch that stops launches from another thread (module docstring):
+
+        cancellation = Cancellation()
+        with cancellation:                      # in the thread that launches
+            launch(fn, 8)                       # -> LaunchCancelled once cancelled
+        cancellation.cancel()                   # from any thread
+
+    Only launches started inside the `with` block, by the thread that entered it, are
+    stopped; one started after `cancel()` is refused at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clusters: list[Cluster] = []  # the launches running under this switch
+        self._tokens: list = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            clusters = list(self._clusters)
+        for cluster in clusters:
+            with cluster.lock:  # wakes every rank; each stops at its next call
+                cluster.fail(_cancelled(), None)
+
+    def __enter__(self) -> Cancellation:
+        self._tokens.append(_scoped_cancellation.set(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _scoped_cancellation.reset(self._tokens.pop())
+
+    @contextlib.contextmanager
+    def _watching(self, cluster: Cluster):
+        with self._lock:
+            if self.cancelled:
+                raise LaunchCancelled("the launch was not started: its Cancellation was "
+                                      "cancelled already")
+            self._clusters.append(cluster)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._clusters.remove(cluster)
+
+
+_scoped_cancellation: contextvars.ContextVar = contextvars.ContextVar(
+    "minipar_launch_cancellation", default=None)
+
+
+def _cancelled() -> LaunchCancelled:
+    return LaunchCancelled("the launch was cancelled (Cancellation.cancel()) before its "
+                           "ranks finished; its results were discarded")
 
 
 def _check_timeout(value, where: str) -> float:
@@ -165,7 +226,9 @@ def launch(
     # rank threads also fan every matmul out to OpenBLAS's own pool oversubscribes the
     # cores and made an 8-rank step ~80x slower on a busy 2-core machine (and a
     # 1-rank step ~25x). threadpool_limits restores the previous setting on exit.
-    with threadpool_limits(limits=1, user_api="blas"):
+    cancellation = _scoped_cancellation.get()
+    with (cancellation._watching(cluster) if cancellation is not None
+          else contextlib.nullcontext()), threadpool_limits(limits=1, user_api="blas"):
         for thread in threads:
             thread.start()
         try:

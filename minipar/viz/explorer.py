@@ -192,7 +192,7 @@ class Explorer(widgets.VBox):
             if self.worker is None or key in self.cache:
                 figures, pngs, message = picture()
             else:  # on the worker thread, which does every run and drawing
-                figures, pngs, message = self.worker.run_now(picture)
+                figures, pngs, message = self.worker.run_now(picture, key)
         except REFUSALS as refusal:
             self.error = str(refusal)
             self.status.value = ("<span style='color:#b00020'>cannot run this layout: "

@@ -17,11 +17,15 @@ prefetches the links a page is likely to follow for the same reason.
 One worker thread per process does *all* the explorers' work, urgent jobs first, so two
 measured runs never overlap: `minipar.distributed.launch` limits BLAS to one thread for
 its duration, process-wide, and two launches at once would restore each other's limit
-too early. The price: an urgent job waits for the spare job in progress (at most one run
-and its figures). Spare jobs run only after the process has been idle for `IDLE_SECONDS`
-and, in a Jupyter kernel, never while a cell is executing (IPython's pre/post_run_cell
-events; a cell that starts while a spare job runs waits for it first, so the cell's own
-runs never overlap the worker's): "Run All" is not slowed by explorers higher up.
+too early. An urgent job that finds a spare one in progress cancels its run (a
+`minipar.distributed.Cancellation`: the ranks stop at their next call into minipar,
+within a millisecond or so) unless that spare job is preparing the very picture asked
+for; it waits only for a spare picture being drawn (matplotlib cannot be interrupted;
+~0.1 s). Spare jobs run only after the process has been idle for `IDLE_SECONDS` and, in
+a Jupyter kernel, never while a cell is executing (IPython's pre/post_run_cell events; a
+cell that starts while a spare job runs cancels its run the same way and waits for the
+rest, so the cell's own runs never overlap the worker's): "Run All" is not slowed by
+explorers higher up.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+
+from minipar import distributed as dist
 
 IDLE_SECONDS = 0.3  # quiet time (no urgent job, no cell running) before spare work starts
 CELL_WAIT = 30.0  # seconds a starting cell waits at most for the spare job in progress
@@ -47,21 +53,28 @@ class Worker:
         self._cells_running = 0  # IPython cells executing now (pre/post_run_cell)
         self.working = False  # a job is running on the thread
         self._spare_running = False  # ... and it is a spare one
+        self._spare_key: Hashable = None  # ... preparing this key
+        self._spare_cancellation = dist.Cancellation()  # ... whose runs this stops
         self.spare_done = 0  # spare jobs finished (for tests and benchmarks)
+        self.spare_cancelled = 0  # ... of which cancelled for an urgent job or a cell
         self._thread = threading.Thread(target=self._loop, name="minipar-explorer-worker",
                                         daemon=True)
         self._thread.start()
         _watch_cells(self)
 
     # -------------------------------------------------------------- the callers' side
-    def run_now(self, job: Callable):
-        """job() on the worker thread, ahead of every spare job; its result (or error)."""
+    def run_now(self, job: Callable, key: Hashable = None):
+        """job() on the worker thread, ahead of every spare job; its result (or error).
+        A spare job in progress has its run cancelled, unless it prepares `key` (what
+        this job asks for: then waiting for it is the quickest answer)."""
         if threading.current_thread() is self._thread:  # a job that needs another job
             return job()
         future: Future = Future()
         with self._changed:
             self._urgent.append((job, future))
             self._hold_spare()
+            if self._spare_running and (key is None or key != self._spare_key):
+                self._spare_cancellation.cancel()
             self._changed.notify_all()
         return future.result()
 
@@ -103,6 +116,8 @@ class Worker:
         deadline = time.monotonic() + CELL_WAIT
         with self._changed:
             self._cells_running += 1
+            if self._spare_running:
+                self._spare_cancellation.cancel()
             while self._spare_running and time.monotonic() < deadline:
                 self._changed.wait(0.05)
 
@@ -124,7 +139,7 @@ class Worker:
             now = time.monotonic()
             spare = next((jobs for jobs in self._spare.values() if jobs), None)
             if spare is not None and not self._cells_running and now >= self._busy_until:
-                _, job = spare.popleft()
+                self._spare_key, job = spare.popleft()
                 return job, None
             wait = None if spare is None else max(self._busy_until - now, 0.01)
             self._changed.wait(wait)
@@ -134,10 +149,15 @@ class Worker:
             with self._changed:
                 job, future = self._next()
                 self.working, self._spare_running = True, future is None
+                if future is None:
+                    cancellation = self._spare_cancellation = dist.Cancellation()
             try:
                 if future is None:
                     try:
-                        job()
+                        with cancellation:
+                            job()
+                    except dist.LaunchCancelled:  # asked for later, it is run again
+                        self.spare_cancelled += 1
                     except Exception:  # noqa: BLE001 - a refused layout; asked for, it
                         pass  # is computed again and its error shown then
                 elif future.set_running_or_notify_cancel():
@@ -148,6 +168,7 @@ class Worker:
             finally:
                 with self._changed:
                     self.working = self._spare_running = False
+                    self._spare_key = None
                     if future is None:
                         self.spare_done += 1
                     else:

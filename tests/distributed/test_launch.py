@@ -56,3 +56,39 @@ def test_bad_world_size():
 
     with pytest.raises(ValueError, match="world_size must be an int >= 1"):
         dist.launch(lambda: None, 0)
+
+
+def _barriers_until_stopped(started: threading.Event, rounds: int = 10**6):
+    """A rank that communicates for as long as it is let (a run nobody waits for)."""
+    started.set()
+    for _ in range(rounds):
+        dist.barrier()
+    return "finished"
+
+
+def test_a_cancellation_stops_a_running_launch_from_another_thread():
+    import pytest
+
+    started, cancellation = threading.Event(), dist.Cancellation()
+    before = set(threading.enumerate())
+    threading.Thread(target=lambda: (started.wait(10), cancellation.cancel())).start()
+    with pytest.raises(dist.LaunchCancelled, match="cancelled"), cancellation:
+        dist.launch(_barriers_until_stopped, 4, started)
+    assert cancellation.cancelled
+    assert not [t for t in set(threading.enumerate()) - before  # every rank stopped
+                if t.name.startswith("minipar-rank-")]
+    with pytest.raises(dist.LaunchCancelled, match="not started"), cancellation:
+        dist.launch(lambda: None, 2)  # cancelled already: refused at once
+    assert dist.launch(lambda: 7, 2) == [7, 7]  # outside the block: not affected
+
+
+def test_a_cancellation_stops_only_the_launches_of_the_thread_in_its_block():
+    cancellation, started, results = dist.Cancellation(), threading.Event(), []
+    other = threading.Thread(target=lambda: results.append(
+        dist.launch(_barriers_until_stopped, 2, started, rounds=200)))
+    with cancellation:
+        other.start()  # launches in its own thread, outside this thread's block
+        started.wait(10)
+        cancellation.cancel()
+        other.join(30)
+    assert results == [["finished", "finished"]]

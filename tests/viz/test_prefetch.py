@@ -12,6 +12,7 @@ pytest.importorskip("ipywidgets")
 
 from matplotlib.figure import Figure  # noqa: E402
 
+from minipar import distributed as dist  # noqa: E402
 from minipar.viz import prefetch  # noqa: E402
 from minipar.viz.explorer import Explorer, _control  # noqa: E402
 from minipar.viz.prefetch import Worker  # noqa: E402
@@ -155,3 +156,47 @@ def test_prepared_pictures_never_shown_are_forgotten_once_the_reader_moves_on():
     assert left not in explorer.cache  # ... so it was discarded
     assert explorer.picture_key({"n": 2, "wide": True}) in explorer.cache  # a neighbour
     explorer.worker.cancel(explorer)
+
+
+def _spare_run(worker, key, rounds=10**6):
+    """Queue a spare job whose measured run (2 ranks exchanging barriers) lasts `rounds`
+    barriers; returns (ranks started, what the job returned)."""
+    started, outcome = threading.Event(), []
+
+    def rank():
+        started.set()
+        for _ in range(rounds):
+            dist.barrier()
+
+    worker.prefetch("explorer", [(key, lambda: outcome.append(dist.launch(rank, 2)))])
+    assert started.wait(10)
+    return outcome
+
+
+def test_an_urgent_job_cancels_the_spare_run_in_progress_and_goes_first():
+    worker, release, order = _blocked_worker()
+    release.set()
+    assert worker.wait_idle(10)
+    outcome = _spare_run(worker, "a setting nobody asked for")
+    assert worker.run_now(lambda: 42, "the setting asked for") == 42
+    assert worker.wait_idle(10)
+    assert worker.spare_cancelled == 1 and outcome == []  # its run was thrown away
+
+
+def test_an_urgent_job_for_the_picture_being_prepared_waits_for_it():
+    worker, release, order = _blocked_worker()
+    release.set()
+    assert worker.wait_idle(10)
+    outcome = _spare_run(worker, "this setting", rounds=300)
+    assert worker.run_now(lambda: "drawn", "this setting") == "drawn"
+    assert worker.spare_cancelled == 0 and outcome == [[None, None]]  # it ran to the end
+
+
+def test_a_cell_that_starts_during_a_spare_run_cancels_it():
+    worker, release, order = _blocked_worker()
+    release.set()
+    assert worker.wait_idle(10)
+    outcome = _spare_run(worker, "a neighbour")
+    worker.cell_started()
+    assert not worker.working and worker.spare_cancelled == 1 and outcome == []
+    worker.cell_finished()
