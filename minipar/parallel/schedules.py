@@ -39,6 +39,7 @@ one micro-batch on one stage), from section 2.2 of the paper (`uniform_bubble_fr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -207,9 +208,21 @@ def make_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int = 
     it times)."""
     _check_sizes(pp, micro_batches, virtual_stages)
     check_schedule_settings(name, pp, micro_batches, virtual_stages)
-    schedule = SCHEDULES[name].generate(pp, micro_batches, virtual_stages)
+    generate = SCHEDULES[name].generate
     if validated:
-        validate(schedule)
+        return _validated(generate, pp, micro_batches, virtual_stages)
+    return generate(pp, micro_batches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _validated(generate, pp: int, micro_batches: int, virtual_stages: int) -> Schedule:
+    """generate(pp, m, v), validated, once per generator and sizes: every pipeline rank of
+    a run builds the same schedule, and the notebook explorers build the same ones again
+    (validating is a simulated step: ~2 ms per rank for p=8, m=16, a tenth of the
+    pipeline explorer's run). A Schedule is frozen, so one copy serves them all; a
+    generator that fails validation is not remembered."""
+    schedule = generate(pp, micro_batches, virtual_stages)
+    validate(schedule)
     return schedule
 
 

@@ -5,6 +5,7 @@ the explorer and the training loop; each settings rule speaks with one message."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -148,6 +149,24 @@ def test_a_registered_schedule_is_made_and_validated(toy):
     with pytest.raises(ScheduleError, match=r"--virtual-stages: the gpipe-reversed schedule "
                                             r"runs one model chunk"):
         make_schedule(toy, 2, 4, 2)
+
+
+def test_a_schedule_is_validated_once_per_generator_and_sizes(toy):
+    """Every pipeline rank makes the same schedule: one validated copy serves them all
+    (a Schedule is frozen), and a schedule registered again under a new generator, or one
+    that fails validation, is never served from an earlier call."""
+    first = make_schedule(toy, pp=2, micro_batches=3)
+    assert make_schedule(toy, pp=2, micro_batches=3) is first
+    assert make_schedule(toy, pp=2, micro_batches=4) is not first
+
+    def broken(pp, micro_batches, virtual_stages=1):  # every rank waits for a receive
+        order = [("B", i, 0) for i in range(micro_batches)]
+        return from_compute_orders(toy, pp, micro_batches, 1, [order] * pp)
+
+    SCHEDULES[toy] = dataclasses.replace(TOY, generate=broken)
+    for _ in range(2):  # refused each time: a failed validation is not remembered
+        with pytest.raises(ScheduleError):
+            make_schedule(toy, pp=2, micro_batches=3)
 
 
 def test_a_registered_schedule_is_a_choice_of_both_command_lines(toy):
