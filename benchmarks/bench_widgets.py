@@ -5,6 +5,7 @@
     python benchmarks/bench_widgets.py --prefetch    # as in a notebook: the background
                                                      # worker prepares the neighbours
     python benchmarks/bench_widgets.py --prefetch --think 2   # ... for 2 s per look
+    python benchmarks/bench_widgets.py --busy 2      # with 2 other processes spinning
 
 Each explorer (minipar.viz.widgets) is driven headless, as the tests drive it: set a
 control's `.value`; the callback runs synchronously (run, draw, PNG), so the wall time of
@@ -42,6 +43,7 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -149,11 +151,26 @@ def main() -> None:
                         help="with --prefetch: seconds between changes (default: until "
                              "the neighbours are ready)")
     parser.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="keep N other processes spinning on the CPU meanwhile (a "
+                             "machine whose cores are busy, reproducibly)")
     args = parser.parse_args()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(max(0, args.busy))]
+    try:
+        report(args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def report(args) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# {platform.python_version()}, {os.cpu_count()} CPUs, load average {load:.2f}, "
           + ("prefetch, " + ("until ready" if args.think is None else f"think {args.think} s")
-             if args.prefetch else "no prefetch"))
+             if args.prefetch else "no prefetch")
+          + (f", {args.busy} spinning processes" if args.busy else ""))
     print("| explorer | first draw | new setting (median / max) | under 0.2 s "
           "| CPU (median / max) | ready | refused | revisited (median / max) "
           "| view change (median / max) |")
