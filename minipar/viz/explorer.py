@@ -136,6 +136,7 @@ class Explorer(widgets.VBox):
         # picture key -> the cache keys its prefetch added, for pictures prepared but not
         # shown yet, oldest first (what `_forget_unshown` may discard)
         self._unshown: dict = {}
+        self._shown_values: dict | None = None  # the setting answered last
         self.status = widgets.HTML()
         self.images: list = []
         self.figures: list[Figure] = []
@@ -199,6 +200,7 @@ class Explorer(widgets.VBox):
                                  f"{html.escape(self.error)}</span>")
             self.last_seconds = time.perf_counter() - start
             self._prefetch_neighbours(values)
+            self._shown_values = values
             return
         self.error = None
         self.figures = figures
@@ -212,6 +214,7 @@ class Explorer(widgets.VBox):
         self.last_seconds = time.perf_counter() - start
         self._unshown.pop(key, None)  # shown: kept like every picture shown
         self._prefetch_neighbours(values)
+        self._shown_values = values
 
     # ------------------------------------------------------------------ prefetching
     def neighbours(self, values: dict) -> list[dict]:
@@ -239,9 +242,31 @@ class Explorer(widgets.VBox):
                 rings[distance] += [{**values, name: v} for v in near]
         return [setting for ring in rings for setting in ring]
 
+    def ahead(self, previous: dict | None, values: dict) -> dict | None:
+        """One more step along the last change, if it moved one drop-down or slider
+        (ZeRO 1 -> 2 after 0 -> 1; m 12 after 8 -> 10): a reader who sweeps a control, as
+        the notebooks suggest ("try ZeRO 0 to 3"), asks for it next. None otherwise."""
+        if previous is None:
+            return None
+        changed = [name for name in values if previous.get(name) != values[name]]
+        if len(changed) != 1 or isinstance(self.controls[changed[0]], widgets.Checkbox):
+            return None
+        name = changed[0]
+        control = self.controls[name]
+        if isinstance(control, widgets.IntSlider):
+            value = 2 * values[name] - previous[name]  # the same stride again
+            return {**values, name: value} if control.min <= value <= control.max else None
+        options = list(control._options_values)
+        if previous[name] not in options:
+            return None
+        here, before = options.index(values[name]), options.index(previous[name])
+        further = here + (1 if here > before else -1)
+        return {**values, name: options[further]} if 0 <= further < len(options) else None
+
     def prefetch_cost(self, values: dict) -> float | None:
         """A neighbouring setting's relative cost to prepare unasked, or None to leave it
-        out. Neighbours are prepared cheapest first (ties: nearest first), so that a short
+        out. Neighbours are prepared cheapest first (ties: nearest first; but the one
+        `ahead` of a sweep goes before all, however costly), so that a short
         look finds most of them ready and the worst wait of a change that comes while a
         neighbour is being prepared is short. Default: all cost the same."""
         return 1.0
@@ -250,6 +275,7 @@ class Explorer(widgets.VBox):
         if self.worker is None:
             return
         wanted = []
+        ahead = self.ahead(self._shown_values, values)
         for order, setting in enumerate(self.neighbours(values)):
             key = self.picture_key(setting)
             try:
@@ -257,10 +283,10 @@ class Explorer(widgets.VBox):
             except REFUSALS:  # a setting the rules refuse: cheap to find out and show
                 cost = 0.0
             if key not in self.cache and key not in self._refused and cost is not None:
-                wanted.append((cost, order, key, setting))
-        wanted.sort(key=lambda item: item[:2])
+                wanted.append((setting != ahead, cost, order, key, setting))
+        wanted.sort(key=lambda item: item[:3])  # the sweep's next step, then cheapest first
         self.worker.prefetch(self, [(key, lambda k=key, s=setting: self._prefetch(k, s))
-                                    for _, _, key, setting in wanted])
+                                    for *_, key, setting in wanted])
         self._forget_unshown({self.picture_key(s) for s in self.neighbours(values)})
 
     def _prefetch(self, key, values: dict) -> None:

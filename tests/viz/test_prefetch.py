@@ -71,6 +71,33 @@ def test_neighbours_are_queued_cheapest_first_and_unwanted_ones_left_out():
     assert recorder.keys == [explorer.picture_key({"n": n, "wide": False}) for n in (3, 4, 1)]
 
 
+def test_a_sweep_of_one_control_prepares_its_next_step_first_however_costly():
+    class Priced(Bars):
+        def prefetch_cost(self, values):
+            return {1: 0.0, 2: 1.0, 3: 9.0, 4: 0.5}[values["n"]] + values["wide"]
+
+    class Recorder:
+        def prefetch(self, owner, jobs):
+            self.keys = [key for key, _ in jobs]
+
+        def run_now(self, job, key=None):
+            return job()
+
+    explorer = Priced(n=1)
+    explorer.worker = recorder = Recorder()
+    explorer.controls["n"].value = 2  # 1 -> 2: the reader sweeps n upwards ...
+    key = explorer.picture_key
+    # ... so 3 first, then the cheapest (n=1 was shown: it is cached already)
+    assert recorder.keys == [key({"n": 3, "wide": False}), key({"n": 4, "wide": False}),
+                             key({"n": 2, "wide": True})]
+    explorer.controls["wide"].value = True  # a check box: no sweep, cheapest first
+    assert recorder.keys[:2] == [key({"n": 1, "wide": True}), key({"n": 4, "wide": True})]
+    assert explorer.ahead({"n": 1, "wide": False}, {"n": 2, "wide": True}) is None  # 2 moved
+    assert explorer.ahead({"n": 3, "wide": False}, {"n": 4, "wide": False}) is None  # the end
+    assert explorer.ahead({"n": 3, "wide": False}, {"n": 2, "wide": False}) == {
+        "n": 1, "wide": False}  # downwards
+
+
 def test_prefetched_pictures_are_the_direct_draws_and_a_change_then_draws_nothing():
     explorer = Bars(prefetch=True, n=2)
     assert explorer.worker is prefetch.shared_worker()
