@@ -125,12 +125,15 @@ class _Walk:
     def take(self, node: Context) -> list | None:
         """The summed output gradients of `node` (None if no gradient reached it)."""
         grads = self.pending.pop(node, None)
-        if grads is None or all(g is None for g in grads):
+        if grads is None:
             return None
-        if len(grads) > 1:  # unused outputs of a multi-output op get zeros
-            grads = [np.zeros(shape, dtype=_grad_dtype(grads)) if g is None else g
-                     for g, shape in zip(grads, node.out_shapes, strict=True)]
-        return grads
+        if len(grads) == 1:  # most ops have one output
+            return None if grads[0] is None else grads
+        if all(g is None for g in grads):
+            return None
+        # unused outputs of a multi-output op get zeros
+        return [np.zeros(shape, dtype=_grad_dtype(grads)) if g is None else g
+                for g, shape in zip(grads, node.out_shapes, strict=True)]
 
     def call(self, node: Context, grads: list | None, needs: tuple | None = None) -> tuple:
         """node's backward on `grads`: one gradient per forward argument. `needs`

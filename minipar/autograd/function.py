@@ -51,7 +51,7 @@ class Context:
         "_saved",
         "_held",
         "_device",
-        "_inputs",
+        "_parameters",
         "__dict__",
     )
 
@@ -66,7 +66,7 @@ class Context:
         self._saved = ()
         self._held = None
         self._device = None
-        self._inputs = None
+        self._parameters = ()  # while forward runs: the inputs that are parameters
 
     def save_for_backward(self, *items) -> None:
         """Keep ndarrays (or Tensors) for backward; read them back via `saved_tensors`.
@@ -104,10 +104,9 @@ class Context:
         self._saved = tuple(saved)
 
     def _parameter_holding(self, array: np.ndarray) -> Tensor | None:
-        for arg in self._inputs:
-            if isinstance(arg, Tensor) and arg.data is array and arg._ctx is None \
-                    and arg.requires_grad:
-                return arg
+        for parameter in self._parameters:
+            if parameter.data is array:
+                return parameter
         return None
 
     @property
@@ -118,7 +117,8 @@ class Context:
                 "the saved arrays of this node were freed by an earlier backward(); "
                 "run forward again before calling backward() a second time"
             )
-        return tuple(s.data if isinstance(s, Tensor) else s for s in self._saved)
+        # (a list comprehension, not a generator: cheaper, and this runs for every node)
+        return tuple([s.data if isinstance(s, Tensor) else s for s in self._saved])
 
     def release_saved(self) -> None:
         """Free what forward saved and release it from the ledger."""
@@ -159,27 +159,35 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
-        raw = []
+        # One pass over the arguments: the raw values forward receives and, with grad
+        # enabled, the edge to whatever produced each input that needs a gradient (an
+        # op's output, or a leaf: a parameter, whose saved .data save_for_backward keeps
+        # by reference).
+        raw, edges, parameters = [], [], []
         record = False
         if _grad_enabled.get():
-            needs = []
             for arg in args:
                 if isinstance(arg, Tensor):
                     raw.append(arg.data)
-                    needs.append(arg.requires_grad)
                     if arg.requires_grad:
                         record = True
+                        if arg._ctx is None:
+                            edges.append((arg, 0))
+                            parameters.append(arg)
+                        else:
+                            edges.append((arg._ctx, arg._index))
+                        continue
                 else:
                     raw.append(arg)
-                    needs.append(False)
+                edges.append(None)
         else:
             for arg in args:
                 raw.append(arg.data if isinstance(arg, Tensor) else arg)
         ctx = Context()
         if record:
             ctx.recording = True
-            ctx.needs_input_grad = tuple(needs)
-            ctx._inputs = args
+            ctx.needs_input_grad = tuple([edge is not None for edge in edges])
+            ctx._parameters = parameters
         else:
             ctx.needs_input_grad = (False,) * len(args)
         out = cls.forward(ctx, *raw)
@@ -196,16 +204,8 @@ class Function:
                 return tuple(_new_tensor(o, None, 0) for o in out)
             return _new_tensor(out, None, 0)
 
-        ctx._inputs = None
+        ctx._parameters = ()
         ctx.function = cls
-        edges = []
-        for arg, need in zip(args, needs, strict=True):
-            if not need:
-                edges.append(None)
-            elif arg._ctx is None:
-                edges.append((arg, 0))
-            else:
-                edges.append((arg._ctx, arg._index))
         ctx.edges = edges
         if isinstance(out, tuple):
             ctx.out_shapes = tuple(o.shape for o in out)

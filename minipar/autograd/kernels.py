@@ -11,10 +11,15 @@ describe its work as `Kernel`s:
 Ops that set nothing get one kernel: their FLOPs, and the bytes of their inputs and outputs
 (forward) or of the incoming gradients, the saved arrays and the gradients they return
 (backward), i.e. an unfused kernel that reads its operands once and writes its results once.
+
+The builders an op calls on every forward (`linear_kernels`, `attention_kernels`) are
+pure functions of a few integers and return frozen Kernels in tuples, so they are cached:
+a layer asks for the same shapes every micro-batch.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +55,7 @@ def linear_backward_kernels(batch: int, m: int, n: int, k: int, itemsize: int,
             gemm_kernel(batch, k, n, m, itemsize, epilogue_flops=batch * m * n if bias else 0))
 
 
+@functools.lru_cache(maxsize=1024)
 def linear_kernels(m: int, n: int, k: int, itemsize: int, bias: bool
                    ) -> tuple[tuple[Kernel], tuple[Kernel, Kernel]]:
     """(forward, backward) kernels of a linear layer (m, k) @ (k, n) (+ bias, in the
@@ -58,6 +64,7 @@ def linear_kernels(m: int, n: int, k: int, itemsize: int, bias: bool
             linear_backward_kernels(1, m, n, k, itemsize, bias=bias))
 
 
+@functools.lru_cache(maxsize=1024)
 def attention_kernels(heads: int, s: int, d: int, itemsize: int, dropout: bool
                       ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """(forward, backward) kernels of causal attention over `heads` (sequence, head) pairs

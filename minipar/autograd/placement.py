@@ -93,8 +93,9 @@ def shard(full: np.ndarray, placement: Placement, index: int, count: int) -> np.
             raise ValueError(f"cannot Shard({placement.dim}) a dimension of size {size} "
                              f"into {count} equal pieces")
         piece = size // count
-        return np.take(full, np.arange(index * piece, (index + 1) * piece),
-                       axis=placement.dim).copy()
+        cut = [slice(None)] * full.ndim
+        cut[placement.dim] = slice(index * piece, (index + 1) * piece)
+        return full[tuple(cut)].copy()  # a view of my piece, copied once
     if isinstance(placement, StridedShard):
         blocks = _blocks(full, placement)
         return np.concatenate([shard(b, Shard(placement.dim), index, count) for b in blocks],

@@ -353,6 +353,8 @@ class Cluster:
 
     def wait_collective(self, rank: int, rendezvous: Rendezvous) -> None:
         """Block until an asynchronous collective that `rank` joined has its results."""
+        if rendezvous.done:  # already (always, after a blocking call): nothing to wait for
+            return
         with self.lock:
             self._wait(Wait(rank, rendezvous), lambda: rendezvous.done)
 

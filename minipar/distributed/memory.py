@@ -34,8 +34,8 @@ def check_category(category: str) -> str:
 def root_array(array: np.ndarray) -> np.ndarray:
     """The ndarray that owns `array`'s memory (follows `.base` through views)."""
     root = array
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    while (base := root.base) is not None and isinstance(base, np.ndarray):
+        root = base
     return root
 
 
@@ -71,23 +71,25 @@ class MemoryLedger:
 
     def hold(self, array: np.ndarray, category: str) -> None:
         """Start counting `array` (its root buffer) under `category`."""
-        entry = self._held.get(id(root := root_array(array)))
+        root = root_array(array)
+        entry = self._held.get(id(root))
         if entry is not None:
             entry[2] += 1
             return
         check_category(category)
+        nbytes = root.nbytes
         self._held[id(root)] = [root, category, 1]
-        self.current[category] += root.nbytes
-        self.total += root.nbytes
-        if self.current[category] > self.peak[category]:
-            self.peak[category] = self.current[category]
+        current = self.current[category] = self.current[category] + nbytes
+        self.total += nbytes
+        if current > self.peak[category]:
+            self.peak[category] = current
         if self.total > self.peak_total:
             self.peak_total = self.total
             self.at_peak = dict(self.current)
             if self.moment is not None:
                 self.at_peak["time_s"], self.at_peak["phase"] = self.moment()
         if self.history is not None:
-            self.history.append((self._clock.now, category, self.current[category]))
+            self.history.append((self._clock.now, category, current))
 
     def release(self, array: np.ndarray) -> None:
         """Drop one hold of `array`'s root buffer; its bytes leave at the last release."""
@@ -100,11 +102,12 @@ class MemoryLedger:
             )
         entry[2] -= 1
         if entry[2] == 0:
-            root, category, _ = self._held.pop(key)
-            self.current[category] -= root.nbytes
+            del self._held[key]
+            root, category, _ = entry
+            current = self.current[category] = self.current[category] - root.nbytes
             self.total -= root.nbytes
             if self.history is not None:
-                self.history.append((self._clock.now, category, self.current[category]))
+                self.history.append((self._clock.now, category, current))
 
     def is_held(self, array: np.ndarray) -> bool:
         return id(root_array(array)) in self._held

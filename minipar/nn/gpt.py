@@ -157,7 +157,7 @@ def initialize_parameters(module: Module, config: GPTConfig, seed: int,
         # init_parameter reads only n_layer off the config (the c_proj scaling)
         value = INITIAL_DRAWS.get(("gpt", full, tuple(p.shape), config.n_layer, seed),
                                   lambda f=full, s=p.shape: init_parameter(f, s, config, seed))
-        p.data[...] = value.astype(p.dtype)
+        p.data[...] = value  # cast as it is copied in (the same rounding as astype)
 
 
 class CausalSelfAttention(Module):
