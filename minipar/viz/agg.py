@@ -3,14 +3,22 @@
     png = figure_png(fig)              # bytes; the same pixels as fig.savefig(..., dpi=110)
 
 An explorer answers a control change with one to three figures, and most of the time
-Agg spends on them is text: matplotlib 3.11 measures every label when it lays it out,
-then shapes its glyphs again to draw it (`FT2Font.set_text`, `FT2Font._layout`). Its own
-cache of measurements is kept per renderer, and every draw makes a new renderer, so each
-picture measured all its labels afresh, although the pictures of one explorer share most
-of them (rank names, tick labels, titles). `TextCachingRenderer` keeps both results for
-the whole process, keyed by everything they depend on (string, font properties, dpi,
-hinting): the same measurements and the same glyphs at the same positions, so the same
-pixels (benchmarks/picture_identity.py compares them with a plain Agg draw).
+Agg spends on them is text: matplotlib 3.11 measures every label when it lays it out
+(`FT2Font.set_text`, and the font's line height from its OS/2 table), shapes it again
+to draw it (`FT2Font._layout`) and has FreeType render each glyph (`_render_glyph`).
+Its own cache of measurements is kept per renderer, and every draw makes a new
+renderer, so each picture measured all its labels afresh, although the pictures of one
+explorer share most of them (rank names, tick labels, titles, the same glyphs at the
+same sub-pixel offsets). `TextCachingRenderer` keeps these results for the whole
+process, keyed by everything they depend on (string, font properties, dpi, hinting;
+for a glyph bitmap its size, transform and the fraction of a pixel it starts at): the
+same numbers and the same arrays reach Agg, so the same pixels
+(benchmarks/picture_identity.py compares the explorers' pictures with main's,
+tests/viz/test_agg.py with a plain FigureCanvasAgg).
+
+The glyph layout, line height and bitmap caches hook into how matplotlib 3.11 draws text
+(its `_layout`, `_get_font_height_metrics` and `_render_glyph`); an older matplotlib
+never calls them and keeps only the cache of measurements (a public renderer method).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import io
 import threading
 
 import matplotlib as mpl
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.font_manager import fontManager, get_font
@@ -63,8 +72,68 @@ class _CachedLayoutFont:
         if items is None:
             if len(self._layouts) >= TEXT_CACHE_SIZE:
                 self._layouts.clear()
-            items = self._layouts[key] = self._font._layout(text, *args, **kwargs)
+            items = self._layouts[key] = [
+                _CachedItem(item, _CachedGlyphFont(item.ft_object))
+                for item in self._font._layout(text, *args, **kwargs)]
         return items
+
+
+class _CachedItem:
+    """A glyph of a laid-out string (ft2font.LayoutItem), drawn with a _CachedGlyphFont."""
+
+    __slots__ = ("ft_object", "glyph_index", "x", "y", "char", "prev_kern")
+
+    def __init__(self, item, font):
+        self.ft_object, self.glyph_index, self.x, self.y = font, item.glyph_index, item.x, item.y
+        self.char, self.prev_kern = getattr(item, "char", None), getattr(item, "prev_kern", 0)
+
+
+class _Bitmap:
+    __slots__ = ("buffer", "left", "top")
+
+    def __init__(self, buffer, left, top):
+        self.buffer, self.left, self.top = buffer, left, top
+
+
+class _CachedGlyphFont:
+    """A FreeType font whose rendered glyph bitmaps are kept. FreeType places a glyph at
+    a position in 1/64 pixel (`_set_transform`'s delta); moved by whole pixels, its
+    bitmap is the same array moved by as many pixels (tests/viz/test_agg.py), so a
+    bitmap is kept by glyph, size, transform matrix and the position's fraction of a
+    pixel, with its offset from the position."""
+
+    _glyphs: dict = {}
+
+    def __init__(self, font):
+        self._font = font
+        self._size = self._matrix = self._delta = None
+
+    def __getattr__(self, name):
+        return getattr(self._font, name)
+
+    def set_size(self, size, dpi):
+        self._size = (size, dpi)
+
+    def _set_transform(self, matrix, delta):
+        self._matrix, self._delta = matrix, delta
+
+    def _render_glyph(self, glyph_index, flags, mode):
+        (dx, fx), (dy, fy) = divmod(self._delta[0], 64), divmod(self._delta[1], 64)
+        key = (self._font.fname, mpl.rcParams["text.hinting_factor"], self._size,
+               np.asarray(self._matrix).tobytes(), fx, fy, glyph_index, flags, mode)
+        kept = self._glyphs.get(key)
+        if kept is None:
+            if len(self._glyphs) >= 4 * TEXT_CACHE_SIZE:
+                self._glyphs.clear()
+            self._font.set_size(*self._size)
+            self._font._set_transform(self._matrix, self._delta)
+            bitmap = self._font._render_glyph(glyph_index, flags, mode)
+            empty = bitmap.buffer.size == 0  # FreeType places an empty bitmap at 0, 0
+            kept = self._glyphs[key] = (bitmap.buffer.copy(), empty,
+                                        bitmap.left - (0 if empty else dx),
+                                        bitmap.top - (0 if empty else dy))
+        buffer, empty, left, top = kept
+        return _Bitmap(buffer.copy(), left + (0 if empty else dx), top + (0 if empty else dy))
 
 
 class TextCachingRenderer(RendererAgg):
