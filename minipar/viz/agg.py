@@ -72,9 +72,10 @@ class _CachedLayoutFont:
         if items is None:
             if len(self._layouts) >= TEXT_CACHE_SIZE:
                 self._layouts.clear()
-            items = self._layouts[key] = [
-                _CachedItem(item, _CachedGlyphFont(item.ft_object))
-                for item in self._font._layout(text, *args, **kwargs)]
+            layout = self._font._layout(text, *args, **kwargs)
+            fonts = {id(item.ft_object): _CachedGlyphFont(item.ft_object) for item in layout}
+            items = self._layouts[key] = [_CachedItem(item, fonts[id(item.ft_object)])
+                                          for item in layout]
         return items
 
 
@@ -106,6 +107,9 @@ class _CachedGlyphFont:
 
     def __init__(self, font):
         self._font = font
+        # what else shapes a bitmap: the font file and face, FreeType's hinting factor
+        self._face = (font.fname, getattr(font, "face_index", 0),
+                      mpl.rcParams["text.hinting_factor"])
         self._size = self._matrix = self._delta = None
 
     def __getattr__(self, name):
@@ -119,8 +123,8 @@ class _CachedGlyphFont:
 
     def _render_glyph(self, glyph_index, flags, mode):
         (dx, fx), (dy, fy) = divmod(self._delta[0], 64), divmod(self._delta[1], 64)
-        key = (self._font.fname, mpl.rcParams["text.hinting_factor"], self._size,
-               np.asarray(self._matrix).tobytes(), fx, fy, glyph_index, flags, mode)
+        key = (self._face, self._size, np.asarray(self._matrix).tobytes(), fx, fy,
+               glyph_index, flags, mode)
         kept = self._glyphs.get(key)
         if kept is None:
             if len(self._glyphs) >= 4 * TEXT_CACHE_SIZE:
