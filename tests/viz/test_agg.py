@@ -1,9 +1,9 @@
 """figure_png draws what plain Agg draws, pixel for pixel, however warm its text caches.
 
-The caches (minipar/viz/agg.py) keep each label's measurements, glyph layout and line
-height and glyph bitmaps for the process; a picture drawn after others that share its labels, at other
-positions or another dpi, or under other hinting, must still be the one a fresh
-FigureCanvasAgg draws.
+The caches (minipar/viz/agg.py) keep each label's measurements, glyph layout, line
+height and glyph bitmaps for the process; a picture drawn after others that share its
+labels, at other positions or another dpi, or under other hinting, must still be the one
+a fresh FigureCanvasAgg draws.
 """
 
 from __future__ import annotations
