@@ -141,8 +141,10 @@ class _CachedGlyphFont:
 
 
 class TextCachingRenderer(RendererAgg):
-    """Agg, with each label's size (`get_text_width_height_descent`) and glyph layout
-    kept for the process rather than for one draw (see the module docstring)."""
+    """Agg, with each label's size (`get_text_width_height_descent`), each font's line
+    height, each string's glyph layout and each glyph's bitmap kept for the process
+    rather than for one draw (see the module docstring). Draws as RendererAgg draws:
+    only what is computed before the drawing calls is taken from the caches."""
 
     _metrics: dict = {}
     _layouts: dict = {}
