@@ -8,10 +8,10 @@ pictures, redrawn when a control changes, each setting's pictures cached in a Ru
         def draw(self, dp):              # -> (figures, status html)
             return [plot_memory(train_report(TrainConfig(dp=dp)))], f"dp={dp}"
 
-A picture is drawn once by Agg with margins fixed in inches (`figure_png`,
-`fixed_margins`) and shown as PNG in an `ipywidgets.Image`: a constrained layout would
-measure every label again on every redraw. A refusal (a layout the rules do not run) is
-shown in the status line, never raised.
+A picture is drawn once by Agg with margins fixed in inches (`fixed_margins`;
+`figure_png`, minipar/viz/agg.py) and shown as PNG in an `ipywidgets.Image`: a
+constrained layout would measure every label again on every redraw. A refusal (a layout
+the rules do not run) is shown in the status line, never raised.
 
 With `prefetch` (the default inside a Jupyter kernel), the settings one control change
 away are measured and drawn by a background worker while the reader looks at the
@@ -22,14 +22,13 @@ picture ready; the pictures are the ones a direct draw gives (same code, same ca
 from __future__ import annotations
 
 import html
-import io
 import time
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
+from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 
@@ -39,33 +38,11 @@ except ImportError as error:  # the library itself does not need ipywidgets
     raise ImportError("minipar.viz.widgets needs ipywidgets: pip install 'minipar[notebooks]' "
                       "(or pip install 'ipywidgets>=8')") from error
 
+__all__ = ["EXPLORER_DPI", "FIGURE_WIDTH", "REFUSALS", "Explorer", "figure_png",
+           "fixed_margins"]
+
 # Errors that mean "this layout cannot run": shown in the status line, never raised.
 REFUSALS = (ConfigError, PipelineError, NotImplementedError, ValueError)
-# JupyterLab stretches an ipywidgets.Image to the output area's width (829 px at a
-# 1280 px window, measured in Chromium), whatever the PNG's pixels. So the size a
-# reader sees is set by the figure's width in inches: 8 in -> ~104 display px per inch,
-# 7 pt text ~10 px (tests/viz/test_legibility.py). The dpi only decides sharpness:
-# 110 dpi gives 880 px, at least what the output area shows.
-FIGURE_WIDTH = 8.0
-EXPLORER_DPI = 110
-
-
-def figure_png(fig: Figure, dpi: int = EXPLORER_DPI) -> bytes:
-    """The figure as PNG bytes, drawn once by Agg (needs no display).
-
-    Not `fig.savefig`: for a figure that has (or had) a layout engine it draws the figure
-    twice, once to lay it out and once to render, and the explorers' figures have fixed
-    margins (`fixed_margins`). zlib level 1 instead of 6: a tenth more bytes for the
-    browser, a few milliseconds less per picture."""
-    buffer = io.BytesIO()
-    fig.set_dpi(dpi)
-    FigureCanvasAgg(fig).print_png(buffer, pil_kwargs={"compress_level": 1})
-    # A fresh canvas holds no pixels: the drawn one keeps its RGBA buffer (~1.2 MB for
-    # an 880 x 340 picture) for as long as the cached figure lives, and the explorers
-    # cache every picture they show or prefetch. A later draw makes a new buffer.
-    FigureCanvasAgg(fig)
-    return buffer.getvalue()
-
 
 def fixed_margins(fig: Figure, *, left: float, right: float, bottom: float,
                   top: float) -> Figure:

@@ -26,8 +26,9 @@ reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them re
 
 Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
 twice) and shown as PNG in an `ipywidgets.Image`, drawn once by Agg with margins fixed
-in inches (`figure_png`, `fixed_margins`, in the explorers' common frame,
-minipar/viz/explorer.py): a constrained layout would measure every
+in inches (`fixed_margins`, in the explorers' common frame, minipar/viz/explorer.py;
+`figure_png`, minipar/viz/agg.py, which keeps the labels' measurements and glyphs
+between pictures): a constrained layout would measure every
 label again on every redraw. Tests drive the explorers headless:
 set a control's `.value` and the callback runs synchronously; `explorer.figures` holds
 what was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
