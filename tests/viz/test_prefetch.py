@@ -227,3 +227,41 @@ def test_a_cell_that_starts_during_a_spare_run_cancels_it():
     worker.cell_started()
     assert not worker.working and worker.spare_cancelled == 1 and outcome == []
     worker.cell_finished()
+
+
+class SlowThree(Bars):
+    """n = 3 is a measured run that lasts until `release` is set; it is prepared first."""
+
+    def __init__(self, **initial):
+        self.started, self.release = threading.Event(), threading.Event()
+        super().__init__(prefetch=True, **initial)
+
+    def prefetch_cost(self, values):
+        return 0.0 if values == {"n": 3, "wide": False} else 1.0
+
+    def draw(self, n, wide):
+        if n == 3:
+            def rank():
+                self.started.set()
+                while not self.release.is_set():
+                    dist.barrier()
+
+            dist.launch(rank, 2)
+        return super().draw(n, wide)
+
+
+@pytest.mark.parametrize("asked, cancelled", [(3, 0), (1, 1)])
+def test_a_change_cancels_the_neighbour_being_measured_unless_it_asks_for_it(asked, cancelled):
+    explorer = SlowThree(n=2)
+    assert explorer.started.wait(10)  # the worker is measuring n = 3
+    before = explorer.worker.spare_cancelled
+    if asked == 3:  # waiting for the run in progress is the answer: let it finish
+        threading.Timer(0.2, explorer.release.set).start()
+    explorer.controls["n"].value = asked
+    explorer.release.set()
+    assert explorer.status.value == f"n={asked}" and explorer.error is None
+    assert explorer.worker.spare_cancelled - before == cancelled
+    if asked == 3:  # measured once, by the spare job the answer waited for
+        assert [values for values, _ in explorer.drawn].count((3, False)) == 1
+    explorer.worker.cancel(explorer)
+    assert explorer.worker.wait_idle(30)
