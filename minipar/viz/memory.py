@@ -36,14 +36,24 @@ COLORS = {
 UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
+# Past this many ranks, "rank 3 / (0,1,1)" labels run into each other at the width a
+# notebook shows (8 in): they become "r3 / 0,1,1", and past twice as many only every k-th
+# rank is labelled (k = ranks / LABELLED_RANKS, rounded up).
+COMPACT_LABELS_FROM = 9
+LABELLED_RANKS = 16
+
+
 def _rows(report) -> list[tuple[str, dict]]:
-    """(x label, memory) per rank: "rank 3" over its mesh coordinates (dp, pp, tp)."""
+    """(x label, memory) per rank: "rank 3" over its mesh coordinates (dp, pp, tp)
+    ("r3" over "0,1,1" for COMPACT_LABELS_FROM ranks or more)."""
     rows = []
+    compact = report.world_size >= COMPACT_LABELS_FROM
     for r in report.ranks:
         c = r["coords"]
-        label = f"rank {r['rank']}"
+        label = f"r{r['rank']}" if compact else f"rank {r['rank']}"
         if report.world_size > 1:
-            label += f"\n({c['dp']},{c['pp']},{c['tp']})"
+            label += (f"\n{c['dp']},{c['pp']},{c['tp']}" if compact
+                      else f"\n({c['dp']},{c['pp']},{c['tp']})")
         rows.append((label, r["memory"]))
     return rows
 
@@ -71,7 +81,9 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     else:
         ax = fig.subplots()
     _stacked(ax, bars, scale)
-    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
+    every = -(-len(bars) // LABELLED_RANKS)  # label every k-th bar
+    ax.set_xticks(range(len(bars)), [label if i % every == 0 else ""
+                                     for i, (label, _, _) in enumerate(bars)], fontsize=8)
     if report.world_size > 1:
         ax.set_xlabel("rank (dp, pp, tp)", fontsize=8)
     ax.set_ylabel(f"peak bytes held ({unit})")

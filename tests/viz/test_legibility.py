@@ -101,6 +101,14 @@ def problems(fig, display_width: float | None, tight: bool = False) -> list[str]
             itertools.product(boxes, legends), itertools.combinations(boxes, 2)):
         if box_a.overlaps(box_b):
             found.append(f"{a} overlaps {b}")
+    for ax in fig.axes:  # neighbouring tick labels of one axis run into each other
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+            extents = [t.get_window_extent(renderer) for t in labels]
+            for i in range(len(labels) - 1):
+                if extents[i].overlaps(extents[i + 1]):
+                    found.append(f"tick labels {labels[i].get_text()!r} and "
+                                 f"{labels[i + 1].get_text()!r} overlap")
     return found
 
 
@@ -138,6 +146,12 @@ def test_the_memory_figure_of_the_notebooks_keeps_its_title_clear_of_the_legend(
     assert problems(fig, None, tight=True) == []
 
 
+@pytest.mark.parametrize("layout", [dict(dp=8, tp=2), dict(dp=8, tp=4)])
+def test_the_memory_explorers_rank_labels_stay_apart_with_many_ranks(layout, cache):
+    explorer = widgets.MemoryExplorer(cache=cache, **layout)
+    assert problems(explorer.figure, DISPLAY_WIDTH) == []
+
+
 def test_the_check_itself_finds_small_text_and_a_title_under_a_legend():
     from matplotlib.figure import Figure
 
@@ -147,7 +161,9 @@ def test_the_check_itself_finds_small_text_and_a_title_under_a_legend():
     ax.set_title("a title " * 12, fontsize=6)
     fig.legend(loc="upper center")
     fig.text(0.95, 0.5, "a label that runs past the right edge")
+    ax.set_xticks(range(60), [f"rank {i}" for i in range(60)], fontsize=8)
     found = problems(fig, DISPLAY_WIDTH)
     assert any("display px" in p for p in found)
     assert any("overlaps legend" in p for p in found)
     assert any("runs off the picture" in p for p in found)
+    assert any("tick labels 'rank 0' and 'rank 1' overlap" in p for p in found)
