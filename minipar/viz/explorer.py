@@ -11,7 +11,8 @@ pictures, redrawn when a control changes, each setting's pictures cached in a Ru
 A picture is drawn once by Agg with margins fixed in inches (`fixed_margins`;
 `figure_png`, minipar/viz/agg.py) and shown as PNG in an `ipywidgets.Image`: a
 constrained layout would measure every label again on every redraw. A refusal (a layout
-the rules do not run) is shown in the status line, never raised.
+the rules do not run) is shown in the status line, never raised; the last pictures, of
+another setting, are hidden meanwhile.
 
 With `prefetch` (the default inside a Jupyter kernel), the settings one control change
 away are measured and drawn by a background worker while the reader looks at the
@@ -175,6 +176,9 @@ class Explorer(widgets.VBox):
             self.error = str(refusal)
             self.status.value = ("<span style='color:#b00020'>cannot run this layout: "
                                  f"{html.escape(self.error)}</span>")
+            # The last pictures belong to another setting: hidden (their space kept, so
+            # the page does not jump), never shown under controls they do not match.
+            self._pictures.layout.visibility = "hidden"
             self.last_seconds = time.perf_counter() - start
             self._prefetch_neighbours(values)
             self._shown_values = values
@@ -186,6 +190,7 @@ class Explorer(widgets.VBox):
         for image, png in zip(self.images, pngs, strict=False):
             image.value = png
         self._pictures.children = tuple(self.images[:len(figures)])
+        self._pictures.layout.visibility = "visible"
         self.status.value = message
         self.draws += 1
         self.last_seconds = time.perf_counter() - start

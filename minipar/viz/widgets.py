@@ -18,11 +18,10 @@ Four explorers, each an `ipywidgets.VBox` of controls, a status line and a pictu
 
 Every picture comes from a run, never from a formula (formulas appear only as the
 reference they are compared with). Runs (minipar.viz.runs) are cached by their settings
-in a `RunCache`,
-so going back to a setting is instant and a new one costs one small run (figures in
-benchmarks/README.md, `python benchmarks/bench_widgets.py`); in a Jupyter kernel the
-settings one control change away are measured and drawn in the background while the
-reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them ready.
+in a `RunCache`, so going back to a setting is instant and a new one costs one small
+run (benchmarks/README.md, `python benchmarks/bench_widgets.py`); in a Jupyter kernel
+the settings one control change away are measured and drawn in the background while
+the reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them ready.
 
 Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
 twice) and shown as PNG in an `ipywidgets.Image`, drawn once by Agg with margins fixed
@@ -391,7 +390,10 @@ class TrafficExplorer(Explorer):
         total = int(matrix.sum())
         groups = {kind: sum(r["comm"]["by_group"].get(kind, 0) for r in report.ranks)
                   for kind in ("dp", "tp", "pp")}
-        message = (f"one step moved {human_bytes(total)} in all; "
+        # The layout first: ZeRO-1 and -2 move what plain DP moves; a change must show.
+        message = (f"dp={settings['dp']} tp={settings['tp']} pp={settings['pp']} ZeRO-"
+                   f"{settings['zero']}, micro-batches {settings['grad_accum_steps']}, "
+                   f"{per_node} GPUs per node: one step moved {human_bytes(total)} in all; "
                    + ", ".join(f"{k} {human_bytes(v)}" for k, v in groups.items())
                    + f"; {crossing / max(total, 1):.0%} of it crosses a node boundary "
                      f"(InfiniBand instead of NVLink)")

@@ -142,6 +142,10 @@ def test_sharding_explorer_refuses_more_than_16_ranks():
     explorer.controls["pp"].value = 2
     assert explorer.error is not None and "16" in explorer.error
     assert explorer.draws == draws
+    # the last picture is another layout's: hidden while the controls say pp=2 ...
+    assert explorer._pictures.layout.visibility == "hidden"
+    explorer.controls["pp"].value = 1  # ... and shown again with a layout that runs
+    assert explorer.error is None and explorer._pictures.layout.visibility == "visible"
 
 
 # ------------------------------------------------------------------ pipeline
@@ -216,6 +220,8 @@ def test_only_the_data_parallel_bytes_cross_nodes_when_tp_fits_in_a_node():
     assert dp_bytes > 0
     assert widgets.cross_node_bytes(matrix, 2) == dp_bytes
     assert "crosses a node boundary" in explorer.status.value
+    assert explorer.status.value.startswith(  # the layout, so that every change shows
+        f"dp={explorer.values()['dp']} tp={explorer.values()['tp']} ")
     explorer.controls["by"].value = "op"  # same run, bars split by collective
     labels = {c.get_label() for c in explorer.figures[1].axes[0].containers}
     assert {"all_reduce", "reduce_scatter", "all_gather"} <= labels
