@@ -23,6 +23,7 @@ picture ready; the pictures are the ones a direct draw gives (same code, same ca
 from __future__ import annotations
 
 import html
+import re
 import time
 
 from matplotlib.figure import Figure
@@ -175,7 +176,7 @@ class Explorer(widgets.VBox):
         except REFUSALS as refusal:
             self.error = str(refusal)
             self.status.value = ("<span style='color:#b00020'>cannot run this layout: "
-                                 f"{html.escape(self.error)}</span>")
+                                 f"{html.escape(self.in_control_words(self.error))}</span>")
             # The last pictures belong to another setting: hidden (their space kept, so
             # the page does not jump), never shown under controls they do not match.
             self._pictures.layout.visibility = "hidden"
@@ -197,6 +198,31 @@ class Explorer(widgets.VBox):
         self._unshown.pop(key, None)  # shown: kept like every picture shown
         self._prefetch_neighbours(values)
         self._shown_values = values
+
+    def in_control_words(self, message: str) -> str:
+        """A refusal in the words of these controls: the rules speak in command-line flags
+        (`--virtual-stages 2`, shared with `minipar train`), the reader sees the controls'
+        labels ("v (chunks)" = 2). A flag is a control's name with dashes, or one of
+        FLAG_ALIASES; a value follows it if it is a number or one of the control's options."""
+        flags = {f"--{name.replace('_', '-')}": name for name in self.controls}
+        flags.update(self.FLAG_ALIASES)
+
+        def word(match):
+            name = flags.get(match.group(1))
+            if name is None:
+                return match.group(0)
+            control, value = self.controls[name], match.group(3)
+            options = ({str(v) for v in control._options_values}
+                       if hasattr(control, "_options_values") else set())
+            label = f'"{control.description}"'
+            if value is not None and (value[0].isdigit() or value in options):
+                return f"{label} = {value}"
+            return label + (match.group(2) or "")
+
+        return re.sub(r"(--[a-z][a-z-]*)( ([\w./-]+))?", word, message)
+
+    # Flags of the rules that name one of this explorer's controls by another name.
+    FLAG_ALIASES: dict[str, str] = {}
 
     # ------------------------------------------------------------------ prefetching
     def neighbours(self, values: dict) -> list[dict]:

@@ -169,10 +169,8 @@ def _coords_label(rank: dict) -> str:
 
 
 def _byte_unit(largest: float) -> tuple[str, float]:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if largest >= scale:
-            return unit, float(scale)
-    return "B", 1.0
+    return next(((unit, float(scale)) for unit, scale in (("GiB", 2**30), ("MiB", 2**20),
+                 ("KiB", 2**10)) if largest >= scale), ("B", 1.0))
 
 
 class MemoryExplorer(Explorer):
@@ -242,6 +240,7 @@ class MemoryExplorer(Explorer):
 # ------------------------------------------------------------------ pipeline
 class PipelineExplorer(Explorer):
     """Schedule, p, m, v -> timeline, bubble (measured and formula), activations in flight."""
+    FLAG_ALIASES = {"--grad-accum-steps": "micro_batches"}  # the schedules' rules
 
     def __init__(self, cache: RunCache | None = None, prefetch: bool | None = None,
                  **initial):
@@ -364,9 +363,9 @@ class TrafficExplorer(Explorer):
 
     def run(self, **settings) -> Report:
         """The measured run of a layout, shared by its gpus_per_node settings: where a
-        node ends changes the simulated clock, never which bytes go to which rank (the
-        same collectives on the same arrays; tests/viz/test_widgets.py measures both),
-        and the pictures draw the boundaries of the setting shown."""
+        node ends changes the simulated clock, never which bytes go to which rank (same
+        collectives, same arrays; tests/viz/test_widgets.py measures both); the pictures
+        draw the node boundaries of the setting shown."""
         config = self.config.replace(**settings)
         return self.cache.get(_traffic_key(config), lambda: train_report(config))
 

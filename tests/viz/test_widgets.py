@@ -324,3 +324,13 @@ def test_a_neighbour_the_rules_refuse_is_queued_as_cheap_not_raised():
     eight = explorer.picture_key({**explorer.values(), "dp": 8})
     assert recorder.keys.index(eight) > recorder.keys.index(
         explorer.picture_key({**explorer.values(), "dp": 2}))  # cheaper runs first
+
+
+def test_a_refusal_speaks_of_the_controls_not_of_command_line_flags():
+    explorer = PipelineExplorer(pp=8, micro_batches=9)
+    explorer.controls["schedule"].value = "interleaved"  # needs v >= 2
+    assert "--virtual-stages 2" in explorer.error  # the rules' own words, as an API
+    assert "&quot;v (chunks)&quot; = 2" in explorer.status.value  # the reader's
+    explorer.controls["virtual_stages"].value = 2  # m must be a multiple of p
+    assert "&quot;m (micro-batches)&quot; = 8 or 16" in explorer.status.value
+    assert "--" not in explorer.status.value
