@@ -155,8 +155,10 @@ def main() -> None:
                         help="keep N other processes spinning on the CPU meanwhile (a "
                              "machine whose cores are busy, reproducibly)")
     args = parser.parse_args()
+    if args.busy < 0:
+        parser.error(f"--busy: a number of processes >= 0, got {args.busy}")
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(max(0, args.busy))]
+                for _ in range(args.busy)]
     try:
         report(args)
     finally:
