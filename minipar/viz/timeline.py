@@ -38,6 +38,7 @@ COLORS = {
 COMM_STREAM = "#7a1f1f"  # transfers in flight, also while the rank computes
 WEIGHT_COLOR = "#8c6bb1"  # W: a backward labelled "W3" (weight gradients only)
 OFFLOAD_KINDS = ("host_optimizer", "transfer")
+OPTIONAL_KINDS = ("optimizer", "comm", *OFFLOAD_KINDS)  # in the legend only when drawn
 TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
 
 
@@ -159,12 +160,13 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
 
 
 def _legend_entries(max_chunk: int, present=()) -> tuple[list, list[str]]:
-    """(handles, labels), one per kind (the offload kinds only if `present` has them);
+    """(handles, labels), one per kind (the optimizer, comm and offload kinds only if
+    `present` has them: a pipeline step alone has no optimizer, free links no comm);
     with model chunks (interleaved) forward and backward show one swatch per chunk side
     by side, in the shades the bars use."""
     handles, labels = [], []
     for kind, color in COLORS.items():
-        if kind in OFFLOAD_KINDS and kind not in present:
+        if kind in OPTIONAL_KINDS and kind not in present:
             continue
         if max_chunk and kind in ("forward", "backward"):
             handles.append(tuple(Patch(facecolor=_lighter(color, 0.5 * c / max_chunk))

@@ -117,3 +117,15 @@ def test_a_micro_batch_cut_by_tensor_parallel_all_reduces_gets_one_label():
     (ax,) = plot_timeline([row]).axes
     labels = [(t.get_text(), t.get_position()[0]) for t in ax.texts]
     assert labels == [("F0", pytest.approx(1.5)), ("B0", pytest.approx(3.5))]
+
+
+def test_the_legend_names_only_the_optional_kinds_that_are_drawn():
+    def legend(timelines):
+        return [t.get_text() for t in plot_timeline(timelines).legends[0].get_texts()]
+
+    assert legend(TIMELINES) == ["forward", "backward", "comm", "idle"]  # no optimizer
+    compute_only = [[TimelineEvent("forward", 0.0, 1.0, "F0"),
+                     TimelineEvent("backward", 1.0, 3.0, "B0")]]
+    assert legend(compute_only) == ["forward", "backward", "idle"]  # a pipeline step alone
+    stepped = [compute_only[0] + [TimelineEvent("optimizer", 3.0, 3.5)]]
+    assert legend(stepped) == ["forward", "backward", "optimizer", "idle"]
