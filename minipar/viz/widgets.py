@@ -278,15 +278,16 @@ class PipelineExplorer(Explorer):
         fig = Figure(figsize=(FIGURE_WIDTH, 2.4))
         left, right = fig.subplots(1, 2)
         fixed_margins(fig, left=0.45, right=0.2, bottom=0.35, top=0.5)
-        ranks = range(pp)
+        ranks = range(pp)  # 8 "stage 7" labels run into each other in half the width
+        names = [f"stage {r}" if pp <= 4 else f"S{r}" for r in ranks]
         left.bar(ranks, result["in_flight"], color="#8e6bb8")
         left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
                        + " awaiting their backward\n(peak, from the schedule)", fontsize=8)
-        left.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
+        left.set_xticks(list(ranks), names, fontsize=7)
         unit, scale = _byte_unit(max(result["activations"]))
         right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
         right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8)
-        right.set_xticks(list(ranks), [f"stage {r}" for r in ranks], fontsize=7)
+        right.set_xticks(list(ranks), names, fontsize=7)
         formula = SCHEDULES[schedule].bubble_formula
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
                    f"{formula} = {result['formula']:.3f} for uniform stages (the last virtual "

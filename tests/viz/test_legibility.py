@@ -30,6 +30,7 @@ from minipar.viz.memory import plot_memory  # noqa: E402
 
 DISPLAY_WIDTH = 829  # px: JupyterLab 4's output area at a 1280 px window (see above)
 MIN_PX = 10  # smallest font size a reader gets, in display pixels
+LABEL_GAP_PX = 3  # the least room between two tick labels, in the picture's pixels
 INLINE_DPI = 100  # matplotlib-inline's default figure dpi
 
 
@@ -104,7 +105,8 @@ def problems(fig, display_width: float | None, tight: bool = False) -> list[str]
     for ax in fig.axes:  # neighbouring tick labels of one axis run into each other
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
-            extents = [t.get_window_extent(renderer) for t in labels]
+            # at least LABEL_GAP_PX apart: touching labels read as one word
+            extents = [t.get_window_extent(renderer).padded(LABEL_GAP_PX / 2) for t in labels]
             for i in range(len(labels) - 1):
                 if extents[i].overlaps(extents[i + 1]):
                     found.append(f"tick labels {labels[i].get_text()!r} and "
@@ -150,6 +152,12 @@ def test_the_memory_figure_of_the_notebooks_keeps_its_title_clear_of_the_legend(
 def test_the_memory_explorers_rank_labels_stay_apart_with_many_ranks(layout, cache):
     explorer = widgets.MemoryExplorer(cache=cache, **layout)
     assert problems(explorer.figure, DISPLAY_WIDTH) == []
+
+
+def test_the_pipeline_explorers_stage_labels_stay_apart_with_8_stages(cache):
+    explorer = widgets.PipelineExplorer(cache=cache, pp=8, micro_batches=8)
+    for fig in explorer.figures:
+        assert problems(fig, DISPLAY_WIDTH) == []
 
 
 def test_the_check_itself_finds_small_text_and_a_title_under_a_legend():
