@@ -28,6 +28,7 @@ import time
 
 from matplotlib.figure import Figure
 
+from minipar.errors import flag
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png
@@ -204,7 +205,7 @@ class Explorer(widgets.VBox):
         (`--virtual-stages 2`, shared with `minipar train`), the reader sees the controls'
         labels ("v (chunks)" = 2). A flag is a control's name with dashes, or one of
         FLAG_ALIASES; a value follows it if it is a number or one of the control's options."""
-        flags = {f"--{name.replace('_', '-')}": name for name in self.controls}
+        flags = {flag(name): name for name in self.controls}
         flags.update(self.FLAG_ALIASES)
 
         def word(match):
