@@ -31,6 +31,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+# Draw every picture: answers kept on disk (minipar/viz/store.py) would skip the drawing.
+os.environ["MINIPAR_CACHE_DIR"] = "off"
 
 
 def runs(explorer, values: dict) -> None:

@@ -6,6 +6,8 @@
                                                      # worker prepares the neighbours
     python benchmarks/bench_widgets.py --prefetch --think 2   # ... for 2 s per look
     python benchmarks/bench_widgets.py --busy 2      # with 2 other processes spinning
+    python benchmarks/bench_widgets.py --second-session   # the answers a first session
+                                                     # kept on disk (minipar/viz/store.py)
 
 Each explorer (minipar.viz.widgets) is driven headless, as the tests drive it: set a
 control's `.value`; the callback runs synchronously (run, draw, PNG), so the wall time of
@@ -35,6 +37,13 @@ for new settings, of CPU time of the whole process (time.process_time: what the 
 cost, whatever else the machine was doing), with the host, so the figures in
 benchmarks/README.md can be compared with a rerun. Skips with a message when ipywidgets
 is not installed.
+
+The answers the explorers keep on disk are off (MINIPAR_CACHE_DIR=off): every new
+setting is measured and drawn. --second-session measures what a reader who comes back
+finds (a new kernel, the same machine): a first process makes the same changes with the
+store on, in a temporary directory (without --busy: it stands for an earlier session),
+then this process makes them again, a fresh RunCache, the store on; "on disk" counts the
+new settings answered from it.
 """
 
 from __future__ import annotations
@@ -45,8 +54,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
+os.environ.setdefault("MINIPAR_CACHE_DIR", "off")  # --second-session names a directory
 try:
     from minipar.viz import widgets
 except ImportError as error:  # ipywidgets missing
@@ -92,7 +103,7 @@ def bench(name: str, quick: bool, prefetch: bool = False,
         visits = visits[:1]
     times: dict[str, list[float]] = {"first draw": [], "new setting": [], "revisited": [],
                                      "view change": [], "cpu": [], "refused": [],
-                                     "ready": [], "looked": []}
+                                     "ready": [], "looked": [], "on disk": []}
     explorer = None
 
     def build():
@@ -117,6 +128,7 @@ def bench(name: str, quick: bool, prefetch: bool = False,
             ready = (hasattr(explorer, "picture_key") and explorer.picture_key(
                 {**explorer.values(), control: value}) in explorer.cache)
             cpu: list[float] = []
+            hits = explorer.store.hits if explorer.store is not None else 0
             wall = timed(lambda c=control, v=value: explorer.set(**{c: v}), cpu)
             if explorer.error:
                 times["refused"].append(wall)
@@ -124,6 +136,7 @@ def bench(name: str, quick: bool, prefetch: bool = False,
             times["new setting"].append(wall)
             times["cpu"] += cpu
             times["ready"].append(ready)
+            times["on disk"].append(explorer.store is not None and explorer.store.hits > hits)
             seen.append(explorer.values())
         if explorer.error:
             raise RuntimeError(f"{name}: {changes} was refused: {explorer.error}")
@@ -154,9 +167,19 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="keep N other processes spinning on the CPU meanwhile (a "
                              "machine whose cores are busy, reproducibly)")
+    parser.add_argument("--second-session", action="store_true",
+                        help="first fill a temporary answer store with the same changes "
+                             "(another process), then measure with it")
     args = parser.parse_args()
     if args.busy < 0:
         parser.error(f"--busy: a number of processes >= 0, got {args.busy}")
+    if args.second_session:
+        directory = tempfile.mkdtemp(prefix="minipar-store-")
+        first = [sys.executable, __file__, "--only", *args.only] + (
+            ["--quick"] if args.quick else []) + (["--prefetch"] if args.prefetch else [])
+        subprocess.run(first, env={**os.environ, "MINIPAR_CACHE_DIR": directory},
+                       check=True, capture_output=True)
+        os.environ["MINIPAR_CACHE_DIR"] = directory  # read when an explorer is built
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(args.busy)]
     try:
@@ -172,11 +195,12 @@ def report(args) -> None:
     print(f"# {platform.python_version()}, {os.cpu_count()} CPUs, load average {load:.2f}, "
           + ("prefetch, " + ("until ready" if args.think is None else f"think {args.think} s")
              if args.prefetch else "no prefetch")
-          + (f", {args.busy} spinning processes" if args.busy else ""))
+          + (f", {args.busy} spinning processes" if args.busy else "")
+          + (", second session (answers on disk)" if args.second_session else ""))
     print("| explorer | first draw | new setting (median / max) | under 0.2 s "
           "| CPU (median / max) | ready | refused | revisited (median / max) "
-          "| view change (median / max) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| view change (median / max) | on disk |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.only:
         times = bench(name, args.quick, args.prefetch, args.think)
 
@@ -190,7 +214,8 @@ def report(args) -> None:
               f"{fast} of {len(times['new setting'])} | {cell(times['cpu'])} | "
               f"{sum(times['ready'])} of {len(times['ready'])} | "
               f"{len(times['refused'])} | {cell(times['revisited'])} | "
-              f"{cell(times['view change'])} |"
+              f"{cell(times['view change'])} | "
+              f"{sum(times['on disk'])} of {len(times['on disk'])} |"
               + (f" looked {statistics.median(times['looked']):.1f} / "
                  f"{max(times['looked']):.1f} s |" if times["looked"] else ""))
     print("(milliseconds per control change, on the default explorer models)")

@@ -22,8 +22,12 @@ import argparse
 import hashlib
 import io
 import json
+import os
 import pathlib
 import sys
+
+# Draw every picture: answers kept on disk (minipar/viz/store.py) would be read instead.
+os.environ["MINIPAR_CACHE_DIR"] = "off"
 
 # (name, explorer class name, constructor settings, then changes made one `set` each)
 VIEWS = [

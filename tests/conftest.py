@@ -5,6 +5,11 @@ non-interactive Agg backend for this process only. (CI must not export MPLBACKEN
 the notebooks that tests/test_notebooks.py executes would inherit it and lose every
 figure.)
 
+The explorers' answers on disk (minipar/viz/store.py) are off for the whole suite, the
+notebooks' kernels included (they inherit the environment): a test must measure and
+draw what it checks, and must not write to the user's ~/.cache. tests/viz/test_store.py
+turns the store on, in a temporary directory.
+
 The `device` fixture is a tiny stand-in for a virtual GPU: the device protocol of
 minipar.autograd.tracking with a ledger that follows the semantics of
 minipar.distributed.memory (root buffers, reference counts, per-category peaks). The autograd
@@ -13,6 +18,7 @@ and nn tests use it so they do not depend on the layer below them (minipar.distr
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import matplotlib
@@ -22,6 +28,7 @@ import pytest
 from minipar.autograd.tracking import use_device
 
 matplotlib.use("Agg")
+os.environ["MINIPAR_CACHE_DIR"] = "off"
 
 
 class FakeLedger:

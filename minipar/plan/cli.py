@@ -29,7 +29,7 @@ from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig, PlanError
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
-from minipar.train.config import MOE_HELP, PRECISIONS
+from minipar.train.config import MOE_HELP, PRECISIONS, moe_setting_without_experts
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
@@ -166,6 +166,9 @@ def _shape(args) -> ModelShape:
             named = [n for n in moe if n in str(err)] or list(moe)
             message = str(err).replace("ModelShape.", "").replace("ModelShape: ", "")
             raise PlanError(named[0], message.removeprefix(f"{named[0]} ")) from None
+        routing = [name for name in moe if name != "moe_num_experts"]
+        if routing and not shape.moe_num_experts:  # a dense model: nothing to route
+            raise moe_setting_without_experts(routing[0], moe[routing[0]])
     return shape
 
 

@@ -47,6 +47,13 @@ MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps
 DATASETS = ("corpus", "synthetic")
 
 
+def moe_setting_without_experts(setting: str, value) -> ConfigError:
+    """The error for an MoE setting given to a dense model (the trainer's and the
+    planner's): ignoring it would answer another question than the one asked."""
+    return ConfigError(setting, f"{value} has no effect without --moe-num-experts (the model "
+                       "is dense: no router, no experts); add --moe-num-experts E or drop it")
+
+
 @dataclass
 class TrainConfig:
     # model (GPT-2 shape); vocab_size None = taken from the data's tokenizer
@@ -198,6 +205,11 @@ class TrainConfig:
             if self.moe_aux_loss_coeff < 0:
                 raise ConfigError("moe_aux_loss_coeff", "must be >= 0, got "
                                   f"{self.moe_aux_loss_coeff}")
+        else:  # a dense model has no router: a changed MoE setting would be ignored
+            for field in dataclasses.fields(self):
+                if (field.name.startswith("moe_") and field.name != "moe_num_experts"
+                        and getattr(self, field.name) != field.default):
+                    raise moe_setting_without_experts(field.name, getattr(self, field.name))
         check_expert_parallel_settings(self.ep, self.dp, self.moe_num_experts)
 
     # ------------------------------------------------------------------ views

@@ -18,6 +18,11 @@ With `prefetch` (the default inside a Jupyter kernel), the settings one control 
 away are measured and drawn by a background worker while the reader looks at the
 picture (minipar/viz/prefetch.py), nearest options first, so a change usually finds its
 picture ready; the pictures are the ones a direct draw gives (same code, same cache).
+
+minipar's own explorers also keep every answer on disk (minipar/viz/store.py, under
+~/.cache/minipar; MINIPAR_CACHE_DIR=off turns it off): a setting answered once on this
+machine, shown or prepared, is answered from there by any later kernel, in milliseconds,
+until minipar, its libraries or matplotlib's style change.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
+from minipar.viz.store import AnswerStore, answer_store
 
 try:
     import ipywidgets as widgets
@@ -91,7 +97,9 @@ class Explorer(widgets.VBox):
     `error` is the last refusal (None after a successful draw), `last_seconds` the time
     the last redraw took (run + drawing + PNG). `prefetch`: prepare the neighbouring
     settings in the background (None: when running in a Jupyter kernel); `worker` is the
-    process's shared worker then, else None."""
+    process's shared worker then, else None. `store`: the answers kept on disk
+    (minipar/viz/store.py), or None (off, or an explorer whose drawing code is not
+    minipar's: `stores_answers`)."""
 
     dpi = EXPLORER_DPI
     # A slider's prefetched neighbours: value +- 1 .. +- SLIDER_REACH (None: its whole
@@ -117,9 +125,10 @@ class Explorer(widgets.VBox):
         # shown yet, oldest first (what `_forget_unshown` may discard)
         self._unshown: dict = {}
         self._shown_values: dict | None = None  # the setting answered last
+        self.store: AnswerStore | None = answer_store() if self.stores_answers() else None
         self.status = widgets.HTML()
         self.images: list = []
-        self.figures: list[Figure] = []
+        self._figures: list[Figure] | None = []  # None: answered from the store
         self.draws = 0
         self.error: str | None = None
         self.last_seconds = 0.0
@@ -132,8 +141,27 @@ class Explorer(widgets.VBox):
         self.refresh()
 
     @property
+    def figures(self) -> list[Figure]:
+        """The matplotlib Figures of the setting shown (an answer from the disk store
+        holds only its PNGs: they are drawn again when asked for, as the PNGs were)."""
+        if self._figures is None:
+            values = self._shown_values
+
+            def draw():
+                return self._picture(values)[0]
+
+            self._figures = draw() if self.worker is None else self.worker.run_now(draw)
+        return self._figures
+
+    @property
     def figure(self) -> Figure | None:
         return self.figures[0] if self.figures else None
+
+    def stores_answers(self) -> bool:
+        """Keep answers on disk? Only for explorers drawn by minipar's own code, which
+        the store's fingerprint covers; a subclass defined elsewhere draws with code
+        the fingerprint cannot see."""
+        return type(self).__module__.startswith("minipar.")
 
     def values(self) -> dict:
         return {name: control.value for name, control in self.controls.items()}
@@ -167,7 +195,7 @@ class Explorer(widgets.VBox):
         key = self.picture_key(values)
 
         def picture():
-            return self.cache.get(key, lambda: self._picture(values))
+            return self.cache.get(key, lambda: self._answer(key, values))
 
         try:
             if self.worker is None or key in self.cache:
@@ -186,12 +214,12 @@ class Explorer(widgets.VBox):
             self._shown_values = values
             return
         self.error = None
-        self.figures = figures
-        while len(self.images) < len(figures):
+        self._figures = figures
+        while len(self.images) < len(pngs):
             self.images.append(widgets.Image(format="png"))
         for image, png in zip(self.images, pngs, strict=False):
             image.value = png
-        self._pictures.children = tuple(self.images[:len(figures)])
+        self._pictures.children = tuple(self.images[:len(pngs)])
         self._pictures.layout.visibility = "visible"
         self.status.value = message
         self.draws += 1
@@ -285,23 +313,28 @@ class Explorer(widgets.VBox):
             return
         wanted = []
         ahead = self.ahead(self._shown_values, values)
-        for order, setting in enumerate(self.neighbours(values)):
+        near = self.neighbours(values)
+        on_disk = (set() if self.store is None
+                   else self.store.stored([self.picture_key(s) for s in near]))
+        for order, setting in enumerate(near):
             key = self.picture_key(setting)
             try:
                 cost = self.prefetch_cost(setting)
             except REFUSALS:  # a setting the rules refuse: cheap to find out and show
                 cost = 0.0
+            if cost is not None and key in on_disk:
+                cost = 0.0  # answered before, on disk: a file to read
             if key not in self.cache and key not in self._refused and cost is not None:
                 wanted.append((setting != ahead, cost, order, key, setting))
         wanted.sort(key=lambda item: item[:3])  # the sweep's next step, then cheapest first
         self.worker.prefetch(self, [(key, lambda k=key, s=setting: self._prefetch(k, s))
                                     for *_, key, setting in wanted])
-        self._forget_unshown({self.picture_key(s) for s in self.neighbours(values)})
+        self._forget_unshown({self.picture_key(s) for s in near})
 
     def _prefetch(self, key, values: dict) -> None:
         try:
             with self.cache.recording() as made:
-                self.cache.get(key, lambda: self._picture(values))
+                self.cache.get(key, lambda: self._answer(key, values))
             self._unshown[key] = made
         except REFUSALS:
             self._refused.add(key)
@@ -312,6 +345,18 @@ class Explorer(widgets.VBox):
         old = [key for key in list(self._unshown) if key not in near]
         for key in old[:max(0, len(old) - self.KEEP_UNSHOWN)]:
             self.cache.discard(self._unshown.pop(key, ()))
+
+    def _answer(self, key, values: dict):
+        """(figures or None, PNGs, status html) of one setting: from the disk store when
+        it has it (figures None: drawn only if asked for), else drawn and stored."""
+        if self.store is not None:
+            stored = self.store.load(key)
+            if stored is not None:
+                return None, *stored
+        figures, pngs, message = self._picture(values)
+        if self.store is not None:
+            self.store.save(key, pngs, message)
+        return figures, pngs, message
 
     def _picture(self, values: dict):
         """(figures, their PNGs, status html) of one setting: what the cache keeps, so

@@ -18,6 +18,13 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def span(values, show=human_bytes) -> str:
+    """'1.0 KiB to 2.0 KiB', or '1.0 KiB' when the smallest and largest read the same
+    (a status line's "X to X" reads like a typo)."""
+    low, high = show(min(values)), show(max(values))
+    return low if low == high else f"{low} to {high}"
+
+
 def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """A fixed-width table; `align` is one of 'l'/'r' per column (default: first left)."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

@@ -58,7 +58,7 @@ from minipar.viz.explorer import (
 from minipar.viz.memory import plot_memory
 from minipar.viz.runs import RunCache, pipeline_step, train_report
 from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
-from minipar.viz.tables import human_bytes
+from minipar.viz.tables import human_bytes, span
 from minipar.viz.timeline import plot_timeline
 from minipar.viz.traffic import plot_traffic
 
@@ -107,10 +107,9 @@ class ShardingExplorer(Explorer):
         held = self.holdings(dp, tp, pp, zero)
         fig = plot_sharding(held, kind, tensor, width=FIGURE_WIDTH)
         shares = [held.fraction(r, kind) for r in range(held.world_size)]
-        message = (f"{held.world_size} ranks; each holds {min(shares):.1%} to {max(shares):.1%}"
-                   f" of the model's {kind} ({human_bytes(min(b[kind] for b in held.nbytes))}"
-                   f" to {human_bytes(max(b[kind] for b in held.nbytes))}); "
-                   f"one device would hold 100%.")
+        who = "1 rank holds" if held.world_size == 1 else f"{held.world_size} ranks; each holds"
+        message = (f"{who} {span(shares, '{:.1%}'.format)} of the model's {kind} "
+                   f"({span([b[kind] for b in held.nbytes])}); one device would hold 100%.")
         empty = [r for r in range(held.world_size)
                  if not held.masks[r][kind].get(tensor, np.zeros(1, bool)).any()]
         if empty:
@@ -223,8 +222,9 @@ class MemoryExplorer(Explorer):
             legend.set_bbox_to_anchor((1.0, 0.75 / fig.get_size_inches()[1]),
                                       transform=fig.transFigure)
         peaks = [r["memory"]["peak_total"] for r in report.ranks]
-        message = (f"{report.world_size} ranks, Ψ = {report.n_params:,} parameters; "
-                   f"peak per rank {human_bytes(min(peaks))} to {human_bytes(max(peaks))} "
+        message = (f"{report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
+                   f"{report.n_params:,} parameters; "
+                   f"peak per rank {span(peaks)} "
                    f"(bars: each category's own peak; black tick: the peak of their sum)")
         host = max(r["memory_host"]["peak_total"] for r in report.ranks)
         nvme = max(r["memory_nvme"]["peak_total"] for r in report.ranks)

@@ -83,6 +83,9 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8"], "--ep"),  # the search's
     (["--model", "gpt2", "--gpus", "8", "--zero", "1"], "--zero"),  # (not ignored)
     (["--model", "gpt2", "--dp", "2", "--micro-batch-size", "0"], "--micro-batch-size"),
+    (["--model", "gpt2", "--dp", "8", "--moe-top-k", "1"], "--moe-top-k"),  # dense: not
+    (["--model", "mixtral-8x7b", "--dp", "8", "--moe-num-experts", "0",  # silently ignored
+      "--moe-layer-freq", "2"], "--moe-layer-freq"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)

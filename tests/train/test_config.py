@@ -100,3 +100,13 @@ def test_the_cli_refuses_them_in_one_line(capsys, flag, value):
 
 def test_the_limits_let_real_settings_through():
     TrainConfig(lr=1.0, weight_decay=0.5, grad_clip=0.0, bucket_size_mb=25.0, seed=2**63 - 1)
+
+
+@pytest.mark.parametrize("setting, value", [("moe_top_k", 1), ("moe_capacity_factor", 2.0),
+                                            ("moe_aux_loss_coeff", 0.0),
+                                            ("moe_layer_freq", 2)])
+def test_an_moe_setting_on_a_dense_model_is_refused_not_ignored(setting, value):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**{setting: value})
+    assert err.value.setting == setting and "without --moe-num-experts" in str(err.value)
+    TrainConfig(moe_num_experts=4, **{setting: value})  # with experts it means something

@@ -334,3 +334,14 @@ def test_a_refusal_speaks_of_the_controls_not_of_command_line_flags():
     explorer.controls["virtual_stages"].value = 2  # m must be a multiple of p
     assert "&quot;m (micro-batches)&quot; = 8 or 16" in explorer.status.value
     assert "--" not in explorer.status.value
+
+
+def test_status_lines_give_one_figure_when_every_rank_has_the_same():
+    memory = MemoryExplorer(config=SMALL, prefetch=False, dp=2, zero=0)  # two replicas
+    peaks = {r["memory"]["peak_total"] for r in memory.run(**memory.values()).ranks}
+    assert len(peaks) == 1
+    assert "peak per rank " + widgets.human_bytes(peaks.pop()) + " (" in memory.status.value
+    alone = ShardingExplorer(config=SMALL, prefetch=False, dp=1, tp=1, pp=1)
+    assert alone.status.value.startswith("1 rank holds 100.0% of the model's optimizer (")
+    alone.set(dp=2, pp=2)  # stages of different sizes: a range
+    assert " to " in alone.status.value.split(";")[1]

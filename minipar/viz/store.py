@@ -1,0 +1,196 @@
+"""The explorers' answers kept on disk, so that a setting answered once on this machine is
+answered again in milliseconds by any later kernel.
+
+    store = answer_store()             # None when MINIPAR_CACHE_DIR=off
+    store.save(key, pngs, message)     # after an explorer drew a setting
+    store.load(key)                    # -> (pngs, message), or None: draw it
+    store.stored(keys)                 # the keys it has
+
+Why: a new setting of an explorer is a measured run plus its figures, 0.1-1 s of CPU
+(benchmarks/README.md, bench_widgets); the background worker (prefetch.py) prepares the
+neighbours while the reader looks, but a kernel that restarts (Restart & Run All, the
+next day's session) forgets all of it. What an explorer shows depends only on its
+settings and on the code that measures and draws them: every run is deterministic
+(same seed and config, same numbers, whatever the thread timing), so the picture of a
+setting is a pure function of (settings, minipar's code, the libraries that draw).
+
+That function is what the directory's name fingerprints (`fingerprint`): the bytes of
+every file of the minipar package (its code and the bundled corpus), the versions of
+Python, NumPy, ml_dtypes and matplotlib, the font matplotlib draws with; and each entry
+records matplotlib's rcParams (a notebook that restyles matplotlib gets fresh pictures,
+kept beside the others). Change any of them and the old answers are never read again
+(the oldest directories are deleted, `KEEP_VERSIONS`). Only minipar's own explorers are
+stored: a subclass drawn by other code is not covered by the fingerprint
+(`Explorer.stores_answers`).
+
+An entry is one JSON file per setting (the key's repr, the status line, the PNGs in
+base64), written to a temporary name and renamed, so a reader never sees half a file
+and two kernels can share the directory. Loading never unpickles: a file that does not
+parse, names another key or holds something that is not a PNG is a miss (and is
+overwritten by the next save). A directory that cannot be written turns the store off
+for the process (`AnswerStore.error` says why); answering never fails because of it.
+
+Where: $MINIPAR_CACHE_DIR (`off` turns it off), else $XDG_CACHE_HOME/minipar, else
+~/.cache/minipar; under it `explorers/<fingerprint>/`. Deleting it is always safe.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import matplotlib as mpl
+import ml_dtypes
+import numpy as np
+
+CACHE_ENV = "MINIPAR_CACHE_DIR"
+OFF = ("off", "0", "none", "false", "")
+FORMAT = 1  # of an entry file; a new format is a new fingerprint
+KEEP_VERSIONS = 3  # fingerprint directories kept (several installs may share the cache)
+MAX_ENTRIES = 2000  # per fingerprint (~40-250 KB each); past it the oldest go
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def cache_root() -> pathlib.Path | None:
+    """The cache directory the environment names, or None when the store is off."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen is not None:
+        return None if chosen.strip().lower() in OFF else pathlib.Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "minipar"
+
+
+def package_digest(package: pathlib.Path) -> hashlib._Hash:
+    """SHA-256 of every file under `package` (names and bytes; no __pycache__)."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(package)).encode())
+            digest.update(path.read_bytes())
+    return digest
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """A digest of what every stored picture depends on besides its settings (see the
+    module docstring). ~5 ms, once per process."""
+    from matplotlib.font_manager import FontProperties, findfont
+
+    digest = package_digest(pathlib.Path(__file__).resolve().parent.parent)  # minipar/
+    digest.update(repr((FORMAT, sys.version, np.__version__, ml_dtypes.__version__,
+                        mpl.__version__, findfont(FontProperties()))).encode())
+    return digest.hexdigest()[:20]
+
+
+def _style() -> str:
+    """matplotlib's current rcParams, digested: the style every picture is drawn in.
+    (Read as stored, without "backend": reading that one makes matplotlib resolve the
+    interactive backend, ~0.2 s, and the explorers always draw with Agg.)"""
+    params = sorted((k, v) for k, v in dict.items(mpl.rcParams) if k != "backend")
+    return hashlib.sha256(repr(params).encode()).hexdigest()[:20]
+
+
+class AnswerStore:
+    """Entries under `directory` (a fingerprint's): `load`, `save`, `has`."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.directory = directory
+        self.error: str | None = None  # why saving stopped, if it did
+        self.hits = self.misses = self.saves = 0
+        self._ready = False
+
+    def _path(self, key, style: str) -> pathlib.Path:
+        name = hashlib.sha256(repr((key, style)).encode()).hexdigest()[:32]
+        return self.directory / f"{name}.json"
+
+    def stored(self, keys) -> set:
+        """Those of `keys` with an entry in the current style (not read: a file to find)."""
+        style = _style()
+        return {key for key in keys if self._path(key, style).is_file()}
+
+    def load(self, key) -> tuple[list[bytes], str] | None:
+        """(PNGs, status line) stored for `key` in the current style, or None."""
+        style = _style()
+        try:
+            entry = json.loads(self._path(key, style).read_text(encoding="utf-8"))
+            if entry["key"] != repr(key) or entry["style"] != style:
+                raise ValueError("another key or style")
+            pngs = [base64.b64decode(text, validate=True) for text in entry["pngs"]]
+            message = entry["message"]
+            if not isinstance(message, str) or not all(p.startswith(PNG_SIGNATURE)
+                                                       for p in pngs):
+                raise ValueError("not a status line and PNGs")
+        except (OSError, ValueError, KeyError, TypeError):  # a miss, whatever the cause
+            self.misses += 1
+            return None
+        self.hits += 1
+        return pngs, message
+
+    def save(self, key, pngs: list[bytes], message: str) -> None:
+        """Keep an answer; a failure to write turns the store off (never raises)."""
+        if self.error is not None:
+            return
+        style = _style()
+        entry = {"format": FORMAT, "key": repr(key), "style": style, "message": message,
+                 "pngs": [base64.b64encode(png).decode("ascii") for png in pngs]}
+        try:
+            self._prepare()
+            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".part")
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                json.dump(entry, file)
+            os.replace(temporary, self._path(key, style))
+        except OSError as error:
+            self.error = f"{self.directory}: {error}"
+            return
+        self.saves += 1
+        if self.saves % 100 == 0:
+            self._prune_entries()
+
+    def _prepare(self) -> None:
+        """Create the directory; the first time, drop the oldest fingerprints' ones."""
+        if self._ready:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.utime(self.directory)  # "used now", for the pruning of versions
+        # Only directories named like a fingerprint: MINIPAR_CACHE_DIR may name a
+        # directory that holds other things.
+        versions = sorted((d for d in self.directory.parent.iterdir()
+                           if d.is_dir() and re.fullmatch(r"[0-9a-f]{20}", d.name)),
+                          key=lambda d: d.stat().st_mtime, reverse=True)
+        for old in versions[KEEP_VERSIONS:]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune_entries()
+        self._ready = True
+
+    def _prune_entries(self) -> None:
+        """The oldest entries past MAX_ENTRIES, and half-written files an hour old (a
+        kernel stopped while writing)."""
+        entries = sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        stale = [p for p in self.directory.glob("*.part")
+                 if p.stat().st_mtime < time.time() - 3600]
+        for path in entries[:max(0, len(entries) - MAX_ENTRIES)] + stale:
+            path.unlink(missing_ok=True)
+
+
+_stores: dict[pathlib.Path, AnswerStore] = {}
+
+
+def answer_store() -> AnswerStore | None:
+    """The process's store for the cache directory the environment names now (one per
+    directory, so its error and counts persist), or None when it is off."""
+    root = cache_root()
+    if root is None:
+        return None
+    directory = root / "explorers" / fingerprint()
+    if directory not in _stores:
+        _stores[directory] = AnswerStore(directory)
+    return _stores[directory]
