@@ -91,15 +91,16 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
                       "peak of the total")
     if tiers:  # one title over both panels, each panel named by its tier
         fig.suptitle(title, fontsize=10)
-        ax.set_title("GPU", fontsize=9)
+        ax.set_title("GPU", fontsize=9, y=1.0)
     else:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=10, y=1.0)
     handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
     handles.append(Patch(facecolor="black", label="peak_total"))
     if tiers:
         _stacked(behind, tiers, scale, hatch="xx")
         behind.set_xticks(range(len(tiers)), [label for label, _, _ in tiers], fontsize=7)
-        behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=9)
+        behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=9,
+                         y=1.0)
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="NVMe"))
     # Level with the bottom of the bars, not the top: a long title runs past the axes'
     # right edge, and would run under a legend there.
@@ -122,11 +123,14 @@ def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:
     """One stacked bar per (label, memory, hatched), categories bottom-up (hatched ones
     with `hatch`), and a black tick at peak_total."""
     for x, (_, memory, hatched) in enumerate(bars):
-        bottom = 0.0
-        for category in MEMORY_CATEGORIES:
-            height = memory[category] / scale
-            ax.bar(x, height, bottom=bottom, color=COLORS[category], width=0.7,
-                   hatch=hatch if hatched else None, edgecolor="white", linewidth=0.5)
-            bottom += height
+        heights = [memory[category] / scale for category in MEMORY_CATEGORIES]
+        bottoms = [0.0]
+        for height in heights[:-1]:
+            bottoms.append(bottoms[-1] + height)
+        # One call per bar: the same rectangles in the same order as one call per
+        # category, without the per-call cost (~1 ms each, a few dozen per picture).
+        ax.bar([x] * len(heights), heights, bottom=bottoms,
+               color=[COLORS[category] for category in MEMORY_CATEGORIES], width=0.7,
+               hatch=hatch if hatched else None, edgecolor="white", linewidth=0.5)
         ax.plot([x - 0.38, x + 0.38], [memory["peak_total"] / scale] * 2, color="black",
                 linewidth=2)

@@ -282,11 +282,11 @@ class PipelineExplorer(Explorer):
         names = [f"stage {r}" if pp <= 4 else f"S{r}" for r in ranks]
         left.bar(ranks, result["in_flight"], color="#8e6bb8")
         left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
-                       + " awaiting their backward\n(peak, from the schedule)", fontsize=8)
+                       + " awaiting their backward\n(peak, from the schedule)", fontsize=8, y=1.0)
         left.set_xticks(list(ranks), names, fontsize=7)
         unit, scale = _byte_unit(max(result["activations"]))
         right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
-        right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8)
+        right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8, y=1.0)
         right.set_xticks(list(ranks), names, fontsize=7)
         formula = SCHEDULES[schedule].bubble_formula
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
@@ -331,7 +331,7 @@ def plot_sent_bytes(report: Report, *, by: str = "group",
     ax.set_xticks(range(n), [_coords_label(r) for r in report.ranks], fontsize=7)
     ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
     ax.set_ylabel(f"bytes sent per step ({unit})")
-    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9)
+    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9, y=1.0)
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
