@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from minipar.train.report import MEMORY_CATEGORIES
+from minipar.viz.ticks import TICK_COPYING
 
 COLORS = {
     "params": "#3b75af",
@@ -77,9 +78,10 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     width = width or max(6.0, 1.6 + 0.75 * len(bars))
     fig = Figure(figsize=(width * (1.6 if tiers else 1.0), 4.2), layout="constrained")
     if tiers:
-        ax, behind = fig.subplots(1, 2, sharey=True, width_ratios=[len(bars), len(tiers)])
+        ax, behind = fig.subplots(1, 2, sharey=True, width_ratios=[len(bars), len(tiers)],
+                                  subplot_kw=TICK_COPYING)
     else:
-        ax = fig.subplots()
+        ax = fig.subplots(subplot_kw=TICK_COPYING)
     _stacked(ax, bars, scale)
     every = -(-len(bars) // LABELLED_RANKS)  # label every k-th bar
     ax.set_xticks(range(len(bars)), [label if i % every == 0 else ""

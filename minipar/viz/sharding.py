@@ -35,6 +35,7 @@ from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
 from minipar.train.layouts import check_layout
+from minipar.viz.ticks import TickCopyingAxes
 
 KINDS = ("params", "grads", "optimizer")
 # The memory categories' colours (the memory explorer uses the same ones).
@@ -223,7 +224,8 @@ def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
     left, right = 1.25, 0.15             # left: the ranks' labels
     strip_top = 1 - 0.3 / height         # below the strip's title
     strip = fig.add_axes((left / width, strip_top - strip_height / height,
-                          1 - (left + right) / width, strip_height / height))
+                          1 - (left + right) / width, strip_height / height),
+                         axes_class=TickCopyingAxes)  # the same ticks, made faster
     # Below the strip: its tick labels, the tensor's title, then the panels.
     title_at = strip_top - (strip_height + 0.42) / height
     panels_top = strip_top - (strip_height + 0.5) / height

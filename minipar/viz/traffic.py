@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from minipar.viz.tables import human_bytes
+from minipar.viz.ticks import TickCopyingAxes
 
 GROUP_TITLES = {"tp": "tensor parallel (tp)", "cp": "context parallel (cp)",
                 "pp": "pipeline (pp)", "dp": "data parallel / ZeRO (dp)",
@@ -114,8 +115,8 @@ def _layout(n: int, width: float | None):
     height = TOP + side + BOTTOM
     fig = Figure(figsize=(width, height))
     axes = [fig.add_axes(((LEFT + k * (side + GAP)) / width, BOTTOM / height, side / width,
-                          side / height)) for k in range(n)]
+                          side / height), axes_class=TickCopyingAxes) for k in range(n)]
     bar_left = LEFT + n * side + GAP * (n - 1) + BAR_GAP
     bar_axes = fig.add_axes((bar_left / width, BOTTOM / height, BAR / width, side / height),
-                            label="<colorbar>")
+                            label="<colorbar>", axes_class=TickCopyingAxes)
     return fig, axes, bar_axes
