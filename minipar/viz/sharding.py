@@ -197,6 +197,10 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     # Panel of rank r: column r % cols, row r // cols, in data units of the panels'
     # axes (x: one unit per column, y: one per row, downwards), a gap for the title.
     shape = held.shapes[tensor]
+    # The limits first: fixed, so each image's extent and frame need not move them
+    # (imshow would set them again per image, add_patch work out each frame's limits).
+    panels.set_xlim(0, cols)
+    panels.set_ylim(rows + 0.02, 0)  # room for the last row's frame
     for r in range(n):
         row, col = divmod(r, cols)
         mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
@@ -204,12 +208,10 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
         x0, x1, y0, y1 = col + 0.02, col + 0.98, row + 0.2, row + 1.0
         panels.imshow(image.astype(float), aspect="auto", cmap=cmap, vmin=0, vmax=1,
                       interpolation="nearest", extent=(x0, x1, y1, y0))
-        panels.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False,
-                                   edgecolor="black", linewidth=0.8))
+        panels.add_artist(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False,
+                                    edgecolor="black", linewidth=0.8))
         panels.text((x0 + x1) / 2, y0 - 0.03, f"{_rank_label(r, held.coords[r])}: "
                     f"{mask.mean():.0%}", ha="center", va="bottom", fontsize=8)
-    panels.set_xlim(0, cols)
-    panels.set_ylim(rows + 0.02, 0)  # room for the last row's frame
     fig.text(0.5, title_at, f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
              ha="center", va="center", fontsize=9)
     return fig
