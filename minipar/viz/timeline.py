@@ -18,12 +18,16 @@ notebook shows each figure once.
 
 from __future__ import annotations
 
+import matplotlib as mpl
+import numpy as np
+from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Patch
 
 from minipar.parallel.pipeline import bubble_fraction
+from minipar.viz.ticks import TICK_COPYING
 
 COLORS = {
     "forward": "#3b75af",
@@ -99,11 +103,12 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
     max_chunk = max((_chunk(e[3]) for row in rows for e in row), default=0)
 
     fig = Figure(figsize=(width, 1.4 + 0.45 * n), layout="constrained")
-    ax = fig.subplots()
+    ax = fig.subplots(subplot_kw=TICK_COPYING)  # the same ticks, made faster
     min_text_width = (t1 - t0) / 40  # label a bar only if it is wider than this
     weights_drawn = False
+    drawn = _Bars()
     for y, row in enumerate(rows):
-        ax.broken_barh([((0.0), (t1 - t0) / scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
+        drawn.add([((0.0), (t1 - t0) / scale)], (y - 0.4, 0.8), COLORS["idle"])
         bars: dict[tuple, list] = {}
         spans: list[list] = []  # [label, start, end, color] of labelled compute
         for kind, s, e, label in row:
@@ -130,13 +135,13 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
                 ax.text((s + e - 2 * t0) / 2 / scale, y, label, ha="center", va="center",
                         fontsize=7, color=text_color, clip_on=True)
         for color, spans in bars.items():
-            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=[color], edgecolor="white",
-                           linewidth=0.3)
+            drawn.add(spans, (y - 0.4, 0.8), color, edgecolor="white", linewidth=0.3)
         if transfers is not None:  # the comm stream: a thin lane at the bottom of the row
             lane = [((max(t["start"], t0) - t0) / scale,
                      (min(t["end"], t1) - max(t["start"], t0)) / scale)
                     for t in transfers[y] if min(t["end"], t1) > max(t["start"], t0)]
-            ax.broken_barh(lane, (y + 0.22, 0.18), facecolors=[COMM_STREAM])
+            drawn.add(lane, (y + 0.22, 0.18), COMM_STREAM)
+    drawn.draw(ax)
     ax.set_yticks(range(n), rank_labels)
     ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, (t1 - t0) / scale)
@@ -144,7 +149,9 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
     if title is None:
         bubble = bubble_fraction(timelines, t0, t1)
         title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
-    ax.set_title(title)
+    # y=1.0: where matplotlib puts a title with no ticks above the axes; said, it spares
+    # measuring every tick label on each draw to find that out.
+    ax.set_title(title, y=1.0)
     present = {kind for row in rows for kind, *_ in row}
     handles, labels = _legend_entries(max_chunk, present)
     if weights_drawn:
@@ -157,6 +164,33 @@ def plot_timeline(timelines, *, title: str | None = None, rank_labels=None,
                frameon=False, fontsize=8,
                handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
     return fig
+
+
+class _Bars:
+    """Every bar of the chart in one PolyCollection, in the order they are added: what
+    one `Axes.broken_barh` per row and colour draws (the same rectangles, colours and
+    edges, painted in the same order), without a collection per call (~1 ms each, two to
+    five per row)."""
+
+    def __init__(self):
+        self.vertices, self.faces, self.edges, self.widths = [], [], [], []
+
+    def add(self, xranges, yrange, facecolor, edgecolor="none", linewidth=None):
+        """Rectangles (x, width) spanning yrange = (y, height), as broken_barh takes them."""
+        y0, height = yrange
+        y1 = y0 + height
+        for x0, width in xranges:
+            x1 = x0 + width
+            self.vertices.append([(x0, y0), (x0, y1), (x1, y1), (x1, y0)])
+            self.faces.append(facecolor)
+            self.edges.append(edgecolor)
+            self.widths.append(mpl.rcParams["patch.linewidth"] if linewidth is None
+                               else linewidth)
+
+    def draw(self, ax) -> None:
+        if self.vertices:
+            ax.add_collection(PolyCollection(np.array(self.vertices), facecolors=self.faces,
+                                             edgecolors=self.edges, linewidths=self.widths))
 
 
 def _legend_entries(max_chunk: int, present=()) -> tuple[list, list[str]]:

@@ -24,13 +24,12 @@ the settings one control change away are measured and drawn in the background wh
 the reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them ready.
 
 Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
-twice) and shown as PNG in an `ipywidgets.Image`, drawn once by Agg with margins fixed
-in inches (`fixed_margins`, in the explorers' common frame, minipar/viz/explorer.py;
-`figure_png`, minipar/viz/agg.py, which keeps the labels' measurements and glyphs
-between pictures): a constrained layout would measure every
-label again on every redraw. Tests drive the explorers headless:
-set a control's `.value` and the callback runs synchronously; `explorer.figures` holds
-what was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
+twice), with axes that copy their first tick (minipar/viz/ticks.py), and shown as PNG
+in an `ipywidgets.Image`, drawn once by Agg with margins fixed in inches (`fixed_margins`,
+minipar/viz/explorer.py; `figure_png`, minipar/viz/agg.py, which keeps the labels'
+measurements and glyphs between pictures). Tests drive the explorers headless: set a
+control's `.value` and the callback runs synchronously; `explorer.figures` holds what
+was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ from minipar.viz.memory import plot_memory
 from minipar.viz.runs import RunCache, pipeline_step, train_report
 from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
 from minipar.viz.tables import human_bytes, span
+from minipar.viz.ticks import TICK_COPYING
 from minipar.viz.timeline import plot_timeline
 from minipar.viz.traffic import plot_traffic
 
@@ -276,17 +276,17 @@ class PipelineExplorer(Explorer):
                      f"{result['formula']:.1%} by the formula"))
         fixed_margins(timeline, left=0.75, right=0.2, bottom=0.8, top=0.35)
         fig = Figure(figsize=(FIGURE_WIDTH, 2.4))
-        left, right = fig.subplots(1, 2)
+        left, right = fig.subplots(1, 2, subplot_kw=TICK_COPYING)
         fixed_margins(fig, left=0.45, right=0.2, bottom=0.35, top=0.5)
         ranks = range(pp)  # 8 "stage 7" labels run into each other in half the width
         names = [f"stage {r}" if pp <= 4 else f"S{r}" for r in ranks]
         left.bar(ranks, result["in_flight"], color="#8e6bb8")
         left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
-                       + " awaiting their backward\n(peak, from the schedule)", fontsize=8)
+                       + " awaiting their backward\n(peak, from the schedule)", fontsize=8, y=1.0)
         left.set_xticks(list(ranks), names, fontsize=7)
         unit, scale = _byte_unit(max(result["activations"]))
         right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
-        right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8)
+        right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8, y=1.0)
         right.set_xticks(list(ranks), names, fontsize=7)
         formula = SCHEDULES[schedule].bubble_formula
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
@@ -320,7 +320,7 @@ def plot_sent_bytes(report: Report, *, by: str = "group",
     unit, scale = _byte_unit(max(max(r["comm"]["sent_bytes"] for r in report.ranks), 1)
                              / steps)
     fig = Figure(figsize=(width, 2.8))
-    ax = fig.subplots()
+    ax = fig.subplots(subplot_kw=TICK_COPYING)
     fixed_margins(fig, left=0.75, right=1.4, bottom=0.75, top=0.3)
     bottom = np.zeros(n)
     for name in names:
@@ -331,7 +331,7 @@ def plot_sent_bytes(report: Report, *, by: str = "group",
     ax.set_xticks(range(n), [_coords_label(r) for r in report.ranks], fontsize=7)
     ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
     ax.set_ylabel(f"bytes sent per step ({unit})")
-    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9)
+    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9, y=1.0)
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 

@@ -35,8 +35,9 @@ def psi(config: TrainConfig) -> int:
 
 def bar_heights(ax, category):
     """Heights of one category's bars in minipar.viz.memory.plot_memory's stacked bars
-    (one bar per rank and category, drawn rank by rank in MEMORY_CATEGORIES order)."""
-    heights = np.array([c[0].get_height() for c in ax.containers])
+    (one rectangle per rank and category, drawn rank by rank in MEMORY_CATEGORIES
+    order)."""
+    heights = np.array([bar.get_height() for c in ax.containers for bar in c])
     per_rank = heights.reshape(-1, len(MEMORY_CATEGORIES))
     return per_rank[:, MEMORY_CATEGORIES.index(category)]
 
