@@ -107,8 +107,8 @@ class Explorer(widgets.VBox):
     # dragged).
     SLIDER_REACH: int | None = None
     # Prepared pictures kept that were never shown, beyond the current neighbours: each is
-    # a few MB of figures and runs (3.6 MB for the traffic explorer's), and a reader who
-    # moves on leaves ~10-25 of them behind at every change.
+    # its PNGs (50-250 KB) and its run, and a reader who moves on leaves ~10-25 of them
+    # behind at every change.
     KEEP_UNSHOWN = 32
     # A drop-down's: the options up to OPTION_REACH places either side (a long list such
     # as the sharding explorer's ~50 tensors would keep the worker busy for seconds).
@@ -128,7 +128,8 @@ class Explorer(widgets.VBox):
         self.store: AnswerStore | None = answer_store() if self.stores_answers() else None
         self.status = widgets.HTML()
         self.images: list = []
-        self._figures: list[Figure] | None = []  # None: answered from the store
+        self._figures: list[Figure] | None = []  # None: drawn when asked for (`figures`)
+        self._figures_only = False  # `figures` is drawing: cached_figure draws afresh
         self.draws = 0
         self.error: str | None = None
         self.last_seconds = 0.0
@@ -142,16 +143,23 @@ class Explorer(widgets.VBox):
 
     @property
     def figures(self) -> list[Figure]:
-        """The matplotlib Figures of the setting shown (an answer from the disk store
-        holds only its PNGs: they are drawn again when asked for, as the PNGs were)."""
+        """The matplotlib Figures of the setting shown. The caches keep only PNGs
+        (`_answer`), so the figures of an answer found ready are drawn again when asked
+        for, as the PNGs were drawn."""
         if self._figures is None:
             values = self._shown_values
-
-            def draw():
-                return self._picture(values)[0]
-
-            self._figures = draw() if self.worker is None else self.worker.run_now(draw)
+            self._figures = (self._figures_of(values) if self.worker is None
+                             else self.worker.run_now(lambda: self._figures_of(values)))
         return self._figures
+
+    def _figures_of(self, values: dict) -> list[Figure]:
+        """`draw`'s figures, none taken from `cached_figure` and none rendered."""
+        self._figures_only = True
+        try:
+            drawn, _ = self.draw(**values)
+        finally:
+            self._figures_only = False
+        return [item[0] if isinstance(item, tuple) else item for item in drawn]
 
     @property
     def figure(self) -> Figure | None:
@@ -195,7 +203,9 @@ class Explorer(widgets.VBox):
         key = self.picture_key(values)
 
         def picture():
-            return self.cache.get(key, lambda: self._answer(key, values))
+            drawn = []  # the figures, if drawn now (the cache keeps only their PNGs)
+            _, pngs, message = self.cache.get(key, lambda: self._answer(key, values, drawn))
+            return (drawn[0] if drawn else None), pngs, message
 
         try:
             if self.worker is None or key in self.cache:
@@ -334,7 +344,7 @@ class Explorer(widgets.VBox):
     def _prefetch(self, key, values: dict) -> None:
         try:
             with self.cache.recording() as made:
-                self.cache.get(key, lambda: self._answer(key, values))
+                self.cache.get(key, lambda: self._answer(key, values, []))
             self._unshown[key] = made
         except REFUSALS:
             self._refused.add(key)
@@ -346,17 +356,23 @@ class Explorer(widgets.VBox):
         for key in old[:max(0, len(old) - self.KEEP_UNSHOWN)]:
             self.cache.discard(self._unshown.pop(key, ()))
 
-    def _answer(self, key, values: dict):
-        """(figures or None, PNGs, status html) of one setting: from the disk store when
-        it has it (figures None: drawn only if asked for), else drawn and stored."""
+    def _answer(self, key, values: dict, drawn: list):
+        """(None, PNGs, status html) of one setting, what the RunCache keeps: from the
+        disk store when it has it, else drawn (the figures appended to `drawn`) and
+        stored. Never the Figures themselves: a cached Figure is ~5,000 objects that
+        every full garbage collection walks (the explorers' caches held 220k of a
+        kernel's 350k after bench_widgets, and a full collection then took 0.1-0.6 s in
+        the middle of an answer); `figures` draws them again when asked for."""
         if self.store is not None:
             stored = self.store.load(key)
             if stored is not None:
                 return None, *stored
         figures, pngs, message = self._picture(values)
+        if all(fig is not None for fig in figures):
+            drawn.append(figures)
         if self.store is not None:
             self.store.save(key, pngs, message)
-        return figures, pngs, message
+        return None, pngs, message
 
     def _picture(self, values: dict):
         """(figures, their PNGs, status html) of one setting: what the cache keeps, so
@@ -367,14 +383,21 @@ class Explorer(widgets.VBox):
                  for item in drawn]
         return [fig for fig, _ in pairs], [png for _, png in pairs], message
 
-    def cached_figure(self, key, make) -> tuple[Figure, bytes]:
-        """(figure, PNG) of `make()`, cached under `key`: for a picture that several
-        settings share (e.g. the same run seen in another view)."""
-        def render():
-            fig = make()
-            return fig, figure_png(fig, self.dpi)
+    def cached_figure(self, key, make) -> tuple[Figure | None, bytes | None]:
+        """(figure, PNG) of `make()`, the PNG cached under `key`: for a picture that
+        several settings share (e.g. the same run seen in another view). The figure is
+        None when the PNG came from the cache (it is not kept: `_answer`), and the PNG
+        None when `figures` is drawing."""
+        if self._figures_only:
+            return make(), None
+        made = []
 
-        return self.cache.get(("figure", type(self).__name__, key), render)
+        def render():
+            made.append(make())
+            return None, figure_png(made[0], self.dpi)
+
+        _, png = self.cache.get(("figure", type(self).__name__, key), render)
+        return (made[0] if made else None), png
 
     def draw(self, **values):  # pragma: no cover - abstract
         raise NotImplementedError
