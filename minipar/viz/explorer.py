@@ -39,7 +39,7 @@ from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
-from minipar.viz.store import AnswerStore, answer_store
+from minipar.viz.store import AnswerStore, answer_store, style_digest
 
 try:
     import ipywidgets as widgets
@@ -130,6 +130,7 @@ class Explorer(widgets.VBox):
         self.images: list = []
         self._figures: list[Figure] | None = []  # None: drawn when asked for (`figures`)
         self._figures_only = False  # `figures` is drawing: cached_figure draws afresh
+        self._style = style_digest()  # matplotlib's rcParams, part of every picture's key
         self.draws = 0
         self.error: str | None = None
         self.last_seconds = 0.0
@@ -193,12 +194,14 @@ class Explorer(widgets.VBox):
         self.refresh()
 
     def picture_key(self, values: dict) -> tuple:
-        """The RunCache key of the picture of one setting."""
+        """The RunCache key of the picture of one setting, in the matplotlib style of the
+        last refresh (a notebook that restyles matplotlib gets pictures in its style)."""
         return ("picture", type(self).__name__, repr(getattr(self, "config", None)),
-                *sorted(values.items()))
+                self._style, *sorted(values.items()))
 
     def refresh(self) -> None:
         start = time.perf_counter()
+        self._style = style_digest()
         values = self.values()
         key = self.picture_key(values)
 
@@ -342,6 +345,8 @@ class Explorer(widgets.VBox):
         self._forget_unshown({self.picture_key(s) for s in near})
 
     def _prefetch(self, key, values: dict) -> None:
+        if key[3] != style_digest():  # matplotlib was restyled since it was asked for
+            return
         try:
             with self.cache.recording() as made:
                 self.cache.get(key, lambda: self._answer(key, values, []))
@@ -396,7 +401,7 @@ class Explorer(widgets.VBox):
             made.append(make())
             return None, figure_png(made[0], self.dpi)
 
-        _, png = self.cache.get(("figure", type(self).__name__, key), render)
+        _, png = self.cache.get(("figure", type(self).__name__, self._style, key), render)
         return (made[0] if made else None), png
 
     def draw(self, **values):  # pragma: no cover - abstract

@@ -27,8 +27,10 @@ An entry is one JSON file per setting (the key's repr, the status line, the PNGs
 base64), written to a temporary name and renamed, so a reader never sees half a file
 and two kernels can share the directory. Loading never unpickles: a file that does not
 parse, names another key or holds something that is not a PNG is a miss (and is
-overwritten by the next save). A directory that cannot be written turns the store off
-for the process (`AnswerStore.error` says why); answering never fails because of it.
+overwritten by the next save). A save that fails is tried again with the directory
+made again (the cache may be deleted at any time); a directory that still cannot be
+written pauses saving for a minute (`AnswerStore.error` says why); answering never
+fails because of it. Entries are readable by their owner only (tempfile's 0600).
 
 Where: $MINIPAR_CACHE_DIR (`off` turns it off), else $XDG_CACHE_HOME/minipar, else
 ~/.cache/minipar; under it `explorers/<fingerprint>/`. Deleting it is always safe.
@@ -57,6 +59,7 @@ OFF = ("off", "0", "none", "false", "")
 FORMAT = 1  # of an entry file; a new format is a new fingerprint
 KEEP_VERSIONS = 3  # fingerprint directories kept (several installs may share the cache)
 MAX_ENTRIES = 2000  # per fingerprint (~40-250 KB each); past it the oldest go
+RETRY_SECONDS = 60.0  # after a save failed twice, the next try
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -94,7 +97,7 @@ def fingerprint() -> str:
     return digest.hexdigest()[:20]
 
 
-def _style() -> str:
+def style_digest() -> str:
     """matplotlib's current rcParams, digested: the style every picture is drawn in.
     (Read as stored, without "backend": reading that one makes matplotlib resolve the
     interactive backend, ~0.2 s, and the explorers always draw with Agg.)"""
@@ -107,9 +110,10 @@ class AnswerStore:
 
     def __init__(self, directory: pathlib.Path) -> None:
         self.directory = directory
-        self.error: str | None = None  # why saving stopped, if it did
+        self.error: str | None = None  # why the last save failed, if it did
         self.hits = self.misses = self.saves = 0
-        self._ready = False
+        self._ready = False  # the directory is made (and old versions pruned)
+        self._paused_until = 0.0  # monotonic time before which saves are skipped
 
     def _path(self, key, style: str) -> pathlib.Path:
         name = hashlib.sha256(repr((key, style)).encode()).hexdigest()[:32]
@@ -117,12 +121,12 @@ class AnswerStore:
 
     def stored(self, keys) -> set:
         """Those of `keys` with an entry in the current style (not read: a file to find)."""
-        style = _style()
+        style = style_digest()
         return {key for key in keys if self._path(key, style).is_file()}
 
     def load(self, key) -> tuple[list[bytes], str] | None:
         """(PNGs, status line) stored for `key` in the current style, or None."""
-        style = _style()
+        style = style_digest()
         try:
             entry = json.loads(self._path(key, style).read_text(encoding="utf-8"))
             if entry["key"] != repr(key) or entry["style"] != style:
@@ -139,24 +143,40 @@ class AnswerStore:
         return pngs, message
 
     def save(self, key, pngs: list[bytes], message: str) -> None:
-        """Keep an answer; a failure to write turns the store off (never raises)."""
-        if self.error is not None:
+        """Keep an answer; never raises. A write that fails is tried once more with the
+        directory made again (deleting the cache is allowed at any time); if that fails
+        too, saving pauses for RETRY_SECONDS (`error` says why), then is tried again."""
+        if time.monotonic() < self._paused_until:
             return
-        style = _style()
+        style = style_digest()
         entry = {"format": FORMAT, "key": repr(key), "style": style, "message": message,
                  "pngs": [base64.b64encode(png).decode("ascii") for png in pngs]}
-        try:
-            self._prepare()
-            handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".part")
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                json.dump(entry, file)
-            os.replace(temporary, self._path(key, style))
-        except OSError as error:
-            self.error = f"{self.directory}: {error}"
-            return
+        for last_try in (False, True):
+            try:
+                self._write(entry, self._path(key, style))
+                break
+            except OSError as error:
+                self._ready = False  # make the directory again
+                if last_try:
+                    self.error = f"{self.directory}: {error}"
+                    self._paused_until = time.monotonic() + RETRY_SECONDS
+                    return
+        self.error = None
         self.saves += 1
         if self.saves % 100 == 0:
             self._prune_entries()
+
+    def _write(self, entry: dict, path: pathlib.Path) -> None:
+        """Write to a temporary file beside `path`, then rename: never half a file."""
+        self._prepare()
+        handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".part")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                json.dump(entry, file)
+            os.replace(temporary, path)
+        except BaseException:
+            pathlib.Path(temporary).unlink(missing_ok=True)
+            raise
 
     def _prepare(self) -> None:
         """Create the directory; the first time, drop the oldest fingerprints' ones."""

@@ -125,7 +125,7 @@ def test_the_fingerprint_changes_with_any_byte_of_the_package(tmp_path):
     assert answers.package_digest(copy).hexdigest() != before
 
 
-def test_a_directory_that_cannot_be_written_turns_the_store_off_not_the_explorer(
+def test_a_directory_that_cannot_be_written_pauses_saving_not_the_explorer(
         tmp_path, monkeypatch):
     blocker = tmp_path / "a file"
     blocker.write_text("not a directory", encoding="utf-8")
@@ -133,7 +133,43 @@ def test_a_directory_that_cannot_be_written_turns_the_store_off_not_the_explorer
     explorer = Bars(n=2)
     explorer.set(n=3)
     assert explorer.status.value == "n=3" and explorer.drawn == [2, 3]
-    assert "a file" in explorer.store.error
+    assert "a file" in explorer.store.error and explorer.store.saves == 0
+    blocker.unlink()  # the cause goes away: after the pause, saving resumes
+    monkeypatch.setattr(answers, "RETRY_SECONDS", 0.0)
+    explorer.store._paused_until = 0.0
+    explorer.set(n=1)
+    assert explorer.store.error is None and explorer.store.saves == 1
+
+
+def test_the_cache_deleted_while_a_kernel_runs_is_made_again(cache_dir):
+    Bars(n=2)
+    shutil.rmtree(cache_dir)
+    explorer = Bars(n=3)
+    assert explorer.store.error is None
+    assert Bars(n=3).drawn == []  # stored again, in the directory made again
+    assert not list(explorer.store.directory.glob("*.part"))
+
+
+def test_a_restyle_gives_new_pictures_even_where_a_figure_is_shared(cache_dir):
+    # The traffic explorer's heatmaps are shared by its two bar views (cached_figure):
+    # after a restyle, neither the RunCache nor the store may hand back the old style.
+    config = widgets.EXPLORER_CONFIG.replace(n_layer=2, dp=2, tp=1, pp=1)
+    explorer = widgets.TrafficExplorer(config, prefetch=False, dp=2, tp=1, pp=1, zero=0,
+                                       grad_accum_steps=1, gpus_per_node=2)
+    plain = explorer.images[0].value
+    with mpl.rc_context({"axes.edgecolor": "red", "xtick.color": "red"}):
+        explorer.set(by="op")
+        red = explorer.images[0].value
+        assert red != plain
+        explorer.set(by="group")  # seen before, in the old style: drawn again
+        assert explorer.images[0].value == red
+        explorer.set(by="op")
+        fresh = widgets.TrafficExplorer(config, prefetch=False, cache=RunCache(), dp=2, tp=1,
+                                        pp=1, zero=0, grad_accum_steps=1, gpus_per_node=2,
+                                        by="op")
+        assert fresh.images[0].value == red  # from the store, in this style
+    explorer.set(by="group")
+    assert explorer.images[0].value == plain
 
 
 def test_off_and_explorers_drawn_by_other_code_store_nothing(cache_dir, monkeypatch):
@@ -185,7 +221,7 @@ def test_what_the_worker_prepares_is_stored_and_found_first_next_time(cache_dir)
         def prefetch(self, owner, jobs):
             self.order = [key for key, _ in jobs]
 
-    looked.store._path(keys[2], answers._style()).unlink()  # only n=1 is on disk now
+    looked.store._path(keys[2], answers.style_digest()).unlink()  # only n=1 is on disk now
     later = Prefetched(prefetch=False, n=2)  # the next kernel
     later.worker = Recorder()
     later._prefetch_neighbours(later.values())
