@@ -12,6 +12,7 @@ every laptop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from .roofline import A100_SXM_80GB, H100_SXM_80GB, Roofline
@@ -142,6 +143,7 @@ A100 = DeviceProfile(name="A100-SXM-80GB roofline (NVLink 3, 200 Gb/s IB HDR)",
                      pcie_bandwidth=25e9)
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # pure; a step asks for the same sizes again
 def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float) -> float:
     """Alpha-beta time of a ring collective over n ranks; nbytes is the full tensor S.
 

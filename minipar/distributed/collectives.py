@@ -29,6 +29,8 @@ its owner (`sent_to` names every peer), and receives as much.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .clock import collective_time
@@ -48,6 +50,10 @@ def ring_chunk_bytes(numel: int, itemsize: int, n: int) -> list[int]:
     return [(base + (i < extra)) * itemsize for i in range(n)]
 
 
+# Cached: a training step asks for the same few sizes at every micro-batch, and working
+# the chunks out again was ~125 of the ~1350 bytecodes a rank ran per all-reduce
+# (benchmarks/README.md, "cheaper collectives").
+@functools.lru_cache(maxsize=4096, typed=True)
 def all_reduce_bytes(numel: int, itemsize: int, n: int, i: int) -> tuple[int, int]:
     """(sent, received) bytes of ring position i in a ring all-reduce over n ranks.
 
@@ -106,8 +112,20 @@ class _Collective:
         number = self.device.next_call_number(self.group.ranks)
         rendezvous = self.cluster.collective(self.device.rank, self.group, number, call,
                                              combine, not async_op)
-        work = CollectiveWork(self, rendezvous, sent, received, async_op, category=category)
-        return work if async_op else work.wait()
+        if async_op:
+            return CollectiveWork(self, rendezvous, sent, received, True, category=category)
+        # A blocking call is back from the rendezvous with the results there: finish it
+        # here, not through a CollectiveWork and its wait() (~90 of the ~1200 bytecodes a
+        # rank ran per all-reduce; benchmarks/README.md, "cheaper collectives").
+        result = self.finish(rendezvous, sent, received)
+        if category is not None:
+            self.device.memory.hold(result, check_category(category))
+        return result
+
+    def finish(self, rendezvous, sent: int, received: int) -> np.ndarray | None:
+        """Book the completed call (bytes, clock) and return this rank's result."""
+        self.book(sent, received, rendezvous.start, rendezvous.end)
+        return rendezvous.results[self.index]
 
     def book(self, sent: int, received: int, start: float, end: float) -> None:
         """Record the call in the rank's byte ledger and advance its clock to the end."""
@@ -173,8 +191,7 @@ class CollectiveWork:
             c.cluster.wait_collective(c.device.rank, rendezvous)
             self._finished = True
             c.device._pending_works.pop(id(self), None)
-            c.book(self._sent, self._received, rendezvous.start, rendezvous.end)
-            self._result = rendezvous.results[c.index]
+            self._result = c.finish(rendezvous, self._sent, self._received)
             self._rendezvous = None
         if self._out is not None:
             out, self._out = self._out, None
