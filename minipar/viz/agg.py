@@ -1,6 +1,7 @@
 """The explorers' pictures as PNG: drawn once by Agg, without measuring a label twice.
 
     png = figure_png(fig)              # bytes; the same pixels as fig.savefig(..., dpi=110)
+    fixed_margins(fig, left=0.8, right=0.2, bottom=0.6, top=0.4)   # inches, no layout engine
 
 An explorer answers a control change with one to three figures, and most of the time
 Agg spends on them is text: matplotlib 3.11 measures every label when it lays it out
@@ -211,13 +212,31 @@ def figure_png(fig: Figure, dpi: int = EXPLORER_DPI) -> bytes:
 
     Not `fig.savefig`: for a figure that has (or had) a layout engine it draws the figure
     twice, once to lay it out and once to render, and the explorers' figures have fixed
-    margins (minipar.viz.explorer.fixed_margins). zlib level 1 instead of 6: a tenth
+    margins (`fixed_margins`). zlib level 1 instead of 6: a tenth
     more bytes for the browser, a few milliseconds less per picture."""
     buffer = io.BytesIO()
     fig.set_dpi(dpi)
     TextCachingCanvas(fig).print_png(buffer, pil_kwargs={"compress_level": 1})
     # A fresh canvas holds no pixels: the drawn one keeps its RGBA buffer (~1.2 MB for
-    # an 880 x 340 picture) for as long as the cached figure lives, and the explorers
-    # cache every picture they show or prefetch. A later draw makes a new buffer.
+    # an 880 x 340 picture) for as long as the figure lives (an explorer keeps the
+    # figures of the setting it shows). A later draw makes a new buffer.
     FigureCanvasAgg(fig)
     return buffer.getvalue()
+
+
+def fixed_margins(fig: Figure, *, left: float, right: float, bottom: float,
+                  top: float) -> Figure:
+    """Replace the figure's constrained layout by margins in inches chosen for its labels.
+
+    Constrained layout measures every label on every draw to fit the margins: about a
+    quarter of an explorer's redraw. The explorers' figures have a known shape, so fixed
+    margins (what constrained layout finds for them, give or take) do the same job."""
+    width, height = fig.get_size_inches()
+    fig.set_layout_engine("none")
+    # What fig.subplots_adjust does; it refuses a figure created with a constrained layout.
+    fig.subplotpars.update(left=left / width, right=1 - right / width,
+                           bottom=bottom / height, top=1 - top / height)
+    for ax in fig.axes:
+        if ax.get_subplotspec() is not None:  # colorbars and legends stay where they are
+            ax.set_position(ax.get_subplotspec().get_position(fig))
+    return fig

@@ -8,7 +8,7 @@ pictures, redrawn when a control changes, each setting's pictures cached in a Ru
         def draw(self, dp):              # -> (figures, status html)
             return [plot_memory(train_report(TrainConfig(dp=dp)))], f"dp={dp}"
 
-A picture is drawn once by Agg with margins fixed in inches (`fixed_margins`;
+A picture is drawn once by Agg with margins fixed in inches (`fixed_margins` and
 `figure_png`, minipar/viz/agg.py) and shown as PNG in an `ipywidgets.Image`: a
 constrained layout would measure every label again on every redraw. A refusal (a layout
 the rules do not run) is shown in the status line, never raised; the last pictures, of
@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 from minipar.errors import flag
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
-from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png
+from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 from minipar.viz.store import AnswerStore, answer_store, style_digest
@@ -52,24 +52,6 @@ __all__ = ["EXPLORER_DPI", "FIGURE_WIDTH", "REFUSALS", "Explorer", "figure_png",
 
 # Errors that mean "this layout cannot run": shown in the status line, never raised.
 REFUSALS = (ConfigError, PipelineError, NotImplementedError, ValueError)
-
-def fixed_margins(fig: Figure, *, left: float, right: float, bottom: float,
-                  top: float) -> Figure:
-    """Replace the figure's constrained layout by margins in inches chosen for its labels.
-
-    Constrained layout measures every label on every draw to fit the margins: about a
-    quarter of an explorer's redraw. The explorers' figures have a known shape, so fixed
-    margins (what constrained layout finds for them, give or take) do the same job."""
-    width, height = fig.get_size_inches()
-    fig.set_layout_engine("none")
-    # What fig.subplots_adjust does; it refuses a figure created with a constrained layout.
-    fig.subplotpars.update(left=left / width, right=1 - right / width,
-                           bottom=bottom / height, top=1 - top / height)
-    for ax in fig.axes:
-        if ax.get_subplotspec() is not None:  # colorbars and legends stay where they are
-            ax.set_position(ax.get_subplotspec().get_position(fig))
-    return fig
-
 
 # ------------------------------------------------------------------ the common frame
 def _control(kind, description: str, options=None, value=None, width="170px"):
