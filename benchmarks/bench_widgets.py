@@ -128,7 +128,8 @@ def bench(name: str, quick: bool, prefetch: bool = False,
             ready = (hasattr(explorer, "picture_key") and explorer.picture_key(
                 {**explorer.values(), control: value}) in explorer.cache)
             cpu: list[float] = []
-            hits = explorer.store.hits if explorer.store is not None else 0
+            store = getattr(explorer, "store", None)  # (None in trees before the store)
+            hits = store.hits if store is not None else 0
             wall = timed(lambda c=control, v=value: explorer.set(**{c: v}), cpu)
             if explorer.error:
                 times["refused"].append(wall)
@@ -136,7 +137,7 @@ def bench(name: str, quick: bool, prefetch: bool = False,
             times["new setting"].append(wall)
             times["cpu"] += cpu
             times["ready"].append(ready)
-            times["on disk"].append(explorer.store is not None and explorer.store.hits > hits)
+            times["on disk"].append(store is not None and store.hits > hits)
             seen.append(explorer.values())
         if explorer.error:
             raise RuntimeError(f"{name}: {changes} was refused: {explorer.error}")
