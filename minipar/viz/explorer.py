@@ -362,9 +362,10 @@ class Explorer(widgets.VBox):
         return None, pngs, message
 
     def _picture(self, values: dict):
-        """(figures, their PNGs, status html) of one setting: what the cache keeps, so
-        returning to a setting redraws nothing. `draw` may return a figure as a
-        (Figure, png) pair it took from `cached_figure`."""
+        """(figures, their PNGs, status html) of one setting, drawn and rendered (the
+        cache keeps the PNGs and the status: `_answer`). `draw` may return a figure as a
+        (Figure, png) pair from `cached_figure`, whose Figure is None when its PNG was
+        cached already."""
         drawn, message = self.draw(**values)
         pairs = [item if isinstance(item, tuple) else (item, figure_png(item, self.dpi))
                  for item in drawn]
