@@ -322,12 +322,13 @@ class Explorer(widgets.VBox):
             if key not in self.cache and key not in self._refused and cost is not None:
                 wanted.append((setting != ahead, cost, order, key, setting))
         wanted.sort(key=lambda item: item[:3])  # the sweep's next step, then cheapest first
-        self.worker.prefetch(self, [(key, lambda k=key, s=setting: self._prefetch(k, s))
+        self.worker.prefetch(self, [(key, lambda k=key, s=setting, style=self._style:
+                                     self._prefetch(k, s, style))
                                     for *_, key, setting in wanted])
         self._forget_unshown({self.picture_key(s) for s in near})
 
-    def _prefetch(self, key, values: dict) -> None:
-        if key[3] != style_digest():  # matplotlib was restyled since it was asked for
+    def _prefetch(self, key, values: dict, style: str) -> None:
+        if style != style_digest():  # matplotlib was restyled since it was asked for
             return
         try:
             with self.cache.recording() as made:
