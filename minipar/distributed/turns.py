@@ -16,17 +16,23 @@ One turn, not two: a second rank could run a GEMM on the other core while one ru
 an idle machine), but the two then contend for the GIL again (3-17k switches instead of
 ~6k in the step above), and on busy cores, where the explorers must answer, CPU counts.
 
-A turn is a preference, not a lock: a rank that waited PATIENCE_S for it runs anyway, so a
-rank that sleeps or loops in its own code stops nobody (the watchdog and the deadlock
-checks see the others run and wait as they would without turns).
+A turn is a preference, not a lock: a rank runs anyway once the turn has not changed hands
+for PATIENCE_S while it waited, so a rank that sleeps or loops in its own code stops nobody
+(the watchdog and the deadlock checks see the others run and wait as they would without
+turns). The patience counts from the last hand-over, not from when the rank began to wait:
+ranks queued behind several others (8 DP ranks each computing ~35 ms before their first
+collective) would otherwise run out of it one after another while every turn is used
+well, and then all run at once: 13-15k context switches and ~0.1 s of kernel CPU in one
+such step instead of ~20 (benchmarks/README.md, "turns that wait their turn").
 """
 
 from __future__ import annotations
 
 import threading
 
-# How long a rank waits for the turn before it runs anyway: longer than the compute of a
-# tiny model between two collectives (~1 ms), short next to a delay a reader notices.
+# How long a rank waits for a turn that does not change hands before it runs anyway:
+# longer than the compute of a tiny model between two collectives (~1 ms), short next to
+# a delay a reader notices.
 PATIENCE_S = 0.05
 
 
@@ -37,10 +43,21 @@ class Turns:
     def __init__(self, world_size: int) -> None:
         self._turn = threading.Lock()
         self._has_turn = [False] * world_size
+        self._handovers = 0  # how many times the turn was taken: it changed hands
 
     def take(self, rank: int) -> None:
-        """Wait for the turn (at most PATIENCE_S), before `rank` runs its own code."""
-        self._has_turn[rank] = self._turn.acquire(timeout=PATIENCE_S)
+        """Wait for the turn before `rank` runs its own code; run without it once the turn
+        has not changed hands for PATIENCE_S (its holder sleeps or loops, or computes
+        that long)."""
+        while True:
+            handovers = self._handovers
+            if self._turn.acquire(timeout=PATIENCE_S):
+                self._handovers += 1
+                self._has_turn[rank] = True
+                return
+            if self._handovers == handovers:  # nobody took it meanwhile: run anyway
+                self._has_turn[rank] = False
+                return
 
     def give_back(self, rank: int) -> None:
         """Give the turn back, if `rank` has it (it is about to wait, or has returned)."""
