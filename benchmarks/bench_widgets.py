@@ -35,8 +35,9 @@ Reported: median and max over the settings visited, in milliseconds of wall time
 how many new settings were answered in under TARGET_MS, the explorers' target), and,
 for new settings, of CPU time of the whole process (time.process_time: what the answer
 cost, whatever else the machine was doing), with the host, so the figures in
-benchmarks/README.md can be compared with a rerun. Skips with a message when ipywidgets
-is not installed.
+benchmarks/README.md can be compared with a rerun; "full GCs" counts Python's full
+garbage collections that ran while a new setting was answered (each ~0.1 s of it).
+Skips with a message when ipywidgets is not installed.
 
 The answers the explorers keep on disk are off (MINIPAR_CACHE_DIR=off): every new
 setting is measured and drawn. --second-session measures what a reader who comes back
@@ -49,6 +50,7 @@ new settings answered from it.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -88,11 +90,35 @@ CASES = {
 TARGET_MS = 200.0  # what a new setting should take at most (issue 19): "under 0.2 s"
 
 
-def timed(action, cpu: list | None = None) -> float:
+class FullCollections:
+    """Counts Python's full garbage collections (generation 2, any thread) and the time
+    they took: one inside an answer costs it ~0.1 s (minipar/viz/prefetch.py)."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._started = 0, 0.0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._started
+
+
+FULL_COLLECTIONS = FullCollections()
+
+
+def timed(action, cpu: list | None = None, collections: list | None = None) -> float:
     started, started_cpu = time.perf_counter(), time.process_time()
+    counted = FULL_COLLECTIONS.count
     action()
     if cpu is not None:
         cpu.append((time.process_time() - started_cpu) * 1e3)
+    if collections is not None:
+        collections.append(FULL_COLLECTIONS.count - counted)
     return (time.perf_counter() - started) * 1e3
 
 
@@ -103,7 +129,8 @@ def bench(name: str, quick: bool, prefetch: bool = False,
         visits = visits[:1]
     times: dict[str, list[float]] = {"first draw": [], "new setting": [], "revisited": [],
                                      "view change": [], "cpu": [], "refused": [],
-                                     "ready": [], "looked": [], "on disk": []}
+                                     "ready": [], "looked": [], "on disk": [],
+                                     "full collections": []}
     explorer = None
 
     def build():
@@ -130,10 +157,12 @@ def bench(name: str, quick: bool, prefetch: bool = False,
             cpu: list[float] = []
             store = getattr(explorer, "store", None)  # (None in trees before the store)
             hits = store.hits if store is not None else 0
-            wall = timed(lambda c=control, v=value: explorer.set(**{c: v}), cpu)
+            collections: list[int] = []
+            wall = timed(lambda c=control, v=value: explorer.set(**{c: v}), cpu, collections)
             if explorer.error:
                 times["refused"].append(wall)
                 continue
+            times["full collections"] += collections
             times["new setting"].append(wall)
             times["cpu"] += cpu
             times["ready"].append(ready)
@@ -200,8 +229,8 @@ def report(args) -> None:
           + (", second session (answers on disk)" if args.second_session else ""))
     print("| explorer | first draw | new setting (median / max) | under 0.2 s "
           "| CPU (median / max) | ready | refused | revisited (median / max) "
-          "| view change (median / max) | on disk |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| view change (median / max) | on disk | full GCs |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.only:
         times = bench(name, args.quick, args.prefetch, args.think)
 
@@ -216,7 +245,8 @@ def report(args) -> None:
               f"{sum(times['ready'])} of {len(times['ready'])} | "
               f"{len(times['refused'])} | {cell(times['revisited'])} | "
               f"{cell(times['view change'])} | "
-              f"{sum(times['on disk'])} of {len(times['on disk'])} |"
+              f"{sum(times['on disk'])} of {len(times['on disk'])} | "
+              f"{sum(times['full collections'])} |"
               + (f" looked {statistics.median(times['looked']):.1f} / "
                  f"{max(times['looked']):.1f} s |" if times["looked"] else ""))
     print("(milliseconds per control change, on the default explorer models)")

@@ -265,3 +265,60 @@ def test_a_change_cancels_the_neighbour_being_measured_unless_it_asks_for_it(ask
         assert [values for values, _ in explorer.drawn].count((3, False)) == 1
     explorer.worker.cancel(explorer)
     assert explorer.worker.wait_idle(30)
+
+
+def test_once_quiet_after_an_answer_the_worker_collects_the_garbage_before_spare_work():
+    """The figures an answer leaves are reference cycles only a full collection frees:
+    from the moment an answer is asked for, Python's automatic collections are paused;
+    once the process is quiet the worker collects, before the spare jobs, and resumes
+    them (prefetch.py's docstring)."""
+    import gc
+
+    order: list[str] = []
+    worker = Worker()
+    worker._collect_garbage = lambda: order.append("collect")
+    assert worker.run_now(lambda: order.append("answer") or gc.isenabled()) is False
+    worker.prefetch("explorer", [("a", lambda: order.append("a"))])
+    assert not gc.isenabled()  # the answer's garbage waits for the quiet time
+    assert worker.wait_idle(10)
+    assert order == ["answer", "collect", "a"] and worker.collections == 1
+    assert gc.isenabled()
+    worker.prefetch("explorer", [("b", lambda: order.append("b"))])
+    assert worker.wait_idle(10)
+    assert order[-1] == "b" and worker.collections == 1  # spare jobs alone: Python's own
+
+
+def test_inside_a_cell_an_answer_keeps_pythons_collections_and_the_worker_waits():
+    import gc
+
+    order: list[str] = []
+    worker = Worker()
+    worker._collect_garbage = lambda: order.append("collect")
+    worker.cell_started()  # "Run All", or explorer.set(...) in a cell
+    assert worker.run_now(gc.isenabled) is True
+    time.sleep(2 * prefetch.IDLE_SECONDS)
+    assert order == []  # no collection while the cell runs
+    worker.cell_finished()
+    assert worker.wait_idle(10)
+    assert order == ["collect"] and gc.isenabled()
+
+
+def test_a_cell_that_starts_resumes_pythons_collections_and_a_kernel_without_keeps_it_off():
+    import gc
+
+    worker = Worker()
+    worker._collect_garbage = lambda: None
+    worker.run_now(lambda: None)
+    assert not gc.isenabled()
+    worker.cell_started()  # before the quiet time: the cell runs with the collector on
+    assert gc.isenabled()
+    worker.cell_finished()
+    assert worker.wait_idle(10)
+    gc.disable()  # a kernel that turned the collector off
+    try:
+        with pytest.raises(ZeroDivisionError):
+            worker.run_now(lambda: 1 / 0)
+        assert worker.wait_idle(10) and worker.collections == 2
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
