@@ -252,6 +252,10 @@ def _watch_cells(worker: Worker) -> None:
     if shell is not None:
         shell.events.register("pre_run_cell", worker.cell_started)
         shell.events.register("post_run_cell", worker.cell_finished)
+        # Made by a cell (the first explorer's): that cell's pre_run_cell has passed, its
+        # post_run_cell will come. IPython sets exec_result while a cell's code runs.
+        if getattr(getattr(shell, "displayhook", None), "exec_result", None) is not None:
+            worker.cell_started()
 
 
 _shared: Worker | None = None

@@ -322,3 +322,33 @@ def test_a_cell_that_starts_resumes_pythons_collections_and_a_kernel_without_kee
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_worker_made_by_a_running_cell_counts_that_cell(monkeypatch):
+    """The first explorer's cell makes the worker after its pre_run_cell has passed: the
+    worker still counts it as running until its post_run_cell (IPython sets
+    `displayhook.exec_result` while a cell's code runs), so no spare work starts and
+    no collection is paused during the rest of that cell."""
+    IPython = pytest.importorskip("IPython")
+
+    class Events:
+        def __init__(self):
+            self.callbacks: dict[str, list] = {}
+
+        def register(self, name, callback):
+            self.callbacks.setdefault(name, []).append(callback)
+
+    class Shell:
+        events = Events()
+        displayhook = type("DisplayHook", (), {"exec_result": object()})()
+
+    shell = Shell()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    worker = Worker()
+    assert worker._cells_running == 1
+    worker.prefetch("explorer", [("a", lambda: None)])
+    time.sleep(2 * prefetch.IDLE_SECONDS)
+    assert worker.pending() == 1  # the cell runs on
+    for callback in shell.events.callbacks["post_run_cell"]:
+        callback(None)
+    assert worker.wait_idle(10) and worker.pending() == 0
