@@ -22,8 +22,9 @@ for PATIENCE_S while it waited, so a rank that sleeps or loops in its own code s
 turns). The patience counts from the last hand-over, not from when the rank began to wait:
 ranks queued behind several others (8 DP ranks each computing ~35 ms before their first
 collective) would otherwise run out of it one after another while every turn is used
-well, and then all run at once: 13-15k context switches and ~0.1 s of kernel CPU in one
-such step instead of ~20 (benchmarks/README.md, "turns that wait their turn").
+well, and then all run at once: 18-21k context switches and 0.13-0.22 s of kernel CPU in
+one such step instead of ~200 and 0.03-0.05 s (benchmarks/README.md, "turns that wait
+their turn").
 """
 
 from __future__ import annotations

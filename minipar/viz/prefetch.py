@@ -28,20 +28,24 @@ rest, so the cell's own runs never overlap the worker's): "Run All" is not slowe
 explorers higher up.
 
 The worker also keeps Python's full garbage collections out of the answers. A figure is
-a web of reference cycles (~4.6k objects) and a measured run leaves ~12k more, which only
-a full collection frees; Python starts one by itself once enough have piled up, in
-whatever code runs then, and walks every tracked object of the kernel (~145k after the
-notebooks' explorers: ~0.1-0.18 s). One answer in four to seven paid for one. So from
-the moment an urgent job is asked for (this covers a spare job the answer then waits
-for), Python's automatic collections are paused (`gc.disable()`), and once the process
-has been quiet for IDLE_SECONDS the worker runs the collection itself, before any spare
-job, and restores them. Resuming them as soon as the answer is done would not do: the
-garbage is still there, and the first allocations after it (the explorer showing its
-picture) would start the collection at once. Inside a cell (`explorer.set(...)` in code,
-"Run All") nothing is paused, and a cell that starts resumes them, so a cell's own code
-never runs without them; at most the garbage of the answers since the last collection
-waits. Spare jobs leave the collections to Python: nobody waits on them.
-Explorers without a worker (prefetch off, outside a kernel) change nothing.
+a web of reference cycles (~4.6k objects) and a measured run leaves ~12k more; what
+outlives two young collections only a full one frees, and Python starts that by itself
+once enough has piled up, in whatever code runs then, walking every tracked object of
+the kernel (~145k after the notebooks' explorers: ~0.1-0.18 s). One answer in four to
+seven paid for one. So from the moment an answer has to be computed (`run_now`, outside
+a cell), Python's *full* collections are paused (`gc.set_threshold` with an unreachable
+third threshold; the young ones go on, so garbage that dies young is freed as before),
+and once the process has been quiet for IDLE_SECONDS the worker runs the full collection
+itself, before any spare job, and restores the thresholds. Restoring them as soon as the
+answer is done would not do: the garbage is still there, and the first allocations after
+it (the explorer showing its picture) would start the collection at once. A change that
+comes while that collection runs waits for it (it holds the GIL; at most its length).
+Bounds: a pause never outlasts MAX_PAUSE_SECONDS (answers coming faster than the quiet
+time, a dragged slider: the next one runs with Python's own thresholds, as without the
+worker), a cell's code always runs with them (a cell that starts restores them; inside
+one nothing is paused), and a kernel that turned the collector off keeps it off. Spare
+jobs leave the collections to Python: nobody waits on them. Explorers without a worker
+(prefetch off, outside a kernel) change nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from minipar import distributed as dist
 
 IDLE_SECONDS = 0.3  # quiet time (no urgent job, no cell running) before spare work starts
 CELL_WAIT = 30.0  # seconds a starting cell waits at most for the spare job in progress
+MAX_PAUSE_SECONDS = 2.0  # the longest Python's full collections stay paused (module doc)
 
 
 class Worker:
@@ -75,7 +80,6 @@ class Worker:
         self.spare_done = 0  # spare jobs finished (for tests and benchmarks)
         self.spare_cancelled = 0  # ... of which cancelled for an urgent job or a cell
         self._garbage = False  # an urgent job ran since the last collection (module doc)
-        self._collector_was_on: bool | None = None  # while paused: gc.isenabled() before
         self.collections = 0  # full garbage collections run when idle (for tests)
         self._thread = threading.Thread(target=self._loop, name="minipar-explorer-worker",
                                         daemon=True)
@@ -92,8 +96,10 @@ class Worker:
         future: Future = Future()
         with self._changed:
             self._urgent.append((job, future))
-            if not self._cells_running:  # (a cell's code keeps Python's own collections)
-                self._pause_collections()
+            if self._cells_running or FULL_COLLECTIONS.paused_for() > MAX_PAUSE_SECONDS:
+                FULL_COLLECTIONS.resume()  # (the module docstring's bounds)
+            else:
+                FULL_COLLECTIONS.pause()
             self._hold_spare()
             if self._spare_running and (key is None or key != self._spare_key):
                 self._spare_cancellation.cancel()
@@ -140,7 +146,7 @@ class Worker:
         deadline = time.monotonic() + CELL_WAIT
         with self._changed:
             self._cells_running += 1
-            self._resume_collections()  # the cell's code runs with Python's own
+            FULL_COLLECTIONS.resume()  # the cell's code runs with Python's own
             if self._spare_running:
                 self._spare_cancellation.cancel()
             while self._spare_running and time.monotonic() < deadline:
@@ -170,7 +176,9 @@ class Worker:
             if spare is not None and idle:
                 self._spare_key, job = spare.popleft()
                 return job, None
-            wait = (None if spare is None and not self._garbage
+            # Nothing to wait for but the quiet time: sleep until it ends (a cell's end,
+            # an urgent job or a wish notifies).
+            wait = (None if self._cells_running or (spare is None and not self._garbage)
                     else max(self._busy_until - now, 0.01))
             self._changed.wait(wait)
 
@@ -210,19 +218,6 @@ class Worker:
                         self._garbage = True  # collected once idle (module doc)
                     self._changed.notify_all()
 
-    def _pause_collections(self) -> None:  # lock held
-        """No automatic garbage collection until `_resume_collections` (module doc)."""
-        if self._collector_was_on is None:
-            self._collector_was_on = gc.isenabled()
-            gc.disable()
-
-    def _resume_collections(self) -> None:  # lock held
-        """Python's automatic collections as they were (a collector the kernel had turned
-        off stays off)."""
-        if self._collector_was_on:
-            gc.enable()
-        self._collector_was_on = None
-
     _collect_garbage = staticmethod(gc.collect)  # (a test puts a recorder here)
 
     def _collect(self) -> None:
@@ -235,11 +230,43 @@ class Worker:
                 self.working = False
                 self.collections += 1
                 if not self._urgent:
-                    self._resume_collections()
+                    FULL_COLLECTIONS.resume()
                 self._changed.notify_all()
 
 
 _COLLECT = object()  # what `_next` returns for the idle garbage collection
+
+
+class FullCollectionPause:
+    """Python's automatic full garbage collections paused: the third threshold raised
+    out of reach, the young collections left as they are (the module docstring). The
+    thresholds are the process's, so there is one pause, whichever worker asks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thresholds: tuple | None = None  # while paused: gc.get_threshold() before
+        self._since = 0.0
+
+    def pause(self) -> None:
+        with self._lock:
+            if self._thresholds is None:
+                self._thresholds, self._since = gc.get_threshold(), time.monotonic()
+                young, middle = self._thresholds[:2]
+                gc.set_threshold(young, middle, 2**31 - 1)
+
+    def resume(self) -> None:
+        """Python's thresholds as they were before the pause."""
+        with self._lock:
+            if self._thresholds is not None:
+                gc.set_threshold(*self._thresholds)
+                self._thresholds = None
+
+    def paused_for(self) -> float:
+        with self._lock:
+            return 0.0 if self._thresholds is None else time.monotonic() - self._since
+
+
+FULL_COLLECTIONS = FullCollectionPause()
 
 
 def _watch_cells(worker: Worker) -> None:
@@ -253,8 +280,10 @@ def _watch_cells(worker: Worker) -> None:
         shell.events.register("pre_run_cell", worker.cell_started)
         shell.events.register("post_run_cell", worker.cell_finished)
         # Made by a cell (the first explorer's): that cell's pre_run_cell has passed, its
-        # post_run_cell will come. IPython sets exec_result while a cell's code runs.
-        if getattr(getattr(shell, "displayhook", None), "exec_result", None) is not None:
+        # post_run_cell will come. IPython sets exec_result while a cell's code runs; a
+        # silent execution (a kernel's silent request, a startup file) fires neither.
+        result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+        if result is not None and not getattr(getattr(result, "info", None), "silent", False):
             worker.cell_started()
 
 

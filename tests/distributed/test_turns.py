@@ -49,8 +49,8 @@ def test_a_rank_queued_behind_others_keeps_waiting_while_the_turn_changes_hands(
     """Eight ranks each run 0.4 x PATIENCE_S before their first collective: the last one
     waits 2.8 x PATIENCE_S for the turn, but the turn changed hands every 0.4 x, so every
     rank still runs with it (counting the patience from when a rank began to wait, ranks
-    3-7 ran out of it and all ran at once: 13-15k context switches in a dp=8 step of the
-    explorers' model instead of ~100)."""
+    3-7 ran out of it and all ran at once: 18-21k context switches in a dp=8 step of the
+    explorers' model instead of ~200)."""
     import time
 
     monkeypatch.setattr(turns, "PATIENCE_S", 0.1)

@@ -267,51 +267,77 @@ def test_a_change_cancels_the_neighbour_being_measured_unless_it_asks_for_it(ask
     assert explorer.worker.wait_idle(30)
 
 
-def test_once_quiet_after_an_answer_the_worker_collects_the_garbage_before_spare_work():
-    """The figures an answer leaves are reference cycles only a full collection frees:
-    from the moment an answer is asked for, Python's automatic collections are paused;
-    once the process is quiet the worker collects, before the spare jobs, and resumes
-    them (prefetch.py's docstring)."""
+def _full_collections_paused() -> bool:
     import gc
 
+    return gc.get_threshold()[2] == 2**31 - 1
+
+
+def test_once_quiet_after_an_answer_the_worker_collects_the_garbage_before_spare_work():
+    """The figures an answer leaves are reference cycles only a full collection frees:
+    from the moment an answer is asked for, Python's full collections are paused (the
+    young ones go on); once the process is quiet the worker collects, before the spare
+    jobs, and restores Python's thresholds (prefetch.py's docstring)."""
+    import gc
+
+    before = gc.get_threshold()
     order: list[str] = []
     worker = Worker()
     worker._collect_garbage = lambda: order.append("collect")
-    assert worker.run_now(lambda: order.append("answer") or gc.isenabled()) is False
+    assert worker.run_now(lambda: order.append("answer") or _full_collections_paused())
     worker.prefetch("explorer", [("a", lambda: order.append("a"))])
-    assert not gc.isenabled()  # the answer's garbage waits for the quiet time
+    assert _full_collections_paused()  # the answer's garbage waits for the quiet time
     assert worker.wait_idle(10)
     assert order == ["answer", "collect", "a"] and worker.collections == 1
-    assert gc.isenabled()
+    assert gc.get_threshold() == before and gc.isenabled()
     worker.prefetch("explorer", [("b", lambda: order.append("b"))])
     assert worker.wait_idle(10)
     assert order[-1] == "b" and worker.collections == 1  # spare jobs alone: Python's own
 
 
-def test_inside_a_cell_an_answer_keeps_pythons_collections_and_the_worker_waits():
+def test_a_pause_never_outlasts_max_pause_seconds(monkeypatch):
+    """Answers that come faster than the quiet time (a dragged slider) would keep the
+    full collections paused for good: past MAX_PAUSE_SECONDS the next answer runs with
+    Python's own thresholds, and the one after it starts a new pause."""
     import gc
 
+    monkeypatch.setattr(prefetch, "MAX_PAUSE_SECONDS", 0.2)
+    before = gc.get_threshold()
+    worker = Worker()
+    worker._collect_garbage = lambda: None
+    paused = [worker.run_now(_full_collections_paused)]
+    started = time.monotonic()
+    while time.monotonic() - started < 0.4:  # an answer every 0.05 s, never quiet
+        paused.append(worker.run_now(_full_collections_paused))
+        time.sleep(0.05)
+    assert paused[0] and not all(paused)
+    assert paused[paused.index(False) + 1]  # and then a new pause
+    assert worker.wait_idle(10) and gc.get_threshold() == before
+
+
+def test_inside_a_cell_an_answer_keeps_pythons_collections_and_the_worker_waits():
     order: list[str] = []
     worker = Worker()
     worker._collect_garbage = lambda: order.append("collect")
     worker.cell_started()  # "Run All", or explorer.set(...) in a cell
-    assert worker.run_now(gc.isenabled) is True
+    assert worker.run_now(_full_collections_paused) is False
     time.sleep(2 * prefetch.IDLE_SECONDS)
     assert order == []  # no collection while the cell runs
     worker.cell_finished()
     assert worker.wait_idle(10)
-    assert order == ["collect"] and gc.isenabled()
+    assert order == ["collect"] and not _full_collections_paused()
 
 
-def test_a_cell_that_starts_resumes_pythons_collections_and_a_kernel_without_keeps_it_off():
+def test_a_cell_that_starts_restores_pythons_collections_and_a_kernel_without_keeps_it_off():
     import gc
 
+    before = gc.get_threshold()
     worker = Worker()
     worker._collect_garbage = lambda: None
     worker.run_now(lambda: None)
-    assert not gc.isenabled()
-    worker.cell_started()  # before the quiet time: the cell runs with the collector on
-    assert gc.isenabled()
+    assert _full_collections_paused()
+    worker.cell_started()  # before the quiet time: the cell runs with Python's own
+    assert gc.get_threshold() == before
     worker.cell_finished()
     assert worker.wait_idle(10)
     gc.disable()  # a kernel that turned the collector off
@@ -319,7 +345,7 @@ def test_a_cell_that_starts_resumes_pythons_collections_and_a_kernel_without_kee
         with pytest.raises(ZeroDivisionError):
             worker.run_now(lambda: 1 / 0)
         assert worker.wait_idle(10) and worker.collections == 2
-        assert not gc.isenabled()
+        assert not gc.isenabled() and gc.get_threshold() == before
     finally:
         gc.enable()
 
@@ -346,6 +372,11 @@ def test_a_worker_made_by_a_running_cell_counts_that_cell(monkeypatch):
     monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
     worker = Worker()
     assert worker._cells_running == 1
+    # A silent execution (a kernel's silent request, a startup file) sets exec_result
+    # too but fires neither pre_run_cell nor post_run_cell: not counted.
+    silent = type("Info", (), {"silent": True})()
+    shell.displayhook.exec_result = type("Result", (), {"info": silent})()
+    assert Worker()._cells_running == 0
     worker.prefetch("explorer", [("a", lambda: None)])
     time.sleep(2 * prefetch.IDLE_SECONDS)
     assert worker.pending() == 1  # the cell runs on
