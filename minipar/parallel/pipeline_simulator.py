@@ -38,13 +38,16 @@ class SimulatedStep:
     """One step of a schedule run on paper. Per rank: `timelines[r]` its (action, start,
     end) in order; `finish` when it is done (its last action, or the arrival of its last
     send if later); `compute`, `comm` (transfers it received) and `idle` (waiting) seconds,
-    compute + comm + idle = finish."""
+    compute + comm + idle = finish; `sent[r]` the (start, end) of each message it sent,
+    which moves when its receiver is there, while the sender computes on or not (as an
+    isend's transfer does: what a profiler sees on both GPUs)."""
 
     timelines: list[list[tuple[Action, float, float]]]
     finish: list[float]
     compute: list[float]
     comm: list[float]
     idle: list[float]
+    sent: list[list[tuple[float, float]]]
 
 
 def _costs(cost, p: int, v: int) -> list[list[float]]:
@@ -102,7 +105,7 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
     position = [0] * p
     now = [0.0] * p
     compute, comm, idle = [0.0] * p, [0.0] * p, [0.0] * p
-    send_ends: list[list[float]] = [[] for _ in range(p)]  # when each rank's sends arrived
+    sent_spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]  # (start, end)
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     forwarded: list[set] = [set() for _ in range(p)]  # (micro_batch, chunk) done
     input_grads: list[set] = [set() for _ in range(p)]  # B or I done: input gradient made
@@ -211,7 +214,7 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                     idle[rank] += begin - now[rank]
                     now[rank] = begin + message
                     comm[rank] += message
-                    send_ends[sender].append(now[rank])
+                    sent_spans[sender].append((begin, now[rank]))
                     (inputs if isinstance(action, RecvActivation) else grads)[rank].add((i, c))
                     cost = 0.0
                 if isinstance(action, COMPUTE):
@@ -243,10 +246,10 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                             f"virtual stage {stage} is never received")
     finish = []
     for rank in range(p):  # a rank is done when its own sends have arrived
-        end = max([now[rank], *send_ends[rank]])
+        end = max([now[rank], *(arrived for _, arrived in sent_spans[rank])])
         idle[rank] += end - now[rank]
         finish.append(end)
-    return SimulatedStep(timeline, finish, compute, comm, idle)
+    return SimulatedStep(timeline, finish, compute, comm, idle, sent_spans)
 
 
 def in_flight_peak(schedule: Schedule, rank: int, chunk: int | None = None) -> int:

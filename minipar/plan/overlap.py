@@ -277,26 +277,35 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
     """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
 
     chunks: (start of the chunk's last micro-batch backward, its modules in forward
-    order). With overlap each chunk's buckets are reduced during that backward
-    (Megatron's --overlap-grad-reduce), on one stream; the late ones (a tied embedding)
-    and, without overlap, all of them, after the flush. Returns
+    order), in the rank's registration order. With overlap each chunk's buckets are
+    reduced during that backward (Megatron's --overlap-grad-reduce), on one stream; the
+    late ones (a tied embedding) after the flush; each chunk's parameters are then
+    bucketed alone (exact for one chunk per rank; with several the rank's buckets may
+    straddle two chunks). Without overlap all of them after the flush, in the rank's own
+    buckets over all its chunks (minipar.parallel.buckets.build_buckets over the rank's
+    parameters: one bucket fewer than per chunk when one straddles, one latency less).
+    Returns
       overlapped_end_s  when the reductions started during the last backwards end
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
-                        stream (it delays the rank's end of the schedule)
-    Each chunk's parameters are bucketed alone (exact for one chunk per rank)."""
+                        stream (it delays the rank's end of the schedule)"""
     stream, after, stall = Stream(), 0.0, 0.0
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
     limit = None if config.zero == 0 else MAX_IN_FLIGHT
+
+    def durations_of(buckets) -> list[float]:
+        return [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
+
+    if not config.overlap_grad_reduce:
+        every = [mod for _, modules in chunks for mod in modules]
+        return {"overlapped_end_s": 0.0, "stall_s": 0.0,
+                "after_flush_s": sum(durations_of(gradient_buckets(every, config)))}
     for start, modules in sorted(chunks, key=lambda chunk: chunk[0]):
         buckets = gradient_buckets(modules, config)
-        durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
-        if config.overlap_grad_reduce:
-            backward = sum(mod.backward_s for mod in modules)
-            computed, _ = reduce_during_backward(backward, buckets, durations, True, limit,
-                                                 stream, start)
-            stall += computed - start - backward
-            after += sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
-        else:
-            after += sum(durations)
+        durations = durations_of(buckets)
+        backward = sum(mod.backward_s for mod in modules)
+        computed, _ = reduce_during_backward(backward, buckets, durations, True, limit,
+                                             stream, start)
+        stall += computed - start - backward
+        after += sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
     return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall}

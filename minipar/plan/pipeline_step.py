@@ -15,7 +15,7 @@ equal and messages free.
 
 from __future__ import annotations
 
-from minipar.distributed.timeline import merge_intervals
+from minipar.distributed.timeline import comm_overlap
 from minipar.parallel.schedules import (
     Backward,
     BackwardWeight,
@@ -197,14 +197,16 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
         tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
                                        and t.phase in ("forward", "backward")
                                        and t.label != SEQUENCE_PARALLEL_GRADIENTS))
-    # Each rank's communication spans after its last compute of the schedule (HTA's
-    # exposed communication is their union; the p2p waits inside it are run.comm): its
-    # last send, if it outlasts that compute, and the tail's collectives.
-    spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    # Each rank's communication spans; HTA's exposed communication is their union less
+    # its compute (timeline.comm_overlap, what the emulator's report measures): the
+    # messages it receives (it waits for them), the ones it sends (they move when the
+    # receiver is there, while the sender computes on or idles: the last activation a
+    # GPipe stage sends goes out while it waits for its first gradient), then the tail's
+    # collectives.
+    spans = [[(end - message, end) for action, _, end in run.timelines[r]
+              if isinstance(action, (RecvActivation, RecvGrad))] + run.sent[r]
+             for r in range(p)]
     for r in range(p):
-        computed = _last_compute_end(run.timelines[r])
-        if clock[r] > computed:
-            spans[r].append((max(computed, clock[r] - message), clock[r]))
         clock[r] += data_parallel[r]["stall_s"]  # ZeRO-1's reductions held its compute
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
         start = max(clock[0], clock[-1])
@@ -224,8 +226,10 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     start = max(clock)  # so does the gradient norm's all-reduce over the stages
     clock = [start + tails[r][3] for r in range(p)]
     end = [clock[r] + tails[r][4] + tails[r][5] for r in range(p)]
-    exposed = [run.comm[r] + tensor_parallel[r]  # (the TP transfers' counts are per step)
-               + sum(e - s for s, e in merge_intervals(spans[r]))
+    computed = [[(start, end) for action, start, end in run.timelines[r]
+                 if not isinstance(action, P2P_ACTIONS)] for r in range(p)]
+    exposed = [tensor_parallel[r]  # (the TP transfers' counts are per step)
+               + comm_overlap(computed[r], spans[r])["exposed_comm_s"]
                + tails[r][3] + tails[r][5] for r in range(p)]
     step = max(end)
     # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
