@@ -203,7 +203,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     # receiver is there, while the sender computes on or idles: the last activation a
     # GPipe stage sends goes out while it waits for its first gradient), then the tail's
     # collectives.
-    spans = [[(end - message, end) for action, _, end in run.timelines[r]
+    spans = [[(ended - message, ended) for action, _, ended in run.timelines[r]
               if isinstance(action, (RecvActivation, RecvGrad))] + run.sent[r]
              for r in range(p)]
     for r in range(p):
@@ -226,7 +226,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     start = max(clock)  # so does the gradient norm's all-reduce over the stages
     clock = [start + tails[r][3] for r in range(p)]
     end = [clock[r] + tails[r][4] + tails[r][5] for r in range(p)]
-    computed = [[(start, end) for action, start, end in run.timelines[r]
+    computed = [[(began, ended) for action, began, ended in run.timelines[r]
                  if not isinstance(action, P2P_ACTIONS)] for r in range(p)]
     exposed = [tensor_parallel[r]  # (the TP transfers' counts are per step)
                + comm_overlap(computed[r], spans[r])["exposed_comm_s"]
