@@ -80,12 +80,15 @@ class GradientBucket:
     late: bool
 
 
-def gradient_buckets(modules: list[Module], config: ParallelConfig) -> list[GradientBucket]:
+def gradient_buckets(modules: list[Module], config: ParallelConfig,
+                     begins: list[float] | None = None) -> list[GradientBucket]:
     """Buckets in the order backward completes them (minipar.parallel.buckets.
     build_buckets: reverse registration order, at most bucket_size_mb of parameters
     each, a larger parameter alone; 0 = one bucket); ZeRO-3: one per module (its gather
     unit, zero3.gpt_units), complete when the module's backward ends; a bucket is
-    complete when its last parameter is (Module.ready)."""
+    complete when its last parameter is (Module.ready). begins: when each module's
+    backward begins (a pipeline rank's chunks have theirs at different times; default:
+    one backward, the modules back to back from 0)."""
     n = config.replicas
     backward = list(reversed(modules))
     if config.zero == 3:
@@ -97,21 +100,33 @@ def gradient_buckets(modules: list[Module], config: ParallelConfig) -> list[Grad
                 for mod, end in zip(backward, ends, strict=True) if mod.tensors]
     cap = config.bucket_size_mb * MIB
     itemsize = config.bytes.param  # DDP's bucket_cap_mb counts parameter bytes
+    if begins is None:
+        begins = back_to_back(modules, 0.0)
     groups: list[list[tuple[int, float, bool]]] = [[]]
-    size, done = 0, 0.0
-    for mod in backward:
+    size = 0
+    for mod, begin in zip(backward, reversed(begins), strict=True):
         ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
         for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
                                       reversed(ready), strict=True):
             if cap > 0 and groups[-1] and size + numel * itemsize > cap:
                 groups.append([])
                 size = 0
-            groups[-1].append((numel, done + mod.backward_s * share, late))
+            groups[-1].append((numel, begin + mod.backward_s * share, late))
             size += numel * itemsize
-        done += mod.backward_s
     shards = 1 if config.zero == 0 else n
-    return [GradientBucket(shard(sum(t[0] for t in g), shards) * shards, g[-1][1],
-                           any(t[2] for t in g)) for g in groups if g]
+    return [GradientBucket(shard(sum(t[0] for t in g), shards) * shards,
+                           max(t[1] for t in g), any(t[2] for t in g))
+            for g in groups if g]
+
+
+def back_to_back(modules: list[Module], start: float) -> list[float]:
+    """When each module's backward begins in one backward begun at `start` (the last
+    module first)."""
+    begins, clock = [0.0] * len(modules), start
+    for i in reversed(range(len(modules))):
+        begins[i] = clock
+        clock += modules[i].backward_s
+    return begins
 
 
 # ------------------------------------------------------------------ the recurrences
@@ -277,14 +292,12 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
     """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
 
     chunks: (start of the chunk's last micro-batch backward, its modules in forward
-    order), in the rank's registration order. With overlap each chunk's buckets are
-    reduced during that backward (Megatron's --overlap-grad-reduce), on one stream; the
-    late ones (a tied embedding) after the flush; each chunk's parameters are then
-    bucketed alone (exact for one chunk per rank; with several the rank's buckets may
-    straddle two chunks). Without overlap all of them after the flush, in the rank's own
-    buckets over all its chunks (minipar.parallel.buckets.build_buckets over the rank's
-    parameters: one bucket fewer than per chunk when one straddles, one latency less).
-    Returns
+    order), in the rank's registration order. The rank's buckets are built over all its
+    chunks (minipar.parallel.buckets.build_buckets over the rank's parameters), so one
+    may straddle two chunks. With overlap each bucket is reduced as soon as the chunk
+    backward that makes its last gradient has (Megatron's --overlap-grad-reduce: sync on
+    in each chunk's last micro-batch), on one stream, the late ones (a tied embedding)
+    after the flush; without overlap, all of them after the flush. Returns
       overlapped_end_s  when the reductions started during the last backwards end
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
@@ -296,16 +309,18 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
     def durations_of(buckets) -> list[float]:
         return [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
 
+    every = [mod for _, modules in chunks for mod in modules]
     if not config.overlap_grad_reduce:
-        every = [mod for _, modules in chunks for mod in modules]
         return {"overlapped_end_s": 0.0, "stall_s": 0.0,
                 "after_flush_s": sum(durations_of(gradient_buckets(every, config)))}
-    for start, modules in sorted(chunks, key=lambda chunk: chunk[0]):
-        buckets = gradient_buckets(modules, config)
-        durations = durations_of(buckets)
-        backward = sum(mod.backward_s for mod in modules)
-        computed, _ = reduce_during_backward(backward, buckets, durations, True, limit,
-                                             stream, start)
-        stall += computed - start - backward
-        after += sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
+    # The rank's own buckets, each launched when its last parameter's gradient is made,
+    # in whichever chunk's last backward that is (one straddling two chunks waits for
+    # the later one); on one clock through the chunks' last backwards.
+    begins = [b for start, modules in chunks for b in back_to_back(modules, start)]
+    buckets = sorted(gradient_buckets(every, config, begins), key=lambda b: b.after_s)
+    durations = durations_of(buckets)
+    end = max(start + sum(mod.backward_s for mod in modules) for start, modules in chunks)
+    computed, _ = reduce_during_backward(end, buckets, durations, True, limit, stream)
+    stall = computed - end
+    after = sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
     return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall}

@@ -395,18 +395,9 @@ COMPARABLE = dist.DeviceProfile(name="compute ~ communication", flops=1e11,
 SMALL_BUCKETS = dict(bucket_size_mb=0.01)  # 13 buckets of the 2-layer model
 
 
-def overlap_case(name, exposed_tolerance, step_tolerance=OVERLAP_STEP_TOLERANCE, marks=(),
+def overlap_case(name, exposed_tolerance, step_tolerance=OVERLAP_STEP_TOLERANCE,
                  **settings):
-    return pytest.param(settings, exposed_tolerance, step_tolerance, id=name, marks=marks)
-
-
-# Two chunks per rank: the rank's buckets are built over both (build_buckets), so one
-# straddles them and is reduced only when the later chunk's last backward has made its
-# part; the planner buckets each chunk alone while backward runs (overlap.py's
-# pipeline_reduction). With ZeRO-1's limit of two reductions in flight that moves the
-# first rank's exposed communication by 2.5% (measured; the step by 0.2%).
-STRADDLING_BUCKET = pytest.mark.xfail(
-    strict=True, reason="the planner buckets each chunk alone during its last backward")
+    return pytest.param(settings, exposed_tolerance, step_tolerance, id=name)
 
 
 OVERLAP_GRID = [
@@ -434,8 +425,10 @@ OVERLAP_GRID = [
                  STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
                  grad_accum_steps=4, **SMALL_BUCKETS),
     # GPipe: a stage's last activation goes out while it waits for its first gradient,
-    # exposed (the planner counts the sends' transfers as the emulator does); the
-    # interleaved schedule's two chunks per rank: waited, the rank's own buckets
+    # exposed (the planner counts the sends' transfers as the emulator does). The
+    # interleaved schedule's two chunks per rank share the rank's buckets (build_buckets
+    # over all its parameters): one straddles the chunks and is reduced when the later
+    # chunk's last backward has made its part (overlap.py's pipeline_reduction)
     *(overlap_case(f"dp2 pp2 {schedule} buckets {'overlap' if on else 'waited'}",
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    schedule=schedule, virtual_stages=v, overlap_grad_reduce=on,
@@ -445,8 +438,8 @@ OVERLAP_GRID = [
                  STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
                  grad_accum_steps=4, schedule="gpipe", **SMALL_BUCKETS),
     overlap_case("dp2 pp2 interleaved zero1 buckets overlap", BUCKET_EXPOSED_TOLERANCE,
-                 STALLED_PIPELINE_STEP_TOLERANCE, STRADDLING_BUCKET, dp=2, pp=2, zero=1,
-                 n_layer=4, grad_accum_steps=4, schedule="interleaved", virtual_stages=2,
+                 STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
+                 grad_accum_steps=4, schedule="interleaved", virtual_stages=2,
                  **SMALL_BUCKETS),
 ]
 
