@@ -302,25 +302,20 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
                         stream (it delays the rank's end of the schedule)"""
-    stream, after, stall = Stream(), 0.0, 0.0
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
-    limit = None if config.zero == 0 else MAX_IN_FLIGHT
-
-    def durations_of(buckets) -> list[float]:
-        return [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
-
-    every = [mod for _, modules in chunks for mod in modules]
-    if not config.overlap_grad_reduce:
-        return {"overlapped_end_s": 0.0, "stall_s": 0.0,
-                "after_flush_s": sum(durations_of(gradient_buckets(every, config)))}
     # The rank's own buckets, each launched when its last parameter's gradient is made,
     # in whichever chunk's last backward that is (one straddling two chunks waits for
     # the later one); on one clock through the chunks' last backwards.
+    every = [mod for _, modules in chunks for mod in modules]
     begins = [b for start, modules in chunks for b in back_to_back(modules, start)]
     buckets = sorted(gradient_buckets(every, config, begins), key=lambda b: b.after_s)
-    durations = durations_of(buckets)
+    durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
+    if not config.overlap_grad_reduce:
+        return {"overlapped_end_s": 0.0, "after_flush_s": sum(durations), "stall_s": 0.0}
+    stream = Stream()
     end = max(start + sum(mod.backward_s for mod in modules) for start, modules in chunks)
-    computed, _ = reduce_during_backward(end, buckets, durations, True, limit, stream)
+    computed, _ = reduce_during_backward(end, buckets, durations, True,
+                                         None if config.zero == 0 else MAX_IN_FLIGHT, stream)
     stall = computed - end
     after = sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
     return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall}
