@@ -116,7 +116,7 @@ class RunTimer:
         setattr(explorer, method, timed_run)
 
 
-class FullCollections:
+class FullCollectionCounter:
     """Counts Python's full garbage collections (generation 2, any thread) and the time
     they took: one inside an answer costs it ~0.1 s (minipar/viz/prefetch.py)."""
 
@@ -134,17 +134,17 @@ class FullCollections:
             self.seconds += time.perf_counter() - self._started
 
 
-FULL_COLLECTIONS = FullCollections()
+COLLECTIONS_SEEN = FullCollectionCounter()
 
 
 def timed(action, cpu: list | None = None, collections: list | None = None) -> float:
     started, started_cpu = time.perf_counter(), time.process_time()
-    counted = FULL_COLLECTIONS.count
+    counted = COLLECTIONS_SEEN.count
     action()
     if cpu is not None:
         cpu.append((time.process_time() - started_cpu) * 1e3)
     if collections is not None:
-        collections.append(FULL_COLLECTIONS.count - counted)
+        collections.append(COLLECTIONS_SEEN.count - counted)
     return (time.perf_counter() - started) * 1e3
 
 
