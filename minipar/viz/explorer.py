@@ -37,6 +37,7 @@ from minipar.errors import flag
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
+from minipar.viz.nearby import ahead, neighbours
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 from minipar.viz.store import AnswerStore, answer_store, style_digest
@@ -250,50 +251,12 @@ class Explorer(widgets.VBox):
 
     # ------------------------------------------------------------------ prefetching
     def neighbours(self, values: dict) -> list[dict]:
-        """The settings one control change away, nearest options first: every control's
-        adjacent option, then the options two away, and so on up to OPTION_REACH (a
-        slider: SLIDER_REACH steps either side; a check box: toggled)."""
-        rings: list[list[dict]] = []
-        for name, control in self.controls.items():
-            value = values[name]
-            if isinstance(control, widgets.Checkbox):
-                ordered = [[not value]]
-            elif isinstance(control, widgets.IntSlider):
-                reach = self.SLIDER_REACH or control.max - control.min
-                ordered = [[v for v in (value - d, value + d) if control.min <= v <= control.max]
-                           for d in range(1, reach + 1)]
-            else:
-                options = list(control._options_values)  # the values behind the labels
-                here = options.index(value)
-                ordered = [[options[i] for i in (here - d, here + d)
-                            if 0 <= i < len(options)]
-                           for d in range(1, min(len(options), self.OPTION_REACH + 1))]
-            for distance, near in enumerate(ordered):
-                while len(rings) <= distance:
-                    rings.append([])
-                rings[distance] += [{**values, name: v} for v in near]
-        return [setting for ring in rings for setting in ring]
+        """The settings one control change away, nearest options first (`nearby.py`)."""
+        return neighbours(self.controls, values, self.OPTION_REACH, self.SLIDER_REACH)
 
     def ahead(self, previous: dict | None, values: dict) -> dict | None:
-        """One more step along the last change, if it moved one drop-down or slider
-        (ZeRO 1 -> 2 after 0 -> 1; m 12 after 8 -> 10): a reader who sweeps a control, as
-        the notebooks suggest ("try ZeRO 0 to 3"), asks for it next. None otherwise."""
-        if previous is None:
-            return None
-        changed = [name for name in values if previous.get(name) != values[name]]
-        if len(changed) != 1 or isinstance(self.controls[changed[0]], widgets.Checkbox):
-            return None
-        name = changed[0]
-        control = self.controls[name]
-        if isinstance(control, widgets.IntSlider):
-            value = 2 * values[name] - previous[name]  # the same stride again
-            return {**values, name: value} if control.min <= value <= control.max else None
-        options = list(control._options_values)
-        if previous[name] not in options:
-            return None
-        here, before = options.index(values[name]), options.index(previous[name])
-        further = here + (1 if here > before else -1)
-        return {**values, name: options[further]} if 0 <= further < len(options) else None
+        """One more step along the last change of one control, or None (`nearby.py`)."""
+        return ahead(self.controls, previous, values)
 
     def prefetch_cost(self, values: dict) -> float | None:
         """A neighbouring setting's relative cost to prepare unasked, or None to leave it

@@ -8,6 +8,12 @@ from minipar.train.grid import GridResult
 from minipar.train.report import MEMORY_CATEGORIES, Report
 
 
+def byte_unit(largest: float) -> tuple[str, float]:
+    """The binary unit an axis of bytes up to `largest` is drawn in: ("MiB", 2**20) ..."""
+    return next(((unit, float(scale)) for unit, scale in (("GiB", 2**30), ("MiB", 2**20),
+                 ("KiB", 2**10)) if largest >= scale), ("B", 1.0))
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB' (binary units, as memory is counted)."""
     value = float(n)

@@ -2,6 +2,8 @@
 
     fig = plot_traffic(report)          # one heatmap per group kind that sent bytes
     fig.savefig("traffic.png")
+    plot_sent_bytes(report, by="op")    # each rank's bytes sent, stacked by collective
+    cross_node_bytes(traffic_of(report), gpus_per_node=4)   # bytes that leave a node
 
 Cell [i, j] of a heatmap is the bytes rank i (row) sent to rank j (column) per optimizer
 step, as the ring algorithm moves them (minipar.distributed books every collective's bytes
@@ -20,12 +22,19 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from minipar.viz.tables import human_bytes
-from minipar.viz.ticks import TickCopyingAxes
+from minipar.train.report import Report
+from minipar.viz.agg import FIGURE_WIDTH, fixed_margins
+from minipar.viz.tables import byte_unit, human_bytes
+from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes
 
 GROUP_TITLES = {"tp": "tensor parallel (tp)", "cp": "context parallel (cp)",
                 "pp": "pipeline (pp)", "dp": "data parallel / ZeRO (dp)",
                 "ep": "expert parallel (ep)", "other": "other"}
+
+GROUP_COLORS = {"dp": "#3b75af", "tp": "#c03d3e", "pp": "#e1812c", "other": "#9a9a9a"}
+OP_COLORS = {"all_reduce": "#3b75af", "reduce_scatter": "#e1812c", "all_gather": "#3a923a",
+             "send": "#c03d3e", "broadcast": "#8e6bb8", "reduce": "#8c564b",
+             "barrier": "#9a9a9a", "recv": "#cccccc"}
 
 
 def traffic_matrices(report, per_step: bool = True) -> dict[str, np.ndarray]:
@@ -120,3 +129,54 @@ def _layout(n: int, width: float | None):
     bar_axes = fig.add_axes((bar_left / width, BOTTOM / height, BAR / width, side / height),
                             label="<colorbar>", axes_class=TickCopyingAxes)
     return fig, axes, bar_axes
+
+
+# ------------------------------------------------------------------ per rank, the totals
+def traffic_of(report: Report) -> np.ndarray:
+    """The rank x rank matrix of bytes sent ([i, j]: rank i to rank j) of a run."""
+    if not report.traffic or "matrix" not in report.traffic:
+        raise ValueError("this report carries no traffic matrix (report.traffic); it "
+                         "comes from minipar.train.train")
+    return np.asarray(report.traffic["matrix"], dtype=np.int64)
+
+
+def plot_sent_bytes(report: Report, *, by: str = "group",
+                    width: float = FIGURE_WIDTH) -> Figure:
+    """Each rank's bytes sent per optimizer step, stacked by group kind (by="group":
+    dp / tp / pp) or by collective (by="op"), from the report's ranks[i]["comm"]."""
+    if by not in ("group", "op"):
+        raise ValueError(f"plot_sent_bytes: by must be 'group' or 'op', got {by!r}")
+    steps = max(1, len(report.steps))
+    key, colors = ("by_group", GROUP_COLORS) if by == "group" else ("by_op", OP_COLORS)
+    names = sorted({name for r in report.ranks for name, b in r["comm"][key].items() if b},
+                   key=lambda name: list(colors).index(name) if name in colors else 99)
+    n = len(report.ranks)
+    unit, scale = byte_unit(max(max(r["comm"]["sent_bytes"] for r in report.ranks), 1)
+                             / steps)
+    fig = Figure(figsize=(width, 2.8))
+    ax = fig.subplots(subplot_kw=TICK_COPYING)
+    fixed_margins(fig, left=0.75, right=1.4, bottom=0.75, top=0.3)
+    bottom = np.zeros(n)
+    for name in names:
+        values = np.array([r["comm"][key].get(name, 0) for r in report.ranks]) / steps / scale
+        ax.bar(range(n), values, bottom=bottom, label=name, width=0.7,
+               color=colors.get(name, "#777777"))
+        bottom += values
+    ax.set_xticks(range(n), [coords_label(r) for r in report.ranks], fontsize=7)
+    ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
+    ax.set_ylabel(f"bytes sent per step ({unit})")
+    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9, y=1.0)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def cross_node_bytes(matrix: np.ndarray, gpus_per_node: int) -> int:
+    """Bytes of the matrix that go from one node to another."""
+    node = np.arange(matrix.shape[0]) // gpus_per_node
+    return int(matrix[node[:, None] != node[None, :]].sum())
+
+
+def coords_label(rank: dict) -> str:
+    """A tick label of one rank: "r5" over its dp/pp/tp coordinates."""
+    c = rank.get("coords", {})
+    return f"r{rank['rank']}\n{c.get('dp', 0)}/{c.get('pp', 0)}/{c.get('tp', 0)}"

@@ -57,19 +57,15 @@ from minipar.viz.explorer import (
 from minipar.viz.memory import plot_memory
 from minipar.viz.runs import RunCache, pipeline_step, train_report
 from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
-from minipar.viz.tables import human_bytes, span
+from minipar.viz.tables import byte_unit, human_bytes, span
 from minipar.viz.ticks import TICK_COPYING
 from minipar.viz.timeline import plot_timeline
-from minipar.viz.traffic import plot_traffic
+from minipar.viz.traffic import cross_node_bytes, plot_sent_bytes, plot_traffic, traffic_of
 
 __all__ = ["REFUSALS", "Explorer", "MemoryExplorer", "PipelineExplorer", "RunCache",
            "ShardingExplorer", "TrafficExplorer", "cross_node_bytes", "figure_png",
            "fixed_margins", "plot_sent_bytes", "traffic_of"]
 
-GROUP_COLORS = {"dp": "#3b75af", "tp": "#c03d3e", "pp": "#e1812c", "other": "#9a9a9a"}
-OP_COLORS = {"all_reduce": "#3b75af", "reduce_scatter": "#e1812c", "all_gather": "#3a923a",
-             "send": "#c03d3e", "broadcast": "#8e6bb8", "reduce": "#8c564b",
-             "barrier": "#9a9a9a", "recv": "#cccccc"}
 # What the explorers train: the default model with 4 layers (so pp can be 4), one step.
 EXPLORER_CONFIG = TrainConfig(n_layer=4, steps=1)
 
@@ -160,16 +156,6 @@ def training_cost(values: dict) -> float | None:
     if world > PREFETCH_MAX_RANKS:
         return None
     return world * max(1, values.get("grad_accum_steps") or 1)
-
-
-def _coords_label(rank: dict) -> str:
-    c = rank.get("coords", {})
-    return f"r{rank['rank']}\n{c.get('dp', 0)}/{c.get('pp', 0)}/{c.get('tp', 0)}"
-
-
-def _byte_unit(largest: float) -> tuple[str, float]:
-    return next(((unit, float(scale)) for unit, scale in (("GiB", 2**30), ("MiB", 2**20),
-                 ("KiB", 2**10)) if largest >= scale), ("B", 1.0))
 
 
 class MemoryExplorer(Explorer):
@@ -284,7 +270,7 @@ class PipelineExplorer(Explorer):
         left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
                        + " awaiting their backward\n(peak, from the schedule)", fontsize=8, y=1.0)
         left.set_xticks(list(ranks), names, fontsize=7)
-        unit, scale = _byte_unit(max(result["activations"]))
+        unit, scale = byte_unit(max(result["activations"]))
         right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
         right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8, y=1.0)
         right.set_xticks(list(ranks), names, fontsize=7)
@@ -298,50 +284,6 @@ class PipelineExplorer(Explorer):
 
 
 # ------------------------------------------------------------------ traffic
-def traffic_of(report: Report) -> np.ndarray:
-    """The rank x rank matrix of bytes sent ([i, j]: rank i to rank j) of a run."""
-    if not report.traffic or "matrix" not in report.traffic:
-        raise ValueError("this report carries no traffic matrix (report.traffic); it "
-                         "comes from minipar.train.train")
-    return np.asarray(report.traffic["matrix"], dtype=np.int64)
-
-
-def plot_sent_bytes(report: Report, *, by: str = "group",
-                    width: float = FIGURE_WIDTH) -> Figure:
-    """Each rank's bytes sent per optimizer step, stacked by group kind (by="group":
-    dp / tp / pp) or by collective (by="op"), from the report's ranks[i]["comm"]."""
-    if by not in ("group", "op"):
-        raise ValueError(f"plot_sent_bytes: by must be 'group' or 'op', got {by!r}")
-    steps = max(1, len(report.steps))
-    key, colors = ("by_group", GROUP_COLORS) if by == "group" else ("by_op", OP_COLORS)
-    names = sorted({name for r in report.ranks for name, b in r["comm"][key].items() if b},
-                   key=lambda name: list(colors).index(name) if name in colors else 99)
-    n = len(report.ranks)
-    unit, scale = _byte_unit(max(max(r["comm"]["sent_bytes"] for r in report.ranks), 1)
-                             / steps)
-    fig = Figure(figsize=(width, 2.8))
-    ax = fig.subplots(subplot_kw=TICK_COPYING)
-    fixed_margins(fig, left=0.75, right=1.4, bottom=0.75, top=0.3)
-    bottom = np.zeros(n)
-    for name in names:
-        values = np.array([r["comm"][key].get(name, 0) for r in report.ranks]) / steps / scale
-        ax.bar(range(n), values, bottom=bottom, label=name, width=0.7,
-               color=colors.get(name, "#777777"))
-        bottom += values
-    ax.set_xticks(range(n), [_coords_label(r) for r in report.ranks], fontsize=7)
-    ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
-    ax.set_ylabel(f"bytes sent per step ({unit})")
-    ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9, y=1.0)
-    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fig
-
-
-def cross_node_bytes(matrix: np.ndarray, gpus_per_node: int) -> int:
-    """Bytes of the matrix that go from one node to another."""
-    node = np.arange(matrix.shape[0]) // gpus_per_node
-    return int(matrix[node[:, None] != node[None, :]].sum())
-
-
 class TrafficExplorer(Explorer):
     """A layout -> who sends how many bytes to whom, and in which group."""
 
