@@ -193,11 +193,17 @@ class Explorer(widgets.VBox):
             _, pngs, message = self.cache.get(key, lambda: self._answer(key, values, drawn))
             return (drawn[0] if drawn else None), pngs, message
 
+        def say_measuring():  # the answer takes a while: say so, as the browser shows it
+            self.status.value = (f"<span style='color:#666'>{self.pending_status(values)}"
+                                 " (the pictures below are still of the last setting)"
+                                 "</span>")
+
         try:
             if self.worker is None or key in self.cache:
                 figures, pngs, message = picture()
             else:  # on the worker thread, which does every run and drawing
-                figures, pngs, message = self.worker.run_now(picture, key)
+                figures, pngs, message = self.worker.run_now(picture, key,
+                                                             on_wait=say_measuring)
         except REFUSALS as refusal:
             self.error = str(refusal)
             self.status.value = ("<span style='color:#b00020'>cannot run this layout: "
@@ -209,6 +215,11 @@ class Explorer(widgets.VBox):
             self._prefetch_neighbours(values)
             self._shown_values = values
             return
+        except BaseException as error:  # a bug or an interrupt: never "measuring" forever
+            self.status.value = ("<span style='color:#b00020'>this setting could not be "
+                                 f"drawn: {html.escape(type(error).__name__)}: "
+                                 f"{html.escape(str(error))}</span>")
+            raise
         self.error = None
         self._figures = figures
         while len(self.images) < len(pngs):
@@ -223,6 +234,11 @@ class Explorer(widgets.VBox):
         self._unshown.pop(key, None)  # shown: kept like every picture shown
         self._prefetch_neighbours(values)
         self._shown_values = values
+
+    def pending_status(self, values: dict) -> str:
+        """What the status line says while a setting's answer is computed, once it takes
+        longer than prefetch.WAIT_NOTICE_S (with a worker: in a Jupyter kernel)."""
+        return "measuring and drawing this setting ..."
 
     def in_control_words(self, message: str) -> str:
         """A refusal in the words of these controls: the rules speak in command-line flags

@@ -3,6 +3,7 @@ the settings one control change away, so that the next change finds its picture 
 
     worker = shared_worker()
     png = worker.run_now(lambda: draw(settings))          # urgent: waits for the result
+    png = worker.run_now(job, key, on_wait=say_measuring)  # ... saying so past WAIT_NOTICE_S
     worker.prefetch(owner, [(key, job), ...])             # spare time: replaces owner's list
 
 Why: a new setting of an explorer is a measured run plus its figures. For the traffic
@@ -56,12 +57,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from minipar import distributed as dist
 
 IDLE_SECONDS = 0.3  # quiet time (no urgent job, no cell running) before spare work starts
 CELL_WAIT = 30.0  # seconds a starting cell waits at most for the spare job in progress
 MAX_PAUSE_SECONDS = 2.0  # the longest Python's full collections stay paused (module doc)
+# How long an urgent job runs before its caller is told to say it is working (`run_now`'s
+# on_wait): the explorers' "measuring ..." line. Most answers ready or cheap come back
+# sooner, and then nothing flickers; a reader notices a control that does nothing for
+# ~0.1 s (Nielsen's limit for a response that feels instantaneous).
+WAIT_NOTICE_S = 0.1
 
 
 class Worker:
@@ -87,10 +94,14 @@ class Worker:
         _watch_cells(self)
 
     # -------------------------------------------------------------- the callers' side
-    def run_now(self, job: Callable, key: Hashable = None):
+    def run_now(self, job: Callable, key: Hashable = None,
+                on_wait: Callable[[], None] | None = None):
         """job() on the worker thread, ahead of every spare job; its result (or error).
         A spare job in progress has its run cancelled, unless it prepares `key` (what
-        this job asks for: then waiting for it is the quickest answer)."""
+        this job asks for: then waiting for it is the quickest answer). `on_wait()` is
+        called on the caller's thread if the result takes longer than WAIT_NOTICE_S (to
+        show that something is happening: on the kernel's thread a widget's change
+        reaches the browser at once, while the job goes on)."""
         if threading.current_thread() is self._thread:  # a job that needs another job
             return job()
         future: Future = Future()
@@ -104,6 +115,12 @@ class Worker:
             if self._spare_running and (key is None or key != self._spare_key):
                 self._spare_cancellation.cancel()
             self._changed.notify_all()
+        if on_wait is not None:
+            try:
+                return future.result(timeout=WAIT_NOTICE_S)
+            except FutureTimeout:
+                if not future.done():  # (else the job itself raised a TimeoutError)
+                    on_wait()
         return future.result()
 
     def prefetch(self, owner: object, jobs: list[tuple[Hashable, Callable]]) -> None:

@@ -97,6 +97,10 @@ class ShardingExplorer(Explorer):
         return self.cache.get(("sharding", repr(self.config), dp, tp, pp, zero),
                               lambda: holdings(dp, tp, pp, zero, config=self.config))
 
+    def pending_status(self, values: dict) -> str:
+        world = values["dp"] * values["tp"] * values["pp"]
+        return f"building the {values['kind']} of {world} ranks and drawing them ..."
+
     def draw(self, dp, tp, pp, zero, kind, tensor):
         if dp * tp * pp > 16:
             raise ValueError(f"dp x tp x pp = {dp * tp * pp} ranks; keep it at 16 or fewer")
@@ -158,6 +162,16 @@ def training_cost(values: dict) -> float | None:
     return world * max(1, values.get("grad_accum_steps") or 1)
 
 
+def step_status(measured: bool, values: dict) -> str:
+    """The training explorers' status while a setting is answered (Explorer.pending_status)."""
+    if measured:
+        return "drawing the pictures of this step ..."
+    world = values["dp"] * values["tp"] * values["pp"]
+    micro = values.get("grad_accum_steps") or 1
+    return (f"measuring one training step on {world} virtual rank{'s' * (world > 1)}"
+            + (f", {micro} micro-batches each" if micro > 1 else "") + " ...")
+
+
 class MemoryExplorer(Explorer):
     """A layout and precision -> the measured peak bytes per rank, by category."""
 
@@ -193,6 +207,9 @@ class MemoryExplorer(Explorer):
         if _train_key(self.config.replace(**values)) in self.cache:
             return 0.0  # measured already: only the picture is left to draw
         return training_cost(values)
+
+    def pending_status(self, values: dict) -> str:
+        return step_status(_train_key(self.config.replace(**values)) in self.cache, values)
 
     def draw(self, **settings):
         report = self.run(**settings)
@@ -249,6 +266,10 @@ class PipelineExplorer(Explorer):
     def prefetch_cost(self, values: dict) -> float:
         """Every stage runs every micro-batch through each of its chunks."""
         return values["pp"] * values["micro_batches"] * values["virtual_stages"]
+
+    def pending_status(self, values: dict) -> str:
+        return (f"measuring one {values['schedule']} step on {values['pp']} stages, "
+                f"{values['micro_batches']} micro-batches ...")
 
     def draw(self, schedule, pp, micro_batches, virtual_stages):
         check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
@@ -317,6 +338,11 @@ class TrafficExplorer(Explorer):
         if _traffic_key(self.config.replace(**settings)) in self.cache:
             return 0.0  # measured already: only the pictures are left to draw
         return training_cost(values)
+
+    def pending_status(self, values: dict) -> str:
+        settings = {k: v for k, v in values.items() if k != "by"}
+        return step_status(_traffic_key(self.config.replace(**settings)) in self.cache,
+                           values)
 
     def draw(self, by, **settings):
         report = self.run(**settings)

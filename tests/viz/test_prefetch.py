@@ -80,7 +80,7 @@ def test_a_sweep_of_one_control_prepares_its_next_step_first_however_costly():
         def prefetch(self, owner, jobs):
             self.keys = [key for key, _ in jobs]
 
-        def run_now(self, job, key=None):
+        def run_now(self, job, key=None, on_wait=None):
             return job()
 
     explorer = Priced(n=1)
@@ -383,3 +383,72 @@ def test_a_worker_made_by_a_running_cell_counts_that_cell(monkeypatch):
     for callback in shell.events.callbacks["post_run_cell"]:
         callback(None)
     assert worker.wait_idle(10) and worker.pending() == 0
+
+
+def test_an_answer_that_takes_a_while_says_so_at_once_and_a_quick_one_does_not(
+        monkeypatch):
+    worker = Worker()
+    said: list[str] = []
+    monkeypatch.setattr(prefetch, "WAIT_NOTICE_S", 2.0)  # (however busy the machine)
+    assert worker.run_now(lambda: "quick", on_wait=lambda: said.append("waiting")) == "quick"
+    assert said == []
+    monkeypatch.setattr(prefetch, "WAIT_NOTICE_S", 0.05)
+
+    def slow():
+        time.sleep(0.5)
+        said.append("done")
+        return "slow"
+
+    assert worker.run_now(slow, on_wait=lambda: said.append("waiting")) == "slow"
+    assert said == ["waiting", "done"]  # said while the job ran, on the caller's thread
+
+    def times_out():
+        raise TimeoutError("the job's own")
+
+    said.clear()
+    with pytest.raises(TimeoutError, match="the job's own"):
+        worker.run_now(times_out, on_wait=lambda: said.append("waiting"))
+    assert worker.wait_idle(10) and said == []  # its error, not a wait
+
+
+class SlowOne(Bars):
+    """n = 1 takes until `release` is set (or raises, with `fail`)."""
+
+    def __init__(self, **initial):
+        self.release, self.fail = threading.Event(), False
+        super().__init__(prefetch=True, **initial)
+
+    def prefetch_cost(self, values):
+        return None  # nothing prepared unasked: every change is answered when asked
+
+    def pending_status(self, values):
+        return f"measuring n={values['n']} ..."
+
+    def draw(self, n, wide):
+        if n == 1:
+            assert self.release.wait(10)
+            if self.fail:
+                raise RuntimeError("a bug in the drawing code")
+        return super().draw(n, wide)
+
+
+def test_a_slow_answer_shows_what_it_measures_until_the_pictures_come():
+    explorer = SlowOne(n=2)
+    said: list[str] = []
+    explorer.status.observe(lambda change: said.append(change["new"]), names="value")
+    threading.Timer(10 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
+    explorer.controls["n"].value = 1
+    assert len(said) == 2 and "measuring n=1 ..." in said[0]
+    assert "still of the last setting" in said[0] and said[1] == "n=1"
+    explorer.worker.cancel(explorer)
+
+
+def test_an_answer_that_fails_says_so_instead_of_measuring_forever():
+    explorer = SlowOne(n=2)
+    explorer.fail = True
+    threading.Timer(10 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
+    with pytest.raises(RuntimeError, match="a bug in the drawing code"):
+        explorer.controls["n"].value = 1
+    assert "could not be drawn: RuntimeError: a bug in the drawing code" in (
+        explorer.status.value)
+    explorer.worker.cancel(explorer)

@@ -346,3 +346,15 @@ def test_status_lines_give_one_figure_when_every_rank_has_the_same():
     assert alone.status.value.startswith("1 rank holds 100.0% of the model's optimizer (")
     alone.set(dp=2, pp=2)  # stages of different sizes: a range
     assert " to " in alone.status.value.split(";")[1]
+
+
+def test_the_status_while_measuring_says_how_many_ranks_run_and_drawing_once_measured():
+    explorer = TrafficExplorer(SMALL, dp=2, tp=1, pp=1, zero=0, grad_accum_steps=1)
+    shown = explorer.values()
+    assert explorer.pending_status({**shown, "tp": 2, "grad_accum_steps": 4}) == (
+        "measuring one training step on 4 virtual ranks, 4 micro-batches each ...")
+    # measured already (another node size, the same run): only its pictures to draw
+    assert explorer.pending_status({**shown, "gpus_per_node": 2}).startswith("drawing")
+    pipeline = PipelineExplorer(schedule="gpipe", pp=2, micro_batches=2)
+    assert "gpipe step on 2 stages, 2 micro-batches" in pipeline.pending_status(
+        pipeline.values())
