@@ -134,10 +134,12 @@ def _tensor_names(config: TrainConfig):
 
 
 # ------------------------------------------------------------------ memory
-# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): up to 16
-# ranks, ~0.5 s of CPU each on the explorer model; 32 ranks would hold up the reader's
-# next change for a second or more if it came while one was running.
-PREFETCH_MAX_RANKS = 16
+# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): all their
+# controls offer, up to 128 ranks (dp 8 x tp 4 x pp 4: ~1 s of CPU on the explorer model,
+# 2.4 s with 4 micro-batches). Prepared dearest last, and a change that comes meanwhile
+# cancels the run (the ranks stop at their next call into minipar), so it waits no
+# longer than for a 16-rank one: at most the figures being drawn, ~0.1 s.
+PREFETCH_MAX_RANKS = 128
 
 
 def _train_key(config: TrainConfig) -> tuple:

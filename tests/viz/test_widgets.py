@@ -15,6 +15,7 @@ from minipar.train.data import make_stream  # noqa: E402
 from minipar.train.report import MEMORY_CATEGORIES  # noqa: E402
 from minipar.viz import widgets  # noqa: E402
 from minipar.viz.widgets import (  # noqa: E402
+    REFUSALS,
     MemoryExplorer,
     PipelineExplorer,
     RunCache,
@@ -325,6 +326,30 @@ def test_a_neighbour_the_rules_refuse_is_queued_as_cheap_not_raised():
     eight = explorer.picture_key({**explorer.values(), "dp": 8})
     assert recorder.keys.index(eight) > recorder.keys.index(
         explorer.picture_key({**explorer.values(), "dp": 2}))  # cheaper runs first
+
+
+@pytest.mark.parametrize("explorer_class", [MemoryExplorer, TrafficExplorer])
+def test_every_layout_the_controls_offer_is_prepared_the_largest_last(explorer_class):
+    class Recorder:
+        def prefetch(self, owner, jobs):
+            self.keys = [key for key, _ in jobs]
+
+    explorer = explorer_class(SMALL, dp=1, tp=1, pp=1)
+    explorer.worker = recorder = Recorder()
+    values = {**explorer.values(), "dp": 8, "tp": 4, "pp": 2}  # 64 ranks
+    explorer._prefetch_neighbours(values)
+    largest = {**values, "pp": 4}  # 128 ranks: dp, tp and pp at their most
+    assert explorer.picture_key(largest) in recorder.keys
+    assert explorer.picture_key({**values, "dp": 4}) in recorder.keys  # 32 ranks
+    def cost_of(setting):
+        try:
+            return explorer.prefetch_cost(setting)
+        except REFUSALS:  # queued first: its refusal is found without a run
+            return 0.0
+
+    cost = {explorer.picture_key(s): cost_of(s) for s in explorer.neighbours(values)}
+    queued = [cost[key] for key in recorder.keys]
+    assert queued == sorted(queued) and queued[-1] == explorer.prefetch_cost(largest)
 
 
 def test_a_refusal_speaks_of_the_controls_not_of_command_line_flags():
