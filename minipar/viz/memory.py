@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from minipar.train.report import MEMORY_CATEGORIES
-from minipar.viz.ticks import TICK_COPYING
+from minipar.viz.ticks import TICK_COPYING, label_every
 
 COLORS = {
     "params": "#3b75af",
@@ -83,7 +83,7 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     else:
         ax = fig.subplots(subplot_kw=TICK_COPYING)
     _stacked(ax, bars, scale)
-    every = -(-len(bars) // LABELLED_RANKS)  # label every k-th bar
+    every = label_every(len(bars), LABELLED_RANKS)
     ax.set_xticks(range(len(bars)), [label if i % every == 0 else ""
                                      for i, (label, _, _) in enumerate(bars)], fontsize=8)
     if report.world_size > 1:

@@ -1,7 +1,9 @@
-"""Axes whose new ticks are copies of their first tick: the same ticks, made faster.
+"""Axes whose new ticks are copies of their first tick: the same ticks, made faster; and
+how many rank labels an axis has room for.
 
     fig.add_axes(rect, axes_class=TickCopyingAxes)
     fig.subplots(1, 2, subplot_kw=TICK_COPYING)      # {"axes_class": TickCopyingAxes}
+    every = label_every(n_ranks, most=16)            # label ranks 0, every, 2 * every ...
 
 An axis makes a Tick for every location it labels, and the explorers' figures label
 many (a traffic heatmap: every rank on both axes of every panel). matplotlib 3.11 makes
@@ -30,6 +32,17 @@ import copy
 from matplotlib import axis as maxis
 from matplotlib import cbook
 from matplotlib.axes import Axes
+
+
+def label_every(count: int, most: int) -> int:
+    """Label every k-th of `count` ranks along an axis with room for `most` labels: 1 up to
+    `most` (every rank), else the least power of two that brings them under `most` (32
+    ranks in room for 12: every 4th; powers of two fall on the node boundaries of the
+    usual layouts). tests/viz/test_legibility.py checks that the labels stay apart."""
+    every = 1
+    while count > most * every:
+        every *= 2
+    return every
 
 
 def _copy_artist(artist):

@@ -25,8 +25,11 @@ from matplotlib.ticker import FuncFormatter
 from minipar.train.report import Report
 from minipar.viz.agg import FIGURE_WIDTH, fixed_margins
 from minipar.viz.tables import byte_unit, human_bytes
-from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes
+from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes, label_every
 
+# Room a rank label needs along a matrix's side: two digits of 7 pt and a gap (inches).
+LABEL_PITCH_IN = 0.15
+BAR_LABELS_MOST = 16  # rank labels under the bars of bytes sent, at most ("r10 / 0/1/0")
 GROUP_TITLES = {"tp": "tensor parallel (tp)", "cp": "context parallel (cp)",
                 "pp": "pipeline (pp)", "dp": "data parallel / ZeRO (dp)",
                 "ep": "expert parallel (ep)", "other": "other"}
@@ -67,6 +70,14 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     fig, axes, bar_axes = _layout(n, width)
     per_node = gpus_per_node or (report.layout or {}).get("gpus_per_node", world)
     image = None
+    # A panel's side (1.8-2.4 in) has room for side / LABEL_PITCH_IN rank labels: past
+    # that, every k-th rank is labelled (and ticked).
+    side = axes[0].get_position().width * fig.get_size_inches()[0]
+    # More than 8 nodes a side (128 ranks, 4 per node): black dashes would hide the cells.
+    boundary_style = dict(color="black", linestyle="--", linewidth=0.8)
+    if world // per_node > 8:
+        boundary_style.update(color="#888888", linewidth=0.4)
+    labelled = range(0, world, label_every(world, int(side / LABEL_PITCH_IN)))
     for ax, (kind, matrix) in zip(axes, matrices.items(), strict=True):
         shown = np.ma.masked_where(matrix <= 0, matrix)
         image = ax.imshow(shown, cmap="viridis", norm=norm)
@@ -80,14 +91,14 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
         ax.tick_params(labelsize=7)
         if ax is not axes[0]:  # the panels share their rows: one set of row labels says it
             ax.tick_params(labelleft=False)
-        ax.set_xticks(range(world))
-        ax.set_yticks(range(world))
+        ax.set_xticks(labelled)
+        ax.set_yticks(labelled)
         ax.set_xlabel("to rank", fontsize=8)
         if ax is axes[0]:
             ax.set_ylabel("from rank", fontsize=8)
         for boundary in range(per_node, world, per_node):
-            ax.axhline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
-            ax.axvline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
+            ax.axhline(boundary - 0.5, **boundary_style)
+            ax.axvline(boundary - 0.5, **boundary_style)
         if annotate:
             for i, j in zip(*np.nonzero(matrix), strict=True):
                 light = norm(matrix[i, j]) > 0.6
@@ -162,7 +173,9 @@ def plot_sent_bytes(report: Report, *, by: str = "group",
         ax.bar(range(n), values, bottom=bottom, label=name, width=0.7,
                color=colors.get(name, "#777777"))
         bottom += values
-    ax.set_xticks(range(n), [coords_label(r) for r in report.ranks], fontsize=7)
+    every = label_every(n, BAR_LABELS_MOST)
+    ax.set_xticks(range(n), [coords_label(r) if r["rank"] % every == 0 else ""
+                             for r in report.ranks], fontsize=7)
     ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
     ax.set_ylabel(f"bytes sent per step ({unit})")
     ax.set_title(f"each rank's bytes sent per step, by {by}", fontsize=9, y=1.0)

@@ -154,6 +154,14 @@ def test_the_memory_explorers_rank_labels_stay_apart_with_many_ranks(layout, cac
     assert problems(explorer.figure, DISPLAY_WIDTH) == []
 
 
+@pytest.mark.parametrize("layout", [dict(dp=4, tp=4, pp=1), dict(dp=2, tp=2, pp=4),
+                                    dict(dp=8, tp=4, pp=1), dict(dp=8, tp=4, pp=2)])
+def test_the_traffic_explorers_rank_labels_stay_apart_with_many_ranks(layout, cache):
+    explorer = widgets.TrafficExplorer(cache=cache, grad_accum_steps=1, **layout)
+    for fig in explorer.figures:  # the matrices and the bars, 16 to 64 ranks
+        assert problems(fig, DISPLAY_WIDTH) == []
+
+
 def test_the_pipeline_explorers_stage_labels_stay_apart_with_8_stages(cache):
     explorer = widgets.PipelineExplorer(cache=cache, pp=8, micro_batches=8)
     for fig in explorer.figures:
