@@ -225,8 +225,9 @@ def figure_png(fig: Figure, dpi: int = EXPLORER_DPI) -> bytes:
 
 
 def fixed_margins(fig: Figure, *, left: float, right: float, bottom: float,
-                  top: float) -> Figure:
-    """Replace the figure's constrained layout by margins in inches chosen for its labels.
+                  top: float, row_gap: float | None = None) -> Figure:
+    """Replace the figure's constrained layout by margins in inches chosen for its labels
+    (row_gap: inches between rows of axes, for a figure of several).
 
     Constrained layout measures every label on every draw to fit the margins: about a
     quarter of an explorer's redraw. The explorers' figures have a known shape, so fixed
@@ -236,6 +237,11 @@ def fixed_margins(fig: Figure, *, left: float, right: float, bottom: float,
     # What fig.subplots_adjust does; it refuses a figure created with a constrained layout.
     fig.subplotpars.update(left=left / width, right=1 - right / width,
                            bottom=bottom / height, top=1 - top / height)
+    rows = max((ax.get_subplotspec().get_gridspec().nrows for ax in fig.axes
+                if ax.get_subplotspec() is not None), default=1)
+    if row_gap is not None and rows > 1:  # hspace: the gap as a fraction of a row's height
+        row = (height - top - bottom - row_gap * (rows - 1)) / rows
+        fig.subplotpars.update(hspace=row_gap / row)
     for ax in fig.axes:
         if ax.get_subplotspec() is not None:  # colorbars and legends stay where they are
             ax.set_position(ax.get_subplotspec().get_position(fig))

@@ -11,10 +11,12 @@ moments (activations during the forward, optimizer state throughout), so the sta
 an upper bound and the tick is what a GPU would actually need. Baselines (e.g. the
 single-device run) are drawn first, hatched, so a cut is visible at a glance.
 
-With offload (ZeRO-Offload / ZeRO-Infinity), a second panel beside the GPU's shows what
+With offload (ZeRO-Offload / ZeRO-Infinity), a second panel under the GPU's shows what
 each rank keeps behind its GPU: the host (CPU DRAM) tier and the NVMe tier (hatched),
 from the report's `memory_host` / `memory_nvme`, in the same categories and scale, so the
-optimizer state visibly moves from one panel to the other.
+optimizer state visibly moves from one panel to the other. Under, not beside: side by
+side, two panels at the width a notebook shows had no room for their rank labels, and a
+wider figure is shrunk to fit (its 7 pt text then shows at ~7 display px).
 
 Built on `matplotlib.figure.Figure`, never pyplot.
 """
@@ -42,6 +44,7 @@ UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 # rank is labelled (k = ranks / LABELLED_RANKS, rounded up).
 COMPACT_LABELS_FROM = 9
 LABELLED_RANKS = 16
+TIERS_HEIGHT = 7.0  # inches: the GPU panel over the host / NVMe one (an offloaded run)
 
 
 def _rows(report) -> list[tuple[str, dict]]:
@@ -75,11 +78,10 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for m in every)
     unit, scale = next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
 
-    width = width or max(6.0, 1.6 + 0.75 * len(bars))
-    fig = Figure(figsize=(width * (1.6 if tiers else 1.0), 4.2), layout="constrained")
+    width = width or max(6.0, 1.6 + 0.75 * max(len(bars), len(tiers)))
+    fig = Figure(figsize=(width, TIERS_HEIGHT if tiers else 4.2), layout="constrained")
     if tiers:
-        ax, behind = fig.subplots(1, 2, sharey=True, width_ratios=[len(bars), len(tiers)],
-                                  subplot_kw=TICK_COPYING)
+        ax, behind = fig.subplots(2, 1, sharey=True, subplot_kw=TICK_COPYING)
     else:
         ax = fig.subplots(subplot_kw=TICK_COPYING)
     _stacked(ax, bars, scale)
@@ -91,17 +93,17 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     ax.set_ylabel(f"peak bytes held ({unit})")
     title = title or ("memory per rank: peak of each category (stacked); black tick = "
                       "peak of the total")
-    if tiers:  # one title over both panels, each panel named by its tier
-        fig.suptitle(title, fontsize=10)
-        ax.set_title("GPU", fontsize=9, y=1.0)
-    else:
-        ax.set_title(title, fontsize=10, y=1.0)
+    ax.set_title(title + (" (on the GPU)" if tiers else ""), fontsize=10, y=1.0)
     handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
     handles.append(Patch(facecolor="black", label="peak_total"))
     if tiers:
         _stacked(behind, tiers, scale, hatch="xx")
-        behind.set_xticks(range(len(tiers)), [label for label, _, _ in tiers], fontsize=7)
-        behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=9,
+        every = label_every(len(tiers), LABELLED_RANKS)
+        behind.set_xticks(range(len(tiers)), [label if i % every == 0 else ""
+                                              for i, (label, _, _) in enumerate(tiers)],
+                          fontsize=8)
+        behind.set_ylabel(f"peak bytes held ({unit})")
+        behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=10,
                          y=1.0)
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="NVMe"))
     # Level with the bottom of the bars, not the top: a long title runs past the axes'
@@ -111,14 +113,17 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
 
 
 def _tier_bars(report) -> list[tuple[str, dict, bool]]:
-    """(label, memory, hatched) of each rank's host and NVMe tiers, if any holds bytes."""
+    """(label, memory, hatched) of each rank's host and NVMe tiers, if any holds bytes:
+    "host" over "rank 3" ("r3" for COMPACT_LABELS_FROM bars or more)."""
     tiers = []
-    for label, r in zip((label for label, _ in _rows(report)), report.ranks, strict=True):
+    for r in report.ranks:
         for tier, name in (("memory_host", "host"), ("memory_nvme", "NVMe")):
             memory = r.get(tier)
             if memory and memory["peak_total"]:
-                tiers.append((f"{name}\n{label.splitlines()[0]}", memory, tier == "memory_nvme"))
-    return tiers
+                tiers.append((name, r["rank"], memory, tier == "memory_nvme"))
+    rank = "r{}" if len(tiers) >= COMPACT_LABELS_FROM else "rank {}"
+    return [(f"{name}\n{rank.format(n)}", memory, hatched)
+            for name, n, memory, hatched in tiers]
 
 
 def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:

@@ -191,7 +191,7 @@ class MemoryExplorer(Explorer):
                                          "150px"),
             "activation_checkpointing": _control("check", "checkpointing", value=False,
                                                  width="140px"),
-            # ZeRO-Offload / ZeRO-Infinity: a second panel shows the host and NVMe tiers
+            # ZeRO-Offload / ZeRO-Infinity: a second panel, below, shows host and NVMe tiers
             "offload_optimizer": _control("dropdown", "offload optimizer",
                                           ["none", "cpu", "nvme"], "none", "210px"),
             "offload_param": _control("dropdown", "offload params", ["none", "cpu", "nvme"],
@@ -222,7 +222,7 @@ class MemoryExplorer(Explorer):
             + (" + checkpointing" if c["activation_checkpointing"] else "")
             + (f" + offload {c['offload_optimizer']}/{c['offload_param']}"
                if c["offload_optimizer"] != "none" or c["offload_param"] != "none" else "")))
-        fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.35)
+        fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.35, row_gap=1.0)
         for legend in fig.legends:  # level with the bars' bottom, clear of a long title
             legend.set_bbox_to_anchor((1.0, 0.75 / fig.get_size_inches()[1]),
                                       transform=fig.transFigure)

@@ -162,6 +162,25 @@ def test_the_traffic_explorers_rank_labels_stay_apart_with_many_ranks(layout, ca
         assert problems(fig, DISPLAY_WIDTH) == []
 
 
+@pytest.mark.parametrize("layout", [
+    dict(dp=4, zero=1, offload_optimizer="cpu"),
+    dict(dp=8, zero=3, offload_optimizer="nvme", offload_param="cpu"),  # host and NVMe
+    dict(dp=8, tp=4, pp=2, zero=1, offload_optimizer="cpu")])           # 64 ranks
+def test_the_memory_explorers_offload_tiers_are_legible(layout, cache):
+    explorer = widgets.MemoryExplorer(cache=cache, **layout)
+    assert explorer.error is None and len(explorer.figure.axes) == 2  # GPU, then tiers
+    assert problems(explorer.figure, DISPLAY_WIDTH) == []
+
+
+def test_the_offloaded_memory_figure_of_notebook_03_is_legible_inline(cache):
+    # notebook 03 shows plot_memory of a ZeRO-3 run with everything on NVMe, inline
+    explorer = widgets.MemoryExplorer(cache=cache, dp=4, zero=3, offload_optimizer="nvme",
+                                      offload_param="nvme")
+    fig = plot_memory(explorer.run(**explorer.values()))
+    fig.set_dpi(INLINE_DPI)
+    assert problems(fig, None, tight=True) == []
+
+
 def test_the_pipeline_explorers_stage_labels_stay_apart_with_8_stages(cache):
     explorer = widgets.PipelineExplorer(cache=cache, pp=8, micro_batches=8)
     for fig in explorer.figures:
