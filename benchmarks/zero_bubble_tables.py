@@ -15,12 +15,11 @@ import math
 import numpy as np
 
 from minipar import distributed as dist
-from minipar.autograd.tensor import Context
-from minipar.autograd.tracking import use_device
 from minipar.distributed.timeline import labelled_compute_seconds
 from minipar.nn import GPTConfig
 from minipar.parallel.pipeline import Pipeline, bubble_fraction
 from minipar.parallel.schedules import SCHEDULES
+from minipar.parallel.uniform_stages import charge_blocks_only
 
 FREE = dist.DeviceProfile(intra_node_latency=0.0, inter_node_latency=0.0,
                           intra_node_bandwidth=math.inf, inter_node_bandwidth=math.inf)
@@ -29,51 +28,12 @@ CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-h2": 1, "zb-v
           "dualpipe-v": 2}
 
 
-class NoCompute:
-    """A device that keeps the ledger and charges no time (the free embedding / head)."""
-
-    def __init__(self, device):
-        self.memory = device.memory
-
-    def compute(self, flops, kind, kernels=None):
-        pass
-
-
-def free_backward(output, stop=None):
-    stack, seen = [output._ctx], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or (stop is not None and node is stop._ctx):
-            continue
-        seen.add(id(node))
-        node.flops_backward = 0
-        stack += [e[0] for e in node.edges if e is not None and type(e[0]) is Context]
-
-
-def blocks_only(chunk):
-    embed, head = chunk.embed, chunk.head
-
-    def free_embed(idx):
-        with use_device(NoCompute(dist.get_device())):
-            x = embed(idx)
-        free_backward(x)
-        return x
-
-    def free_head(x, targets=None):
-        with use_device(NoCompute(dist.get_device())):
-            loss = head(x, targets)
-        free_backward(loss, stop=x)
-        return loss
-
-    chunk.embed, chunk.head = free_embed, free_head
-
-
 def one_step(config, schedule, v, uniform):
     pipe = Pipeline(config, schedule=schedule, micro_batches=M, virtual_stages=v,
                     precision="fp32")
     if uniform:
         for chunk in pipe.chunks:
-            blocks_only(chunk)
+            charge_blocks_only(chunk)
     rng = np.random.default_rng(0)
     V = config.vocab_size
     pipe.forward_backward([(rng.integers(0, V, (B, S)), rng.integers(0, V, (B, S)))

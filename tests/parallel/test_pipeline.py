@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
-from minipar.autograd.tensor import Context
-from minipar.autograd.tracking import use_device
 from minipar.distributed.timeline import labelled_compute_seconds
 from minipar.nn import GPT, AdamW, GPTConfig, clip_grad_norm_
 from minipar.nn.gpt import parameter_shapes
@@ -37,6 +35,7 @@ from minipar.parallel.schedules import (
     SendActivation,
     SendGrad,
 )
+from minipar.parallel.uniform_stages import charge_blocks_only
 from minipar.train.checkpoint import assemble, in_model_order
 from minipar.train.data import micro_batch, synthetic_stream
 
@@ -236,48 +235,6 @@ def test_untied_head_uneven_split_one_stage_and_checkpointing_are_equivalent_too
 
 
 # --------------------------------------------------------------------------- bubble
-class NoCompute:
-    """Test-only device: keeps the memory ledger, charges no time."""
-
-    def __init__(self, device):
-        self.memory = device.memory
-
-    def compute(self, flops, kind):
-        pass
-
-
-def zero_backward_flops(output, stop=None):
-    """Make the backward of the graph nodes between `output` and `stop` cost nothing."""
-    stack, seen = [output._ctx], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or (stop is not None and node is stop._ctx):
-            continue
-        seen.add(id(node))
-        node.flops_backward = 0
-        stack += [e[0] for e in node.edges if e is not None and type(e[0]) is Context]
-
-
-def charge_blocks_only(chunk):
-    """Make a stage's embedding, final LayerNorm, head and loss free (forward and backward),
-    so that every stage costs exactly its blocks: the papers' uniform stages."""
-    embed, head = chunk.embed, chunk.head
-
-    def free_embed(idx):
-        with use_device(NoCompute(dist.get_device())):
-            x = embed(idx)
-        zero_backward_flops(x)
-        return x
-
-    def free_head(x, targets=None):
-        with use_device(NoCompute(dist.get_device())):
-            loss = head(x, targets)
-        zero_backward_flops(loss, stop=x)
-        return loss
-
-    chunk.embed, chunk.head = free_embed, free_head
-
-
 def one_step(config, schedule, m, v, uniform, layer_split=None):
     pipe = Pipeline(config, schedule=schedule, micro_batches=m, virtual_stages=v,
                     layer_split=layer_split)
