@@ -194,11 +194,14 @@ class Explorer(widgets.VBox):
             return (drawn[0] if drawn else None), pngs, message
 
         def say_measuring():  # the answer takes a while: say so, as the browser shows it
+            shown = self._pictures.layout.visibility != "hidden"  # (hidden after a refusal)
             self.status.value = (f"<span style='color:#666'>{self.pending_status(values)}"
-                                 " (the pictures below are still of the last setting)"
-                                 "</span>")
+                                 + (" (the pictures below are still of the last setting)"
+                                    if shown else "") + "</span>")
 
         try:
+            if key not in self.cache:
+                self.check(values)  # what the rules refuse, said at once, with no run
             if self.worker is None or key in self.cache:
                 figures, pngs, message = picture()
             else:  # on the worker thread, which does every run and drawing
@@ -206,7 +209,14 @@ class Explorer(widgets.VBox):
                                                              on_wait=say_measuring)
         except REFUSALS as refusal:
             self.error = str(refusal)
-            self.status.value = ("<span style='color:#b00020'>cannot run this layout: "
+            # Name the change that was refused: a second refusal with the same reason
+            # (another control changed, the culprit still set) then reads as an answer.
+            changed = [name for name in values if self._shown_values is not None
+                       and self._shown_values.get(name) != values[name]]
+            asked = (f" with \"{self.controls[changed[0]].description}\" = "
+                     f"{values[changed[0]]}" if len(changed) == 1 else "")
+            self.status.value = ("<span style='color:#b00020'>cannot run this layout"
+                                 f"{html.escape(asked)}: "
                                  f"{html.escape(self.in_control_words(self.error))}</span>")
             # The last pictures belong to another setting: hidden (their space kept, so
             # the page does not jump), never shown under controls they do not match.
@@ -234,6 +244,11 @@ class Explorer(widgets.VBox):
         self._unshown.pop(key, None)  # shown: kept like every picture shown
         self._prefetch_neighbours(values)
         self._shown_values = values
+
+    def check(self, values: dict) -> None:
+        """Raise one of REFUSALS for a setting the rules refuse, in a few milliseconds and
+        before any run (so a refusal never waits for the worker, nor says "measuring").
+        Default: nothing; `draw` refuses what this lets through."""
 
     def pending_status(self, values: dict) -> str:
         """What the status line says while a setting's answer is computed, once it takes

@@ -34,6 +34,8 @@ was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -45,6 +47,7 @@ from minipar.parallel.schedules import (
 )
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
+from minipar.train.layouts import check_layout
 from minipar.train.report import Report
 from minipar.viz.explorer import (
     FIGURE_WIDTH,
@@ -101,9 +104,14 @@ class ShardingExplorer(Explorer):
         world = values["dp"] * values["tp"] * values["pp"]
         return f"building the {values['kind']} of {world} ranks and drawing them ..."
 
+    def check(self, values: dict) -> None:
+        ranks = values["dp"] * values["tp"] * values["pp"]
+        if ranks > 16:  # one panel per rank: past 16 they are too small to read
+            raise ValueError(f"dp x tp x pp = {ranks} ranks; this explorer draws one panel "
+                             "per rank, so keep it at 16 or fewer")
+
     def draw(self, dp, tp, pp, zero, kind, tensor):
-        if dp * tp * pp > 16:
-            raise ValueError(f"dp x tp x pp = {dp * tp * pp} ranks; keep it at 16 or fewer")
+        self.check(dict(dp=dp, tp=tp, pp=pp))
         held = self.holdings(dp, tp, pp, zero)
         fig = plot_sharding(held, kind, tensor, width=FIGURE_WIDTH)
         shares = [held.fraction(r, kind) for r in range(held.world_size)]
@@ -164,6 +172,17 @@ def training_cost(values: dict) -> float | None:
     return world * max(1, values.get("grad_accum_steps") or 1)
 
 
+@functools.lru_cache(maxsize=8)
+def _vocab_size(data: str) -> int:
+    return make_stream(data).vocab_size
+
+
+def check_training_layout(config: TrainConfig) -> None:
+    """The rules `train` applies before it runs (minipar.train.layouts.check_layout), on
+    `config` with its data's vocabulary: a refusal in ~2 ms instead of after the worker."""
+    check_layout(config.replace(vocab_size=config.vocab_size or _vocab_size(config.data)))
+
+
 def step_status(measured: bool, values: dict) -> str:
     """The training explorers' status while a setting is answered (Explorer.pending_status)."""
     if measured:
@@ -209,6 +228,9 @@ class MemoryExplorer(Explorer):
         if _train_key(self.config.replace(**values)) in self.cache:
             return 0.0  # measured already: only the picture is left to draw
         return training_cost(values)
+
+    def check(self, values: dict) -> None:
+        check_training_layout(self.config.replace(**values))
 
     def pending_status(self, values: dict) -> str:
         return step_status(_train_key(self.config.replace(**values)) in self.cache, values)
@@ -268,6 +290,10 @@ class PipelineExplorer(Explorer):
     def prefetch_cost(self, values: dict) -> float:
         """Every stage runs every micro-batch through each of its chunks."""
         return values["pp"] * values["micro_batches"] * values["virtual_stages"]
+
+    def check(self, values: dict) -> None:
+        check_schedule_settings(values["schedule"], values["pp"], values["micro_batches"],
+                                values["virtual_stages"])
 
     def pending_status(self, values: dict) -> str:
         return (f"measuring one {values['schedule']} step on {values['pp']} stages, "
@@ -340,6 +366,10 @@ class TrafficExplorer(Explorer):
         if _traffic_key(self.config.replace(**settings)) in self.cache:
             return 0.0  # measured already: only the pictures are left to draw
         return training_cost(values)
+
+    def check(self, values: dict) -> None:
+        check_training_layout(self.config.replace(
+            **{k: v for k, v in values.items() if k != "by"}))
 
     def pending_status(self, values: dict) -> str:
         settings = {k: v for k, v in values.items() if k != "by"}

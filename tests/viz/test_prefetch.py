@@ -452,3 +452,15 @@ def test_an_answer_that_fails_says_so_instead_of_measuring_forever():
     assert "could not be drawn: RuntimeError: a bug in the drawing code" in (
         explorer.status.value)
     explorer.worker.cancel(explorer)
+
+
+def test_after_a_refusal_the_measuring_line_does_not_speak_of_pictures_below():
+    explorer = SlowOne(n=2)
+    explorer.controls["n"].value = 4  # refused: the pictures are hidden
+    assert explorer.error is not None
+    said: list[str] = []
+    explorer.status.observe(lambda change: said.append(change["new"]), names="value")
+    threading.Timer(10 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
+    explorer.controls["n"].value = 1
+    assert "measuring n=1 ..." in said[0] and "pictures below" not in said[0]
+    explorer.worker.cancel(explorer)

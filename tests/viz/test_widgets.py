@@ -4,6 +4,8 @@ parameter, ZeRO's 1/N, the schedules' micro-batches in flight)."""
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pytest
 
@@ -383,3 +385,37 @@ def test_the_status_while_measuring_says_how_many_ranks_run_and_drawing_once_mea
     pipeline = PipelineExplorer(schedule="gpipe", pp=2, micro_batches=2)
     assert "gpipe step on 2 stages, 2 micro-batches" in pipeline.pending_status(
         pipeline.values())
+
+
+@pytest.mark.parametrize("make, refused", [
+    (lambda: MemoryExplorer(SMALL, dp=2, zero=0), {"offload_optimizer": "cpu"}),
+    (lambda: TrafficExplorer(SMALL, dp=2, tp=1, pp=2, zero=1), {"zero": 3}),
+    (lambda: PipelineExplorer(pp=2, micro_batches=4), {"schedule": "interleaved"}),
+    (lambda: ShardingExplorer(dp=4, tp=2, pp=2), {"tp": 4}),
+])
+def test_a_refusal_is_said_at_once_without_a_run(make, refused):
+    class Worker:  # records what the explorer asks of the background worker
+        def __init__(self):
+            self.asked = 0
+
+        def run_now(self, job, key=None, on_wait=None):
+            self.asked += 1
+            return job()
+
+        def prefetch(self, owner, jobs):
+            pass
+
+    explorer = make()
+    explorer.worker = worker = Worker()
+    explorer.set(**refused)
+    assert explorer.error is not None and worker.asked == 0  # the rules, not a run
+
+
+def test_a_second_refusal_for_the_same_reason_names_the_change_it_answers():
+    explorer = MemoryExplorer(SMALL, dp=2, zero=1, offload_optimizer="nvme")  # refused
+    explorer.controls["tp"].value = 2  # still refused, for the same reason
+    assert 'cannot run this layout with "tp" = 2:' in html.unescape(explorer.status.value)
+    first = explorer.status.value
+    explorer.controls["dp"].value = 4
+    assert explorer.status.value != first and '"dp" = 4' in html.unescape(
+        explorer.status.value)
