@@ -238,13 +238,18 @@ class MemoryExplorer(Explorer):
     def draw(self, **settings):
         report = self.run(**settings)
         c = report.config
-        fig = plot_memory(report, width=FIGURE_WIDTH, title=(
-            f"peak bytes per rank, measured: dp={c['dp']} tp={c['tp']} pp={c['pp']} "
-            f"ZeRO-{c['zero']} {c['precision']}"
-            + (" + checkpointing" if c["activation_checkpointing"] else "")
-            + (f" + offload {c['offload_optimizer']}/{c['offload_param']}"
-               if c["offload_optimizer"] != "none" or c["offload_param"] != "none" else "")))
-        fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.35, row_gap=1.0)
+        extras = (["checkpointing"] * c["activation_checkpointing"]
+                  + [f"{what} offloaded to {c[f'offload_{name}']}"
+                     for name, what in (("optimizer", "optimizer state"),
+                                        ("param", "parameters"))
+                     if c[f"offload_{name}"] != "none"])
+        # The extras on a second line: on one, a long title ran off both sides.
+        title = (f"peak bytes per rank, measured: dp={c['dp']} tp={c['tp']} pp={c['pp']} "
+                 f"ZeRO-{c['zero']} {c['precision']}"
+                 + ("\n+ " + ", ".join(extras) if extras else ""))
+        fig = plot_memory(report, width=FIGURE_WIDTH, title=title)
+        fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.55 if extras else 0.35,
+                      row_gap=1.0)
         for legend in fig.legends:  # level with the bars' bottom, clear of a long title
             legend.set_bbox_to_anchor((1.0, 0.75 / fig.get_size_inches()[1]),
                                       transform=fig.transFigure)
