@@ -241,7 +241,10 @@ def fixed_margins(fig: Figure, *, left: float, right: float, bottom: float,
                 if ax.get_subplotspec() is not None), default=1)
     if row_gap is not None and rows > 1:  # hspace: the gap as a fraction of a row's height
         row = (height - top - bottom - row_gap * (rows - 1)) / rows
-        fig.subplotpars.update(hspace=row_gap / row)
+        if row <= 0:
+            raise ValueError(f"fixed_margins: a {height:g} in figure has no room for {rows} "
+                             f"rows with {row_gap:g} in between them")
+        fig.subplotpars.update(hspace=row_gap / row)  # (a gridspec's own hspace wins)
     for ax in fig.axes:
         if ax.get_subplotspec() is not None:  # colorbars and legends stay where they are
             ax.set_position(ax.get_subplotspec().get_position(fig))

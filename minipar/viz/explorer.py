@@ -226,9 +226,12 @@ class Explorer(widgets.VBox):
             self._shown_values = values
             return
         except BaseException as error:  # a bug or an interrupt: never "measuring" forever
-            self.status.value = ("<span style='color:#b00020'>this setting could not be "
-                                 f"drawn: {html.escape(type(error).__name__)}: "
-                                 f"{html.escape(str(error))}</span>")
+            self.error = f"{type(error).__name__}: {error}"
+            what = ("interrupted; change a control to try again"
+                    if isinstance(error, KeyboardInterrupt)
+                    else f"this setting could not be drawn: {self.error}")
+            self.status.value = f"<span style='color:#b00020'>{html.escape(what)}</span>"
+            self._pictures.layout.visibility = "hidden"  # (another setting's pictures)
             raise
         self.error = None
         self._figures = figures

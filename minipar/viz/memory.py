@@ -13,10 +13,11 @@ single-device run) are drawn first, hatched, so a cut is visible at a glance.
 
 With offload (ZeRO-Offload / ZeRO-Infinity), a second panel under the GPU's shows what
 each rank keeps behind its GPU: the host (CPU DRAM) tier and the NVMe tier (hatched),
-from the report's `memory_host` / `memory_nvme`, in the same categories and scale, so the
-optimizer state visibly moves from one panel to the other. Under, not beside: side by
-side, two panels at the width a notebook shows had no room for their rank labels, and a
-wider figure is shrunk to fit (its 7 pt text then shows at ~7 display px).
+from the report's `memory_host` / `memory_nvme`, in the same categories (so the optimizer
+state visibly moves from one panel to the other) and on its own y axis (the few KiB an
+NVMe tier holds would vanish on the GPU's MiB). Under, not beside: side by side, two
+panels at the width a notebook shows had no room for their rank labels, and a wider
+figure is shrunk to fit (its 7 pt text then shows at ~7 display px).
 
 Built on `matplotlib.figure.Figure`, never pyplot.
 """
@@ -73,15 +74,13 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     bars += [(label, memory, False) for label, memory in _rows(report)]
     if not bars:
         raise ValueError("plot_memory: the report has no ranks")
-    tiers = _tier_bars(report)
-    every = [m for _, m, _ in bars] + [m for _, m, _ in tiers]
-    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for m in every)
-    unit, scale = next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
+    tiers, tiers_per_rank = _tier_bars(report)
+    unit, scale = _unit(bars)
 
     width = width or max(6.0, 1.6 + 0.75 * max(len(bars), len(tiers)))
     fig = Figure(figsize=(width, TIERS_HEIGHT if tiers else 4.2), layout="constrained")
-    if tiers:
-        ax, behind = fig.subplots(2, 1, sharey=True, subplot_kw=TICK_COPYING)
+    if tiers:  # each tier its own y scale: NVMe's few KiB next to a GPU's MiB would vanish
+        ax, behind = fig.subplots(2, 1, subplot_kw=TICK_COPYING)
     else:
         ax = fig.subplots(subplot_kw=TICK_COPYING)
     _stacked(ax, bars, scale)
@@ -90,19 +89,27 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
                                      for i, (label, _, _) in enumerate(bars)], fontsize=8)
     if report.world_size > 1:
         ax.set_xlabel("rank (dp, pp, tp)", fontsize=8)
-    ax.set_ylabel(f"peak bytes held ({unit})")
+    ax.set_ylabel(f"peak bytes {'on the GPU' if tiers else 'held'} ({unit})")
     title = title or ("memory per rank: peak of each category (stacked); black tick = "
                       "peak of the total")
-    ax.set_title(title + (" (on the GPU)" if tiers else ""), fontsize=10, y=1.0)
+    ax.set_title(title, fontsize=10, y=1.0)
     handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
     handles.append(Patch(facecolor="black", label="peak_total"))
     if tiers:
-        _stacked(behind, tiers, scale, hatch="xx")
-        every = label_every(len(tiers), LABELLED_RANKS)
-        behind.set_xticks(range(len(tiers)), [label if i % every == 0 else ""
-                                              for i, (label, _, _) in enumerate(tiers)],
-                          fontsize=8)
-        behind.set_ylabel(f"peak bytes held ({unit})")
+        tier_unit, tier_scale = _unit(tiers)
+        _stacked(behind, tiers, tier_scale, hatch="xx")
+        if tiers_per_rank == 1 or len(tiers) < COMPACT_LABELS_FROM:  # "host / rank 3"
+            every = label_every(len(tiers), LABELLED_RANKS)
+            behind.set_xticks(range(len(tiers)), [label if i % every == 0 else ""
+                                                  for i, (label, _, _) in enumerate(tiers)],
+                              fontsize=8)
+        else:  # host and NVMe of each rank: the rank under the pair (the legend: hatched)
+            pairs = range(0, len(tiers), tiers_per_rank)
+            every = label_every(len(pairs), LABELLED_RANKS)
+            behind.set_xticks([i + (tiers_per_rank - 1) / 2 for i in pairs[::every]],
+                              [tiers[i][0].splitlines()[1] for i in pairs[::every]],
+                              fontsize=8)
+        behind.set_ylabel(f"peak bytes behind it ({tier_unit})")
         behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=10,
                          y=1.0)
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="NVMe"))
@@ -112,9 +119,16 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     return fig
 
 
-def _tier_bars(report) -> list[tuple[str, dict, bool]]:
-    """(label, memory, hatched) of each rank's host and NVMe tiers, if any holds bytes:
-    "host" over "rank 3" ("r3" for COMPACT_LABELS_FROM bars or more)."""
+def _unit(bars) -> tuple[str, float]:
+    """The unit of a panel's y axis: the largest one its tallest bar fills twice."""
+    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+    return next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
+
+
+def _tier_bars(report) -> tuple[list[tuple[str, dict, bool]], int]:
+    """(label, memory, hatched) of each rank's host and NVMe tiers that hold bytes, and how
+    many tiers each rank has: "host" over "rank 3" ("r3" for COMPACT_LABELS_FROM bars or
+    more)."""
     tiers = []
     for r in report.ranks:
         for tier, name in (("memory_host", "host"), ("memory_nvme", "NVMe")):
@@ -122,8 +136,9 @@ def _tier_bars(report) -> list[tuple[str, dict, bool]]:
             if memory and memory["peak_total"]:
                 tiers.append((name, r["rank"], memory, tier == "memory_nvme"))
     rank = "r{}" if len(tiers) >= COMPACT_LABELS_FROM else "rank {}"
+    per_rank = max(1, len(tiers) // max(1, report.world_size))
     return [(f"{name}\n{rank.format(n)}", memory, hatched)
-            for name, n, memory, hatched in tiers]
+            for name, n, memory, hatched in tiers], per_rank
 
 
 def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:
@@ -141,3 +156,8 @@ def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:
                hatch=hatch if hatched else None, edgecolor="white", linewidth=0.5)
         ax.plot([x - 0.38, x + 0.38], [memory["peak_total"] / scale] * 2, color="black",
                 linewidth=2)
+    # Headroom over the tallest bar or tick, as autoscaling gives (5%) unless the top of a
+    # stack is an empty category: its rectangle's bottom is a sticky edge there, and the
+    # tick sat on the frame (a host tier, whose buffers are empty).
+    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+    ax.set_ylim(0, 1.05 * top / scale)

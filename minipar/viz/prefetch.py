@@ -120,7 +120,10 @@ class Worker:
                 return future.result(timeout=WAIT_NOTICE_S)
             except FutureTimeout:
                 if not future.done():  # (else the job itself raised a TimeoutError)
-                    on_wait()
+                    try:
+                        on_wait()
+                    except Exception:  # noqa: BLE001 - a status line must not lose the
+                        pass  # answer it announces: the job's result is what matters
         return future.result()
 
     def prefetch(self, owner: object, jobs: list[tuple[Hashable, Callable]]) -> None:

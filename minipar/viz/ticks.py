@@ -39,7 +39,7 @@ def label_every(count: int, most: int) -> int:
     `most` (every rank), else the least power of two that brings them under `most` (32
     ranks in room for 12: every 4th; powers of two fall on the node boundaries of the
     usual layouts). tests/viz/test_legibility.py checks that the labels stay apart."""
-    every = 1
+    every, most = 1, max(1, most)  # (an axis with room for none still gets one)
     while count > most * every:
         every *= 2
     return every

@@ -27,6 +27,7 @@ from minipar.viz.agg import FIGURE_WIDTH, fixed_margins
 from minipar.viz.tables import byte_unit, human_bytes
 from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes, label_every
 
+MAX_NODE_LINES = 8  # nodes a side up to which their boundaries are drawn
 # Room a rank label needs along a matrix's side: two digits of 7 pt and a gap (inches).
 LABEL_PITCH_IN = 0.15
 BAR_LABELS_MOST = 16  # rank labels under the bars of bytes sent, at most ("r10 / 0/1/0")
@@ -65,7 +66,10 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     if not matrices:
         raise ValueError("plot_traffic: no rank sent any bytes (a single-device run?)")
     positive = [m[m > 0] for m in matrices.values()]
-    norm = LogNorm(vmin=min(p.min() for p in positive), vmax=max(p.max() for p in positive))
+    low, high = min(p.min() for p in positive), max(p.max() for p in positive)
+    # At least a factor 4 from the darkest colour to the brightest: cells within a few
+    # per cent of each other (a TP group's ring) look alike, and the bar's ticks differ.
+    norm = LogNorm(vmin=min(low, high / 4), vmax=high)
     n = len(matrices)
     fig, axes, bar_axes = _layout(n, width)
     per_node = gpus_per_node or (report.layout or {}).get("gpus_per_node", world)
@@ -73,10 +77,10 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     # A panel's side (1.8-2.4 in) has room for side / LABEL_PITCH_IN rank labels: past
     # that, every k-th rank is labelled (and ticked).
     side = axes[0].get_position().width * fig.get_size_inches()[0]
-    # More than 8 nodes a side (128 ranks, 4 per node): black dashes would hide the cells.
-    boundary_style = dict(color="black", linestyle="--", linewidth=0.8)
-    if world // per_node > 8:
-        boundary_style.update(color="#888888", linewidth=0.4)
+    # Past MAX_NODE_LINES nodes a side the dashes form a mesh over cells ~2 px wide (128
+    # ranks, 4 per node): the title says where the nodes end instead.
+    nodes = -(-world // per_node)
+    boundaries = range(per_node, world, per_node) if nodes <= MAX_NODE_LINES else ()
     labelled = range(0, world, label_every(world, int(side / LABEL_PITCH_IN)))
     for ax, (kind, matrix) in zip(axes, matrices.items(), strict=True):
         shown = np.ma.masked_where(matrix <= 0, matrix)
@@ -96,9 +100,9 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
         ax.set_xlabel("to rank", fontsize=8)
         if ax is axes[0]:
             ax.set_ylabel("from rank", fontsize=8)
-        for boundary in range(per_node, world, per_node):
-            ax.axhline(boundary - 0.5, **boundary_style)
-            ax.axvline(boundary - 0.5, **boundary_style)
+        for boundary in boundaries:
+            ax.axhline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
+            ax.axvline(boundary - 0.5, color="black", linestyle="--", linewidth=0.8)
         if annotate:
             for i, j in zip(*np.nonzero(matrix), strict=True):
                 light = norm(matrix[i, j]) > 0.6
@@ -113,14 +117,19 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     bar.set_ticks(np.geomspace(norm.vmin, norm.vmax, 4) if norm.vmax > norm.vmin
                   else [norm.vmin])
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: human_bytes(value)))
+    nodes_said = ("dashed lines = node boundaries" if nodes <= MAX_NODE_LINES else
+                  f"{nodes} nodes of {per_node} ranks (boundaries not drawn)")
     fig.suptitle(title or "traffic matrix: bytes rank i (row) sent to rank j (column); "
-                          "dashed lines = node boundaries", fontsize=9)
+                          + nodes_said, fontsize=9)
     return fig
 
 
 # Margins in inches for the labels around the square panels (what a constrained layout
 # finds, give or take, without measuring every label on every draw).
 LEFT, GAP, BAR_GAP, BAR, BAR_LABELS = 0.55, 0.3, 0.2, 0.12, 1.0
+# A panel's side at most, in a figure of a given width (a single panel 5.5 in square was
+# taller than a screen); the panels are centred in the width.
+MAX_SIDE = 3.0
 TOP, BOTTOM = 0.75, 0.5
 
 
@@ -131,12 +140,19 @@ def _layout(n: int, width: float | None):
     that a notebook shows 7 pt labels at ~10 px)."""
     margins = LEFT + GAP * (n - 1) + BAR_GAP + BAR + BAR_LABELS
     side = min(2.4, (8.0 - margins) / n) if width is None else (width - margins) / n
-    width = LEFT + n * side + GAP * (n - 1) + BAR_GAP + BAR + BAR_LABELS
+    if side < 0.5:
+        raise ValueError(f"plot_traffic: width={width} in leaves {side:.2f} in per panel "
+                         f"for {n} panels; give at least {margins + 0.5 * n:.1f} in")
+    used = margins + n * side
+    if width is not None and side > MAX_SIDE:  # one or two panels: centred, not blown up
+        side = MAX_SIDE
+    width = used if width is None else width
+    left = LEFT + (width - margins - n * side) / 2
     height = TOP + side + BOTTOM
     fig = Figure(figsize=(width, height))
-    axes = [fig.add_axes(((LEFT + k * (side + GAP)) / width, BOTTOM / height, side / width,
+    axes = [fig.add_axes(((left + k * (side + GAP)) / width, BOTTOM / height, side / width,
                           side / height), axes_class=TickCopyingAxes) for k in range(n)]
-    bar_left = LEFT + n * side + GAP * (n - 1) + BAR_GAP
+    bar_left = left + n * side + GAP * (n - 1) + BAR_GAP
     bar_axes = fig.add_axes((bar_left / width, BOTTOM / height, BAR / width, side / height),
                             label="<colorbar>", axes_class=TickCopyingAxes)
     return fig, axes, bar_axes

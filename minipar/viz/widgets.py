@@ -332,8 +332,9 @@ class PipelineExplorer(Explorer):
         message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
                    f"{formula} = {result['formula']:.3f} for uniform stages (the last virtual "
                    f"stage also runs the head and loss: rank p-1, or rank 0 in a V); "
-                   f"stage 0 holds "
-                   f"{result['in_flight'][0]} micro-batches of activations at once")
+                   f"stage 0 holds the activations of {result['in_flight'][0]} "
+                   + ("micro-batch x chunk forwards (one chunk's layers each)"
+                      if virtual_stages > 1 else "micro-batches") + " at once")
         return [timeline, fig], message
 
 

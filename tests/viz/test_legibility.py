@@ -102,6 +102,12 @@ def problems(fig, display_width: float | None, tight: bool = False) -> list[str]
             itertools.product(boxes, legends), itertools.combinations(boxes, 2)):
         if box_a.overlaps(box_b):
             found.append(f"{a} overlaps {b}")
+    for what, box in boxes:  # a title under another axes' tick or axis labels (rows)
+        for ax in fig.axes:
+            for label in ax.get_xticklabels() + [ax.xaxis.label]:
+                if (label.get_visible() and label.get_text().strip() and label.figure
+                        and box.overlaps(label.get_window_extent(renderer))):
+                    found.append(f"{what} overlaps {label.get_text()!r}")
     for ax in fig.axes:  # neighbouring tick labels of one axis run into each other
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]

@@ -451,7 +451,22 @@ def test_an_answer_that_fails_says_so_instead_of_measuring_forever():
         explorer.controls["n"].value = 1
     assert "could not be drawn: RuntimeError: a bug in the drawing code" in (
         explorer.status.value)
+    assert explorer.error is not None  # and n = 2's pictures are not shown under n = 1
+    assert explorer._pictures.layout.visibility == "hidden"
     explorer.worker.cancel(explorer)
+
+
+def test_a_status_line_that_fails_never_costs_the_answer_it_announces():
+    worker = Worker()
+
+    def broken_status():
+        raise KeyError("a bug in pending_status")
+
+    def slow():
+        time.sleep(0.3)
+        return "the answer"
+
+    assert worker.run_now(slow, on_wait=broken_status) == "the answer"
 
 
 def test_after_a_refusal_the_measuring_line_does_not_speak_of_pictures_below():

@@ -135,3 +135,41 @@ def test_figures_of_a_real_3d_run_save_as_png(tmp_path):
         fig.savefig(path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(traffic_matrices(report)) == ["tp", "pp", "dp"]
+
+
+def ring_report(world: int, per_node: int, sent: float = 1000.0, spread: float = 1.01):
+    """A report whose ranks send along a TP ring, `spread` apart from the least to the most
+    (no ranks' own numbers needed: the traffic matrix is what plot_traffic draws)."""
+    matrix = np.zeros((world, world))
+    for r in range(world):
+        matrix[r, (r + 1) % world] = sent * (1 + (spread - 1) * r / max(world - 1, 1))
+    return Report(config={}, world_size=world, n_params=1, steps=[{"step": 0}],
+                  traffic={"matrix": matrix.tolist(), "by_group": {"tp": matrix.tolist()}},
+                  layout={"gpus_per_node": per_node})
+
+
+def test_near_equal_bytes_get_near_equal_colours_and_distinct_colour_bar_ticks():
+    fig = plot_traffic(ring_report(4, 4, spread=1.01))  # within 1%
+    panel, bar = fig.axes
+    norm = panel.images[0].norm
+    assert norm.vmax / norm.vmin >= 4  # the darkest colour is a factor 4 below the most
+    labels = [t.get_text() for t in bar.get_yticklabels()]
+    assert len(set(labels)) == len(labels)  # not four times "1000 B"
+
+
+def test_node_boundaries_are_drawn_up_to_8_nodes_and_said_past_them():
+    drawn = plot_traffic(ring_report(32, 4))  # 8 nodes: 7 boundaries a side
+    assert len(drawn.axes[0].lines) == 2 * 7
+    said = plot_traffic(ring_report(36, 4))  # 9 nodes: a mesh of dashes; said instead
+    assert len(said.axes[0].lines) == 0 and "9 nodes of 4 ranks" in said._suptitle.get_text()
+
+
+def test_a_single_panel_is_centred_at_most_max_side_in_a_wide_figure():
+    from minipar.viz.traffic import MAX_SIDE
+
+    fig = plot_traffic(ring_report(4, 4), width=8.0)
+    panel = fig.axes[0]
+    side = panel.get_position().width * fig.get_size_inches()[0]
+    assert fig.get_size_inches()[0] == 8.0 and side == pytest.approx(MAX_SIDE)
+    with pytest.raises(ValueError, match="leaves 0.11 in per panel for 2 panels"):
+        plot_traffic(two_rank_report(), width=2.4)

@@ -7,7 +7,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes
+from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes, label_every
 
 
 def pixels(fig: Figure) -> np.ndarray:
@@ -78,3 +78,9 @@ def test_a_copied_tick_changes_alone():
         assert other.tick1line.get_xdata()[0] != 5.0
         assert other.label1.sticky_edges.x == []
     assert isinstance(ax, TickCopyingAxes)
+
+
+def test_label_every_labels_all_ranks_that_fit_and_powers_of_two_past_them():
+    assert [label_every(n, 8) for n in (1, 8, 9, 16, 17, 64, 128)] == [1, 1, 2, 2, 4, 8, 16]
+    assert label_every(32, 12) == 4  # 32 / 4 = 8 labels: within room for 12
+    assert label_every(16, 0) == 16  # an axis with room for none: one label, no hang

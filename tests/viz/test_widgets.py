@@ -272,7 +272,7 @@ def test_memory_explorer_shows_the_offload_tiers_behind_each_gpu(counted_runs):
     assert explorer.error is None
     gpu_ax, host_ax = explorer.figure.axes
     assert np.allclose(bar_heights(gpu_ax, "optimizer"), 0)
-    assert np.allclose(bar_heights(host_ax, "optimizer") * byte_scale(gpu_ax), on_gpu)
+    assert np.allclose(bar_heights(host_ax, "optimizer") * byte_scale(host_ax), on_gpu)
     assert "host memory" in explorer.status.value and "PCIe" in explorer.status.value
     explorer.controls["offload_param"].value = "cpu"  # ZeRO-1 has no parameter shard
     assert explorer.error is not None and "--zero 3" in explorer.error
@@ -419,3 +419,12 @@ def test_a_second_refusal_for_the_same_reason_names_the_change_it_answers():
     explorer.controls["dp"].value = 4
     assert explorer.status.value != first and '"dp" = 4' in html.unescape(
         explorer.status.value)
+
+
+def test_the_pipeline_status_counts_chunk_forwards_as_such_when_interleaved():
+    # p 4, m 8, v 2: stage 0 holds up to 10 micro-batch x chunk forwards (more than m / p)
+    explorer = PipelineExplorer(schedule="interleaved", pp=4, micro_batches=8,
+                                virtual_stages=2)
+    assert "micro-batch x chunk forwards" in explorer.status.value
+    explorer.set(schedule="1f1b", virtual_stages=1)
+    assert "activations of 4 micro-batches at once" in explorer.status.value
