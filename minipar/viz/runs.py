@@ -12,6 +12,7 @@ dominates and the bubble is the grey between the bars.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from minipar.nn import GPTConfig
 from minipar.parallel.pipeline import Pipeline, bubble_fraction
 from minipar.parallel.schedules import in_flight_peak, uniform_bubble_fraction
 from minipar.train.config import TrainConfig
+from minipar.train.data import make_stream
+from minipar.train.layouts import check_layout
 from minipar.train.report import Report
 
 
@@ -142,3 +145,47 @@ def pipeline_step(schedule: str, pp: int, micro_batches: int, virtual_stages: in
         "loss": results[0][0],
         "schedule": schedule_,
     }
+
+
+# ------------------------------------------------------------------ training runs
+# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): up to 32
+# ranks, dearest last. A change that comes meanwhile cancels the run (the ranks stop at
+# their next call into minipar) but waits for figures being drawn, which grow with the
+# ranks: measured while the worker prepared a neighbour (benchmarks/README.md), a change
+# waited at most ~150 ms behind a 16-rank one, 190 ms behind 32 ranks, 290 ms behind 64
+# and 0.5-0.9 s behind 128 (its run's end and its figures cannot be interrupted).
+PREFETCH_MAX_RANKS = 32
+
+
+def train_key(config: TrainConfig) -> tuple:
+    """A training run's key in a RunCache: its whole config."""
+    return ("train", tuple(sorted(config.to_dict().items())))
+
+
+def traffic_key(config: TrainConfig) -> tuple:
+    """A traffic run's key: its config but the GPUs per node (TrafficExplorer.run)."""
+    return ("train, any gpus_per_node",
+            tuple(sorted((k, v) for k, v in config.to_dict().items()
+                         if k != "gpus_per_node")))
+
+
+def training_cost(values: dict) -> float | None:
+    """What a measured step of a layout costs on the host, relatively: every rank runs
+    every one of its micro-batches through all the ops of its layers (a TP rank too, on
+    slices), one Python op at a time under the GIL, so ranks x micro-batches
+    (benchmarks/README.md, bench_emulation); None past PREFETCH_MAX_RANKS."""
+    world = values["dp"] * values["tp"] * values["pp"]
+    if world > PREFETCH_MAX_RANKS:
+        return None
+    return world * max(1, values.get("grad_accum_steps") or 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_size(data: str) -> int:
+    return make_stream(data).vocab_size
+
+
+def check_training_layout(config: TrainConfig) -> None:
+    """The rules `train` applies before it runs (minipar.train.layouts.check_layout), on
+    `config` with its data's vocabulary: a refusal in ~2 ms instead of after the worker."""
+    check_layout(config.replace(vocab_size=config.vocab_size or _vocab_size(config.data)))

@@ -34,8 +34,6 @@ was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -47,7 +45,6 @@ from minipar.parallel.schedules import (
 )
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
-from minipar.train.layouts import check_layout
 from minipar.train.report import Report
 from minipar.viz.explorer import (
     FIGURE_WIDTH,
@@ -58,7 +55,15 @@ from minipar.viz.explorer import (
     fixed_margins,
 )
 from minipar.viz.memory import plot_memory
-from minipar.viz.runs import RunCache, pipeline_step, train_report
+from minipar.viz.runs import (
+    RunCache,
+    check_training_layout,
+    pipeline_step,
+    traffic_key,
+    train_key,
+    train_report,
+    training_cost,
+)
 from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
 from minipar.viz.tables import byte_unit, human_bytes, span
 from minipar.viz.ticks import TICK_COPYING
@@ -142,47 +147,6 @@ def _tensor_names(config: TrainConfig):
 
 
 # ------------------------------------------------------------------ memory
-# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): all their
-# controls offer, up to 128 ranks (dp 8 x tp 4 x pp 4: ~1 s of CPU on the explorer model,
-# 2.4 s with 4 micro-batches). Prepared dearest last, and a change that comes meanwhile
-# cancels the run (the ranks stop at their next call into minipar), so it waits no
-# longer than for a 16-rank one: at most the figures being drawn, ~0.1 s.
-PREFETCH_MAX_RANKS = 128
-
-
-def _train_key(config: TrainConfig) -> tuple:
-    return ("train", tuple(sorted(config.to_dict().items())))
-
-
-def _traffic_key(config: TrainConfig) -> tuple:
-    """A traffic run's key: its config but the GPUs per node (TrafficExplorer.run)."""
-    return ("train, any gpus_per_node",
-            tuple(sorted((k, v) for k, v in config.to_dict().items()
-                         if k != "gpus_per_node")))
-
-
-def training_cost(values: dict) -> float | None:
-    """What a measured step of a layout costs on the host, relatively: every rank runs
-    every one of its micro-batches through all the ops of its layers (a TP rank too, on
-    slices), one Python op at a time under the GIL, so ranks x micro-batches
-    (benchmarks/README.md, bench_emulation); None past PREFETCH_MAX_RANKS."""
-    world = values["dp"] * values["tp"] * values["pp"]
-    if world > PREFETCH_MAX_RANKS:
-        return None
-    return world * max(1, values.get("grad_accum_steps") or 1)
-
-
-@functools.lru_cache(maxsize=8)
-def _vocab_size(data: str) -> int:
-    return make_stream(data).vocab_size
-
-
-def check_training_layout(config: TrainConfig) -> None:
-    """The rules `train` applies before it runs (minipar.train.layouts.check_layout), on
-    `config` with its data's vocabulary: a refusal in ~2 ms instead of after the worker."""
-    check_layout(config.replace(vocab_size=config.vocab_size or _vocab_size(config.data)))
-
-
 def step_status(measured: bool, values: dict) -> str:
     """The training explorers' status while a setting is answered (Explorer.pending_status)."""
     if measured:
@@ -222,10 +186,10 @@ class MemoryExplorer(Explorer):
 
     def run(self, **settings) -> Report:
         config = self.config.replace(**settings)
-        return self.cache.get(_train_key(config), lambda: train_report(config))
+        return self.cache.get(train_key(config), lambda: train_report(config))
 
     def prefetch_cost(self, values: dict) -> float | None:
-        if _train_key(self.config.replace(**values)) in self.cache:
+        if train_key(self.config.replace(**values)) in self.cache:
             return 0.0  # measured already: only the picture is left to draw
         return training_cost(values)
 
@@ -233,7 +197,7 @@ class MemoryExplorer(Explorer):
         check_training_layout(self.config.replace(**values))
 
     def pending_status(self, values: dict) -> str:
-        return step_status(_train_key(self.config.replace(**values)) in self.cache, values)
+        return step_status(train_key(self.config.replace(**values)) in self.cache, values)
 
     def draw(self, **settings):
         report = self.run(**settings)
@@ -365,11 +329,11 @@ class TrafficExplorer(Explorer):
         collectives, same arrays; tests/viz/test_widgets.py measures both); the pictures
         draw the node boundaries of the setting shown."""
         config = self.config.replace(**settings)
-        return self.cache.get(_traffic_key(config), lambda: train_report(config))
+        return self.cache.get(traffic_key(config), lambda: train_report(config))
 
     def prefetch_cost(self, values: dict) -> float | None:
         settings = {k: v for k, v in values.items() if k != "by"}
-        if _traffic_key(self.config.replace(**settings)) in self.cache:
+        if traffic_key(self.config.replace(**settings)) in self.cache:
             return 0.0  # measured already: only the pictures are left to draw
         return training_cost(values)
 
@@ -379,7 +343,7 @@ class TrafficExplorer(Explorer):
 
     def pending_status(self, values: dict) -> str:
         settings = {k: v for k, v in values.items() if k != "by"}
-        return step_status(_traffic_key(self.config.replace(**settings)) in self.cache,
+        return step_status(traffic_key(self.config.replace(**settings)) in self.cache,
                            values)
 
     def draw(self, by, **settings):

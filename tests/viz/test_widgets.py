@@ -331,18 +331,19 @@ def test_a_neighbour_the_rules_refuse_is_queued_as_cheap_not_raised():
 
 
 @pytest.mark.parametrize("explorer_class", [MemoryExplorer, TrafficExplorer])
-def test_every_layout_the_controls_offer_is_prepared_the_largest_last(explorer_class):
+def test_layouts_up_to_32_ranks_are_prepared_the_largest_last(explorer_class):
     class Recorder:
         def prefetch(self, owner, jobs):
             self.keys = [key for key, _ in jobs]
 
     explorer = explorer_class(SMALL, dp=1, tp=1, pp=1)
     explorer.worker = recorder = Recorder()
-    values = {**explorer.values(), "dp": 8, "tp": 4, "pp": 2}  # 64 ranks
+    values = {**explorer.values(), "dp": 8, "tp": 2, "pp": 1}  # 16 ranks
     explorer._prefetch_neighbours(values)
-    largest = {**values, "pp": 4}  # 128 ranks: dp, tp and pp at their most
+    largest = {**values, "tp": 4}  # 32 ranks
     assert explorer.picture_key(largest) in recorder.keys
-    assert explorer.picture_key({**values, "dp": 4}) in recorder.keys  # 32 ranks
+    assert explorer.picture_key({**values, "pp": 4}) not in recorder.keys  # 64: not
+    assert explorer.picture_key({**values, "dp": 4}) in recorder.keys  # 8
     def cost_of(setting):
         try:
             return explorer.prefetch_cost(setting)
