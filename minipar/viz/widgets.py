@@ -170,8 +170,11 @@ class MemoryExplorer(Explorer):
             "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 0, "120px"),
             "precision": _control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
                                   "bf16-mixed", "190px"),
-            "micro_batch_size": _control("dropdown", "micro-batch", [1, 2, 4, 8, 16], 4,
-                                         "150px"),
+            "micro_batch_size": _control("dropdown", "micro-batch size", [1, 2, 4, 8, 16],
+                                         4, "190px"),
+            # a pipeline's memory depends on how many micro-batches it holds (notebook 05)
+            "grad_accum_steps": _control("dropdown", "micro-batches", [1, 2, 4, 8], 1,
+                                         "160px"),
             "activation_checkpointing": _control("check", "checkpointing", value=False,
                                                  width="140px"),
             # ZeRO-Offload / ZeRO-Infinity: a second panel, below, shows host and NVMe tiers
@@ -210,6 +213,7 @@ class MemoryExplorer(Explorer):
         # The extras on a second line: on one, a long title ran off both sides.
         title = (f"peak bytes per rank, measured: dp={c['dp']} tp={c['tp']} pp={c['pp']} "
                  f"ZeRO-{c['zero']} {c['precision']}"
+                 + (f", {c['grad_accum_steps']} micro-batches" * (c["grad_accum_steps"] > 1))
                  + ("\n+ " + ", ".join(extras) if extras else ""))
         fig = plot_memory(report, width=FIGURE_WIDTH, title=title)
         fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.55 if extras else 0.35,
@@ -316,6 +320,9 @@ class TrafficExplorer(Explorer):
             "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
             "grad_accum_steps": _control("dropdown", "micro-batches", [1, 2, 4], 2,
                                          "160px"),
+            # bf16-mixed sends half the bytes of fp32 (activations and gradients)
+            "precision": _control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
+                                  "fp32", "190px"),
             "gpus_per_node": _control("dropdown", "GPUs per node", [2, 4, 8], 4, "170px"),
             "by": _control("dropdown", "bars by", ["group", "op"], "group", "150px"),
         }
@@ -363,6 +370,7 @@ class TrafficExplorer(Explorer):
         # The layout first: ZeRO-1 and -2 move what plain DP moves; a change must show.
         message = (f"dp={settings['dp']} tp={settings['tp']} pp={settings['pp']} ZeRO-"
                    f"{settings['zero']}, micro-batches {settings['grad_accum_steps']}, "
+                   f"{settings['precision']}, "
                    f"{per_node} GPUs per node: one step moved {human_bytes(total)} in all; "
                    + ", ".join(f"{k} {human_bytes(v)}" for k, v in groups.items())
                    + f"; {crossing / max(total, 1):.0%} of it crosses a node boundary "
