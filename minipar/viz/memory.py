@@ -40,25 +40,24 @@ COLORS = {
 UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-# Past this many ranks, "rank 3 / (0,1,1)" labels run into each other at the width a
-# notebook shows (8 in): they become "r3 / 0,1,1", and past twice as many only every k-th
-# rank is labelled (k = ranks / LABELLED_RANKS, rounded up).
+# Past this many ranks, "rank 3 / 0/1/1" labels run into each other at the width a
+# notebook shows (8 in): they become "r3 / 0/1/1", and past twice as many only every k-th
+# rank is labelled (ticks.label_every).
 COMPACT_LABELS_FROM = 9
 LABELLED_RANKS = 16
 TIERS_HEIGHT = 7.0  # inches: the GPU panel over the host / NVMe one (an offloaded run)
 
 
 def _rows(report) -> list[tuple[str, dict]]:
-    """(x label, memory) per rank: "rank 3" over its mesh coordinates (dp, pp, tp)
-    ("r3" over "0,1,1" for COMPACT_LABELS_FROM ranks or more)."""
+    """(x label, memory) per rank: "rank 3" over its mesh coordinates dp/pp/tp, "0/1/1"
+    ("r3" for COMPACT_LABELS_FROM ranks or more)."""
     rows = []
     compact = report.world_size >= COMPACT_LABELS_FROM
     for r in report.ranks:
         c = r["coords"]
         label = f"r{r['rank']}" if compact else f"rank {r['rank']}"
-        if report.world_size > 1:
-            label += (f"\n{c['dp']},{c['pp']},{c['tp']}" if compact
-                      else f"\n({c['dp']},{c['pp']},{c['tp']})")
+        if report.world_size > 1:  # written as the traffic bars and the tables write them
+            label += f"\n{c['dp']}/{c['pp']}/{c['tp']}"
         rows.append((label, r["memory"]))
     return rows
 
@@ -88,7 +87,7 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     ax.set_xticks(range(len(bars)), [label if i % every == 0 else ""
                                      for i, (label, _, _) in enumerate(bars)], fontsize=8)
     if report.world_size > 1:
-        ax.set_xlabel("rank (dp, pp, tp)", fontsize=8)
+        ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
     ax.set_ylabel(f"peak bytes {'on the GPU' if tiers else 'held'} ({unit})")
     title = title or ("memory per rank: peak of each category (stacked); black tick = "
                       "peak of the total")
