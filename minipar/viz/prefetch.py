@@ -128,9 +128,12 @@ class Worker:
 
     def prefetch(self, owner: object, jobs: list[tuple[Hashable, Callable]]) -> None:
         """Replace `owner`'s spare jobs by `jobs` (most wanted first): what the owner
-        showed last decides what is worth preparing; older wishes are dropped."""
+        showed last decides what is worth preparing; older wishes are dropped. The owner
+        that asked last is served first: the explorer the reader is using, not one
+        higher up the notebook that still has neighbours to prepare."""
         with self._changed:
-            self._spare[id(owner)] = deque(jobs)
+            self._spare.pop(id(owner), None)
+            self._spare[id(owner)] = deque(jobs)  # (last in the dict: `_next` reads it first)
             self._changed.notify_all()
 
     def cancel(self, owner: object) -> None:
@@ -192,7 +195,7 @@ class Worker:
             if self._garbage and idle:  # first what the last answers left (module doc)
                 self._garbage = False
                 return _COLLECT, None
-            spare = next((jobs for jobs in self._spare.values() if jobs), None)
+            spare = next((jobs for jobs in reversed(self._spare.values()) if jobs), None)
             if spare is not None and idle:
                 self._spare_key, job = spare.popleft()
                 return job, None

@@ -145,6 +145,16 @@ def test_an_urgent_job_goes_before_every_waiting_spare_one_and_new_wishes_replac
         worker.run_now(lambda: 1 / 0)
 
 
+def test_the_explorer_that_asked_last_is_prepared_for_first():
+    worker, release, order = _blocked_worker()
+    worker.prefetch("explorer higher up", [("a1", lambda: order.append("a1")),
+                                           ("a2", lambda: order.append("a2"))])
+    worker.prefetch("explorer in use", [("b1", lambda: order.append("b1"))])
+    release.set()
+    assert worker.wait_idle(10)
+    assert order == ["block", "b1", "a1", "a2"]  # then the others', in the idle time left
+
+
 def test_spare_work_waits_while_a_notebook_cell_runs():
     worker, release, order = _blocked_worker()
     release.set()
