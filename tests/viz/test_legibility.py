@@ -25,6 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.legend import Legend  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
+from minipar.train import TrainConfig  # noqa: E402
 from minipar.viz import widgets  # noqa: E402
 from minipar.viz.memory import plot_memory  # noqa: E402
 
@@ -32,6 +33,8 @@ DISPLAY_WIDTH = 829  # px: JupyterLab 4's output area at a 1280 px window (see a
 MIN_PX = 10  # smallest font size a reader gets, in display pixels
 LABEL_GAP_PX = 3  # the least room between two tick labels, in the picture's pixels
 INLINE_DPI = 100  # matplotlib-inline's default figure dpi
+# a smaller model than the explorers' (the labels depend on the ranks alone), 4 layers for pp 4
+SMALL = TrainConfig(n_layer=4, d_model=32, n_head=4, seq_len=16, micro_batch_size=2, steps=1)
 
 
 def _visible_texts(fig):
@@ -163,7 +166,8 @@ def test_the_memory_explorers_rank_labels_stay_apart_with_many_ranks(layout, cac
 @pytest.mark.parametrize("layout", [dict(dp=4, tp=4, pp=1), dict(dp=2, tp=2, pp=4),
                                     dict(dp=8, tp=4, pp=1), dict(dp=8, tp=4, pp=2)])
 def test_the_traffic_explorers_rank_labels_stay_apart_with_many_ranks(layout, cache):
-    explorer = widgets.TrafficExplorer(cache=cache, grad_accum_steps=1, **layout)
+    explorer = widgets.TrafficExplorer(SMALL, cache=cache, grad_accum_steps=1, **layout)
+    assert explorer.error is None
     for fig in explorer.figures:  # the matrices and the bars, 16 to 64 ranks
         assert problems(fig, DISPLAY_WIDTH) == []
 
@@ -171,9 +175,10 @@ def test_the_traffic_explorers_rank_labels_stay_apart_with_many_ranks(layout, ca
 @pytest.mark.parametrize("layout", [
     dict(dp=4, zero=1, offload_optimizer="cpu"),
     dict(dp=8, zero=3, offload_optimizer="nvme", offload_param="cpu"),  # host and NVMe
-    dict(dp=8, tp=4, pp=2, zero=1, offload_optimizer="cpu")])           # 64 ranks
+    dict(dp=8, tp=4, pp=2, zero=1, offload_optimizer="cpu"),            # 64 ranks
+    dict(dp=8, tp=4, zero=3, offload_optimizer="nvme", offload_param="cpu")])  # 32, both
 def test_the_memory_explorers_offload_tiers_are_legible(layout, cache):
-    explorer = widgets.MemoryExplorer(cache=cache, **layout)
+    explorer = widgets.MemoryExplorer(SMALL, cache=cache, **layout)
     assert explorer.error is None and len(explorer.figure.axes) == 2  # GPU, then tiers
     assert problems(explorer.figure, DISPLAY_WIDTH) == []
 
@@ -208,3 +213,13 @@ def test_the_check_itself_finds_small_text_and_a_title_under_a_legend():
     assert any("overlaps legend" in p for p in found)
     assert any("runs off the picture" in p for p in found)
     assert any("tick labels 'rank 0' and 'rank 1' overlap" in p for p in found)
+
+
+def test_with_host_and_nvme_for_many_ranks_each_label_names_a_rank_under_its_pair(cache):
+    explorer = widgets.MemoryExplorer(SMALL, cache=cache, dp=8, tp=4, zero=3,
+                                      offload_optimizer="nvme", offload_param="cpu")
+    tiers = explorer.figure.axes[1]
+    ticks = [(x, label.get_text()) for x, label in zip(tiers.get_xticks(),
+                                                      tiers.get_xticklabels(), strict=True)]
+    # 32 ranks, two bars each: every 2nd rank labelled, between its host and NVMe bars
+    assert ticks == [(2 * r + 0.5, f"r{r}") for r in range(0, 32, 2)]

@@ -446,7 +446,7 @@ def test_a_slow_answer_shows_what_it_measures_until_the_pictures_come():
     explorer = SlowOne(n=2)
     said: list[str] = []
     explorer.status.observe(lambda change: said.append(change["new"]), names="value")
-    threading.Timer(10 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
+    threading.Timer(3 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
     explorer.controls["n"].value = 1
     assert len(said) == 2 and "measuring n=1 ..." in said[0]
     assert "still of the last setting" in said[0] and said[1] == "n=1"
@@ -456,7 +456,7 @@ def test_a_slow_answer_shows_what_it_measures_until_the_pictures_come():
 def test_an_answer_that_fails_says_so_instead_of_measuring_forever():
     explorer = SlowOne(n=2)
     explorer.fail = True
-    threading.Timer(10 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
+    threading.Timer(3 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
     with pytest.raises(RuntimeError, match="a bug in the drawing code"):
         explorer.controls["n"].value = 1
     assert "could not be drawn: RuntimeError: a bug in the drawing code" in (
@@ -485,7 +485,7 @@ def test_after_a_refusal_the_measuring_line_does_not_speak_of_pictures_below():
     assert explorer.error is not None
     said: list[str] = []
     explorer.status.observe(lambda change: said.append(change["new"]), names="value")
-    threading.Timer(10 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
+    threading.Timer(3 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
     explorer.controls["n"].value = 1
     assert "measuring n=1 ..." in said[0] and "pictures below" not in said[0]
     explorer.worker.cancel(explorer)
