@@ -37,7 +37,7 @@ from minipar.errors import flag
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
-from minipar.viz.nearby import ahead, neighbours
+from minipar.viz.nearby import ahead, changed, neighbours
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 from minipar.viz.store import AnswerStore, answer_store, style_digest
@@ -211,10 +211,9 @@ class Explorer(widgets.VBox):
             self.error = str(refusal)
             # Name the change that was refused: a second refusal with the same reason
             # (another control changed, the culprit still set) then reads as an answer.
-            changed = [name for name in values if self._shown_values is not None
-                       and self._shown_values.get(name) != values[name]]
-            asked = (f" with \"{self.controls[changed[0]].description}\" = "
-                     f"{values[changed[0]]}" if len(changed) == 1 else "")
+            moved = changed(self._shown_values, values)
+            asked = (f" with \"{self.controls[moved[0]].description}\" = "
+                     f"{values[moved[0]]}" if len(moved) == 1 else "")
             self.status.value = ("<span style='color:#b00020'>cannot run this layout"
                                  f"{html.escape(asked)}: "
                                  f"{html.escape(self.in_control_words(self.error))}</span>")

@@ -47,16 +47,21 @@ def neighbours(controls: dict, values: dict, option_reach: int,
     return [setting for ring in rings for setting in ring]
 
 
+def changed(previous: dict | None, values: dict) -> list[str]:
+    """The controls whose value differs between two settings (none without a previous)."""
+    if previous is None:
+        return []
+    return [name for name in values if previous.get(name) != values[name]]
+
+
 def ahead(controls: dict, previous: dict | None, values: dict) -> dict | None:
     """One more step along the last change, if it moved one drop-down or slider
     (ZeRO 1 -> 2 after 0 -> 1; m 12 after 8 -> 10): a reader who sweeps a control, as
     the notebooks suggest ("try ZeRO 0 to 3"), asks for it next. None otherwise."""
-    if previous is None:
+    moved = changed(previous, values)
+    if len(moved) != 1 or _kind(controls[moved[0]]) == "check":
         return None
-    changed = [name for name in values if previous.get(name) != values[name]]
-    if len(changed) != 1 or _kind(controls[changed[0]]) == "check":
-        return None
-    name = changed[0]
+    name = moved[0]
     control = controls[name]
     if _kind(control) == "slider":
         value = 2 * values[name] - previous[name]  # the same stride again
