@@ -175,7 +175,6 @@ def test_the_traffic_explorers_rank_labels_stay_apart_with_many_ranks(layout, ca
 @pytest.mark.parametrize("layout", [
     dict(dp=4, zero=1, offload_optimizer="cpu"),
     dict(dp=8, zero=3, offload_optimizer="nvme", offload_param="cpu"),  # host and NVMe
-    dict(dp=8, tp=4, pp=2, zero=1, offload_optimizer="cpu"),            # 64 ranks
     dict(dp=8, tp=4, zero=3, offload_optimizer="nvme", offload_param="cpu")])  # 32, both
 def test_the_memory_explorers_offload_tiers_are_legible(layout, cache):
     explorer = widgets.MemoryExplorer(SMALL, cache=cache, **layout)
