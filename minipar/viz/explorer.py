@@ -65,11 +65,26 @@ def _control(kind, description: str, options=None, value=None, width="170px"):
         return widgets.Checkbox(value=value, description=description, style=style,
                                 layout=layout, indent=False)
     if kind == "slider":
-        low, high = options
-        return widgets.IntSlider(value=value, min=low, max=high, description=description,
-                                 style=style, layout=widgets.Layout(width=width),
+        return widgets.IntSlider(value=value, min=options[0], max=options[1], style=style,
+                                 description=description, layout=layout,
                                  continuous_update=False)
     raise ValueError(kind)
+
+
+def assign(owner: str, controls: dict, values: dict) -> None:
+    """Set controls by name, refusing an unknown name or a value a control does not offer
+    with a message naming both (ipywidgets says only "Invalid selection")."""
+    for name, value in values.items():
+        if name not in controls:
+            raise KeyError(f"{owner} has no control {name!r}; it has {', '.join(controls)}")
+        control, what = controls[name], f"{owner}: {name} ({controls[name].description!r})"
+        if hasattr(control, "_options_values") and value not in control._options_values:
+            raise ValueError(f"{what} is one of {list(control._options_values)}, got {value!r}")
+        if isinstance(control, widgets.IntSlider) and not (
+                isinstance(value, int) and control.min <= value <= control.max):
+            raise ValueError(f"{what} is an integer from {control.min} to {control.max}, "
+                             f"got {value!r}")
+        control.value = value
 
 
 class Explorer(widgets.VBox):
@@ -98,7 +113,8 @@ class Explorer(widgets.VBox):
     OPTION_REACH = 3
 
     def __init__(self, controls: dict, cache: RunCache | None = None,
-                 prefetch: bool | None = None):
+                 prefetch: bool | None = None, initial: dict | None = None):
+        assign(type(self).__name__, controls, initial or {})  # the first setting shown
         self.controls = controls
         self.cache = RunCache() if cache is None else cache
         self.worker: Worker | None = (shared_worker() if (in_kernel() if prefetch is None
@@ -163,11 +179,7 @@ class Explorer(widgets.VBox):
         for control in self.controls.values():
             control.unobserve(self._changed, names="value")
         try:
-            for name, value in values.items():
-                if name not in self.controls:
-                    raise KeyError(f"{type(self).__name__} has no control {name!r}; it has "
-                                   f"{', '.join(self.controls)}")
-                self.controls[name].value = value
+            assign(type(self).__name__, self.controls, values)
         finally:
             for control in self.controls.values():
                 control.observe(self._changed, names="value")

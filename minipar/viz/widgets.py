@@ -97,9 +97,7 @@ class ShardingExplorer(Explorer):
             "tensor": _control("dropdown", "tensor", names, "h.0.mlp.c_proj.weight",
                                "300px"),
         }
-        for name, value in initial.items():
-            controls[name].value = value
-        super().__init__(controls, cache, prefetch)
+        super().__init__(controls, cache, prefetch, initial)
 
     def holdings(self, dp, tp, pp, zero):
         return self.cache.get(("sharding", repr(self.config), dp, tp, pp, zero),
@@ -183,9 +181,7 @@ class MemoryExplorer(Explorer):
             "offload_param": _control("dropdown", "offload params", ["none", "cpu", "nvme"],
                                       "none", "200px"),
         }
-        for name, value in initial.items():
-            controls[name].value = value
-        super().__init__(controls, cache, prefetch)
+        super().__init__(controls, cache, prefetch, initial)
 
     def run(self, **settings) -> Report:
         config = self.config.replace(**settings)
@@ -251,9 +247,7 @@ class PipelineExplorer(Explorer):
             "micro_batches": _control("slider", "m (micro-batches)", (1, 16), 8, "440px"),
             "virtual_stages": _control("dropdown", "v (chunks)", [1, 2, 3], 1, "140px"),
         }
-        for name, value in initial.items():
-            controls[name].value = value
-        super().__init__(controls, cache, prefetch)
+        super().__init__(controls, cache, prefetch, initial)
 
     def run(self, schedule, pp, micro_batches, virtual_stages):
         key = ("pipeline", schedule, pp, micro_batches, virtual_stages)
@@ -326,9 +320,7 @@ class TrafficExplorer(Explorer):
             "gpus_per_node": _control("dropdown", "GPUs per node", [2, 4, 8], 4, "170px"),
             "by": _control("dropdown", "bars by", ["group", "op"], "group", "150px"),
         }
-        for name, value in initial.items():
-            controls[name].value = value
-        super().__init__(controls, cache, prefetch)
+        super().__init__(controls, cache, prefetch, initial)
 
     def run(self, **settings) -> Report:
         """The measured run of a layout, shared by its gpus_per_node settings: where a

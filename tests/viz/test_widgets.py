@@ -429,3 +429,17 @@ def test_the_pipeline_status_counts_chunk_forwards_as_such_when_interleaved():
     assert "micro-batch x chunk forwards" in explorer.status.value
     explorer.set(schedule="1f1b", virtual_stages=1)
     assert "activations of 4 micro-batches at once" in explorer.status.value
+
+
+def test_a_setting_an_explorer_does_not_offer_is_refused_naming_the_control_and_its_options():
+    with pytest.raises(ValueError, match=r"grad_accum_steps \('micro-batches'\) is one of "
+                                         r"\[1, 2, 4, 8\], got 3"):
+        MemoryExplorer(SMALL, grad_accum_steps=3)
+    with pytest.raises(ValueError, match="an integer from 1 to 16, got 40"):
+        PipelineExplorer(micro_batches=40)
+    with pytest.raises(KeyError, match="has no control 'micro_batches'"):
+        TrafficExplorer(SMALL, micro_batches=2)
+    explorer = PipelineExplorer()
+    with pytest.raises(ValueError, match="is one of"):
+        explorer.set(pp=3)
+    assert explorer.values()["pp"] == 4  # nothing changed
