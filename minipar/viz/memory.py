@@ -118,9 +118,14 @@ def plot_memory(report, *, baselines: dict | None = None, title: str | None = No
     return fig
 
 
+def _top(bars) -> float:
+    """Bytes of the tallest stack or peak tick among (label, memory, hatched) bars."""
+    return max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+
+
 def _unit(bars) -> tuple[str, float]:
     """The unit of a panel's y axis: the largest one its tallest bar fills twice."""
-    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+    top = _top(bars)
     return next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
 
 
@@ -158,5 +163,4 @@ def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:
     # Headroom over the tallest bar or tick, as autoscaling gives (5%) unless the top of a
     # stack is an empty category: its rectangle's bottom is a sticky edge there, and the
     # tick sat on the frame (a host tier, whose buffers are empty).
-    top = max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
-    ax.set_ylim(0, 1.05 * top / scale)
+    ax.set_ylim(0, 1.05 * _top(bars) / scale)

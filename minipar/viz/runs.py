@@ -181,11 +181,12 @@ def training_cost(values: dict) -> float | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _vocab_size(data: str) -> int:
+def vocab_size(data: str) -> int:
+    """The vocabulary of a data source (read once per process)."""
     return make_stream(data).vocab_size
 
 
 def check_training_layout(config: TrainConfig) -> None:
     """The rules `train` applies before it runs (minipar.train.layouts.check_layout), on
     `config` with its data's vocabulary: a refusal in ~2 ms instead of after the worker."""
-    check_layout(config.replace(vocab_size=config.vocab_size or _vocab_size(config.data)))
+    check_layout(config.replace(vocab_size=config.vocab_size or vocab_size(config.data)))

@@ -44,7 +44,6 @@ from minipar.parallel.schedules import (
     schedule_names,
 )
 from minipar.train.config import TrainConfig, gpt_config
-from minipar.train.data import make_stream
 from minipar.train.report import Report
 from minipar.viz.explorer import (
     FIGURE_WIDTH,
@@ -63,6 +62,7 @@ from minipar.viz.runs import (
     train_key,
     train_report,
     training_cost,
+    vocab_size,
 )
 from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
 from minipar.viz.tables import byte_unit, human_bytes, span
@@ -140,8 +140,8 @@ class ShardingExplorer(Explorer):
 
 
 def _tensor_names(config: TrainConfig):
-    vocab_size = config.vocab_size or make_stream(config.data).vocab_size
-    return parameter_shapes(gpt_config(config, vocab_size)).keys()
+    return parameter_shapes(gpt_config(config, config.vocab_size
+                                       or vocab_size(config.data))).keys()
 
 
 # ------------------------------------------------------------------ memory
