@@ -106,8 +106,8 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
         if annotate:
             for i, j in zip(*np.nonzero(matrix), strict=True):
                 light = norm(matrix[i, j]) > 0.6
-                ax.text(j, i, human_bytes(matrix[i, j]).replace(" ", "\n"), ha="center",
-                        va="center", fontsize=6, color="black" if light else "white")
+                ax.text(j, i, cell_bytes(matrix[i, j]), ha="center", va="center",
+                        fontsize=6, color="black" if light else "white")
     bar = fig.colorbar(image, cax=bar_axes)
     bar.set_label("bytes sent per step", fontsize=8)
     # A few labelled ticks spread evenly on the log scale, in KiB / MiB; no minor ticks
@@ -122,6 +122,19 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
     fig.suptitle(title or "traffic matrix: bytes rank i (row) sent to rank j (column); "
                           + nodes_said, fontsize=9)
     return fig
+
+
+def cell_bytes(n: float) -> str:
+    """Bytes in at most three digits over their unit, to fit a matrix cell (~0.3 in at 8
+    ranks): 403,251 -> '394\nKiB', 3,565,158 -> '3.4\nMiB'. human_bytes' '393.8 KiB' ran
+    past a cell's sides; the colour bar and the panel totals give the finer figure."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 999.5 or unit == "TiB":  # 1000-1023 KiB: '1.0 MiB', 3 digits
+            break
+        value /= 1024
+    digits = f"{value:.1f}" if abs(value) < 9.95 and unit != "B" else f"{value:.0f}"
+    return f"{digits}\n{unit}"
 
 
 # Margins in inches for the labels around the square panels (what a constrained layout

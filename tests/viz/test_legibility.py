@@ -222,3 +222,29 @@ def test_with_host_and_nvme_for_many_ranks_each_label_names_a_rank_under_its_pai
                                                       tiers.get_xticklabels(), strict=True)]
     # 32 ranks, two bars each: every 2nd rank labelled, between its host and NVMe bars
     assert ticks == [(2 * r + 0.5, f"r{r}") for r in range(0, 32, 2)]
+
+
+def test_the_bytes_written_in_the_traffic_matrix_stay_inside_their_cells():
+    # notebook 00 and `minipar demo` show plot_traffic of an 8-rank run, the bytes in the
+    # cells; '393.8 KiB' ran past its cell's sides, into the next cell's colour
+    from minipar.demo import DEMO_CONFIG
+    from minipar.viz.runs import train_report
+    from minipar.viz.traffic import plot_traffic
+
+    # the demo's model (dp2 tp2 pp2): cells of 394 KiB to 3.4 MiB
+    fig = plot_traffic(train_report(DEMO_CONFIG.replace(steps=1, check=False)))
+    fig.set_dpi(INLINE_DPI)
+    fig.canvas.draw() if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    written = 0
+    for ax in fig.axes[:-1]:  # the matrices; the last axes is the colour bar
+        for text in ax.texts:
+            j, i = text.get_position()
+            (x0, y0), (x1, y1) = ax.transData.transform([(j - 0.5, i - 0.5),
+                                                          (j + 0.5, i + 0.5)])
+            # with room to spare: a number touching both sides reads as running over
+            extent = text.get_window_extent(renderer).padded(LABEL_GAP_PX / 2)
+            assert min(x0, x1) <= extent.x0 and extent.x1 <= max(x0, x1), text.get_text()
+            assert min(y0, y1) <= extent.y0 and extent.y1 <= max(y0, y1), text.get_text()
+            written += 1
+    assert written >= 8 * 3  # every rank's cell in each of the three panels
