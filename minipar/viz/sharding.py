@@ -24,9 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from matplotlib.colors import LinearSegmentedColormap
+from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.figure import Figure
+from matplotlib.image import BboxImage
 from matplotlib.patches import Rectangle
+from matplotlib.transforms import Bbox, TransformedBbox
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
@@ -165,7 +167,9 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
 
     Two axes: `fig.axes[0]` the strip (one image row per rank), `fig.axes[1]` the panels,
     one image per rank in rank order (`fig.axes[1].images[r]`) titled by a text
-    "r3 (dp1 pp0 tp1): 50%". One axes for all panels and margins of fixed inches instead
+    "r3 (dp1 pp0 tp1): 50%". Beside the strip, a bar says what its shades mean: the share
+    of each stretch held (pale: a part, as TP's column shards hold a part of every row;
+    dark: all of it). One axes for all panels and margins of fixed inches instead
     of a constrained layout: the explorer redraws this on every change, and every extra
     Axes (ticks, spines) or layout pass costs several milliseconds to build and draw."""
     if kind not in KINDS:
@@ -177,14 +181,15 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     rows, cols = _grid(held)
     cmap = LinearSegmentedColormap.from_list(kind, ["#f2f2f2", KIND_COLORS[kind]])
     fig = Figure(figsize=(width, 1.2 + 0.28 * n + 1.5 * rows))
-    ax, panels, title_at = _fixed_axes(fig, n, rows, cols)
+    ax, panels, bar_at, title_at = _fixed_axes(fig, n, rows, cols)
 
     total = sum(int(np.prod(s)) for s in held.shapes.values())
     edges = np.linspace(0, total, bins + 1).astype(int)
     strip = np.stack([np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
                       / np.diff(edges) for r in range(n)])
-    ax.imshow(strip, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest",
-              extent=(0, total, n - 0.5, -0.5))
+    shown = ax.imshow(strip, aspect="auto", cmap=cmap, vmin=0, vmax=1,
+                      interpolation="nearest", extent=(0, total, n - 0.5, -0.5))
+    _shade_bar(fig, bar_at, shown.cmap, n)
     for _, lo, _ in _units(held.shapes)[1:]:
         ax.axvline(lo, color="black", linewidth=0.6)
     ax.set_xticks([(lo + hi) / 2 for _, lo, hi in _units(held.shapes)],
@@ -218,15 +223,17 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
 
 
 def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
-    """The strip's axes, the panels' axes (no frame: each panel draws its own) and the
-    height (figure fraction) of the panels' title, with margins in inches that fit
-    these labels (what constrained layout finds, give or take)."""
+    """The strip's axes, the panels' axes (no frame: each panel draws its own), the
+    strip's colour bar and the height (figure fraction) of the panels' title, with
+    margins in inches that fit these labels (what constrained layout finds, give or
+    take)."""
     width, height = fig.get_size_inches()
     strip_height = 0.28 * n + 0.1        # inches: one row per rank
-    left, right = 1.25, 0.15             # left: the ranks' labels
+    left, right = 1.25, 0.8              # left: the ranks' labels; right: the colour bar
     strip_top = 1 - 0.3 / height         # below the strip's title
-    strip = fig.add_axes((left / width, strip_top - strip_height / height,
-                          1 - (left + right) / width, strip_height / height),
+    strip_bottom = strip_top - strip_height / height
+    strip = fig.add_axes((left / width, strip_bottom, 1 - (left + right) / width,
+                          strip_height / height),
                          axes_class=TickCopyingAxes)  # the same ticks, made faster
     # Below the strip: its tick labels, the tensor's title, then the panels.
     title_at = strip_top - (strip_height + 0.42) / height
@@ -234,7 +241,29 @@ def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
     panels = fig.add_axes((0.15 / width, 0.05 / height, 1 - 0.3 / width,
                            panels_top - 0.05 / height))
     panels.set_axis_off()
-    return strip, panels, title_at
+    # the bar: 0.1 in right of the strip, 0.1 in wide, its labels in the rest of `right`
+    bar_at = (1 - (right - 0.1) / width, strip_bottom, 0.1 / width, strip_height / height)
+    return strip, panels, bar_at, title_at
+
+
+def _shade_bar(fig: Figure, at: tuple, cmap, n: int) -> None:
+    """What a shade of the strip means, beside it at `at` (figure fractions): a stretch is
+    1/bins of the model, and a rank holding a part of it (every row's own columns, say)
+    draws it pale. A gradient image, a frame and texts in the figure, not a colour bar's
+    Axes: building an Axes costs ~8 ms, a tenth of this picture."""
+    x, y, w, h = at
+    image = BboxImage(TransformedBbox(Bbox.from_bounds(*at), fig.transFigure), cmap=cmap,
+                      norm=Normalize(0, 1), interpolation="nearest", origin="lower")
+    image.set_data(np.linspace(0, 1, 64)[:, None])
+    fig.add_artist(image)
+    fig.add_artist(Rectangle((x, y), w, h, transform=fig.transFigure, fill=False,
+                             edgecolor="black", linewidth=0.8))
+    gap = 0.05 / fig.get_size_inches()[0]  # inches, as a figure fraction
+    for share in ((0, 0.5, 1) if n > 1 else (0, 1)):
+        fig.text(x + w + gap, y + share * h, f"{share:.0%}", va="center", fontsize=7)
+    if n > 1:  # one rank's strip (0.38 in) has no room for the words
+        fig.text(x + w + 8 * gap, y + h / 2, "of a stretch held", rotation=90, ha="center",
+                 va="center", fontsize=7)
 
 
 def _rank_label(rank: int, coords: dict) -> str:
