@@ -3,7 +3,7 @@ pictures, redrawn when a control changes, each setting's pictures cached in a Ru
 
     class MyExplorer(Explorer):
         def __init__(self, cache=None):
-            super().__init__({"dp": _control("dropdown", "dp", [1, 2, 4], 2)}, cache)
+            super().__init__({"dp": make_control("dropdown", "dp", [1, 2, 4], 2)}, cache)
 
         def draw(self, dp):              # -> (figures, status html)
             return [plot_memory(train_report(TrainConfig(dp=dp)))], f"dp={dp}"
@@ -37,6 +37,7 @@ from minipar.errors import flag
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
+from minipar.viz.controls import assign
 from minipar.viz.nearby import ahead, changed, neighbours
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
@@ -53,39 +54,6 @@ __all__ = ["EXPLORER_DPI", "FIGURE_WIDTH", "REFUSALS", "Explorer", "figure_png",
 
 # Errors that mean "this layout cannot run": shown in the status line, never raised.
 REFUSALS = (ConfigError, PipelineError, NotImplementedError, ValueError)
-
-# ------------------------------------------------------------------ the common frame
-def _control(kind, description: str, options=None, value=None, width="170px"):
-    style = {"description_width": "initial"}
-    layout = widgets.Layout(width=width)
-    if kind == "dropdown":
-        return widgets.Dropdown(options=options, value=value, description=description,
-                                style=style, layout=layout)
-    if kind == "check":
-        return widgets.Checkbox(value=value, description=description, style=style,
-                                layout=layout, indent=False)
-    if kind == "slider":
-        return widgets.IntSlider(value=value, min=options[0], max=options[1], style=style,
-                                 description=description, layout=layout,
-                                 continuous_update=False)
-    raise ValueError(kind)
-
-
-def assign(owner: str, controls: dict, values: dict) -> None:
-    """Set controls by name, refusing an unknown name or a value a control does not offer
-    with a message naming both (ipywidgets says only "Invalid selection")."""
-    for name, value in values.items():
-        if name not in controls:
-            raise KeyError(f"{owner} has no control {name!r}; it has {', '.join(controls)}")
-        control, what = controls[name], f"{owner}: {name} ({controls[name].description!r})"
-        if hasattr(control, "_options_values") and value not in control._options_values:
-            raise ValueError(f"{what} is one of {list(control._options_values)}, got {value!r}")
-        if isinstance(control, widgets.IntSlider) and not (
-                isinstance(value, int) and control.min <= value <= control.max):
-            raise ValueError(f"{what} is an integer from {control.min} to {control.max}, "
-                             f"got {value!r}")
-        control.value = value
-
 
 class Explorer(widgets.VBox):
     """Controls, a status line and pictures; redraws when any control changes.

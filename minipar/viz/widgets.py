@@ -45,11 +45,11 @@ from minipar.parallel.schedules import (
 )
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.report import Report
+from minipar.viz.controls import make_control
 from minipar.viz.explorer import (
     FIGURE_WIDTH,
     REFUSALS,
     Explorer,
-    _control,
     figure_png,
     fixed_margins,
 )
@@ -87,14 +87,14 @@ class ShardingExplorer(Explorer):
         self.config = config
         names = list(_tensor_names(config))
         controls = {
-            "dp": _control("dropdown", "dp", [1, 2, 4], 2, "110px"),
-            "tp": _control("dropdown", "tp", [1, 2, 4], 2, "110px"),
-            "pp": _control("dropdown", "pp", [1, 2, 4], 2, "110px"),
-            "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
-            "kind": _control("dropdown", "state", list(KINDS), "optimizer", "170px"),
+            "dp": make_control("dropdown", "dp", [1, 2, 4], 2, "110px"),
+            "tp": make_control("dropdown", "tp", [1, 2, 4], 2, "110px"),
+            "pp": make_control("dropdown", "pp", [1, 2, 4], 2, "110px"),
+            "zero": make_control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
+            "kind": make_control("dropdown", "state", list(KINDS), "optimizer", "170px"),
             # A tensor that a ZeRO cut of the default layout splits (with attn.c_attn,
             # three of four panels were empty: whole tensors sit on one DP rank).
-            "tensor": _control("dropdown", "tensor", names, "h.0.mlp.c_proj.weight",
+            "tensor": make_control("dropdown", "tensor", names, "h.0.mlp.c_proj.weight",
                                "300px"),
         }
         super().__init__(controls, cache, prefetch, initial)
@@ -162,23 +162,23 @@ class MemoryExplorer(Explorer):
                  prefetch: bool | None = None, **initial):
         self.config = config
         controls = {
-            "dp": _control("dropdown", "dp", [1, 2, 4, 8], 4, "110px"),
-            "tp": _control("dropdown", "tp", [1, 2, 4], 1, "110px"),
-            "pp": _control("dropdown", "pp", [1, 2, 4], 1, "110px"),
-            "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 0, "120px"),
-            "precision": _control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
+            "dp": make_control("dropdown", "dp", [1, 2, 4, 8], 4, "110px"),
+            "tp": make_control("dropdown", "tp", [1, 2, 4], 1, "110px"),
+            "pp": make_control("dropdown", "pp", [1, 2, 4], 1, "110px"),
+            "zero": make_control("dropdown", "ZeRO", [0, 1, 2, 3], 0, "120px"),
+            "precision": make_control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
                                   "bf16-mixed", "190px"),
-            "micro_batch_size": _control("dropdown", "micro-batch size", [1, 2, 4, 8, 16],
+            "micro_batch_size": make_control("dropdown", "micro-batch size", [1, 2, 4, 8, 16],
                                          4, "190px"),
             # a pipeline's memory depends on how many micro-batches it holds (notebook 05)
-            "grad_accum_steps": _control("dropdown", "micro-batches", [1, 2, 4, 8], 1,
+            "grad_accum_steps": make_control("dropdown", "micro-batches", [1, 2, 4, 8], 1,
                                          "160px"),
-            "activation_checkpointing": _control("check", "checkpointing", value=False,
+            "activation_checkpointing": make_control("check", "checkpointing", value=False,
                                                  width="140px"),
             # ZeRO-Offload / ZeRO-Infinity: a second panel, below, shows host and NVMe tiers
-            "offload_optimizer": _control("dropdown", "offload optimizer",
+            "offload_optimizer": make_control("dropdown", "offload optimizer",
                                           ["none", "cpu", "nvme"], "none", "210px"),
-            "offload_param": _control("dropdown", "offload params", ["none", "cpu", "nvme"],
+            "offload_param": make_control("dropdown", "offload params", ["none", "cpu", "nvme"],
                                       "none", "200px"),
         }
         super().__init__(controls, cache, prefetch, initial)
@@ -241,11 +241,11 @@ class PipelineExplorer(Explorer):
     def __init__(self, cache: RunCache | None = None, prefetch: bool | None = None,
                  **initial):
         controls = {
-            "schedule": _control("dropdown", "schedule", list(schedule_names()), "1f1b",
+            "schedule": make_control("dropdown", "schedule", list(schedule_names()), "1f1b",
                                  "190px"),
-            "pp": _control("dropdown", "p (stages)", [2, 4, 8], 4, "150px"),
-            "micro_batches": _control("slider", "m (micro-batches)", (1, 16), 8, "440px"),
-            "virtual_stages": _control("dropdown", "v (chunks)", [1, 2, 3], 1, "140px"),
+            "pp": make_control("dropdown", "p (stages)", [2, 4, 8], 4, "150px"),
+            "micro_batches": make_control("slider", "m (micro-batches)", (1, 16), 8, "440px"),
+            "virtual_stages": make_control("dropdown", "v (chunks)", [1, 2, 3], 1, "140px"),
         }
         super().__init__(controls, cache, prefetch, initial)
 
@@ -308,17 +308,17 @@ class TrafficExplorer(Explorer):
                  prefetch: bool | None = None, **initial):
         self.config = config
         controls = {
-            "dp": _control("dropdown", "dp", [1, 2, 4, 8], 2, "110px"),
-            "tp": _control("dropdown", "tp", [1, 2, 4], 2, "110px"),
-            "pp": _control("dropdown", "pp", [1, 2, 4], 2, "110px"),
-            "zero": _control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
-            "grad_accum_steps": _control("dropdown", "micro-batches", [1, 2, 4], 2,
+            "dp": make_control("dropdown", "dp", [1, 2, 4, 8], 2, "110px"),
+            "tp": make_control("dropdown", "tp", [1, 2, 4], 2, "110px"),
+            "pp": make_control("dropdown", "pp", [1, 2, 4], 2, "110px"),
+            "zero": make_control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
+            "grad_accum_steps": make_control("dropdown", "micro-batches", [1, 2, 4], 2,
                                          "160px"),
             # bf16-mixed sends half the bytes of fp32 (activations and gradients)
-            "precision": _control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
+            "precision": make_control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
                                   "fp32", "190px"),
-            "gpus_per_node": _control("dropdown", "GPUs per node", [2, 4, 8], 4, "170px"),
-            "by": _control("dropdown", "bars by", ["group", "op"], "group", "150px"),
+            "gpus_per_node": make_control("dropdown", "GPUs per node", [2, 4, 8], 4, "170px"),
+            "by": make_control("dropdown", "bars by", ["group", "op"], "group", "150px"),
         }
         super().__init__(controls, cache, prefetch, initial)
 

@@ -14,7 +14,8 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from minipar import distributed as dist  # noqa: E402
 from minipar.viz import prefetch  # noqa: E402
-from minipar.viz.explorer import Explorer, _control  # noqa: E402
+from minipar.viz.controls import make_control  # noqa: E402
+from minipar.viz.explorer import Explorer  # noqa: E402
 from minipar.viz.prefetch import Worker  # noqa: E402
 
 
@@ -23,8 +24,8 @@ class Bars(Explorer):
 
     def __init__(self, prefetch: bool = False, **initial):
         self.drawn: list[tuple[tuple, str]] = []
-        controls = {"n": _control("dropdown", "n", [1, 2, 3, 4], 2),
-                    "wide": _control("check", "wide", value=False)}
+        controls = {"n": make_control("dropdown", "n", [1, 2, 3, 4], 2),
+                    "wide": make_control("check", "wide", value=False)}
         for name, value in initial.items():
             controls[name].value = value
         super().__init__(controls, prefetch=prefetch)

@@ -19,7 +19,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from minipar.viz import store as answers  # noqa: E402
 from minipar.viz import widgets  # noqa: E402
 from minipar.viz.agg import figure_png  # noqa: E402
-from minipar.viz.explorer import Explorer, _control  # noqa: E402
+from minipar.viz.controls import make_control  # noqa: E402
+from minipar.viz.explorer import Explorer  # noqa: E402
 from minipar.viz.runs import RunCache  # noqa: E402
 
 
@@ -35,7 +36,7 @@ class Bars(Explorer):
 
     def __init__(self, **initial):
         self.drawn: list[int] = []
-        controls = {"n": _control("dropdown", "n", [1, 2, 3], 2)}
+        controls = {"n": make_control("dropdown", "n", [1, 2, 3], 2)}
         for name, value in initial.items():
             controls[name].value = value
         super().__init__(controls, prefetch=False)
@@ -202,7 +203,7 @@ def test_what_the_worker_prepares_is_stored_and_found_first_next_time(cache_dir)
     class Prefetched(Bars):
         def __init__(self, prefetch: bool, **initial):
             self.drawn = []
-            controls = {"n": _control("dropdown", "n", [1, 2, 3], 2)}
+            controls = {"n": make_control("dropdown", "n", [1, 2, 3], 2)}
             for name, value in initial.items():
                 controls[name].value = value
             Explorer.__init__(self, controls, prefetch=prefetch)

@@ -1,0 +1,50 @@
+"""The explorers' controls: how one is made, and how a setting is given to them by name.
+
+    controls = {"dp": make_control("dropdown", "dp", [1, 2, 4], 2, "110px")}
+    assign("MyExplorer", controls, {"dp": 4})    # a clear error for a name or value it lacks
+
+ipywidgets does the rest: a control's `.value` is its setting, and `observe` tells the
+explorer (minipar/viz/explorer.py) when the reader changes it.
+"""
+
+from __future__ import annotations
+
+try:
+    import ipywidgets as widgets
+except ImportError as error:  # the library itself does not need ipywidgets
+    raise ImportError("minipar.viz.widgets needs ipywidgets: pip install 'minipar[notebooks]' "
+                      "(or pip install 'ipywidgets>=8')") from error
+
+
+def make_control(kind, description: str, options=None, value=None, width="170px"):
+    """A drop-down ("dropdown", `options`), a check box ("check") or an integer slider
+    ("slider", `options` = (min, max), updated when released), labelled `description`."""
+    style = {"description_width": "initial"}
+    layout = widgets.Layout(width=width)
+    if kind == "dropdown":
+        return widgets.Dropdown(options=options, value=value, description=description,
+                                style=style, layout=layout)
+    if kind == "check":
+        return widgets.Checkbox(value=value, description=description, style=style,
+                                layout=layout, indent=False)
+    if kind == "slider":
+        return widgets.IntSlider(value=value, min=options[0], max=options[1], style=style,
+                                 description=description, layout=layout,
+                                 continuous_update=False)
+    raise ValueError(kind)
+
+
+def assign(owner: str, controls: dict, values: dict) -> None:
+    """Set controls by name, refusing an unknown name or a value a control does not offer
+    with a message naming both (ipywidgets says only "Invalid selection")."""
+    for name, value in values.items():
+        if name not in controls:
+            raise KeyError(f"{owner} has no control {name!r}; it has {', '.join(controls)}")
+        control, what = controls[name], f"{owner}: {name} ({controls[name].description!r})"
+        if hasattr(control, "_options_values") and value not in control._options_values:
+            raise ValueError(f"{what} is one of {list(control._options_values)}, got {value!r}")
+        if isinstance(control, widgets.IntSlider) and not (
+                isinstance(value, int) and control.min <= value <= control.max):
+            raise ValueError(f"{what} is an integer from {control.min} to {control.max}, "
+                             f"got {value!r}")
+        control.value = value
