@@ -9,6 +9,10 @@ explorer (minipar/viz/explorer.py) when the reader changes it.
 
 from __future__ import annotations
 
+import re
+
+from minipar.errors import flag
+
 try:
     import ipywidgets as widgets
 except ImportError as error:  # the library itself does not need ipywidgets
@@ -48,3 +52,27 @@ def assign(owner: str, controls: dict, values: dict) -> None:
             raise ValueError(f"{what} is an integer from {control.min} to {control.max}, "
                              f"got {value!r}")
         control.value = value
+
+
+def in_control_words(controls: dict, aliases: dict, message: str) -> str:
+    """A refusal in the words of these controls: the rules speak in command-line flags
+    (`--virtual-stages 2`, shared with `minipar train`), the reader sees the controls'
+    labels ("v (chunks)" = 2). A flag is a control's name with dashes, or one of `aliases`
+    (flag -> control name); a value follows it if it is a number or one of the control's
+    options."""
+    flags = {flag(name): name for name in controls}
+    flags.update(aliases)
+
+    def word(match):
+        name = flags.get(match.group(1))
+        if name is None:
+            return match.group(0)
+        control, value = controls[name], match.group(3)
+        options = ({str(v) for v in control._options_values}
+                   if hasattr(control, "_options_values") else set())
+        label = f'"{control.description}"'
+        if value is not None and (value[0].isdigit() or value in options):
+            return f"{label} = {value}"
+        return label + (match.group(2) or "")
+
+    return re.sub(r"(--[a-z][a-z-]*)( ([\w./-]+))?", word, message)

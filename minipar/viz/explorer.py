@@ -18,6 +18,10 @@ With `prefetch` (the default inside a Jupyter kernel), the settings one control 
 away are measured and drawn by a background worker while the reader looks at the
 picture (minipar/viz/prefetch.py), nearest options first, so a change usually finds its
 picture ready; the pictures are the ones a direct draw gives (same code, same cache).
+A change made in the browser is answered on that worker (minipar/viz/background.py):
+"measuring ..." at once, and a later change supersedes it, so a reader who sets dp, tp
+and pp in a row waits for the last setting alone. A cell's own changes (`.value =`,
+`set()`) are answered before its next line runs.
 
 minipar's own explorers also keep every answer on disk (minipar/viz/store.py, under
 ~/.cache/minipar; MINIPAR_CACHE_DIR=off turns it off): a setting answered once on this
@@ -28,32 +32,26 @@ until minipar, its libraries or matplotlib's style change.
 from __future__ import annotations
 
 import html
-import re
 import time
 
 from matplotlib.figure import Figure
 
-from minipar.errors import flag
 from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
-from minipar.viz.controls import assign
+from minipar.viz.background import LatestAnswer
+from minipar.viz.controls import assign, in_control_words, widgets  # (ipywidgets, or a hint)
 from minipar.viz.nearby import ahead, changed, neighbours
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 from minipar.viz.store import AnswerStore, answer_store, style_digest
-
-try:
-    import ipywidgets as widgets
-except ImportError as error:  # the library itself does not need ipywidgets
-    raise ImportError("minipar.viz.widgets needs ipywidgets: pip install 'minipar[notebooks]' "
-                      "(or pip install 'ipywidgets>=8')") from error
 
 __all__ = ["EXPLORER_DPI", "FIGURE_WIDTH", "REFUSALS", "Explorer", "figure_png",
            "fixed_margins"]
 
 # Errors that mean "this layout cannot run": shown in the status line, never raised.
 REFUSALS = (ConfigError, PipelineError, NotImplementedError, ValueError)
+
 
 class Explorer(widgets.VBox):
     """Controls, a status line and pictures; redraws when any control changes.
@@ -92,6 +90,10 @@ class Explorer(widgets.VBox):
         # shown yet, oldest first (what `_forget_unshown` may discard)
         self._unshown: dict = {}
         self._shown_values: dict | None = None  # the setting answered last
+        # Answer a change in the background (`_background`; None: a change from the
+        # browser, in a kernel)? Not the first picture: it is the cell's output.
+        self.background: bool | None = False
+        self._later = LatestAnswer(self.worker, self._deliver)
         self.store: AnswerStore | None = answer_store() if self.stores_answers() else None
         self.status = widgets.HTML()
         self.images: list = []
@@ -108,6 +110,7 @@ class Explorer(widgets.VBox):
         for control in controls.values():
             control.observe(self._changed, names="value")
         self.refresh()
+        self.background = None
 
     @property
     def figures(self) -> list[Figure]:
@@ -173,45 +176,64 @@ class Explorer(widgets.VBox):
             _, pngs, message = self.cache.get(key, lambda: self._answer(key, values, drawn))
             return (drawn[0] if drawn else None), pngs, message
 
-        def say_measuring():  # the answer takes a while: say so, as the browser shows it
-            shown = self._pictures.layout.visibility != "hidden"  # (hidden after a refusal)
-            self.status.value = (f"<span style='color:#666'>{self.pending_status(values)}"
-                                 + (" (the pictures below are still of the last setting)"
-                                    if shown else "") + "</span>")
-
         try:
             if key not in self.cache:
                 self.check(values)  # what the rules refuse, said at once, with no run
+            if self.worker is not None and key not in self.cache and self._background():
+                with self._later.lock:
+                    self._say_measuring(values)
+                    self._later.ask(key, values, start, picture)
+                return
+            self._later.supersede()  # this answer is shown, none in progress
             if self.worker is None or key in self.cache:
-                figures, pngs, message = picture()
+                answer = picture()
             else:  # on the worker thread, which does every run and drawing
-                figures, pngs, message = self.worker.run_now(picture, key,
-                                                             on_wait=say_measuring)
+                answer = self.worker.run_now(
+                    picture, key, on_wait=lambda: self._say_measuring(values))
         except REFUSALS as refusal:
-            self.error = str(refusal)
-            # Name the change that was refused: a second refusal with the same reason
-            # (another control changed, the culprit still set) then reads as an answer.
-            moved = changed(self._shown_values, values)
-            asked = (f" with \"{self.controls[moved[0]].description}\" = "
-                     f"{values[moved[0]]}" if len(moved) == 1 else "")
-            self.status.value = ("<span style='color:#b00020'>cannot run this layout"
-                                 f"{html.escape(asked)}: "
-                                 f"{html.escape(self.in_control_words(self.error))}</span>")
-            # The last pictures belong to another setting: hidden (their space kept, so
-            # the page does not jump), never shown under controls they do not match.
-            self._pictures.layout.visibility = "hidden"
-            self.last_seconds = time.perf_counter() - start
-            self._prefetch_neighbours(values)
-            self._shown_values = values
+            self._later.supersede()
+            with self._later.lock:
+                self._show_refusal(values, refusal, start)
             return
         except BaseException as error:  # a bug or an interrupt: never "measuring" forever
-            self.error = f"{type(error).__name__}: {error}"
-            what = ("interrupted; change a control to try again"
-                    if isinstance(error, KeyboardInterrupt)
-                    else f"this setting could not be drawn: {self.error}")
-            self.status.value = f"<span style='color:#b00020'>{html.escape(what)}</span>"
-            self._pictures.layout.visibility = "hidden"  # (another setting's pictures)
+            self._later.supersede()
+            with self._later.lock:
+                self._show_failure(error)
             raise
+        with self._later.lock:
+            self._show(key, values, answer, start)
+
+    def _deliver(self, key, values: dict, start: float, future) -> None:
+        """An answer computed in the background (minipar/viz/background.py), on the
+        worker thread: its pictures, its refusal, or its failure in the status line
+        (there is nobody to raise it to)."""
+        error = future.exception()
+        if error is None:
+            self._show(key, values, future.result(), start)
+        elif isinstance(error, REFUSALS):
+            self._show_refusal(values, error, start)
+        else:
+            self._show_failure(error)
+
+    def _background(self) -> bool:
+        """Answer this change in the background? `background` if set, else when no cell
+        is running: a change from the browser (the kernel then stays free for the next
+        one), never a cell's own `.value =` or `set()`, whose next line reads the answer."""
+        if self.background is not None:
+            return self.background
+        return in_kernel() and not self.worker.cell_running
+
+    def _say_measuring(self, values: dict) -> None:
+        """The status line while an answer is computed (after WAIT_NOTICE_S, or at once
+        when it is computed in the background)."""
+        shown = self._pictures.layout.visibility != "hidden"  # (hidden after a refusal)
+        self.status.value = (f"<span style='color:#666'>{self.pending_status(values)}"
+                             + (" (the pictures below are still of the last setting)"
+                                if shown else "") + "</span>")
+
+    # ------------------------------------------------------------------ answers shown
+    def _show(self, key, values: dict, answer, start: float) -> None:
+        figures, pngs, message = answer
         self.error = None
         self._figures = figures
         while len(self.images) < len(pngs):
@@ -227,6 +249,31 @@ class Explorer(widgets.VBox):
         self._prefetch_neighbours(values)
         self._shown_values = values
 
+    def _show_refusal(self, values: dict, refusal: Exception, start: float) -> None:
+        self.error = str(refusal)
+        # Name the change that was refused: a second refusal with the same reason
+        # (another control changed, the culprit still set) then reads as an answer.
+        moved = changed(self._shown_values, values)
+        asked = (f" with \"{self.controls[moved[0]].description}\" = "
+                 f"{values[moved[0]]}" if len(moved) == 1 else "")
+        self.status.value = ("<span style='color:#b00020'>cannot run this layout"
+                             f"{html.escape(asked)}: "
+                             f"{html.escape(self.in_control_words(self.error))}</span>")
+        # The last pictures belong to another setting: hidden (their space kept, so
+        # the page does not jump), never shown under controls they do not match.
+        self._pictures.layout.visibility = "hidden"
+        self.last_seconds = time.perf_counter() - start
+        self._prefetch_neighbours(values)
+        self._shown_values = values
+
+    def _show_failure(self, error: BaseException) -> None:
+        self.error = f"{type(error).__name__}: {error}"
+        what = ("interrupted; change a control to try again"
+                if isinstance(error, KeyboardInterrupt)
+                else f"this setting could not be drawn: {self.error}")
+        self.status.value = f"<span style='color:#b00020'>{html.escape(what)}</span>"
+        self._pictures.layout.visibility = "hidden"  # (another setting's pictures)
+
     def check(self, values: dict) -> None:
         """Raise one of REFUSALS for a setting the rules refuse, in a few milliseconds and
         before any run (so a refusal never waits for the worker, nor says "measuring").
@@ -238,26 +285,8 @@ class Explorer(widgets.VBox):
         return "measuring and drawing this setting ..."
 
     def in_control_words(self, message: str) -> str:
-        """A refusal in the words of these controls: the rules speak in command-line flags
-        (`--virtual-stages 2`, shared with `minipar train`), the reader sees the controls'
-        labels ("v (chunks)" = 2). A flag is a control's name with dashes, or one of
-        FLAG_ALIASES; a value follows it if it is a number or one of the control's options."""
-        flags = {flag(name): name for name in self.controls}
-        flags.update(self.FLAG_ALIASES)
-
-        def word(match):
-            name = flags.get(match.group(1))
-            if name is None:
-                return match.group(0)
-            control, value = self.controls[name], match.group(3)
-            options = ({str(v) for v in control._options_values}
-                       if hasattr(control, "_options_values") else set())
-            label = f'"{control.description}"'
-            if value is not None and (value[0].isdigit() or value in options):
-                return f"{label} = {value}"
-            return label + (match.group(2) or "")
-
-        return re.sub(r"(--[a-z][a-z-]*)( ([\w./-]+))?", word, message)
+        """A refusal in the words of these controls (`controls.in_control_words`)."""
+        return in_control_words(self.controls, self.FLAG_ALIASES, message)
 
     # Flags of the rules that name one of this explorer's controls by another name.
     FLAG_ALIASES: dict[str, str] = {}

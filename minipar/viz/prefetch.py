@@ -4,6 +4,7 @@ the settings one control change away, so that the next change finds its picture 
     worker = shared_worker()
     png = worker.run_now(lambda: draw(settings))          # urgent: waits for the result
     png = worker.run_now(job, key, on_wait=say_measuring)  # ... saying so past WAIT_NOTICE_S
+    future = worker.submit(job, key)                      # urgent, without waiting
     worker.prefetch(owner, [(key, job), ...])             # spare time: replaces owner's list
 
 Why: a new setting of an explorer is a measured run plus its figures. For the traffic
@@ -82,6 +83,7 @@ class Worker:
         self._cells_running = 0  # IPython cells executing now (pre/post_run_cell)
         self.working = False  # a job is running on the thread
         self._spare_running = False  # ... and it is a spare one
+        self._urgent_running = False  # ... or an urgent one
         self._spare_key: Hashable = None  # ... preparing this key
         self._spare_cancellation = dist.Cancellation()  # ... whose runs this stops
         self.spare_done = 0  # spare jobs finished (for tests and benchmarks)
@@ -104,6 +106,23 @@ class Worker:
         reaches the browser at once, while the job goes on)."""
         if threading.current_thread() is self._thread:  # a job that needs another job
             return job()
+        future = self.submit(job, key)
+        if on_wait is not None:
+            try:
+                return future.result(timeout=WAIT_NOTICE_S)
+            except FutureTimeout:
+                if not future.done():  # (else the job itself raised a TimeoutError)
+                    try:
+                        on_wait()
+                    except Exception:  # noqa: BLE001 - a status line must not lose the
+                        pass  # answer it announces: the job's result is what matters
+        return future.result()
+
+    def submit(self, job: Callable, key: Hashable = None) -> Future:
+        """job() on the worker thread, ahead of every spare job, without waiting for it:
+        its Future (`run_now` waits on it; an explorer answering in the background adds a
+        callback, which runs on the worker thread). A spare job in progress is cancelled
+        as for run_now. Urgent jobs run one at a time, in the order submitted."""
         future: Future = Future()
         with self._changed:
             self._urgent.append((job, future))
@@ -115,16 +134,13 @@ class Worker:
             if self._spare_running and (key is None or key != self._spare_key):
                 self._spare_cancellation.cancel()
             self._changed.notify_all()
-        if on_wait is not None:
-            try:
-                return future.result(timeout=WAIT_NOTICE_S)
-            except FutureTimeout:
-                if not future.done():  # (else the job itself raised a TimeoutError)
-                    try:
-                        on_wait()
-                    except Exception:  # noqa: BLE001 - a status line must not lose the
-                        pass  # answer it announces: the job's result is what matters
-        return future.result()
+        return future
+
+    @property
+    def cell_running(self) -> bool:
+        """An IPython cell is executing now (its code expects its own changes answered)."""
+        with self._changed:
+            return self._cells_running > 0
 
     def prefetch(self, owner: object, jobs: list[tuple[Hashable, Callable]]) -> None:
         """Replace `owner`'s spare jobs by `jobs` (most wanted first): what the owner
@@ -164,7 +180,8 @@ class Worker:
     # -------------------------------------------------------------- IPython cells
     def cell_started(self, *_) -> None:
         """A cell starts: no spare job starts until it ends, and the cell waits for the
-        one in progress (at most one run and its figures, CELL_WAIT at most), so a
+        job in progress and the urgent ones queued (a spare job's run is cancelled; an
+        answer computed in the background is waited for: CELL_WAIT at most), so a
         cell's own runs never overlap the worker's."""
         deadline = time.monotonic() + CELL_WAIT
         with self._changed:
@@ -172,7 +189,8 @@ class Worker:
             FULL_COLLECTIONS.resume()  # the cell's code runs with Python's own
             if self._spare_running:
                 self._spare_cancellation.cancel()
-            while self._spare_running and time.monotonic() < deadline:
+            while ((self._spare_running or self._urgent or self._urgent_running)
+                   and time.monotonic() < deadline):
                 self._changed.wait(0.05)
 
     def cell_finished(self, *_) -> None:
@@ -211,6 +229,7 @@ class Worker:
                 job, future = self._next()
                 collecting = job is _COLLECT
                 self.working, self._spare_running = True, future is None and not collecting
+                self._urgent_running = future is not None
                 if self._spare_running:
                     cancellation = self._spare_cancellation = dist.Cancellation()
             if collecting:
@@ -232,7 +251,7 @@ class Worker:
                         future.set_exception(error)
             finally:
                 with self._changed:
-                    self.working = self._spare_running = False
+                    self.working = self._spare_running = self._urgent_running = False
                     self._spare_key = None
                     if future is None:
                         self.spare_done += 1

@@ -1,0 +1,180 @@
+"""An explorer's change from the browser is answered on the worker thread, and a later
+change supersedes it: the reader waits for the setting they asked for last, alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+from matplotlib.figure import Figure  # noqa: E402
+
+from minipar import distributed as dist  # noqa: E402
+from minipar.viz import explorer as explorer_module  # noqa: E402
+from minipar.viz.background import LatestAnswer  # noqa: E402
+from minipar.viz.controls import make_control  # noqa: E402
+from minipar.viz.explorer import Explorer  # noqa: E402
+from minipar.viz.prefetch import Worker  # noqa: E402
+
+
+class Gated(Explorer):
+    """n bars, answered in the background; a draw of n waits for `gates[n]` (open for n
+    = 2, the first picture); n = 4 is refused by draw (check lets it through), n = 5 a
+    bug. Nothing is prepared unasked: every draw is one a change asked for."""
+
+    def __init__(self):
+        self.drawn: list[tuple[int, bool]] = []
+        self.gates = {n: threading.Event() for n in range(1, 6)}
+        self.gates[2].set()
+        controls = {"n": make_control("dropdown", "n", [1, 2, 3, 4, 5], 2),
+                    "wide": make_control("check", "wide", value=False)}
+        super().__init__(controls, prefetch=True)
+        self.background = True
+
+    def prefetch_cost(self, values):
+        return None
+
+    def draw(self, n, wide):
+        assert self.gates[n].wait(10)
+        self.drawn.append((n, wide))
+        if n == 4:
+            raise ValueError("four bars are refused")
+        if n == 5:
+            raise ZeroDivisionError("a bug in the drawing")
+        fig = Figure(figsize=(2, 1))
+        fig.subplots().bar(range(n), range(1, n + 1))
+        return [fig], f"n={n} wide={wide}"
+
+
+def _settle(explorer, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while explorer._later.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not explorer._later.pending
+    assert explorer.worker.wait_idle(timeout)
+
+
+def test_the_first_picture_is_drawn_before_the_cell_goes_on():
+    explorer = Gated()
+    assert explorer.draws == 1 and explorer.status.value == "n=2 wide=False"
+    assert explorer.drawn == [(2, False)]
+
+
+def test_a_change_returns_at_once_says_what_it_measures_and_shows_the_answer_when_ready():
+    explorer = Gated()
+    started = time.perf_counter()
+    explorer.controls["n"].value = 3
+    assert time.perf_counter() - started < 5  # (the draw is held by its gate)
+    assert explorer.draws == 1 and explorer.drawn == [(2, False)]
+    assert "measuring" in explorer.status.value
+    assert "still of the last setting" in explorer.status.value
+    explorer.gates[3].set()
+    _settle(explorer)
+    assert explorer.draws == 2 and explorer.status.value == "n=3 wide=False"
+    assert explorer.error is None and explorer._shown_values == {"n": 3, "wide": False}
+    assert len(explorer.images[0].value) > 0
+
+
+def test_changes_in_a_row_compute_the_answer_in_progress_and_the_last_one_only():
+    explorer = Gated()
+    explorer.controls["n"].value = 1  # its draw starts, held by the gate
+    explorer.controls["n"].value = 3  # never computed: superseded before it started
+    explorer.controls["wide"].value = True
+    explorer.gates[1].set()
+    explorer.gates[3].set()
+    _settle(explorer)
+    assert explorer.drawn == [(2, False), (1, False), (3, True)]
+    assert explorer.status.value == "n=3 wide=True" and explorer.draws == 2  # shown once
+    # what the superseded answer finished is kept: going back to it is instant
+    assert explorer.picture_key({"n": 1, "wide": False}) in explorer.cache
+    explorer.set(n=1, wide=False)
+    assert explorer.status.value == "n=1 wide=False" and explorer.draws == 3
+
+
+def test_a_setting_ready_now_is_shown_at_once_and_the_answer_in_progress_is_dropped():
+    explorer = Gated()
+    explorer.controls["n"].value = 1  # held by its gate
+    explorer.controls["n"].value = 2  # the first picture's setting: in the cache
+    assert explorer.status.value == "n=2 wide=False" and explorer.draws == 2
+    explorer.gates[1].set()
+    _settle(explorer)
+    assert explorer.status.value == "n=2 wide=False" and explorer.draws == 2  # not n=1
+
+
+def test_a_refusal_or_a_bug_found_on_the_worker_is_said_in_the_status_line():
+    explorer = Gated()
+    explorer.gates[4].set()
+    explorer.controls["n"].value = 4
+    _settle(explorer)
+    assert explorer.error == "four bars are refused"
+    assert "cannot run this layout" in explorer.status.value
+    assert explorer._pictures.layout.visibility == "hidden"
+    explorer.gates[5].set()
+    explorer.controls["n"].value = 5  # raised on the worker thread: nobody to raise it to
+    _settle(explorer)
+    assert explorer.error == "ZeroDivisionError: a bug in the drawing"
+    assert "could not be drawn" in explorer.status.value
+
+
+class Measured(Gated):
+    """n = 1 is a measured run that lasts until cancelled (or 10 s)."""
+
+    def draw(self, n, wide):
+        if n == 1:
+            self.run_started = threading.Event()
+
+            def rank():
+                self.run_started.set()
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    dist.barrier()
+
+            dist.launch(rank, 2)
+        return super().draw(n, wide)
+
+
+def test_a_later_change_cancels_the_run_in_progress():
+    explorer = Measured()
+    explorer.gates[1].set()
+    explorer.gates[3].set()
+    explorer.controls["n"].value = 1
+    while not hasattr(explorer, "run_started"):
+        time.sleep(0.005)
+    assert explorer.run_started.wait(10)
+    started = time.monotonic()
+    explorer.controls["n"].value = 3
+    _settle(explorer)
+    assert time.monotonic() - started < 5  # not the 10 s the run would have taken
+    assert explorer.status.value == "n=3 wide=False"
+    assert (1, False) not in explorer.drawn  # stopped inside its run, before its figures
+    assert explorer.picture_key({"n": 1, "wide": False}) not in explorer.cache
+
+
+def test_by_default_only_a_change_from_the_browser_is_answered_in_the_background(
+        monkeypatch):
+    explorer = Gated()
+    explorer.background = None  # the default after the first picture
+    assert not explorer._background()  # pytest is not a kernel
+    monkeypatch.setattr(explorer_module, "in_kernel", lambda: True)
+    assert explorer._background()  # a comm message: no cell is running
+    explorer.worker.cell_started()
+    try:
+        assert not explorer._background()  # a cell's `.value =`: its next line reads it
+    finally:
+        explorer.worker.cell_finished()
+
+
+def test_a_cell_that_starts_waits_for_the_answer_in_progress():
+    worker = Worker()
+    release, order = threading.Event(), []
+    latest = LatestAnswer(worker, lambda key, values, start, future: order.append(
+        ("delivered", future.result())))
+    latest.ask("k", {}, 0.0, lambda: release.wait(10) and "answer")
+    threading.Timer(0.2, release.set).start()
+    worker.cell_started()  # the cell's runs must not overlap the worker's
+    order.append("cell")
+    worker.cell_finished()
+    assert order == [("delivered", "answer"), "cell"]
