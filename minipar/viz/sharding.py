@@ -161,14 +161,15 @@ def _grid(held: Holdings) -> tuple[int, int]:
 
 def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.c_attn.weight",
                   *, bins: int = 400, width: float = 10.0) -> Figure:
-    """Top: every rank's share of the whole model (tensors end to end, darker = more of
-    that stretch held). Bottom: one panel per rank showing which elements of `tensor`
-    (full shape; vectors drawn as one row) it holds, with the share held above it.
+    """Top: every rank's share of the whole model (tensors end to end, cut into `bins`
+    slices; darker = more of that slice held). Bottom: one panel per rank showing which
+    elements of `tensor` (full shape; vectors drawn as one row) it holds, with the share
+    held above it.
 
     Two axes: `fig.axes[0]` the strip (one image row per rank), `fig.axes[1]` the panels,
     one image per rank in rank order (`fig.axes[1].images[r]`) titled by a text
     "r3 (dp1 pp0 tp1): 50%". Beside the strip, a bar says what its shades mean: the share
-    of each stretch held (pale: a part, as TP's column shards hold a part of every row;
+    of each slice held (pale: a part, as TP's column shards hold a part of every row;
     dark: all of it). One axes for all panels and margins of fixed inches instead
     of a constrained layout: the explorer redraws this on every change, and every extra
     Axes (ticks, spines) or layout pass costs several milliseconds to build and draw."""
@@ -195,9 +196,9 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     ax.set_xticks([(lo + hi) / 2 for _, lo, hi in _units(held.shapes)],
                   [label for label, _, _ in _units(held.shapes)], fontsize=8)
     ax.set_yticks(range(n), [_rank_label(r, held.coords[r]) for r in range(n)], fontsize=7)
-    ax.set_title(f"{kind} held by each rank, whole model ({total:,} parameters end to end) "
-                 f"- dp={held.dp} tp={held.tp} pp={held.pp} ZeRO-{held.zero}", fontsize=9,
-                 y=1.0)  # where it goes anyway: saying so spares measuring the ticks
+    ax.set_title(f"{kind} held by each rank: the {total:,} parameters end to end, in {bins} "
+                 f"slices - dp={held.dp} tp={held.tp} pp={held.pp} ZeRO-{held.zero}",
+                 fontsize=9, y=1.0)  # where it goes anyway: saying so spares measuring ticks
 
     # Panel of rank r: column r % cols, row r // cols, in data units of the panels'
     # axes (x: one unit per column, y: one per row, downwards), a gap for the title.
@@ -247,7 +248,7 @@ def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
 
 
 def _shade_bar(fig: Figure, at: tuple, cmap, n: int) -> None:
-    """What a shade of the strip means, beside it at `at` (figure fractions): a stretch is
+    """What a shade of the strip means, beside it at `at` (figure fractions): a slice is
     1/bins of the model, and a rank holding a part of it (every row's own columns, say)
     draws it pale. A gradient image, a frame and texts in the figure, not a colour bar's
     Axes: building an Axes costs ~8 ms, a tenth of this picture."""
@@ -261,8 +262,11 @@ def _shade_bar(fig: Figure, at: tuple, cmap, n: int) -> None:
     gap = 0.05 / fig.get_size_inches()[0]  # inches, as a figure fraction
     for share in ((0, 0.5, 1) if n > 1 else (0, 1)):
         fig.text(x + w + gap, y + share * h, f"{share:.0%}", va="center", fontsize=7)
-    if n > 1:  # one rank's strip (0.38 in) has no room for the words
-        fig.text(x + w + 8 * gap, y + h / 2, "of a stretch held", rotation=90, ha="center",
+    # the words beside the tick labels, as long as the strip is tall: 0.66 in for two
+    # ranks, ~1.2 in from four; one rank's strip (0.38 in) has no room for any
+    words = "share of a slice held" if n >= 4 else "share held" if n > 1 else ""
+    if words:
+        fig.text(x + w + 9 * gap, y + h / 2, words, rotation=90, ha="center",
                  va="center", fontsize=7)
 
 

@@ -110,8 +110,9 @@ def test_plot_sharding_draws_each_ranks_mask():
     fig = plot_sharding(held, "params", "h.0.mlp.c_fc.weight")
     assert isinstance(fig, Figure)
     strip, panels = fig.axes
-    # beside the strip, a bar says what a shade means: the share of a stretch held
-    assert {"0%", "50%", "100%", "of a stretch held"} <= {t.get_text() for t in fig.texts}
+    # beside the strip, a bar says what a shade means: the share of a slice held
+    assert {"0%", "50%", "100%", "share of a slice held"} <= {t.get_text() for t in fig.texts}
+    assert "in 400 slices" in strip.get_title()
     assert strip.images[0].get_array().shape[0] == 4  # one row per rank
     assert len(panels.images) == 4  # one panel per rank, in rank order
     titles = [text.get_text() for text in panels.texts]
