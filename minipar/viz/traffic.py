@@ -125,9 +125,10 @@ def plot_traffic(report, *, title: str | None = None, annotate: bool | None = No
 
 
 def cell_bytes(n: float) -> str:
-    """Bytes in at most three digits over their unit, to fit a matrix cell (~0.3 in at 8
-    ranks): 403,251 -> '394\nKiB', 3,565,158 -> '3.4\nMiB'. human_bytes' '393.8 KiB' ran
-    past a cell's sides; the colour bar and the panel totals give the finer figure."""
+    """Bytes in at most three digits over their unit, to fit a matrix cell (0.23 in at 8
+    ranks in three panels): 403,251 -> "394" over "KiB", 3,565,158 -> "3.4" over "MiB".
+    human_bytes' "393.8 KiB" was as wide as a cell; the colour bar and the panel totals
+    give the finer figure."""
     value, unit = float(n), "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 999.5 or unit == "TiB":  # 1000-1023 KiB: '1.0 MiB', 3 digits

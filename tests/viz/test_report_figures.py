@@ -12,7 +12,7 @@ from minipar.train import TrainConfig, train
 from minipar.train.report import Report
 from minipar.viz.memory import COLORS, plot_memory
 from minipar.viz.tables import human_seconds, time_table, traffic_table
-from minipar.viz.traffic import plot_traffic, traffic_matrices
+from minipar.viz.traffic import cell_bytes, plot_traffic, traffic_matrices
 
 MIB = 2**20
 
@@ -93,6 +93,16 @@ def test_expert_parallel_all_to_all_has_its_own_panel():
     fig = plot_traffic(report)
     _, ep = (ax for ax in fig.axes if ax.get_label() != "<colorbar>")
     assert "expert parallel" in ep.get_title()
+
+
+@pytest.mark.parametrize("n, written", [
+    (0, "0\nB"), (999, "999\nB"), (1000, "1.0\nKiB"), (9.94 * 2**10, "9.9\nKiB"),
+    (9.96 * 2**10, "10\nKiB"), (403_251, "394\nKiB"), (999.4 * 2**10, "999\nKiB"),
+    (999.6 * 2**10, "1.0\nMiB"), (888 * 2**20, "888\nMiB"), (3 * 2**40, "3.0\nTiB")])
+def test_a_cells_bytes_are_three_digits_at_most_over_their_unit(n, written):
+    # the matrix cells of an 8-rank picture are 0.23 in wide: '393.8' filled one
+    assert cell_bytes(n) == written
+    assert sum(c.isdigit() for c in written.split("\n")[0]) <= 3
 
 
 def test_traffic_needs_a_report_that_sent_something():
