@@ -72,8 +72,13 @@ class LatestAnswer:
                 return compute()
 
         self._in_flight = (key, cancellation)
-        self.worker.submit(job, key).add_done_callback(
-            lambda future: self._arrived(key, future))
+        try:
+            self.worker.submit(job, key).add_done_callback(
+                lambda future: self._arrived(key, future))
+        except BaseException:
+            self._in_flight = None
+            cancellation.cancel()
+            raise
 
     def _arrived(self, key: Hashable, future: Future) -> None:
         """An answer is done (on the worker thread): delivered if it is still the one
@@ -82,8 +87,8 @@ class LatestAnswer:
             self._in_flight = None
             if self._wanted is None:  # superseded by an answer shown meanwhile
                 return
-            if self._wanted[0] != key:  # superseded by a later change, still to answer
-                self._start()
+            if self._wanted[0] != key or isinstance(future.exception(), dist.LaunchCancelled):
+                self._start()  # a later change still to answer, or this one asked again
                 return
             _, values, start, _ = self._wanted
             self._wanted = None

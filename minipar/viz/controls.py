@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from minipar.errors import flag
+from minipar.viz.nearby import changed
 
 try:
     import ipywidgets as widgets
@@ -76,3 +77,12 @@ def in_control_words(controls: dict, aliases: dict, message: str) -> str:
         return label + (match.group(2) or "")
 
     return re.sub(r"(--[a-z][a-z-]*)( ([\w./-]+))?", word, message)
+
+
+def the_change(controls: dict, before: dict | None, values: dict) -> str:
+    """' with "dp" = 4' when one control moved from `before` to `values`, else '': a
+    refusal names the change it answers, so that a second refusal with the same reason
+    (another control changed, the culprit still set) reads as an answer."""
+    moved = changed(before, values)
+    return (f' with "{controls[moved[0]].description}" = {values[moved[0]]}'
+            if len(moved) == 1 else "")

@@ -40,8 +40,8 @@ from minipar.parallel.schedules import PipelineError
 from minipar.train.config import ConfigError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
 from minipar.viz.background import LatestAnswer
-from minipar.viz.controls import assign, in_control_words, widgets  # (ipywidgets, or a hint)
-from minipar.viz.nearby import ahead, changed, neighbours
+from minipar.viz.controls import assign, in_control_words, the_change, widgets
+from minipar.viz.nearby import ahead, neighbours
 from minipar.viz.prefetch import Worker, in_kernel, shared_worker
 from minipar.viz.runs import RunCache
 from minipar.viz.store import AnswerStore, answer_store, style_digest
@@ -67,8 +67,7 @@ class Explorer(widgets.VBox):
 
     dpi = EXPLORER_DPI
     # A slider's prefetched neighbours: value +- 1 .. +- SLIDER_REACH (None: its whole
-    # range; a slider without continuous updates moves in one change as far as it is
-    # dragged).
+    # range; a slider without continuous updates moves in one change as far as dragged).
     SLIDER_REACH: int | None = None
     # Prepared pictures kept that were never shown, beyond the current neighbours: each is
     # its PNGs (50-250 KB) and its run, and a reader who moves on leaves ~10-25 of them
@@ -86,9 +85,8 @@ class Explorer(widgets.VBox):
         self.worker: Worker | None = (shared_worker() if (in_kernel() if prefetch is None
                                                           else prefetch) else None)
         self._refused: set = set()  # picture keys a prefetch found refused
-        # picture key -> the cache keys its prefetch added, for pictures prepared but not
-        # shown yet, oldest first (what `_forget_unshown` may discard)
-        self._unshown: dict = {}
+        # picture key -> cache keys its prefetch added, for pictures prepared, not shown
+        self._unshown: dict = {}  # yet, oldest first (what `_forget_unshown` may discard)
         self._shown_values: dict | None = None  # the setting answered last
         # Answer a change in the background (`_background`; None: a change from the
         # browser, in a kernel)? Not the first picture: it is the cell's output.
@@ -117,11 +115,15 @@ class Explorer(widgets.VBox):
         """The matplotlib Figures of the setting shown. The caches keep only PNGs
         (`_answer`), so the figures of an answer found ready are drawn again when asked
         for, as the PNGs were drawn."""
-        if self._figures is None:
-            values = self._shown_values
-            self._figures = (self._figures_of(values) if self.worker is None
-                             else self.worker.run_now(lambda: self._figures_of(values)))
-        return self._figures
+        with self._later.lock:
+            figures, values = self._figures, self._shown_values
+        if figures is None:
+            figures = (self._figures_of(values) if self.worker is None
+                       else self.worker.run_now(lambda: self._figures_of(values)))
+            with self._later.lock:
+                if self._shown_values is values and self._figures is None:
+                    self._figures = figures
+        return figures
 
     def _figures_of(self, values: dict) -> list[Figure]:
         """`draw`'s figures, none taken from `cached_figure` and none rendered."""
@@ -156,7 +158,7 @@ class Explorer(widgets.VBox):
                 control.observe(self._changed, names="value")
         self.refresh()
 
-    def _changed(self, change) -> None:
+    def _changed(self, change) -> None:  # (a control's observer: `set` unhooks it)
         self.refresh()
 
     def picture_key(self, values: dict) -> tuple:
@@ -179,7 +181,10 @@ class Explorer(widgets.VBox):
         try:
             if key not in self.cache:
                 self.check(values)  # what the rules refuse, said at once, with no run
-            if self.worker is not None and key not in self.cache and self._background():
+            # On disk: a file to read, answered here (saying "measuring" would flicker).
+            ready = key in self.cache or (self.store is not None
+                                          and key in self.store.stored([key]))
+            if self.worker is not None and not ready and self._background():
                 with self._later.lock:
                     self._say_measuring(values)
                     self._later.ask(key, values, start, picture)
@@ -190,6 +195,8 @@ class Explorer(widgets.VBox):
             else:  # on the worker thread, which does every run and drawing
                 answer = self.worker.run_now(
                     picture, key, on_wait=lambda: self._say_measuring(values))
+            with self._later.lock:
+                self._show(key, values, answer, start)
         except REFUSALS as refusal:
             self._later.supersede()
             with self._later.lock:
@@ -200,20 +207,21 @@ class Explorer(widgets.VBox):
             with self._later.lock:
                 self._show_failure(error)
             raise
-        with self._later.lock:
-            self._show(key, values, answer, start)
 
     def _deliver(self, key, values: dict, start: float, future) -> None:
         """An answer computed in the background (minipar/viz/background.py), on the
         worker thread: its pictures, its refusal, or its failure in the status line
         (there is nobody to raise it to)."""
         error = future.exception()
-        if error is None:
-            self._show(key, values, future.result(), start)
-        elif isinstance(error, REFUSALS):
-            self._show_refusal(values, error, start)
-        else:
-            self._show_failure(error)
+        try:
+            if error is None:
+                self._show(key, values, future.result(), start)
+            elif isinstance(error, REFUSALS):
+                self._show_refusal(values, error, start)
+            else:
+                self._show_failure(error)
+        except Exception as failure:  # noqa: BLE001 - never 'measuring ...' forever
+            self._show_failure(failure)
 
     def _background(self) -> bool:
         """Answer this change in the background? `background` if set, else when no cell
@@ -224,8 +232,7 @@ class Explorer(widgets.VBox):
         return in_kernel() and not self.worker.cell_running
 
     def _say_measuring(self, values: dict) -> None:
-        """The status line while an answer is computed (after WAIT_NOTICE_S, or at once
-        when it is computed in the background)."""
+        """The status line while an answer is computed (in the background: at once)."""
         shown = self._pictures.layout.visibility != "hidden"  # (hidden after a refusal)
         self.status.value = (f"<span style='color:#666'>{self.pending_status(values)}"
                              + (" (the pictures below are still of the last setting)"
@@ -251,11 +258,7 @@ class Explorer(widgets.VBox):
 
     def _show_refusal(self, values: dict, refusal: Exception, start: float) -> None:
         self.error = str(refusal)
-        # Name the change that was refused: a second refusal with the same reason
-        # (another control changed, the culprit still set) then reads as an answer.
-        moved = changed(self._shown_values, values)
-        asked = (f" with \"{self.controls[moved[0]].description}\" = "
-                 f"{values[moved[0]]}" if len(moved) == 1 else "")
+        asked = the_change(self.controls, self._shown_values, values)
         self.status.value = ("<span style='color:#b00020'>cannot run this layout"
                              f"{html.escape(asked)}: "
                              f"{html.escape(self.in_control_words(self.error))}</span>")

@@ -246,9 +246,11 @@ class Worker:
                         pass  # is computed again and its error shown then
                 elif future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(job())
+                        result = job()
                     except BaseException as error:  # noqa: BLE001 - the caller's to raise
                         future.set_exception(error)
+                    else:  # (apart: a done-callback that raises must not fail the job)
+                        future.set_result(result)
             finally:
                 with self._changed:
                     self.working = self._spare_running = self._urgent_running = False

@@ -120,16 +120,22 @@ def test_a_refusal_or_a_bug_found_on_the_worker_is_said_in_the_status_line():
 
 
 class Measured(Gated):
-    """n = 1 is a measured run that lasts until cancelled (or 10 s)."""
+    """n = 1 is a measured run that lasts until cancelled (or 10 s), unless `release` is
+    set before it starts."""
+
+    def __init__(self):
+        self.release, self.runs = threading.Event(), 0
+        super().__init__()
 
     def draw(self, n, wide):
         if n == 1:
-            self.run_started = threading.Event()
+            self.run_started, self.runs = threading.Event(), self.runs + 1
+            released = self.release.is_set()
 
             def rank():
                 self.run_started.set()
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
+                while not released and time.monotonic() < deadline:
                     dist.barrier()
 
             dist.launch(rank, 2)
@@ -178,3 +184,50 @@ def test_a_cell_that_starts_waits_for_the_answer_in_progress():
     order.append("cell")
     worker.cell_finished()
     assert order == [("delivered", "answer"), "cell"]
+
+
+def test_back_to_a_setting_whose_run_was_just_stopped_measures_it_again():
+    explorer = Measured()
+    explorer.gates[1].set()
+    explorer.controls["n"].value = 1
+    while not hasattr(explorer, "run_started"):
+        time.sleep(0.005)
+    assert explorer.run_started.wait(10)
+    explorer.controls["n"].value = 2  # in the cache: shown at once, the run stopped
+    explorer.release.set()
+    explorer.controls["n"].value = 1  # asked again while the stopped run unwinds
+    _settle(explorer)
+    # the stopped run's LaunchCancelled is no answer: n = 1 is measured once more
+    assert explorer.error is None and explorer.status.value == "n=1 wide=False"
+    assert explorer.runs == 2
+
+
+def test_a_failure_while_showing_on_the_worker_is_said_not_left_at_measuring():
+    explorer = Gated()
+    explorer.gates[3].set()
+
+    def broken_show(*args):
+        raise RuntimeError("the picture could not be shown")
+
+    explorer._show = broken_show
+    explorer.controls["n"].value = 3
+    _settle(explorer)
+    assert explorer.error == "RuntimeError: the picture could not be shown"
+    assert "could not be drawn" in explorer.status.value
+
+
+def test_an_interrupt_while_asking_leaves_the_explorer_answering(monkeypatch):
+    explorer = Gated()
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(explorer.worker, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        explorer.controls["n"].value = 3
+    monkeypatch.undo()
+    assert not explorer._later.pending
+    explorer.gates[1].set()
+    explorer.controls["n"].value = 1  # not ignored: nothing is left "in flight"
+    _settle(explorer)
+    assert explorer.status.value == "n=1 wide=False"
