@@ -231,3 +231,23 @@ def test_an_interrupt_while_asking_leaves_the_explorer_answering(monkeypatch):
     explorer.controls["n"].value = 1  # not ignored: nothing is left "in flight"
     _settle(explorer)
     assert explorer.status.value == "n=1 wide=False"
+
+
+def test_a_setting_kept_on_disk_is_shown_at_once_not_announced_as_measuring(
+        tmp_path, monkeypatch):
+    from minipar.viz import store
+
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path / "cache"))  # the store on
+
+    class Stored(Gated):
+        def stores_answers(self) -> bool:  # the test's code stands in for minipar's
+            return True
+
+    first = Stored()
+    first.gates[3].set()
+    first.background = False
+    first.controls["n"].value = 3  # answered, and kept on disk
+    later = Stored()  # a new kernel: its own RunCache, the same disk
+    later.controls["n"].value = 3
+    assert later.status.value == "n=3 wide=False"  # a file read: no "measuring" flash
+    assert later.drawn == [] and later.store.hits == 2  # both settings from the disk
