@@ -11,8 +11,11 @@
 
 Each explorer (minipar.viz.widgets) is driven headless, as the tests drive it: set a
 control's `.value`; the callback runs synchronously (run, draw, PNG), so the wall time of
-the assignment is the latency a user sees, minus the browser's drawing of a PNG. Three
-cases per explorer:
+the assignment is the latency a user sees, minus the browser's drawing of a PNG. (In a
+kernel a change from the browser is answered on the worker thread instead, the kernel
+free meanwhile: the same run and drawing, so the same time to the picture; what that
+changes for changes in a row, benchmarks/changes_in_a_row.py measures.) Three cases per
+explorer:
 
     new setting       a layout never seen: one measured run (training step / pipeline
                       step / building the ranks) + the figures + PNG encoding
