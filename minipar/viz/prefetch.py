@@ -183,14 +183,20 @@ class Worker:
         job in progress and the urgent ones queued (a spare job's run is cancelled; an
         answer computed in the background is waited for: CELL_WAIT at most), so a
         cell's own runs never overlap the worker's."""
-        deadline = time.monotonic() + CELL_WAIT
+        began = time.monotonic()
+        said = False
         with self._changed:
             self._cells_running += 1
             FULL_COLLECTIONS.resume()  # the cell's code runs with Python's own
             if self._spare_running:
                 self._spare_cancellation.cancel()
             while ((self._spare_running or self._urgent or self._urgent_running)
-                   and time.monotonic() < deadline):
+                   and time.monotonic() < began + CELL_WAIT):
+                if (not said and (self._urgent or self._urgent_running)
+                        and time.monotonic() - began > WAIT_NOTICE_S):
+                    said = True  # (a cell that seems stuck for seconds, say why: its output)
+                    print("minipar: this cell waits for an explorer's answer in progress "
+                          "(their runs never overlap)", flush=True)
                 self._changed.wait(0.05)
 
     def cell_finished(self, *_) -> None:

@@ -173,7 +173,7 @@ def test_by_default_only_a_change_from_the_browser_is_answered_in_the_background
         explorer.worker.cell_finished()
 
 
-def test_a_cell_that_starts_waits_for_the_answer_in_progress():
+def test_a_cell_that_starts_waits_for_the_answer_in_progress_and_says_why(capsys):
     worker = Worker()
     release, order = threading.Event(), []
     latest = LatestAnswer(worker, lambda key, values, start, future: order.append(
@@ -184,6 +184,10 @@ def test_a_cell_that_starts_waits_for_the_answer_in_progress():
     order.append("cell")
     worker.cell_finished()
     assert order == [("delivered", "answer"), "cell"]
+    assert "waits for an explorer's answer in progress" in capsys.readouterr().out
+    worker.cell_started()  # nothing in progress: no wait, nothing said
+    worker.cell_finished()
+    assert capsys.readouterr().out == ""
 
 
 def test_back_to_a_setting_whose_run_was_just_stopped_measures_it_again():
