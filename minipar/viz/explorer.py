@@ -259,8 +259,8 @@ class Explorer(widgets.VBox):
     def _show_refusal(self, values: dict, refusal: Exception, start: float) -> None:
         self.error = str(refusal)
         asked = the_change(self.controls, self._shown_values, values)
-        self.status.value = ("<span style='color:#b00020'>cannot run this layout"
-                             f"{html.escape(asked)}: "
+        said = getattr(refusal, "said_as", "cannot run this layout")  # (NothingToShow)
+        self.status.value = (f"<span style='color:#b00020'>{said}{html.escape(asked)}: "
                              f"{html.escape(self.in_control_words(self.error))}</span>")
         # The last pictures belong to another setting: hidden (their space kept, so
         # the page does not jump), never shown under controls they do not match.

@@ -78,6 +78,11 @@ __all__ = ["REFUSALS", "Explorer", "MemoryExplorer", "PipelineExplorer", "RunCac
 EXPLORER_CONFIG = TrainConfig(n_layer=4, steps=1)
 
 
+class NothingToShow(ValueError):
+    """A setting that runs, but whose picture would be empty: said, not drawn."""
+    said_as = "nothing to show"
+
+
 # ------------------------------------------------------------------ sharding
 class ShardingExplorer(Explorer):
     """dp, tp, pp, ZeRO stage, kind of state, tensor -> who holds which elements."""
@@ -269,13 +274,13 @@ class PipelineExplorer(Explorer):
     def draw(self, schedule, pp, micro_batches, virtual_stages):
         check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
         result = self.run(schedule, pp, micro_batches, virtual_stages)
+        setting = (f"{schedule}, p={pp}, m={micro_batches}"
+                   + (f", v={virtual_stages}" if virtual_stages > 1 else ""))
         timeline = plot_timeline(
             result["timelines"], width=FIGURE_WIDTH,
             show_labels=micro_batches * virtual_stages <= 8,
-            title=(f"{schedule}, p={pp}, m={micro_batches}"
-                   + (f", v={virtual_stages}" if virtual_stages > 1 else "")
-                   + f": bubble {result['bubble']:.1%} measured, "
-                     f"{result['formula']:.1%} by the formula"))
+            title=(f"{setting}: bubble {result['bubble']:.1%} measured, "
+                   f"{result['formula']:.1%} by the formula"))
         fixed_margins(timeline, left=0.75, right=0.2, bottom=0.8, top=0.35)
         fig = Figure(figsize=(FIGURE_WIDTH, 2.4))
         left, right = fig.subplots(1, 2, subplot_kw=TICK_COPYING)
@@ -291,7 +296,10 @@ class PipelineExplorer(Explorer):
         right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8, y=1.0)
         right.set_xticks(list(ranks), names, fontsize=7)
         formula = SCHEDULES[schedule].bubble_formula
-        message = (f"bubble {result['bubble']:.3f} measured on the simulated clocks vs "
+        # The setting first, as the other explorers' status lines begin with their layout:
+        # gpipe's and 1f1b's bubbles are the same number.
+        message = (f"{setting}: bubble {result['bubble']:.3f} measured on the simulated "
+                   f"clocks vs "
                    f"{formula} = {result['formula']:.3f} for uniform stages (the last virtual "
                    f"stage also runs the head and loss: rank p-1, or rank 0 in a V); "
                    f"stage 0 holds the activations of {result['in_flight'][0]} "
@@ -339,6 +347,9 @@ class TrafficExplorer(Explorer):
     def check(self, values: dict) -> None:
         check_training_layout(self.config.replace(
             **{k: v for k, v in values.items() if k != "by"}))
+        if values["dp"] * values["tp"] * values["pp"] == 1:
+            raise NothingToShow("one device sends no bytes to anyone: set dp, tp or pp "
+                                "above 1 to see who sends what to whom")
 
     def pending_status(self, values: dict) -> str:
         settings = {k: v for k, v in values.items() if k != "by"}

@@ -194,6 +194,18 @@ def test_pipeline_explorer_explains_an_impossible_interleaving():
 
 
 # ------------------------------------------------------------------ traffic
+def test_one_device_has_no_traffic_to_show_and_says_so_in_the_readers_words():
+    # it ran and said "cannot run this layout: plot_traffic: no rank sent any bytes"
+    explorer = TrafficExplorer(SMALL, dp=2, tp=1, pp=1, grad_accum_steps=1)
+    explorer.set(dp=1)
+    assert explorer.status.value.startswith(
+        "<span style='color:#b00020'>nothing to show with &quot;dp&quot; = 1: one device")
+    assert "plot_traffic" not in explorer.status.value
+    assert explorer._pictures.layout.visibility == "hidden"
+    explorer.set(dp=2)
+    assert explorer.error is None
+
+
 def test_traffic_explorer_matrix_rows_are_the_bytes_each_rank_sent():
     explorer = TrafficExplorer(SMALL, dp=2, tp=1, pp=1, zero=0, grad_accum_steps=1,
                                gpus_per_node=2)
