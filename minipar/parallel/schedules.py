@@ -169,8 +169,11 @@ def check_schedule_settings(name: str, pp: int, micro_batches: int,
     others = [n for n, s in SCHEDULES.items() if s.accepts_chunks(v) and s.min_pp <= pp]
     instead = f", or --schedule {' or '.join(others)}" if others else ""
     if v < fewest:
+        # the fix must pass the next rule too: name the micro-batch count it also needs
+        also = (f" with --grad-accum-steps a multiple of {pp}"
+                if spec.micro_batches_multiple_of_pp and m % pp else "")
         raise error("virtual_stages", f"the {name} schedule needs at least {fewest} model "
-                    f"chunks per rank; use --virtual-stages {fewest}{instead}")
+                    f"chunks per rank; use --virtual-stages {fewest}{also}{instead}")
     if most is not None and v > most:
         runs = "one model chunk" if most == 1 else f"at most {most} model chunks"
         needs = (f"needs --schedule {' or '.join(others)}, or use" if others

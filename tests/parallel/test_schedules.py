@@ -125,6 +125,8 @@ def test_micro_batches_in_flight_gpipe_m_1f1b_p_minus_stage(p, m):
     ("interleaved", 4, 6, 2, r"--grad-accum-steps.*multiple of 4.*4 or 8"),
     ("interleaved", 2, 1, 2, r"--grad-accum-steps.*multiple of 2"),
     ("interleaved", 4, 8, 1, r"--virtual-stages.*at least 2"),
+    # the fix it suggests would be refused next: it says what else it needs
+    ("interleaved", 4, 5, 1, r"--virtual-stages 2 with --grad-accum-steps a multiple of 4"),
     ("interleaved", 1, 4, 2, r"--pp.*at least 2 pipeline ranks"),
     ("1f1b", 4, 8, 2, r"--virtual-stages 2.*--schedule interleaved"),
     ("gpipe", 2, 4, 3, r"--virtual-stages 3"),
