@@ -82,7 +82,8 @@ class LatestAnswer:
 
     def _arrived(self, key: Hashable, future: Future) -> None:
         """An answer is done (on the worker thread): delivered if it is still the one
-        wanted; else the one wanted now, if any, is started."""
+        wanted; else the one wanted now, if any, is started (this one again if its run
+        was stopped by a change that a later one took back: A, B, A)."""
         with self.lock:
             self._in_flight = None
             if self._wanted is None:  # superseded by an answer shown meanwhile
