@@ -61,9 +61,10 @@ class Explorer(widgets.VBox):
     `error` is the last refusal (None after a successful draw), `last_seconds` the time
     the last redraw took (run + drawing + PNG). `prefetch`: prepare the neighbouring
     settings in the background (None: when running in a Jupyter kernel); `worker` is the
-    process's shared worker then, else None. `store`: the answers kept on disk
-    (minipar/viz/store.py), or None (off, or an explorer whose drawing code is not
-    minipar's: `stores_answers`)."""
+    process's shared worker then, else None. `background`: answer a change on the worker
+    (None, the default: a change from the browser in a kernel; `_background`). `store`:
+    the answers kept on disk (minipar/viz/store.py), or None (off, or an explorer whose
+    drawing code is not minipar's: `stores_answers`)."""
 
     dpi = EXPLORER_DPI
     # A slider's prefetched neighbours: value +- 1 .. +- SLIDER_REACH (None: its whole
@@ -283,8 +284,7 @@ class Explorer(widgets.VBox):
         Default: nothing; `draw` refuses what this lets through."""
 
     def pending_status(self, values: dict) -> str:
-        """What the status line says while a setting's answer is computed, once it takes
-        longer than prefetch.WAIT_NOTICE_S (with a worker: in a Jupyter kernel)."""
+        """The status line while a setting's answer is computed (with a worker)."""
         return "measuring and drawing this setting ..."
 
     def in_control_words(self, message: str) -> str:
