@@ -26,8 +26,9 @@ for; it waits only for a spare picture being drawn (matplotlib cannot be interru
 ~0.1 s). Spare jobs run only after the process has been idle for `IDLE_SECONDS` and, in
 a Jupyter kernel, never while a cell is executing (IPython's pre/post_run_cell events; a
 cell that starts while a spare job runs cancels its run the same way and waits for the
-rest, so the cell's own runs never overlap the worker's): "Run All" is not slowed by
-explorers higher up.
+rest, and waits for an urgent job in progress, an explorer's answer computed in the
+background (minipar/viz/background.py), saying so, so the cell's own runs never overlap
+the worker's): "Run All" is not slowed by explorers higher up.
 
 The worker also keeps Python's full garbage collections out of the answers. A figure is
 a web of reference cycles (~4.6k objects) and a measured run leaves ~12k more; what
