@@ -255,3 +255,83 @@ def test_a_setting_kept_on_disk_is_shown_at_once_not_announced_as_measuring(
     later.controls["n"].value = 3
     assert later.status.value == "n=3 wide=False"  # a file read: no "measuring" flash
     assert later.drawn == [] and later.store.hits == 2  # both settings from the disk
+
+
+# ------------------------------------------------------------------ in a real kernel
+KERNEL_CELL = '''
+import time
+from matplotlib.figure import Figure
+from minipar.viz.controls import make_control
+from minipar.viz.explorer import Explorer
+
+class Slow(Explorer):
+    """n bars; n = 1 takes a second to draw, and cannot be stopped (no run to cancel)."""
+    def __init__(self):
+        self.drawn = []
+        super().__init__({"n": make_control("dropdown", "n", [1, 2, 3], 2)})
+    def prefetch_cost(self, values):
+        return None  # nothing prepared unasked
+    def draw(self, n):
+        self.drawn.append(n)
+        if n == 1:
+            time.sleep(1.0)
+        fig = Figure(figsize=(2, 1))
+        fig.subplots().bar(range(n), range(1, n + 1))
+        return [fig], f"n={n}"
+
+explorer = Slow()
+print(explorer.controls["n"].model_id, explorer.status.model_id)
+'''
+
+
+def test_in_a_kernel_the_next_change_from_the_browser_is_read_while_one_is_measured():
+    """The real path: a kernel (jupyter_client), an explorer made by a cell, two changes
+    sent as a browser sends them (comm messages), 0.1 s apart. The second is read while
+    the first is drawn (1 s), supersedes it, and is the only one shown."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    manager, client = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    try:
+        def run(code: str) -> str:
+            reply_id = client.execute(code)
+            out = []
+            while True:
+                message = client.get_iopub_msg(timeout=60)
+                if message["parent_header"].get("msg_id") != reply_id:
+                    continue
+                if message["msg_type"] == "stream":
+                    out.append(message["content"]["text"])
+                if message["msg_type"] == "error":
+                    raise AssertionError("\n".join(message["content"]["traceback"]))
+                if (message["msg_type"] == "status"
+                        and message["content"]["execution_state"] == "idle"):
+                    return "".join(out)
+
+        control_id, status_id = run(KERNEL_CELL).split()
+        statuses = []
+
+        def change(index: int) -> None:  # ipywidgets' protocol: the browser's update
+            message = client.session.msg("comm_msg", {"comm_id": control_id, "data": {
+                "method": "update", "state": {"index": index}, "buffer_paths": []}})
+            client.shell_channel.send(message)
+
+        change(0)  # n = 1: a second to draw
+        time.sleep(0.1)
+        change(2)  # n = 3, while n = 1 is drawn
+        deadline = time.monotonic() + 30
+        while not statuses[-1:] == ["n=3"] and time.monotonic() < deadline:
+            try:
+                message = client.get_iopub_msg(timeout=1)
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing yet
+                continue
+            data = message["content"].get("data", {})
+            if (message["msg_type"] == "comm_msg" and message["content"]["comm_id"] == status_id
+                    and "value" in data.get("state", {})):
+                statuses.append(data["state"]["value"])
+        assert statuses[-1:] == ["n=3"], statuses
+        assert any("measuring" in s for s in statuses[:-1])
+        assert "n=1" not in statuses  # drawn (it could not be stopped), never shown
+        assert run("print(explorer.drawn, explorer.draws)").split("]")[0] == "[2, 1, 3"
+        assert run("print(explorer.draws)").strip() == "2"  # the first picture and n = 3
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
