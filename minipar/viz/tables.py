@@ -14,10 +14,13 @@ def byte_unit(largest: float) -> tuple[str, float]:
                  ("KiB", 2**10)) if largest >= scale), ("B", 1.0))
 
 
+BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")  # each 1024 times the one before
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB' (binary units, as memory is counted)."""
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    for unit in BINARY_UNITS:
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024

@@ -24,7 +24,7 @@ from matplotlib.ticker import FuncFormatter
 
 from minipar.train.report import Report
 from minipar.viz.agg import FIGURE_WIDTH, fixed_margins
-from minipar.viz.tables import byte_unit, human_bytes
+from minipar.viz.tables import BINARY_UNITS, byte_unit, human_bytes
 from minipar.viz.ticks import TICK_COPYING, TickCopyingAxes, label_every
 
 MAX_NODE_LINES = 8  # nodes a side up to which their boundaries are drawn
@@ -130,7 +130,7 @@ def cell_bytes(n: float) -> str:
     human_bytes' "393.8 KiB" was as wide as a cell; the colour bar and the panel totals
     give the finer figure."""
     value, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    for unit in BINARY_UNITS:
         if abs(value) < 999.5 or unit == "TiB":  # 1000-1023 KiB: '1.0 MiB', 3 digits
             break
         value /= 1024
