@@ -18,8 +18,10 @@ same numbers and the same arrays reach Agg, so the same pixels
 tests/viz/test_agg.py with a plain FigureCanvasAgg).
 
 The glyph layout, line height and bitmap caches hook into how matplotlib 3.11 draws text
-(its `_layout`, `_get_font_height_metrics` and `_render_glyph`); an older matplotlib
-never calls them and keeps only the cache of measurements (a public renderer method).
+(its `_layout`, `_get_font_height_metrics` and `_render_glyph`); with an older matplotlib
+(`GLYPH_HOOKS` false) the fonts are left as they are and only the cache of measurements
+(a public renderer method) is kept: the same pixels, drawn more slowly (tests/viz/
+test_agg.py runs every comparison both ways).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
 from matplotlib.font_manager import fontManager, get_font
+from matplotlib.ft2font import FT2Font
 
 # JupyterLab stretches an ipywidgets.Image to the output area's width (829 px at a
 # 1280 px window, measured in Chromium), whatever the PNG's pixels. So the size a
@@ -43,6 +46,11 @@ EXPLORER_DPI = 110
 # Entries each cache keeps (one per distinct label string and font): the explorers use a
 # few hundred; past this the cache starts again rather than grow without bound.
 TEXT_CACHE_SIZE = 4096
+# matplotlib 3.11 lays text out in Python (`FT2Font._layout`) and hands Agg each glyph's
+# bitmap (`_render_glyph`): what the layout and bitmap caches hook into. An older one
+# (3.10 is the last for Python 3.10) passes the font itself to Agg's C++ `draw_text_image`,
+# which takes nothing but a real FT2Font: there the fonts are not wrapped.
+GLYPH_HOOKS = hasattr(FT2Font, "_layout") and hasattr(FT2Font, "_render_glyph")
 
 
 def _font_key(prop, dpi: float) -> tuple:
@@ -191,8 +199,10 @@ class TextCachingRenderer(RendererAgg):
         return None, None, None  # matplotlib measures "lp" instead
 
     def _prepare_font(self, font_prop):
-        return _CachedLayoutFont(super()._prepare_font(font_prop),
-                                 _font_key(font_prop, self.dpi), self._layouts)
+        font = super()._prepare_font(font_prop)
+        if not GLYPH_HOOKS:  # (see GLYPH_HOOKS)
+            return font
+        return _CachedLayoutFont(font, _font_key(font_prop, self.dpi), self._layouts)
 
 
 class TextCachingCanvas(FigureCanvasAgg):

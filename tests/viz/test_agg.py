@@ -3,20 +3,27 @@
 The caches (minipar/viz/agg.py) keep each label's measurements, glyph layout, line
 height and glyph bitmaps for the process; a picture drawn after others that share its
 labels, at other positions or another dpi, or under other hinting, must still be the one
-a fresh FigureCanvasAgg draws.
+a fresh FigureCanvasAgg draws. Each comparison runs with the glyph hooks matplotlib 3.11
+offers and without them (what an older matplotlib gets: `agg.GLYPH_HOOKS`).
 """
 
 from __future__ import annotations
 
+import inspect
 import io
 
 import matplotlib as mpl
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.ft2font import FT2Font
 from PIL import Image
 
 from minipar.viz import agg
+
+THIS_MATPLOTLIB_HAS_THE_HOOKS = agg.GLYPH_HOOKS  # (the fixture below changes agg's)
 
 
 def _picture(shift: float, title: str) -> Figure:
@@ -41,6 +48,23 @@ def _plain_png(fig: Figure, dpi: int) -> bytes:
     fig.set_dpi(dpi)
     FigureCanvasAgg(fig).print_png(buffer)
     return buffer.getvalue()
+
+
+@pytest.fixture(params=[True, False], ids=["glyph hooks", "no glyph hooks"], autouse=True)
+def glyph_hooks(request, monkeypatch):
+    if request.param and not agg.GLYPH_HOOKS:
+        pytest.skip(f"matplotlib {mpl.__version__} draws text without FT2Font._layout")
+    monkeypatch.setattr(agg, "GLYPH_HOOKS", request.param)
+    return request.param
+
+
+def test_the_fonts_are_wrapped_only_where_agg_lays_text_out_in_python():
+    # matplotlib 3.10's RendererAgg.draw_text hands the font to C++ (draw_text_image),
+    # which refuses anything but a real FT2Font: a wrapped font broke every picture there.
+    lays_out_in_python = "._layout(" in inspect.getsource(RendererAgg.draw_text)
+    assert THIS_MATPLOTLIB_HAS_THE_HOOKS is lays_out_in_python, mpl.__version__
+    font = agg.TextCachingRenderer(10, 10, 72)._prepare_font(FontProperties())
+    assert (type(font) is FT2Font) is (not agg.GLYPH_HOOKS)
 
 
 def test_warm_text_caches_draw_the_pixels_plain_agg_draws():
