@@ -242,9 +242,8 @@ def launch(
         error, rank = cluster.failure, cluster.failed_rank
         if rank is not None and not isinstance(error, DistError):
             error.rank = rank
-            if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(f"(raised on rank {rank} of {world_size} in "
-                               f"minipar.distributed.launch)")
+            error.add_note(f"(raised on rank {rank} of {world_size} in "
+                           f"minipar.distributed.launch)")
         raise error
     return (results, cluster.devices) if return_devices else results
 
@@ -262,9 +261,8 @@ def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
                 error = cluster.failure
                 if isinstance(error, LaunchTimeoutError):
                     error.left_running = left
-                if hasattr(error, "add_note"):  # Python >= 3.11
-                    error.add_note(f"rank(s) {', '.join(map(str, left))} did not stop after "
-                                   "the abort and were left running as daemon threads")
+                error.add_note(f"rank(s) {', '.join(map(str, left))} did not stop after "
+                               "the abort and were left running as daemon threads")
             return
         alive[0].join(WATCH_INTERVAL)
         now, progress = time.monotonic(), cluster.progress()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
+import threadpoolctl
 
 from minipar import distributed as dist
 
@@ -34,6 +36,24 @@ def test_back_to_back_launches_are_independent():
     assert float(first[0][0]) == 2.0 and float(second[0][0]) == 4.0
     assert all(d.comm.calls == 1 for d in devices_a + devices_b)
     assert devices_a[0] is not devices_b[0]
+
+
+def test_each_rank_multiplies_on_one_blas_thread():
+    """launch limits NumPy's BLAS to one thread (the ranks are the parallelism; without
+    it a 16-rank step ran ~25x slower). threadpoolctl must see that BLAS to limit it:
+    3.1 does not see NumPy 2's scipy-openblas, and the demo took 255 s instead of 15."""
+    built_with = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
+    if "accelerate" in built_with.lower():  # macOS: a pool threadpoolctl cannot size
+        pytest.skip(f"NumPy uses {built_with}, which threadpoolctl does not control")
+
+    def blas_threads():
+        return [(pool["internal_api"], pool["num_threads"])
+                for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+
+    inside = dist.launch(blas_threads, 2)
+    assert inside[0], (f"threadpoolctl {threadpoolctl.__version__} finds no BLAS in NumPy "
+                       f"{np.__version__} (built with {built_with})")
+    assert all(threads == 1 for _, threads in inside[0] + inside[1])
 
 
 def test_nested_launch_inside_a_rank_is_refused():
