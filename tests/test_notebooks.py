@@ -57,7 +57,7 @@ def test_notebook_is_committed_clean(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom(path):
+def test_notebook_runs_top_to_bottom(path, record_property):
     notebook = read(path)
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
@@ -71,7 +71,9 @@ def test_notebook_runs_top_to_bottom(path):
                  for cell in notebook.cells if cell.cell_type == "code"
                  for output in cell.outputs)
     assert images > 0, f"{path.name} shows no figure"
-    assert seconds < 60, f"{path.name} took {seconds:.0f} s; notebooks should take seconds"
+    # How long it took is recorded, not asserted: a wall-clock limit fails on a loaded
+    # machine, not on slow code (pytest --junitxml=... keeps it; --durations shows it).
+    record_property("seconds", round(seconds, 1))
 
 
 # ------------------------------------------------------------------ opening does not dirty
