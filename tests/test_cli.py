@@ -1,6 +1,8 @@
 """The `minipar` command line, run as a user would run it (a subprocess)."""
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,10 +100,35 @@ def test_demo_trains_8_ranks_checks_explains_and_saves_three_figures(tmp_path):
     # README.md quotes the demo's output: every quoted line must be what the demo prints
     readme = (ROOT / "README.md").read_text()
     quoted = readme.split("`minipar demo` (abridged")[1].split("```\n")[1]
-    printed = {line.rstrip() for line in text.splitlines()}
+    printed = [line.rstrip() for line in text.splitlines()]
     stale = [line for line in quoted.splitlines() if line.strip() not in ("", "...")
-             and line.rstrip() not in printed]
+             and not any(same_demo_line(line.rstrip(), p) for p in printed)]
     assert not stale, f"README.md quotes demo lines it no longer prints: {stale}"
+
+
+NUMBER = re.compile(r"\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+")  # 4.0046, 2.1e-03, 5e-02
+
+
+def same_demo_line(quoted: str, printed: str) -> bool:
+    """The demo prints the quoted line. Bytes, shares and simulated times are exact
+    everywhere; the losses and the checks' parameter differences come from
+    floating-point sums, whose last bits depend on the BLAS kernels the CPU gets
+    (OpenBLAS's AVX2 ones, most laptops', print 3.9e-03 where the AVX-512 ones print
+    2.1e-03, OPENBLAS_CORETYPE=Haswell shows it): those lines match with the same
+    words, the losses to 1e-3 and the differences to within 10x."""
+    if quoted == printed:
+        return True
+    kind = ("loss" if quoted.startswith("loss per step") else "difference"
+            if "max relative parameter difference" in quoted else None)
+    if kind is None or NUMBER.sub("#", quoted) != NUMBER.sub("#", printed):
+        return False
+    numbers = [(float(a), float(b)) for a, b in zip(NUMBER.findall(quoted),
+                                                     NUMBER.findall(printed), strict=True)]
+    if kind == "loss":
+        return all(abs(a - b) <= 1e-3 for a, b in numbers)
+    (difference, printed_difference), (tolerance, printed_tolerance) = numbers
+    return (tolerance == printed_tolerance and printed_difference < printed_tolerance
+            and abs(math.log10(printed_difference / difference)) <= 1)
 
 
 def test_check_quick_prints_the_matrix_and_passes():
