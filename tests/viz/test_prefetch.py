@@ -137,7 +137,9 @@ def test_an_urgent_job_goes_before_every_waiting_spare_one_and_new_wishes_replac
     caller = threading.Thread(target=lambda: answer.append(
         worker.run_now(lambda: order.append("urgent") or 42)))
     caller.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10  # (not a fixed sleep: a loaded machine may be slow
+    while not worker._urgent and time.monotonic() < deadline:  # to start the caller)
+        time.sleep(0.005)
     release.set()
     caller.join(10)
     assert worker.wait_idle(10)
