@@ -315,13 +315,16 @@ def test_a_pause_never_outlasts_max_pause_seconds(monkeypatch):
     import gc
 
     monkeypatch.setattr(prefetch, "MAX_PAUSE_SECONDS", 0.2)
+    # Quiet time far above the answers' spacing: a loaded machine that stalls this loop
+    # for a few tenths of a second must not let the idle collection end the pause.
+    monkeypatch.setattr(prefetch, "IDLE_SECONDS", 1.0)
     before = gc.get_threshold()
     worker = Worker()
     worker._collect_garbage = lambda: None
     paused = [worker.run_now(_full_collections_paused)]
-    started = time.monotonic()
-    while time.monotonic() - started < 0.4:  # an answer every 0.05 s, never quiet
-        paused.append(worker.run_now(_full_collections_paused))
+    deadline = time.monotonic() + 10
+    while (False not in paused[:-1]) and time.monotonic() < deadline:
+        paused.append(worker.run_now(_full_collections_paused))  # an answer every 0.05 s
         time.sleep(0.05)
     assert paused[0] and not all(paused)
     assert paused[paused.index(False) + 1]  # and then a new pause
