@@ -198,11 +198,19 @@ def plot_sent_bytes(report: Report, *, by: str = "group",
     ax = fig.subplots(subplot_kw=TICK_COPYING)
     fixed_margins(fig, left=0.75, right=1.4, bottom=0.75, top=0.3)
     bottom = np.zeros(n)
+    total = sum(r["comm"][key].get(name, 0) for r in report.ranks for name in names)
     for name in names:
         values = np.array([r["comm"][key].get(name, 0) for r in report.ranks]) / steps / scale
-        ax.bar(range(n), values, bottom=bottom, label=name, width=0.7,
+        sent = sum(r["comm"][key].get(name, 0) for r in report.ranks)
+        # An op of a few bytes (the loss's all-reduce: 16 B beside 700 KiB) has a legend
+        # entry and no visible bar: the label says why.
+        label = name if sent >= 0.01 * total else f"{name} (<1%)"
+        ax.bar(range(n), values, bottom=bottom, label=label, width=0.7,
                color=colors.get(name, "#777777"))
         bottom += values
+    # From 0: autoscaling stops the axis at a sticky edge near it when the lowest bars are
+    # that thin (7.6e-06 MiB at dp 8, by op), and the 0 tick went missing.
+    ax.set_ylim(bottom=0)
     every = label_every(n, BAR_LABELS_MOST)
     ax.set_xticks(range(n), [coords_label(r) if r["rank"] % every == 0 else ""
                              for r in report.ranks], fontsize=7)

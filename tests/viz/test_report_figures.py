@@ -12,7 +12,7 @@ from minipar.train import TrainConfig, train
 from minipar.train.report import Report
 from minipar.viz.memory import COLORS, plot_memory
 from minipar.viz.tables import human_seconds, time_table, traffic_table
-from minipar.viz.traffic import cell_bytes, plot_traffic, traffic_matrices
+from minipar.viz.traffic import cell_bytes, plot_sent_bytes, plot_traffic, traffic_matrices
 
 MIB = 2**20
 
@@ -183,3 +183,18 @@ def test_a_single_panel_is_centred_at_most_max_side_in_a_wide_figure():
     assert fig.get_size_inches()[0] == 8.0 and side == pytest.approx(MAX_SIDE)
     with pytest.raises(ValueError, match="leaves 0.11 in per panel for 2 panels"):
         plot_traffic(two_rank_report(), width=2.4)
+
+
+def test_sent_bytes_start_at_zero_and_say_which_ops_are_too_thin_to_see():
+    # dp 8 by op: the loss's 16-byte all-reduce under 700 KiB reduce-scatters stopped the
+    # autoscaled axis at 7.6e-06 MiB and its 0 tick vanished; its legend entry showed no bar
+    report = two_rank_report()
+    report.steps = report.steps[:1]
+    for r, loss_bytes in zip(report.ranks, (16, 8), strict=True):  # as measured at dp 8
+        by_op = {"all_reduce": loss_bytes, "reduce_scatter": 719040, "all_gather": 719040}
+        r["comm"]["by_op"], r["comm"]["sent_bytes"] = by_op, sum(by_op.values())
+    fig = plot_sent_bytes(report, by="op")
+    (ax,) = fig.axes
+    assert ax.get_ylim()[0] == 0
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert labels == ["all_reduce (<1%)", "reduce_scatter", "all_gather"]
