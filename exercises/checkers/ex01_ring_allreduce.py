@@ -29,7 +29,6 @@ from minipar.distributed import DeadlockError
 from .harness import (
     CheckFailed,
     CheckWarning,
-    add_note,
     check_building_blocks,
     expect,
     start_report,
@@ -119,9 +118,9 @@ def check_runs(impl) -> list[Run]:
         except DeadlockError as error:
             raise CheckFailed(f"{case}: {error}\n  hint: {DEADLOCK_HINT}") from None
         except Exception as error:  # noqa: BLE001 - say which case broke, then the error
-            add_note(error, f"(case {case})")
+            error.add_note(f"(case {case})")
             if case.groups is not None:
-                add_note(error, "hint: on a sub-group, peers of send/recv are still "
+                error.add_note("hint: on a sub-group, peers of send/recv are still "
                                 "global ranks: take them from ring_neighbours(group)")
             raise
         runs.append(Run(case, inputs, results, devices))

@@ -20,7 +20,7 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import GPT, AdamW, GPTConfig
 
-from .harness import CheckFailed, add_note, check_building_blocks, expect, start_report
+from .harness import CheckFailed, check_building_blocks, expect, start_report
 
 NUMBER, TITLE = "03", "data parallelism with gradient accumulation"
 CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
@@ -130,7 +130,7 @@ def check_runs(impl) -> list[Case]:
         try:
             ranks = dist.launch(_program, n, impl, n, accum, tokens)
         except Exception as error:  # noqa: BLE001 - name the case, keep the error
-            add_note(error, f"(case N={n} ranks, A={accum} micro-batches)")
+            error.add_note(f"(case N={n} ranks, A={accum} micro-batches)")
             raise
         cases.append(Case(n, accum, ranks, reference(tokens)))
     return cases

@@ -22,7 +22,7 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import AdamW, Linear, Module
 
-from .harness import CheckFailed, add_note, check_building_blocks, expect, start_report
+from .harness import CheckFailed, check_building_blocks, expect, start_report
 
 NUMBER, TITLE = "04", "a ZeRO-2 optimizer step"
 WORLDS = (2, 4)
@@ -131,7 +131,7 @@ def check_runs(impl) -> list[Run]:
         try:
             ranks = dist.launch(_program, n, impl, n, x, y)
         except Exception as error:  # noqa: BLE001 - name the case, keep the error
-            add_note(error, f"(on N={n} ranks)")
+            error.add_note(f"(on N={n} ranks)")
             raise
         runs.append(Run(n, ranks, *reference(x, y)))
     return runs

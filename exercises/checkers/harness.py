@@ -254,14 +254,6 @@ def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
     return "\n".join(lines)
 
 
-def add_note(error: BaseException, note: str) -> None:
-    """`error.add_note(note)` (Python >= 3.11), also on 3.10: the report prints notes."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:
-        error.__notes__ = [*getattr(error, "__notes__", []), note]
-
-
 # Where a frame is not the student's: minipar, these checkers, installed packages (numpy's
 # parent directory) and the standard library (os's directory).
 _LIBRARY_DIRS = tuple(os.path.abspath(d) + os.sep for d in (
