@@ -114,8 +114,9 @@ def same_demo_line(quoted: str, printed: str) -> bool:
     everywhere; the losses and the checks' parameter differences come from
     floating-point sums, whose last bits depend on the BLAS kernels the CPU gets
     (OpenBLAS's AVX2 ones, most laptops', print 3.9e-03 where the AVX-512 ones print
-    2.1e-03, OPENBLAS_CORETYPE=Haswell shows it): those lines match with the same
-    words, the losses to 1e-3 and the differences to within 10x."""
+    2.1e-03, OPENBLAS_CORETYPE=Haswell shows it; six kernels moved the differences by
+    1.9x at most and the losses by 2e-4): those lines match with the same words, the
+    losses to 5e-4 and the differences within 3x."""
     if quoted == printed:
         return True
     kind = ("loss" if quoted.startswith("loss per step") else "difference"
@@ -125,10 +126,12 @@ def same_demo_line(quoted: str, printed: str) -> bool:
     numbers = [(float(a), float(b)) for a, b in zip(NUMBER.findall(quoted),
                                                      NUMBER.findall(printed), strict=True)]
     if kind == "loss":
-        return all(abs(a - b) <= 1e-3 for a, b in numbers)
+        return all(abs(a - b) <= 5e-4 for a, b in numbers)
     (difference, printed_difference), (tolerance, printed_tolerance) = numbers
+    if min(difference, printed_difference) <= 0:  # (a zero difference is no ratio)
+        return difference == printed_difference
     return (tolerance == printed_tolerance and printed_difference < printed_tolerance
-            and abs(math.log10(printed_difference / difference)) <= 1)
+            and abs(math.log10(printed_difference / difference)) <= math.log10(3))
 
 
 def test_check_quick_prints_the_matrix_and_passes():

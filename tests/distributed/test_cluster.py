@@ -175,15 +175,15 @@ def test_exception_in_one_rank_aborts_the_others_and_names_the_rank(monkeypatch)
     # No last resort (RankAborted raised into a thread) and a long grace: a rank that
     # does not stop by itself at its next call into minipar is left running, and said so.
     monkeypatch.setattr(launch_module, "ASYNC_ABORTS", 0)
-    monkeypatch.setattr(launch_module, "ABORT_GRACE", 60.0)
+    monkeypatch.setattr(launch_module, "ABORT_GRACE", 10.0)
     computed = [0]
 
     def worker():
         rank = dist.get_rank()
         if rank == 2:
             raise ValueError("bad shard")
-        if rank == 3:  # busy computing: stopped at its next compute call
-            for step in range(10_000_000):  # (~30 s if nothing stopped it)
+        if rank == 3:  # computing: stopped at its next compute call
+            for step in range(10_000_000):  # (seconds, if nothing stopped it)
                 computed[0] = step
                 dist.get_device().compute(1.0, "forward")
         return dist.all_reduce(np.zeros(2))  # blocked: woken and stopped

@@ -140,6 +140,7 @@ def test_an_urgent_job_goes_before_every_waiting_spare_one_and_new_wishes_replac
     deadline = time.monotonic() + 10  # (not a fixed sleep: a loaded machine may be slow
     while not worker._urgent and time.monotonic() < deadline:  # to start the caller)
         time.sleep(0.005)
+    assert worker._urgent, "the caller never queued its urgent job"
     release.set()
     caller.join(10)
     assert worker.wait_idle(10)
