@@ -17,14 +17,23 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {"numpy", "ml_dtypes", "matplotlib", "tqdm", "threadpoolctl"}
 
 
-def floors() -> dict[str, str]:
-    """name -> the version after '>=' in pyproject's dependencies."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+def floors(requirements: list[str] | None = None) -> dict[str, str]:
+    """name -> the version after '>=', of pyproject's dependencies by default."""
+    if requirements is None:
+        requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+            "dependencies"]
     found = {}
-    for requirement in project["dependencies"]:
-        name, floor = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", requirement).groups()
-        found[name] = floor
+    for requirement in requirements:
+        floor = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", requirement)
+        assert floor, f"{requirement!r}: every dependency gets a floor (>=), tried"
+        found[floor[1]] = floor[2]
     return found
+
+
+def notebook_floors() -> dict[str, str]:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    return floors(extras["notebooks"])
 
 
 def pins() -> dict[str, str]:
@@ -42,8 +51,8 @@ def test_every_runtime_dependency_has_a_floor_and_a_tried_pin():
 
 
 def test_each_pin_is_its_floor_or_a_patch_release_of_it():
-    declared, tried = floors(), pins()
-    for name in RUNTIME:
+    declared, tried = {**floors(), "ipywidgets": notebook_floors()["ipywidgets"]}, pins()
+    for name in [*RUNTIME, "ipywidgets"]:
         floor, pin = release(declared[name]), release(tried[name])
         assert pin[:len(floor)] == floor, (
             f"{name}: pyproject says >={declared[name]}, .ci/oldest.txt tried {tried[name]}")
