@@ -197,14 +197,15 @@ def plot_sent_bytes(report: Report, *, by: str = "group",
     fig = Figure(figsize=(width, 2.8))
     ax = fig.subplots(subplot_kw=TICK_COPYING)
     fixed_margins(fig, left=0.75, right=1.4, bottom=0.75, top=0.3)
+    sent = {name: np.array([r["comm"][key].get(name, 0) for r in report.ranks])
+            for name in names}  # bytes per rank, over all steps
+    total = sum(per_rank.sum() for per_rank in sent.values())
     bottom = np.zeros(n)
-    total = sum(r["comm"][key].get(name, 0) for r in report.ranks for name in names)
-    for name in names:
-        values = np.array([r["comm"][key].get(name, 0) for r in report.ranks]) / steps / scale
-        sent = sum(r["comm"][key].get(name, 0) for r in report.ranks)
+    for name, per_rank in sent.items():
+        values = per_rank / steps / scale
         # An op of a few bytes (the loss's all-reduce: 16 B beside 700 KiB) has a legend
         # entry and no visible bar: the label says why.
-        label = name if sent >= 0.01 * total else f"{name} (<1%)"
+        label = name if per_rank.sum() >= 0.01 * total else f"{name} (<1%)"
         ax.bar(range(n), values, bottom=bottom, label=label, width=0.7,
                color=colors.get(name, "#777777"))
         bottom += values
