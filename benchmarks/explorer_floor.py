@@ -42,10 +42,12 @@ EXPLORERS = {"traffic": widgets.TrafficExplorer, "memory": widgets.MemoryExplore
 TARGET_S = 0.2  # issue 19, item 6
 
 
-def parse_setting(words: list[str]) -> dict:
+def parse_setting(parser: argparse.ArgumentParser, words: list[str]) -> dict:
     setting = {}
     for word in words:
-        name, _, text = word.partition("=")
+        name, equals, text = word.partition("=")
+        if not equals or not name or not text:
+            parser.error(f"--setting takes name=value words, got {word!r}")
         setting[name] = int(text) if text.lstrip("-").isdigit() else text
     return setting
 
@@ -64,9 +66,15 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=2 / 3,
                         help="the share of a core the worker gets meanwhile")
     args = parser.parse_args()
-    cls, setting = EXPLORERS[args.explorer], parse_setting(args.setting)
+    cls, setting = EXPLORERS[args.explorer], parse_setting(parser, args.setting)
 
-    EXPLORERS[args.explorer](prefetch=False)  # imports, fonts and first draws out of the way
+    try:  # imports, fonts and first draws out of the way; and the setting checked
+        cls(prefetch=False)
+        refused = cls(prefetch=False, **setting).error
+    except (KeyError, ValueError) as error:  # a control it lacks, an option it lacks
+        parser.error(str(error).strip('"'))
+    if refused:
+        parser.error(f"the {args.explorer} explorer refuses this setting: {refused}")
     answers = []
     for _ in range(3):
         holder = []
