@@ -61,11 +61,15 @@ def cpu_of(action) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--explorer", choices=EXPLORERS, default="traffic")
-    parser.add_argument("--setting", nargs="*", default=["dp=4", "tp=4", "pp=1"])
+    parser.add_argument("--setting", nargs="*", default=None,
+                        help="name=value words (default: dp=4 tp=4 pp=1 for the traffic "
+                             "explorer, the explorer's own first setting for the others)")
     parser.add_argument("--look", type=float, default=3.0, help="seconds a reader looks")
     parser.add_argument("--share", type=float, default=2 / 3,
                         help="the share of a core the worker gets meanwhile")
     args = parser.parse_args()
+    if args.setting is None:
+        args.setting = ["dp=4", "tp=4", "pp=1"] if args.explorer == "traffic" else []
     cls, setting = EXPLORERS[args.explorer], parse_setting(parser, args.setting)
 
     try:  # imports, fonts and first draws out of the way; and the setting checked
