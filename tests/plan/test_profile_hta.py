@@ -50,6 +50,14 @@ def analysed(request, tmp_path_factory):
     # microseconds (a workaround for a PyTorch bug, pytorch/pytorch#122425) unless told not to.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+        # HTA parses the ranks' files in a fork()ed pool by default; a test worker runs
+        # threads (explorers' workers, watchdogs), and fork() beside threads can deadlock
+        # the child (Python 3.12+ warns). The same parser, in this process:
+        from hta.common.trace import Trace
+
+        load_traces = Trace.load_traces
+        env.setattr(Trace, "load_traces", lambda self, *args, **kwargs: load_traces(
+            self, *args, **{**kwargs, "use_multiprocessing": False}))
         logging.getLogger("hta").setLevel(logging.ERROR)
         analysis = trace_analysis(trace_dir=str(folder), include_last_profiler_step=True)
         breakdown = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
