@@ -1,12 +1,16 @@
 """Every fenced Python block of README.md and docs/*.md runs, so no example drifts from the
 code. A block written as a doctest (`>>>` lines) must also print what it shows; any other
 block must run without raising. Each runs in a fresh namespace in a temporary directory
-(examples write files such as out.json)."""
+(examples write files such as out.json). The shell lines of ```bash blocks that run
+minipar are checked too: every `minipar plan` runs, every `minipar train` / `timeline`
+passes the rules train applies before it trains; and the figures docs/3d-and-demo.md
+counts (the equivalence matrix's cases, the interview claims) are the code's."""
 
 from __future__ import annotations
 
 import doctest
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -73,3 +77,71 @@ def test_every_relative_link_resolves():
                     file.read_text()):
                 broken.append(f"{document.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_equivalence_matrix_in_the_docs_lists_every_case_of_the_grid():
+    """docs/3d-and-demo.md shows `minipar check`'s table: a case added to the grid (or
+    renamed) must appear there, in the grid's order, with the counts that go with it (the
+    figures in the table may differ in their last digits between CPUs; the names may not)."""
+    from minipar.train.grid import GRID
+
+    text = (ROOT / "docs" / "3d-and-demo.md").read_text()
+    block = text[text.index("```\nconfig "):]
+    block = block[:block.index("\n```", 4)]
+    rows = block.splitlines()[3:]  # after the fence, the header and the dashes
+    names = [re.split(r"\s{2,}", row)[0] for row in rows
+             if row.strip() and not row.endswith("as expected")]
+    assert names == [case.name for case in GRID]
+    assert f"{len(GRID)} of {len(GRID)} as expected" in block
+    assert f"{len(GRID)} layouts (" in text
+
+
+def test_the_docs_count_the_interview_claims_that_tests_test_claims_has():
+    claims = re.findall(r"^def test_", (ROOT / "tests" / "test_claims.py").read_text(), re.M)
+    text = (ROOT / "docs" / "3d-and-demo.md").read_text()
+    assert re.search(rf"\b{len(claims)}\s+claims\b", text), (
+        f"docs/3d-and-demo.md should say the {len(claims)} claims of tests/test_claims.py")
+
+
+SHELL_FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def shell_commands(program: str, *subcommands: str):
+    """The `program subcommand ...` lines of the ```bash blocks of README.md, docs/*.md
+    and exercises/README.md, continuation lines joined, comments dropped; each once."""
+    seen = set()
+    for document in [*DOCUMENTS, ROOT / "exercises" / "README.md"]:
+        text = document.read_text()
+        for match in SHELL_FENCE.finditer(text):
+            for line in match.group(1).replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if (words[:1] == [program] and words[1:2] and words[1] in subcommands
+                        and tuple(words) not in seen):
+                    seen.add(tuple(words))
+                    name = f"{document.relative_to(ROOT)}: {' '.join(words)}"
+                    yield pytest.param(words[1:], id=name[:120])
+
+
+@pytest.mark.parametrize("argv", list(shell_commands("minipar", "train", "timeline")))
+def test_every_training_command_the_docs_show_is_accepted(argv):
+    """A `minipar train` or `minipar timeline` line of the docs parses and passes the
+    rules `minipar train` applies before it trains (the layout, the fit), so a reader who
+    pastes it is not refused (docs/pipeline-parallel.md showed --pp 4 on the default two
+    layers). Checked without training: the commands' runs are the examples' own."""
+    from minipar.cli import build_parser, config_from_args
+    from minipar.plan.fits import check_fits
+    from minipar.viz.runs import check_training_layout
+
+    if "..." in argv or "--help" in argv:
+        pytest.skip("an elided command line, or the flags' help")
+    config = config_from_args(build_parser().parse_args(argv))
+    check_training_layout(config)
+    check_fits(config)
+
+
+@pytest.mark.parametrize("argv", list(shell_commands("minipar", "plan")))
+def test_every_plan_command_the_docs_show_runs(argv, tmp_path, monkeypatch, capsys):
+    from minipar.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 0, capsys.readouterr().err
