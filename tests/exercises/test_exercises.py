@@ -96,3 +96,16 @@ def test_solutions_are_kept_apart():
             assert (EXERCISES_DIR / f"{folder}{exercise.module}.py").is_file()
     numbers = [e.number for e in EXERCISES]
     assert numbers == [f"{i:02d}" for i in range(1, len(EXERCISES) + 1)]
+
+
+def test_the_teachers_pages_list_every_exercise():
+    """docs/exercises.md and exercises/README.md each have a table row per exercise, and
+    the teachers' page says how many there are (it said six when there were seven)."""
+    words = {6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+    for page in (ROOT / "docs" / "exercises.md", EXERCISES_DIR / "README.md"):
+        text = page.read_text()
+        rows = [line.split("|")[1].strip() for line in text.splitlines()
+                if line.startswith("| 0") or line.startswith("| 1")]
+        assert rows == [e.number for e in EXERCISES], page.name
+        count = words.get(len(EXERCISES), str(len(EXERCISES)))
+        assert f"{count} classroom exercises" in text.lower(), page.name
