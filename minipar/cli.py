@@ -30,7 +30,15 @@ from minipar.parallel.schedules import SCHEDULES, schedule_names
 from minipar.plan import profile_cli
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
-from minipar.train.config import DATASETS, MOE_HELP, PRECISIONS, ConfigError, TrainConfig, flag
+from minipar.train.config import (
+    DATASETS,
+    MOE_HELP,
+    PRECISIONS,
+    ConfigError,
+    TrainConfig,
+    flag,
+    moe_setting_without_experts,
+)
 from minipar.train.outputs import check_output_dir, check_output_file
 
 HELP = {**MOE_HELP,  # the MoE and --ep flags, beside their settings in train/config.py
@@ -102,13 +110,21 @@ def _field_type(annotation):
     return annotation
 
 
+# The router's settings: None when not given, so that one given to a dense model is
+# refused even at its default value (`minipar plan` refuses it the same way).
+ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                       if f.name.startswith("moe_") and f.name != "moe_num_experts")
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, defaulting to the field's default."""
+    """One flag per TrainConfig field, defaulting to the field's default (the routing
+    fields: to None, the field's default once `config_from_args` knows it was not given)."""
     hints = typing.get_type_hints(TrainConfig)
     fixed = choices()
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(hints[f.name])
         name = flag(f.name)
+        default = None if f.name in ROUTING_FIELDS else f.default
         if kind is bool:
             parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=HELP.get(f.name, f.metadata.get("help")))
@@ -117,14 +133,18 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             if f.name == "schedule":  # each registered schedule says what it does
                 help_text += ": " + "; ".join(f"{spec.name}: {spec.description}"
                                               for spec in SCHEDULES.values())
-            parser.add_argument(name, dest=f.name, type=kind, default=f.default,
+            parser.add_argument(name, dest=f.name, type=kind, default=default,
                                 choices=fixed.get(f.name), help=help_text,
                                 metavar=None if f.name in fixed else f.name.upper())
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**values)
+    given = [name for name in ROUTING_FIELDS if values[name] is not None]
+    if given and not values["moe_num_experts"]:
+        raise moe_setting_without_experts(given[0], values[given[0]])
+    return TrainConfig(**{k: v for k, v in values.items()
+                          if k not in ROUTING_FIELDS or v is not None})
 
 
 DEVICES = ("uniform", "h100", "a100", "demo")

@@ -194,6 +194,26 @@ def test_refused_mixes_are_one_line_errors(args, flag):
     assert len(lines) == 1 and flag in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("flag, value", [("--moe-top-k", "2"), ("--moe-top-k", "1"),
+                                         ("--moe-capacity-factor", "1.0"),
+                                         ("--moe-layer-freq", "1")])
+def test_a_routing_flag_on_a_dense_model_is_refused_even_at_its_default(flag, value):
+    """`minipar plan` refused --moe-top-k 2 on a dense model and `minipar train` ran it,
+    ignoring the flag, because 2 is the default: a flag the user typed is judged, not
+    its value (checked in-process: config_from_args is where the CLI builds the config)."""
+    from minipar.cli import build_parser, config_from_args
+    from minipar.train.config import ConfigError
+
+    args = build_parser().parse_args(["train", flag, value])
+    with pytest.raises(ConfigError, match="has no effect without --moe-num-experts"):
+        config_from_args(args)
+    moe = config_from_args(build_parser().parse_args(
+        ["train", "--moe-num-experts", "4", flag, value]))
+    assert str(getattr(moe, flag[2:].replace("-", "_"))) == value
+    dense = config_from_args(build_parser().parse_args(["train"]))
+    assert (dense.moe_top_k, dense.moe_layer_freq) == (2, 1)  # not given: the defaults
+
+
 def test_plan_is_a_minipar_subcommand():
     result = run("plan", "--model", "gpt2", "--gpus", "8", "--json")
     assert result.returncode == 0, result.stderr

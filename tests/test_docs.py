@@ -1,8 +1,8 @@
 """Every fenced Python block of README.md and docs/*.md runs, so no example drifts from the
 code. A block written as a doctest (`>>>` lines) must also print what it shows; any other
 block must run without raising. Each runs in a fresh namespace in a temporary directory
-(examples write files such as out.json). The shell lines of ```bash blocks that run
-minipar are checked too: every `minipar plan` runs, every `minipar train` / `timeline`
+(examples write files such as out.json). The minipar command lines of the other blocks
+are checked too: every `minipar plan` runs, every `minipar train` / `timeline`
 passes the rules train applies before it trains; and the figures docs/3d-and-demo.md
 counts (the equivalence matrix's cases, the interview claims) are the code's."""
 
@@ -103,18 +103,21 @@ def test_the_docs_count_the_interview_claims_that_tests_test_claims_has():
         f"docs/3d-and-demo.md should say the {len(claims)} claims of tests/test_claims.py")
 
 
-SHELL_FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+SHELL_FENCE = re.compile(r"^```(?:bash|text)?\n(.*?)^```", re.S | re.M)  # not python
 
 
 def shell_commands(program: str, *subcommands: str):
-    """The `program subcommand ...` lines of the ```bash blocks of README.md, docs/*.md
+    """The `program subcommand ...` lines of the shell and text blocks of README.md, docs/*.md
     and exercises/README.md, continuation lines joined, comments dropped; each once."""
     seen = set()
     for document in [*DOCUMENTS, ROOT / "exercises" / "README.md"]:
         text = document.read_text()
         for match in SHELL_FENCE.finditer(text):
             for line in match.group(1).replace("\\\n", " ").splitlines():
-                words = shlex.split(line, comments=True)
+                try:
+                    words = shlex.split(line, comments=True)
+                except ValueError:  # not a command line (a quote left open in output)
+                    continue
                 if (words[:1] == [program] and words[1:2] and words[1] in subcommands
                         and tuple(words) not in seen):
                     seen.add(tuple(words))
