@@ -10,7 +10,9 @@
 
 The lead wires it into minipar.cli: `add_plan_command(subparsers)` adds the subcommand,
 `run_plan(args)` runs it and returns the exit status (2 for bad settings, with a one-line
-message naming the flag, as `minipar train` does).
+message naming the flag, as `minipar train` does). This module is long because it is
+every flag of `minipar plan` and the checks that keep a flag from being ignored: a preset
+fixes the model's shape, a search (`--gpus` alone) chooses the layout's settings itself.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ from minipar.plan.shapes import ModelShape
 from minipar.train.config import MOE_HELP, PRECISIONS, moe_setting_without_experts
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
+CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
+# What a search (--gpus without --dp/--tp/--pp) chooses itself (advisor.candidate_configs)
+# or prices one way (one gradient bucket): given with a search, each would be ignored.
+SEARCHED_FLAGS = ("cp", "ep", "zero", "micro_batch_size", "grad_accum_steps", "schedule",
+                  "virtual_stages", "sequence_parallel", "activation_checkpointing",
+                  "recompute_granularity", "recompute_method", "recompute_num_layers",
+                  "layer_split", "bucket_size_mb", "offload_optimizer", "offload_param")
 MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
              "moe_layer_freq": int}
 
@@ -135,6 +144,13 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------ building blocks
 def _shape(args) -> ModelShape:
+    custom = [n for n in CUSTOM_SHAPE_FLAGS if getattr(args, n) is not None]
+    if (args.example or args.model) and custom:  # a preset's shape is the preset's
+        flag, preset = "--" + custom[0].replace("_", "-"), (
+            f"--model {args.model}" if args.model else f"--example {args.example}")
+        raise PlanError(custom[0], f"describes a custom model, and {preset} fixes its "
+                        f"shape; drop {flag} (or drop --model and give --n-layer, "
+                        "--d-model, --n-head and --vocab-size)")
     if args.example == "bloom":
         shape = presets.MODELS["bloom-176b"]
     elif args.model:
@@ -152,10 +168,16 @@ def _shape(args) -> ModelShape:
             shape = ModelShape(name="custom", n_layer=args.n_layer, d_model=args.d_model,
                                n_head=args.n_head, vocab_size=args.vocab_size,
                                seq_len=args.seq_len or 1024)
-        except ValueError as err:
-            raise PlanError("model", str(err)) from None
+        except ValueError as err:  # "ModelShape.n_layer must be ...": name the flag
+            field, _, rest = str(err).removeprefix("ModelShape.").partition(" ")
+            raise PlanError(field if field in CUSTOM_SHAPE_FLAGS + ("seq_len",) else "model",
+                            rest if field in CUSTOM_SHAPE_FLAGS + ("seq_len",)
+                            else str(err)) from None
     if args.seq_len is not None and args.seq_len != shape.seq_len:
-        shape = shape.with_seq_len(args.seq_len)
+        try:
+            shape = shape.with_seq_len(args.seq_len)
+        except ValueError as err:
+            raise PlanError("seq_len", str(err).replace("ModelShape.seq_len ", "")) from None
     moe = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name) is not None}
     if moe:
         try:
@@ -178,8 +200,14 @@ def _cluster(args):
         spec = presets.cluster(name, args.gpu_mem)
     except KeyError as err:
         raise PlanError("cluster", err.args[0]) from None
+    except ValueError:  # ClusterSpec's own check of the memory it was given
+        raise PlanError("gpu_mem", f"must be > 0 GiB, got {args.gpu_mem}") from None
     if args.gpus_per_node is not None:
-        spec = replace(spec, gpus_per_node=args.gpus_per_node)
+        try:
+            spec = replace(spec, gpus_per_node=args.gpus_per_node)
+        except ValueError:
+            raise PlanError("gpus_per_node", "must be a positive integer, got "
+                            f"{args.gpus_per_node}") from None
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
             raise PlanError("efficiency", f"must be in (0, 1], got "
@@ -269,6 +297,8 @@ def run_plan(args) -> int:
 def _run(args) -> int:
     if args.compare_published:
         return _compare_published(args)
+    if args.top < 1:
+        raise PlanError("top", f"lists the fastest N layouts: give N >= 1, got {args.top}")
     shape = _shape(args)
     cluster = _cluster(args)
     if args.flash_attention is None:
@@ -278,10 +308,11 @@ def _run(args) -> int:
     if args.gpus is not None and args.example is None and all(
             getattr(args, k) is None for k in ("dp", "tp", "pp")):
         # a search: say so rather than evaluate dp=1 with it, or silently drop it
-        for name in ("cp", "ep", "zero"):
-            if getattr(args, name) is not None:
-                raise PlanError(name, f"--gpus searches the layouts and chooses --{name} "
-                                f"itself; drop --{name}, or give --dp/--tp/--pp to "
+        for name in SEARCHED_FLAGS:
+            if getattr(args, name) not in (None, "none"):
+                flag = "--" + name.replace("_", "-")
+                raise PlanError(name, f"--gpus searches the layouts and chooses {flag} "
+                                f"itself; drop {flag}, or give --dp/--tp/--pp to "
                                 "evaluate one layout")
         evaluate = False
     if evaluate:
@@ -291,6 +322,11 @@ def _run(args) -> int:
             reference = {"global_batch_size": args.reference_global_batch_size,
                          "lr": args.reference_lr}
         raw = values.to_dict() if isinstance(values, ParallelConfig) else values
+        world = raw["dp"] * raw["tp"] * raw["pp"] * raw.get("cp", 1)
+        if args.gpus is not None and args.gpus != world:  # before the batch is judged
+            raise PlanError("gpus", f"{args.gpus} GPUs but dp x tp x pp"
+                            f"{' x cp' if raw.get('cp', 1) > 1 else ''} = {world}; drop "
+                            "--gpus or change the layout")
         findings = lint(shape, raw, cluster, reference=reference)
         if any(f.code == "INVALID_LAYOUT" for f in findings):
             if args.json:
@@ -299,9 +335,6 @@ def _run(args) -> int:
                 _print_findings(findings)
             return 2
         config = values if isinstance(values, ParallelConfig) else _consistent(values)
-        if args.gpus is not None and args.gpus != config.world_size:
-            raise PlanError("gpus", f"{args.gpus} GPUs but dp x tp x pp = "
-                            f"{config.world_size}; drop --gpus or change the layout")
         est = estimate(shape, config, cluster, all_stages=args.all_stages)
         if args.json:
             _emit_json(args, {**est.to_dict(), "findings": [f.to_dict() for f in findings]})

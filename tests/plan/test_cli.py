@@ -86,11 +86,38 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--model", "gpt2", "--dp", "8", "--moe-top-k", "1"], "--moe-top-k"),  # dense: not
     (["--model", "mixtral-8x7b", "--dp", "8", "--moe-num-experts", "0",  # silently ignored
       "--moe-layer-freq", "2"], "--moe-layer-freq"),
+    # a new user's bad input (issue 19): tracebacks, ignored flags, the wrong flag blamed
+    (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "0"], "--gpu-mem"),
+    (["--model", "gpt2", "--gpus", "8", "--seq-len", "0"], "--seq-len"),
+    (["--model", "gpt2", "--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--model", "gpt2", "--gpus", "8", "--top", "0"], "--top"),
+    (["--model", "gpt2", "--gpus", "8", "--micro-batch-size", "2"], "--micro-batch-size"),
+    (["--model", "gpt2", "--gpus", "8", "--bucket-size-mb", "25"], "--bucket-size-mb"),
+    (["--model", "gpt2", "--gpus", "8", "--offload-optimizer", "cpu"], "--offload-optimizer"),
+    (["--model", "gpt2", "--gpus", "8", "--n-layer", "24"], "--n-layer"),
+    (["--model", "gpt2", "--dp", "2", "--d-model", "0"], "--d-model"),
+    (["--n-layer", "-5", "--d-model", "64", "--n-head", "4", "--vocab-size", "100", "--dp",
+      "2"], "--n-layer"),
+    (["--model", "gpt2", "--gpus", "8", "--dp", "3"], "--gpus"),  # not the batch
+    (["--model", "gpt2", "--dp", "2", "--virtual-stages", "0"], "--virtual-stages"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)
     assert status == 2
     assert err.count("\n") == 1 and flag in err and "Traceback" not in err
+
+
+def test_a_search_that_keeps_dp_at_one_says_the_batch_is_why(capsys):
+    """gpt2 on 7 GPUs: the default global batch (512) does not split over 7 replicas, so
+    the best layout is pp 7; the explanation said "all GPUs are needed to hold one model
+    replica" right after "it fits on one GPU"."""
+    status, out, _ = run(capsys, "--model", "gpt2", "--gpus", "7")
+    assert status == 0
+    assert "all GPUs are needed" not in out
+    assert "global batch of 512 sequences does not split evenly over 7 replicas" in out
+    status, out, _ = run(capsys, "--model", "gpt2", "--gpus", "7", "--global-batch-size",
+                         "448")
+    assert status == 0 and "on 7 GPUs (1 node of 8): dp=7 x tp=1 x pp=1" in out
 
 
 def test_invalid_layout_exits_2_with_the_finding(capsys):
