@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
 import warnings
+from pathlib import Path
 
 from minipar import distributed as dist
 from minipar.errors import MiniparError, OutputError
@@ -384,6 +386,7 @@ def cmd_timeline(args) -> int:
 
     config = config_from_args(args)
     check_output_file("out", args.out)
+    check_figure_format(args.out)
     check_fits(config)
     report = train(config, device=device_profile(args.device))
     start = end = None
@@ -406,6 +409,18 @@ def cmd_timeline(args) -> int:
     for warning in report.warnings:
         print(f"warning: {warning}")
     return 0
+
+
+def check_figure_format(path: str) -> None:
+    """A file name whose extension matplotlib can write (png, pdf, svg, ...), checked before
+    the run: `--out t.txt` ended, after training, in matplotlib's ValueError traceback."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ConfigError("out", f"{path}: matplotlib cannot write .{suffix} figures; use "
+                          f"one of {', '.join('.' + f for f in sorted(formats))}")
 
 
 def equivalence_line(check: dict) -> str:
@@ -451,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
         # line and exit status 2; anything else is a bug in minipar and keeps its traceback.
         print(f"minipar {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `minipar plan ... | head`: the reader has what it wanted
+        # The recipe of Python's signal docs ("Note on SIGPIPE"): send the rest of the
+        # output to devnull, so the flush at exit does not raise again, and exit with 1.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _one_line(error: BaseException) -> str:

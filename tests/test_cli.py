@@ -214,6 +214,30 @@ def test_a_routing_flag_on_a_dense_model_is_refused_even_at_its_default(flag, va
     assert (dense.moe_top_k, dense.moe_layer_freq) == (2, 1)  # not given: the defaults
 
 
+def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback():
+    """`minipar plan ... | head -1`: the reader closes the pipe and the next print raises
+    BrokenPipeError, which printed a traceback. Here the pipe is closed before minipar
+    writes at all, so every write fails."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run([sys.executable, "-m", "minipar.cli", "plan", "--model",
+                                 "gpt2", "--gpus", "8"], stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_timeline_in_a_format_matplotlib_cannot_write_is_refused_before_the_run(tmp_path):
+    result = run("timeline", "--out", str(tmp_path / "t.txt"), "--steps", "1", *SMALL)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--out" in result.stderr and ".png" in result.stderr
+    assert not (tmp_path / "t.txt").exists()
+
+
 def test_plan_is_a_minipar_subcommand():
     result = run("plan", "--model", "gpt2", "--gpus", "8", "--json")
     assert result.returncode == 0, result.stderr

@@ -86,8 +86,9 @@ def check_layout(config: TrainConfig) -> list[str]:
         spec = SCHEDULES[config.schedule]
         warnings.append(
             f"--grad-accum-steps {m} gives the {pp}-stage pipeline fewer micro-batches than "
-            f"stages, so it never fills: idle share at least {spec.bubble_formula} = "
-            f"{spec.uniform_bubble(pp, m, v):.0%}; use --grad-accum-steps {pp} or more")
+            f"stages, so it never fills: with uniform stages and free communication "
+            f"{spec.bubble_formula} = {spec.uniform_bubble(pp, m, v):.0%} of rank-time "
+            f"idle; use --grad-accum-steps {pp} or more")
     return warnings
 
 
