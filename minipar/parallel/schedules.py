@@ -172,10 +172,13 @@ def check_schedule_settings(name: str, pp: int, micro_batches: int,
         # the fix must pass the next rule too: name the micro-batch count it also needs
         also = (f" with --grad-accum-steps a multiple of {pp}"
                 if spec.micro_batches_multiple_of_pp and m % pp else "")
-        raise error("virtual_stages", f"the {name} schedule needs at least {fewest} model "
-                    f"chunks per rank; use --virtual-stages {fewest}{also}{instead}")
+        needs = (f"exactly {fewest} model chunks" if most == fewest
+                 else f"at least {fewest} model chunks")
+        raise error("virtual_stages", f"the {name} schedule needs {needs} per rank; use "
+                    f"--virtual-stages {fewest}{also}{instead}")
     if most is not None and v > most:
-        runs = "one model chunk" if most == 1 else f"at most {most} model chunks"
+        runs = ("one model chunk" if most == 1 else f"exactly {most} model chunks"
+                if most == fewest else f"at most {most} model chunks")
         needs = (f"needs --schedule {' or '.join(others)}, or use" if others
                  else "is too many: use")
         raise error("virtual_stages", f"the {name} schedule runs {runs} per rank; "

@@ -286,7 +286,9 @@ class PipelineExplorer(Explorer):
         left, right = fig.subplots(1, 2, subplot_kw=TICK_COPYING)
         fixed_margins(fig, left=0.45, right=0.2, bottom=0.35, top=0.5)
         ranks = range(pp)  # 8 "stage 7" labels run into each other in half the width
-        names = [f"stage {r}" if pp <= 4 else f"S{r}" for r in ranks]
+        # with v chunks a rank holds v stages (interleaved: r, r+p, ...; V: r and 2p-1-r)
+        word, short = ("stage", "S") if virtual_stages == 1 else ("rank", "r")
+        names = [f"{word} {r}" if pp <= 4 else f"{short}{r}" for r in ranks]
         left.bar(ranks, result["in_flight"], color="#8e6bb8")
         left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
                        + " awaiting their backward\n(peak, from the schedule)", fontsize=8, y=1.0)
@@ -302,7 +304,7 @@ class PipelineExplorer(Explorer):
                    f"clocks vs "
                    f"{formula} = {result['formula']:.3f} for uniform stages (the last virtual "
                    f"stage also runs the head and loss: rank p-1, or rank 0 in a V); "
-                   f"stage 0 holds the activations of {result['in_flight'][0]} "
+                   f"{word} 0 holds the activations of {result['in_flight'][0]} "
                    + ("micro-batch x chunk forwards (one chunk's layers each)"
                       if virtual_stages > 1 else "micro-batches") + " at once")
         return [timeline, fig], message
