@@ -46,11 +46,18 @@ DEADLOCK_HINT = ("a blocking send waits until its receiver posts the matching re
                  "`request = dist.isend(...)`, then `dist.recv(...)`, then `request.wait()` "
                  "(or alternate the order of send and recv by rank).")
 
-SHAPE_HINT = ("with uneven sizes the chunks differ in length (5, 5, 5, 4), so a shape error "
-              "here usually means a received chunk was added into, or put in place of, a "
-              "chunk with another index. In reduce-scatter step s position i sends chunk "
-              "(i - s) mod n and receives chunk (i - s - 1) mod n; in all-gather step s it "
-              "sends chunk (i + 1 - s) mod n and receives chunk (i - s) mod n.")
+SHAPE_HINT = ("here the chunks differ in length ({lengths}), so a shape error usually means "
+              "a received chunk was added into, or put in place of, a chunk with another "
+              "index. In reduce-scatter step s position i sends chunk (i - s) mod n and "
+              "receives chunk (i - s - 1) mod n; in all-gather step s it sends chunk "
+              "(i + 1 - s) mod n and receives chunk (i - s) mod n.")
+
+PEER_HINT = ("on a sub-group, peers of send/recv are still global ranks: take them from "
+             "ring_neighbours(group)")
+
+# minipar.distributed's refusals of a peer (p2p._setup), and NumPy's of a shape
+PEER_ERRORS = ("must both be in", "to/from itself", "is outside the world")
+SHAPE_ERRORS = ("broadcast", "shape")
 
 
 @dataclass(frozen=True)
@@ -119,12 +126,29 @@ def check_runs(impl) -> list[Run]:
             raise CheckFailed(f"{case}: {error}\n  hint: {DEADLOCK_HINT}") from None
         except Exception as error:  # noqa: BLE001 - say which case broke, then the error
             error.add_note(f"(case {case})")
-            if case.groups is not None:
-                error.add_note("hint: on a sub-group, peers of send/recv are still "
-                                "global ranks: take them from ring_neighbours(group)")
+            hint = _hint(case, error)
+            if hint:
+                error.add_note(f"hint: {hint}")
             raise
         runs.append(Run(case, inputs, results, devices))
     return runs
+
+
+def _hint(case: Case, error: Exception) -> str:
+    """The hint whose cause is what happened, or "": a peer refused on a sub-group (ring
+    positions used as ranks), or a shape error where the chunks differ in length (a wrong
+    chunk index). Each ValueError has one cause; another hint would send the student
+    after a mistake they did not make."""
+    if not isinstance(error, ValueError):
+        return ""
+    message = str(error)
+    if any(text in message for text in PEER_ERRORS):
+        return PEER_HINT if case.groups is not None else ""
+    n = len(case.members(0))
+    lengths = [len(c) for c in np.array_split(np.arange(int(np.prod(case.shape))), n)]
+    if any(text in message for text in SHAPE_ERRORS) and len(set(lengths)) > 1:
+        return SHAPE_HINT.format(lengths=", ".join(map(str, lengths)))
+    return ""
 
 
 def check_result_form(runs: list[Run]) -> None:
@@ -340,8 +364,7 @@ def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
     report.run("uses only send / recv / isend / irecv", check_building_blocks, impl, FORBIDDEN)
     runs = report.run("runs without deadlock (n = 2, 3, 4, uneven sizes, sub-groups)",
-                      check_runs, impl, hints={DeadlockError: DEADLOCK_HINT,
-                                               ValueError: SHAPE_HINT})
+                      check_runs, impl, hints={DeadlockError: DEADLOCK_HINT})
     names = ["returns a new array of x's shape and dtype, x unchanged",
              "values equal x_0 + x_1 + ... + x_{n-1} (np.sum in rank order)",
              "every rank holds the same result, bit for bit",

@@ -8,6 +8,12 @@ forward calls and the optimizer's step to see *when* the rank communicated:
   training (fp64, relative 1e-10), and bit-identical on every replica;
 - communication: nothing between micro-batches; one all-reduce per step of all Ψ
   gradient elements (2(N-1)/N * 8 Ψ bytes sent per rank, what dist.all_reduce books).
+
+A wrong gradient is held against what typical mistakes would give (a factor N or A; only
+the last micro-batch's gradient, when p.grad is cleared inside the micro-batch loop). What
+follows from it is said so: the parameters after a step with a wrong gradient, and the
+loss of the next step, which is then checked at the ranks' own parameters (the returned
+mean can be right although single-device training's loss is not reached).
 """
 
 from __future__ import annotations
@@ -117,6 +123,7 @@ class Case:
     accum: int
     ranks: list  # per rank: list of step dicts
     ref: Reference
+    tokens: np.ndarray  # (STEPS, N*A*M, T+1): the global batches
 
     def __str__(self) -> str:
         return f"N={self.n} ranks, A={self.accum} micro-batches"
@@ -132,7 +139,7 @@ def check_runs(impl) -> list[Case]:
         except Exception as error:  # noqa: BLE001 - name the case, keep the error
             error.add_note(f"(case N={n} ranks, A={accum} micro-batches)")
             raise
-        cases.append(Case(n, accum, ranks, reference(tokens)))
+        cases.append(Case(n, accum, ranks, reference(tokens), tokens))
     return cases
 
 
@@ -195,16 +202,112 @@ def check_one_all_reduce(cases: list[Case]) -> None:
                        f"Ψ={numel} fp64 gradients take 2(N-1)/N*8Ψ = {expected}")
 
 
-def _diagnose(got: np.ndarray, expected: np.ndarray, case: Case) -> str:
-    """A hint when the gradients are off by a telling factor."""
-    ratio = float(np.vdot(got, expected) / np.vdot(expected, expected))
-    for factor, hint in ((case.n, "N: sum -> average the gradients (op='avg')"),
-                         (case.accum, "A: scale each micro-batch's loss by 1/A"),
-                         (case.n * case.accum, "N*A: average over ranks, scale by 1/A"),
-                         (1 / case.n, "1/N: averaged twice?"),
-                         (1 / case.accum, "1/A: scaled by 1/A twice?")):
-        if factor != 1 and abs(ratio - factor) < 1e-6 * factor:
-            return f" (it is {ratio:g}x the single-device gradient, a factor {hint})"
+# ------------------------------------------------------------------ what a mistake gives
+def _params_before(case: Case, rank: int, step: int) -> dict:
+    """{name: value} of rank's parameters entering `step` (step 0: the common init)."""
+    if step == 0:
+        return {n: p.data.copy() for n, p in new_model_and_optimizer()[0].named_parameters()}
+    return case.ranks[rank][step - 1]["params"]
+
+
+def _model_at(params: dict):
+    model = new_model_and_optimizer()[0]
+    for name, p in model.named_parameters():
+        p.data[...] = params[name]
+    return model
+
+
+def _relative_diff(got: np.ndarray, expected: np.ndarray) -> float:
+    scale = max(float(np.max(np.abs(expected))), 1e-300)
+    return float(np.max(np.abs(got - expected))) / scale
+
+
+def _diverged_before(case: Case, step: int) -> bool:
+    """Some rank's parameters entering `step` already differ from single-device training."""
+    return step > 0 and any(
+        _relative_diff(steps[step - 1]["params"][name], expected) > RTOL
+        for steps in case.ranks for name, expected in case.ref.params[step - 1].items())
+
+
+def _gradient_wrong(case: Case, rank: int, step: int) -> bool:
+    s = case.ranks[rank][step]
+    if len(s["grads"]) != 1:
+        return False  # not one optimizer.step(): check_structure says so, not this
+    return any(s["grads"][0][name] is None
+               or not np.allclose(s["grads"][0][name], expected, rtol=RTOL, atol=1e-13)
+               for name, expected in case.ref.grads[step].items())
+
+
+def _gradients_scaled(case: Case, rank: int, step: int) -> bool:
+    """Rank's gradients at `step` are all one multiple c != 1 of the right ones."""
+    s = case.ranks[rank][step]
+    if len(s["grads"]) != 1 or any(g is None for g in s["grads"][0].values()):
+        return False
+    names = list(case.ref.grads[step])
+    c = _scale(np.concatenate([s["grads"][0][k].reshape(-1) for k in names]),
+               np.concatenate([case.ref.grads[step][k].reshape(-1) for k in names]))
+    return c is not None and abs(c - 1) > 1e-6
+
+
+def _first_wrong_gradient(case: Case, rank: int, step: int) -> int | None:
+    """The first step <= `step` at which rank's optimizer.step() saw a wrong gradient."""
+    return next((k for k in range(step + 1) if _gradient_wrong(case, rank, k)), None)
+
+
+def _last_micro_batch_gradient(case: Case, step: int) -> dict:
+    """{name: mean over ranks of the gradient of each rank's last micro-batch's loss}, at
+    the parameters the ranks entered `step` with: what optimizer.step() sees when p.grad
+    is cleared before every micro-batch (up to the 1/A scale and avg or sum)."""
+    total = {}
+    for rank in range(case.n):
+        model = _model_at(_params_before(case, rank, step))
+        x, y = my_micro_batches(case.tokens[step], rank, case.accum)[-1]
+        model(x, y).backward()
+        for name, p in model.named_parameters():
+            total[name] = total.get(name, 0) + p.grad / case.n
+    return total
+
+
+def _scale(got: np.ndarray, base: np.ndarray) -> float | None:
+    """c if got == c * base (fp64 rounding aside), else None."""
+    norm = float(np.vdot(base, base))
+    if norm == 0:
+        return None
+    c = float(np.vdot(got, base)) / norm
+    return c if np.allclose(got, c * base, rtol=1e-8, atol=1e-13) else None
+
+
+def _multiple(got: np.ndarray, base: np.ndarray, factors) -> str | None:
+    """The name of the factor in `factors` ((factor, name) pairs) with got == factor *
+    base, else None."""
+    c = _scale(got, base)
+    return None if c is None else next(
+        (name for factor, name in factors if abs(c - factor) < 1e-6 * factor), None)
+
+
+def _diagnose(got: np.ndarray, expected: np.ndarray, case: Case, name: str,
+              step: int) -> str:
+    """A hint when the gradient is what a typical mistake gives."""
+    n, a = case.n, case.accum
+    factors = [(f, f"{f:g}x the single-device gradient, a factor {hint}")
+               for f, hint in ((n, "N: sum -> average the gradients (op='avg')"),
+                               (a, "A: scale each micro-batch's loss by 1/A"),
+                               (n * a, "N*A: average over ranks, scale by 1/A"),
+                               (1 / n, "1/N: averaged twice?"),
+                               (1 / a, "1/A: scaled by 1/A twice?")) if f != 1]
+    found = _multiple(got, expected, factors)
+    if found is not None:
+        return f" (it is {found})"
+    if a > 1:
+        # zero_grad() inside the micro-batch loop: only the last backward is left, scaled
+        # by 1/A (or not), averaged (or summed) over the ranks
+        last = _last_micro_batch_gradient(case, step)[name]
+        scale = _multiple(got, last, ((1 / a, "1/A x "), (1, ""), (n / a, "N/A x "),
+                                      (n, "N x ")))
+        if scale is not None:
+            return (f" (it is {scale}the gradient of the last micro-batch alone; only the "
+                    "last micro-batch's gradient is left: zero the gradients once per step, "
+                    "before the micro-batch loop (DDP's no_sync accumulates))")
     return ""
 
 
@@ -222,7 +325,8 @@ def check_gradients(cases: list[Case]) -> None:
                         diff = float(np.max(np.abs(got - expected)))
                         raise CheckFailed(f"{where} at optimizer.step() differs from the "
                                           f"single-device gradient of the global batch: max "
-                                          f"abs diff {diff:.3g}{_diagnose(got, expected, case)}")
+                                          f"abs diff {diff:.3g}"
+                                          f"{_diagnose(got, expected, case, name, step)}")
 
 
 def check_parameters(cases: list[Case]) -> None:
@@ -238,16 +342,31 @@ def check_parameters(cases: list[Case]) -> None:
             for rank, steps in enumerate(case.ranks):
                 params = steps[step]["params"]
                 for name, expected in case.ref.params[step].items():
-                    got = params[name]
-                    scale = max(float(np.max(np.abs(expected))), 1e-300)
-                    diff = float(np.max(np.abs(got - expected)))
-                    expect(diff <= RTOL * scale,
-                           f"{case}: after step {step}, {name} on rank {rank} differs from "
-                           f"single-device training by {diff / scale:.3g} (relative; fp64 "
-                           f"runs agree to {RTOL:g})")
+                    diff = _relative_diff(params[name], expected)
+                    if diff <= RTOL:
+                        continue
+                    cause = _first_wrong_gradient(case, rank, step)
+                    why = "" if cause is None else (
+                        f": this follows from the step-{cause} gradients above, which "
+                        "optimizer.step() was given; fix those first")
+                    if cause is not None and _gradients_scaled(case, rank, cause):
+                        why += (" (AdamW's update m / (sqrt(v) + eps) hardly depends on "
+                                "the gradient's scale, so the parameters differ only this "
+                                "little)")
+                    raise CheckFailed(f"{case}: after step {step}, {name} on rank {rank} "
+                                      f"differs from single-device training by {diff:.3g} "
+                                      f"(relative; fp64 runs agree to {RTOL:g}){why}")
 
 
-def check_loss(cases: list[Case]) -> None:
+def _own_loss(case: Case, rank: int, step: int) -> float:
+    """The mean loss of rank's micro-batches at the parameters it entered `step` with."""
+    model = _model_at(_params_before(case, rank, step))
+    return float(np.mean([float(model(x, y).data) for x, y in
+                          my_micro_batches(case.tokens[step], rank, case.accum)]))
+
+
+def check_loss(cases: list[Case]) -> str:
+    remarks = []
     for case in cases:
         for step in range(STEPS):
             values = []
@@ -262,10 +381,34 @@ def check_loss(cases: list[Case]) -> None:
                                       f"{type(loss).__name__}; return the mean loss of this "
                                       "rank's micro-batches as a float") from None
             mean, expected = float(np.mean(values)), case.ref.losses[step]
-            expect(abs(mean - expected) <= 1e-10 * abs(expected),
-                   f"{case}, step {step}: the ranks' returned losses average to {mean:.12g}; "
-                   f"the single-device loss of the global batch is {expected:.12g} (return "
-                   "the mean over this rank's micro-batches)")
+            if abs(mean - expected) <= 1e-10 * abs(expected):
+                continue
+            if _diverged_before(case, step):
+                # The parameters this step started from are already wrong (the checks
+                # above say why): the loss can only be held against the ranks' own.
+                for rank, value in enumerate(values):
+                    own = _own_loss(case, rank, step)
+                    expect(abs(value - own) <= 1e-10 * abs(own),
+                           f"{case}, step {step}, rank {rank}: train_step returned "
+                           f"{value:.12g}; the mean loss of its micro-batches at its own "
+                           f"parameters is {own:.12g} (return the mean over this rank's "
+                           "micro-batches)")
+                causes = [k for k in (_first_wrong_gradient(case, r, step - 1)
+                                      for r in range(case.n)) if k is not None]
+                why = (f"follows from the step-{min(causes)} gradients above" if causes
+                       else "follows from the parameters above")
+                remarks.append((case, step, why))
+                continue
+            raise CheckFailed(
+                f"{case}, step {step}: the ranks' returned losses average to {mean:.12g}; "
+                f"the single-device loss of the global batch is {expected:.12g} (return "
+                "the mean over this rank's micro-batches)")
+    if not remarks:
+        return ""
+    case, step, why = remarks[0]
+    more = f" (and {len(remarks) - 1} more)" if len(remarks) > 1 else ""
+    return (f"{case}, step {step}{more}: the loss differs from single-device training's, "
+            f"but that {why}; at the ranks' own parameters the returned mean is right")
 
 
 def check_zeroed(cases: list[Case]) -> None:

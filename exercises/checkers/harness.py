@@ -16,6 +16,11 @@ errors the code under test raises into such sentences:
                                                         checking: ...)", its line and rank
     any other exception                                 FAIL naming the file, line and rank
 
+A check may add notes to an error it lets through (`error.add_note(...)`): "(case ...)"
+is shown after the error's line, a note starting "hint:" after the rank, like `hints`.
+Give a hint only when its cause is what happened (`hints` match the exception's type:
+keep them for types that have one cause, e.g. DeadlockError).
+
 Every check runs under `dist.launch_timeout(CHECK_TIMEOUT)`: the exercises' launches take
 milliseconds, so a student's infinite loop is stopped after CHECK_TIMEOUT seconds instead
 of hanging the checker (minipar's own default, 600 s, is for real training runs).
@@ -153,9 +158,18 @@ class Report:
             lines.append(paint("todo", f"{passed} of {total} checks pass; still to write: "
                                        f"{', '.join(stubs)}"))
         else:
-            failed = sum(o.status == "fail" for o in self.outcomes)
-            lines.append(paint("fail", f"{passed} of {total} checks pass, {failed} fail. "
-                                       "Fix the first FAIL above and run the checker again."))
+            # Name the labels the student sees: a report whose only problem reads ERROR
+            # has no FAIL to look for.
+            failed = sum(o.status == "fail" and not o.raised for o in self.outcomes)
+            errors = sum(o.status == "fail" and o.raised for o in self.outcomes)
+            kinds = [(n, label) for n, label in ((failed, "FAIL"), (errors, "ERROR")) if n]
+            kinds = kinds or [(0, "FAIL")]  # (only skips: cannot happen after a run)
+            counts = ", ".join(f"{n} {'fail' if label == 'FAIL' else label}"
+                               for n, label in kinds)
+            first = " or ".join(label for _, label in kinds)
+            lines.append(paint("fail", f"{passed} of {total} checks pass, {counts}. "
+                                       f"Fix the first {first} above and run the checker "
+                                       "again."))
         return "\n".join(lines)
 
     # -------------------------------------------------------------- errors -> sentences
@@ -213,12 +227,17 @@ class Report:
             if frame is not None:
                 text += (f"\n  at {os.path.basename(frame.filename)}:{frame.lineno} in "
                          f"{frame.name}(): {frame.line}")
-        for note in getattr(error, "__notes__", ()):
-            if "minipar.distributed.launch" not in note:  # the rank is said below
+        notes = [note for note in getattr(error, "__notes__", ())
+                 if "minipar.distributed.launch" not in note]  # the rank is said below
+        for note in notes:
+            if not note.startswith("hint:"):
                 text += f"\n  {note}"
         rank = getattr(error, "rank", None)
         if rank is not None:
             text += f"\n  (raised on rank {rank})"
+        for note in notes:  # a checker's hint (a note "hint: ...") comes last, as its own
+            if note.startswith("hint:"):
+                text += f"\n  {note}"
         for kind, hint in (hints or {}).items():
             if isinstance(error, kind):
                 text += f"\n  hint: {hint}"

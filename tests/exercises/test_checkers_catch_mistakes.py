@@ -125,6 +125,9 @@ def test_01_global_peers_on_a_sub_group_get_a_hint():
 
     text = only_failure("01", ring_all_reduce=_ring(_overlapped, neighbours=world_neighbours))
     assert "peers of send/recv are still global ranks" in text
+    # the only hint: a peer outside the group is no shape error of a chunk index
+    assert text.count("hint:") == 1 and "shape error" not in text
+    assert text.splitlines()[-1].startswith("  hint: on a sub-group")  # after the rank
 
 
 def test_01_the_library_collective_is_refused(tmp_path):
@@ -178,7 +181,8 @@ def test_02_row_shard_that_splits_columns():
 
 
 # ------------------------------------------------------------------ 03 data parallel
-def _dp_step(op="avg", scale=True, per_micro_batch=False, zero_grad=True):
+def _dp_step(op="avg", scale=True, per_micro_batch=False, zero_grad=True,
+             zero_grad_per_micro_batch=False):
     def train_step(model, optimizer, micro_batches, group):
         params = list(model.parameters())
 
@@ -192,6 +196,8 @@ def _dp_step(op="avg", scale=True, per_micro_batch=False, zero_grad=True):
 
         losses = []
         for x, y in micro_batches:
+            if zero_grad_per_micro_batch:
+                optimizer.zero_grad()  # drops the micro-batches before this one
             loss = model(x, y)
             loss.backward(np.asarray(1.0 / len(micro_batches) if scale else 1.0))
             losses.append(float(loss.data))
@@ -214,6 +220,49 @@ def test_03_summing_instead_of_averaging_is_named():
 def test_03_missing_one_over_a_is_named():
     detail = failures("03", train_step=_dp_step(scale=False))
     assert any("scale each micro-batch's loss by 1/A" in d for d in detail.values())
+
+
+GRADIENTS_03 = "gradients at optimizer.step() = single-device gradients of the global batch"
+PARAMETERS_03 = "parameters after each step = single-device training; replicas identical"
+LOSS_03 = "returned loss: its mean over ranks = the global batch's loss"
+
+
+@pytest.mark.parametrize("mistake", [dict(op="sum"), dict(scale=False),
+                                     dict(op="sum", scale=False)],
+                         ids=["sum", "no-1/A", "sum-and-no-1/A"])
+def test_03_a_wrong_gradient_is_not_blamed_on_the_returned_loss(mistake):
+    """The loss of step 1 differs from single-device training only because step 0 stepped
+    with the wrong gradient: the returned mean is right and the loss check must not send
+    the student after it; the parameters' difference is named as the consequence."""
+    exercise, impl = mutant("03", train_step=_dp_step(**mistake))
+    report = exercise.check(impl)
+    outcomes = {o.name: o for o in report.outcomes}
+    assert outcomes[GRADIENTS_03].status == "fail"
+    assert "return the mean over this rank's micro-batches" not in report.render()
+    loss = outcomes[LOSS_03]
+    assert loss.status == "pass", loss.detail
+    assert "follows from the step-0 gradients above" in loss.detail
+    assert "follows from the step-0 gradients above" in outcomes[PARAMETERS_03].detail
+
+
+def test_03_a_wrong_returned_loss_is_still_named_when_the_gradients_are_wrong_too():
+    wrong_gradient = _dp_step(op="sum")
+
+    def train_step(model, optimizer, micro_batches, group):
+        return 2 * wrong_gradient(model, optimizer, micro_batches, group)
+
+    detail = failures("03", train_step=train_step)
+    assert "return the mean over this rank's micro-batches" in detail[LOSS_03]
+
+
+@pytest.mark.parametrize("scale", [True, False], ids=["scaled", "unscaled"])
+def test_03_zero_grad_inside_the_micro_batch_loop_is_named(scale):
+    detail = failures("03", train_step=_dp_step(scale=scale, zero_grad_per_micro_batch=True))
+    assert ("only the last micro-batch's gradient is left: zero the gradients once per "
+            "step, before the micro-batch loop (DDP's no_sync accumulates)"
+            in detail[GRADIENTS_03])
+    assert "follows from the step-0 gradients above" in detail[PARAMETERS_03]
+    assert LOSS_03 not in detail
 
 
 def test_03_reducing_every_micro_batch_breaks_no_sync():
@@ -505,6 +554,10 @@ def test_01_a_reduce_scatter_adding_into_the_wrong_chunk_is_an_error_in_the_stud
     assert "in ring_all_reduce(): chunks[reduce_into(i, s, n)] +=" in failed.detail  # its line
     assert "(case n=4, shape (19,), float64)" in failed.detail
     assert "receives chunk (i - s - 1) mod n" in failed.detail  # the hint names the index
+    assert "here the chunks differ in length (5, 5, 5, 4)" in failed.detail
+    assert "peers of send/recv" not in failed.detail  # only the hint whose cause this is
+    assert report.render().endswith("1 ERROR. Fix the first ERROR above and run the "
+                                    "checker again.")
 
 
 def test_01_the_same_mistake_on_even_chunks_names_the_reduce_scatter_step():

@@ -109,3 +109,13 @@ def test_the_teachers_pages_list_every_exercise():
         assert rows == [e.number for e in EXERCISES], page.name
         count = words.get(len(EXERCISES), str(len(EXERCISES)))
         assert f"{count} classroom exercises" in text.lower(), page.name
+
+
+def test_the_readme_says_what_every_checker_measures():
+    """exercises/README.md's "What each checker measures" has one entry per exercise, in
+    order (it stopped at 06 when 07 was added)."""
+    text = (EXERCISES_DIR / "README.md").read_text()
+    section = text.split("### What each checker measures", 1)[1].split("\n#", 1)[0]
+    entries = [line[len("- **"):].split("**", 1)[0] for line in section.splitlines()
+               if line.startswith("- **")]
+    assert entries == [e.number for e in EXERCISES]

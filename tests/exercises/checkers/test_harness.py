@@ -10,6 +10,7 @@ import pytest
 from exercises.checkers.harness import (
     CheckFailed,
     CheckWarning,
+    Outcome,
     Report,
     forbidden_uses,
     start_report,
@@ -102,3 +103,29 @@ def test_forbidden_uses_finds_imports_and_attributes_not_own_names_or_docstrings
                      "one_f_one_b (line 2): library",
                      "all_reduce (line 6): library"]
     assert forbidden_uses(types.SimpleNamespace(), {"x": "y"}) == []  # no file: no check
+
+
+@pytest.mark.parametrize("statuses, summary", [
+    ((("fail", False),), "1 fail. Fix the first FAIL above"),
+    ((("fail", True), ("skip", False)), "1 ERROR. Fix the first ERROR above"),
+    ((("fail", True), ("fail", False)), "1 fail, 1 ERROR. Fix the first FAIL or ERROR above"),
+])
+def test_the_summary_names_the_label_of_what_failed(statuses, summary):
+    """"Fix the first FAIL above" under a report whose only problem reads ERROR sent the
+    student looking for a FAIL that is not there."""
+    report = Report("01", "demo", "x.py")
+    report.run("passes", lambda: None)
+    for k, (status, raised) in enumerate(statuses):
+        report.outcomes.append(Outcome(status, f"check {k}", "why", raised=raised))
+    assert report.render().splitlines()[-1] == (
+        f"1 of {len(statuses) + 1} checks pass, {summary} and run the checker again.")
+
+
+def test_an_error_of_the_code_under_test_ends_with_fix_the_first_error(stub_module):
+    report = start_report("00", "demo", stub_module)
+    report.run("explodes", stub_module.explode)
+    (outcome,) = report.outcomes
+    assert outcome.raised
+    assert "ERROR your code raised KeyError" in report.render()
+    assert report.render().endswith(
+        "0 of 1 checks pass, 1 ERROR. Fix the first ERROR above and run the checker again.")
