@@ -24,6 +24,7 @@ the entry is deleted here. So the lists can only shrink.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,21 @@ def test_the_walker_sees_lazy_relative_and_from_package_imports():
     assert "minipar.demo" in cli  # imported inside a function
     assert layer("minipar.viz.tables") > layer("minipar.train.grid")
     assert not is_leaf("minipar.distributed.errors") or not GRAPH["minipar.distributed"]
+
+
+def test_the_architecture_page_lists_every_module_of_each_layer():
+    """docs/architecture.md's layer table names each layer's modules: a module added
+    without a line there (turns, uniform_stages, layouts, advice, offload were missing)
+    fails here, as does a name for a module that is gone."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing, unknown = {}, {}
+    for layer in LAYERS[:-1]:  # the front ends' row names commands, not modules
+        row = next(line for line in text.splitlines() if line.startswith(f"| `minipar.{layer}`"))
+        listed = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+        modules = {p.stem for p in (PACKAGE / layer).glob("*.py") if p.stem != "__init__"}
+        if modules - listed:
+            missing[layer] = sorted(modules - listed)
+        if listed - modules:
+            unknown[layer] = sorted(listed - modules)
+    assert not missing and not unknown, (f"not in docs/architecture.md: {missing}; "
+                                         f"listed there but not modules: {unknown}")
