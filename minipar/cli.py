@@ -99,7 +99,13 @@ def choices() -> dict[str, tuple]:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but an error is one line on stderr (no usage dump) and exit status 2."""
+    """argparse, but an error is one line on stderr (no usage dump) and exit status 2, and
+    a flag is taken only when spelled out: with abbreviations `--zero3` was read as
+    `--zero3-prefetch`, and ran ZeRO-0 without a word."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -385,6 +391,11 @@ def cmd_timeline(args) -> int:
     from minipar.viz.timeline import plot_timeline
 
     config = config_from_args(args)
+    if args.all_steps and args.step != -1:  # (before the run, as every check here)
+        raise ConfigError("step", "--all-steps draws every step; drop --step, or drop "
+                          "--all-steps to draw one")
+    if not Path(args.out).suffix and not Path(args.out).is_dir():  # matplotlib adds .png
+        args.out = f"{args.out}.png"
     check_output_file("out", args.out)
     check_figure_format(args.out)
     check_fits(config)

@@ -138,3 +138,30 @@ def test_consolidate_names_its_positional_output_not_a_flag_that_does_not_exist(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "OUT.npz" in err[0] and "--output" not in err[0]
+
+
+def test_an_output_inside_a_checkpoint_or_named_like_a_directory_is_refused(tmp_path, capsys):
+    """`consolidate CKPT CKPT/manifest.json` wrote the state dict over the manifest, and
+    `--json CKPT/r.json` wrote into the checkpoint; `OUT.npz/` wrote OUT.npz and said
+    OUT.npz/ (a fuzzer's findings)."""
+    assert cli.main(["train", *SMALL, "--quiet", "--dp", "2", "--zero", "1",
+                     "--save", str(tmp_path / "ck")]) == 0
+    step = next((tmp_path / "ck").glob("step-*"))
+    manifest = (step / "manifest.json").read_bytes()
+    one_line_exit_2(capsys, ["consolidate", str(step), str(step / "manifest.json")],
+                    "is a minipar checkpoint")
+    one_line_exit_2(capsys, ["train", *SMALL, "--quiet", "--json", str(step / "r.json")],
+                    "is a minipar checkpoint")
+    assert (step / "manifest.json").read_bytes() == manifest
+    assert not (step / "r.json").exists()
+    one_line_exit_2(capsys, ["consolidate", str(step), f"{tmp_path}/o.npz/"],
+                    "ends with a slash")
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_a_timeline_without_an_extension_says_the_png_it_writes(tmp_path, capsys):
+    assert cli.main(["timeline", *SMALL, "--steps", "1", "--out", str(tmp_path / "chart")]) == 0
+    assert f"{tmp_path / 'chart.png'}: timeline" in capsys.readouterr().out
+    assert (tmp_path / "chart.png").exists()
+    one_line_exit_2(capsys, ["timeline", *SMALL, "--all-steps", "--step", "0", "--out",
+                             str(tmp_path / "t.png")], "--all-steps draws every step")

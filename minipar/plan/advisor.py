@@ -45,6 +45,7 @@ from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layout
 from minipar.plan.shapes import ModelShape
+from minipar.train.config import MAX_MICRO_BATCHES
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LONG_SEQUENCE = 8192  # tokens from which the search also tries context parallelism
@@ -66,7 +67,9 @@ def _accepts(name: str, pp: int, micro_batches: int, virtual_stages: int) -> boo
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (pairs up to sqrt(n): --gpus 10**12 took minutes)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def context_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
@@ -146,6 +149,10 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
             est = estimate(shape, config, cluster, exact_pipeline=False)
             (fitting if est.fits else not_fitting).append(est)
     if not searched:
+        if global_batch_size % gpus == 0:  # it splits: into more micro-batches than allowed
+            raise PlanError("global_batch_size", f"{global_batch_size:,} sequences on {gpus} "
+                            f"GPUs is more than {MAX_MICRO_BATCHES:,} micro-batches of at "
+                            f"most {max(MICRO_BATCH_SIZES)} per step on every layout")
         raise PlanError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
                         f"of {global_batch_size} into micro-batches of "
                         f"{MICRO_BATCH_SIZES}: use a multiple of {gpus}")

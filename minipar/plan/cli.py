@@ -31,7 +31,13 @@ from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig, PlanError
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
-from minipar.train.config import MOE_HELP, PRECISIONS, moe_setting_without_experts
+from minipar.train.config import (
+    MOE_HELP,
+    PRECISIONS,
+    check_learning_rate,
+    moe_setting_without_experts,
+)
+from minipar.train.outputs import check_output_dir, check_output_file
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
@@ -295,10 +301,29 @@ def run_plan(args) -> int:
 
 
 def _run(args) -> int:
+    # the outputs first, as minipar train checks them: before any work, never after it
+    if args.json is not None and args.json != "-":
+        check_output_file("json", args.json)
+    if args.export is not None:
+        check_output_dir("export", args.export)
     if args.compare_published:
         return _compare_published(args)
+    if args.example is not None:  # a published configuration: its model and its layout
+        given = ["model"] * (args.model is not None) + [k for k in LAYOUT_FLAGS
+                                                       if getattr(args, k) is not None]
+        if given:
+            flag = "--" + given[0]
+            raise PlanError(given[0], f"--example {args.example} is a published model and "
+                            f"layout; drop {flag} (or drop --example and give --model and "
+                            "the layout)")
     if args.top < 1:
         raise PlanError("top", f"lists the fastest N layouts: give N >= 1, got {args.top}")
+    for name in ("lr", "reference_lr"):  # (they go into the exported DeepSpeed config)
+        if getattr(args, name) is not None:
+            check_learning_rate(name, getattr(args, name))
+    if args.reference_global_batch_size is not None and args.reference_global_batch_size < 1:
+        raise PlanError("reference_global_batch_size", "must be a positive integer, got "
+                        f"{args.reference_global_batch_size}")
     shape = _shape(args)
     cluster = _cluster(args)
     if args.flash_attention is None:
@@ -322,8 +347,10 @@ def _run(args) -> int:
             reference = {"global_batch_size": args.reference_global_batch_size,
                          "lr": args.reference_lr}
         raw = values.to_dict() if isinstance(values, ParallelConfig) else values
-        world = raw["dp"] * raw["tp"] * raw["pp"] * raw.get("cp", 1)
-        if args.gpus is not None and args.gpus != world:  # before the batch is judged
+        sizes = [raw["dp"], raw["tp"], raw["pp"], raw.get("cp", 1)]
+        world = sizes[0] * sizes[1] * sizes[2] * sizes[3]
+        if (args.gpus is not None and args.gpus != world  # before the batch is judged,
+                and all(isinstance(s, int) and s >= 1 for s in sizes)):  # after the sizes
             raise PlanError("gpus", f"{args.gpus} GPUs but dp x tp x pp"
                             f"{' x cp' if raw.get('cp', 1) > 1 else ''} = {world}; drop "
                             "--gpus or change the layout")
@@ -385,6 +412,11 @@ def _compare_published(args) -> int:
             getattr(args, k) is not None for k in LAYOUT_FLAGS):
         raise PlanError("compare_published", "takes no model or "
                         "layout: it evaluates the published layouts")
+    for name, given in (("gpus", args.gpus is not None), ("export", args.export is not None),
+                        ("cluster", args.cluster != "h100-80gb")):
+        if given:  # each published row has its own GPUs, on the paper's A100 cluster
+            raise PlanError(name, f"--compare-published prices the paper's own layouts on "
+                            f"its A100 cluster; drop --{name}")
     args.cluster = "a100-80gb"
     cluster = _cluster(args)
     rows = published.compare(cluster)

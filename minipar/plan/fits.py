@@ -30,7 +30,8 @@ GiB = 2**30
 PARAM_BYTES = {"fp64": 8, "fp32": 4, "bf16-mixed": 2}  # the full initial weights' dtype
 # Settings that make a run big, checked in this order for the one the message names.
 SIZE_SETTINGS = ("seq_len", "micro_batch_size", "d_model", "vocab_size", "n_layer",
-                 "grad_accum_steps", "dp", "tp", "pp")
+                 "moe_num_experts", "moe_capacity_factor", "grad_accum_steps", "dp", "tp",
+                 "pp", "cp")
 
 
 def machine_memory() -> int:

@@ -32,6 +32,9 @@ BLOOM and the MoE structure: the MoE per-micro-batch counts are in plan/experts.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import inf
+
+from minipar.train.config import check_model_size
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -116,9 +119,10 @@ class ModelShape:
             if self.moe_top_k > self.moe_num_experts:
                 raise ValueError(f"ModelShape: moe_top_k={self.moe_top_k} exceeds "
                                  f"moe_num_experts={self.moe_num_experts}")
-            if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-                raise ValueError("ModelShape.moe_capacity_factor must be > 0 (or None: "
-                                 f"dropless), got {self.moe_capacity_factor!r}")
+            if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < inf:
+                raise ValueError("ModelShape.moe_capacity_factor must be a finite number > 0 "
+                                 f"(or None: dropless), got {self.moe_capacity_factor!r}")
+        check_model_size(self, lambda name, message: ValueError(f"ModelShape.{name} {message}"))
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -160,8 +164,12 @@ class ModelShape:
         return self.is_moe and i % self.moe_layer_freq == 0
 
     def moe_layers_in(self, start: int, stop: int) -> int:
-        """MoE layers among layers start .. stop - 1 (a pipeline chunk's)."""
-        return sum(self.is_moe_layer(i) for i in range(start, stop))
+        """MoE layers among layers start .. stop - 1 (a pipeline chunk's): the multiples
+        of moe_layer_freq there, counted, not looped over (--n-layer 10**12 hung)."""
+        if not self.is_moe or stop <= start:
+            return 0
+        f = self.moe_layer_freq
+        return (stop + f - 1) // f - (start + f - 1) // f
 
     @property
     def n_moe_layers(self) -> int:

@@ -1,5 +1,8 @@
 """TrainConfig: every setting of a run, flat, validated in one place.
 
+This module is long because it is every setting's rule, and the rules the planner
+shares (the batch arithmetic, the parallel sizes, the limits), each written once.
+
 The report's `config` section is `TrainConfig.to_dict()`, so the names here are part of
 the public contract (DESIGN.md): add fields freely, rename none.
 
@@ -43,6 +46,16 @@ MOE_HELP = {
     "ep": "expert-parallel size (splits the experts inside the data-parallel group)",
 }
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
+# The deepest and widest models minipar takes (the trainer's and the planner's): far past
+# any published one (GPT-3 has 96 layers, Megatron's 1T model 128; DeepSeek-V3 256 routed
+# experts), and low enough that the planner's per-layer and per-expert work stays seconds
+# (--n-layer 10**12 hung the memory check that runs before training).
+MAX_LAYERS = 4096
+MAX_EXPERTS = 4096
+# Micro-batches per optimizer step: the trainer runs each one and the planner simulates
+# each one of the schedule; --grad-accum-steps 10**12 hung the planner and asked the
+# trainer for 29 TiB of token ids. Published runs use hundreds to a few thousand.
+MAX_MICRO_BATCHES = 65536
 MAX_SEED = 2**63 - 1  # NumPy's SeedSequence takes any integer >= 0; int64 keeps it portable
 DATASETS = ("corpus", "synthetic")
 
@@ -140,10 +153,10 @@ class TrainConfig:
                                        "gpus_per_node", "steps"))
         check_parallel_settings(self)
         if self.world_size > MAX_WORLD_SIZE:  # the emulator's limit, not the planner's
-            largest = max(("dp", "tp", "pp"), key=lambda name: getattr(self, name))
-            raise ConfigError(largest, f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = "
-                              f"{self.world_size} virtual ranks, above minipar's maximum of "
-                              f"{MAX_WORLD_SIZE} (one thread each); use fewer")
+            largest = max(("dp", "tp", "pp", "cp"), key=lambda name: getattr(self, name))
+            raise ConfigError(largest, f"dp x tp x pp x cp = {self.dp} x {self.tp} x {self.pp} "
+                              f"x {self.cp} = {self.world_size} virtual ranks, above minipar's "
+                              f"maximum of {MAX_WORLD_SIZE} (one thread each); use fewer")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError("vocab_size", f"must be at least 2, got {self.vocab_size}")
         if self.d_model % self.n_head:
@@ -159,10 +172,7 @@ class TrainConfig:
         for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip",
                      "dropout"):
             _finite(name, getattr(self, name))
-        if not 0 < self.lr <= MAX_LR:
-            raise ConfigError("lr", f"must be in (0, {MAX_LR:g}], got {self.lr}: an AdamW "
-                              "step moves every weight by about lr, so a larger one does not "
-                              "train (GPT-2 used 6e-4)")
+        check_learning_rate("lr", self.lr)
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}")
         _integer("warmup_steps", self.warmup_steps, 0)
@@ -190,6 +200,7 @@ class TrainConfig:
     def _validate_moe(self) -> None:
         """The MoE settings (GPTConfig's rules, as flags) and --ep inside --dp."""
         _integer("moe_num_experts", self.moe_num_experts, 0)
+        check_model_size(self)
         _integer("ep", self.ep, 1)
         if self.moe_num_experts:
             _integer("moe_top_k", self.moe_top_k, 1)
@@ -242,6 +253,15 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------ the shared rules
+def check_model_size(settings, error=ConfigError) -> None:
+    """At most MAX_LAYERS layers and MAX_EXPERTS experts (settings: a TrainConfig or a
+    ModelShape, whose n_layer and moe_num_experts are already integers)."""
+    for name, most in (("n_layer", MAX_LAYERS), ("moe_num_experts", MAX_EXPERTS)):
+        if getattr(settings, name) > most:
+            raise error(name, f"must be at most {most:,} (minipar's limit: far past any "
+                        f"published model), got {getattr(settings, name):,}")
+
+
 def check_positive_integers(settings, names, error=ConfigError) -> None:
     """Each setting in `names` (attributes of `settings`) is an int >= 1."""
     for name in names:
@@ -323,6 +343,9 @@ def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
     accum, global_batch = grad_accum_steps, global_batch_size
     if accum is not None and (not isinstance(accum, int) or accum < 1):
         raise error("grad_accum_steps", f"must be a positive integer, got {accum!r}")
+    if accum is not None and accum > MAX_MICRO_BATCHES:
+        raise error("grad_accum_steps", f"must be at most {MAX_MICRO_BATCHES:,} micro-batches "
+                    f"per step (every one is run, or simulated), got {accum:,}")
     if global_batch is None:
         accum = 1 if accum is None else accum
         return accum, per_step * accum
@@ -335,6 +358,11 @@ def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
                     f"of micro_batch_size x dp = {micro_batch_size} x {dp} = {per_step} "
                     f"(e.g. {lower} or {lower + per_step}), or set --grad-accum-steps instead")
     derived = global_batch // per_step
+    if derived > MAX_MICRO_BATCHES:
+        raise error("global_batch_size", f"{global_batch:,} is {derived:,} micro-batches of "
+                    f"micro_batch_size x dp = {per_step} per step; at most "
+                    f"{MAX_MICRO_BATCHES:,} (every one is run, or simulated): raise "
+                    "--micro-batch-size or dp")
     if accum is not None and accum != derived:
         raise error("global_batch_size",
                     f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
@@ -355,6 +383,16 @@ def replace_settings(values: dict, changes: dict) -> dict:
         values["grad_accum_steps"] = None
     values.update(changes)
     return values
+
+
+def check_learning_rate(name: str, lr) -> None:
+    """A learning rate AdamW can train with: finite, in (0, MAX_LR] (the trainer's --lr, and
+    the planner's --lr and --reference-lr, which go into exported DeepSpeed configs)."""
+    _finite(name, lr)
+    if not 0 < lr <= MAX_LR:
+        raise ConfigError(name, f"must be in (0, {MAX_LR:g}], got {lr}: an AdamW step moves "
+                          "every weight by about lr, so a larger one does not train (GPT-2 "
+                          "used 6e-4)")
 
 
 def _finite(name: str, value) -> None:

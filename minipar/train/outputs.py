@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from minipar.errors import OutputError
+from minipar.train.checkpoint import MANIFEST
 
 
 def _writable_dir(directory: Path, setting: str, what: str) -> None:
@@ -36,14 +37,21 @@ def check_output_file(setting: str, path) -> Path:
     writable directory (created by nobody: a typo in it should not be)."""
     if path is None or str(path).strip() == "":
         raise OutputError(setting, "empty path: give a file name, e.g. runs/out.json")
-    path = Path(path)
+    named, path = str(path), Path(path)
     if path.is_dir():
         raise OutputError(setting, f"{path} is a directory; give a file name inside it, "
                           f"e.g. {path / 'out.json'}")
+    if named.endswith(("/", "\\")):  # Path() drops the slash: "o.npz/" wrote o.npz
+        raise OutputError(setting, f"{named} ends with a slash, as a directory does; give "
+                          "a file name")
     parent = path.parent
     if not parent.exists():
         raise OutputError(setting, f"{path}: directory {parent} does not exist; create it "
                           "first (mkdir -p) or choose another path")
+    if (parent / MANIFEST).is_file():  # `consolidate CKPT CKPT/manifest.json` wrote over it
+        raise OutputError(setting, f"{path}: {parent} is a minipar checkpoint (it has a "
+                          f"{MANIFEST}); writing there would change or break what it holds: "
+                          "choose another directory")
     _writable_dir(parent, setting, str(path))
     return path
 

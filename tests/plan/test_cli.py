@@ -100,6 +100,30 @@ def test_export_writes_the_files(capsys, tmp_path):
       "2"], "--n-layer"),
     (["--model", "gpt2", "--gpus", "8", "--dp", "3"], "--gpus"),  # not the batch
     (["--model", "gpt2", "--dp", "2", "--virtual-stages", "0"], "--virtual-stages"),
+    # a fuzzer's: values that went into exported configs, outputs written after the work,
+    # flags a published configuration ignored, sizes that hung the search
+    (["--model", "gpt2", "--dp", "2", "--lr", "nan"], "--lr"),
+    (["--model", "gpt2", "--dp", "2", "--lr", "5"], "--lr"),
+    (["--model", "gpt2", "--dp", "2", "--lr", "1e-3", "--reference-lr", "nan",
+      "--reference-global-batch-size", "8"], "--reference-lr"),
+    (["--model", "gpt2", "--dp", "2", "--lr", "1e-3", "--reference-lr", "1e-3",
+      "--reference-global-batch-size", "-5"], "--reference-global-batch-size"),
+    (["--model", "gpt2", "--dp", "2", "--json", ""], "--json"),
+    (["--model", "gpt2", "--dp", "2", "--json", "no/such/dir/x.json"], "--json"),
+    (["--example", "bloom", "--model", "gpt2"], "--model"),
+    (["--example", "bloom", "--dp", "2"], "--dp"),
+    (["--compare-published", "--gpus", "8"], "--gpus"),
+    (["--model", "gpt2", "--gpus", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--dp", "0"],
+     "--dp"),  # not "--gpus: ... = 0"
+    (["--model", "gpt2", "--gpus", str(10**12)], "--global-batch-size"),  # no hang
+    (["--n-layer", str(10**12), "--d-model", "64", "--n-head", "4", "--vocab-size", "100",
+      "--gpus", "4"], "--n-layer"),
+    (["--model", "gpt2", "--gpus", "8", "--dp", "2", "--tp", "2", "--pp", "2",
+      "--grad-accum-steps", str(10**12)], "--grad-accum-steps"),
+    (["--model", "gpt2", "--gpus", "8", "--global-batch-size", str(8 * 10**11)],
+     "--global-batch-size"),
+    (["--model", "mixtral-8x7b", "--dp", "8", "--moe-capacity-factor", "inf"],
+     "--moe-capacity-factor"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)

@@ -18,13 +18,23 @@ LAPTOP = 23 * GiB
 
 @pytest.mark.parametrize("setting, value", [
     ("seq_len", 1_000_000_000), ("micro_batch_size", 1_000_000_000),
-    ("d_model", 10_000_000), ("vocab_size", 100_000_000), ("n_layer", 100_000),
+    ("d_model", 10_000_000), ("vocab_size", 100_000_000),
 ])
 def test_the_issues_sizes_are_refused_with_the_estimate(setting, value):
     with pytest.raises(ConfigError, match=rf"^--{setting.replace('_', '-')}: this run needs "
                                           r"~[\d,]+ GiB .*, this machine has 23 GiB") as info:
         check_fits(TrainConfig(**{setting: value}), available=LAPTOP)
     assert info.value.setting == setting
+
+
+@pytest.mark.parametrize("setting, value", [("n_layer", 100_000), ("n_layer", 10**12),
+                                            ("moe_num_experts", 10**12)])
+def test_depths_and_expert_counts_past_minipars_limit_are_refused_before_any_estimate(
+        setting, value):
+    """--n-layer 10**12 hung the estimate (a list per layer); the limit says it first."""
+    with pytest.raises(ConfigError, match=rf"^--{setting.replace('_', '-')}: must be at most "
+                                          r"4,096 \(minipar's limit"):
+        TrainConfig(**{setting: value})
 
 
 def test_the_vocabulary_example_of_the_issue():

@@ -110,3 +110,23 @@ def test_an_moe_setting_on_a_dense_model_is_refused_not_ignored(setting, value):
         TrainConfig(**{setting: value})
     assert err.value.setting == setting and "without --moe-num-experts" in str(err.value)
     TrainConfig(moe_num_experts=4, **{setting: value})  # with experts it means something
+
+
+@pytest.mark.parametrize("settings, flag", [
+    (dict(grad_accum_steps=10**12), "grad_accum_steps"),  # asked for 29 TiB of token ids
+    (dict(global_batch_size=4 * 10**12), "global_batch_size"),
+    (dict(cp=10**12), "cp"),  # blamed --dp, with cp left out of the product
+])
+def test_sizes_no_run_could_finish_are_refused_naming_the_flag(settings, flag):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**settings)
+    assert info.value.setting == flag
+
+
+def test_a_flag_is_taken_only_when_spelled_out():
+    """With argparse's abbreviations `--zero3` was `--zero3-prefetch`, and ran ZeRO-0."""
+    from minipar.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["train", "--zero3"])
+    assert info.value.code == 2

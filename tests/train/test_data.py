@@ -75,3 +75,11 @@ def test_micro_batches_are_copies_not_views_of_the_global_batch():
     xs, ys = micro_batch(x, x, dp_rank=1, micro_step=0, micro_batch_size=1, grad_accum_steps=1)
     assert xs.base is None and ys.base is None
     assert xs.nbytes == x.nbytes // 6
+
+
+@pytest.mark.parametrize("vocab_size", [2, 10**6])
+def test_the_synthetic_task_refuses_a_vocabulary_it_cannot_draw(vocab_size):
+    """Each token's 3 successors come from a permutation of all V: V = 2 ended in an
+    IndexError, V = 10**6 took V^2 work (the run never started)."""
+    with pytest.raises(ConfigError, match="the synthetic task needs 3 to 8,192 tokens"):
+        synthetic_stream(vocab_size)
