@@ -29,6 +29,7 @@ import sys
 import time
 
 import numpy as np
+from arguments import positive_int
 
 from minipar.demo import DEMO_CONFIG
 from minipar.train import TrainConfig, train
@@ -87,7 +88,7 @@ def weak_scaling(worlds, steps: int) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=positive_int, default=7)
     args = parser.parse_args(argv)
     rounds, steps = (2, 1) if args.quick else (args.rounds, 4)
     worlds = (1, 2, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64)

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from arguments import positive_int
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 # Draw every picture: answers kept on disk (minipar/viz/store.py) would skip the drawing.
 os.environ["MINIPAR_CACHE_DIR"] = "off"
@@ -107,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=["sharding", "memory", "pipeline",
                                                       "traffic"])
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=positive_int, default=1,
                         help="fresh processes to run (medians over all of them)")
     parser.add_argument("--json", action="store_true", help="print raw JSON lines only")
     args = parser.parse_args()

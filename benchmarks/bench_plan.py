@@ -13,7 +13,12 @@ import statistics
 import time
 from functools import partial
 
+from arguments import parse_no_flags
+
 from minipar.plan import ParallelConfig, advise, estimate, presets
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 CASES = [("llama2-70b", 64, 1024), ("llama2-70b", 512, 1024), ("gpt3-175b", 512, 1536)]
 

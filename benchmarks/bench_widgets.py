@@ -65,6 +65,8 @@ import sys
 import tempfile
 import time
 
+from arguments import non_negative_float
+
 os.environ.setdefault("MINIPAR_CACHE_DIR", "off")  # --second-session names a directory
 try:
     from minipar.viz import widgets
@@ -224,7 +226,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one setting per explorer")
     parser.add_argument("--prefetch", action="store_true",
                         help="explorers with prefetch=True, as in a Jupyter kernel")
-    parser.add_argument("--think", type=float, default=None,
+    parser.add_argument("--think", type=non_negative_float, default=None,
                         help="with --prefetch: seconds between changes (default: until "
                              "the neighbours are ready)")
     parser.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))

@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+from arguments import non_negative_float, positive_int
+
 os.environ["MINIPAR_CACHE_DIR"] = "off"  # every answer measured and drawn
 try:
     from minipar.viz import widgets
@@ -107,9 +109,10 @@ def one_run(name: str, background: bool, gap: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gap", type=float, default=0.3, help="seconds between clicks")
+    parser.add_argument("--gap", type=non_negative_float, default=0.3,
+                        help="seconds between clicks")
     parser.add_argument("--only", nargs="+", default=list(PATHS), choices=list(PATHS))
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     args = parser.parse_args()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; clicks {args.gap} s "

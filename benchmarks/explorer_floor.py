@@ -30,6 +30,8 @@ import statistics
 import sys
 import time
 
+from arguments import fraction, positive_float
+
 os.environ["MINIPAR_CACHE_DIR"] = "off"
 try:
     from minipar.viz import widgets
@@ -64,8 +66,8 @@ def main() -> None:
     parser.add_argument("--setting", nargs="*", default=None,
                         help="name=value words (default: dp=4 tp=4 pp=1 for the traffic "
                              "explorer, the explorer's own first setting for the others)")
-    parser.add_argument("--look", type=float, default=3.0, help="seconds a reader looks")
-    parser.add_argument("--share", type=float, default=2 / 3,
+    parser.add_argument("--look", type=positive_float, default=3.0, help="seconds a reader looks")
+    parser.add_argument("--share", type=fraction, default=2 / 3,
                         help="the share of a core the worker gets meanwhile")
     args = parser.parse_args()
     if args.setting is None:

@@ -18,9 +18,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from arguments import parse_no_flags
+
 from minipar.distributed.roofline import GEMM_EFFICIENCY, MEMORY_EFFICIENCY
 from minipar.plan import presets
 from minipar.plan.published import TOLERANCE, compare, format_comparison
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 
 def cluster_with(gemm: float, memory: float):

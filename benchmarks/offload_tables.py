@@ -10,11 +10,16 @@ transfers / time: the ledgers and the simulated clock of the default H100 profil
 
 from __future__ import annotations
 
+from arguments import parse_no_flags
+
 from minipar.plan import presets
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
 from minipar.train import TrainConfig, train
 from minipar.viz.tables import human_bytes, human_seconds
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 BASE = dict(n_layer=2, d_model=64, n_head=4, seq_len=32, data="synthetic", steps=2,
             dp=2, micro_batch_size=4, precision="bf16-mixed")

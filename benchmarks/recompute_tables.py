@@ -13,6 +13,7 @@
 """
 
 import numpy as np
+from arguments import parse_no_flags
 
 from minipar import distributed as dist
 from minipar.demo import DEMO_PROFILE
@@ -24,6 +25,9 @@ from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import ModelShape, from_train_config
 from minipar.train import TrainConfig, train
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 # ---------------------------------------------------------------- 1. bytes per layer
 b, s, h, a = 4, 256, 256, 8  # as/h = 8: the attention core is most of a layer

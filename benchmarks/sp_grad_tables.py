@@ -12,7 +12,12 @@ exposed communication of any rank and the step time; then the fp64 --check agree
 each path with the single device.
 """
 
+from arguments import parse_no_flags
+
 from minipar.train import TrainConfig, build, train
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 LAYOUTS = {
     "tp2 sp, accum 1": dict(tp=2),

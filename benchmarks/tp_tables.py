@@ -9,10 +9,14 @@ compute us, comm us.
 """
 
 import numpy as np
+from arguments import parse_no_flags
 
 from minipar import distributed as dist
 from minipar.nn import GPTConfig
 from minipar.parallel.tensor import tensor_parallel_gpt
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 b, s, h, a = 8, 256, 512, 8                      # as/h = 4
 config = GPTConfig(vocab_size=52, seq_len=s, n_layer=2, n_head=a, d_model=h)

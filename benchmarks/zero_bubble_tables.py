@@ -13,6 +13,7 @@ the peak activations per rank (KiB, from the ledger) and the pipeline bytes each
 import math
 
 import numpy as np
+from arguments import parse_no_flags
 
 from minipar import distributed as dist
 from minipar.distributed.timeline import labelled_compute_seconds
@@ -20,6 +21,9 @@ from minipar.nn import GPTConfig
 from minipar.parallel.pipeline import Pipeline, bubble_fraction
 from minipar.parallel.schedules import SCHEDULES
 from minipar.parallel.uniform_stages import charge_blocks_only
+
+if __name__ == "__main__":
+    parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 FREE = dist.DeviceProfile(intra_node_latency=0.0, inter_node_latency=0.0,
                           intra_node_bandwidth=math.inf, inter_node_bandwidth=math.inf)
