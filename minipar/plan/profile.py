@@ -6,6 +6,11 @@
     print(prof.text())                                 # tables and the verdict
     prof.to_dict()                                     # the report's "profile" section
 
+The traces are checked first (minipar.plan.trace_input.check_traces: every value read
+here, of the type and range it needs): a malformed one is a TraceFileError naming the
+file and the key, not a traceback or a verdict on nonsense. (`minipar profile DIR` reads
+the files with trace_input.read_trace_files, which refuses a file read_traces trips on.)
+
 Everything comes from the trace files (which come from the ledgers and the simulated
 clock), in the definitions Holistic Trace Analysis uses, so HTA reading the same folder
 agrees (tests/plan/test_profile_hta.py):
@@ -140,10 +145,13 @@ class Profile:
         return format_profile(self)
 
 
-def profile_traces(traces: list[dict], verdict: bool = True) -> Profile:
-    """The profile of a run from its per-rank traces (`minipar.distributed.read_traces`)."""
+def profile_traces(traces: list[dict], verdict: bool = True, sources=None) -> Profile:
+    """The profile of a run from its per-rank traces (`minipar.distributed.read_traces`),
+    checked first (`check_traces`; sources: each trace's file, for its messages)."""
+    from minipar.plan.trace_input import check_traces
     from minipar.train.config import TrainConfig
 
+    traces = check_traces(traces, sources)
     meta = traces[0]["minipar"]
     config, device = meta["config"], meta["device"]
     window = max(t["minipar"]["end_s"] for t in traces)

@@ -4,8 +4,10 @@
     minipar profile trace/ [--json PATH]                        # read them back
 
 minipar.cli wires it in: `add_profile_command(subparsers)` adds the subcommand and
-`run_profile(args)` runs it (a folder that is not a trace is one line, exit status 2,
-through the CLI's MiniparError handling). The figures are minipar.plan.profile's.
+`run_profile(args)` runs it (a folder that is not a run's traces, or a malformed file in
+it, is one line naming the file and what is wrong, exit status 2, through the CLI's
+MiniparError handling; minipar.plan.trace_input checks them). The figures are
+minipar.plan.profile's.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import contextlib
 import json
 import tempfile
 
-from minipar.distributed.trace import read_traces
 from minipar.plan.profile import Profile, profile_traces
+from minipar.plan.trace_input import read_trace_files
 
 
 def profile_folder(directory) -> Profile:
-    """The profile of the traces in `directory` (minipar train --trace DIR)."""
-    return profile_traces(read_traces(directory))
+    """The profile of the traces in `directory` (minipar train --trace DIR). A folder or
+    file that is not a run's traces is a TraceFileError (a ConfigError) naming the file,
+    where in it and what is wrong (minipar.plan.trace_input)."""
+    files = read_trace_files(directory)
+    return profile_traces([t for _, t in files], sources=[p for p, _ in files])
 
 
 def add_trace_flags(train: argparse.ArgumentParser) -> None:
@@ -61,11 +66,11 @@ def run_profile(args) -> int:
     """Run `minipar profile` with parsed `args`; returns the exit status."""
     from minipar.train.outputs import check_output_file
 
-    if args.json:
+    if args.json is not None:  # an empty --json '' too: refused, not ignored
         check_output_file("json", args.json)  # before the work, as minipar train does
     profile = profile_folder(args.trace_dir)
     print(profile.text())
-    if args.json:
+    if args.json is not None:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(profile.to_dict(), out, indent=2)
         print(f"\nprofile written to {args.json}")
