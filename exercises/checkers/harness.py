@@ -14,6 +14,12 @@ errors the code under test raises into such sentences:
                                                         that did not return, and where
     an exception raised in the code under test          ERROR "your code raised X (while
                                                         checking: ...)", its line and rank
+    SystemExit (sys.exit) from the code under test      ERROR "the file under test called
+                                                        sys.exit(0) (at line N)": never the
+                                                        checker's exit, whatever the code
+    KeyboardInterrupt raised by the code under test     ERROR, like any other exception; a
+                                                        real Ctrl-C (SIGINT) of the user
+                                                        still stops the checker
     any other exception                                 FAIL naming the file, line and rank
 
 A check may add notes to an error it lets through (`error.add_note(...)`): "(case ...)"
@@ -24,14 +30,25 @@ keep them for types that have one cause, e.g. DeadlockError).
 Every check runs under `dist.launch_timeout(CHECK_TIMEOUT)`: the exercises' launches take
 milliseconds, so a student's infinite loop is stopped after CHECK_TIMEOUT seconds instead
 of hanging the checker (minipar's own default, 600 s, is for real training runs).
+`exercises/check.py` imports the file under test in a daemon thread and waits at most
+IMPORT_TIMEOUT (= CHECK_TIMEOUT) seconds, so a loop at module level does not hang it
+either.
 
-so a student sees a list of checks, never a wall of traceback (`--traceback` shows it).
+The student thus sees a list of checks, never a wall of traceback (`--traceback` shows it).
+
+Known limit: `os._exit(n)` ends the process at once, with no exception to catch, so a
+file under test that calls it (at import or in a check) ends the checker with status n
+and no report. Only running the code in a separate process could guard against that;
+the checker runs it in-process, which keeps every check under a second.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import signal
+import threading
 import traceback
 from dataclasses import dataclass, field
 
@@ -90,8 +107,14 @@ class Report:
         """Run `check(*args)` as the check called `name`; return what it returns (None if
         it failed or hit a stub)."""
         try:
-            with dist.launch_timeout(CHECK_TIMEOUT):
+            with _ctrl_c_watched() as ctrl_c, dist.launch_timeout(CHECK_TIMEOUT):
                 result = check(*args)
+        except KeyboardInterrupt as error:
+            if ctrl_c.pressed:
+                raise  # the user's Ctrl-C: stop checking
+            self.outcomes.append(self._failure(name, error, hints))  # the code's raise
+        except SystemExit as error:  # never the checker's exit: exit 0 means "all pass"
+            self.outcomes.append(self._failure(name, error, hints))
         except CheckFailed as failure:
             self.outcomes.append(Outcome("fail", name, str(failure)))
         except CheckWarning as remark:
@@ -220,8 +243,10 @@ class Report:
             text = _timeout_text(self, error)
         elif isinstance(error, (DeadlockError, CollectiveMismatchError)):
             text = str(error)
+        elif isinstance(error, SystemExit) and self._student_frame(error) is not None:
+            text = exit_text(error, self._student_frame(error).lineno)
         else:
-            text = f"{type(error).__name__}: {error}"
+            text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             frames = traceback.extract_tb(error.__traceback__)
             frame = self._student_frame(error) or (frames[-1] if frames else None)
             if frame is not None:
@@ -244,6 +269,42 @@ class Report:
         if self.show_traceback:
             text += "\n" + "".join(traceback.format_exception(error)).rstrip()
         return text
+
+
+def exit_text(error: SystemExit, line) -> str:
+    """"the file under test called sys.exit(0) (at line 12)" (raise SystemExit(0) reads
+    the same: it is what sys.exit does)."""
+    call = "sys.exit()" if error.code is None else f"sys.exit({error.code!r})"
+    return f"the file under test called {call} (at line {line})"
+
+
+class _CtrlC:
+    pressed = False
+
+
+@contextlib.contextmanager
+def _ctrl_c_watched():
+    """Tell the user's Ctrl-C from a KeyboardInterrupt the code under test raises: while
+    the block runs, SIGINT also sets `.pressed` (then Python's handler raises as usual).
+    Signals reach only the main thread; elsewhere, or when SIGINT does not raise
+    KeyboardInterrupt (ignored, default action), every KeyboardInterrupt is raised by
+    code."""
+    ctrl_c = _CtrlC()
+    previous = (signal.getsignal(signal.SIGINT)
+                if threading.current_thread() is threading.main_thread() else None)
+    if not callable(previous):
+        yield ctrl_c
+        return
+
+    def on_sigint(signum, frame):
+        ctrl_c.pressed = True
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
