@@ -261,7 +261,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   flash_attention=args.flash_attention, lr=args.lr,
                   offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
                   **_overlap(args))
-    if args.layer_split:
+    if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
         except ValueError:

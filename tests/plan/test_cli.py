@@ -124,6 +124,7 @@ def test_export_writes_the_files(capsys, tmp_path):
      "--global-batch-size"),
     (["--model", "mixtral-8x7b", "--dp", "8", "--moe-capacity-factor", "inf"],
      "--moe-capacity-factor"),
+    (["--model", "gpt2", "--dp", "2", "--pp", "2", "--layer-split", ""], "--layer-split"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)
