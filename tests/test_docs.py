@@ -103,7 +103,7 @@ def test_the_docs_count_the_interview_claims_that_tests_test_claims_has():
         f"docs/3d-and-demo.md should say the {len(claims)} claims of tests/test_claims.py")
 
 
-SHELL_FENCE = re.compile(r"^```(?:bash|text)?\n(.*?)^```", re.S | re.M)  # not python
+SHELL_TAGS = ("", "bash", "text")  # every block but python's
 
 
 def shell_commands(program: str, *subcommands: str):
@@ -111,9 +111,8 @@ def shell_commands(program: str, *subcommands: str):
     and exercises/README.md, continuation lines joined, comments dropped; each once."""
     seen = set()
     for document in [*DOCUMENTS, ROOT / "exercises" / "README.md"]:
-        text = document.read_text()
-        for match in SHELL_FENCE.finditer(text):
-            for line in match.group(1).replace("\\\n", " ").splitlines():
+        for block in shell_blocks(document.read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
                 try:
                     words = shlex.split(line, comments=True)
                 except ValueError:  # not a command line (a quote left open in output)
@@ -123,6 +122,23 @@ def shell_commands(program: str, *subcommands: str):
                     seen.add(tuple(words))
                     name = f"{document.relative_to(ROOT)}: {' '.join(words)}"
                     yield pytest.param(words[1:], id=name[:120])
+
+
+def shell_blocks(text: str):
+    """The bodies of the fenced blocks tagged bash, text or nothing, fences paired line by
+    line (a regex took a python block's closing fence for an opening one and skipped
+    the next shell block)."""
+    tag, body = None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if tag is None:
+                tag, body = line[3:].strip(), []
+            else:
+                if tag in SHELL_TAGS:
+                    yield "\n".join(body)
+                tag = None
+        elif tag is not None:
+            body.append(line)
 
 
 @pytest.mark.parametrize("argv", list(shell_commands("minipar", "train", "timeline")))
