@@ -165,3 +165,11 @@ def test_a_timeline_without_an_extension_says_the_png_it_writes(tmp_path, capsys
     assert (tmp_path / "chart.png").exists()
     one_line_exit_2(capsys, ["timeline", *SMALL, "--all-steps", "--step", "0", "--out",
                              str(tmp_path / "t.png")], "--all-steps draws every step")
+
+
+def test_a_directory_with_some_other_manifest_json_is_not_a_checkpoint(tmp_path, capsys):
+    """The checkpoint guard reads the manifest's format: a web app's manifest.json
+    beside the output is no reason to refuse it (a reviewer's case)."""
+    (tmp_path / "manifest.json").write_text('{"name": "my site"}')
+    assert cli.main(["train", *SMALL, "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    assert (tmp_path / "r.json").exists()

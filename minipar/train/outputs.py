@@ -13,6 +13,7 @@ yes to root on a read-only or virtual file system). If a write still fails at th
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -48,12 +49,24 @@ def check_output_file(setting: str, path) -> Path:
     if not parent.exists():
         raise OutputError(setting, f"{path}: directory {parent} does not exist; create it "
                           "first (mkdir -p) or choose another path")
-    if (parent / MANIFEST).is_file():  # `consolidate CKPT CKPT/manifest.json` wrote over it
+    if _is_checkpoint(parent):  # `consolidate CKPT CKPT/manifest.json` wrote over it
         raise OutputError(setting, f"{path}: {parent} is a minipar checkpoint (it has a "
                           f"{MANIFEST}); writing there would change or break what it holds: "
                           "choose another directory")
     _writable_dir(parent, setting, str(path))
     return path
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    """Does `directory` hold a minipar checkpoint's manifest (its format, not only its
+    name: a web app's manifest.json is no checkpoint)? Read as JSON, never unpickled."""
+    try:
+        with open(directory / MANIFEST, encoding="utf-8") as f:
+            manifest = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(
+        "minipar.checkpoint/")
 
 
 def check_output_dir(setting: str, path) -> Path:
