@@ -230,6 +230,9 @@ def _why_no_data_parallelism(advice: Advice) -> str:
     if any(e.config.dp > 1 for e in advice.ranked):
         return ("layouts with data parallelism fit too, but are slower here (the table "
                 "lists them).")
+    if any(e.config.dp > 1 for e in advice.not_fitting):  # tried: memory was the reason
+        return ("the layouts with data parallelism do not fit in memory: with dp > 1 "
+                "each GPU holds more of the model than when the GPUs split it.")
     replicas = [d for d in range(2, advice.gpus + 1) if advice.gpus % d == 0]
     return (f"the global batch of {advice.global_batch_size} sequences does not split "
             f"evenly over {' or '.join(map(str, replicas))} replicas, so all {advice.gpus} "

@@ -72,7 +72,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
                            help=MOE_HELP[name])
     hardware = plan.add_argument_group("cluster")
-    hardware.add_argument("--cluster", default="h100-80gb",
+    hardware.add_argument("--cluster", default=None,
                           help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb; "
                                "'emulated' is the cluster `minipar train` simulates)")
     hardware.add_argument("--gpus", type=int, help="GPUs to plan for")
@@ -201,7 +201,7 @@ def _shape(args) -> ModelShape:
 
 
 def _cluster(args):
-    name = "a100-80gb" if args.example == "bloom" else args.cluster
+    name = "a100-80gb" if args.example == "bloom" else args.cluster or "h100-80gb"
     try:
         spec = presets.cluster(name, args.gpu_mem)
     except KeyError as err:
@@ -413,7 +413,7 @@ def _compare_published(args) -> int:
         raise PlanError("compare_published", "takes no model or "
                         "layout: it evaluates the published layouts")
     for name, given in (("gpus", args.gpus is not None), ("export", args.export is not None),
-                        ("cluster", args.cluster != "h100-80gb")):
+                        ("cluster", args.cluster is not None)):  # (typed, even a100)
         if given:  # each published row has its own GPUs, on the paper's A100 cluster
             raise PlanError(name, f"--compare-published prices the paper's own layouts on "
                             f"its A100 cluster; drop --{name}")

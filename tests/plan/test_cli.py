@@ -113,6 +113,7 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--example", "bloom", "--model", "gpt2"], "--model"),
     (["--example", "bloom", "--dp", "2"], "--dp"),
     (["--compare-published", "--gpus", "8"], "--gpus"),
+    (["--compare-published", "--cluster", "h100-80gb"], "--cluster"),  # typed: judged
     (["--model", "gpt2", "--gpus", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--dp", "0"],
      "--dp"),  # not "--gpus: ... = 0"
     (["--model", "gpt2", "--gpus", str(10**12)], "--global-batch-size"),  # no hang
@@ -143,6 +144,15 @@ def test_a_search_that_keeps_dp_at_one_says_the_batch_is_why(capsys):
     status, out, _ = run(capsys, "--model", "gpt2", "--gpus", "7", "--global-batch-size",
                          "448")
     assert status == 0 and "on 7 GPUs (1 node of 8): dp=7 x tp=1 x pp=1" in out
+
+
+def test_a_search_that_keeps_dp_at_one_for_memory_does_not_blame_the_batch(capsys):
+    """A reviewer's case: the batch (8) splits over 2 replicas, but no dp = 2 layout fits
+    (an 8M-token vocabulary); the explanation said to change the batch."""
+    status, out, _ = run(capsys, "--n-layer", "2", "--d-model", "512", "--n-head", "8",
+                         "--vocab-size", "8000000", "--seq-len", "4096", "--gpus", "2")
+    assert status == 0
+    assert "does not split" not in out and "do not fit in memory" in out
 
 
 def test_invalid_layout_exits_2_with_the_finding(capsys):
