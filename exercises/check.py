@@ -15,7 +15,6 @@ command-line mistake (one line on stderr), 130 when the user stops it with Ctrl-
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib
 import importlib.machinery
@@ -31,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the `exercises` package i
 
 from exercises.checkers import EXERCISES, Exercise, find  # noqa: E402
 from exercises.checkers.harness import CHECK_TIMEOUT, Outcome, Report, exit_text  # noqa: E402
+from minipar.cli import OneLineParser  # noqa: E402  (one-line errors, flags spelled out)
 
 HERE = Path(__file__).resolve().parent
 PROG = "python -m exercises.check"
@@ -178,14 +178,6 @@ def list_exercises() -> str:
         lines.append(f"      check  python -m exercises.check {e.number}")
     lines += ["", "Teachers: add --solution to run a checker on the reference solution."]
     return "\n".join(lines)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but an error is one line on stderr (no usage block) and exit status 2,
-    as minipar's own command line does (minipar/cli.py)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from minipar.train.config import (
     DATASETS,
     MOE_HELP,
     PRECISIONS,
+    ROUTING_SETTINGS,
     ConfigError,
     TrainConfig,
     flag,
@@ -118,21 +119,17 @@ def _field_type(annotation):
     return annotation
 
 
-# The router's settings: None when not given, so that one given to a dense model is
-# refused even at its default value (`minipar plan` refuses it the same way).
-ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig)
-                       if f.name.startswith("moe_") and f.name != "moe_num_experts")
-
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, defaulting to the field's default (the routing
-    fields: to None, the field's default once `config_from_args` knows it was not given)."""
+    """One flag per TrainConfig field, defaulting to the field's default (the router's,
+    ROUTING_SETTINGS: to None, so that `config_from_args` knows which were typed and
+    refuses one on a dense model even at its default value, as `minipar plan` does)."""
     hints = typing.get_type_hints(TrainConfig)
     fixed = choices()
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(hints[f.name])
         name = flag(f.name)
-        default = None if f.name in ROUTING_FIELDS else f.default
+        default = None if f.name in ROUTING_SETTINGS else f.default
         if kind is bool:
             parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=HELP.get(f.name, f.metadata.get("help")))
@@ -148,11 +145,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    given = [name for name in ROUTING_FIELDS if values[name] is not None]
+    given = [name for name in ROUTING_SETTINGS if values[name] is not None]
     if given and not values["moe_num_experts"]:
         raise moe_setting_without_experts(given[0], values[given[0]])
     return TrainConfig(**{k: v for k, v in values.items()
-                          if k not in ROUTING_FIELDS or v is not None})
+                          if k not in ROUTING_SETTINGS or v is not None})
 
 
 DEVICES = ("uniform", "h100", "a100", "demo")

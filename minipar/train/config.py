@@ -218,7 +218,7 @@ class TrainConfig:
                                   f"{self.moe_aux_loss_coeff}")
         else:  # a dense model has no router: a changed MoE setting would be ignored
             for field in dataclasses.fields(self):
-                if (field.name.startswith("moe_") and field.name != "moe_num_experts"
+                if (field.name in ROUTING_SETTINGS
                         and getattr(self, field.name) != field.default):
                     raise moe_setting_without_experts(field.name, getattr(self, field.name))
         check_expert_parallel_settings(self.ep, self.dp, self.moe_num_experts)
@@ -383,6 +383,11 @@ def replace_settings(values: dict, changes: dict) -> dict:
         values["grad_accum_steps"] = None
     values.update(changes)
     return values
+
+
+# The router's settings: what has no effect on a dense model (moe_num_experts = 0).
+ROUTING_SETTINGS = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                         if f.name.startswith("moe_") and f.name != "moe_num_experts")
 
 
 def check_learning_rate(name: str, lr) -> None:
