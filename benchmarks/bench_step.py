@@ -24,6 +24,7 @@ import sys
 import time
 
 import numpy as np
+from arguments import positive_int
 
 from minipar.nn import GPT, AdamW, GPTConfig
 
@@ -222,7 +223,8 @@ def cpu_model() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=16, help="alternations per size")
+    parser.add_argument("--rounds", type=positive_int, default=16,
+                        help="alternations per size")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     args = parser.parse_args(argv)
     try:

@@ -114,7 +114,10 @@ def instructions(tree: pathlib.Path, case: str, n: int) -> int:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args[:1] == ["--steps"]:
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    if args[:1] == ["--steps"]:  # (the inner call, under valgrind)
         CASES[args[1]][0](int(args[2]))
         return
     case = "op"
@@ -125,7 +128,12 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         print("skipped: valgrind is not installed (apt-get install valgrind)")
         return
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        sys.exit(f"op_instructions.py: error: unrecognized arguments: {' '.join(args)} "
+                 "(see --help)")
     tree = pathlib.Path(args[0] if args else pathlib.Path(__file__).parents[1])
+    if not (tree / "minipar").is_dir():
+        sys.exit(f"op_instructions.py: error: {tree} has no minipar/ to count")
     _, many, few, what, units = CASES[case]
     per_unit = ((instructions(tree, case, many) - instructions(tree, case, few))
                 / ((many - few) * units))
