@@ -35,8 +35,10 @@ from minipar.cli import OneLineParser  # noqa: E402  (one-line errors, flags spe
 HERE = Path(__file__).resolve().parent
 PROG = "python -m exercises.check"
 # Seconds the file under test may take to import (its module-level code): the exercises'
-# files import in milliseconds, so a loop at module level is reported, not waited for.
-IMPORT_TIMEOUT = CHECK_TIMEOUT
+# files import in milliseconds, so a loop at module level is reported, not waited for;
+# 30 s, not the checks' 10, leaves room for a hand-in that imports a heavy library on a
+# cold classroom machine.
+IMPORT_TIMEOUT = 3 * CHECK_TIMEOUT
 
 
 class UnusableFile(FileNotFoundError):  # (callers caught FileNotFoundError before)

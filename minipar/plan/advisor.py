@@ -171,6 +171,3 @@ def offload_candidates(configs):
             if config.zero == 0 or (param != "none" or optimizer == "nvme") and config.zero < 3:
                 continue
             yield config.replace(offload_optimizer=optimizer, offload_param=param)
-
-
-# ------------------------------------------------------------------ explanation
