@@ -318,6 +318,11 @@ def read_traces(directory) -> list[dict]:
         traces.append(trace)
     if not traces:
         raise TraceError(f"{directory} has no rank<N>.json traces (minipar train --trace DIR)")
+    info = [t.get("distributedInfo") for t in traces]
+    if not all(isinstance(i, dict) and type(i.get("rank")) is int
+               and type(i.get("world_size")) is int for i in info):  # (a KeyError before)
+        raise TraceError(f"{directory}: a trace without an integer distributedInfo.rank "
+                         "and world_size (minipar.plan.trace_input names which)")
     traces.sort(key=lambda t: t["distributedInfo"]["rank"])
     world = traces[0]["distributedInfo"]["world_size"]
     if [t["distributedInfo"]["rank"] for t in traces] != list(range(world)):

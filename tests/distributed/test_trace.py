@@ -211,3 +211,17 @@ def test_every_group_kind_gets_its_own_stream_and_all_to_all_is_a_send_recv_kern
     trace = rank_trace(traced(worker)[0])
     streams = {e["args"]["stream"]: e["name"] for e in kernels(trace) if "nccl" in e["name"]}
     assert len(streams) == 2 and "ncclDevKernel_SendRecv" in streams.values()
+
+
+def test_read_traces_refuses_a_trace_without_its_rank_in_one_error(tmp_path):
+    """profile.py's recipe, profile_traces(read_traces(DIR)), raised KeyError
+    'distributedInfo' on such a file (a reviewer's case)."""
+    import json
+
+    from minipar.distributed import TraceError, read_traces
+    from minipar.distributed.trace import TRACE_SCHEMA
+
+    (tmp_path / "rank0.json").write_text(json.dumps({"minipar": {"schema": TRACE_SCHEMA},
+                                                     "traceEvents": []}))
+    with pytest.raises(TraceError, match="distributedInfo.rank"):
+        read_traces(tmp_path)
