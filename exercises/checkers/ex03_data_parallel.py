@@ -26,7 +26,7 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import GPT, AdamW, GPTConfig
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, check_building_blocks, expect, scale_factor, start_report
 
 NUMBER, TITLE = "03", "data parallelism with gradient accumulation"
 CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
@@ -269,12 +269,9 @@ def _last_micro_batch_gradient(case: Case, step: int) -> dict:
 
 
 def _scale(got: np.ndarray, base: np.ndarray) -> float | None:
-    """c if got == c * base (fp64 rounding aside), else None."""
-    norm = float(np.vdot(base, base))
-    if norm == 0:
-        return None
-    c = float(np.vdot(got, base)) / norm
-    return c if np.allclose(got, c * base, rtol=1e-8, atol=1e-13) else None
+    """c if got == c * base (fp64 rounding aside, over a whole model's gradients), else
+    None."""
+    return scale_factor(got, base, rtol=1e-8, atol=1e-13)
 
 
 def _multiple(got: np.ndarray, base: np.ndarray, factors) -> str | None:

@@ -22,7 +22,7 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import AdamW, Linear, Module
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, check_building_blocks, expect, scale_factor, start_report
 
 NUMBER, TITLE = "04", "a ZeRO-2 optimizer step"
 WORLDS = (2, 4)
@@ -203,18 +203,11 @@ def check_gradient_values(runs: list[Run]) -> None:
                         f"gradient){_scale_hint(got, expected, run.n)}")
 
 
-def _scale(got: np.ndarray, expected: np.ndarray) -> float | None:
-    """c if got = c * expected (a wrong constant factor), else None."""
-    norm = float(np.vdot(expected, expected))
-    if norm == 0:
-        return None
-    c = float(np.vdot(got, expected)) / norm
-    return c if np.allclose(got, c * expected, rtol=1e-9, atol=1e-14) else None
 
 
 def _scale_hint(got: np.ndarray, expected: np.ndarray, n: int) -> str:
     """Name a gradient off by a factor of N (summed, or averaged twice)."""
-    c = _scale(got, expected)
+    c = scale_factor(got, expected)
     if c is None:
         return ""
     if abs(c - n) < 1e-6 * n:
@@ -257,7 +250,7 @@ def _gradient_scale(run: Run) -> float | None:
         flat[:numel()] = run.ref_grads[0]
         got = steps[0]["grad_shard"]
         expected = flat[rank * run.shard:(rank + 1) * run.shard]
-        c = _scale(got, expected) if got.shape == expected.shape else None
+        c = scale_factor(got, expected) if got.shape == expected.shape else None
         scales.add(None if c is None else round(c, 9))
     (c,) = scales if len(scales) == 1 else (None,)
     return None if c is None or abs(c - 1) < 1e-9 else c

@@ -71,6 +71,17 @@ class CheckWarning(Exception):
     does not fail the exercise)."""
 
 
+
+def scale_factor(got, base, rtol: float = 1e-9, atol: float = 1e-14) -> float | None:
+    """c if got = c * base (a wrong constant factor: a sum instead of a mean, a missing
+    1/A), else None; what the checkers use to say "off by a factor of N"."""
+    norm = float(np.vdot(base, base))
+    if norm == 0:
+        return None
+    c = float(np.vdot(got, base)) / norm
+    return c if np.allclose(got, c * base, rtol=rtol, atol=atol) else None
+
+
 def expect(condition: bool, message: str) -> None:
     """Raise CheckFailed(message) unless `condition` holds."""
     if not condition:
