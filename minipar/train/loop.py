@@ -201,8 +201,8 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
     # Optimisation settings may change on purpose when resuming (a new learning rate, a
     # bigger batch), but then the run no longer continues the saved one: say so.
     for name in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
-                 "grad_clip", "global_batch_size", "moe_top_k", "moe_capacity_factor",
-                 "moe_aux_loss_coeff"):
+                 "grad_clip", "dropout", "global_batch_size", "moe_top_k",
+                 "moe_capacity_factor", "moe_aux_loss_coeff"):
         if name in saved and saved[name] != getattr(config, name):
             # The global batch is usually derived (micro x accum x dp): name where it came from.
             derived = (f" = micro {config.micro_batch_size} x accum {config.grad_accum_steps}"

@@ -244,6 +244,14 @@ def test_resuming_with_other_optimizer_settings_warns_but_goes_on(saved):
     assert len(report.steps) > 0
 
 
+def test_resuming_with_another_dropout_warns_too(saved):
+    """A fuzzer's case: a changed --dropout changes the trajectory as a changed --lr does,
+    and went unsaid."""
+    with pytest.warns(UserWarning, match="--dropout 0.1 .*saved with 0.0"):
+        train(TrainConfig(dp=2, zero=1, precision="fp32", **{**SMALL, "dropout": 0.1}),
+              resume_from=saved)
+
+
 @pytest.mark.parametrize("settings", [dict(zero=1, offload_optimizer="cpu"),
                                       dict(zero=3, offload_optimizer="nvme",
                                            offload_param="cpu")])
