@@ -302,22 +302,41 @@ class TraceError(MiniparError, ValueError):
     """A trace folder minipar cannot read (missing, empty, not its format)."""
 
 
-def read_traces(directory) -> list[dict]:
-    """The per-rank traces of a folder written by `write_traces`, in rank order."""
+def read_trace_files(directory, error=None) -> list[tuple[Path, dict]]:
+    """(path, JSON) of each rank<N>.json of `directory`, in file order: JSON objects marked
+    as minipar traces (their schema), their values not yet checked
+    (minipar.plan.trace_input checks every value the profile reads). Only JSON is read.
+    error(path, message): the exception to raise (default: a TraceError "path: message")."""
+    fail = error or (lambda path, message: TraceError(f"{path}: {message}"))
     directory = Path(directory)
     if not directory.is_dir():
-        raise TraceError(f"{directory} is not a folder of traces (minipar train --trace DIR)")
-    traces = []
+        raise fail(directory, "is not a folder of traces (minipar train --trace DIR writes one)")
+    files = []
     for path in sorted(directory.glob("rank*.json")):
         try:
             trace = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise TraceError(f"{path} is not a JSON trace: {err}") from None
-        if not isinstance(trace, dict) or trace.get("minipar", {}).get("schema") != TRACE_SCHEMA:
-            raise TraceError(f"{path} is not a minipar trace ({TRACE_SCHEMA})")
-        traces.append(trace)
-    if not traces:
-        raise TraceError(f"{directory} has no rank<N>.json traces (minipar train --trace DIR)")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            reason = getattr(err, "strerror", None) or err
+            raise fail(path, f"not a JSON trace ({reason})") from None
+        meta = trace.get("minipar") if isinstance(trace, dict) else None
+        if not isinstance(trace, dict) or "minipar" not in trace:
+            raise fail(path, f"not a minipar trace (a JSON object whose minipar.schema is "
+                       f"{TRACE_SCHEMA})")
+        if not isinstance(meta, dict):
+            raise fail(path, f"minipar: must be an object ({{...}}), got {type(meta).__name__}")
+        if meta.get("schema") != TRACE_SCHEMA:
+            raise fail(path, f"not a minipar trace: minipar.schema is "
+                       f"{meta.get('schema')!r}, not {TRACE_SCHEMA}")
+        files.append((path, trace))
+    if not files:
+        raise fail(directory, "no rank<N>.json traces in it (minipar train --trace DIR "
+                   "writes them)")
+    return files
+
+
+def read_traces(directory) -> list[dict]:
+    """The per-rank traces of a folder written by `write_traces`, in rank order."""
+    traces = [trace for _, trace in read_trace_files(directory)]
     info = [t.get("distributedInfo") for t in traces]
     if not all(isinstance(i, dict) and type(i.get("rank")) is int
                and type(i.get("world_size")) is int for i in info):  # (a KeyError before)

@@ -9,7 +9,8 @@
 The traces are checked first (minipar.plan.trace_input.check_traces: every value read
 here, of the type and range it needs): a malformed one is a TraceFileError naming the
 file and the key, not a traceback or a verdict on nonsense. (`minipar profile DIR` reads
-the files with trace_input.read_trace_files, which refuses a file read_traces trips on.)
+the files with minipar.distributed.trace.read_trace_files, as read_traces does, raising
+the same TraceFileError.)
 
 Everything comes from the trace files (which come from the ledgers and the simulated
 clock), in the definitions Holistic Trace Analysis uses, so HTA reading the same folder

@@ -17,15 +17,16 @@ import contextlib
 import json
 import tempfile
 
+from minipar.distributed.trace import read_trace_files
 from minipar.plan.profile import Profile, profile_traces
-from minipar.plan.trace_input import read_trace_files
+from minipar.plan.trace_input import TraceFileError
 
 
 def profile_folder(directory) -> Profile:
     """The profile of the traces in `directory` (minipar train --trace DIR). A folder or
     file that is not a run's traces is a TraceFileError (a ConfigError) naming the file,
     where in it and what is wrong (minipar.plan.trace_input)."""
-    files = read_trace_files(directory)
+    files = read_trace_files(directory, TraceFileError)
     return profile_traces([t for _, t in files], sources=[p for p, _ in files])
 
 

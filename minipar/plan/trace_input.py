@@ -21,16 +21,15 @@ import dataclasses
 import json
 import math
 import re
-from pathlib import Path
 from typing import NoReturn
 
 from minipar.distributed.memory import CATEGORIES
 from minipar.distributed.trace import (
     COMPUTE_STREAM,
-    TRACE_SCHEMA,
     TraceError,
     device_profile,
     peak_flops,
+    read_trace_files,
 )
 from minipar.errors import ConfigError, MiniparError
 
@@ -111,37 +110,9 @@ class _File:
 
 
 # ------------------------------------------------------------------ reading the folder
-def read_trace_files(directory) -> list[tuple[Path, dict]]:
-    """(path, trace) of each rank<N>.json of `directory`, parsed as JSON and marked as a
-    minipar trace (the schema), not yet checked (`check_traces`)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise TraceFileError(directory, "not a folder of traces (minipar train --trace DIR "
-                             "writes one)")
-    files = []
-    for path in sorted(directory.glob("rank*.json")):
-        try:
-            trace = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-            reason = getattr(err, "strerror", None) or err
-            raise TraceFileError(path, f"not a JSON trace ({reason})") from None
-        if not isinstance(trace, dict) or "minipar" not in trace:
-            raise TraceFileError(path, f"not a minipar trace (a JSON object whose "
-                                 f"minipar.schema is {TRACE_SCHEMA})")
-        meta = _File(path).object(trace, "minipar")
-        if meta.get("schema") != TRACE_SCHEMA:
-            raise TraceFileError(path, f"not a minipar trace: minipar.schema is "
-                                 f"{_shown(meta.get('schema'))}, not {TRACE_SCHEMA}")
-        files.append((path, trace))
-    if not files:
-        raise TraceFileError(directory, "no rank<N>.json traces in it (minipar train "
-                             "--trace DIR writes them)")
-    return files
-
-
 def load_traces(directory) -> list[dict]:
     """The checked traces of a folder written by `minipar train --trace`, in rank order."""
-    files = read_trace_files(directory)
+    files = read_trace_files(directory, TraceFileError)
     return check_traces([t for _, t in files], [p for p, _ in files])
 
 
