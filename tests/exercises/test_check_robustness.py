@@ -146,29 +146,24 @@ def test_ctrl_c_of_the_user_still_stops_the_checker(tmp_path):
 
 
 # ------------------------------------------------------------------ 4. not a Python file
-def test_a_file_that_is_not_python_is_one_line(tmp_path, capsys):
+def _png(tmp_path):
     picture = tmp_path / "pic.png"
     picture.write_bytes(b"\x89PNG\r\n\x1a\n")
-    assert main(["01", "--file", str(picture)]) == 2
+    return picture
+
+
+@pytest.mark.parametrize("make, says", [
+    (_png, "{path} is not a Python file (.py)"),
+    (lambda tmp_path: tmp_path, "{path} is a directory: give the .py file"),
+    (lambda tmp_path: tmp_path / "nope.py", "--file {path}: no such file"),
+], ids=["not python", "a directory", "missing"])
+def test_a_file_that_cannot_be_checked_is_one_line(tmp_path, capsys, make, says):
+    path = make(tmp_path)
+    assert main(["01", "--file", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        f"python -m exercises.check: error: {picture} is not a Python file (.py)"]
-
-
-def test_a_directory_is_one_line(tmp_path, capsys):
-    assert main(["01", "--file", str(tmp_path)]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.splitlines() == [
-        f"python -m exercises.check: error: {tmp_path} is a directory: give the .py file"]
-
-
-def test_a_missing_file_is_one_line(tmp_path, capsys):
-    missing = tmp_path / "nope.py"
-    assert main(["01", "--file", str(missing)]) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        f"python -m exercises.check: error: --file {missing}: no such file"]
+        "python -m exercises.check: error: " + says.format(path=path)]
 
 
 # ------------------------------------------------------------------ 5. argument errors
