@@ -8,6 +8,11 @@ write a SHA-256 digest of everything each run produced; run it on two trees, com
 Digested per layout (2 steps of a small model): the report JSON (losses, grad norms,
 ledgers' bytes and peaks, comm logs, simulated clock), the per-rank timelines and
 transfers, the final state dict's dtypes, shapes and bytes, and every trace file.
+
+`--wide` adds what a renovation of the code must leave unchanged: every case of the
+equivalence grid (`minipar check`, trained with its check), the layouts of the ZeRO, TP
+and pipeline tables of docs/ (each stage and precision, TP with and without SP, every
+schedule), and `minipar demo`'s printed lines (its wall-time line dropped) and reports.
 """
 
 from __future__ import annotations
@@ -33,11 +38,66 @@ LAYOUTS = [
 ]
 
 
+# The layouts of benchmarks/zero_tables.py, tp_tables.py and zero_bubble_tables.py, at
+# the size of LAYOUTS: every ZeRO stage in both precisions with accumulation and
+# buckets, TP 2/4 with and without SP, every pipeline schedule.
+TABLE_LAYOUTS = [
+    *[dict(dp=4, zero=z, precision=p, grad_accum_steps=2, bucket_size_mb=0.02)
+      for z in (0, 1, 2, 3) for p in ("bf16-mixed", "fp32")],
+    *[dict(tp=t, sequence_parallel=sp, precision="bf16-mixed")
+      for t in (2, 4) for sp in (False, True)],
+    *[dict(pp=2, n_layer=4, schedule=s, grad_accum_steps=4,
+           virtual_stages=2 if s in ("interleaved", "zb-v", "dualpipe-v") else 1)
+      for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe-v")],
+]
+
+
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def digests() -> dict:
+def report_digests(report) -> dict:
+    state = hashlib.sha256()
+    for name, value in sorted(report.state_dict.items()):
+        state.update(f"{name} {value.dtype.str} {value.shape}".encode())
+        state.update(value.tobytes())
+    return {"report": digest(report.to_json().encode()),
+            "timelines": digest(repr(report.timelines).encode()),
+            "transfers": digest(repr(report.transfers).encode()),
+            "state_dict": state.hexdigest()}
+
+
+def wide_digests() -> dict:
+    """The grid's cases, the tables' layouts and the demo."""
+    from minipar.demo import run_demo
+    from minipar.train import train
+    from minipar.train.grid import GRID, run_case
+
+    out = {}
+    references: dict = {}
+    for case in GRID:
+        result = run_case(case, references)
+        out[f"grid {case.name}"] = {"equivalence": digest(repr(result.equivalence).encode()),
+                                    "refusal": result.refusal or "",
+                                    "warnings": digest(repr(result.warnings).encode())}
+        print("grid", case.name, "passed" if result.passed else "FAILED", file=sys.stderr)
+    for layout in TABLE_LAYOUTS:
+        config = {**dict(n_layer=2, steps=2, seq_len=32, d_model=64, n_head=4), **layout}
+        out[f"table {layout!r}"] = report_digests(train(**config))
+        print("table", layout, file=sys.stderr)
+    with tempfile.TemporaryDirectory() as folder:
+        result = run_demo(out_dir=folder, echo=lambda line: None,
+                          progress=lambda *a, **k: None)
+    lines = [line for line in result.lines if not line.startswith("(demo took")]
+    out["demo"] = {"lines": digest("\n".join(lines).encode()),
+                   "report": report_digests(result.report)["report"],
+                   "exact": report_digests(result.exact)["report"],
+                   "ablations": {name: report_digests(r)["report"]
+                                 for name, r in result.ablations.items()}}
+    return out
+
+
+def digests(wide: bool = False) -> dict:
     from minipar.train import train
 
     out = {}
@@ -47,15 +107,10 @@ def digests() -> dict:
             report = train(**config, trace=pathlib.Path(folder))
             traces = {str(p.relative_to(folder)): digest(p.read_bytes())
                       for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
-        state = hashlib.sha256()
-        for name, value in sorted(report.state_dict.items()):
-            state.update(f"{name} {value.dtype.str} {value.shape}".encode())
-            state.update(value.tobytes())
-        out[repr(layout)] = {"report": digest(report.to_json().encode()),
-                             "timelines": digest(repr(report.timelines).encode()),
-                             "transfers": digest(repr(report.transfers).encode()),
-                             "state_dict": state.hexdigest(), "traces": traces}
+        out[repr(layout)] = {**report_digests(report), "traces": traces}
         print(layout, "losses", report.losses, file=sys.stderr)
+    if wide:
+        out.update(wide_digests())
     return out
 
 
@@ -63,9 +118,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="where to write, or two files to compare")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--wide", action="store_true",
+                        help="also the grid, the tables' layouts and the demo (~3 min)")
     args = parser.parse_args()
     if not args.compare:
-        pathlib.Path(args.paths[0]).write_text(json.dumps(digests(), indent=1))
+        pathlib.Path(args.paths[0]).write_text(json.dumps(digests(args.wide), indent=1))
         return
     first, second = (json.loads(pathlib.Path(p).read_text()) for p in args.paths)
     different = []
