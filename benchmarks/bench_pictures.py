@@ -39,7 +39,7 @@ os.environ["MINIPAR_CACHE_DIR"] = "off"
 
 def runs(explorer, values: dict) -> None:
     """Measure (and cache) the run behind a setting, drawing nothing."""
-    from minipar.parallel.schedules import check_schedule_settings
+    from minipar.parallel.pipeline.schedules import check_schedule_settings
 
     name = type(explorer).__name__
     if name == "ShardingExplorer":
@@ -59,7 +59,7 @@ def measure(name: str) -> dict:
     from bench_widgets import CASES
 
     from minipar.viz import explorer as frame
-    from minipar.viz.widgets import REFUSALS
+    from minipar.viz.explorer import REFUSALS
 
     cls, initial, visits, _ = CASES[name]
     explorer = cls(**initial, prefetch=False)  # draws the default view: one-time costs

@@ -19,7 +19,7 @@ from minipar import distributed as dist
 from minipar.demo import DEMO_PROFILE
 from minipar.nn import GPTConfig, Recompute
 from minipar.nn.recompute import run_blocks
-from minipar.parallel.tensor import tensor_parallel_gpt
+from minipar.parallel.tensor.model import tensor_parallel_gpt
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig

@@ -13,7 +13,7 @@ from arguments import parse_no_flags
 
 from minipar import distributed as dist
 from minipar.nn import GPTConfig
-from minipar.parallel.tensor import tensor_parallel_gpt
+from minipar.parallel.tensor.model import tensor_parallel_gpt
 
 if __name__ == "__main__":
     parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype

@@ -14,13 +14,13 @@ import math
 
 import numpy as np
 from arguments import parse_no_flags
+from uniform_stages import charge_blocks_only
 
 from minipar import distributed as dist
-from minipar.distributed.timeline import labelled_compute_seconds
+from minipar.distributed.timeline import bubble_fraction, labelled_compute_seconds
 from minipar.nn import GPTConfig
-from minipar.parallel.pipeline import Pipeline, bubble_fraction
-from minipar.parallel.schedules import SCHEDULES
-from minipar.parallel.uniform_stages import charge_blocks_only
+from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.schedules import SCHEDULES
 
 if __name__ == "__main__":
     parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype

@@ -19,7 +19,7 @@ must give the same parameters (in fp64, up to rounding): the mean over the globa
 the mean over the ranks of the mean over each rank's micro-batches of each micro-batch's
 mean loss (all micro-batches have M sequences).
 
-Read minipar/parallel/data.py's docstring for the big picture, but do not use it: the
+Read minipar/parallel/data/ddp.py's docstring for the big picture, but do not use it: the
 checker refuses minipar.parallel and minipar.train (they are the answer key).
 """
 

@@ -10,7 +10,7 @@ ranks[r]["comm"]["by_group"]; try `minipar train --dp 2 --zero 2 --json r.json`)
 Read: Rajbhandari et al. 2020, "ZeRO" (section 3: 2 + 2 + 12 bytes per parameter;
 section 5 and figure 1: what each stage shards; section 7: communication) and Shoeybi et
 al. 2019, "Megatron-LM" (section 3: what tensor parallelism splits and where it
-all-reduces); minipar/parallel/zero.py and tensor.py say when each collective runs.
+all-reduces); minipar/parallel/zero/stage_1_and_2.py and tensor.py say when each collective runs.
 
 The configurations: a small GPT over a dp x pp x tp mesh (N = config.dp, p = config.pp,
 t = config.tp; rank r has TP rank r % t, pipeline stage (r // t) % p and DP rank
@@ -31,7 +31,7 @@ Memory, the *peak* bytes per category from each rank's ledger:
   vocabulary rows of wte) are split t ways; LayerNorms, wpe and the row-parallel biases
   (attn.c_proj.bias, mlp.c_proj.bias) are replicated on every TP rank.
 
-Pipeline stages (Megatron-LM's pre_process / post_process; minipar/parallel/pipeline.py):
+Pipeline stages (Megatron-LM's pre_process / post_process; minipar/parallel/pipeline/executor.py):
   stage s holds blocks of its own, n_layer // p each, the first n_layer % p stages one
   more; the first stage also wte and wpe, the last also ln_f and the head: lm_head when
   untied, and when tied its *own copy* of wte (kept equal to the first stage's). Every

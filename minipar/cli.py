@@ -10,7 +10,7 @@
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
 This module is long because it is every subcommand's flags and printing; `minipar plan` and
-`minipar profile` keep theirs in minipar/plan/cli.py and minipar/plan/profile_cli.py.
+`minipar profile` keep theirs in minipar/plan/cli.py and minipar/profile/cli.py.
 """
 
 from __future__ import annotations
@@ -25,21 +25,19 @@ import warnings
 from pathlib import Path
 
 from minipar import distributed as dist
-from minipar.errors import MiniparError, OutputError
+from minipar.errors import ConfigError, MiniparError, OutputError, flag
 from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES
-from minipar.parallel.schedules import SCHEDULES, schedule_names
-from minipar.plan import profile_cli
+from minipar.parallel.pipeline.schedules import SCHEDULES, schedule_names
+from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
+from minipar.profile import cli as profile_cli
 from minipar.train.config import (
     DATASETS,
     MOE_HELP,
     PRECISIONS,
     ROUTING_SETTINGS,
-    ConfigError,
     TrainConfig,
-    flag,
     moe_setting_without_experts,
 )
 from minipar.train.outputs import check_output_dir, check_output_file

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minipar.distributed import DeviceProfile
-from minipar.parallel.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules import SCHEDULES
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
 from minipar.train.report import MEMORY_CATEGORIES, Report
@@ -356,7 +356,7 @@ def _host_share(runs: dict[str, Report]) -> float:
 def save_figures(report: Report, single: Report, out_dir: Path) -> list[Path]:
     """timeline.png (the last step), memory.png (with the single device as baseline),
     traffic.png; returns their paths."""
-    from minipar.parallel.pipeline import bubble_fraction
+    from minipar.distributed.timeline import bubble_fraction
     from minipar.viz.memory import plot_memory
     from minipar.viz.timeline import plot_timeline
     from minipar.viz.traffic import plot_traffic

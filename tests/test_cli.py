@@ -202,7 +202,7 @@ def test_a_routing_flag_on_a_dense_model_is_refused_even_at_its_default(flag, va
     ignoring the flag, because 2 is the default: a flag the user typed is judged, not
     its value (checked in-process: config_from_args is where the CLI builds the config)."""
     from minipar.cli import build_parser, config_from_args
-    from minipar.train.config import ConfigError
+    from minipar.errors import ConfigError
 
     args = build_parser().parse_args(["train", flag, value])
     with pytest.raises(ConfigError, match="has no effect without --moe-num-experts"):

@@ -6,11 +6,9 @@ import pytest
 import minipar
 from minipar import errors
 from minipar.distributed import CollectiveMismatchError, DeadlockError, DistError
-from minipar.parallel.schedules import PipelineError, ScheduleError
+from minipar.errors import CheckpointError, LayoutError, PipelineError, ScheduleError
 from minipar.plan.layout import PlanError
 from minipar.train import ConfigError
-from minipar.train.build import LayoutError
-from minipar.train.checkpoint import CheckpointError
 
 
 @pytest.mark.parametrize("cls", [ConfigError, LayoutError, PlanError, PipelineError,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipar.parallel.schedules import (
+from minipar.parallel.pipeline.actions import (
     Backward,
     Forward,
     RecvActivation,

@@ -12,11 +12,12 @@ costs are reported to the current (virtual) device.
 
 from minipar.autograd import functional, ops
 from minipar.autograd.checkpoint import checkpoint
+from minipar.autograd.function import Context, Function
 from minipar.autograd.grad_mode import enable_grad, is_grad_enabled, no_grad
 from minipar.autograd.gradcheck import GradcheckError, gradcheck
 from minipar.autograd.ops import concat
 from minipar.autograd.precision import POLICIES, PrecisionPolicy, bfloat16, get_policy
-from minipar.autograd.tensor import Context, Function, Tensor
+from minipar.autograd.tensor import Tensor
 from minipar.autograd.tracking import current_device, use_device
 
 __all__ = [

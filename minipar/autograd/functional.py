@@ -364,7 +364,7 @@ def causal_self_attention(qkv: Tensor, head_dim: int, dropout_p: float = 0.0,
 # ---------------------------------------------------------------------------- loss
 # The numerically stable pieces of softmax cross-entropy, on ndarrays. `CrossEntropy`
 # composes them on one device; the vocabulary-parallel cross-entropy
-# (minipar/parallel/vocab.py) composes the same pieces on its V/t slice of the logits,
+# (minipar/parallel/tensor/vocab.py) composes the same pieces on its V/t slice of the logits,
 # with a max all-reduce after `logits_max` and a sum all-reduce after
 # `predicted_logits_and_sum_exp`. Megatron-LM shares its pieces the same way between its
 # fused and unfused losses (`VocabParallelCrossEntropy` in

@@ -96,7 +96,7 @@ def ring_attention_block_kernels(heads: int, c: int, d: int, itemsize: int,
                                  ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """(forward, backward) kernels of one chunk pair of ring attention (c query tokens
     against c key tokens, `heads` (sequence, head) pairs, head_dim d), FlashAttention's
-    way (minipar/parallel/context.py): forward the scores GEMM, the online-softmax
+    way (minipar/parallel/context/ring_attention.py): forward the scores GEMM, the online-softmax
     update (reads the scores, 5 FLOPs each as `attention_kernels`' softmax) and the GEMM
     p v; backward recomputes the scores and p (1 FLOP each more), the GEMMs dV = p^T dO
     and dP = dO V^T, the softmax backward (4 per score; reads p and dP, writes dS) and

@@ -5,7 +5,7 @@ tp varies fastest, then cp, then pp, then dp (picotron's
 
     rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index
 
-Context parallelism (cp, minipar/parallel/context.py) talks second most (K/V blocks
+Context parallelism (cp, minipar/parallel/context/ring_attention.py) talks second most (K/V blocks
 around its ring in every attention layer), so its groups come right after TP's and stay
 inside a node when tp x cp divides gpus_per_node, as in Megatron-LM's
 `parallel_state.initialize_model_parallel` (order "tp-cp-ep-dp-pp"). With cp = 1 the

@@ -305,7 +305,7 @@ class TraceError(MiniparError, ValueError):
 def read_trace_files(directory, error=None) -> list[tuple[Path, dict]]:
     """(path, JSON) of each rank<N>.json of `directory`, in file order: JSON objects marked
     as minipar traces (their schema), their values not yet checked
-    (minipar.plan.trace_input checks every value the profile reads). Only JSON is read.
+    (minipar.profile.trace_input checks every value the profile reads). Only JSON is read.
     error(path, message): the exception to raise (default: a TraceError "path: message")."""
     fail = error or (lambda path, message: TraceError(f"{path}: {message}"))
     directory = Path(directory)
@@ -341,7 +341,7 @@ def read_traces(directory) -> list[dict]:
     if not all(isinstance(i, dict) and type(i.get("rank")) is int
                and type(i.get("world_size")) is int for i in info):  # (a KeyError before)
         raise TraceError(f"{directory}: a trace without an integer distributedInfo.rank "
-                         "and world_size (minipar.plan.trace_input names which)")
+                         "and world_size (minipar.profile.trace_input names which)")
     traces.sort(key=lambda t: t["distributedInfo"]["rank"])
     world = traces[0]["distributedInfo"]["world_size"]
     if [t["distributedInfo"]["rank"] for t in traces] != list(range(world)):

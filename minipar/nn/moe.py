@@ -1,7 +1,7 @@
 """Mixture of experts: a block's MLP replaced by E expert MLPs behind a top-k router.
 
 Per micro-batch of N = B x T tokens of width d (one device; expert parallelism moves the
-buffer between ranks in minipar/parallel/expert.py, the math here is unchanged):
+buffer between ranks in minipar/parallel/expert/dispatch.py, the math here is unchanged):
 
     logits = x @ router.weight                 (N, E)   router.weight (d, E), no bias
     top_k  = argsort(-logits)[:, :k]           (N, k)   k distinct experts per token
@@ -155,7 +155,7 @@ class MoE(Module):
 
     `exchange(buffer)` maps the dispatch buffer (E, C, d) to the experts' outputs
     (E, C, d); on one device it runs every expert here. Expert parallelism replaces it
-    (minipar.parallel.expert) and builds only its experts (`expert_ids`).
+    (minipar.parallel.expert.dispatch) and builds only its experts (`expert_ids`).
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -168,7 +168,7 @@ class MoE(Module):
         ids = range(num_experts) if expert_ids is None else expert_ids
         self.experts = Experts(ids, d_model, dtype=dtype)
         self.exchange = lambda buffer: run_local_experts(self.experts, buffer)
-        # Tensor parallelism replaces these (minipar/parallel/tensor.py): with sequence
+        # Tensor parallelism replaces these (minipar/parallel/tensor/model.py): with sequence
         # parallelism, gather my tokens' sequence pieces before routing, scatter after.
         self.enter_region = self.leave_region = lambda x: x
         self.aux_loss: Tensor | None = None

@@ -19,7 +19,8 @@ advisor, lint, export, cli (`minipar plan`).
 from __future__ import annotations
 
 from minipar.plan import presets
-from minipar.plan.advisor import Advice, advise
+from minipar.plan.advice import Advice
+from minipar.plan.advisor import advise
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import Estimate, estimate
 from minipar.plan.export import deepspeed_config, megatron_args, write_export

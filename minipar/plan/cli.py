@@ -23,9 +23,10 @@ import sys
 from dataclasses import replace
 
 from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.schedules import schedule_names
+from minipar.parallel.pipeline.schedules import schedule_names
 from minipar.plan import presets, published
-from minipar.plan.advisor import advise, format_ranking
+from minipar.plan.advice import format_ranking
+from minipar.plan.advisor import advise
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig, PlanError

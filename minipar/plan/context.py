@@ -1,6 +1,6 @@
 """Context parallelism's formulas: what ring attention sends, how its work is spread
 over the ranks, and how long a layer's attention takes with the K/V exchange overlapped
-(minipar/parallel/context.py runs it; tests/plan/test_context.py holds these against
+(minipar/parallel/context/ring_attention.py runs it; tests/plan/test_context.py holds these against
 the emulator's byte ledger and simulated clock).
 
 Bytes one CP rank sends per layer and micro-batch (b sequences of s tokens, N = cp,

@@ -5,7 +5,7 @@ traffic.py, timing.py and kernels.py call these for each MoE layer of a stage. T
 against the emulator in tests/plan/test_experts.py.
 
 Per MoE layer and micro-batch of N = b s tokens per rank (minipar/nn/moe.py,
-minipar/parallel/expert.py; Megatron-LM megatron/core/transformer/moe/):
+minipar/parallel/expert/dispatch.py; Megatron-LM megatron/core/transformer/moe/):
     capacity       C = ceil(N k / E x c)        (dropless, c None: N k / E, balanced)
     buffer         E x C x d elements (padded to capacity: every slot moves, used or not)
     all-to-alls    4: dispatch and combine forward, and both again in backward
@@ -20,7 +20,7 @@ gradients are reduced over the expert-data-parallel group (dp / ep ranks), ZeRO 
 them over it, and the rest of the model over DP (Megatron-LM parallel_state.py;
 minipar/train/build.py `expert_data_parallel_engine`).
 
-With TP (minipar/parallel/tensor.py `tensor_parallel_experts`) every TP rank routes all
+With TP (minipar/parallel/tensor/model.py `tensor_parallel_experts`) every TP rank routes all
 N tokens and sends the whole buffer (the all-to-all bytes do not change with tp); each
 local expert all-reduces its (ep x C, d) partial output forward and its input's
 gradient backward instead of the MLP's (b, s, d) pair, and with sequence parallelism the

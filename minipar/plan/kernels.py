@@ -163,7 +163,7 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
     selective recomputation runs again in backward. ring: (chunk tokens, chunk pairs) of
     context parallelism's ring attention, whose blocks are then the core (shape holds
     one CP rank's s/cp tokens)."""
-    if ring is not None:  # each chunk pair's kernels (minipar/parallel/context.py)
+    if ring is not None:  # each chunk pair's kernels (minipar/parallel/context/ring_attention.py)
         chunk, pairs = ring
         block_f, block_b = ring_attention_block_kernels(b * shape.n_head // tp, chunk,
                                                         shape.head_dim, itemsize,

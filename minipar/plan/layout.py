@@ -10,13 +10,13 @@ kernel (Dao et al. 2022) and an explicit pipeline `layer_split`.
 The batch arithmetic and the settings' rules are TrainConfig's (minipar.train.config):
 global_batch_size = micro_batch_size x grad_accum_steps x dp (give one of the last two,
 or both consistently); the schedule's rules are its registry entry's
-(minipar.parallel.schedules), raised here as PlanError.
+(minipar.parallel.pipeline.schedules), raised here as PlanError.
 
 `stage_plans` says, for each pipeline rank, which layers it holds (the same balanced
-split as minipar.parallel.pipeline.split_layers: n_layer // stages each, the first
+split as minipar.parallel.pipeline.executor.split_layers: n_layer // stages each, the first
 n_layer % stages one more), whether it holds the embedding, the head or a tied copy of
 the embedding, and how many micro-batches it keeps activations for at once: the
-schedule's own `in_flight` formula (ScheduleSpec in minipar.parallel.schedules, e.g. m for
+schedule's own `in_flight` formula (ScheduleSpec in minipar.parallel.pipeline.schedules, e.g. m for
 GPipe, min(p - r, m) for 1F1B), which the tests check against its action lists.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
-from minipar.parallel.context import SELECTIVE_WITH_CP
-from minipar.parallel.expert import expert_layout_problem
-from minipar.parallel.schedules import SCHEDULES, check_schedule_settings
+from minipar.parallel.context.ring_attention import SELECTIVE_WITH_CP
+from minipar.parallel.expert.dispatch import expert_layout_problem
+from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
     check_expert_parallel_settings,
@@ -247,7 +247,7 @@ def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
 
 def layer_counts(n_layer: int, stages: int, layer_split=None) -> list[int]:
     """Layers of each virtual stage: `layer_split`, or balanced (the first
-    n_layer % stages stages one more), as minipar.parallel.pipeline.split_layers."""
+    n_layer % stages stages one more), as minipar.parallel.pipeline.executor.split_layers."""
     if layer_split is not None:
         return list(layer_split)
     base, extra = divmod(n_layer, stages)

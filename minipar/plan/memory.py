@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minipar.parallel.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules import SCHEDULES
 from minipar.plan.context import local_shape
 from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
 from minipar.plan.layout import ParallelConfig, StagePlan
@@ -259,7 +259,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         largest = max(params.units) if params.units else 0
         # with prefetch, the next unit's all-gather is in flight meanwhile: at most one
         # more unit (bounded by the largest); an offloaded shard is not prefetched
-        # (minipar/parallel/zero3.py) but fetched to the GPU to be gathered
+        # (minipar/parallel/zero/stage3.py) but fetched to the GPU to be gathered
         offloaded = config.offload_param != "none"
         in_flight = 2 if config.zero3_prefetch and not offloaded else 1
         forward_buffers += in_flight * largest * nbytes.param

@@ -1,6 +1,6 @@
 """Predicted offload tiers (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et
 al. 2021): the host and NVMe bytes of one rank, what crosses PCIe and the NVMe drive per
-step, and what that costs on the clock. The semantics are minipar.parallel.offload's
+step, and what that costs on the clock. The semantics are minipar.parallel.zero.offload's
 (DeepSpeed's code); the tests hold these formulas to the emulator's measurements.
 
 Per rank, with s = my shard's elements (ZeRO-1/2: one flat buffer; ZeRO-3: per unit),

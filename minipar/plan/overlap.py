@@ -20,7 +20,7 @@ bucket and the stream are free:
 
 so what outlasts the backward is about the last bucket (it is ready only when backward
 ends) plus whatever the reductions exceed the compute left behind them. ZeRO (DeepSpeed's
-double-buffered reduction bucket, minipar.parallel.data.MAX_IN_FLIGHT) keeps at most two
+double-buffered reduction bucket, minipar.parallel.data.ddp.MAX_IN_FLIGHT) keeps at most two
 reductions in flight: launching a third first waits for the oldest, which stalls the
 compute stream too. Without overlap (`--no-overlap-grad-reduce`) every bucket is waited
 for as it starts: exposed = sum_k d_k, the upper bound the planner used to price.
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.parallel.data import MAX_IN_FLIGHT
+from minipar.parallel.data.ddp import MAX_IN_FLIGHT
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
 
@@ -82,7 +82,7 @@ class GradientBucket:
 
 def gradient_buckets(modules: list[Module], config: ParallelConfig,
                      begins: list[float] | None = None) -> list[GradientBucket]:
-    """Buckets in the order backward completes them (minipar.parallel.buckets.
+    """Buckets in the order backward completes them (minipar.parallel.data.buckets.
     build_buckets: reverse registration order, at most bucket_size_mb of parameters
     each, a larger parameter alone; 0 = one bucket); ZeRO-3: one per module (its gather
     unit, zero3.gpt_units), complete when the module's backward ends; a bucket is
@@ -293,7 +293,7 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
 
     chunks: (start of the chunk's last micro-batch backward, its modules in forward
     order), in the rank's registration order. The rank's buckets are built over all its
-    chunks (minipar.parallel.buckets.build_buckets over the rank's parameters), so one
+    chunks (minipar.parallel.data.buckets.build_buckets over the rank's parameters), so one
     may straddle two chunks. With overlap each bucket is reduced as soon as the chunk
     backward that makes its last gradient has (Megatron's --overlap-grad-reduce: sync on
     in each chunk's last micro-batch), on one stream, the late ones (a tied embedding)

@@ -4,7 +4,7 @@ then the step's tail in the order minipar runs it.
 `chunk_costs` prices one micro-batch's forward and backward of each model chunk on its
 pipeline rank (compute on the roofline, the TP collectives and ZeRO-3 gathers it waits
 for, a ring's exposed hops: timing.py's per-micro-batch model); the schedule registry's
-simulator (minipar.parallel.pipeline_simulator.simulate_step, the one the trainer's
+simulator (minipar.parallel.pipeline.simulator.simulate_step, the one the trainer's
 schedules are validated with) walks the schedule's actions over them with a message
 cost per hop (`p2p_message_seconds`); `simulated_step_time` adds the tail: the tied
 embedding's and the loss's collectives, each rank's data-parallel reduction (hidden as
@@ -16,17 +16,16 @@ equal and messages free.
 from __future__ import annotations
 
 from minipar.distributed.timeline import comm_overlap
-from minipar.parallel.schedules import (
+from minipar.parallel.pipeline.actions import (
     Backward,
     BackwardWeight,
     RecvActivation,
     RecvGrad,
     SendActivation,
     SendGrad,
-    check_schedule_name,
-    make_schedule,
-    simulate_step,
 )
+from minipar.parallel.pipeline.schedules import check_schedule_name, make_schedule
+from minipar.parallel.pipeline.simulator import simulate_step
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import (
     ParallelConfig,
@@ -232,7 +231,7 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
                + comm_overlap(computed[r], spans[r])["exposed_comm_s"]
                + tails[r][3] + tails[r][5] for r in range(p)]
     step = max(end)
-    # As minipar.parallel.pipeline.bubble_fraction: idle share of p ranks x the
+    # As minipar.parallel.pipeline.executor.bubble_fraction: idle share of p ranks x the
     # pipeline's span (a rank that finished early idles until the last one does).
     busy = sum(run.compute) + sum(run.comm)
     total = p * pipeline

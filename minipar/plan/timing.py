@@ -17,7 +17,7 @@ takes, for GPipe and 1F1B,
 and for the interleaved schedule with v chunks per rank T_pipe = (m + (p - 1)/v) max_r t_r,
 plus one point-to-point hop per stage boundary on the way in and on the way out. The
 bubble is the idle share of all ranks' time: (p - 1)/(m + p - 1) for uniform stages,
-(p - 1)/(v m + p - 1) interleaved, as minipar.parallel.pipeline.bubble_fraction measures.
+(p - 1)/(v m + p - 1) interleaved, as minipar.parallel.pipeline.executor.bubble_fraction measures.
 
 After the last backward come the step's collectives (DP gradient reduction and parameter
 all-gather, gradient-norm all-reduces, the tied embedding's all-reduce, the loss
@@ -44,9 +44,7 @@ x peak FLOP/s).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
-from minipar.parallel.schedules import (
-    uniform_bubble_fraction,
-)
+from minipar.parallel.pipeline.schedules import uniform_bubble_fraction
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
     attention_flops_correction,

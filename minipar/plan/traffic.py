@@ -44,7 +44,7 @@ TP and PP volumes are those of s/N tokens.
 Gradient clipping (per step): each rank sums the squares of the gradient elements it
 counts (TP replicas on TP rank 0, a tied embedding on the first stage), then all-reduces
 that fp64 number over DP (ZeRO-1..3 only: DDP's gradients are already replicated), over
-TP and over PP, in that order (minipar.parallel.data.sum_over_groups; Megatron-LM's
+TP and over PP, in that order (minipar.parallel.data.ddp.sum_over_groups; Megatron-LM's
 clip_grad_norm_fp32 all-reduces over its model-parallel group).
 """
 
@@ -206,7 +206,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         if count:
             transfers.append(Transfer(op, "tp", t, nbytes_full, count * m, sent, phase, label))
 
-    # An MoE layer's MLP collectives are its experts' (minipar/parallel/tensor.py
+    # An MoE layer's MLP collectives are its experts' (minipar/parallel/tensor/model.py
     # tensor_parallel_experts): each local expert all-reduces its (ep x C, d) partial
     # output (g) and its input's gradient (f); with sequence parallelism the layer
     # all-gathers its input first and its output's gradient in backward.
@@ -246,7 +246,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
                    + (norms // 2 if stage.last else 0))  # + ln_f's
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
-            # finalize_model_grads; minipar/parallel/sequence.py), of the elements the
+            # finalize_model_grads; minipar/parallel/tensor/sequence.py), of the elements the
             # optimizer reads: under ZeRO my shard's (about 1/N of them: the exact share
             # depends on where the vectors fall in the flat buckets)
             elements = vectors * h

@@ -7,9 +7,9 @@ The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape
     tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
                                           their matrices, embedding and head cut over TP)
 
-(with --ep keeping only its experts, minipar/parallel/expert.py), and then the
+(with --ep keeping only its experts, minipar/parallel/expert/dispatch.py), and then the
 data-parallel engine wraps whatever parameters the rank ended up with, over its DP group
-(`data_parallel_engine`: DDP in minipar/parallel/data.py, ZeRO-1/2 in zero.py, ZeRO-3 in
+(`data_parallel_engine`: DDP in minipar/parallel/data/ddp.py, ZeRO-1/2 in zero.py, ZeRO-3 in
 zero3.py; with --ep a pair, dense over DP and experts over expert-data-parallel). Every
 rank builds its pieces from the same full initial weights, so every layout starts where
 a single device starts.
@@ -32,24 +32,26 @@ from minipar.autograd.placement import Replicate, shard
 from minipar.errors import LayoutError  # noqa: F401 - re-exported (a ConfigError)
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
-from minipar.parallel.context import (
-    context_parallel_class,
-)
-from minipar.parallel.data import DataParallel
-from minipar.parallel.expert import (
+from minipar.parallel.context.ring_attention import context_parallel_class
+from minipar.parallel.data.ddp import DataParallel
+from minipar.parallel.expert.dispatch import (
     ExpertDataParallel,
     expert_parallel_gpt,
     is_expert_parameter,
 )
-from minipar.parallel.pipeline import Pipeline, PipelineStage
-from minipar.parallel.sequence import allreduce_sequence_parallel_grads, defer_gradient_reduction
-from minipar.parallel.tensor import (
+from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.stage import PipelineStage
+from minipar.parallel.tensor.model import (
     TensorParallelGPT,
     TensorParallelMixin,
     counts_once_in_norm,
 )
-from minipar.parallel.zero import ZeroOptimizer
-from minipar.parallel.zero3 import Zero3Optimizer, gpt_units
+from minipar.parallel.tensor.sequence import (
+    allreduce_sequence_parallel_grads,
+    defer_gradient_reduction,
+)
+from minipar.parallel.zero.stage3 import Zero3Optimizer, gpt_units
+from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.layouts import check_layout, tp_groups_across_nodes  # noqa: F401 - re-exported
 

@@ -2,7 +2,7 @@
 
     CKPT/                       (e.g. runs/step-000010)
         rank-00000.npz          what rank 0 holds: its pieces of the parameters, master
-        rank-00001.npz          weights and Adam moments (see minipar.parallel.data.Piece)
+        rank-00001.npz          weights and Adam moments (see minipar.parallel.data.ddp.Piece)
         ...
         manifest.json           format, step, config, and per file: rank, mesh coords,
                                 sha256, bytes, the dropout generator state and, for every
@@ -40,7 +40,7 @@ from minipar import distributed as dist
 from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
 from minipar.errors import CheckpointError
-from minipar.parallel.data import Piece
+from minipar.parallel.data.buckets import Piece
 from minipar.train.manifest import FORMAT, KINDS, SEAL, check_manifest, rank_file, seal
 
 __all__ = ["FORMAT", "KINDS", "CheckpointError", "TrainingState", "consolidate",

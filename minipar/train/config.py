@@ -17,7 +17,7 @@ The rules the planner shares (minipar.plan.layout.ParallelConfig: the layout's s
 stage, precision, schedule name, bucket size, the batch arithmetic and its re-derivation
 on `replace`) are the functions below; each takes `error`, the exception class to raise
 as error(field, message), so each rule and its message are written once. Schedule names
-and their rules come from the schedule registry (minipar.parallel.schedules).
+and their rules come from the schedule registry (minipar.parallel.pipeline.schedules).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
 from minipar.nn.gpt import GPTConfig
 from minipar.nn.recompute import Recompute, recompute_problem
-from minipar.parallel.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
-from minipar.parallel.schedules import check_schedule_name
+from minipar.parallel.pipeline.schedules import check_schedule_name
+from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]
 
@@ -101,7 +101,7 @@ class TrainConfig:
     # expert parallelism: the experts split over ep ranks inside the DP group
     ep: int = 1
     gpus_per_node: int = 8
-    # ZeRO-Offload / ZeRO-Infinity (minipar/parallel/offload.py): where the optimizer
+    # ZeRO-Offload / ZeRO-Infinity (minipar/parallel/zero/offload.py): where the optimizer
     # state (ZeRO >= 1) and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -310,7 +310,7 @@ def check_parallel_settings(settings, error=ConfigError) -> None:
 
 def check_offload_settings(settings, error=ConfigError) -> None:
     """ZeRO-Offload / ZeRO-Infinity's devices and the stages DeepSpeed runs them with
-    (deepspeed/runtime/zero/offload_config.py; minipar/parallel/offload.py)."""
+    (deepspeed/runtime/zero/offload_config.py; minipar/parallel/zero/offload.py)."""
     optimizer, param, zero = settings.offload_optimizer, settings.offload_param, settings.zero
     _choice("offload_optimizer", optimizer, OFFLOAD_DEVICES, error)
     _choice("offload_param", param, OFFLOAD_DEVICES, error)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minipar.train.config import ConfigError
+from minipar.errors import ConfigError
 from minipar.train.corpus import load_corpus
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.train.config import ConfigError, TrainConfig
+from minipar.errors import ConfigError
+from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream
 from minipar.train.equivalence import reference_config
 from minipar.train.layouts import check_layout

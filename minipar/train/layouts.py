@@ -19,12 +19,15 @@ pipeline has flushed and the tied embedding's two copies have summed their gradi
 from __future__ import annotations
 
 from minipar import distributed as dist
-from minipar.errors import LayoutError  # a ConfigError (minipar/errors.py)
-from minipar.parallel.context import SELECTIVE_WITH_CP, validate_context_parallel
-from minipar.parallel.expert import expert_layout_problem
-from minipar.parallel.pipeline_stage import split_layers
-from minipar.parallel.schedules import SCHEDULES, PipelineError, check_schedule_settings
-from minipar.parallel.tensor import validate_tensor_parallel
+from minipar.errors import (
+    LayoutError,  # a ConfigError (minipar/errors.py)
+    PipelineError,
+)
+from minipar.parallel.context.ring_attention import SELECTIVE_WITH_CP, validate_context_parallel
+from minipar.parallel.expert.dispatch import expert_layout_problem
+from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings
+from minipar.parallel.pipeline.stage import split_layers
+from minipar.parallel.tensor.model import validate_tensor_parallel
 from minipar.train.config import TrainConfig, gpt_config
 
 

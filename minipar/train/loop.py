@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from minipar import distributed as dist
-from minipar.errors import OutputError
+from minipar.errors import ConfigError, OutputError, flag
 from minipar.nn import lr_schedule
-from minipar.parallel import context
+from minipar.parallel.context import ring_attention as context
 from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model
-from minipar.train.config import ConfigError, TrainConfig, flag
+from minipar.train.config import TrainConfig
 from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.divergence import check_finite
 from minipar.train.layouts import check_layout

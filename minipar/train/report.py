@@ -30,10 +30,14 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.distributed.comm_log import GROUP_KINDS
-from minipar.distributed.timeline import communication_share, labelled_compute_seconds
+from minipar.distributed.timeline import (
+    bubble_fraction,
+    communication_share,
+    labelled_compute_seconds,
+)
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.pipeline import bubble_fraction, split_layers
-from minipar.parallel.schedules import SCHEDULES, schedule_names, uniform_bubble_fraction
+from minipar.parallel.pipeline.schedules import SCHEDULES, schedule_names, uniform_bubble_fraction
+from minipar.parallel.pipeline.stage import split_layers
 from minipar.train import checkpoint
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.layouts import check_layout
@@ -189,7 +193,7 @@ def _moe(config: TrainConfig, results: list[dict], devices) -> dict:
     """The MoE section: per MoE layer, tokens routed to each expert over the run (summed
     over the DP ranks, before dropping; TP ranks route the same tokens, so TP rank 0's
     count) and the dropped share; per step, the aux loss; per rank, the expert parameter
-    bytes it holds and the all-to-all bytes it sent (minipar/parallel/expert.py)."""
+    bytes it holds and the all-to-all bytes it sent (minipar/parallel/expert/dispatch.py)."""
     routers = [r for r in results if r["coords"].get("tp", 0) == 0]
     by_layer: dict[str, list[dict]] = {}
     for result in routers:  # a pipeline stage holds only its own layers

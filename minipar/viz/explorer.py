@@ -36,8 +36,7 @@ import time
 
 from matplotlib.figure import Figure
 
-from minipar.parallel.schedules import PipelineError
-from minipar.train.config import ConfigError
+from minipar.errors import ConfigError, PipelineError
 from minipar.viz.agg import EXPLORER_DPI, FIGURE_WIDTH, figure_png, fixed_margins
 from minipar.viz.background import LatestAnswer
 from minipar.viz.controls import assign, in_control_words, the_change, widgets

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Patch
 
-from minipar.parallel.pipeline import bubble_fraction
+from minipar.distributed.timeline import bubble_fraction
 from minipar.viz.ticks import TICK_COPYING
 
 COLORS = {

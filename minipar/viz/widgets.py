@@ -38,21 +38,12 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.schedules import (
-    SCHEDULES,
-    check_schedule_settings,
-    schedule_names,
-)
+from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings, schedule_names
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.report import Report
+from minipar.viz.agg import FIGURE_WIDTH, figure_png, fixed_margins
 from minipar.viz.controls import make_control
-from minipar.viz.explorer import (
-    FIGURE_WIDTH,
-    REFUSALS,
-    Explorer,
-    figure_png,
-    fixed_margins,
-)
+from minipar.viz.explorer import REFUSALS, Explorer
 from minipar.viz.memory import plot_memory
 from minipar.viz.runs import (
     RunCache,

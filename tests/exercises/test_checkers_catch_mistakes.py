@@ -15,7 +15,7 @@ from minipar import distributed as dist
 from minipar.autograd import Function
 from minipar.autograd import functional as F
 from minipar.nn import adamw_update
-from minipar.parallel.schedules import RecvGrad, SendActivation
+from minipar.parallel.pipeline.actions import RecvGrad, SendActivation
 
 
 def mutant(number: str, **overrides):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
+from minipar.errors import ConfigError
 from minipar.nn import GPT, GPTConfig, Recompute
 from minipar.nn.recompute import recompute_problem
 from minipar.train import TrainConfig, train
-from minipar.train.config import ConfigError
 
 CONFIG = GPTConfig(vocab_size=40, seq_len=16, n_layer=4, n_head=4, d_model=32)
 B = 3

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from minipar.plan import presets
-from minipar.plan.advisor import advise, candidate_configs, format_ranking
+from minipar.plan.advice import format_ranking
+from minipar.plan.advisor import advise, candidate_configs
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import PlanError
 from minipar.plan.shapes import ModelShape

@@ -23,8 +23,8 @@ import pytest
 
 from minipar import distributed as dist
 from minipar.nn import GPTConfig
-from minipar.parallel.pipeline import Pipeline
-from minipar.parallel.tensor import tensor_parallel_gpt
+from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.tensor.model import tensor_parallel_gpt
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from minipar.parallel.pipeline import split_layers
-from minipar.parallel.schedules import in_flight_peak, make_schedule
+from minipar.parallel.pipeline.schedules import make_schedule
+from minipar.parallel.pipeline.simulator import in_flight_peak
+from minipar.parallel.pipeline.stage import split_layers
 from minipar.plan import presets
 from minipar.plan.layout import (
     ParallelConfig,

@@ -7,16 +7,12 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
+from minipar.errors import ConfigError, LayoutError
 from minipar.nn.gpt import parameter_shapes
 from minipar.train import TrainConfig, train
-from minipar.train.build import (
-    LayoutError,
-    build_rank_model,
-    check_layout,
-    gpt_config,
-    tp_groups_across_nodes,
-)
-from minipar.train.config import ConfigError
+from minipar.train.build import build_rank_model
+from minipar.train.config import gpt_config
+from minipar.train.layouts import check_layout, tp_groups_across_nodes
 
 TINY = dict(seq_len=8, n_layer=2, d_model=16, n_head=2, micro_batch_size=2, steps=2,
             vocab_size=52, precision="fp64")

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+from minipar.errors import CheckpointError
 from minipar.nn import GPT, GPTConfig, parameter_shapes
 from minipar.train import ConfigError, TrainConfig, train
 from minipar.train import checkpoint as ckpt
-from minipar.train.checkpoint import CheckpointError
 
 SMALL = dict(seq_len=8, n_layer=1, d_model=16, n_head=2, micro_batch_size=2, steps=4,
              grad_clip=0.05)
@@ -174,7 +174,7 @@ def test_tensor_parallel_shards_are_joined_by_their_placement():
     """Consolidation reads placements: two tp ranks holding Shard(1) halves of a matrix,
     each split further into ZeRO flat ranges, give back the full matrix."""
     from minipar.autograd.placement import Shard
-    from minipar.parallel.data import Piece
+    from minipar.parallel.data.buckets import Piece
 
     full = np.arange(24.0).reshape(4, 6)
     held = []

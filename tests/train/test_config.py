@@ -2,7 +2,8 @@
 
 import pytest
 
-from minipar.train.config import ConfigError, TrainConfig
+from minipar.errors import ConfigError
+from minipar.train.config import TrainConfig
 
 
 def test_global_batch_is_micro_times_accumulation_times_dp():

@@ -4,7 +4,8 @@ batch that does not split is refused."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minipar.train.config import ConfigError, TrainConfig
+from minipar.errors import ConfigError
+from minipar.train.config import TrainConfig
 
 sizes = st.integers(min_value=1, max_value=16)
 

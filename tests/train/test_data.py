@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minipar.train.config import ConfigError
+from minipar.errors import ConfigError
 from minipar.train.corpus import generate_corpus, load_corpus
 from minipar.train.data import CharTokenizer, corpus_stream, micro_batch, synthetic_stream
 

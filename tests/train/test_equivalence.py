@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.parallel import data as data_parallel
-from minipar.parallel import zero_engine
+from minipar.parallel.data import ddp as data_parallel
+from minipar.parallel.zero import sharded as zero_engine
 from minipar.train import TrainConfig, train, validate_report
 from minipar.train.equivalence import compare_runs, reference_config
 
@@ -80,7 +80,7 @@ def test_a_corrupted_replica_is_named_by_step_tensor_and_rank(monkeypatch):
     first = check["first_mismatch"]
     assert (first["step"], first["tensor"], first["rank"]) == (1, "h.0.mlp.c_fc.bias", 1)
     # without check, the diverged replicas make the consolidation fail loudly
-    from minipar.train.checkpoint import CheckpointError
+    from minipar.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="rank 1: param of h.0.mlp.c_fc.bias differs"):
         train(TrainConfig(dp=3, precision="fp64", **SMALL))

@@ -7,7 +7,7 @@ import pytest
 
 from minipar.nn import GPT
 from minipar.train import TrainConfig, train
-from minipar.train.build import gpt_config
+from minipar.train.config import gpt_config
 
 SMALL = dict(seq_len=16, n_layer=2, d_model=32, n_head=4, micro_batch_size=4)
 

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
+from minipar.errors import CheckpointError
 from minipar.train import TrainConfig, train
 from minipar.train import checkpoint as ckpt
 from minipar.train import manifest as schema
-from minipar.train.checkpoint import CheckpointError
 
 SMALL = dict(seq_len=8, n_layer=1, d_model=16, n_head=2, micro_batch_size=2, steps=2,
              grad_clip=0.05, precision="fp32")

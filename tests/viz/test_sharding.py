@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
+from minipar.errors import ConfigError
 from minipar.nn.gpt import parameter_shapes
-from minipar.train.build import gpt_config
-from minipar.train.config import ConfigError, TrainConfig
+from minipar.train.config import TrainConfig, gpt_config
 from minipar.viz.sharding import KINDS, holdings, plot_sharding
 
 CONFIG = TrainConfig(data="synthetic", vocab_size=16, seq_len=8, n_layer=2, n_head=4,

@@ -16,21 +16,16 @@ from minipar.train import TrainConfig  # noqa: E402
 from minipar.train.data import make_stream  # noqa: E402
 from minipar.train.report import MEMORY_CATEGORIES  # noqa: E402
 from minipar.viz import widgets  # noqa: E402
-from minipar.viz.widgets import (  # noqa: E402
-    REFUSALS,
-    MemoryExplorer,
-    PipelineExplorer,
-    RunCache,
-    ShardingExplorer,
-    TrafficExplorer,
-)
+from minipar.viz.explorer import REFUSALS
+from minipar.viz.runs import RunCache
+from minipar.viz.widgets import MemoryExplorer, PipelineExplorer, ShardingExplorer, TrafficExplorer
 
 SMALL = TrainConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, micro_batch_size=2, steps=1)
 PNG = b"\x89PNG"
 
 
 def psi(config: TrainConfig) -> int:
-    from minipar.train.build import gpt_config
+    from minipar.train.config import gpt_config
 
     vocab = make_stream(config.data).vocab_size
     return sum(int(np.prod(s)) for s in parameter_shapes(gpt_config(config, vocab)).values())

@@ -23,7 +23,7 @@ def stub_module(tmp_path):
     path = tmp_path / "student.py"
     path.write_text(
         "from minipar import distributed as dist\n"
-        "from minipar.parallel.schedules import Forward, one_f_one_b\n\n"
+        "from minipar.parallel.pipeline.schedules import one_f_one_b\n\n"
         "def one_f_one_b_mine(pp, m):\n"
         '    """uses all_reduce only in this docstring"""\n'
         "    return dist.all_reduce(pp)\n\n"
@@ -99,7 +99,7 @@ def test_forbidden_uses_finds_imports_and_attributes_not_own_names_or_docstrings
         stub_module):
     found = forbidden_uses(stub_module, {"one_f_one_b": "library", "all_reduce": "library",
                                          "minipar.parallel": "library"})
-    assert found == ["minipar.parallel.schedules (line 2): library",
+    assert found == ["minipar.parallel.pipeline.schedules (line 2): library",
                      "one_f_one_b (line 2): library",
                      "all_reduce (line 6): library"]
     assert forbidden_uses(types.SimpleNamespace(), {"x": "y"}) == []  # no file: no check
