@@ -5,11 +5,20 @@ Assigning a `Parameter` or a `Module` to an attribute registers it under that na
 `state_dict()`. Registered children are plain attributes, so the hot path reads them at
 full speed, and later code can swap one for another (`block.attn.c_attn =
 ColumnParallelLinear(...)`) and the new one is registered under the same name.
+
+Forward hooks, as `torch.nn.Module`'s: a pre-hook runs before a call, `hook(module, args)`,
+and may return new args; a hook runs after it, `hook(module, args, output)`, and may
+return a new output. ZeRO-3 gathers a module's parameters in one and frees them in the
+other (PyTorch FSDP and DeepSpeed stage 3 register the same pair). Besides `forward`,
+a class may declare other methods that hooks can wrap with `@hook_point` (GPT's `embed`
+and `head`, which a pipeline stage calls on their own): the class says where the model
+can be wrapped, so nothing is patched on an instance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -52,6 +61,7 @@ class Module:
         object.__setattr__(self, "_parameter_names", [])
         object.__setattr__(self, "_module_names", [])
         object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_hooks", None)  # {method: ([pre-hooks], [hooks])}
 
     def __setattr__(self, name: str, value) -> None:
         try:
@@ -85,7 +95,32 @@ class Module:
         object.__delattr__(self, name)
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if self._hooks is None:
+            return self.forward(*args, **kwargs)
+        return _call_with_hooks(self, "forward", type(self).forward, args, kwargs)
+
+    # ------------------------------------------------------------------ hooks
+    def register_forward_pre_hook(self, hook: Callable, method: str = "forward"):
+        """Run `hook(module, args)` before every call of `method` (forward, or a
+        `@hook_point` method); a tuple it returns replaces the args. Returns a handle
+        whose `remove()` unregisters it."""
+        return self._register_hook(hook, method, 0)
+
+    def register_forward_hook(self, hook: Callable, method: str = "forward"):
+        """Run `hook(module, args, output)` after every call of `method`; a value it
+        returns replaces the output. Returns a handle whose `remove()` unregisters it."""
+        return self._register_hook(hook, method, 1)
+
+    def _register_hook(self, hook: Callable, method: str, which: int):
+        if method != "forward" and not getattr(getattr(type(self), method, None),
+                                               "hook_point", False):
+            raise ValueError(f"{type(self).__name__}.{method} is not a hook point: hooks "
+                             "wrap forward, or a method the class declares @hook_point")
+        if self._hooks is None:
+            object.__setattr__(self, "_hooks", {})
+        hooks = self._hooks.setdefault(method, ([], []))[which]
+        hooks.append(hook)
+        return _Handle(hooks, hook)
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
@@ -189,6 +224,45 @@ class Module:
 
     def eval(self) -> Module:
         return self.train(False)
+
+
+def hook_point(method: Callable) -> Callable:
+    """Declare `method` a place forward hooks can wrap, as they wrap `forward`
+    (`module.register_forward_pre_hook(hook, method="embed")`)."""
+
+    @functools.wraps(method)
+    def hooked(self, *args, **kwargs):
+        if self._hooks is None:
+            return method(self, *args, **kwargs)
+        return _call_with_hooks(self, method.__name__, method, args, kwargs)
+
+    hooked.hook_point = True
+    return hooked
+
+
+def _call_with_hooks(module: Module, name: str, method: Callable, args: tuple, kwargs: dict):
+    pre, post = module._hooks.get(name, ((), ()))
+    for hook in pre:
+        changed = hook(module, args)
+        if changed is not None:
+            args = changed if isinstance(changed, tuple) else (changed,)
+    output = method(module, *args, **kwargs)
+    for hook in post:
+        changed = hook(module, args, output)
+        if changed is not None:
+            output = changed
+    return output
+
+
+class _Handle:
+    """What `register_forward_*hook` returns: `remove()` takes the hook out again."""
+
+    def __init__(self, hooks: list, hook: Callable):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
 
 
 class ModuleList(Module):

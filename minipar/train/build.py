@@ -33,11 +33,8 @@ from minipar.errors import LayoutError  # noqa: F401 - re-exported (a ConfigErro
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context.ring_attention import context_parallel_class
-from minipar.parallel.data.ddp import DataParallel
 from minipar.parallel.expert.dispatch import (
-    ExpertDataParallel,
     expert_parallel_gpt,
-    is_expert_parameter,
 )
 from minipar.parallel.pipeline.executor import Pipeline
 from minipar.parallel.pipeline.stage import PipelineStage
@@ -50,9 +47,8 @@ from minipar.parallel.tensor.sequence import (
     allreduce_sequence_parallel_grads,
     defer_gradient_reduction,
 )
-from minipar.parallel.zero.stage3 import Zero3Optimizer, gpt_units
-from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 from minipar.train.config import TrainConfig, gpt_config
+from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
 from minipar.train.layouts import check_layout, tp_groups_across_nodes  # noqa: F401 - re-exported
 
 
@@ -162,58 +158,6 @@ class RankModel:
         if self.pipeline is not None:
             return self.pipeline.chunks[0].dropout_generator
         return self.model.dropout_generator
-
-
-def data_parallel_engine(model, named_params, group, *, zero_stage: int,
-                         bucket_bytes: float, adamw: dict, norm_groups=(),
-                         counts_in_norm=None, overlap_comm: bool = True,
-                         zero3_prefetch: bool = True,
-                         offload_optimizer: str = "none", offload_param: str = "none"):
-    """The engine of one DP rank, by ZeRO stage (DeepSpeed's `zero_optimization.stage`):
-    0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, which also hooks the
-    model's embed, blocks and head to gather their parameters (`gpt_units`; model is a
-    GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP);
-    overlap_comm: reduce buckets asynchronously (DeepSpeed's name); zero3_prefetch:
-    stage 3 prefetches the next module's parameters; offload_optimizer, offload_param:
-    DeepSpeed's offload devices (parallel/offload.py)."""
-    named_params = list(named_params)
-    common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm,
-              "overlap_comm": overlap_comm}
-    if zero_stage == 0:
-        return DataParallel(named_params, group, bucket_bytes=bucket_bytes, **common)
-    if zero_stage in (1, 2):
-        return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
-                             offload_optimizer=offload_optimizer, **common)
-    if zero_stage != 3:
-        raise ValueError(f"data_parallel_engine: zero_stage must be 0, 1, 2 or 3, "
-                         f"got {zero_stage}")
-    units, sites = gpt_units(model, named_params)
-    engine = Zero3Optimizer(named_params, group, units=units, prefetch=zero3_prefetch,
-                            offload_optimizer=offload_optimizer, offload_param=offload_param,
-                            **common)
-    for owner, attribute, unit_names in sites:
-        engine.hook_module(owner, attribute, unit_names)
-    return engine
-
-
-def expert_data_parallel_engine(config: TrainConfig, model, named, mesh, adamw,
-                                counts_in_norm) -> ExpertDataParallel:
-    """Megatron's expert-data-parallel layout: non-expert parameters over the DP group,
-    expert parameters over the expert-data-parallel group (their squared norm summed over
-    the ep group too, as each ep rank holds different experts)."""
-    dense = [(n, p) for n, p in named if not is_expert_parameter(n)]
-    experts = [(n, p) for n, p in named if is_expert_parameter(n)]
-    norm_groups = (mesh.tp_group(), mesh.pp_group())
-    bucket_bytes = config.bucket_size_mb * 2**20
-    engines = [data_parallel_engine(model, params, group, zero_stage=config.zero,
-                                    bucket_bytes=bucket_bytes, adamw=adamw,
-                                    norm_groups=groups, counts_in_norm=counts_in_norm,
-                                    overlap_comm=config.overlap_grad_reduce)
-               for params, group, groups in (
-                   (dense, mesh.dp_group(), norm_groups),
-                   (experts, mesh.expert_data_parallel_group(),
-                    (*norm_groups, mesh.ep_group())))]
-    return ExpertDataParallel(*engines)
 
 
 def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> RankModel:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from minipar.nn import Linear, Module, ModuleList, Parameter
+from minipar.nn.module import hook_point
 
 
 class Tiny(Module):
@@ -104,3 +105,36 @@ def test_forgetting_super_init_is_explained():
 def test_parameters_follow_named_parameters_order():
     model = Tiny()
     assert [id(p) for p in model.parameters()] == [id(p) for _, p in model.named_parameters()]
+
+
+# ---------------------------------------------------------------- forward hooks
+class _Doubler(Module):
+    def forward(self, x):
+        return 2 * x
+
+    @hook_point
+    def embed(self, x):
+        return x + 1
+
+    def plain(self, x):
+        return x
+
+
+def test_a_pre_hook_replaces_the_args_and_a_hook_the_output_in_registration_order():
+    module, seen = _Doubler(), []
+    module.register_forward_pre_hook(lambda m, args: (args[0] + 10,))
+    module.register_forward_hook(lambda m, args, out: seen.append((args, out)))
+    module.register_forward_hook(lambda m, args, out: out * 100)
+    assert module(1) == 2 * 11 * 100
+    assert seen == [((11,), 22)]
+
+
+def test_hooks_wrap_a_declared_hook_point_and_nothing_else():
+    module, calls = _Doubler(), []
+    handle = module.register_forward_pre_hook(lambda m, args: calls.append("pre"),
+                                              method="embed")
+    assert module.embed(1) == 2 and module(1) == 2 and calls == ["pre"]
+    handle.remove()
+    assert module.embed(1) == 2 and calls == ["pre"]
+    with pytest.raises(ValueError, match="not a hook point"):
+        module.register_forward_hook(lambda m, a, o: None, method="plain")

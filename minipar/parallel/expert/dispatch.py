@@ -37,14 +37,11 @@ layers' experts and trains their aux losses locally (minipar/nn/moe.py,
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.function import Function
 from minipar.nn.moe import MoE, run_local_experts
-from minipar.nn.optim import scale_grads_
 
 
 class AllToAll(Function):
@@ -133,88 +130,3 @@ def expert_layout_problem(cp: int, zero: int, ep: int, offload_optimizer: str = 
 
 def is_expert_parameter(name: str) -> bool:
     return ".mlp.experts." in name or name.startswith("mlp.experts.")
-
-
-class ExpertDataParallel:
-    """Two data-parallel engines as one: `dense` over the DP group (non-expert
-    parameters), `experts` over the expert-data-parallel group. The training loop sees
-    one engine; the gradient norm is the whole model's (both engines' squares)."""
-
-    def __init__(self, dense, experts) -> None:
-        self.dense, self.experts = dense, experts
-        self.engines = (dense, experts)
-        self.stage = dense.stage
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        return self.dense.require_backward_grad_sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        for engine in self.engines:
-            engine.require_backward_grad_sync = value
-
-    def defer_reduction(self, params) -> None:
-        """A pipeline's late-reduced parameters (a tied wte's copies) are dense ones."""
-        self.dense.defer_reduction(params)
-
-    def synchronize_gradients(self) -> None:
-        for engine in self.engines:
-            engine.synchronize_gradients()
-
-    def finish_gradient_synchronization(self) -> None:
-        for engine in self.engines:
-            engine.finish_gradient_synchronization()
-
-    def main_grads(self, params) -> list:
-        """Sequence parallelism's LayerNorms and biases (sequence.py's one TP all-reduce
-        per step) are dense parameters, the experts run on the gathered sequence: the
-        dense engine holds their gradients."""
-        return self.dense.main_grads(params)
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """sqrt(dense^2 + experts^2): each engine's norm (one all-reduce of its sum of
-        squares, over its own groups), then both scale their local gradients by the
-        same coefficient, as Megatron's clip_grad_norm_fp32 does over all parameters:
-        no second all-reduce."""
-        norms = [engine.clip_grad_norm_(0.0) for engine in self.engines]
-        norm = math.sqrt(sum(n * n for n in norms))
-        if max_norm > 0:
-            coefficient = max_norm / (norm + 1e-6)
-            for engine in self.engines:
-                scale_grads_(engine.local_gradients(), coefficient)
-        return norm
-
-    def step(self, lr: float) -> None:
-        for engine in self.engines:
-            engine.step(lr)
-
-    def zero_grad(self) -> None:
-        for engine in self.engines:
-            engine.zero_grad()
-
-    @property
-    def step_count(self) -> int:
-        return self.dense.step_count
-
-    def parameter_pieces(self):
-        return [p for engine in self.engines for p in engine.parameter_pieces()]
-
-    def state_pieces(self):
-        return [p for engine in self.engines for p in engine.state_pieces()]
-
-    def holdings(self):
-        return [h for engine in self.engines for h in engine.holdings()]
-
-    def load_optimizer_state(self, step: int, state) -> None:
-        for engine in self.engines:
-            engine.load_optimizer_state(step, state)
-
-    def describe(self) -> dict:
-        dense, experts = (engine.describe() for engine in self.engines)
-        merged = dict(dense)
-        for key in ("buckets", "numel", "padded_numel", "padding_elements"):
-            if key in experts:
-                merged[key] = dense.get(key, 0) + experts[key]
-        merged["expert_numel"] = experts.get("numel", 0)
-        return merged

@@ -12,8 +12,8 @@ from minipar.nn import GPT, GPTConfig, parameter_shapes
 from minipar.parallel.zero.stage3 import Zero3Optimizer
 from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 from minipar.train import TrainConfig, train
-from minipar.train.build import data_parallel_engine
 from minipar.train.data import make_stream
+from minipar.train.engines import data_parallel_engine
 
 # d_model 16, 2 layers, the corpus's characters: unit sizes that are not multiples of 3
 # or 4, so shards need padding.
