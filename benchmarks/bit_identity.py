@@ -61,7 +61,11 @@ def report_digests(report) -> dict:
     for name, value in sorted(report.state_dict.items()):
         state.update(f"{name} {value.dtype.str} {value.shape}".encode())
         state.update(value.tobytes())
-    return {"report": digest(report.to_json().encode()),
+    # The config section apart: a renamed or removed setting shows there alone.
+    fields = json.loads(report.to_json())
+    config = fields.pop("config", None)
+    return {"report": digest(json.dumps(fields, sort_keys=True).encode()),
+            "config": digest(json.dumps(config, sort_keys=True).encode()),
             "timelines": digest(repr(report.timelines).encode()),
             "transfers": digest(repr(report.transfers).encode()),
             "state_dict": state.hexdigest()}
