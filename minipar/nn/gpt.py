@@ -30,7 +30,7 @@ from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.precision import get_policy
 from minipar.autograd.tensor import Tensor
 from minipar.nn.layers import INITIAL_DRAWS, Dropout, Embedding, LayerNorm, Linear
-from minipar.nn.module import Module, ModuleList, Parameter
+from minipar.nn.module import Module, ModuleList, Parameter, hook_point
 from minipar.nn.moe import MoE, attach_aux_loss
 from minipar.nn.recompute import Recompute, run_blocks
 
@@ -299,12 +299,14 @@ class GPT(Module):
         return {name: init_parameter(name, shape, config, seed)
                 for name, shape in parameter_shapes(config).items()}
 
+    @hook_point
     def embed(self, idx) -> Tensor:
         """Token plus position embeddings: idx (B, T) ints -> x (B, T, d)."""
         idx = check_token_ids(idx, self.config.seq_len, who="GPT")
         x = self.wte(idx) + self.wpe.weight[:idx.shape[1]]
         return self.drop(x)
 
+    @hook_point
     def head(self, x, targets=None):
         """Final LayerNorm and LM head: x (B, T, d) -> mean cross-entropy against
         targets (B, T), or the logits (B, T, V) when targets is None."""
