@@ -19,13 +19,13 @@ from minipar.parallel.pipeline.actions import (
     Schedule,
     SendActivation,
     SendGrad,
-    from_compute_orders,
 )
-from minipar.parallel.pipeline.schedules import (
+from minipar.parallel.pipeline.schedules.one_f_one_b import flushing_bubble
+from minipar.parallel.pipeline.schedules.orders import from_compute_orders
+from minipar.parallel.pipeline.schedules.registry import (
     SCHEDULES,
     ScheduleSpec,
     check_schedule_settings,
-    flushing_bubble,
     make_schedule,
     register_schedule,
     schedule_names,

@@ -15,7 +15,9 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from minipar.parallel.pipeline.schedules import gpipe, interleaved_1f1b, make_schedule, one_f_one_b
+from minipar.parallel.pipeline.schedules.interleaved import interleaved_1f1b
+from minipar.parallel.pipeline.schedules.one_f_one_b import gpipe, one_f_one_b
+from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate, validate
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from minipar.parallel.pipeline.schedules import make_schedule
+from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import simulate, simulate_step
 
 
