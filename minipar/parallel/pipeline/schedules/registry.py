@@ -154,7 +154,8 @@ def check_schedule_settings(name: str, pp: int, micro_batches: int,
 
 
 def _check_sizes(pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """The sizes TrainConfig and the planner check for their callers, for a direct one."""
+    """Positive integers: TrainConfig and the planner's ParallelConfig check their fields
+    before they call the rules; a direct caller of make_schedule is answered here."""
     for name, value in (("pp", pp), ("micro_batches (grad_accum_steps)", micro_batches),
                         ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
