@@ -11,8 +11,8 @@ change, so the result equals single-device gradient accumulation.
   flight: a backward frees each micro-batch's activations as early as the pipeline allows.
 
 Bubble with uniform stages and free communication (t_f, t_b: forward and backward time of
-one micro-batch on one stage), section 2.2.1: the first stage waits (p - 1)(t_f + t_b) for
-the last to fill and drain, against m (t_f + t_b) of work, so
+one micro-batch on one stage), section 2.2.1: each stage idles (p - 1)(t_f + t_b) per step
+while the pipeline fills and drains, against m (t_f + t_b) of work, so
     idle / total = (p - 1) / (m + p - 1).
 
 A generator returns per rank its compute order, (kind, micro-batch, chunk) with kind "F"
