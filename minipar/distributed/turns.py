@@ -25,6 +25,12 @@ collective) would otherwise run out of it one after another while every turn is 
 well, and then all run at once: 18-21k context switches and 0.13-0.22 s of kernel CPU in
 one such step instead of ~200 and 0.03-0.05 s (benchmarks/README.md, "turns that wait
 their turn").
+
+A turn that did not change hands for a whole PATIENCE_S is stuck: its holder sleeps, loops
+or sits in one long NumPy call, and will not give it back soon. Until it changes hands,
+nobody queues for it again: otherwise every wake-up of every other rank would wait
+PATIENCE_S first, and two ranks exchanging messages beside a rank in a 4 s time.sleep
+would manage 20 messages a second.
 """
 
 from __future__ import annotations
@@ -45,18 +51,24 @@ class Turns:
         self._turn = threading.Lock()
         self._has_turn = [False] * world_size
         self._handovers = 0  # how many times the turn was taken: it changed hands
+        self._stuck_at = -1  # _handovers when a rank last ran out of patience
 
     def take(self, rank: int) -> None:
         """Wait for the turn before `rank` runs its own code; run without it once the turn
         has not changed hands for PATIENCE_S (its holder sleeps or loops, or computes
-        that long)."""
+        that long), and at once while it is stuck so (module docstring)."""
         while True:
             handovers = self._handovers
-            if self._turn.acquire(timeout=PATIENCE_S):
+            if handovers == self._stuck_at:  # stuck: take it only if it is free now
+                taken = self._turn.acquire(blocking=False)
+            else:
+                taken = self._turn.acquire(timeout=PATIENCE_S)
+            if taken:
                 self._handovers += 1
                 self._has_turn[rank] = True
                 return
             if self._handovers == handovers:  # nobody took it meanwhile: run anyway
+                self._stuck_at = handovers
                 self._has_turn[rank] = False
                 return
 
