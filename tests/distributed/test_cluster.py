@@ -188,22 +188,19 @@ def test_a_chain_of_waits_ending_at_a_busy_rank_is_not_a_deadlock():
 
 
 def test_ranks_that_wait_for_each_other_in_turn_are_not_a_cycle():
-    """Ranks 0 and 1 each wait for the other in turn (a ping-pong) while rank 2 is slow
-    to join their all_reduce: at no instant do two ranks wait on each other."""
+    """Ranks 0 and 1 each wait for the other in turn (20 all_reduces of their pair) while
+    rank 2 is slow to join the world's all_reduce: at no instant do two ranks wait on
+    each other."""
     def worker():
         rank = dist.get_rank()
+        pair = dist.new_group([0, 1])
+        x = np.ones(1)
         if rank == 2:
             time.sleep(0.3)
         else:
-            x, peer = np.zeros(1), 1 - rank
             for _ in range(20):
-                if rank == 0:
-                    dist.send(x, peer)
-                    x = dist.recv(peer) + 1
-                else:
-                    x = dist.recv(peer)
-                    dist.send(x, peer)
-        return dist.all_reduce(np.ones(1))[0]
+                x = dist.all_reduce(x, group=pair) / 2
+        return dist.all_reduce(x)[0]
 
     assert dist.launch(worker, 3, timeout=60) == [3.0, 3.0, 3.0]
 
