@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -88,21 +89,26 @@ class RecordingLock:
 
 
 def test_a_stuck_turn_is_not_queued_for_again_until_it_changes_hands(monkeypatch):
-    """Rank 2 keeps the turn (asleep in a long call): rank 0 waits PATIENCE_S for it once,
-    then nobody waits for it any more until it changes hands; then ranks queue again."""
-    monkeypatch.setattr(turns, "PATIENCE_S", 0.01)
+    """Rank 2 keeps the turn (asleep in a long call): ranks queue for it (and run without
+    it after PATIENCE_S) until it has stayed with rank 2 for STUCK_S; from then on nobody
+    waits for it until it changes hands, and then ranks queue again."""
+    clock = SimpleNamespace(now=0.0)  # the Turns' clock, moved by hand
+    monkeypatch.setattr(turns, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    monkeypatch.setattr(turns, "PATIENCE_S", 0.01)  # (the lock's waits are real)
     ranks = Turns(3)
     ranks._turn = lock = RecordingLock()
     ranks.take(2)
-    ranks.take(0)  # the turn does not move for PATIENCE_S: rank 0 runs without it
+    clock.now = turns.STUCK_S / 2
+    ranks.take(0)  # waits PATIENCE_S, the turn does not move: rank 0 runs without it
+    clock.now = turns.STUCK_S
     for _ in range(5):
         ranks.take(1)
         ranks.take(0)
     assert lock.waits == [0.01, 0.01] + [None] * 10
     assert ranks._has_turn == [False, False, True]
     ranks.give_back(2)
-    ranks.take(1)  # free: rank 1 takes it
-    ranks.take(0)  # it changed hands: rank 0 queues for it again, runs without it
+    ranks.take(1)  # free: rank 1 takes it at once
+    ranks.take(0)  # it changed hands just now: rank 0 queues for it again
     assert lock.waits[-2:] == [None, 0.01]
     assert ranks._has_turn == [False, True, False]
 
