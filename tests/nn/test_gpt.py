@@ -15,6 +15,7 @@ from minipar.nn import (
     Block,
     GPTConfig,
     Linear,
+    Recompute,
     init_parameter,
     initialize_parameters,
 )
@@ -204,7 +205,7 @@ def test_activation_checkpointing_same_gradients_lower_peak(device):
     for use in (False, True):
         device.memory.peak.clear()
         device.flops.clear()
-        model = GPT(CONFIG, seed=0, activation_checkpointing=use)
+        model = GPT(CONFIG, seed=0, recompute=Recompute("full", "uniform", 1) if use else None)
         loss = model(idx, targets)
         loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
