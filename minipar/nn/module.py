@@ -36,7 +36,7 @@ class Parameter(Tensor):
     `grad_placement` is how its gradient relates to the full one over the same group:
     `Replicate()`, except for a sequence-parallel parameter whose gradient holds only my
     tokens' summand, `Partial()`, until the step's all-reduce sums it
-    (minipar/parallel/tensor/sequence.py); the optimizers refuse it until then.
+    (minipar/parallel/tensor/sequence_grads.py); the optimizers refuse it until then.
     """
 
     __slots__ = ("placement", "placement_group", "grad_category", "grad_placement")

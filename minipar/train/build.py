@@ -35,11 +35,11 @@ from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context.model import parallelize_context
 from minipar.parallel.expert.dispatch import parallelize_experts
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.tensor.finalize import (
+from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
+from minipar.parallel.tensor.sequence_grads import (
     allreduce_sequence_parallel_grads,
     defer_gradient_reduction,
 )
-from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
 

@@ -78,7 +78,7 @@ class GatherFromTensorParallelRegion(Function):
 
 def copy_to_tensor_parallel_region(x: Tensor, group, on_reduced=None) -> Tensor:
     """f (identity forward, all-reduce backward); `on_reduced()` is called after the
-    all-reduce (sequence.py's parameters note that their gradient is whole)."""
+    all-reduce (sequence_grads.py's parameters note that their gradient is whole)."""
     return CopyToTensorParallelRegion.apply(x, group, on_reduced)
 
 

@@ -15,7 +15,7 @@ LayerNorms, wpe and the row-parallel biases are replicated: they act on the repl
 residual stream, so their gradients come out identical on every TP rank without any
 communication. With `sequence_parallel` (sequence.py) those regions are cut along the
 sequence instead, and the LayerNorm and bias gradients become partial sums that a
-training run all-reduces over TP once per step (finalize.py).
+training run all-reduces over TP once per step (sequence_grads.py).
 
 `counts_once_in_norm` says which pieces count in the global gradient norm.
 Consolidating the pieces into the single-device state dict is

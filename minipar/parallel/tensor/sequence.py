@@ -1,38 +1,24 @@
 """Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", section 4.2.2), from one rank's point of view.
 
-Tensor parallelism (layers.py) splits attention heads and the MLP hidden layer, but
-every TP rank still holds the whole (B, T, d) activations of the LayerNorms, the
-dropouts and the residual stream: they sit between the all-reduces, replicated.
-Sequence parallelism cuts those regions along the sequence: rank i keeps tokens
-[i T/t, (i+1) T/t).
-
-The all-reduce at the end of a tensor-parallel region is a reduce-scatter followed by an
-all-gather, so it splits in two at no extra cost (the paper's figure 6):
+Tensor parallelism (layers.py) splits the heads and the MLP, but every TP rank still
+holds the whole (B, T, d) activations of the LayerNorms, dropouts and residual stream
+between the all-reduces. Sequence parallelism cuts those regions along the sequence
+(rank i keeps tokens [i T/t, (i+1) T/t)) and splits each all-reduce, a reduce-scatter
+then an all-gather, in two at no extra cost (the paper's figure 6; Megatron-LM's
+mappings.py names):
 
     sequence-parallel region  --all-gather-->      tensor-parallel region     (g)
     tensor-parallel region    --reduce-scatter-->  sequence-parallel region   (g-bar)
 
-(the paper's g and g-bar, not Shoeybi et al.'s f and g; Megatron-LM's mappings.py names
-the functions below). An all-reduce is a reduce-scatter then an all-gather, so g-bar then
-g moves the bytes of one all-reduce. Activations are (B, T, ...) here (Megatron uses
-(T, B, ...)), so the sequence is dim 1.
-
-`SequenceParallelLinear` is the column-parallel linear layer entered from a sequence-
-parallel region. Saving its all-gathered (B, T, d) input for backward would give back
-what sequence parallelism saved, so, as Megatron does, it saves only this rank's
-(B, T/t, d) piece and all-gathers it again in backward to form the weight gradient
-(the paper: "an extra all-gather ... in the backward pass"; Megatron overlaps it with
-the input-gradient matmul, we run it first).
-
-The LayerNorms and the row-parallel biases use replicated parameters on my tokens only,
-so their gradients are partial sums over the TP group: `SequenceParallelParameter`s
-(Megatron marks them `param.sequence_parallel = True`). A training run sums them once
-per step, after the data-parallel sync (finalize.py, Megatron's finalize_model_grads); a
-model used on its own sums each in f's backward. A gradient that would reach the
-optimizer without its TP sum is refused with a PlacementError.
-
-`parallelize_tensor(..., sequence_parallel=True)` (model.py) swaps these layers in.
+The column-parallel layer entered from a sequence piece (`SequenceParallelLinear`) saves
+only my (B, T/t, d) piece for backward and all-gathers it again there for the weight
+gradient (the paper's "extra all-gather"; Megatron overlaps it with the input-gradient
+matmul, we run it first). The LayerNorms and the row-parallel biases see only my tokens,
+so their gradients are partial sums over TP: `SequenceParallelParameter`s (Megatron's
+`param.sequence_parallel = True`), summed by f in each backward, or once per step in a
+training run (sequence_grads.py). Activations are (B, T, ...) (Megatron: (T, B, ...)), so the
+sequence is dim 1. `parallelize_tensor(..., sequence_parallel=True)` swaps these in.
 """
 
 from __future__ import annotations
@@ -43,12 +29,15 @@ from minipar import distributed as dist
 from minipar.autograd import functional as F
 from minipar.autograd.function import Function
 from minipar.autograd.kernels import linear_kernels
-from minipar.autograd.placement import Partial, PlacementError, partial
+from minipar.autograd.placement import partial
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Tensor
 from minipar.nn import LayerNorm, Module, Parameter
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from minipar.parallel.tensor.mappings import copy_to_tensor_parallel_region
+from minipar.parallel.tensor.sequence_grads import (
+    copy_parameter_to_tensor_parallel_region,
+    sequence_parallel_parameter,
+)
 from minipar.parallel.tensor.vocab import VocabParallelLMHead
 
 SEQUENCE_DIM = 1  # activations are (B, T, ...)
@@ -70,8 +59,7 @@ def my_sequence_piece(x: np.ndarray, group) -> np.ndarray:
 
 class ScatterToSequenceParallelRegion(Function):
     """Keep my sequence piece (forward, no communication); all-gather the gradient
-    (backward). Where the replicated embedding output enters the sequence-parallel
-    region. x (B, T, d) -> (B, T/t, d)."""
+    (backward). x (B, T, d) -> (B, T/t, d)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -207,61 +195,6 @@ def sequence_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gro
     """Column-parallel linear entered from the sequence-parallel region; see
     `SequenceParallelLinear`."""
     return SequenceParallelLinear.apply(x, weight, bias, transpose_weight, group)
-
-
-# ---------------------------------------------------------------------------- parameters
-class SequenceParallelParameter(Parameter):
-    """A replicated parameter that meets only my sequence piece: its gradient from one
-    backward is this rank's Partial() summand over the TP group. It becomes whole in
-    one of two places:
-
-    per backward (a model used on its own: tests, notebooks): the parameter enters the
-        graph through f, whose backward all-reduces its gradient and calls
-        `mark_reduced`; a post-accumulate-grad hook (which runs before any
-        data-parallel engine's) refuses a gradient that arrives without it.
-    per step (deferred: a training run, as Megatron-LM): used as is, the gradient
-        accumulates as my summand (`grad_placement` Partial()) until one flat
-        all-reduce per step sums every such gradient over TP (finalize.py).
-    """
-
-    __slots__ = ("name", "reduced", "deferred")
-
-    def mark_reduced(self) -> None:
-        self.reduced = True
-
-
-def _on_gradient_accumulated(param: SequenceParallelParameter) -> None:
-    if param.deferred:
-        param.grad_placement = Partial()  # my tokens' summand, until the step sums it
-        return
-    if not param.reduced:
-        raise PlacementError(
-            f"{param.name}: its gradient is Partial(sum) over the tensor-parallel group "
-            "(under sequence parallelism it sees only this rank's tokens) and reached .grad "
-            "without the all-reduce of f (copy_to_tensor_parallel_region's backward): the "
-            "optimizer and the gradient norm need Replicate(), else each TP replica steps "
-            "differently")
-    param.reduced = False  # the next backward must reduce again
-
-
-def sequence_parallel_parameter(param: Parameter, name: str) -> SequenceParallelParameter:
-    """`param` (same data, placement and group) as a SequenceParallelParameter."""
-    marked = SequenceParallelParameter(param.data, requires_grad=param.requires_grad,
-                                       placement=param.placement,
-                                       placement_group=param.placement_group)
-    marked.grad_category = param.grad_category
-    marked.name, marked.reduced, marked.deferred = name, False, False
-    marked.register_post_accumulate_grad_hook(_on_gradient_accumulated)
-    return marked
-
-
-def copy_parameter_to_tensor_parallel_region(param: Parameter, group) -> Tensor:
-    """f for a SequenceParallelParameter: all-reduce its gradient in backward and note
-    it; a deferred one is used as is (its gradient is summed once per step)."""
-    if getattr(param, "deferred", False):
-        return param
-    return copy_to_tensor_parallel_region(param, group,
-                                          on_reduced=getattr(param, "mark_reduced", None))
 
 
 class SequenceParallelLayerNorm(LayerNorm):

@@ -44,7 +44,7 @@ from minipar.parallel.tensor.model import (
     parallelize_tensor,
     tensor_parallel_gpt,
 )
-from minipar.parallel.tensor.sequence import SequenceParallelParameter
+from minipar.parallel.tensor.sequence_grads import SequenceParallelParameter
 from minipar.train.build import load_local_state
 from minipar.train.checkpoint import assemble
 from minipar.train.data import make_stream, micro_batch
@@ -746,8 +746,8 @@ def test_a_sequence_parallel_gradient_that_skips_its_all_reduce_is_refused(monke
     """Skip f's all-reduce of the LayerNorm weights under SP: each TP rank's gradient
     would hold only its tokens' share, and the replicas would step apart. The gradient is
     refused as it reaches .grad, before any optimizer or norm reads it."""
-    from minipar.parallel.tensor import sequence
-    _skip(monkeypatch, sequence, "copy_to_tensor_parallel_region")
+    from minipar.parallel.tensor import sequence_grads
+    _skip(monkeypatch, sequence_grads, "copy_to_tensor_parallel_region")
     idx, targets = batch()
 
     def program(mesh):

@@ -1,6 +1,7 @@
-"""The step's one all-reduce of the sequence-parallel parameters' gradients (finalize.py,
-Megatron's finalize_model_grads) in the training loop: its count, its bytes, its
-equivalence with the single device, and the refusal of a gradient that skipped it."""
+"""The step's one all-reduce of the sequence-parallel parameters' gradients
+(sequence_grads.py, Megatron's finalize_model_grads) in the training loop: its count,
+its bytes, its equivalence with the single device, and the refusal of a gradient that
+skipped it."""
 
 from __future__ import annotations
 
