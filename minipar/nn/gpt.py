@@ -352,7 +352,9 @@ class GPT(Module):
 
     @hook_point
     def embed(self, idx) -> Tensor:
-        """Token plus position embeddings: idx (B, T) ints -> x (B, T, d)."""
+        """Token plus position embeddings: idx (B, T) ints -> x (B, T, d). Per rank:
+        under context parallelism idx holds my T/N tokens; under sequence parallelism
+        x is my (B, T/t, d) piece."""
         idx = check_token_ids(idx)
         where = self.position_ids(idx.shape[1])
         x = self.drop(self.wte(idx) + self.wpe.weight[where])

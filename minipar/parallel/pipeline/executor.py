@@ -5,30 +5,23 @@
     loss = pipe.forward_backward(micro_batches)   # [(inputs, targets), ...] of one step
     optimizer.step(); optimizer.zero_grad()
 
-What a stage holds: stage.py (the layers cut into pp x v pieces, each a GPT over its
-layers: embeddings on the first, head and loss on the last, the tied copy of wte).
+Each chunk is a GPT over its layers (stage.py). One step, from one rank's point of view:
+run the schedule's actions in order (schedules.py). A forward receives the (b, s, h)
+activation from the previous stage, runs the chunk and sends its output on; a backward
+receives the gradient of that output, backpropagates and sends the gradient of its input
+back. Sends are `isend`s (a blocking send is a rendezvous, as with NCCL, so two
+neighbours that both send first would deadlock), waited for at the end of the step; a
+receive blocks until its message is there, which is where the pipeline bubble shows up
+on the simulated clock (`bubble_fraction` in minipar/distributed/timeline.py).
 
-One step, from one rank's point of view: run the schedule's actions in order
-(schedules.py). A forward receives the (b, s, h) activation from the previous stage,
-runs the chunk and sends its output on; a backward receives the gradient of that output,
-backpropagates and sends the gradient of its input back. Sends are `isend`s (the dist
-layer's blocking send is a rendezvous, as with NCCL, so two neighbours that both send
-first would deadlock), waited for at the end of the step, so a sender only pays for a
-transfer still in flight then; a receive blocks until its message is there, which is
-where the pipeline bubble shows up on the simulated clock.
+Loss: the last stage backpropagates each micro-batch's mean cross-entropy scaled by 1/m,
+so the gradients are those of the step's mean loss, as in single-device gradient
+accumulation; it broadcasts that mean over the pp group (8 bytes per step).
 
-Loss: the last stage computes each micro-batch's mean cross-entropy and backpropagates
-it scaled by 1/m, so the accumulated gradients are those of the step's mean loss, as in
-single-device gradient accumulation. `forward_backward` returns that mean on every rank of
-the pipeline: the last stage broadcasts it over the pp group (8 bytes per step).
-
-Memory: received activations and gradients are "buffers" in the ledger, from their
-arrival until the backward that consumes them; what the chunks save for backward is
-"activations". Micro-batch tokens are copied when their forward runs, as a data loader
-moves each micro-batch to the GPU.
-
-Measuring the bubble: `bubble_fraction` and `time_breakdown` in
-minipar/distributed/timeline.py read the ranks' clock timelines.
+Memory: received activations and gradients are "buffers" from their arrival until the
+backward that consumes them; what the chunks save for backward is "activations".
+Micro-batch tokens are copied when their forward runs, as a data loader moves each
+micro-batch to the GPU.
 """
 
 from __future__ import annotations
