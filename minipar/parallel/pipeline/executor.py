@@ -120,7 +120,8 @@ class Pipeline:
 
     def holds_tied_copy(self, chunk: GPT) -> bool:
         """Is chunk's wte the last stage's own copy of a tied embedding?"""
-        return self.config.tie_embeddings and chunk.post_process and not chunk.pre_process
+        return (self.config.tie_embeddings and chunk.post_process and not chunk.pre_process
+                and not self.shares_wte)
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, include_tied_copy: bool = True):
