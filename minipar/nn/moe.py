@@ -169,9 +169,9 @@ class MoE(Module):
     """Drop-in for a block's MLP: x (B, T, d) -> (B, T, d), plus `self.aux_loss`.
 
     `token_dispatcher` moves the dispatch buffer (E, C, d) to the experts and back;
-    expert parallelism swaps it and keeps only its experts (`expert_ids`). Under
-    sequence parallelism tensor parallelism swaps the two Identity places around the
-    routing: all tokens gathered first, my piece of the output kept after.
+    expert parallelism swaps it and keeps only its experts (`expert_ids`). With sequence
+    parallelism, tensor parallelism swaps the two Identity places around the routing:
+    my tokens' pieces all-gathered before it, my piece of the output kept after.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, capacity_factor: float,

@@ -31,7 +31,7 @@ def batch(config=CONFIG, batch_size=4, seed=0):
 
 
 def expected_shapes(v, t, d, n_layer, tied):
-    """Written out from DESIGN.md (HF GPT-2 names, weights stored (in, out))."""
+    """Written out by hand (HF GPT-2 names, weights stored (in, out))."""
     shapes = {"wte.weight": (v, d), "wpe.weight": (t, d)}
     for i in range(n_layer):
         shapes[f"h.{i}.ln_1.weight"] = (d,)

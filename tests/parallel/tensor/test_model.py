@@ -53,7 +53,7 @@ from minipar.train.data import make_stream, micro_batch
 CONFIG = GPTConfig(vocab_size=52, seq_len=8, n_layer=2, n_head=4, d_model=16)
 STREAM = make_stream("corpus")
 STEPS, MICRO, ACCUM, LR, CLIP = 3, 2, 2, 1e-2, 0.5
-RTOL = 1e-10  # fp64 equivalence (DESIGN.md)
+RTOL = 1e-10  # fp64 equivalence with one device
 EVERY_LAYER = Recompute("full", "uniform", 1)  # full recomputation of every block
 
 
