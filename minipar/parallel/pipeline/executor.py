@@ -6,7 +6,7 @@
     optimizer.step(); optimizer.zero_grad()
 
 Each chunk is a GPT over its layers (stage.py). One step, from one rank's point of view:
-run the schedule's actions in order (schedules.py). A forward receives the (b, s, h)
+run the schedule's actions in order (schedules/). A forward receives the (b, s, h)
 activation from the previous stage, runs the chunk and sends its output on; a backward
 receives the gradient of that output, backpropagates and sends the gradient of its input
 back. Sends are `isend`s (a blocking send is a rendezvous, as with NCCL, so two
@@ -55,7 +55,7 @@ class Pipeline:
     """One pipeline rank's model chunks, its schedule and the group it talks to.
 
     config: the GPT shape; pp_group: this rank's pipeline group (`mesh.pp_group()`; None =
-    every rank of the launch); schedule: a name of schedules.SCHEDULES or a Schedule;
+    every rank of the launch); schedule: a name in schedules/registry.py or a Schedule;
     micro_batches: m per optimizer step (= grad_accum_steps); virtual_stages: model chunks
     per rank (interleaved); layer_split: layers per virtual stage (default balanced);
     validate_schedule: check a given Schedule before running it (leave on);
