@@ -35,7 +35,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.errors import ConfigError, OutputError, flag
 from minipar.nn import lr_schedule
-from minipar.parallel.context import ring_attention as context
+from minipar.parallel.context import layout as context
 from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig

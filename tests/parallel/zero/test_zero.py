@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
-from minipar.nn import GPT, GPTConfig, parameter_shapes
+from minipar.nn import GPT, GPTConfig, Recompute, parameter_shapes
 from minipar.parallel.zero.stage3 import Zero3Optimizer
 from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 from minipar.train import TrainConfig, train
@@ -183,7 +183,8 @@ def _one_zero3_step(tie_embeddings: bool, activation_checkpointing: bool = False
     def worker():
         model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16,
                               tie_embeddings=tie_embeddings),
-                    activation_checkpointing=activation_checkpointing)
+                    recompute=Recompute("full", "uniform", 1) if activation_checkpointing
+                    else None)
         engine = data_parallel_engine(model, model.named_parameters(),
                                       dist.new_group([0, 1], "dp"), zero_stage=3,
                                       bucket_bytes=0, adamw={"lr": 0.01})
