@@ -48,6 +48,7 @@ from minipar.parallel.pipeline.actions import (
 from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import validate
 from minipar.parallel.pipeline.stage import StageInput, split_layers, stage_part
+from minipar.parallel.pipeline.tied_embedding import TiedEmbedding
 
 
 # --------------------------------------------------------------------------- one rank
@@ -92,48 +93,24 @@ class Pipeline:
         self.schedule = schedule
         self.actions = schedule[self.pp_rank]
         self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
+        self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
         num_stages = self.pp * virtual_stages
         ranges = split_layers(config.n_layer, num_stages, layer_split)
-        tied = config.tie_embeddings
-        if tied and self.pp == 1 and num_stages > 1:
-            raise PipelineError("a tied embedding needs the first and last virtual stage on "
-                                "different ranks: use pp >= 2 or one virtual stage")
         # the virtual stage of each of my chunks
         self.stages = [schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages)]
         self.chunks = [build_chunk(**stage_part(stage, num_stages, ranges[stage]))
                        for stage in self.stages]
-        # Which pipeline rank holds the first and the last virtual stage: ranks 0 and
-        # p - 1 for the looped placements, both rank 0 in a V (schedule.placement).
-        self.first_rank = schedule.rank_of(0)
-        self.last_rank = schedule.rank_of(num_stages - 1)
-        # A V holds embedding and head on one rank: its two chunks share one wte.
-        self.shares_wte = tied and num_stages > 1 and \
-            self.first_rank == self.last_rank == self.pp_rank
-        if self.shares_wte:
-            next(c for c in self.chunks if c.post_process).wte = self.chunks[0].wte
-        # Megatron's embedding group: the ranks holding the two copies of a tied wte.
-        first, last = pp_group.ranks[self.first_rank], pp_group.ranks[self.last_rank]
-        self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
-        self.embedding_group = None
-        if tied and first != last:
-            self.embedding_group = dist.new_group(sorted([first, last]), kind="pp")
-
-    def holds_tied_copy(self, chunk: GPT) -> bool:
-        """Is chunk's wte the last stage's own copy of a tied embedding?"""
-        return (self.config.tie_embeddings and chunk.post_process and not chunk.pre_process
-                and not self.shares_wte)
+        self.tied = TiedEmbedding(config, pp_group, schedule, self.pp_rank, self.chunks)
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, include_tied_copy: bool = True):
         """(global HF name, Parameter) of every chunk on this rank."""
-        seen = set()
+        seen = set() if include_tied_copy else {id(p) for p in self.tied.copies()}
         for chunk in self.chunks:
             for name, p in chunk.named_parameters():
-                if id(p) in seen or (not include_tied_copy and name == "wte.weight"
-                                     and self.holds_tied_copy(chunk)):
-                    continue
-                seen.add(id(p))
-                yield name, p
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
 
     def parameters(self, include_tied_copy: bool = True):
         return [p for _, p in self.named_parameters(include_tied_copy)]
@@ -155,6 +132,12 @@ class Pipeline:
         Sum it over the pp group for the squared global norm."""
         return grad_norm_squared(p.grad for p in self.parameters()
                                  if p.grad is not None and self.counts_in_norm(p))
+
+    def late_reduced_parameters(self) -> list:
+        """Parameters whose gradient is final only after the whole schedule (the tied
+        embedding's, `TiedEmbedding.late_reduced`): a DP engine reduces them in
+        synchronize_gradients, not from its hooks."""
+        return self.tied.late_reduced()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, micro_batches, grad_sync=None) -> float:
@@ -185,40 +168,16 @@ class Pipeline:
                 grad_sync(last_backward[action.chunk] == i)
             step.run(action)
         step.finish_sends()
-        self._all_reduce_tied_embedding()
+        self.tied.all_reduce_grads()
         return self._broadcast_loss(step.losses)
 
-    def tied_embedding_parameters(self) -> list:
-        """The copies of a tied wte on this rank whose gradients the step sums over the
-        embedding group (final only after that sum): [] on the other ranks."""
-        if self.embedding_group is None or self.pp_rank not in (self.first_rank,
-                                                                  self.last_rank):
-            return []
-        chunk = next(c for c in self.chunks if c.pre_process or self.holds_tied_copy(c))
-        return [chunk.wte.weight]
-
-    def late_reduced_parameters(self) -> list:
-        """Parameters whose gradient is final only after the whole schedule: the tied
-        embedding copies (summed over the embedding group), and in a V the wte that rank
-        0's embedding and head chunks share (both chunks' last backwards add into it), so
-        a DP engine reduces them in synchronize_gradients, not from its hooks."""
-        shared = [self.chunks[0].wte.weight] if self.shares_wte else []
-        return self.tied_embedding_parameters() + shared
-
-    def _all_reduce_tied_embedding(self) -> None:
-        """Sum the gradients of the first and last stage's copies of a tied wte
-        (Megatron-LM's `_allreduce_embedding_grads`): both then see embedding + head."""
-        for weight in self.tied_embedding_parameters():
-            with dist.phase("backward"):
-                weight.grad[...] = dist.all_reduce(weight.grad, "sum",
-                                                   group=self.embedding_group)
-
     def _broadcast_loss(self, losses) -> float:
-        last = self.group.ranks[self.last_rank]
-        mean = np.asarray(np.mean(losses) if self.pp_rank == self.last_rank else 0.0,
-                          np.float64)
+        """The step's mean loss, from the rank holding the last stage to every rank."""
+        last_rank = self.schedule.rank_of(self.pp * self.virtual_stages - 1)
+        mean = np.asarray(np.mean(losses) if self.pp_rank == last_rank else 0.0, np.float64)
         with dist.phase("other"):
-            return float(dist.broadcast(mean, src=last, group=self.group))
+            return float(dist.broadcast(mean, src=self.group.ranks[last_rank],
+                                        group=self.group))
 
 
 class _Step:
