@@ -228,11 +228,13 @@ class Module:
 
 def hook_point(method: Callable) -> Callable:
     """Declare `method` a place forward hooks can wrap, as they wrap `forward`
-    (`module.register_forward_pre_hook(hook, method="embed")`)."""
+    (`module.register_forward_pre_hook(hook, method="embed")`). A subclass that
+    overrides a hook point declares its override one too; when the override calls the
+    parent's through super(), the hooks run once, around the override."""
 
     @functools.wraps(method)
     def hooked(self, *args, **kwargs):
-        if self._hooks is None:
+        if self._hooks is None or getattr(type(self), method.__name__) is not hooked:
             return method(self, *args, **kwargs)
         return _call_with_hooks(self, method.__name__, method, args, kwargs)
 

@@ -70,6 +70,7 @@ from minipar.autograd.placement import require_reduced
 from minipar.autograd.precision import compute_dtype
 from minipar.nn import GPTConfig, Module
 from minipar.nn.gpt import Block, CausalSelfAttention, check_token_ids
+from minipar.nn.module import hook_point
 from minipar.parallel.tensor.mappings import scatter_to_sequence_parallel_region
 
 SELECTIVE_WITH_CP = ("selective recomputation (the attention core) with --cp: ring "
@@ -393,6 +394,7 @@ class ContextParallelMixin:
         self.cp_group, self.load_balance = cp_group, load_balance
         return self
 
+    @hook_point
     def embed(self, idx):
         """idx: my tokens (B, T/N) (`sequence_shard` of the batch) -> (B, T/N, d), or
         with sequence parallelism my TP rank's (B, T/(N t), d)."""

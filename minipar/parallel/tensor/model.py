@@ -53,6 +53,7 @@ from minipar.nn import (
     Module,
     Parameter,
 )
+from minipar.nn.module import hook_point
 from minipar.nn.moe import MoE
 from minipar.parallel.tensor import vocab
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -183,6 +184,7 @@ class TensorParallelMixin:
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         return self
 
+    @hook_point
     def embed(self, idx):
         """idx (B, T) -> (B, T, d) replicated, or my (B, T/t, d) sequence piece."""
         x = super().embed(idx)  # wte's g makes the token embedding whole on every rank
@@ -190,6 +192,7 @@ class TensorParallelMixin:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return x
 
+    @hook_point
     def head(self, x, targets=None):
         """Mean cross-entropy from my vocabulary slice of the logits; without targets,
         the full logits (B, T, V), all-gathered (for generation only)."""
