@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.parallel.data.ddp import MAX_IN_FLIGHT
+from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
 
