@@ -332,7 +332,7 @@ def _check_replicas(kind: str, name: str, group: str | None, arrays) -> None:
 
 
 def consolidate(directory) -> dict[str, np.ndarray]:
-    """The single-device state dict of a checkpoint (DESIGN.md's names and shapes).
+    """The single-device state dict of a checkpoint (`GPT.state_dict()`'s names and shapes).
 
     For mixed precision these are the fp32 master weights, the precise values the bf16
     parameters are rounded from (as DeepSpeed's zero_to_fp32.py); otherwise the
