@@ -137,8 +137,6 @@ class ZeroOffload(ZeroEngine):
     the accumulation boundary, AdamW on the host CPU, and the new parameters copied to
     where the parameter shard lives. Put in front of a ZeRO engine class (below)."""
 
-    optimizer_tier = param_tier = "gpu"
-
     def _place(self, offload_optimizer: str, offload_param: str, stage: int) -> None:
         check_offload(offload_optimizer, offload_param, stage)
         self.offload_optimizer, self.offload_param = offload_optimizer, offload_param

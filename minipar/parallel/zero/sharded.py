@@ -288,11 +288,3 @@ class ZeroEngine:
                 full = sb.bucket.flatten([state[kind][n] for n in names], array.dtype)
                 array[...] = full[sb.start:sb.stop]
 
-
-def check_stage(stage: int, engine: str, accepted: tuple[int, ...]) -> None:
-    """A clear error for a stage that is not ZeRO's, or not this engine's."""
-    if stage not in (1, 2, 3):
-        raise ValueError(f"{engine}: stage must be 1, 2 or 3, got {stage}")
-    if stage not in accepted:
-        raise ValueError(f"{engine} runs ZeRO stage {' or '.join(map(str, accepted))}, "
-                         f"not {stage}: ZeRO-3 is Zero3Optimizer (minipar/parallel/zero/stage3.py)")

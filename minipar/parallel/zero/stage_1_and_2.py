@@ -35,7 +35,7 @@ from __future__ import annotations
 from minipar import distributed as dist
 from minipar.parallel.data.buckets import build_buckets
 from minipar.parallel.zero.partition import ShardedBucket
-from minipar.parallel.zero.sharded import ZeroEngine, check_stage
+from minipar.parallel.zero.sharded import ZeroEngine
 
 
 class ZeroOptimizer(ZeroEngine):
@@ -98,3 +98,12 @@ class ZeroOptimizer(ZeroEngine):
         for sb in self.shards:
             for p in sb.bucket.params:
                 p.release_grad()
+
+
+def check_stage(stage: int, engine: str, accepted: tuple[int, ...]) -> None:
+    """A clear error for a stage that is not ZeRO's, or not this engine's."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"{engine}: stage must be 1, 2 or 3, got {stage}")
+    if stage not in accepted:
+        raise ValueError(f"{engine} runs ZeRO stage {' or '.join(map(str, accepted))}, "
+                         f"not {stage}: ZeRO-3 is Zero3Optimizer (minipar/parallel/zero/stage3.py)")
