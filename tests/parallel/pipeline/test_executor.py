@@ -28,7 +28,7 @@ from minipar.parallel.pipeline.actions import (
     SendGrad,
 )
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.parallel.state import Piece
 from minipar.train.checkpoint import assemble, in_model_order
