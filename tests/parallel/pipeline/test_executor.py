@@ -18,7 +18,6 @@ from minipar.errors import PipelineError, ScheduleError
 from minipar.nn import GPT, AdamW, GPTConfig, Recompute, clip_grad_norm_
 from minipar.nn.gpt import parameter_shapes
 from minipar.nn.optim import scale_grads_
-from minipar.parallel.data.buckets import Piece
 from minipar.parallel.pipeline.actions import (
     Backward,
     Forward,
@@ -31,6 +30,7 @@ from minipar.parallel.pipeline.actions import (
 from minipar.parallel.pipeline.executor import Pipeline
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.pipeline.stage import split_layers
+from minipar.parallel.state import Piece
 from minipar.train.checkpoint import assemble, in_model_order
 from minipar.train.data import micro_batch, synthetic_stream
 

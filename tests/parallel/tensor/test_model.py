@@ -36,8 +36,8 @@ from minipar.nn import (
     parameter_shapes,
 )
 from minipar.nn.optim import scale_grads_
-from minipar.parallel.data.buckets import Piece
 from minipar.parallel.data.ddp import DataParallel
+from minipar.parallel.state import Piece
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from minipar.parallel.tensor.model import (
     counts_once_in_norm,
