@@ -35,11 +35,11 @@ from minipar.profile import cli as profile_cli
 from minipar.train.config import (
     DATASETS,
     MOE_HELP,
-    PRECISIONS,
     ROUTING_SETTINGS,
     TrainConfig,
     moe_setting_without_experts,
 )
+from minipar.train.layout import PRECISIONS
 from minipar.train.outputs import check_output_dir, check_output_file
 
 HELP = {**MOE_HELP,  # the MoE and --ep flags, beside their settings in train/config.py
@@ -77,10 +77,9 @@ HELP = {**MOE_HELP,  # the MoE and --ep flags, beside their settings in train/co
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm to this value (0 = off)",
     "precision": "numerics: fp64 (exact checks), fp32, bf16-mixed",
-    "activation_checkpointing": "recompute each block's activations in backward "
-                                "(= --recompute-granularity full)",
     "recompute_granularity": "recompute in backward: selective (the attention core only) or "
-                             "full (whole blocks; Megatron-LM's flag)",
+                             "full (whole blocks, every one without --recompute-method; "
+                             "Megatron-LM's flag)",
     "recompute_method": "with full: uniform (groups of --recompute-num-layers blocks) or "
                         "block (only the first N blocks of each pipeline chunk)",
     "recompute_num_layers": "blocks per group (uniform) or blocks recomputed per chunk (block)",
@@ -219,8 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from minipar.train.checkpoint import read_manifest
-    from minipar.train.loop import train
+    from minipar.train.loop import prepare_run, train_prepared
 
     config = config_from_args(args)
     if args.save_every and not args.save:
@@ -230,12 +228,13 @@ def cmd_train(args) -> int:
         check_output_file("json", args.json)
     if args.save is not None:
         check_output_dir("save", args.save)
-    check_fits(config)  # the planner's estimate, before anything is allocated
+    prepared = prepare_run(config, args.resume)  # the data, the layout, the checkpoint
+    check_fits(prepared.config)  # the planner's estimate, before anything is allocated
     bar = None
     if not args.quiet:
         from tqdm.auto import tqdm
 
-        start = read_manifest(args.resume)["step"] if args.resume else 0
+        start = 0 if prepared.start is None else prepared.start.step
         bar = tqdm(total=config.steps, initial=start, desc="train", unit="step",
                    disable=None)
 
@@ -247,9 +246,9 @@ def cmd_train(args) -> int:
     late = None  # an output that failed after the run: said last, the results kept
     with profile_cli.trace_folder(args) as trace:  # checked before the work
         try:
-            report = train(config, progress=progress, save_dir=args.save,
-                           save_every=args.save_every, resume_from=args.resume,
-                           device=device_profile(args.device), trace=trace)
+            report = train_prepared(prepared, progress=progress, save_dir=args.save,
+                                    save_every=args.save_every,
+                                    device=device_profile(args.device), trace=trace)
         except OutputError as err:
             if err.report is None:
                 raise
@@ -382,7 +381,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_timeline(args) -> int:
-    from minipar.train.loop import train
+    from minipar.train.loop import prepare_run, train_prepared
     from minipar.viz.timeline import plot_timeline
 
     config = config_from_args(args)
@@ -393,8 +392,9 @@ def cmd_timeline(args) -> int:
         args.out = f"{args.out}.png"
     check_output_file("out", args.out)
     check_figure_format(args.out)
-    check_fits(config)
-    report = train(config, device=device_profile(args.device))
+    prepared = prepare_run(config)
+    check_fits(prepared.config)
+    report = train_prepared(prepared, device=device_profile(args.device))
     start = end = None
     what = "the whole run"
     if not args.all_steps:

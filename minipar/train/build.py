@@ -18,7 +18,7 @@ a single device starts.
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
     rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
 
-`check_layout` (which mixes run, and why the others are refused) is in layouts.py.
+`check_layout` (which mixes run, and why the others are refused) is in mixes.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
-from minipar.errors import LayoutError  # noqa: F401 - re-exported (a ConfigError)
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context.ring_attention import context_parallel_class
@@ -49,7 +48,6 @@ from minipar.parallel.tensor.sequence import (
 )
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
-from minipar.train.layouts import check_layout, tp_groups_across_nodes  # noqa: F401 - re-exported
 
 
 # ------------------------------------------------------------------ one rank's model
@@ -166,9 +164,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     gpt = gpt_config(config)
     tp_group, pp_group = mesh.tp_group(), mesh.pp_group()
     model = pipeline = None
-    common = dict(seed=config.seed, precision=config.precision,
-                  activation_checkpointing=config.activation_checkpointing,
-                  recompute=config.recompute)
+    common = dict(seed=config.seed, precision=config.precision, recompute=config.recompute)
 
     def with_context_parallel(model_class: type) -> type:
         # CP converts what TP built: ring attention on its heads, my tokens' positions
@@ -209,7 +205,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by layouts.check_layout)
+    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by mixes.check_layout)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
     else:

@@ -36,7 +36,7 @@ from minipar.nn.gpt import parameter_shapes
 from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
-from minipar.train.layouts import check_layout
+from minipar.train.mixes import check_layout
 from minipar.viz.ticks import TickCopyingAxes
 
 KINDS = ("params", "grads", "optimizer")

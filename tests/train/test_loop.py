@@ -69,7 +69,7 @@ def test_bf16_mixed_holds_two_two_twelve_bytes_per_parameter():
 
 def test_activation_checkpointing_lowers_the_activation_peak_and_adds_flops():
     plain = train(TrainConfig(steps=1, **SMALL))
-    ckpt = train(TrainConfig(steps=1, activation_checkpointing=True, **SMALL))
+    ckpt = train(TrainConfig(steps=1, recompute_granularity="full", **SMALL))
     assert ckpt.ranks[0]["memory"]["activations"] < plain.ranks[0]["memory"]["activations"]
     assert ckpt.ranks[0]["time"]["compute_s"] > plain.ranks[0]["time"]["compute_s"]
     np.testing.assert_allclose(ckpt.losses, plain.losses, rtol=1e-5)
@@ -158,7 +158,7 @@ def test_step_windows_cover_the_run_on_the_simulated_clock():
 @pytest.mark.parametrize("settings", [
     LAYOUT_3D,
     {**SMALL, "tp": 2, "pp": 2, "sequence_parallel": True, "schedule": "gpipe",
-     "grad_accum_steps": 2, "activation_checkpointing": True},
+     "grad_accum_steps": 2, "recompute_granularity": "full"},
     {**SMALL, "dp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2,
      "grad_accum_steps": 2, "n_layer": 4, "tie_embeddings": False},
 ])

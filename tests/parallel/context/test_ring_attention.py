@@ -138,7 +138,7 @@ def test_gradients_are_averaged_over_dp_times_cp_and_cp_bytes_are_the_ring_atten
 ])
 def test_layouts_that_cannot_cut_the_sequence_are_refused_with_the_reason(settings, message):
     from minipar.train.config import TrainConfig
-    from minipar.train.layouts import check_layout
+    from minipar.train.mixes import check_layout
 
     config = TrainConfig(**{**CHECK, "vocab_size": 32, **settings})
     with pytest.raises(ValueError, match=message) as err:

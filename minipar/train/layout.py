@@ -1,0 +1,262 @@
+"""Layout: how one training run is cut over GPUs, defined once for the trainer and the planner.
+
+A layout is the mesh (dp x pp x cp x tp, with ep inside dp), what each data-parallel rank
+keeps (the ZeRO stage, offload), how a step is cut into micro-batches and run through the
+pipeline (the schedule), and the numerics and memory settings every one of those costs
+depends on (precision, recomputation, gradient buckets). The batch arithmetic every
+interview asks about lives here:
+
+    global_batch_size = micro_batch_size x grad_accum_steps x dp
+
+Give either `grad_accum_steps` or `global_batch_size` (or both, consistently); the other
+is derived. A global batch that does not split is an error that names the fix.
+
+Two configs build on this one definition, as Megatron-LM's `TransformerConfig` builds on
+`ModelParallelConfig` (megatron/core/transformer/transformer_config.py, a dataclass that
+inherits the parallel fields): minipar.train.config.TrainConfig (the model, the layout,
+the optimizer and the run) and minipar.plan.layout.ParallelConfig (the layout and what a
+real cluster adds). A field added here is a flag of `minipar train` and a setting of the
+planner at once.
+
+The rules below need nothing but the layout and run when it is built. The rules that need
+the model (heads that split over tp, layers enough for the stages, a sequence that cuts
+into 2cp chunks) need the data's vocabulary too: they are minipar.train.mixes.check_layout
+for the trainer and minipar.plan.layout.check_model_fits_layout for the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from minipar.errors import ConfigError
+from minipar.nn.recompute import Recompute, recompute_problem
+from minipar.parallel.pipeline.schedules import check_schedule_name
+from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
+
+PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+# Micro-batches per optimizer step: the trainer runs each one and the planner simulates
+# each one of the schedule; --grad-accum-steps 10**12 hung the planner and asked the
+# trainer for 29 TiB of token ids. Published runs use hundreds to a few thousand.
+MAX_MICRO_BATCHES = 65536
+
+
+@dataclass(frozen=True)
+class Layout:
+    # the device mesh dp x pp x cp x tp (minipar.distributed.DeviceMesh)
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    # context parallelism: every sequence cut over cp ranks, ring attention; load
+    # balancing gives rank r chunks r and 2cp-1-r of 2cp
+    cp: int = dataclasses.field(default=1, metadata={
+        "help": "context-parallel size: each sequence cut over this many ranks (ring attention)"})
+    cp_load_balance: bool = dataclasses.field(default=True, metadata={
+        "help": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, so causal "
+                "attention gives every rank the same work"})
+    # expert parallelism: the experts split over ep ranks inside the data-parallel group
+    ep: int = 1
+    # what each data-parallel rank keeps: ZeRO stage 0-3 over the DP group; ZeRO-Offload /
+    # ZeRO-Infinity (minipar/parallel/zero/offload.py): where the optimizer state (ZeRO >= 1)
+    # and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
+    zero: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    # the pipeline: its schedule (minipar.parallel.pipeline.schedules) and model chunks
+    # per rank; tensor parallelism's sequence-parallel regions
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
+    # bucket reduced after backward, > 0 = buckets reduced while backward goes on
+    bucket_size_mb: float = 0.25
+    # reduce gradient buckets asynchronously while backward goes on, and under pipeline
+    # parallelism during each stage's last micro-batch backward (DeepSpeed's overlap_comm,
+    # Megatron's --overlap-grad-reduce); False waits for each reduction as it starts (same
+    # bytes and numbers)
+    overlap_grad_reduce: bool = True
+    # ZeRO-3: all-gather the next module's parameters while the current one computes
+    # (FSDP's forward/backward prefetch, DeepSpeed's stage3_prefetch_bucket_size)
+    zero3_prefetch: bool = True
+    # the batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
+    micro_batch_size: int = 4
+    grad_accum_steps: int | None = None
+    global_batch_size: int | None = None
+    # numerics and memory: the dtype policy; recomputation (Megatron-LM's flags,
+    # minipar.nn.recompute): selective = only the attention core; full = whole layers, the
+    # method choosing which of each chunk's (no method: every layer)
+    precision: str = "fp32"
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate_layout()
+
+    def validate_layout(self, n_layer: int | None = None) -> None:
+        """The layout's rules, each once (the sizes, the ZeRO stage and its offload, the
+        precision, the schedule's name, the buckets, --ep inside --dp, the batch, the
+        recomputation flags); the batch is derived. n_layer: the model's layers, when it
+        is known (a TrainConfig), which bound --recompute-num-layers by a chunk's."""
+        check_positive_integers(self, ("dp", "tp", "pp", "cp", "ep", "virtual_stages",
+                                       "micro_batch_size"))
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        choice("precision", self.precision, PRECISIONS)
+        check_schedule_name(self.schedule, ConfigError)
+        bucket = self.bucket_size_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or \
+                not math.isfinite(bucket) or bucket < 0:  # NaN compares False with every bound
+            raise ConfigError("bucket_size_mb", "must be a finite number >= 0 (0 = one "
+                              f"bucket), got {bucket!r}")
+        check_offload_settings(self.offload_optimizer, self.offload_param, self.zero)
+        if self.dp % self.ep:
+            raise ConfigError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the experts "
+                              "are split inside the data-parallel group")
+        accum, global_batch = resolve_batch(self.micro_batch_size, self.dp,
+                                            self.grad_accum_steps, self.global_batch_size)
+        object.__setattr__(self, "grad_accum_steps", accum)  # derived, once, at construction
+        object.__setattr__(self, "global_batch_size", global_batch)
+        chunks = self.pp * self.virtual_stages  # model chunks (Megatron's layers per chunk)
+        layers_per_chunk = (self.recompute_num_layers or 1) if n_layer is None else \
+            -(-n_layer // chunks)
+        problem = recompute_problem(False, self.recompute_granularity, self.recompute_method,
+                                    self.recompute_num_layers, layers_per_chunk)
+        if problem is not None:
+            raise ConfigError(*problem)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged and ZeRO
+        shards: dp x cp (parameters are replicated over context parallelism)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same experts, over which expert gradients are reduced and
+        expert ZeRO shards cut: dp / ep (Megatron's expert-data-parallel group)."""
+        return self.replicas // self.ep
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each DP rank (= grad_accum_steps; the
+        pipeline's m)."""
+        return self.grad_accum_steps
+
+    @property
+    def recompute(self) -> Recompute:
+        """The recomputation policy (minipar.nn.recompute) of the recompute_* settings."""
+        return Recompute.from_settings(granularity=self.recompute_granularity,
+                                       method=self.recompute_method,
+                                       num_layers=self.recompute_num_layers)
+
+    # ------------------------------------------------------------------ copies
+    def to_dict(self) -> dict:
+        """Every setting, flat (a TrainConfig's is the report's `config`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown setting; valid settings: {sorted(known)}")
+        return cls(**values)
+
+    def replace(self, **changes):
+        """A copy with some settings changed; the batch is re-derived unless given:
+        changing dp, the micro-batch size or the accumulation recomputes the global batch,
+        and a new global batch recomputes the accumulation."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if "global_batch_size" not in changes and {"dp", "micro_batch_size",
+                                                   "grad_accum_steps"} & set(changes):
+            values["global_batch_size"] = None
+        if "grad_accum_steps" not in changes and "global_batch_size" in changes:
+            values["grad_accum_steps"] = None
+        return type(self).from_dict({**values, **changes})
+
+
+# ------------------------------------------------------------------ the rules
+def check_offload_settings(optimizer: str, param: str, zero: int) -> None:
+    """ZeRO-Offload / ZeRO-Infinity's devices and the stages DeepSpeed runs them with
+    (deepspeed/runtime/zero/offload_config.py; minipar/parallel/zero/offload.py)."""
+    choice("offload_optimizer", optimizer, OFFLOAD_DEVICES)
+    choice("offload_param", param, OFFLOAD_DEVICES)
+    if param != "none" and zero != 3:
+        raise ConfigError(
+            "offload_param", f"--offload-param {param} needs --zero 3 (got --zero {zero}): "
+            "below stage 3 every rank keeps the full parameters on its GPU to run forward "
+            "and backward, so there is no parameter shard to offload (DeepSpeed: "
+            "offload_param is valid only with stage 3); use --zero 3, or "
+            "--offload-optimizer cpu to offload the optimizer state")
+    if optimizer != "none" and zero == 0:
+        raise ConfigError(
+            "offload_optimizer", f"--offload-optimizer {optimizer} needs --zero 1, 2 or 3: "
+            "ZeRO-Offload moves a rank's ZeRO partition of the optimizer state to the host, "
+            "and --zero 0 has none (DeepSpeed: offload_optimizer is valid with stage 1, 2 "
+            "and 3); add --zero 1")
+    if optimizer == "nvme" and zero < 3:
+        raise ConfigError(
+            "offload_optimizer", f"--offload-optimizer nvme needs --zero 3 (got --zero "
+            f"{zero}): DeepSpeed's stage 1/2 optimizer has no NVMe swapper (stage_1_and_2.py "
+            "keeps the state in CPU memory for any offload device); ZeRO-Infinity's NVMe "
+            "swapping is stage 3's. Use --offload-optimizer cpu or --zero 3")
+
+
+def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
+                  global_batch_size: int | None) -> tuple[int, int]:
+    """(grad_accum_steps, global_batch_size) with global = micro x accum x dp, from
+    either (or both, consistent); neither given means one micro-batch per step."""
+    per_step = micro_batch_size * dp  # sequences per micro-step, all DP ranks
+    accum, global_batch = grad_accum_steps, global_batch_size
+    if accum is not None and (not isinstance(accum, int) or accum < 1):
+        raise ConfigError("grad_accum_steps", f"must be a positive integer, got {accum!r}")
+    if accum is not None and accum > MAX_MICRO_BATCHES:
+        raise ConfigError("grad_accum_steps", f"must be at most {MAX_MICRO_BATCHES:,} "
+                          f"micro-batches per step (every one is run, or simulated), got "
+                          f"{accum:,}")
+    if global_batch is None:
+        accum = 1 if accum is None else accum
+        return accum, per_step * accum
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError("global_batch_size", f"must be a positive integer, got "
+                          f"{global_batch!r}")
+    if global_batch % per_step:
+        lower = max(per_step, global_batch // per_step * per_step)
+        raise ConfigError(
+            "global_batch_size", f"{global_batch} does not split into micro-batches: it must "
+            f"be a multiple of micro_batch_size x dp = {micro_batch_size} x {dp} = "
+            f"{per_step} (e.g. {lower} or {lower + per_step}), or set --grad-accum-steps "
+            "instead")
+    derived = global_batch // per_step
+    if derived > MAX_MICRO_BATCHES:
+        raise ConfigError("global_batch_size", f"{global_batch:,} is {derived:,} micro-batches "
+                          f"of micro_batch_size x dp = {per_step} per step; at most "
+                          f"{MAX_MICRO_BATCHES:,} (every one is run, or simulated): raise "
+                          "--micro-batch-size or dp")
+    if accum is not None and accum != derived:
+        raise ConfigError("global_batch_size",
+                          f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
+                          f"{micro_batch_size} x {accum} x {dp} = {per_step * accum}; give "
+                          "only one of --global-batch-size and --grad-accum-steps")
+    return derived, global_batch
+
+
+def check_positive_integers(settings, names) -> None:
+    """Each setting in `names` (attributes of `settings`) is an int >= 1."""
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def choice(name: str, value, options) -> None:
+    """`value` is one of `options`."""
+    if value not in options:
+        raise ConfigError(name, f"must be one of {', '.join(options)}; got {value!r}")
