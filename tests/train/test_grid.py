@@ -83,3 +83,19 @@ def test_a_v_with_data_parallelism_reduces_its_buckets_right():
     (case,) = [c for c in GRID if c.name.startswith("dp2 pp2 zb-v zero1")]
     result = run_case(case)
     assert result.passed, result.equivalence
+
+
+def test_cases_with_the_same_reference_train_it_once(monkeypatch):
+    """pp2 gpipe and pp4 1f1b run the same 4 micro-batches of 2 on one device."""
+    loop = importlib.import_module("minipar.train.loop")
+    trained, real = [], loop.reference_run
+
+    def counted(prepared, device=None):
+        trained.append(prepared.config.schedule)
+        return real(prepared, device)
+
+    monkeypatch.setattr(loop, "reference_run", counted)
+    cases = [c for c in GRID if c.name in ("pp2 gpipe", "pp4 1f1b")]
+    results = run_grid(cases, steps=1)
+    assert [r.passed for r in results] == [True, True]
+    assert trained == ["gpipe"]  # the second case reused the first one's reference
