@@ -54,7 +54,9 @@ PRECISION_BYTES = {
 class ParallelConfig(Layout):
     """A Layout as the planner sees it. Its defaults are a production run's rather than
     the emulator's toy: one sequence per micro-batch, bf16 mixed precision, one gradient
-    bucket (the fields themselves are Layout's)."""
+    bucket (the fields themselves are Layout's). The schedule's rules are checked here,
+    when it is built (the trainer's check_layout checks them, with the rules that need
+    the model)."""
 
     micro_batch_size: int = 1
     precision: str = "bf16-mixed"

@@ -44,6 +44,9 @@ MAX_MICRO_BATCHES = 65536
 
 @dataclass(frozen=True)
 class Layout:
+    """How a run is cut over GPUs (the module docstring). Checked when built; the batch
+    is derived then: grad_accum_steps and global_batch_size are both set after it."""
+
     # the device mesh dp x pp x cp x tp (minipar.distributed.DeviceMesh)
     dp: int = 1
     tp: int = 1

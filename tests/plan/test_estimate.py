@@ -197,7 +197,7 @@ def test_planner_predicts_tensor_parallelism(tp, sequence_parallel, checkpointin
         mesh = dist.DeviceMesh(tp=tp)
         model = tensor_parallel_gpt(gpt, 0, "fp32", mesh.tp_group(),
                                     sequence_parallel=sequence_parallel,
-                                    recompute_granularity="full" if checkpointing else None)
+                                    activation_checkpointing=checkpointing)
         for p in model.parameters():
             dist.get_device().memory.hold(p.data, "params")
         with dist.phase("forward"):
@@ -244,7 +244,7 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
 
     def rank_program():
         pipe = Pipeline(gpt, schedule=schedule, micro_batches=m, virtual_stages=v,
-                        precision="fp32", recompute_granularity="full" if checkpointing else None)
+                        precision="fp32", activation_checkpointing=checkpointing)
         for p in pipe.parameters():
             dist.get_device().memory.hold(p.data, "params")
         pipe.forward_backward(batches)
