@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from minipar.errors import ConfigError
-from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.pipeline.schedules import schedule_names
 from minipar.plan import presets, published
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
@@ -33,18 +31,23 @@ from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
-from minipar.train.config import MOE_HELP, check_learning_rate, moe_setting_without_experts
-from minipar.train.layout import PRECISIONS
+from minipar.train.config import ModelSettings, check_learning_rate, moe_setting_without_experts
+from minipar.train.flags import add_setting_flags
+from minipar.train.layout import Layout
 from minipar.train.outputs import check_output_dir, check_output_file
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
-# What a search (--gpus without --dp/--tp/--pp) chooses itself (advisor.candidate_configs)
-# or prices one way (one gradient bucket): given with a search, each would be ignored.
-SEARCHED_FLAGS = ("cp", "ep", "zero", "micro_batch_size", "grad_accum_steps", "schedule",
-                  "virtual_stages", "sequence_parallel", "recompute_granularity",
-                  "recompute_method", "recompute_num_layers", "layer_split", "bucket_size_mb",
-                  "offload_optimizer", "offload_param")
+# The layout flags are the trainer's (one per Layout field); unset (None) unless given,
+# ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
+# these from the user and chooses (advisor.candidate_configs) or prices one way (one
+# gradient bucket) every other one: given with a search, it would be ignored.
+LAYOUT_SETTINGS = tuple(f.name for f in fields(Layout))
+SEARCH_TAKES = ("dp", "tp", "pp", "global_batch_size", "precision", "overlap_grad_reduce",
+                "zero3_prefetch")
+SEARCHED_FLAGS = (*(n for n in LAYOUT_SETTINGS if n not in SEARCH_TAKES), "layer_split")
+PLANNER_NOTES = {"global_batch_size": "default: the preset's published one",
+                 "bucket_size_mb": "default 0: one bucket"}
 MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
              "moe_layer_freq": int}
 
@@ -68,7 +71,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=help_text)
     for name, kind in MOE_FLAGS.items():  # the trainer's flags (a preset's by default)
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                           help=MOE_HELP[name])
+                           help=ModelSettings.__dataclass_fields__[name].metadata["help"])
     hardware = plan.add_argument_group("cluster")
     hardware.add_argument("--cluster", default=None,
                           help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb; "
@@ -82,28 +85,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                                "preset's roofline (GEMMs by shape, other ops by bytes)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
                                      "searching)")
-    for name in LAYOUT_FLAGS:
-        layout.add_argument("--" + name, type=int, dest=name,
-                            help=MOE_HELP["ep"] if name == "ep" else None)
-    layout.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
-    for name in ("offload-optimizer", "offload-param"):  # DeepSpeed's offload devices
-        layout.add_argument("--" + name, dest=name.replace("-", "_"), default="none",
-                            choices=("none", "cpu", "nvme"))
-    layout.add_argument("--schedule", choices=schedule_names(), default=None)
-    layout.add_argument("--virtual-stages", type=int, dest="virtual_stages", default=None)
-    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                        dest="sequence_parallel", default=None)
-    layout.add_argument("--micro-batch-size", type=int, dest="micro_batch_size")
-    layout.add_argument("--grad-accum-steps", type=int, dest="grad_accum_steps")
-    layout.add_argument("--global-batch-size", type=int, dest="global_batch_size",
-                        help="sequences per step (default: the preset's published one)")
-    layout.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None,
-                        dest="recompute_granularity",
-                        help="selective (the attention core) or full (whole layers)")
-    layout.add_argument("--recompute-method", choices=METHODS, default=None,
-                        dest="recompute_method")
-    layout.add_argument("--recompute-num-layers", type=int, default=None,
-                        dest="recompute_num_layers")
+    add_setting_flags(layout, Layout, defaults=dict.fromkeys(LAYOUT_SETTINGS),
+                      notes=PLANNER_NOTES)
     layout.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
                         dest="flash_attention", default=None,
                         help="attention that does not keep the (s x s) probabilities "
@@ -111,18 +94,6 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "as minipar's own attention)")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
-    # the trainer's overlap flags (minipar train), priced by plan/overlap.py
-    layout.add_argument("--bucket-size-mb", type=float, dest="bucket_size_mb", default=None,
-                        help="gradient bucket size in MiB (0 = one bucket, the default)")
-    layout.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
-                        dest="overlap_grad_reduce", default=True,
-                        help="reduce gradient buckets while backward goes on (under --pp: "
-                             "during each stage's last micro-batch backward)")
-    layout.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction,
-                        dest="zero3_prefetch", default=True,
-                        help="ZeRO-3: all-gather the next module's parameters while the "
-                             "current one computes")
-    layout.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
     layout.add_argument("--reference-global-batch-size", type=int,
                         dest="reference_global_batch_size",
@@ -225,52 +196,30 @@ def _global_batch(args, shape: ModelShape, gpus: int) -> int:
 
 
 def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
-    """The layout asked for: the example's ParallelConfig, or the settings as a dict
-    (possibly inconsistent, for the lint to report)."""
-    if args.example == "bloom":
-        base = presets.BLOOM_176B
-        changes = {k: getattr(args, k) for k in ("zero", "micro_batch_size",
-                                                 "recompute_granularity", "recompute_method",
-                                                 "recompute_num_layers",
-                                                 "sequence_parallel")
-                   if getattr(args, k) is not None}
-        changes.update(_overlap(args))
-        return base.replace(**changes)
-    def given(value, default):  # (not `value or default`: --dp 0 must be refused, not 1)
-        return default if value is None else value
-
-    dp, tp, pp, cp, ep = (given(getattr(args, k), 1) for k in LAYOUT_FLAGS)
-    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=given(args.zero, 0),
-                  schedule=args.schedule or "1f1b",
-                  virtual_stages=given(args.virtual_stages, 1),
-                  sequence_parallel=bool(args.sequence_parallel),
-                  micro_batch_size=given(args.micro_batch_size, 1),
-                  grad_accum_steps=args.grad_accum_steps,
-                  global_batch_size=args.global_batch_size, precision=args.precision,
-                  recompute_granularity=args.recompute_granularity,
-                  recompute_method=args.recompute_method,
-                  recompute_num_layers=args.recompute_num_layers,
-                  flash_attention=args.flash_attention, lr=args.lr,
-                  offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-                  **_overlap(args))
+    """The layout asked for: the example's ParallelConfig with the settings given, or the
+    settings as a dict (possibly inconsistent, for the lint to report)."""
+    if args.example == "bloom":  # (its mesh sizes were refused above)
+        return presets.BLOOM_176B.replace(**{name: getattr(args, name)
+                                            for name in LAYOUT_SETTINGS
+                                            if getattr(args, name) is not None})
+    values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
+    values.update(flash_attention=args.flash_attention, lr=args.lr)
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
         except ValueError:
             raise ConfigError("layer_split", f"{args.layer_split!r} is not a comma-separated "
-                            "list of layer counts") from None
+                              "list of layer counts") from None
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
-        values["global_batch_size"] = _global_batch(args, shape, dp * tp * pp * cp)
+        gpus = values["dp"] * values["tp"] * values["pp"] * values["cp"]
+        values["global_batch_size"] = _global_batch(args, shape, gpus)
     return values
 
 
-def _overlap(args) -> dict:
-    """The overlap settings given (the trainer's names)."""
-    settings = {"overlap_grad_reduce": args.overlap_grad_reduce,
-                "zero3_prefetch": args.zero3_prefetch}
-    if args.bucket_size_mb is not None:
-        settings["bucket_size_mb"] = args.bucket_size_mb
-    return settings
+def _setting(args, name: str):
+    """A layout setting as given, or ParallelConfig's default."""
+    value = getattr(args, name)
+    return ParallelConfig.__dataclass_fields__[name].default if value is None else value
 
 
 def _emit_json(args, payload: dict) -> None:
@@ -367,9 +316,10 @@ def _run(args) -> int:
                             "evaluate one")
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
-                        precision=args.precision, flash_attention=args.flash_attention,
-                        lr=args.lr, overlap_grad_reduce=args.overlap_grad_reduce,
-                        zero3_prefetch=args.zero3_prefetch)
+                        precision=_setting(args, "precision"),
+                        flash_attention=args.flash_attention, lr=args.lr,
+                        overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
+                        zero3_prefetch=_setting(args, "zero3_prefetch"))
         if args.json:
             payload = advice.to_dict(top=args.top)
             if advice.best is not None:

@@ -29,17 +29,8 @@ from dataclasses import dataclass
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError
 from minipar.nn.gpt import GPTConfig
-from minipar.train.layout import Layout, check_positive_integers, choice
+from minipar.train.layout import Layout, check_positive_integers, choice, setting
 
-# The CLI help of the mixture-of-experts flags (Megatron-LM's names in brackets).
-MOE_HELP = {
-    "moe_num_experts": "experts per MoE layer (0 = dense MLP; Megatron's --num-experts)",
-    "moe_top_k": "experts each token is routed to (--moe-router-topk)",
-    "moe_capacity_factor": "expert capacity = ceil(tokens x k / E x factor); overflow dropped",
-    "moe_aux_loss_coeff": "load-balancing auxiliary loss coefficient (Switch/GShard)",
-    "moe_layer_freq": "every k-th block is MoE (blocks 0, k, 2k, ...)",
-    "ep": "expert-parallel size (splits the experts inside the data-parallel group)",
-}
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 # The deepest and widest models minipar takes (the trainer's and the planner's): far past
 # any published one (GPT-3 has 96 layers, Megatron's 1T model 128; DeepSeek-V3 256 routed
@@ -56,18 +47,23 @@ class ModelSettings:
     """The model: GPT-2's shape (vocab_size None = taken from the data's tokenizer) and
     its mixture of experts (minipar/nn/moe.py; 0 experts = the dense GPT-2)."""
 
-    vocab_size: int | None = None
-    seq_len: int = 32
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 64
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    moe_num_experts: int = 0
-    moe_top_k: int = 2
-    moe_capacity_factor: float = 1.0
-    moe_aux_loss_coeff: float = 0.01
-    moe_layer_freq: int = 1
+    vocab_size: int | None = setting(None, "vocabulary size (default: the data's tokenizer)")
+    seq_len: int = setting(32, "tokens per sequence (T)")
+    n_layer: int = setting(2, "transformer blocks")
+    n_head: int = setting(4, "attention heads")
+    d_model: int = setting(64, "hidden size (h)")
+    dropout: float = setting(0.0, "dropout probability (0 = off)")
+    tie_embeddings: bool = setting(True, "share the LM head with the token embedding (GPT-2 "
+                                         "does)")
+    # Megatron-LM's names of the MoE flags in brackets
+    moe_num_experts: int = setting(0, "experts per MoE layer (0 = dense MLP; Megatron's "
+                                      "--num-experts)")
+    moe_top_k: int = setting(2, "experts each token is routed to (--moe-router-topk)")
+    moe_capacity_factor: float = setting(1.0, "expert capacity = ceil(tokens x k / E x "
+                                              "factor); overflow dropped")
+    moe_aux_loss_coeff: float = setting(0.01, "load-balancing auxiliary loss coefficient "
+                                              "(Switch/GShard)")
+    moe_layer_freq: int = setting(1, "every k-th block is MoE (blocks 0, k, 2k, ...)")
 
     def __post_init__(self) -> None:
         self.validate_model()
@@ -110,13 +106,13 @@ class ModelSettings:
 class OptimizerSettings:
     """AdamW, linear warm-up then cosine decay to min_lr; clipping of the global norm."""
 
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 2
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    lr: float = setting(1e-3, "peak learning rate")
+    min_lr: float = setting(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = setting(2, "linear warm-up steps")
+    weight_decay: float = setting(0.1, "AdamW decoupled weight decay (matrices only)")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this value (0 = off)")
 
     def __post_init__(self) -> None:
         self.validate_optimizer()
@@ -149,11 +145,14 @@ class RunSettings:
     whether the single-device reference is trained too and compared every step
     (equivalence.py)."""
 
-    steps: int = 20
-    data: str = "corpus"
-    seed: int = 0
-    gpus_per_node: int = 8
-    check: bool = False
+    steps: int = setting(20, "optimizer steps")
+    data: str = setting("corpus", "training data: the built-in corpus or a synthetic Markov "
+                                  "task")
+    seed: int = setting(0, "seed of weights and batches")
+    gpus_per_node: int = setting(8, "virtual GPUs per node (ranks on one node share fast "
+                                    "links)")
+    check: bool = setting(False, "also train the single-device reference and compare every "
+                                 "step")
 
     def __post_init__(self) -> None:
         self.validate_run()

@@ -42,57 +42,73 @@ PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 MAX_MICRO_BATCHES = 65536
 
 
+def setting(default, help: str):
+    """A field of a settings dataclass: its default and the one line of its CLI flag."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Layout:
     """How a run is cut over GPUs (the module docstring). Checked when built; the batch
     is derived then: grad_accum_steps and global_batch_size are both set after it."""
 
     # the device mesh dp x pp x cp x tp (minipar.distributed.DeviceMesh)
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    # context parallelism: every sequence cut over cp ranks, ring attention; load
-    # balancing gives rank r chunks r and 2cp-1-r of 2cp
-    cp: int = dataclasses.field(default=1, metadata={
-        "help": "context-parallel size: each sequence cut over this many ranks (ring attention)"})
-    cp_load_balance: bool = dataclasses.field(default=True, metadata={
-        "help": "cut the sequence into 2 x cp chunks, rank r keeping r and 2cp-1-r, so causal "
-                "attention gives every rank the same work"})
+    dp: int = setting(1, "data-parallel size")
+    tp: int = setting(1, "tensor-parallel size")
+    pp: int = setting(1, "pipeline-parallel size")
+    # context parallelism: every sequence cut over cp ranks, ring attention
+    cp: int = setting(1, "context-parallel size: each sequence cut over this many ranks "
+                         "(ring attention)")
+    cp_load_balance: bool = setting(True, "cut the sequence into 2 x cp chunks, rank r keeping "
+                                          "r and 2cp-1-r, so causal attention gives every "
+                                          "rank the same work")
     # expert parallelism: the experts split over ep ranks inside the data-parallel group
-    ep: int = 1
+    ep: int = setting(1, "expert-parallel size (splits the experts inside the data-parallel "
+                         "group)")
     # what each data-parallel rank keeps: ZeRO stage 0-3 over the DP group; ZeRO-Offload /
     # ZeRO-Infinity (minipar/parallel/zero/offload.py): where the optimizer state (ZeRO >= 1)
     # and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
-    zero: int = 0
-    offload_optimizer: str = "none"
-    offload_param: str = "none"
+    zero: int = setting(0, "ZeRO stage over the data-parallel group (0-3)")
+    offload_optimizer: str = setting("none", "ZeRO-Offload: optimizer state and Adam on the "
+                                             "host (--zero >= 1)")
+    offload_param: str = setting("none", "ZeRO-Infinity: the parameter shard in host memory / "
+                                         "NVMe (--zero 3)")
     # the pipeline: its schedule (minipar.parallel.pipeline.schedules) and model chunks
     # per rank; tensor parallelism's sequence-parallel regions
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    # data parallelism: gradient bucket capacity in MiB (DDP's bucket_cap_mb); 0 = one
-    # bucket reduced after backward, > 0 = buckets reduced while backward goes on
-    bucket_size_mb: float = 0.25
-    # reduce gradient buckets asynchronously while backward goes on, and under pipeline
-    # parallelism during each stage's last micro-batch backward (DeepSpeed's overlap_comm,
-    # Megatron's --overlap-grad-reduce); False waits for each reduction as it starts (same
-    # bytes and numbers)
-    overlap_grad_reduce: bool = True
-    # ZeRO-3: all-gather the next module's parameters while the current one computes
-    # (FSDP's forward/backward prefetch, DeepSpeed's stage3_prefetch_bucket_size)
-    zero3_prefetch: bool = True
+    schedule: str = setting("1f1b", "pipeline schedule")
+    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved schedule)")
+    sequence_parallel: bool = setting(False, "shard LayerNorm/dropout regions along the "
+                                             "sequence (with --tp)")
+    # data parallelism: gradient bucket capacity (DDP's bucket_cap_mb); buckets reduced
+    # asynchronously while backward goes on, and under pipeline parallelism during each
+    # stage's last micro-batch backward (DeepSpeed's overlap_comm, Megatron's
+    # --overlap-grad-reduce; without it each reduction is waited for as it starts: same
+    # bytes and numbers); ZeRO-3's prefetch (FSDP's forward/backward prefetch, DeepSpeed's
+    # stage3_prefetch_bucket_size)
+    bucket_size_mb: float = setting(0.25, "gradient bucket size in MiB (0 = one bucket, "
+                                          "reduced after backward)")
+    overlap_grad_reduce: bool = setting(True, "reduce gradient buckets while backward goes on "
+                                              "(under --pp: during each stage's last "
+                                              "micro-batch backward)")
+    zero3_prefetch: bool = setting(True, "ZeRO-3: all-gather the next module's parameters "
+                                         "while the current one computes")
     # the batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
-    micro_batch_size: int = 4
-    grad_accum_steps: int | None = None
-    global_batch_size: int | None = None
+    micro_batch_size: int = setting(4, "sequences per micro-batch on one data-parallel rank")
+    grad_accum_steps: int | None = setting(None, "micro-batches per optimizer step (or give "
+                                                 "--global-batch-size)")
+    global_batch_size: int | None = setting(None, "sequences per optimizer step = micro x "
+                                                  "accum x dp")
     # numerics and memory: the dtype policy; recomputation (Megatron-LM's flags,
-    # minipar.nn.recompute): selective = only the attention core; full = whole layers, the
-    # method choosing which of each chunk's (no method: every layer)
-    precision: str = "fp32"
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
+    # minipar.nn.recompute)
+    precision: str = setting("fp32", "numerics: fp64 (exact checks), fp32, bf16-mixed")
+    recompute_granularity: str | None = setting(
+        None, "recompute in backward: selective (the attention core only) or full (whole "
+              "blocks, every one without --recompute-method; Megatron-LM's flag)")
+    recompute_method: str | None = setting(
+        None, "with full: uniform (groups of --recompute-num-layers blocks) or block (only "
+              "the first N blocks of each pipeline chunk)")
+    recompute_num_layers: int | None = setting(
+        None, "blocks per group (uniform) or blocks recomputed per chunk (block)")
 
     def __post_init__(self) -> None:
         self.validate_layout()

@@ -59,17 +59,22 @@ def test_the_trainer_and_the_planner_share_the_layouts_field_definitions():
     assert defaults == PLANNER_DEFAULTS
 
 
-def test_every_layout_field_is_a_flag_of_minipar_train():
+def test_every_layout_field_is_a_flag_of_minipar_train_and_of_minipar_plan():
     from minipar.cli import build_parser, config_from_args
 
-    argv = ["train"]
+    argv = []
     for name, value in EVERY_LAYOUT_SETTING.items():
         flag = "--" + name.replace("_", "-")
         argv += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False
                  else [flag, str(value)])
-    assert config_from_args(build_parser().parse_args(argv)) == TrainConfig(
+    assert config_from_args(build_parser().parse_args(["train", *argv])) == TrainConfig(
         **EVERY_LAYOUT_SETTING)
-    assert {f.name for f in dataclasses.fields(Layout)} <= set(EVERY_LAYOUT_SETTING)
+    planned = build_parser().parse_args(["plan", "--model", "gpt2", *argv])
+    for field in dataclasses.fields(Layout):
+        assert getattr(planned, field.name) == EVERY_LAYOUT_SETTING[field.name]
+    # and each field carries the one help line both flags show
+    for section in SECTIONS:
+        assert all(f.metadata.get("help") for f in dataclasses.fields(section))
 
 
 def test_from_train_config_carries_every_layout_setting():
