@@ -39,7 +39,7 @@ os.environ["MINIPAR_CACHE_DIR"] = "off"
 
 def runs(explorer, values: dict) -> None:
     """Measure (and cache) the run behind a setting, drawing nothing."""
-    from minipar.parallel.pipeline.schedules import check_schedule_settings
+    from minipar.parallel.pipeline.schedules.registry import check_schedule_settings
 
     name = type(explorer).__name__
     if name == "ShardingExplorer":

@@ -103,7 +103,7 @@ def digests(only: str | None = None) -> dict:
         if only and only not in name:
             continue
         if cls == "PipelineExplorer" and any(c.get("schedule") == "zb-h1" for c in changes):
-            from minipar.parallel.pipeline.schedules import schedule_names
+            from minipar.parallel.pipeline.schedules.registry import schedule_names
             if "zb-h1" not in schedule_names():
                 continue
         # a fresh cache per view: every picture drawn, none taken from another view

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 
 from minipar.errors import ConfigError, ScheduleError
-from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
 from minipar.plan.advice import Advice
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate

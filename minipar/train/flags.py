@@ -15,7 +15,7 @@ import typing
 
 from minipar.errors import flag
 from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.pipeline.schedules import SCHEDULES, schedule_names
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, schedule_names
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES
 from minipar.train.config import DATASETS
 from minipar.train.layout import PRECISIONS

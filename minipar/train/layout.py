@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
-from minipar.parallel.pipeline.schedules import check_schedule_name
+from minipar.parallel.pipeline.schedules.registry import check_schedule_name
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")

@@ -38,7 +38,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings, schedule_names
+from minipar.parallel.pipeline.schedules.registry import (
+    SCHEDULES,
+    check_schedule_settings,
+    schedule_names,
+)
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.report import Report
 from minipar.viz.agg import FIGURE_WIDTH, figure_png, fixed_margins

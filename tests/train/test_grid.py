@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import schedule_names
+from minipar.parallel.pipeline.schedules.registry import schedule_names
 from minipar.train.grid import GRID, REPRESENTATIVE, Case, run_case, run_grid
 from minipar.viz.tables import grid_table
 

@@ -54,7 +54,7 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from minipar.parallel.pipeline.schedules import make_schedule
+from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import validate
 from minipar.parallel.pipeline.stage import PipelineStage, StageInput, split_layers
 

@@ -29,7 +29,7 @@ from minipar.parallel.pipeline.actions import (
     SendGrad,
 )
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.train.checkpoint import assemble, in_model_order
 from minipar.train.data import micro_batch, synthetic_stream
