@@ -137,7 +137,8 @@ class Layout:
                                             self.grad_accum_steps, self.global_batch_size)
         object.__setattr__(self, "grad_accum_steps", accum)  # derived, once, at construction
         object.__setattr__(self, "global_batch_size", global_batch)
-        chunks = self.pp * self.virtual_stages  # model chunks (Megatron's layers per chunk)
+        # a chunk's layers (pp x virtual_stages chunks) bound the count; no model, no bound
+        chunks = self.pp * self.virtual_stages
         layers_per_chunk = (self.recompute_num_layers or 1) if n_layer is None else \
             -(-n_layer // chunks)
         problem = recompute_problem(False, self.recompute_granularity, self.recompute_method,
