@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.errors import CheckpointError
+from minipar.errors import CheckpointError, ConfigError
 from minipar.nn import GPT, GPTConfig, parameter_shapes
-from minipar.train import ConfigError, TrainConfig, train
+from minipar.train import TrainConfig, train
 from minipar.train import checkpoint as ckpt
 
 SMALL = dict(seq_len=8, n_layer=1, d_model=16, n_head=2, micro_batch_size=2, steps=4,
