@@ -171,6 +171,10 @@ class Cluster:
             self._links[ranks] = self.profile.link(same_node)
         return self._links[ranks]
 
+    def create_groups(self, groups) -> None:
+        """Nothing to do: on threads a group is a value (`groups`, a function returning the
+        groups, is for engines whose every process creates every group; engine.py)."""
+
     # --- waiting, waking, failing (all with self.lock held) ----------------------------------
     def _wait(self, wait: Wait, done) -> None:
         """Block `wait.rank` until done() is true; raises RankAborted if the launch fails."""
