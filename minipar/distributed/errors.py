@@ -39,6 +39,12 @@ class LaunchTimeoutError(DistError):
         self.timeout, self.stacks, self.left_running = timeout, stacks, list(left_running)
 
 
+class PeerLostError(DistError):
+    """On the torch engine (one process per rank): a rank's collective or message failed
+    because a process of the job is gone (it failed, or was stopped). The message names
+    the call; the launch prefers the error of the rank that failed first."""
+
+
 class LaunchCancelled(DistError):
     """The launch was stopped from outside by `Cancellation.cancel()` (launch.py): its
     ranks stopped at their next call into minipar and its results were thrown away. The
