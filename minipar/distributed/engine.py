@@ -2,6 +2,7 @@
 
     engine = get_engine("threads")                      # the default: launch.py's threads
     engine = get_engine("torch", nproc_per_node=4)      # torch.distributed, gloo, 4 processes
+                                                        # (engines.py; torch_engine.py)
     launched = engine.launch(fn, 4, *args, gpus_per_node=8, trace=False)
     launched.results, launched.devices, launched.measured, launched.engine
 
@@ -36,12 +37,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from minipar.errors import ConfigError
-
 from .launch import launch as launch_threads
 from .trace import write_traces
-
-ENGINES = ("threads", "torch")
 
 
 @dataclass
@@ -60,10 +57,16 @@ class Engine:
     needs from the engine that hosts the run."""
 
     name = ""
+    in_process = True  # the ranks share this process's memory (a list they append to)
 
     def launch(self, fn, world_size: int, *args, gpus_per_node: int = 8, device=None,
                trace: bool = False, timeout: float | None = None, **kwargs) -> Launched | None:
         raise NotImplementedError
+
+    @property
+    def elsewhere(self) -> bool:
+        """Whether this process is one rank of a job started elsewhere (torchrun)."""
+        return False
 
     @property
     def is_host(self) -> bool:
@@ -119,19 +122,3 @@ def versions() -> dict:
     if torch is not None:
         found["torch"] = torch.__version__
     return found
-
-
-def get_engine(name: str = "threads", *, nproc_per_node: int | None = None,
-               timeout: float | None = None) -> Engine:
-    """The engine called `name` ("threads" or "torch"). nproc_per_node: processes this
-    machine starts (torch; default: the launch's world size, or torchrun's)."""
-    if name == "threads":
-        if nproc_per_node is not None:
-            raise ConfigError("nproc_per_node", "starts processes of the torch engine; "
-                              "drop it, or add --engine torch")
-        return ThreadEngine()
-    if name == "torch":
-        from .processes import TorchEngine
-
-        return TorchEngine(nproc_per_node=nproc_per_node, timeout=timeout)
-    raise ConfigError("engine", f"{name!r} is not one of {ENGINES}")

@@ -38,6 +38,9 @@ class LaunchTimeoutError(DistError):
         super().__init__(message)
         self.timeout, self.stacks, self.left_running = timeout, stacks, list(left_running)
 
+    def __reduce__(self):  # (sent between processes by the torch engine, without stacks)
+        return type(self), (str(self), self.timeout, {}, self.left_running)
+
 
 class PeerLostError(DistError):
     """On the torch engine (one process per rank): a rank's collective or message failed

@@ -21,7 +21,7 @@ import dataclasses
 import time
 
 from .device import Device
-from .trace import TraceRecorder, rank_trace
+from .trace import HOST_TID, US, TraceRecorder, rank_trace
 
 
 class MeasuredDevice(Device):
@@ -35,6 +35,7 @@ class MeasuredDevice(Device):
         self.wall_kernels: list[tuple] = []  # (kind, op, label, start, end, flops), traced
         self.moments: list[tuple[float, float]] = []  # (simulated, wall) at each op's end
         self.spans: list[tuple[float, float]] = []  # wall (start, end) per comm record
+        self.waits: list[tuple[float, float]] = []  # ... and when the rank waited for it
 
     def compute(self, flops: float, kind: str, kernels=None, op: str = "") -> None:
         super().compute(flops, kind, kernels, op)
@@ -45,11 +46,13 @@ class MeasuredDevice(Device):
             self.moments.append((self.clock.now, now - self.epoch))
         self._mark = now
 
-    def communicated(self, start: float, end: float) -> None:
+    def communicated(self, start: float, end: float, blocked: float) -> None:
         """A communication call returned (about to be booked in the comm ledger): it ran
-        from `start` to `end` (perf_counter seconds); the next op's span starts now."""
+        from `start` to `end` and the rank waited for it from `blocked` to now
+        (perf_counter seconds); the next op's span starts now."""
         self.spans.append((start - self.epoch, end - self.epoch))
         self._mark = time.perf_counter()
+        self.waits.append((blocked - self.epoch, self._mark - self.epoch))
         if self.trace is not None:
             self.moments.append((self.clock.now, self._mark - self.epoch))
 
@@ -95,10 +98,13 @@ class WallView:
     clock: _Clock
 
 
-def wall_view(device: MeasuredDevice) -> WallView:
-    """A traced device on the wall clock (seconds since its epoch)."""
+def wall_view(device: MeasuredDevice, since: float = 0.0) -> WallView:
+    """A traced device on the wall clock (seconds since its epoch). An op's span begins
+    `since` at the earliest (the first step's start: the op before it is the model's set-up,
+    not an op)."""
     recorder = TraceRecorder()
-    recorder.kernels = list(device.wall_kernels)
+    recorder.kernels = [(kind, op, label, max(start, min(since, end)), end, flops)
+                        for kind, op, label, start, end, flops in device.wall_kernels]
     records = [dataclasses.replace(r, start=s, end=max(s, e))
                for r, (s, e) in zip(device.comm.records, device.spans, strict=True)]
     simulated = [s for s, _ in device.moments]
@@ -110,7 +116,7 @@ def wall_view(device: MeasuredDevice) -> WallView:
     history = None
     if device.memory.history is not None:
         history = [(wall(t), category, nbytes) for t, category, nbytes in device.memory.history]
-    end = max([e for *_, e in recorder.kernels] + [r.end for r in records], default=0.0)
+    end = max([k[4] for k in recorder.kernels] + [r.end for r in records], default=0.0)
     return WallView(device.rank, device.world_size, device.gpus_per_node, device.node,
                     device.profile, recorder, _Records(records), _Memory(history), _Clock(end))
 
@@ -119,8 +125,18 @@ def wall_trace(device: MeasuredDevice, steps=(), metadata=None,
                algorithms: dict | None = None) -> dict:
     """rank_trace of the wall view, marked as measured: `minipar.clock` is "wall", the
     backend gloo's, each communication's algorithm the one gloo ran."""
-    trace = rank_trace(wall_view(device), steps, {**(metadata or {}), "clock": "wall"})
+    since = min((s for _, s, _ in steps), default=0.0)
+    trace = rank_trace(wall_view(device, since), steps, {**(metadata or {}), "clock": "wall"})
     trace["distributedInfo"]["backend"] = "gloo"
+    # What the rank's thread waited for each communication (the simulated timeline's
+    # comm and idle), as the CPU ops of a torch.profiler trace (ProcessGroup waits).
+    trace["traceEvents"] += [
+        {"ph": "X", "cat": "cpu_op", "name": f"wait {record.op}", "pid": device.rank,
+         "tid": HOST_TID, "ts": s * US, "dur": max(0.0, e - s) * US,
+         "args": {"op": record.op, "group": record.group_kind}}
+        for record, (s, e) in zip(device.comm.records, device.waits, strict=True)]
+    # the run ends with the rank program's last mark, after its last op
+    trace["minipar"]["end_s"] = max([trace["minipar"]["end_s"]] + [e for _, _, e in steps])
     for event in trace["traceEvents"]:
         args = event.get("args", {})
         if event.get("cat") == "kernel" and "group_ranks" in args and algorithms:

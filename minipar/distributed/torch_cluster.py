@@ -2,13 +2,8 @@
 
 Where cluster.py hands arrays between threads, TorchCluster runs in each rank's own process
 and calls torch.distributed (backend gloo: CPU tensors over TCP) for every collective and
-message of the rank program:
+message of the rank program (torch_world.py: how arrays go through its calls):
 
-    the bytes     NumPy arrays pass zero-copy through torch.from_numpy, and the collectives
-                  write into NumPy buffers; bf16 (ml_dtypes) as its uint16 bits viewed as
-                  torch.bfloat16; what only moves (a gather, a message) moves as raw bytes.
-                  A dimension other than 0 is moved to the front first (torch's *_single
-                  collectives cut dimension 0).
     the clocks    every collective first all-gathers a *stamp* per member, on a twin process
                   group with the same members: the member's simulated clock when it called,
                   a fingerprint of its call (op, shape, dtype, parameters, group kind) and
@@ -28,37 +23,27 @@ the wire), its broadcast a binomial tree and its reduce a ring reduce-scatter th
 gather to the root (facebookincubator/gloo, gloo/{allreduce,broadcast,reduce}.cc).
 `wire.py` counts the bytes each really sent.
 
-Every process creates every torch process group, in the same order (torch's `new_group`
-contract): DeviceMesh asks for all of its groups when it is built (`create_groups`), and
-a group nobody created is refused with the reason. Ranks in this file are global ranks.
+The ledgers are booked by collectives.py and p2p.py from what this returns, as on threads.
+Ranks in this file are global ranks.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import time
 from collections import deque
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as tdist
 
-from .errors import CollectiveMismatchError, DistError, LaunchTimeoutError, PeerLostError
+from .errors import CollectiveMismatchError, LaunchTimeoutError, PeerLostError
 from .groups import ProcessGroup
-from .wire import socket_fds
+from .torch_world import COLLECTIVES, DTYPES, TorchWorld, raw
 
 CLOCK_LABEL = "clock exchange (minipar)"
 MAX_DIMS = 8
 HEADER = 3 + MAX_DIMS  # a message's header: send time, dtype, ndim, shape
-# Every dtype a message may carry, by the code its header holds.
-DTYPES = tuple(np.dtype(t) for t in (
-    np.float64, np.float32, np.float16, ml_dtypes.bfloat16, np.int64, np.int32, np.int16,
-    np.int8, np.uint8, np.uint16, np.uint32, np.uint64, np.bool_, np.complex64,
-    np.complex128))
-REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "avg": tdist.ReduceOp.SUM,  # avg: sum, then / n
-              "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
 
 def _seconds(value: float) -> np.int64:
@@ -73,151 +58,6 @@ def fingerprint(signature: tuple) -> int:
     """A number equal on two ranks iff their calls are (cluster.Call.signature)."""
     return int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=7).digest(),
                           "little")
-
-
-def reducible(array: np.ndarray) -> torch.Tensor:
-    """A contiguous array as a tensor gloo can reduce, sharing its memory."""
-    if array.dtype == DTYPES[3]:  # bfloat16: torch.from_numpy does not know ml_dtypes
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-def raw(array: np.ndarray) -> torch.Tensor:
-    """A contiguous array's bytes as a uint8 tensor, sharing its memory."""
-    return torch.from_numpy(array.reshape(-1).view(np.uint8))
-
-
-def _front(x: np.ndarray, dim: int) -> np.ndarray:
-    """x with `dim` first, contiguous, in a buffer of its own (gloo may write its input)."""
-    return np.array(np.moveaxis(x, dim, 0), order="C", copy=True)
-
-
-def _back(x: np.ndarray, dim: int) -> np.ndarray:
-    return np.ascontiguousarray(np.moveaxis(x, 0, dim))
-
-
-# --- the collectives: start the torch call, and what to do once it completed ---------------
-def _all_reduce(x, p, g, n, index):
-    out = np.array(x, order="C", copy=True)
-    work = tdist.all_reduce(reducible(out), op=REDUCE_OPS[p["op"]], group=g, async_op=True)
-    return work, lambda: _average(out, p["op"], n)
-
-
-def _all_gather(x, p, g, n, index):
-    mine = _front(x, p["dim"])
-    out = np.empty((n * mine.shape[0],) + mine.shape[1:], x.dtype)
-    work = tdist.all_gather_single(raw(out), raw(mine), group=g, async_op=True)
-    return work, lambda: _back(out, p["dim"])
-
-
-def _reduce_scatter(x, p, g, n, index):
-    mine = _front(x, p["dim"])
-    out = np.empty((mine.shape[0] // n,) + mine.shape[1:], x.dtype)
-    work = tdist.reduce_scatter_single(reducible(out), reducible(mine),
-                                       op=REDUCE_OPS[p["op"]], group=g, async_op=True)
-    return work, lambda: _back(_average(out, p["op"], n), p["dim"])
-
-
-def _broadcast(x, p, g, n, index):
-    out = np.array(x, order="C", copy=True)
-    work = tdist.broadcast(raw(out), src=p["src"], group=g, async_op=True)
-    return work, lambda: out
-
-
-def _reduce(x, p, g, n, index):
-    out = np.array(x, order="C", copy=True)
-    work = tdist.reduce(reducible(out), dst=p["dst"], op=REDUCE_OPS[p["op"]], group=g,
-                        async_op=True)
-    root = tdist.get_rank() == p["dst"]
-    return work, lambda: _average(out, p["op"], n) if root else None
-
-
-def _all_to_all(x, p, g, n, index):
-    mine = _front(x, p["dim"])
-    out = np.empty_like(mine)
-    work = tdist.all_to_all_single(raw(out), raw(mine), group=g, async_op=True)
-    return work, lambda: _back(out, p["dim"])
-
-
-def _barrier(x, p, g, n, index):
-    return tdist.barrier(group=g, async_op=True), lambda: None
-
-
-COLLECTIVES = {"all_reduce": _all_reduce, "all_gather": _all_gather,
-               "reduce_scatter": _reduce_scatter, "broadcast": _broadcast, "reduce": _reduce,
-               "all_to_all": _all_to_all, "barrier": _barrier}
-
-
-def _average(out: np.ndarray, op: str, n: int) -> np.ndarray:
-    if op == "avg":  # as collectives._reduce divides: in the array's dtype
-        np.divide(out, np.array(n, dtype=out.dtype), out=out)
-    return out
-
-
-# --- the torch process groups of this process ----------------------------------------------
-class TorchGroup:
-    """The two torch process groups behind one minipar group (its members, any kind): the
-    payload's and the stamps', and the sockets each opened here (wire.py counts them)."""
-
-    __slots__ = ("payload", "stamps", "sockets", "stamp_sockets")
-
-    def __init__(self, payload, stamps, sockets=(), stamp_sockets=()):
-        self.payload, self.stamps = payload, stamps
-        self.sockets, self.stamp_sockets = sockets, stamp_sockets
-
-
-class TorchWorld:
-    """This process's side of the job, kept from launch to launch: its rank, the torch
-    process groups (created once, every process in the same order), the wire meter, and
-    which of the world group's sockets leads to which rank (for messages)."""
-
-    def __init__(self, rank: int, world_size: int, meter, world_sockets,
-                 timeout: float) -> None:
-        self.rank, self.world_size, self.meter = rank, world_size, meter
-        self.timeout = datetime.timedelta(seconds=timeout)
-        everyone = tuple(range(world_size))
-        before = socket_fds()
-        stamps = tdist.new_group(list(everyone), timeout=self.timeout)
-        self.groups = {everyone: TorchGroup(tdist.group.WORLD, stamps, world_sockets,
-                                            meter.adopt(socket_fds() - before))}
-        # My sockets' local addresses, to everyone: a peer's socket whose far end is one
-        # of them leads to me.
-        local = [meter.sockets[fd].local for fd in world_sockets]
-        everyone_local = [None] * world_size
-        tdist.all_gather_object(everyone_local, local)
-        self.peer_sockets = {}
-        for fd in world_sockets:
-            for peer, addresses in enumerate(everyone_local):
-                if peer != rank and tuple(meter.peer_of(fd)) in map(tuple, addresses):
-                    self.peer_sockets[peer] = (fd,)
-
-    def create(self, groups) -> None:
-        """Create the torch groups of `groups` (minipar ProcessGroups) not created yet.
-        Every process must call this with the same groups in the same order."""
-        for group in groups:
-            ranks = group.ranks
-            if len(ranks) < 2 or ranks in self.groups:
-                continue
-            before = socket_fds()
-            payload = tdist.new_group(list(ranks), timeout=self.timeout)
-            middle = socket_fds()
-            stamps = tdist.new_group(list(ranks), timeout=self.timeout)
-            after = socket_fds()
-            self.groups[ranks] = (TorchGroup(payload, stamps, self.meter.adopt(middle - before),
-                                             self.meter.adopt(after - middle))
-                                  if self.rank in ranks else None)
-
-    def group(self, group: ProcessGroup) -> TorchGroup:
-        if group.ranks not in self.groups:
-            raise DistError(
-                f"{group} has no torch process group: on the torch engine every process "
-                "creates every group, in the same order, before using any (torch.distributed's "
-                "new_group contract). Build groups with DeviceMesh, or call dist.new_group "
-                "with the same ranks on every rank, members or not")
-        return self.groups[group.ranks]
-
-    def peer_socket(self, peer: int) -> tuple:
-        return self.peer_sockets.get(peer, self.groups[tuple(range(self.world_size))].sockets)
 
 
 # --- one launch's ranks' cluster --------------------------------------------------------
@@ -338,7 +178,7 @@ class TorchCluster:
         posted.done = True
         now = time.perf_counter()
         self.wall_comm_s += now - began
-        self.device.communicated(posted.wall[0], posted.wall[1] or now)
+        self.device.communicated(posted.wall[0], posted.wall[1] or now, began)
 
     def _resolve(self, posted: Posted) -> None:
         """Read the stamps of the group's collectives up to `posted`, in call order: each
@@ -347,8 +187,8 @@ class TorchCluster:
         queue = self._unresolved[posted.group.ranks]
         while posted.start is None:
             head = queue.popleft()
-            self._wait(head.stamp_work, f"the clock exchange of {head.call.text}, its "
-                       f"collective #{head.number} on that group")
+            self._wait(head.stamp_work, f"{head.call.text}, its collective #{head.number} "
+                       "on that group")
             self.torch.meter.stop(("clock", id(head)), head.torch_group.stamp_sockets)
             stamps = head.stamps.reshape(head.group.size, 3)
             if len(set(stamps[:, 1])) > 1 or len(set(stamps[:, 2])) > 1:
@@ -373,7 +213,8 @@ class TorchCluster:
         try:
             work.wait()
         except RuntimeError as error:
-            detail = str(error).strip().splitlines()[-1] if str(error).strip() else "?"
+            lines = str(error).strip().splitlines() or ["?"]
+            detail = lines[-1].split("] ", 1)[-1]  # (without gloo's source file and line)
             if "imed out" in str(error):
                 raise LaunchTimeoutError(
                     f"rank {self.torch.rank} waited more than {self.timeout:g} s in {what} "
@@ -448,7 +289,7 @@ class TorchCluster:
         message.done = True
         now = time.perf_counter()
         self.wall_comm_s += now - began
-        self.device.communicated(message.wall[0], message.wall[1] or now)
+        self.device.communicated(message.wall[0], message.wall[1] or now, began)
 
     def _receive(self, message: Message, what: str) -> None:
         for work in message.works:
@@ -457,11 +298,10 @@ class TorchCluster:
         dtype, ndim = DTYPES[int(header[1])], int(header[2])
         message.send_time = _float(header[0])
         message.array = np.empty(tuple(int(d) for d in header[3:3 + ndim]), dtype)
-        if message.array.nbytes:
-            sockets = self.torch.peer_socket(message.src)
-            self.torch.meter.start(message, "recv", sockets)
+        if message.array.nbytes:  # (the receiver's own bytes, gloo's protocol, are not
+            # a window of their own: they count with what this rank sends meanwhile)
             self._wait(tdist.irecv(raw(message.array), message.src, tag=message.tag), what)
-            self._completed(message, sockets)
+        message.wall[1] = time.perf_counter()
         message.received = True
 
     # --- what the engine reports -------------------------------------------------------
