@@ -22,8 +22,8 @@ protocol that collectives.py and p2p.py call on the running rank's cluster
 fixes when each transfer starts and ends on the simulated clock by the same rule, so the
 ledgers and the clocks of a run are the same figures on either engine
 (`cluster.Cluster` on threads, `torch_cluster.TorchCluster` on processes). What differs is
-only what a real engine can measure besides: wall time, and the bytes on the sockets
-(`Launched.measured`, one dict per rank; None on threads).
+only what a real engine can measure besides: wall time in communication, and the bytes
+on the sockets (`Launched.measured`, one dict per rank; empty on threads).
 
 A run on the torch engine also works under `torchrun` (RANK and WORLD_SIZE in the
 environment): each process then joins the job as one rank, and the results are
@@ -107,7 +107,8 @@ class ThreadEngine(Engine):
         results, devices = launch_threads(fn, world_size, *args, gpus_per_node=gpus_per_node,
                                           device=device, return_devices=True,
                                           timeout=timeout, trace=trace, **kwargs)
-        return Launched(results, devices, engine={
+        # nothing measured by the engine itself: the training loop's wall marks only
+        return Launched(results, devices, [{} for _ in results], engine={
             "name": self.name, "backend": "threads", "world_size": world_size,
             "hosts": [socket.gethostname()], "versions": versions()})
 

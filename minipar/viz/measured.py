@@ -38,13 +38,14 @@ def engine_text(report) -> str:
     if not all(measured):
         return head
     rows = []
-    for rank, m in enumerate(measured):
+    for rank, (m, summary) in enumerate(zip(measured, report.ranks, strict=True)):
         steps = m["wall_step_s"]
         later = steps[1:] or steps  # the first step also pays for warming up
-        ledger = sum(v["ledger_sent_bytes"] or 0 for v in m["wire_by_op"].values())
-        wire = m["wire_sent_bytes"]
+        ledger = summary["comm"]["sent_bytes"]
+        wire = m.get("wire_sent_bytes")
+        comm = m.get("wall_comm_s")
         rows.append([rank, f"{1e3 * sum(later) / len(later):.1f} ms",
-                     f"{m['wall_comm_s']:.3f} s", human_bytes(ledger),
+                     "-" if comm is None else f"{comm:.3f} s", human_bytes(ledger),
                      "-" if wire is None else human_bytes(wire),
                      "-" if wire is None or not ledger else f"{wire / ledger:.2f}x"])
     table = format_table(["rank", "wall per step", "in comm", "ledger sent", "wire sent",
