@@ -63,6 +63,7 @@ class Report:
     step_end_s: list[float] | None = None  # simulated time when each step ended (all ranks)
     device: dict | None = None  # the simulated GPU (minipar.distributed.DeviceProfile's fields)
     profile: dict | None = None  # minipar profile's figures and verdict (--profile)
+    engine: dict | None = None  # what ran the ranks, when chosen (absent: threads)
     # Not part of the JSON contract: per-rank timeline events (for plots) and the final
     # consolidated single-device state dict (for equivalence checks and inspection).
     timelines: list[list[dict]] | None = field(default=None, repr=False)
@@ -123,6 +124,8 @@ class Report:
             out["device"] = self.device
         if self.profile is not None:
             out["profile"] = self.profile
+        if self.engine is not None:
+            out["engine"] = self.engine
         return out
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -141,7 +144,8 @@ class Report:
                    equivalence=data.get("equivalence"),
                    layout=data.get("layout"), warnings=data.get("warnings", []),
                    traffic=data.get("traffic"), step_end_s=data.get("step_end_s"),
-                   device=data.get("device"), profile=data.get("profile"))
+                   device=data.get("device"), profile=data.get("profile"),
+                   engine=data.get("engine"))
 
     @classmethod
     def from_json(cls, path: str | Path) -> Report:
@@ -187,6 +191,16 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
     if config.moe_num_experts:
         report.moe = _moe(config, results, devices)
     return report
+
+
+def add_engine(report: Report, launched) -> None:
+    """`engine`: what ran the ranks; on an engine that measures (torch), each rank's
+    `measured`: wall seconds per step (the rank program's marks), in comm, bytes on wire."""
+    report.engine = launched.engine
+    for summary, result, measured in zip(report.ranks, launched.results,
+                                         launched.measured or (), strict=False):
+        steps = np.diff([result["wall_loop_start"], *result["wall_step_ends"]]).tolist()
+        summary["measured"] = {"wall_step_s": steps, **measured}
 
 
 def _moe(config: TrainConfig, results: list[dict], devices) -> dict:
