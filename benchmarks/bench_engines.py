@@ -30,12 +30,12 @@ import argparse
 import contextlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 from arguments import positive_int
+from bench_step import cpu_model
 
 MODEL = dict(n_layer=4, d_model=192, n_head=6, seq_len=64, micro_batch_size=4,
              precision="fp32", data="corpus", seed=0)
@@ -76,15 +76,6 @@ def ddp_steps(steps: int, accum: int, vocab: int) -> list[float]:
 
 def later(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "?"
 
 
 def bench_layout(name: str, rounds: int, steps: int, get_engine, train) -> dict:
