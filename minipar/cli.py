@@ -405,11 +405,15 @@ def cmd_check(args) -> int:
         print(f"  {result.case.name}: {'ok' if result.passed else 'FAILED'}", flush=True)
 
     results = run_grid(cases, progress=progress, **overrides)
-    print()
-    print(grid_table(results))
-    failed = [r for r in results if not r.passed]
-    print(f"\n{len(results) - len(failed)} of {len(results)} as expected"
-          + (f"; FAILED: {', '.join(r.case.name for r in failed)}" if failed else ""))
+    return verdict(grid_table(results), [(r.case.name, r.passed) for r in results])
+
+
+def verdict(table: str, outcomes: list[tuple[str, bool]]) -> int:
+    """Print a check's table and how many cases went as expected; the exit status."""
+    print(f"\n{table}")
+    failed = [name for name, passed in outcomes if not passed]
+    print(f"\n{len(outcomes) - len(failed)} of {len(outcomes)} as expected"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
@@ -431,12 +435,7 @@ def cmd_check_torch(args) -> int:
     if not results:
         raise ConfigError("nproc_per_node", f"no case of the cross-check has "
                           f"{args.nproc_per_node} ranks (they have 2, 3, 4 or 8)")
-    print()
-    print(cross_check_table(results))
-    failed = [r for r in results if not r.passed]
-    print(f"\n{len(results) - len(failed)} of {len(results)} as expected"
-          + (f"; FAILED: {', '.join(r.name for r in failed)}" if failed else ""))
-    return 1 if failed else 0
+    return verdict(cross_check_table(results), [(r.name, r.passed) for r in results])
 
 
 def cmd_timeline(args) -> int:
