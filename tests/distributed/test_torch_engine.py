@@ -166,6 +166,7 @@ def test_two_ranks_train_bit_identically_and_report_what_was_measured(engine, la
             v["wire_sent_bytes"] for v in measured["wire_by_op"].values())
 
 
+@pytest.mark.filterwarnings("ignore:::hta")
 def test_traces_on_the_wall_clock_beside_the_simulated_ones(engine, tmp_path):
     from minipar.profile.breakdown import profile_traces
     from minipar.train import train
@@ -181,6 +182,18 @@ def test_traces_on_the_wall_clock_beside_the_simulated_ones(engine, tmp_path):
     assert measured[0]["minipar"]["clock"] == "wall"
     assert measured[0]["distributedInfo"]["backend"] == "gloo"
     assert profile_traces(measured).ranks  # minipar profile reads it as any trace
+    if importlib.util.find_spec("hta") is not None:  # and so does HTA (the profile extra)
+        from hta.common.trace import Trace
+        from hta.trace_analysis import TraceAnalysis
+
+        load = Trace.load_traces  # in this process (tests/profile/test_profile_hta.py)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+            env.setattr(Trace, "load_traces", lambda self, *args, **kwargs: load(
+                self, *args, **{**kwargs, "use_multiprocessing": False}))
+            breakdown = TraceAnalysis(trace_dir=str(tmp_path / "torch")) \
+                .get_temporal_breakdown(visualize=False)
+        assert list(breakdown["rank"]) == [0, 1]
     figure = plot_simulated_and_measured(tmp_path / "torch")
     assert [ax.get_title() for ax in figure.axes][:2] == [
         "simulated clock (the ledgers' GPUs)", "measured: torch.distributed processes, gloo"]
