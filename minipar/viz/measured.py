@@ -50,8 +50,9 @@ def engine_text(report) -> str:
                      "-" if wire is None or not ledger else f"{wire / ledger:.2f}x"])
     table = format_table(["rank", "wall per step", "in comm", "ledger sent", "wire sent",
                           "wire / ledger"], rows)
-    return (f"{head}\nmeasured (wall time per step after the first; bytes on the TCP "
-            f"sockets, gloo's framing and minipar's clock exchange included):\n{table}")
+    wire = ("; bytes on the TCP sockets, gloo's framing and minipar's clock exchange "
+            "included" if any(m.get("wire_sent_bytes") is not None for m in measured) else "")
+    return f"{head}\nmeasured (wall time per step after the first{wire}):\n{table}"
 
 
 def cross_check_table(results) -> str:
