@@ -185,7 +185,6 @@ class TorchWorld:
         return self.peer_sockets.get(peer, self.groups[tuple(range(self.world_size))].sockets)
 
 
-
 # --- joining the job --------------------------------------------------------------------
 def join(rank: int, world_size: int, address: str, port: int, timeout: float, *,
          from_environment: bool = False) -> TorchWorld:
