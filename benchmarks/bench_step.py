@@ -87,7 +87,8 @@ def build_torch_model(torch, config: GPTConfig, state: dict):
         def forward(self, x):
             b, t, c = x.shape
             q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
-            q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2) for z in (q, k, v))
+            heads = config.n_head
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
             y = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, c))
             h = functional.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")

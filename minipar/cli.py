@@ -6,6 +6,7 @@
     minipar timeline [flags] --out PNG       train, then draw the ranks' Gantt chart
     minipar train --trace DIR; minipar profile DIR   a profiler trace per rank; its bottleneck
     minipar consolidate CKPT OUT.npz         a sharded checkpoint -> one state dict
+    minipar train --engine torch --nproc-per-node 4   the ranks as torch.distributed processes
 
 Every TrainConfig field is a flag (`micro_batch_size` -> `--micro-batch-size`). Bad values
 end the program with one line naming the flag and exit status 2, never a traceback.
@@ -23,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from minipar import distributed as dist
+from minipar.distributed.engines import ENGINES, get_engine
 from minipar.errors import ConfigError, MiniparError, OutputError
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
@@ -83,6 +85,23 @@ def device_profile(name: str):
     return None  # the default: minipar.distributed.DeviceProfile(), uniform pricing
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="what runs the ranks: threads of this process (the default) or "
+                             "torch (one process per rank, torch.distributed with gloo; "
+                             "under torchrun, this process joins the job as one rank)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="--engine torch: processes to start on this machine (default: "
+                             "one per rank of the layout)")
+
+
+def engine_from_args(args):
+    """The engine the flags ask for; None for the default threads (no `engine` section)."""
+    if args.engine is None and args.nproc_per_node is None:
+        return None
+    return get_engine(args.engine or "threads", nproc_per_node=args.nproc_per_node)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="minipar",
                            description="3D parallelism and ZeRO on N virtual GPUs.")
@@ -95,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train and print what each rank measured")
     add_config_flags(train)
     add_device_flag(train)
+    add_engine_flags(train)
     train.add_argument("--json", metavar="PATH", help="write the report (minipar.report/1)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or tables")
     train.add_argument("--save", metavar="DIR",
@@ -112,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--quick", action="store_true",
                        help="only the representative cases (as the tests do)")
     check.add_argument("--steps", type=int, default=None, help="steps per case (default 3)")
+    add_engine_flags(check)
     timeline = commands.add_parser(
         "timeline", help="train, then draw each rank's simulated timeline (Gantt chart)")
     add_config_flags(timeline)
@@ -140,10 +161,11 @@ def cmd_train(args) -> int:
         check_output_file("json", args.json)
     if args.save is not None:
         check_output_dir("save", args.save)
+    engine = engine_from_args(args)
     prepared = prepare_run(config, args.resume)  # the data, the layout, the checkpoint
     check_fits(prepared.config)  # the planner's estimate, before anything is allocated
     bar = None
-    if not args.quiet:
+    if not args.quiet and (engine is None or not engine.elsewhere):
         from tqdm.auto import tqdm
 
         start = 0 if prepared.start is None else prepared.start.step
@@ -160,7 +182,8 @@ def cmd_train(args) -> int:
         try:
             report = train_prepared(prepared, progress=progress, save_dir=args.save,
                                     save_every=args.save_every,
-                                    device=device_profile(args.device), trace=trace)
+                                    device=device_profile(args.device), trace=trace,
+                                    engine=engine)
         except OutputError as err:
             if err.report is None:
                 raise
@@ -168,6 +191,8 @@ def cmd_train(args) -> int:
         finally:
             if bar is not None:
                 bar.close()
+        if report is None:  # a rank of a torchrun job other than 0: rank 0 reports
+            return 0
         profile = profile_cli.profile_folder(trace) if args.profile else None
         if profile is not None:
             report.profile = profile.to_dict()
@@ -192,6 +217,7 @@ def cmd_train(args) -> int:
 def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
     """What `minipar train` prints after the run (nothing with --quiet; profile: --profile)."""
     from minipar.viz import tables
+    from minipar.viz.measured import engine_text
 
     check = report.equivalence
     if not args.quiet:
@@ -200,6 +226,8 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
               f"= micro {config.micro_batch_size} x accum {config.grad_accum_steps} "
               f"x dp {config.dp}, recompute {config.recompute.label}\n"
               f"simulated GPU: {report.device['name']} (--device {args.device})\n")
+        if report.engine is not None:
+            print(engine_text(report) + "\n")
         print(tables.loss_table(report))
         if report.moe is not None:  # what the routing did (the report's `moe` section)
             print(moe_line(report.moe))
@@ -275,6 +303,11 @@ def cmd_check(args) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError("steps", f"must be a positive integer, got {args.steps}")
+    if args.engine == "torch":
+        return cmd_check_torch(args)
+    if args.nproc_per_node is not None:
+        raise ConfigError("nproc_per_node", "starts processes of the torch engine; add "
+                          "--engine torch")
     cases = [c for c in GRID if not args.quick or c.name in REPRESENTATIVE]
     overrides = {} if args.steps is None else {"steps": args.steps}
     print(f"equivalence matrix: {len(cases)} layouts, each against single-device training "
@@ -284,12 +317,37 @@ def cmd_check(args) -> int:
         print(f"  {result.case.name}: {'ok' if result.passed else 'FAILED'}", flush=True)
 
     results = run_grid(cases, progress=progress, **overrides)
-    print()
-    print(grid_table(results))
-    failed = [r for r in results if not r.passed]
-    print(f"\n{len(results) - len(failed)} of {len(results)} as expected"
-          + (f"; FAILED: {', '.join(r.case.name for r in failed)}" if failed else ""))
+    return verdict(grid_table(results), [(r.case.name, r.passed) for r in results])
+
+
+def verdict(table: str, outcomes: list[tuple[str, bool]]) -> int:
+    """Print a check's table and how many cases went as expected; the exit status."""
+    print(f"\n{table}")
+    failed = [name for name, passed in outcomes if not passed]
+    print(f"\n{len(outcomes) - len(failed)} of {len(outcomes)} as expected"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def cmd_check_torch(args) -> int:
+    """`minipar check --engine torch`: the cross-check's cases on processes (crosscheck.py)."""
+    from minipar.train.crosscheck import CASES, run_cases
+    from minipar.viz.measured import cross_check_table
+
+    get_engine("torch", nproc_per_node=args.nproc_per_node)  # no torch: one line, at once
+    overrides = {} if args.steps is None else {"steps": args.steps}
+    print(f"the torch engine against the thread engine and single-device training: "
+          f"{len(CASES)} layouts" + (f", those of {args.nproc_per_node} ranks"
+                                     if args.nproc_per_node else ""))
+
+    def progress(result):
+        print(f"  {result.name}: {'ok' if result.passed else 'FAILED'}", flush=True)
+
+    results = run_cases(nproc_per_node=args.nproc_per_node, progress=progress, **overrides)
+    if not results:
+        raise ConfigError("nproc_per_node", f"no case of the cross-check has "
+                          f"{args.nproc_per_node} ranks (they have 2, 3, 4 or 8)")
+    return verdict(cross_check_table(results), [(r.name, r.passed) for r in results])
 
 
 def cmd_timeline(args) -> int:
@@ -384,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         # line and exit status 2; anything else is a bug in minipar and keeps its traceback.
         print(f"minipar {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are stopped (threads, or processes)
+        print(f"minipar {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `minipar plan ... | head`: the reader has what it wanted
         # The recipe of Python's signal docs ("Note on SIGPIPE"): send the rest of the
         # output to devnull, so the flush at exit does not raise again, and exit with 1.

@@ -31,5 +31,5 @@ def train(config: TrainConfig | None = None, **kwargs):
 
 
 TRAIN_OPTIONS = ("progress", "save_dir", "save_every", "resume_from", "device", "references",
-                 "trace")
+                 "trace", "engine")
 train.__doc__ = (train.__doc__ or "") + "\n\n" + (loop.train.__doc__ or "")

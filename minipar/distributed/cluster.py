@@ -171,6 +171,9 @@ class Cluster:
             self._links[ranks] = self.profile.link(same_node)
         return self._links[ranks]
 
+    def create_groups(self, groups) -> None:
+        """Nothing to do: a group is a value on threads (engine.py: other engines' do)."""
+
     # --- waiting, waking, failing (all with self.lock held) ----------------------------------
     def _wait(self, wait: Wait, done) -> None:
         """Block `wait.rank` until done() is true; raises RankAborted if the launch fails."""

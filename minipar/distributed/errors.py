@@ -38,6 +38,15 @@ class LaunchTimeoutError(DistError):
         super().__init__(message)
         self.timeout, self.stacks, self.left_running = timeout, stacks, list(left_running)
 
+    def __reduce__(self):  # (sent between processes by the torch engine, without stacks)
+        return type(self), (str(self), self.timeout, {}, self.left_running)
+
+
+class PeerLostError(DistError):
+    """On the torch engine (one process per rank): a rank's collective or message failed
+    because a process of the job is gone (it failed, or was stopped). The message names
+    the call; the launch prefers the error of the rank that failed first."""
+
 
 class LaunchCancelled(DistError):
     """The launch was stopped from outside by `Cancellation.cancel()` (launch.py): its

@@ -64,8 +64,11 @@ def make_group(ranks, kind: str, world_size: int) -> ProcessGroup:
 def new_group(ranks, kind: str = "other") -> ProcessGroup:
     """A group over global `ranks` (any order; stored sorted), charged to `kind`.
 
-    Every member must build it with the same ranks and kind (as with torch.distributed).
-    Must be called inside a launch: the world size bounds the ranks.
+    Every member must build it with the same ranks and kind (as with torch.distributed;
+    on the torch engine, every rank, member or not, in the same order, unless a DeviceMesh
+    built it already). Must be called inside a launch: the world size bounds the ranks.
     """
-    device = current("new_group()")[1]
-    return make_group(ranks, kind, device.world_size)
+    cluster, device = current("new_group()")
+    group = make_group(ranks, kind, device.world_size)
+    cluster.create_groups(lambda: [group])
+    return group

@@ -87,6 +87,8 @@ class DeviceMesh:
                              f"data-parallel group, so ep must divide dp={dp}")
         self.ep = ep
         self._groups: dict[tuple[str, int], ProcessGroup] = {}
+        if context is not None:  # on engines whose every process creates every group
+            context[0].create_groups(self.every_group)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -198,6 +200,20 @@ class DeviceMesh:
         if key not in self._groups:
             self._groups[key] = make_group(members, kind, self.world_size)
         return self._groups[key]
+
+    def every_group(self) -> list[ProcessGroup]:
+        """Every group of the mesh, in an order every rank agrees on: each axis's, the
+        DP x CP ones, the expert groups, and the embedding groups (the first and last rank
+        of each pipeline group, which hold a tied embedding's two copies): what Megatron's
+        `parallel_state.initialize_model_parallel` creates on every rank up front, as
+        torch.distributed's new_group asks."""
+        groups = [g for axis in AXES + tuple(COMBINED) for g in self.all_groups(axis)]
+        for which in ("ep", "edp"):
+            groups += sorted({self._dp_subgroup(which, r) for r in range(self.world_size)},
+                             key=lambda g: g.ranks)
+        groups += [make_group((g.ranks[0], g.ranks[-1]), "pp", self.world_size)
+                   for g in self.all_groups("pp") if g.size > 2]
+        return groups
 
     def all_groups(self, axis: str) -> list[ProcessGroup]:
         """Every group along `axis`, ordered by first member."""

@@ -266,16 +266,22 @@ def write_traces(directory, devices, steps=None, metadata=None) -> list[Path]:
     "minipar" section. Returns the per-rank paths. The merged file sits in a subfolder
     because HTA reads every *.json of the trace folder as one rank.
     """
-    directory = Path(directory)
-    (directory / "merged").mkdir(parents=True, exist_ok=True)
     traces = [rank_trace(device, () if steps is None else steps[i],
                          None if metadata is None else metadata[i])
               for i, device in enumerate(devices)]
-    paths = [directory / f"rank{device.rank}.json" for device in devices]
+    return dump_traces(directory, traces)
+
+
+def dump_traces(directory, traces: list[dict]) -> list[Path]:
+    """Write each rank's trace (a `rank_trace` dict, in rank order) and the merged file."""
+    directory = Path(directory)
+    (directory / "merged").mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"rank{trace['distributedInfo']['rank']}.json" for trace in traces]
     for trace, path in zip(traces, paths, strict=True):
         dump_trace(trace, path)
     head = {k: v for k, v in traces[0].items() if k not in ("traceEvents", "minipar")}
-    dump_trace({**head, "distributedInfo": {"backend": "nccl", "world_size": len(devices)},
+    backend = traces[0]["distributedInfo"]["backend"]
+    dump_trace({**head, "distributedInfo": {"backend": backend, "world_size": len(traces)},
                 "traceName": "all ranks",
                 "traceEvents": [e for trace in traces for e in trace["traceEvents"]]},
                directory / "merged" / "all_ranks.json")

@@ -2,6 +2,7 @@
 
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
-from minipar.train.report import Report, validate_report
+from minipar.train.report import Report
+from minipar.train.schema import validate_report
 
 __all__ = ["Report", "TrainConfig", "train", "validate_report"]

@@ -31,6 +31,7 @@ the model; the layout check; the checkpoint to resume from), then trains
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from minipar import distributed as dist
+from minipar.distributed.engine import Engine, ThreadEngine
 from minipar.errors import ConfigError, OutputError, flag
 from minipar.nn import lr_schedule
 from minipar.parallel.context import layout as context
@@ -49,7 +51,7 @@ from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.divergence import check_finite
 from minipar.train.mixes import check_layout
 from minipar.train.outputs import check_output_dir
-from minipar.train.report import Report, merge_step, report_from_run
+from minipar.train.report import Report, add_engine, merge_step, report_from_run
 
 __all__ = ["PreparedRun", "Reference", "learning_rate", "prepare_run", "reference_run",
            "train", "train_prepared"]
@@ -94,9 +96,9 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             options.reference_states, equivalence.TOLERANCES[config.precision], rank,
             mesh.coords(), dict(zip(mesh.axes, mesh.shape, strict=True)),
             scale=equivalence.SCALES[config.precision])
-    history, states, step_ends = [], {}, []
+    history, states, step_ends, wall_ends = [], {}, [], []
     clock = dist.get_device().clock
-    loop_start = clock.now
+    loop_start, wall_start = clock.now, time.perf_counter()
     accum = config.grad_accum_steps
     for step in range(start_step, config.steps):
         lr = learning_rate(config, step)
@@ -121,6 +123,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
             record["aux_loss"] = (rank_model.aux_loss_total() - aux_before) / accum
         history.append(record)
         step_ends.append(clock.now)
+        wall_ends.append(time.perf_counter())  # measured (a real engine reports it)
         if checker is not None:
             owned = [p for p in state_pieces(engine) if p.kind == "param"]
             checker.compare(step, owned, parameter_pieces(engine))
@@ -136,6 +139,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
         if options.progress is not None:
             options.progress.report(rank, record)
     return {"steps": history, "step_ends": step_ends, "loop_start": loop_start,
+            "wall_loop_start": wall_start, "wall_step_ends": wall_ends,
             "coords": mesh.coords(),
             "pieces": parameter_pieces(engine),
             "sharding": describe(engine), "states": states,
@@ -168,29 +172,40 @@ class _StepLog:
 
 
 # ------------------------------------------------------------------ the driver
-def _launch(config: TrainConfig, options: RunOptions, warnings: list[str]):
-    """Run the rank program on every virtual rank; the report is what they measured
-    (shaped in report.py, with the layout's `warnings`), the results are what each rank
-    returned."""
-    results, devices = dist.launch(_rank_program, config.world_size, config, options,
-                                   gpus_per_node=config.gpus_per_node,
-                                   device=options.device, return_devices=True,
-                                   trace=options.trace is not None)
+def _launch(config: TrainConfig, options: RunOptions, warnings: list[str],
+            engine: Engine | None = None):
+    """Run the rank program on every rank (threads, or `engine`'s); the report is what they
+    measured (shaped in report.py, with the layout's `warnings`), the results are what each
+    rank returned. (None, None) on a process of a torchrun job other than rank 0, which
+    reports."""
+    launched = (engine or ThreadEngine()).launch(
+        _rank_program, config.world_size, config, options, gpus_per_node=config.gpus_per_node,
+        device=options.device, trace=options.trace is not None)
+    if launched is None:
+        return None, None
+    results = launched.results
     if options.trace is not None:
         start_step = 0 if options.start is None else options.start.step
-        _write_trace(options.trace, config, devices, results, start_step)
-    return report_from_run(config, results, devices, warnings), results
+        _write_trace(engine or ThreadEngine(), options.trace, config, launched, start_step)
+    report = report_from_run(config, results, launched.devices, warnings)
+    if engine is not None:
+        add_engine(report, launched)
+    return report, results
 
 
-def _write_trace(directory: Path, config: TrainConfig, devices, results, first_step: int):
-    """rank<N>.json per rank: ProfilerStep#N from each rank's own step boundaries."""
-    steps, metadata = [], []
-    for result in results:
-        starts = [result["loop_start"], *result["step_ends"][:-1]]
-        steps.append([(first_step + k, s, e)
-                      for k, (s, e) in enumerate(zip(starts, result["step_ends"], strict=True))])
+def _write_trace(engine: Engine, directory: Path, config: TrainConfig, launched,
+                 first_step: int):
+    """rank<N>.json per rank: ProfilerStep#N from each rank's own step boundaries (on the
+    simulated clock, and on the wall clock for an engine that measures it)."""
+    steps, wall_steps, metadata = [], [], []
+    for result in launched.results:
+        for out, start, ends in ((steps, "loop_start", "step_ends"),
+                                 (wall_steps, "wall_loop_start", "wall_step_ends")):
+            starts = [result[start], *result[ends][:-1]]
+            out.append([(first_step + k, s, e)
+                        for k, (s, e) in enumerate(zip(starts, result[ends], strict=True))])
         metadata.append({"config": config.to_dict(), "coords": result["coords"]})
-    dist.write_traces(directory, devices, steps, metadata)
+    engine.write_traces(directory, launched, steps, wall_steps, metadata)
 
 
 def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
@@ -269,7 +284,8 @@ def reference_run(prepared: PreparedRun, device: dist.DeviceProfile | None = Non
 
 def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
           save_every: int = 0, resume_from=None, device: dist.DeviceProfile | None = None,
-          references: dict | None = None, trace=None, **overrides) -> Report:
+          references: dict | None = None, trace=None, engine: Engine | None = None,
+          **overrides) -> Report | None:
     """Train the model described by `config` and return its measured Report.
 
     progress(step, record): called after every optimizer step (the CLI's progress bar).
@@ -284,19 +300,24 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
     started from the initial weights finds (or leaves) its reference by its config.
     trace: a folder to write one profiler trace per rank to (rank<N>.json, Chrome Trace
     Event format on the simulated clock; see minipar.distributed.trace and
-    docs/profiling.md); `minipar profile DIR` reads it."""
+    docs/profiling.md); `minipar profile DIR` reads it.
+    engine: what runs the ranks (minipar.distributed.engines.get_engine("torch", ...): one
+    process each; default: threads of this process). The report then has an `engine`
+    section and each rank a `measured` one; under torchrun it is rank 0's, and the other
+    processes get None (docs/real-engine.md)."""
     if config is None:
         config = TrainConfig(**overrides)
     elif overrides:
         config = config.replace(**overrides)
     return train_prepared(prepare_run(config, resume_from), progress=progress,
                           save_dir=save_dir, save_every=save_every, device=device,
-                          references=references, trace=trace)
+                          references=references, trace=trace, engine=engine)
 
 
 def train_prepared(prepared: PreparedRun, *, progress=None, save_dir=None,
                    save_every: int = 0, device: dist.DeviceProfile | None = None,
-                   references: dict | None = None, trace=None) -> Report:
+                   references: dict | None = None, trace=None,
+                   engine: Engine | None = None) -> Report | None:
     """Train a prepared run (`prepare_run`); the options are `train`'s."""
     config = prepared.config
     if save_every < 0:
@@ -305,20 +326,27 @@ def train_prepared(prepared: PreparedRun, *, progress=None, save_dir=None,
         check_output_dir("save_dir", save_dir)  # before the work, not after it
     if trace is not None:
         check_output_dir("trace", trace)
+    runner = engine or ThreadEngine()
     reference = None
     if config.check:
         key = (equivalence.reference_config(config), device)
         shared = references if references is not None and prepared.start is None else {}
         if key not in shared:
-            shared[key] = reference_run(prepared, device)
+            # on rank 0 of a torchrun job, then sent to the others
+            shared[key] = runner.shared(lambda: reference_run(prepared, device))
         reference = shared[key]
     options = RunOptions(
         prepared.stream, start=prepared.start,
         reference_states=None if reference is None else reference.states,
         save_dir=None if save_dir is None else Path(save_dir), save_every=save_every,
-        progress=None if progress is None else _StepLog(progress, config.world_size),
+        progress=None if progress is None else runner.relay(
+            _StepLog(progress, config.world_size)),
         device=device, trace=None if trace is None else Path(trace))
-    report, results = _launch(config, options, prepared.warnings)
+    if not runner.in_process:  # ranks cannot share a list of failed writes: they raise
+        options.save_failures = None
+    report, results = _launch(config, options, prepared.warnings, engine)
+    if report is None:  # a process of a torchrun job other than rank 0
+        return None
     if reference is not None:
         report.reference = reference.report
         report.equivalence = equivalence.compare_runs(

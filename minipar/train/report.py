@@ -1,9 +1,8 @@
-"""The report: what a run measured, in the schema `minipar.report/1` (DESIGN.md).
+"""The report: what a run measured, in the schema `minipar.report/1` (docs/design.md).
 
 This is the public contract: notebooks, widgets, the CLI and checks outside the repo read
 it. Add fields freely; rename none. `report.schema.json` beside this file is the JSON
-Schema; `validate_report()` checks a report dict against it without extra dependencies
-(the tests also validate with the `jsonschema` package when it is installed).
+Schema (schema.py: `validate_report()` checks a report dict against it).
 
 `report_from_run(config, results, devices, warnings)` gives the report its shape: the
 training loop (loop.py) hands over what every rank returned, the virtual devices that
@@ -38,15 +37,14 @@ from minipar.distributed.timeline import (
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline.schedules.registry import (
     SCHEDULES,
-    schedule_names,
     uniform_bubble_fraction,
 )
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.train import checkpoint
 from minipar.train.config import TrainConfig, gpt_config
+from minipar.train.schema import validate_report
 
 SCHEMA = "minipar.report/1"
-SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
@@ -66,6 +64,7 @@ class Report:
     step_end_s: list[float] | None = None  # simulated time when each step ended (all ranks)
     device: dict | None = None  # the simulated GPU (minipar.distributed.DeviceProfile's fields)
     profile: dict | None = None  # minipar profile's figures and verdict (--profile)
+    engine: dict | None = None  # what ran the ranks, when chosen (absent: threads)
     # Not part of the JSON contract: per-rank timeline events (for plots) and the final
     # consolidated single-device state dict (for equivalence checks and inspection).
     timelines: list[list[dict]] | None = field(default=None, repr=False)
@@ -126,6 +125,8 @@ class Report:
             out["device"] = self.device
         if self.profile is not None:
             out["profile"] = self.profile
+        if self.engine is not None:
+            out["engine"] = self.engine
         return out
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -137,14 +138,13 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: dict) -> Report:
+        """A report read back from its JSON sections (the fields not in JSON stay None)."""
         validate_report(data)
-        return cls(config=data["config"], world_size=data["world_size"],
-                   n_params=data["n_params"], steps=data["steps"], ranks=data["ranks"],
-                   pipeline=data.get("pipeline"), moe=data.get("moe"),
-                   equivalence=data.get("equivalence"),
-                   layout=data.get("layout"), warnings=data.get("warnings", []),
-                   traffic=data.get("traffic"), step_end_s=data.get("step_end_s"),
-                   device=data.get("device"), profile=data.get("profile"))
+        optional = ("pipeline", "moe", "equivalence", "layout", "traffic", "step_end_s",
+                    "device", "profile", "engine")
+        return cls(**{k: data[k] for k in ("config", "world_size", "n_params", "steps",
+                                            "ranks")},
+                   warnings=data.get("warnings", []), **{k: data.get(k) for k in optional})
 
     @classmethod
     def from_json(cls, path: str | Path) -> Report:
@@ -192,6 +192,16 @@ def report_from_run(config: TrainConfig, results: list[dict], devices,
     if config.moe_num_experts:
         report.moe = _moe(config, results, devices)
     return report
+
+
+def add_engine(report: Report, launched) -> None:
+    """`engine`: what ran the ranks; on an engine that measures (torch), each rank's
+    `measured`: wall seconds per step (the rank program's marks), in comm, bytes on wire."""
+    report.engine = launched.engine
+    for summary, result, measured in zip(report.ranks, launched.results,
+                                         launched.measured or (), strict=False):
+        steps = np.diff([result["wall_loop_start"], *result["wall_step_ends"]]).tolist()
+        summary["measured"] = {"wall_step_s": steps, **measured}
 
 
 def _moe(config: TrainConfig, results: list[dict], devices) -> dict:
@@ -336,54 +346,3 @@ def _stage_times(config: TrainConfig, timelines, coords) -> list[dict]:
                           "backward_input_s": backward_input,
                           "backward_weight_s": backward_weight, "backward_s": full})
     return sorted(times, key=lambda t: t["stage"])
-
-
-# ------------------------------------------------------------------ validation
-def load_schema() -> dict:
-    """The report's JSON Schema. The file lists the built-in schedules for readers outside
-    Python; the names allowed are the schedule registry's (a test keeps the two equal)."""
-    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    schema["properties"]["config"]["properties"]["schedule"]["enum"] = list(schedule_names())
-    return schema
-
-
-def validate_report(data: dict) -> None:
-    """Raise ValueError naming the first field that breaks `report.schema.json`.
-
-    A small validator for the subset of JSON Schema the file uses (type, required,
-    properties, items, enum, const, minimum), so the library needs no extra dependency."""
-    _validate(data, load_schema(), "report")
-
-
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
-          "integer": int, "number": (int, float)}
-
-
-def _validate(value, schema: dict, where: str) -> None:
-    types = schema.get("type")
-    if types is not None:
-        types = [types] if isinstance(types, str) else types
-        ok = any(isinstance(value, _TYPES[t]) and not (t in ("integer", "number")
-                 and isinstance(value, bool)) for t in types)
-        if not ok:
-            raise ValueError(f"{where}: expected {' or '.join(types)}, got {type(value).__name__}")
-    if "const" in schema and value != schema["const"]:
-        raise ValueError(f"{where}: expected {schema['const']!r}, got {value!r}")
-    if "enum" in schema and value not in schema["enum"]:
-        raise ValueError(f"{where}: {value!r} is not one of {schema['enum']}")
-    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
-        raise ValueError(f"{where}: {value} is below the minimum {schema['minimum']}")
-    if isinstance(value, dict):
-        for key in schema.get("required", []):
-            if key not in value:
-                raise ValueError(f"{where}: missing required field {key!r}")
-        for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                _validate(value[key], sub, f"{where}.{key}")
-        extra = schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            for key in set(value) - set(schema.get("properties", {})):
-                _validate(value[key], extra, f"{where}.{key}")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            _validate(item, schema["items"], f"{where}[{i}]")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from minipar.train import TrainConfig, train, validate_report
-from minipar.train.report import Report, load_schema, merge_step
+from minipar.train.report import Report, merge_step
+from minipar.train.schema import load_schema
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -27,7 +27,7 @@ from minipar.parallel.pipeline.schedules.registry import (
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
 from minipar.plan.layout import ParallelConfig
 from minipar.train.config import TrainConfig
-from minipar.train.report import SCHEMA_PATH
+from minipar.train.schema import SCHEMA_PATH
 
 SETTINGS = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8, 12, 16)
             for v in (1, 2, 3)]

@@ -1,0 +1,7 @@
+"""`python -m minipar ...` is the `minipar` command (what `torchrun -m minipar` runs)."""
+
+import sys
+
+from minipar.cli import main
+
+sys.exit(main())
