@@ -58,7 +58,6 @@ import minipar
 from minipar import distributed as dist
 from minipar.distributed import CollectiveMismatchError, DeadlockError, LaunchTimeoutError
 
-STDLIB = os.path.dirname(os.__file__)  # frames of Python's own library are not the student's
 CHECK_TIMEOUT = 10.0  # seconds a check's launch may wait or stall (every one takes < 1 s)
 
 
@@ -240,7 +239,7 @@ class Report:
         if self.impl_file is not None:
             if not _same_file(filename, self.impl_file):
                 return None
-        elif f"{os.sep}minipar{os.sep}" in filename:
+        elif _library_file(filename):
             return None
         # co_qualname (Python >= 3.11) says which class's forward: "g.forward" is ambiguous
         name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
@@ -327,9 +326,7 @@ def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
         if report.impl_file is not None:
             mine = [f for f in stack if _same_file(f.filename, report.impl_file)]
         else:
-            mine = [f for f in stack if f"{os.sep}minipar{os.sep}" not in f.filename
-                    and f"{os.sep}checkers{os.sep}" not in f.filename
-                    and not f.filename.startswith(STDLIB)]
+            mine = [f for f in stack if not _library_file(f.filename)]
         if mine:
             outer, deepest = mine[0], mine[-1]
             key = (outer.name, os.path.basename(deepest.filename), deepest.lineno,
