@@ -29,10 +29,10 @@ from minipar.distributed import DeadlockError
 from .harness import (
     CheckFailed,
     CheckWarning,
-    check_building_blocks,
     expect,
     start_report,
 )
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "01", "ring all-reduce from send/recv"
 

@@ -18,7 +18,8 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import Linear, Parameter
 
-from .harness import CheckFailed, check_building_blocks, expect, expect_close, start_report
+from .harness import CheckFailed, expect, expect_close, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "02", "column- and row-parallel linear with f and g"
 WORLDS = (2, 4)

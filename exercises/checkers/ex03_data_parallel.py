@@ -26,7 +26,8 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import GPT, AdamW, GPTConfig
 
-from .harness import CheckFailed, check_building_blocks, expect, scale_factor, start_report
+from .harness import CheckFailed, expect, scale_factor, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "03", "data parallelism with gradient accumulation"
 CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)

@@ -22,7 +22,8 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import AdamW, Linear, Module
 
-from .harness import CheckFailed, check_building_blocks, expect, scale_factor, start_report
+from .harness import CheckFailed, expect, scale_factor, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "04", "a ZeRO-2 optimizer step"
 WORLDS = (2, 4)

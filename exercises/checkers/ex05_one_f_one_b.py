@@ -32,7 +32,8 @@ from minipar.parallel.pipeline.actions import (
 )
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, expect, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "05", "the 1F1B pipeline schedule as action lists"
 CASES = ((1, 3), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4))  # (p, m); m < p in (4, 2)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from minipar.train import TrainConfig, train
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, expect, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "06", "predict per-rank bytes of a training run"
 MODEL = dict(data="synthetic", vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16,

@@ -22,7 +22,8 @@ from minipar.errors import ScheduleError
 from minipar.parallel.pipeline.actions import from_compute_orders
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, expect, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "07", "zero bubble: B/W split of a Linear and ZB-H1 action lists"
 SHAPES = (((2, 3, 4), 4), ((5, 3), 4), ((2, 3, 4), 6), ((2, 2, 3, 5), 1))  # x, out

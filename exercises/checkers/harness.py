@@ -44,7 +44,6 @@ the checker runs it in-process, which keeps every check under a second.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import os
 import signal
@@ -381,50 +380,6 @@ def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e
         diff, index = largest_difference(got, expected)
         raise CheckFailed(f"{what}: values differ, max abs diff {diff:.3g} at index {index} "
                           f"(got {got[index]:.6g}, expected {expected[index]:.6g})")
-
-
-def forbidden_uses(impl, forbidden: dict[str, str]) -> list[str]:
-    """Lines "name (line N): why" for every use of a forbidden name in impl's source file:
-    imported, called or read as an attribute (e.g. `dist.all_reduce`). [] without a file.
-
-    forbidden: {name: reason}; a dotted module name ("minipar.parallel") matches imports
-    of it and of its submodules."""
-    path = getattr(impl, "__file__", None)
-    if path is None or not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as source:
-        tree = ast.parse(source.read(), filename=path)
-    found = []
-    # The file's own functions and classes may share a name with the library's (the
-    # student writes `one_f_one_b` too): only imports and attributes of those count.
-    own = {node.name for node in ast.walk(tree)
-           if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-
-    def flag(name: str, node) -> None:
-        for banned, reason in forbidden.items():
-            if name == banned or name.startswith(banned + "."):
-                found.append(f"{name} (line {node.lineno}): {reason}")
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                flag(alias.name, node)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            flag(node.module, node)
-            for alias in node.names:
-                flag(alias.name, node)
-        elif isinstance(node, ast.Attribute):
-            flag(node.attr, node)
-        elif isinstance(node, ast.Name) and node.id not in own:
-            flag(node.id, node)
-    unique = list(dict.fromkeys(found))  # ast.walk's order, without repeats
-    return sorted(unique, key=lambda line: int(line.split("(line ")[1].split(")")[0]))
-
-
-def check_building_blocks(impl, forbidden: dict[str, str]):
-    """A check: the file under test uses none of the library's ready-made answers."""
-    uses = forbidden_uses(impl, forbidden)
-    expect(not uses, "your file uses what the exercise asks you to build:\n" + "\n".join(uses))
 
 
 def start_report(number: str, title: str, impl, show_traceback: bool = False) -> Report:
