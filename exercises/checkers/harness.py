@@ -57,6 +57,8 @@ import minipar
 from minipar import distributed as dist
 from minipar.distributed import CollectiveMismatchError, DeadlockError, LaunchTimeoutError
 
+from .import_failures import exit_text
+
 CHECK_TIMEOUT = 10.0  # seconds a check's launch may wait or stall (every one takes < 1 s)
 
 
@@ -110,6 +112,7 @@ class Report:
     impl_file: str | None = None
     show_traceback: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
+    remark: str = ""  # a paragraph shown before the last line (the grader's, see grader.py)
 
     # -------------------------------------------------------------- running checks
     def run(self, name: str, check, *args, hints: dict | None = None):
@@ -177,6 +180,8 @@ class Report:
                 lines.append(f"        {detail}")
         passed, total = self.counts()
         lines.append("")
+        if self.remark:
+            lines += [self.remark, ""]
         if self.passed:
             warned = sum(o.status == "warn" for o in self.outcomes)
             remark = f" ({warned} with a warning)" if warned else ""
@@ -258,7 +263,7 @@ class Report:
             text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             frames = traceback.extract_tb(error.__traceback__)
             frame = self._student_frame(error) or (frames[-1] if frames else None)
-            if frame is not None:
+            if frame is not None and not _grader_file(frame.filename):
                 text += (f"\n  at {os.path.basename(frame.filename)}:{frame.lineno} in "
                          f"{frame.name}(): {frame.line}")
         notes = [note for note in getattr(error, "__notes__", ())
@@ -278,13 +283,6 @@ class Report:
         if self.show_traceback:
             text += "\n" + "".join(traceback.format_exception(error)).rstrip()
         return text
-
-
-def exit_text(error: SystemExit, line) -> str:
-    """"the file under test called sys.exit(0) (at line 12)" (raise SystemExit(0) reads
-    the same: it is what sys.exit does)."""
-    call = "sys.exit()" if error.code is None else f"sys.exit({error.code!r})"
-    return f"the file under test called {call} (at line {line})"
 
 
 class _CtrlC:
@@ -346,6 +344,11 @@ def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
 _LIBRARY_DIRS = tuple(os.path.abspath(d) + os.sep for d in (
     os.path.dirname(minipar.__file__), os.path.dirname(__file__),
     os.path.dirname(os.path.dirname(np.__file__)), os.path.dirname(os.__file__)))
+
+
+def _grader_file(filename: str) -> bool:
+    """A file of the checkers: where an error is raised is no news to the student."""
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS[1])
 
 
 def _library_file(filename: str) -> bool:

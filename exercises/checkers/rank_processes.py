@@ -1,0 +1,166 @@
+"""The ranks of a check, each in a process of its own: the grader's side.
+
+    with RankProcesses(path, world, env=..., cwd=...) as ranks:
+        ring_all_reduce = ranks.function("ring_all_reduce")
+        dist.launch(program, world, ring_all_reduce, ...)   # program calls it on each rank
+
+Ranks that are threads of one process can share anything: a module-level dict gives
+every rank every input while the messages they send are zeros, and the byte ledger and
+the clock look exactly like a ring's. Here each rank of the file under test runs in a
+process of its own (rank_process.py), confined so that the processes share no memory,
+file, network or IPC (sandbox.py): what a rank knows of another's input it received in
+a message.
+
+`function(name)` stands for the file's function on a virtual rank of a launch in the
+grader. Called on virtual rank r, it hands its arrays to process r, which runs the
+file's function there, and performs what that process asks for (isend, irecv, wait) on
+virtual rank r with minipar.distributed. So minipar matches the messages, books their
+bytes and time in the launch's devices and finds deadlocks and stalls as it does when
+the function runs on the thread itself; then the arguments' final contents and the
+result come back. The checker runs unchanged on top (ex01_ring_allreduce.py,
+check_in_rank_processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from minipar import distributed as dist
+
+from . import wire
+
+IMPORT_TIMEOUT = 30.0  # seconds for a rank process to start and import the file
+
+
+class RankProcessError(Exception):
+    """A rank's process did not import the file, raised, ended, or broke the protocol."""
+
+
+class _Rank:
+    """One rank's process and its two pipes."""
+
+    def __init__(self, path: str, env: dict, cwd: str) -> None:
+        from_grader, self.to_rank = os.pipe()
+        self.from_rank, to_grader = os.pipe()
+        spec = {"file": path, "name": "rank_file", "to_grader": to_grader,
+                "from_grader": from_grader, "parent": os.getpid()}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "exercises.checkers.rank_process", json.dumps(spec)],
+                cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, pass_fds=(to_grader, from_grader),
+                start_new_session=True)
+        finally:
+            os.close(to_grader)
+            os.close(from_grader)
+        self.reader = wire.Reader()
+        self.failure: str | None = None
+
+    def wait_imported(self, deadline: float) -> None:
+        try:
+            message = wire.read(self.from_rank, self.reader,
+                                timeout=max(0.0, deadline - time.monotonic()))
+        except wire.WireError as error:
+            message, self.failure = None, f"ended before it imported the file ({error})"
+        if message is None:
+            self.failure = self.failure or (f"did not import the file within "
+                                            f"{IMPORT_TIMEOUT:g} s")
+        elif message[0].get("event") == "import-failed":
+            self.failure = f"could not import the file: {message[0].get('text')}"
+        elif message[0].get("event") != "imported":
+            self.failure = "sent something else than its import"
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        os.close(self.to_rank)
+        os.close(self.from_rank)
+
+
+class RankProcesses:
+    """`world` processes, one per rank, each with the file at `path` imported (see the
+    module docstring). env, cwd: those of the processes (the grader's sandbox)."""
+
+    def __init__(self, path: str, world: int, *, env: dict, cwd: str) -> None:
+        self.path, self.world, self.env, self.cwd = path, world, env, cwd
+        self.ranks: list[_Rank] = []
+
+    def __enter__(self) -> RankProcesses:
+        try:
+            self.ranks = [_Rank(self.path, self.env, self.cwd) for _ in range(self.world)]
+            deadline = time.monotonic() + IMPORT_TIMEOUT
+            for rank in self.ranks:
+                rank.wait_imported(deadline)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+        self.ranks = []
+
+    def function(self, name: str):
+        """The file's function `name`, to call on a virtual rank: f(*arrays, group=None)."""
+        return functools.partial(self._call, name)
+
+    def _call(self, name: str, *arrays, group=None):
+        number = dist.get_rank()
+        rank = self.ranks[number]
+        if rank.failure is not None:
+            raise RankProcessError(f"rank {number}'s process {rank.failure}")
+        arrays = [np.asarray(a) for a in arrays]
+        where = {"group": None} if group is None else {"group": list(group.ranks),
+                                                       "kind": group.kind}
+        self._send(rank, number, {"op": "call", "function": name, "rank": number,
+                                  "world": dist.get_world_size(), **where}, arrays)
+        works = {}
+        while True:
+            try:
+                header, payload = wire.read(rank.from_rank, rank.reader)
+            except wire.WireError as error:
+                rank.failure = f"ended ({error})"
+                raise RankProcessError(f"rank {number}'s process {rank.failure}") from None
+            op = header.get("op")
+            if op in ("isend", "irecv"):
+                peer, tag = int(header["peer"]), int(header["tag"])
+                on = None if "group" not in header else dist.new_group(header["group"],
+                                                                        header["kind"])
+                works[header["id"]] = (dist.isend(payload[0], peer, group=on, tag=tag)
+                                       if op == "isend" else
+                                       dist.irecv(peer, group=on, tag=tag))
+            elif op == "wait" and header.get("id") in works:
+                received = works.pop(header["id"]).wait()
+                self._send(rank, number, {"op": "done", "id": header["id"]},
+                           [] if received is None else [received])
+            elif op == "return" and len(payload) == 1 + len(arrays):
+                for argument, final in zip(arrays, payload[1:], strict=True):
+                    if argument.shape == final.shape and argument.flags.writeable:
+                        np.copyto(argument, final, casting="unsafe")
+                return payload[0]
+            elif op == "raise":
+                raise RankProcessError(f"rank {number}'s process: {header.get('text')}")
+            else:
+                raise RankProcessError(f"rank {number}'s process sent {op!r} out of turn")
+
+    @staticmethod
+    def _send(rank: _Rank, number: int, header: dict, arrays) -> None:
+        try:
+            wire.write(rank.to_rank, header, arrays)
+        except OSError as error:
+            rank.failure = f"ended ({error})"
+            raise RankProcessError(f"rank {number}'s process {rank.failure}") from None
