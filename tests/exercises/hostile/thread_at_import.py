@@ -1,5 +1,6 @@
-"""A correct ring whose import starts a thread that is not a daemon: the interpreter
-waits for it before it exits."""
+"""A correct ring whose import starts a thread that is not a daemon (daemon=False: a
+thread started by a daemon thread would be one), which the interpreter waits for before
+it exits."""
 
 import threading
 import time
@@ -8,7 +9,7 @@ import numpy as np
 
 from minipar import distributed as dist
 
-threading.Thread(target=time.sleep, args=(60,), name="left running").start()
+threading.Thread(target=time.sleep, args=(60,), name="left running", daemon=False).start()
 
 
 def ring_neighbours(group=None):
