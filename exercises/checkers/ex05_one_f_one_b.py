@@ -38,6 +38,10 @@ from .source_check import check_building_blocks
 NUMBER, TITLE = "05", "the 1F1B pipeline schedule as action lists"
 # The check of the file's text, which the grader also runs on its own copy (grader.py).
 BUILDING_BLOCKS = "builds the lists itself (not the library's schedules)"
+# The file's functions, and the classes their arguments and results may hold: the
+# grader calls them in a process of their own and runs `check` itself (grader.py).
+FUNCTIONS = ("compute_order", "one_f_one_b")
+CLASSES = ACTION_TYPES
 CASES = ((1, 3), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4))  # (p, m); m < p in (4, 2)
 FORWARD_TIME, BACKWARD_TIME = 1.0, 2.0
 

@@ -16,9 +16,12 @@ The file under test never runs in the grader's process. grade()
 4. compares exercises/ and minipar/ with what they held before and puts back anything
    changed (a failure of the file when it did: the layer that works where the sandbox
    cannot);
-5. when the worker's outcomes all pass and the checker has `check_in_rank_processes`,
-   runs that here: the whole checker again, every rank in a process of its own that
-   holds only its own input (rank_processes.py). Its report is the one returned.
+5. when the worker's outcomes all pass, runs the checker again here, on the file's
+   functions in processes of their own (rank_processes.py): for a checker with
+   `check_in_rank_processes` (01), every rank in a process of its own that holds only
+   its own input; for one with FUNCTIONS (05-07), the file's functions in one process.
+   That report is the one returned. (02-04 pass objects, models and optimizers, to the
+   file's code, which cannot cross a process boundary: their verdict is the worker's.)
 The verdict is the returned Report's; exercises/check.py takes the exit status from it
 alone. docs/exercises.md says what this guarantees and what it does not.
 """
@@ -35,12 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import minipar
 
 from . import wire
 from .harness import CHECK_TIMEOUT, LABELS, Outcome, Report
+from .rank_processes import RankProcesses
 from .source_check import check_building_blocks
 
 EXERCISES = Path(__file__).resolve().parents[1]
@@ -99,6 +104,8 @@ def grade(exercise, path: Path, name: str, where: str, *, wait_import, show_trac
             _override(report, text.outcomes)
             if report.passed and hasattr(checker, "check_in_rank_processes"):
                 return _in_rank_processes(checker, box, report, show_traceback)
+            if report.passed and hasattr(checker, "FUNCTIONS"):
+                return _in_a_process(checker, box, report, show_traceback)
     except OSError as error:  # the temporary folder, or a new process
         raise GraderError(f"cannot run the checker in a process of its own: "
                           f"{error.strerror or error}") from None
@@ -115,6 +122,22 @@ def _in_rank_processes(checker, box: _Box, report: Report, show_traceback: bool)
                            "each rank in a process of its own that sees only its own input: "
                            "ranks may share data only through the messages they send.")
     return isolated
+
+
+def _in_a_process(checker, box: _Box, report: Report, show_traceback: bool) -> Report:
+    """The checker's report, run here, with the file's FUNCTIONS in a process of their
+    own: what the file does to the checker or to NumPy in its process changes nothing."""
+    path = str(box.copy_for_ranks())
+    with RankProcesses(path, 1, stand_in=False, classes=checker.CLASSES,
+                       **box.spawn()) as process:
+        impl = types.SimpleNamespace(__file__=path, **{name: process.function(name)
+                                                        for name in checker.FUNCTIONS})
+        checked = checker.check(impl, show_traceback=show_traceback)
+    checked.target = report.target
+    if not checked.passed:
+        checked.remark = ("It passes when the checks run in the file's own process, not when "
+                          "the grader runs them: does the file change the checker or NumPy?")
+    return checked
 
 
 def _shown(path: Path, where: str) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 
 from minipar import distributed as dist
 
-from . import wire
+from . import harness, wire
 
 IMPORT_TIMEOUT = 30.0  # seconds for a rank process to start and import the file
 
@@ -48,11 +48,12 @@ class RankProcessError(Exception):
 class _Rank:
     """One rank's process and its two pipes."""
 
-    def __init__(self, path: str, env: dict, cwd: str) -> None:
+    def __init__(self, path: str, env: dict, cwd: str, stand_in: bool, classes: list) -> None:
         from_grader, self.to_rank = os.pipe()
         self.from_rank, to_grader = os.pipe()
         spec = {"file": path, "name": "rank_file", "to_grader": to_grader,
-                "from_grader": from_grader, "parent": os.getpid()}
+                "from_grader": from_grader, "parent": os.getpid(), "stand_in": stand_in,
+                "classes": classes}
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "exercises.checkers.rank_process", json.dumps(spec)],
@@ -89,15 +90,24 @@ class _Rank:
 
 class RankProcesses:
     """`world` processes, one per rank, each with the file at `path` imported (see the
-    module docstring). env, cwd: those of the processes (the grader's sandbox)."""
+    module docstring). env, cwd: those of the processes (the grader's sandbox).
 
-    def __init__(self, path: str, world: int, *, env: dict, cwd: str) -> None:
+    stand_in: the file sees rank_dist.py as minipar.distributed (ranks kept apart);
+    without it, the real minipar (a checker of plain functions: RankProcesses(path, 1,
+    stand_in=False), whose functions are then called outside any launch, in process 0).
+    classes: the dataclasses a call's arguments and results may hold (wire.pack)."""
+
+    def __init__(self, path: str, world: int, *, env: dict, cwd: str, stand_in: bool = True,
+                 classes=()) -> None:
         self.path, self.world, self.env, self.cwd = path, world, env, cwd
+        self.stand_in, self.classes = stand_in, {c.__name__: c for c in classes}
         self.ranks: list[_Rank] = []
 
     def __enter__(self) -> RankProcesses:
+        names = [f"{c.__module__}:{c.__qualname__}" for c in self.classes.values()]
         try:
-            self.ranks = [_Rank(self.path, self.env, self.cwd) for _ in range(self.world)]
+            self.ranks = [_Rank(self.path, self.env, self.cwd, self.stand_in, names)
+                          for _ in range(self.world)]
             deadline = time.monotonic() + IMPORT_TIMEOUT
             for rank in self.ranks:
                 rank.wait_imported(deadline)
@@ -115,26 +125,39 @@ class RankProcesses:
         self.ranks = []
 
     def function(self, name: str):
-        """The file's function `name`, to call on a virtual rank: f(*arrays, group=None)."""
+        """The file's function `name`: called on virtual rank r of a launch, it runs in
+        process r (its group= passed on); called outside a launch, in process 0."""
         return functools.partial(self._call, name)
 
-    def _call(self, name: str, *arrays, group=None):
-        number = dist.get_rank()
+    def _call(self, name: str, *args, **kwargs):
+        try:
+            number, world, timeout = dist.get_rank(), dist.get_world_size(), None
+        except Exception:  # noqa: BLE001 - outside a launch: a plain function, no watchdog
+            number, world, timeout = 0, 1, harness.CHECK_TIMEOUT
         rank = self.ranks[number]
         if rank.failure is not None:
             raise RankProcessError(f"rank {number}'s process {rank.failure}")
-        arrays = [np.asarray(a) for a in arrays]
-        where = {"group": None} if group is None else {"group": list(group.ranks),
-                                                       "kind": group.kind}
+        where = {}
+        if "group" in kwargs:
+            group = kwargs.pop("group")
+            where = ({"group": None} if group is None else
+                     {"group": list(group.ranks), "kind": group.kind})
+        arrays = []
         self._send(rank, number, {"op": "call", "function": name, "rank": number,
-                                  "world": dist.get_world_size(), **where}, arrays)
+                                  "world": world, "args": wire.pack(list(args), arrays,
+                                                                    self.classes),
+                                  **where}, arrays)
         works = {}
         while True:
             try:
-                header, payload = wire.read(rank.from_rank, rank.reader)
+                message = wire.read(rank.from_rank, rank.reader, timeout=timeout)
             except wire.WireError as error:
                 rank.failure = f"ended ({error})"
                 raise RankProcessError(f"rank {number}'s process {rank.failure}") from None
+            if message is None:
+                raise RankProcessError(f"{name}() did not return within {timeout:g} s in "
+                                       "its process: a loop that never ends?")
+            header, payload = message
             op = header.get("op")
             if op in ("isend", "irecv"):
                 peer, tag = int(header["peer"]), int(header["tag"])
@@ -147,15 +170,27 @@ class RankProcesses:
                 received = works.pop(header["id"]).wait()
                 self._send(rank, number, {"op": "done", "id": header["id"]},
                            [] if received is None else [received])
-            elif op == "return" and len(payload) == 1 + len(arrays):
-                for argument, final in zip(arrays, payload[1:], strict=True):
-                    if argument.shape == final.shape and argument.flags.writeable:
-                        np.copyto(argument, final, casting="unsafe")
-                return payload[0]
+            elif op == "return":
+                return self._returned(number, header, payload, args)
             elif op == "raise":
                 raise RankProcessError(f"rank {number}'s process: {header.get('text')}")
             else:
                 raise RankProcessError(f"rank {number}'s process sent {op!r} out of turn")
+
+    def _returned(self, number: int, header: dict, payload: list, args: tuple):
+        """The result; the arrays passed in get their final contents (as on a thread)."""
+        try:
+            value = wire.unpack(header.get("value"), payload, self.classes)
+            final = wire.unpack(header.get("args"), payload, self.classes)
+        except (wire.WireError, TypeError, ValueError, RecursionError) as error:
+            raise RankProcessError(f"rank {number}'s process returned what the grader "
+                                   f"cannot read ({error})") from None
+        if isinstance(final, list) and len(final) == len(args):
+            for argument, after in zip(args, final, strict=True):
+                if isinstance(argument, np.ndarray) and isinstance(after, np.ndarray) \
+                        and argument.shape == after.shape and argument.flags.writeable:
+                    np.copyto(argument, after, casting="unsafe")
+        return value
 
     @staticmethod
     def _send(rank: _Rank, number: int, header: dict, arrays) -> None:

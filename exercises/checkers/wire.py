@@ -3,11 +3,14 @@
 A message is a 4-byte length, a JSON header, then the raw bytes of the arrays the header
 lists under "arrays" (dtype and shape of each). Nothing is unpickled: a process running
 the code under test can hand the grader only such messages, and the grader checks each
-one's sizes and dtypes before it reads its bytes.
+one's sizes and dtypes before it reads its bytes. Values in a header (a call's arguments,
+its result) are packed: JSON's own types, tuples, dicts, arrays (by their place in the
+message) and instances of the dataclasses the two sides name, rebuilt from their fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -59,6 +62,53 @@ def _layout(header: dict) -> list[tuple[np.dtype, tuple[int, ...]]]:
             raise WireError("a message is larger than the grader reads")
         layout.append((dtype, shape))
     return layout
+
+
+def pack(value, arrays: list, classes: dict):
+    """`value` as JSON, its arrays appended to `arrays`; classes: {name: dataclass} that
+    may be packed by their fields. TypeError for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype.kind not in KINDS or value.dtype.hasobject:
+            raise TypeError(f"an array of {value.dtype} cannot go between processes")
+        arrays.append(np.asarray(value))
+        return {"array": len(arrays) - 1, "scalar": isinstance(value, np.generic)}
+    if isinstance(value, list):
+        return [pack(v, arrays, classes) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [pack(v, arrays, classes) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[pack(k, arrays, classes), pack(v, arrays, classes)]
+                         for k, v in value.items()]}
+    name = type(value).__name__
+    if classes.get(name) is type(value):
+        return {"object": name, "fields": {f.name: pack(getattr(value, f.name), arrays,
+                                                        classes)
+                                           for f in dataclasses.fields(value)}}
+    raise TypeError(f"a {name} cannot go between processes")
+
+
+def unpack(packed, arrays: list, classes: dict):
+    """The value `pack` made (WireError for anything it cannot have made)."""
+    if packed is None or isinstance(packed, (bool, int, float, str)):
+        return packed
+    if isinstance(packed, list):
+        return [unpack(v, arrays, classes) for v in packed]
+    if isinstance(packed, dict) and len(packed) == 1 and isinstance(packed.get("tuple"), list):
+        return tuple(unpack(v, arrays, classes) for v in packed["tuple"])
+    if isinstance(packed, dict) and len(packed) == 1 and isinstance(packed.get("dict"), list):
+        return {unpack(k, arrays, classes): unpack(v, arrays, classes)
+                for k, v in packed["dict"]}
+    if isinstance(packed, dict) and isinstance(packed.get("array"), int) \
+            and 0 <= packed["array"] < len(arrays):
+        array = arrays[packed["array"]]
+        return array[()] if packed.get("scalar") and array.ndim == 0 else array
+    if isinstance(packed, dict) and packed.get("object") in classes \
+            and isinstance(packed.get("fields"), dict):
+        fields = {k: unpack(v, arrays, classes) for k, v in packed["fields"].items()}
+        return classes[packed["object"]](**fields)
+    raise WireError("a value the grader does not know how to read")
 
 
 class Reader:

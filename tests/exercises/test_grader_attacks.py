@@ -41,21 +41,22 @@ def last_line(result) -> str:
     return result.stdout.rstrip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("name, says", [
-    ("importlib_ring", "importlib (line 4): imports by a computed name"),
-    ("shared_dict", "not with each rank in a process of its own"),
-    ("patch_allclose", "np.allclose (line 8): changes the module np it imports"),
-    ("patch_harness", "harness.Report.passed (line 8): changes the module harness"),
-    ("atexit_exit", "values differ from np.sum over ranks [0, 1]"),
-    ("fake_pass", "exit status 0 and no report: did the file under test call os._exit()"),
+@pytest.mark.parametrize("exercise, name, says", [
+    ("01", "importlib_ring", "importlib (line 4): imports by a computed name"),
+    ("01", "shared_dict", "not with each rank in a process of its own"),
+    ("01", "patch_allclose", "np.allclose (line 8): changes the module np it imports"),
+    ("01", "patch_harness", "harness.Report.passed (line 8): changes the module harness"),
+    ("01", "atexit_exit", "values differ from np.sum over ranks [0, 1]"),
+    ("01", "fake_pass", "exit status 0 and no report: did the file under test call os._exit"),
+    ("05", "forge_report", "not when the grader runs them"),
 ])
-def test_a_hand_in_that_fools_the_checker_fails(name, says):
-    result = grade("01", "--file", str(HOSTILE / f"{name}.py"))
+def test_a_hand_in_that_fools_the_checker_fails(exercise, name, says):
+    result = grade(exercise, "--file", str(HOSTILE / f"{name}.py"))
     assert result.returncode == 1, result.stdout + result.stderr
     assert says in result.stdout, result.stdout
     assert " checks pass, " in last_line(result), result.stdout  # the grader's verdict
     for line in result.stdout.splitlines():  # what the file printed is marked as its own
-        assert "All 8 checks pass" not in line or line.startswith(OUTPUT_MARK), line
+        assert "checks pass." not in line or line.startswith(OUTPUT_MARK), line
 
 
 @pytest.fixture(scope="module")
