@@ -29,8 +29,10 @@ alone. docs/exercises.md says what this guarantees and what it does not.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -47,6 +49,7 @@ from . import wire
 from .harness import CHECK_TIMEOUT, LABELS, Outcome, Report
 from .rank_processes import RankProcesses
 from .source_check import check_building_blocks
+from .worker import sign
 
 EXERCISES = Path(__file__).resolve().parents[1]
 GUARDED = (EXERCISES, Path(minipar.__file__).resolve().parent)  # compared after each run
@@ -210,18 +213,23 @@ def _run_worker(box: _Box, exercise, name: str, where: str, wait_import, show_tr
                 echo) -> list[Outcome]:
     """The worker's outcomes, or the one failure that says why there are none."""
     events_read, events_write = os.pipe()
+    key_read, key_write = os.pipe()
+    key = secrets.token_bytes(32)
+    os.write(key_write, key)
+    os.close(key_write)
     spec = {"exercise": exercise.number, "file": str(box.under_test), "name": name,
-            "traceback": show_traceback, "events": events_write,
+            "traceback": show_traceback, "events": events_write, "key": key_read,
             "scratch": str(box.scratch), "parent": os.getpid()}
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "exercises.checkers.worker", json.dumps(spec)],
             cwd=box.scratch, env=box.environment(), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(events_write,),
-            start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            pass_fds=(events_write, key_read), start_new_session=True)
     finally:
         os.close(events_write)
-    worker = _Worker(process, events_read, echo)
+        os.close(key_read)
+    worker = _Worker(process, events_read, echo, key)
     try:
         return worker.outcomes(where, wait_import)
     finally:
@@ -235,8 +243,8 @@ def _failure(detail: str, name: str = "the checks run to the end") -> list[Outco
 class _Worker:
     """A running worker: its events (wire messages) and its output, read together."""
 
-    def __init__(self, process, events: int, echo) -> None:
-        self.process, self.events, self.echo = process, events, echo
+    def __init__(self, process, events: int, echo, key: bytes) -> None:
+        self.process, self.events, self.echo, self.key = process, events, echo, key
         self.reader, self.received = wire.Reader(), 0
         self.selector = selectors.DefaultSelector()
         self.selector.register(events, selectors.EVENT_READ, "events")
@@ -299,6 +307,11 @@ class _Worker:
                 event = self.next_event(RUN_TIMEOUT) or {"event": "timeout"}
             if event.get("event") != "report":
                 return self._no_report(event, "before the checks finished")
+            if not hmac.compare_digest(str(event.get("mac")),
+                                       sign(self.key, event.get("outcomes"))):
+                return _failure("the report did not come from the checker (it is not signed "
+                                "with the checker's key): something in the file under test "
+                                "wrote to the grader's pipe")
             return _outcomes(event)
         except wire.WireError as error:
             return _failure(f"the checker's process sent something else than a report "

@@ -3,17 +3,20 @@
     python -m exercises.checkers.worker SPEC      # SPEC: JSON from grader.py
 
 It confines itself first (sandbox.py), while it has one thread and before anything of
-the file under test exists; tells the grader what held; imports the checker (and with it
-minipar), then the file under test; runs the checks and sends their outcomes to the
-grader as data, on a pipe of their own (wire.py). The grader decides the verdict and the
-exit status: nothing this process prints, raises or exits with is either.
+the file under test exists; reads the key that signs its report; tells the grader what
+held; imports the checker (and with it minipar), then the file under test; runs the
+checks and sends their outcomes to the grader as data, signed, on a pipe of their own
+(wire.py). The grader decides the verdict and the exit status: nothing this process
+prints, raises or exits with is either.
 """
 
 from __future__ import annotations
 
+import hmac
 import importlib.machinery
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -59,6 +62,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     events = spec["events"]
     held = sandbox.confine([spec["scratch"]], parent=spec["parent"])
+    # The key that signs the report, read and its pipe closed before the file under test
+    # exists: writing to the grader's pipe is not enough to forge a report.
+    key = os.read(spec["key"], 64)
+    os.close(spec["key"])
     from exercises.checkers import find, wire  # NumPy's threads start after confine
     from exercises.checkers.harness import Outcome
 
@@ -73,8 +80,14 @@ def main(argv: list[str]) -> int:
     else:
         detail, raised = import_failure(error, spec["file"], spec["traceback"])
         outcomes = [Outcome("fail", "the file imports", detail, raised=raised)]
-    wire.write(events, {"event": "report", "outcomes": [asdict(o) for o in outcomes]})
+    listed = [asdict(o) for o in outcomes]
+    wire.write(events, {"event": "report", "outcomes": listed, "mac": sign(key, listed)})
     return 0
+
+
+def sign(key: bytes, outcomes: list) -> str:
+    """HMAC-SHA256 of the outcomes as JSON (the grader computes it again)."""
+    return hmac.new(key, json.dumps(outcomes, sort_keys=True).encode(), "sha256").hexdigest()
 
 
 if __name__ == "__main__":

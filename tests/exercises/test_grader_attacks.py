@@ -48,7 +48,9 @@ def last_line(result) -> str:
     ("01", "patch_harness", "harness.Report.passed (line 8): changes the module harness"),
     ("01", "atexit_exit", "values differ from np.sum over ranks [0, 1]"),
     ("01", "fake_pass", "exit status 0 and no report: did the file under test call os._exit"),
-    ("05", "forge_report", "not when the grader runs them"),
+    ("05", "patch_checker_05", "not when the grader runs them"),
+    ("03", "forge_report", "it is not signed with the checker's key"),
+    ("05", "forge_report", "it is not signed with the checker's key"),
 ])
 def test_a_hand_in_that_fools_the_checker_fails(exercise, name, says):
     result = grade(exercise, "--file", str(HOSTILE / f"{name}.py"))
