@@ -90,7 +90,8 @@ def check_exercise(exercise: Exercise, *, solution: bool = False, file: str | No
     and GraderError when this machine cannot run the checker apart."""
     path, name = _under_test(exercise, solution, file)
     return grade(exercise, path, name, _where(exercise, solution, file),
-                 wait_import=_import_with_timeout, show_traceback=show_traceback, echo=echo)
+                 wait_import=_import_with_timeout, show_traceback=show_traceback, echo=echo,
+                 hand_in=file is not None)
 
 
 def _echo(line: str) -> None:

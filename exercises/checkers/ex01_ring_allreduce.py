@@ -13,6 +13,10 @@ When the values are wrong, the checker runs the failing case again with every me
 recorded and names the first one that differs from the algorithm's: its phase
 (reduce-scatter or all-gather), step, the chunk index sent and the ranks summed into it,
 against the chunk and the ranks expected (`_first_wrong_message`).
+
+The grader runs these checks once more itself, every rank in a process of its own with
+only its own input (`check_in_rank_processes`). This module is long because the
+diagnosis of a wrong value, which message first went wrong, sits next to the checks.
 """
 
 from __future__ import annotations

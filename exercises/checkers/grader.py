@@ -14,8 +14,8 @@ The file under test never runs in the grader's process. grade()
    RUN_TIMEOUT), then kills its whole process group: a thread or a process the file left
    behind ends with it;
 4. compares exercises/ and minipar/ with what they held before and puts back anything
-   changed (a failure of the file when it did: the layer that works where the sandbox
-   cannot);
+   changed (guard.py; a failure of the file when it did: the layer that works where the
+   sandbox cannot);
 5. when the worker's outcomes all pass, runs the checker again here, on the file's
    functions in processes of their own (rank_processes.py): for a checker with
    `check_in_rank_processes` (01), every rank in a process of its own that holds only
@@ -43,22 +43,22 @@ import time
 import types
 from pathlib import Path
 
-import minipar
-
-from . import wire
+from . import guard, wire
 from .harness import CHECK_TIMEOUT, LABELS, Outcome, Report
 from .rank_processes import RankProcesses
 from .source_check import check_building_blocks
 from .worker import sign
 
 EXERCISES = Path(__file__).resolve().parents[1]
-GUARDED = (EXERCISES, Path(minipar.__file__).resolve().parent)  # compared after each run
 STARTUP_TIMEOUT = 60.0  # seconds for a worker to import minipar and the checker
 RUN_TIMEOUT = 12 * CHECK_TIMEOUT  # seconds for the checks, after the import
 MAX_SOURCE = 1 << 20  # bytes of a file under test
 MAX_OUTPUT_LINES = 200  # lines of the file's own output shown
 MAX_REPORT = 1 << 22  # bytes of outcomes read from a worker
 OUTPUT_MARK = "  | "
+NO_LANDLOCK = ("Note: no Landlock here (it needs Linux 5.13 or later with Landlock on): "
+               "the file could write wherever you can (the grader puts back only exercises/ "
+               "and minipar/) and signal this process; see docs/exercises.md.")
 
 
 class ImportTimeout(Exception):
@@ -71,11 +71,12 @@ class GraderError(Exception):
 
 
 def grade(exercise, path: Path, name: str, where: str, *, wait_import, show_traceback=False,
-          echo=print) -> Report:
+          echo=print, hand_in: bool = False) -> Report:
     """Check the file at `path` (imported as module `name`, shown as `where`) in processes
     of its own; see the module docstring. `wait_import(load, where)` waits for the import
     (exercises/check.py: load(seconds) returns the worker's next event, or None when the
-    seconds ran out) and raises ImportTimeout. `echo` shows the file's output."""
+    seconds ran out) and raises ImportTimeout. `echo` shows the file's output. A hand-in's
+    report says so when the worker could not confine itself with Landlock."""
     report = Report(exercise.number, exercise.title, _shown(path, where))
     try:
         with open(path, "rb") as file:
@@ -93,12 +94,14 @@ def grade(exercise, path: Path, name: str, where: str, *, wait_import, show_trac
             text = Report(exercise.number, exercise.title, where)
             text.run(checker.BUILDING_BLOCKS, check_building_blocks, box.original,
                      checker.FORBIDDEN)
-            before = _snapshot(GUARDED)
+            before = guard.snapshot()
             try:
-                report.outcomes = _run_worker(box, exercise, name, where, wait_import,
-                                              show_traceback, echo)
+                report.outcomes, held = _run_worker(box, exercise, name, where, wait_import,
+                                                    show_traceback, echo)
             finally:
-                changed = _restore(before)
+                changed = guard.restore(before)
+            if hand_in and not any(layer.startswith("Landlock") for layer in held):
+                report.remark = NO_LANDLOCK
             if changed:
                 report.outcomes.append(Outcome(
                     "fail", "leaves the grader's files alone",
@@ -119,11 +122,12 @@ def _in_rank_processes(checker, box: _Box, report: Report, show_traceback: bool)
     """The checker's report with every rank in a process of its own (module docstring)."""
     isolated = checker.check_in_rank_processes(str(box.copy_for_ranks()), spawn=box.spawn(),
                                                show_traceback=show_traceback)
-    isolated.target = report.target
+    isolated.target, isolated.remark = report.target, report.remark
     if not isolated.passed:
-        isolated.remark = ("It passes with the ranks as threads of one process, not with "
-                           "each rank in a process of its own that sees only its own input: "
-                           "ranks may share data only through the messages they send.")
+        isolated.remark = "\n".join(filter(None, [
+            "It passes with the ranks as threads of one process, not with each rank in a "
+            "process of its own that sees only its own input: ranks may share data only "
+            "through the messages they send.", report.remark]))
     return isolated
 
 
@@ -136,10 +140,11 @@ def _in_a_process(checker, box: _Box, report: Report, show_traceback: bool) -> R
         impl = types.SimpleNamespace(__file__=path, **{name: process.function(name)
                                                         for name in checker.FUNCTIONS})
         checked = checker.check(impl, show_traceback=show_traceback)
-    checked.target = report.target
+    checked.target, checked.remark = report.target, report.remark
     if not checked.passed:
-        checked.remark = ("It passes when the checks run in the file's own process, not when "
-                          "the grader runs them: does the file change the checker or NumPy?")
+        checked.remark = "\n".join(filter(None, [
+            "It passes when the checks run in the file's own process, not when the grader "
+            "runs them: does the file change the checker or NumPy?", report.remark]))
     return checked
 
 
@@ -231,7 +236,7 @@ def _run_worker(box: _Box, exercise, name: str, where: str, wait_import, show_tr
         os.close(key_read)
     worker = _Worker(process, events_read, echo, key)
     try:
-        return worker.outcomes(where, wait_import)
+        return worker.outcomes(where, wait_import), worker.held
     finally:
         worker.kill()
 
@@ -251,6 +256,7 @@ class _Worker:
         self.selector.register(process.stdout, selectors.EVENT_READ, "output")
         self.pending, self.lines = b"", 0
         self.ended = False
+        self.held: list[str] = []  # the sandbox's layers, as the worker said before the file
 
     def next_event(self, timeout: float) -> dict | None:
         """The worker's next event; {"event": "ended"} when it closed its pipe; None when
@@ -296,6 +302,7 @@ class _Worker:
         try:
             event = self._expect("started", STARTUP_TIMEOUT)
             if event.get("event") == "started":
+                self.held = [str(layer) for layer in event.get("sandbox", [])]
                 event = self._expect("importing", STARTUP_TIMEOUT)
             if event.get("event") != "importing":
                 return self._no_report(event, "before it imported the file")
@@ -364,48 +371,3 @@ def _outcomes(event: dict) -> list[Outcome]:
             raise wire.WireError("an outcome that is not one")
         outcomes.append(Outcome(item["status"], item["name"], item["detail"], item["raised"]))
     return outcomes
-
-
-# ------------------------------------------------------------------ the grader's own files
-def _files(tree: Path):
-    for folder, subfolders, names in os.walk(tree):
-        subfolders[:] = [s for s in subfolders if s != "__pycache__"]
-        for name in names:
-            yield Path(folder) / name
-
-
-def _snapshot(trees) -> dict:
-    """{path: contents} of every file in the trees, and the compiled files' state."""
-    files = {path: path.read_bytes() for tree in trees for path in _files(tree)}
-    compiled = {path: path.stat().st_mtime_ns for tree in trees
-                for path in tree.rglob("__pycache__/*")}
-    return {"files": files, "compiled": compiled}
-
-
-def _restore(before: dict) -> list[str]:
-    """Put back every file of the snapshot that changed or went missing, remove .py files
-    added (a package harness/ would be imported in place of harness.py); remove compiled
-    files (__pycache__) written meanwhile, which Python would
-    load in place of their source. Returns the files put back or removed."""
-    changed = []
-    for path, contents in before["files"].items():
-        try:
-            same = path.read_bytes() == contents
-        except OSError:
-            same = False
-        if not same:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(contents)
-            changed.append(path)
-    for tree in GUARDED:
-        for path in _files(tree):
-            if path.suffix == ".py" and path not in before["files"]:  # it could shadow one
-                path.unlink()
-                changed.append(path)
-        for path in tree.rglob("__pycache__/*"):
-            with contextlib.suppress(OSError):
-                if before["compiled"].get(path) != path.stat().st_mtime_ns:
-                    path.unlink()
-    return [next(str(p.relative_to(t.parent)) for t in GUARDED if p.is_relative_to(t))
-            for p in changed]
-

@@ -30,16 +30,12 @@ keep them for types that have one cause, e.g. DeadlockError).
 Every check runs under `dist.launch_timeout(CHECK_TIMEOUT)`: the exercises' launches take
 milliseconds, so a student's infinite loop is stopped after CHECK_TIMEOUT seconds instead
 of hanging the checker (minipar's own default, 600 s, is for real training runs).
-`exercises/check.py` imports the file under test in a daemon thread and waits at most
-IMPORT_TIMEOUT (= CHECK_TIMEOUT) seconds, so a loop at module level does not hang it
-either.
+The grader (grader.py) runs all this in a process of its own, never in its own: it
+waits at most IMPORT_TIMEOUT (exercises/check.py, 3 x CHECK_TIMEOUT) for the import, so
+a loop at module level does not hang it either, and `os._exit` or a thread left running
+ends only that process.
 
 The student thus sees a list of checks, never a wall of traceback (`--traceback` shows it).
-
-Known limit: `os._exit(n)` ends the process at once, with no exception to catch, so a
-file under test that calls it (at import or in a check) ends the checker with status n
-and no report. Only running the code in a separate process could guard against that;
-the checker runs it in-process, which keeps every check under a second.
 """
 
 from __future__ import annotations
