@@ -7,6 +7,7 @@ where there is no sandbox (MINIPAR_GRADER_SANDBOX=off)."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -180,3 +181,16 @@ def test_a_confined_process_cannot_write_signal_the_grader_or_reach_the_network(
         assert "('udp', 'refused')" in out, out
     if "ABI 6" in out or "ABI 7" in out:
         assert "('signal parent', 'refused')" in out, out
+
+
+def test_the_grader_fuzzer_refuses_its_cheap_cases_cleanly(tmp_path):
+    """benchmarks/fuzz_grader.py (its full run prints the one line of totals): a file that
+    writes outside, kills the grader, or writes garbage into the grader's pipe."""
+    spec = importlib.util.spec_from_file_location(
+        "fuzz_grader", ROOT / "benchmarks" / "fuzz_grader.py")
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    cases = {case[0]: case for case in fuzz.CASES}
+    for name in ("write a file outside", "kill the grader", "garbage into the grader's pipe"):
+        _, exercise, source, _, seconds = cases[name]
+        assert fuzz.run_case(name, exercise, source, seconds, tmp_path) == "refused cleanly"
