@@ -48,22 +48,15 @@ def ring_neighbours(group=None):
     return me, len(ranks), ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
 """
 
-# A ring that passes every check: the cases that must get past the worker start from it.
-CORRECT = RING + """
+# The reference ring, and a ring_all_reduce that does `{then}` and returns its result: the
+# cases that must get past the worker (whose checks it passes) start from it.
+SOLUTION = (ROOT / "exercises" / "solutions" / "ex01_ring_allreduce.py").read_text()
+CORRECT = SOLUTION.replace("{", "{{").replace("}", "}}") + """
+_ring = ring_all_reduce
+
 def ring_all_reduce(x, group=None):
-    i, n, successor, predecessor = ring_neighbours(group)
-    chunks = [c.copy() for c in np.array_split(np.asarray(x).reshape(-1), n)]
-    def exchange(outgoing):
-        request = dist.isend(outgoing, successor, group=group)
-        incoming = dist.recv(predecessor, group=group)
-        request.wait()
-        return incoming
-    for s in range(n - 1):
-        chunks[(i - s - 1) % n] += exchange(chunks[(i - s) % n])
-    for s in range(n - 1):
-        chunks[(i - s) % n] = exchange(chunks[(i + 1 - s) % n])
     {then}
-    return np.concatenate(chunks).reshape(x.shape)
+    return _ring(x, group=group)
 """
 SPEC = "import json, os, sys\nSPEC = json.loads(sys.argv[1])\n"  # the process's own spec
 
@@ -179,11 +172,11 @@ def run_case(name, exercise, source, seconds_allowed, folder: Path) -> str:
 
 
 def hostile_cases() -> list:
-    """The hand-ins of tests/exercises/hostile/ that do not solve their exercise."""
+    """The hand-ins of tests/exercises/hostile/ (none solves its exercise)."""
     exercise = {"forge_report": "03", "patch_checker_05": "05"}
-    return [(path.stem, exercise.get(path.stem, "01"), path.read_text().replace("{", "{{")
-             .replace("}", "}}"), True, 60) for path in sorted(HOSTILE.glob("*.py"))
-            if path.stem != "thread_at_import"]  # (a correct ring: it passes)
+    return [(path.stem, exercise.get(path.stem, "01"),
+             path.read_text().replace("{", "{{").replace("}", "}}"), True, 60)
+            for path in sorted(HOSTILE.glob("*.py"))]
 
 
 def fuzz(quick: bool = False, report=print) -> dict:

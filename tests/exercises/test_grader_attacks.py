@@ -23,6 +23,7 @@ from exercises.checkers.grader import OUTPUT_MARK
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = Path(__file__).resolve().parent / "hostile"
+SOLUTION_01 = (ROOT / "exercises" / "solutions" / "ex01_ring_allreduce.py").read_text()
 # Through a process whose working folder is `cwd`: a hand-in that reaches for the folder
 # its grader was started from (/proc/<parent>/cwd) finds that one, not this checkout.
 FROM = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
@@ -46,7 +47,7 @@ def last_line(result) -> str:
     ("01", "importlib_ring", "importlib (line 4): imports by a computed name"),
     ("01", "shared_dict", "not with each rank in a process of its own"),
     ("01", "patch_allclose", "np.allclose (line 8): changes the module np it imports"),
-    ("01", "patch_harness", "harness.Report.passed (line 8): changes the module harness"),
+    ("01", "patch_harness", "harness.Report.passed (line 7): changes the module harness"),
     ("01", "atexit_exit", "values differ from np.sum over ranks [0, 1]"),
     ("01", "fake_pass", "exit status 0 and no report: did the file under test call os._exit"),
     ("05", "patch_checker_05", "not when the grader runs them"),
@@ -131,9 +132,14 @@ def test_a_hand_in_cannot_change_the_grader_or_delete_the_solutions(checkout, sa
     assert stub.returncode == 1 and "still to write: ring_all_reduce()" in last_line(stub)
 
 
-def test_a_thread_left_running_at_import_does_not_keep_the_checker():
+def test_a_thread_left_running_at_import_does_not_keep_the_checker(tmp_path):
+    """The reference ring, whose import starts a thread that is not a daemon (daemon=False:
+    one started by a daemon thread would be one), which Python waits for at exit."""
+    hand_in = tmp_path / "thread_at_import.py"
+    hand_in.write_text(SOLUTION_01 + "\nimport threading\nimport time\n\nthreading.Thread("
+                       "target=time.sleep, args=(60,), daemon=False).start()\n")
     start = time.monotonic()
-    result = grade("01", "--file", str(HOSTILE / "thread_at_import.py"), timeout=30)
+    result = grade("01", "--file", str(hand_in), timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
     assert last_line(result) == "All 8 checks pass."
     assert time.monotonic() - start < 25
