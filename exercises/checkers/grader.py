@@ -158,14 +158,13 @@ def _shown(path: Path, where: str) -> str:
 
 
 def _override(report: Report, mine: list[Outcome]) -> None:
-    """Put the grader's own outcomes in place of the worker's of the same name (a failure
-    of the worker's stays: it says more); add its failures the worker did not report."""
-    for outcome in mine:
+    """Put the grader's own failures in place of the worker's outcomes of the same name
+    (a failure of the worker's stays: it says more), or first when it has none."""
+    for outcome in (o for o in mine if o.status == "fail"):
         same = [i for i, o in enumerate(report.outcomes) if o.name == outcome.name]
         if not same:
-            if outcome.status == "fail":
-                report.outcomes.insert(0, outcome)
-        elif report.outcomes[same[0]].status in ("pass", "warn", "skip"):
+            report.outcomes.insert(0, outcome)
+        elif report.outcomes[same[0]].status != "fail":
             report.outcomes[same[0]] = outcome
 
 
@@ -181,8 +180,8 @@ class _Box:
             "solutions", "__pycache__", "*.pyc"))
         self.scratch.mkdir()
         (folder / "original").mkdir()
-        self.original = _SourceFile(folder / "original" / filename)
-        Path(self.original.__file__).write_bytes(source)
+        self.original = types.SimpleNamespace(__file__=str(folder / "original" / filename))
+        Path(self.original.__file__).write_bytes(source)  # what the text check reads
         self.under_test = self.root / "under-test" / filename
         self.under_test.parent.mkdir()
         self.under_test.write_bytes(source)
@@ -207,16 +206,10 @@ class _Box:
         return {"env": self.environment(), "cwd": str(self.folder / "ranks")}
 
 
-class _SourceFile:
-    """What the text check needs of a module: its file."""
-
-    def __init__(self, path: Path) -> None:
-        self.__file__ = str(path)
-
-
 def _run_worker(box: _Box, exercise, name: str, where: str, wait_import, show_traceback,
-                echo) -> list[Outcome]:
-    """The worker's outcomes, or the one failure that says why there are none."""
+                echo) -> tuple[list[Outcome], list[str]]:
+    """The worker's outcomes (or the one failure that says why there are none), and the
+    layers of the sandbox that held."""
     events_read, events_write = os.pipe()
     key_read, key_write = os.pipe()
     key = secrets.token_bytes(32)
@@ -328,6 +321,9 @@ class _Worker:
         return self.next_event(timeout) or {"event": "timeout", "waited": name}
 
     def _no_report(self, event: dict, when: str) -> list[Outcome]:
+        if event.get("event") == "timeout" and event.get("waited"):
+            return _failure(f"the checker's process did not start within "
+                            f"{STARTUP_TIMEOUT:g} s (is this machine very busy?)")
         if event.get("event") == "timeout":
             return _failure(f"the checks did not finish within {RUN_TIMEOUT:g} s (a loop "
                             "that never ends, in a function the checks call directly?)")

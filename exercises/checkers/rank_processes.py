@@ -160,13 +160,17 @@ class RankProcesses:
             header, payload = message
             op = header.get("op")
             if op in ("isend", "irecv"):
-                peer, tag = int(header["peer"]), int(header["tag"])
-                on = None if "group" not in header else dist.new_group(header["group"],
-                                                                        header["kind"])
-                works[header["id"]] = (dist.isend(payload[0], peer, group=on, tag=tag)
-                                       if op == "isend" else
-                                       dist.irecv(peer, group=on, tag=tag))
-            elif op == "wait" and header.get("id") in works:
+                try:
+                    work, peer, tag = int(header["id"]), int(header["peer"]), int(header["tag"])
+                    ranks, kind = header.get("group"), header.get("kind", "other")
+                    sent = payload[0] if op == "isend" else None
+                except (KeyError, TypeError, ValueError, IndexError):
+                    raise RankProcessError(f"rank {number}'s process sent a message the "
+                                           f"grader cannot read: {header}") from None
+                on = None if ranks is None else dist.new_group(ranks, kind)
+                works[work] = (dist.isend(sent, peer, group=on, tag=tag) if op == "isend"
+                               else dist.irecv(peer, group=on, tag=tag))
+            elif op == "wait" and isinstance(header.get("id"), int) and header["id"] in works:
                 received = works.pop(header["id"]).wait()
                 self._send(rank, number, {"op": "done", "id": header["id"]},
                            [] if received is None else [received])
