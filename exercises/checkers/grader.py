@@ -77,6 +77,9 @@ def grade(exercise, path: Path, name: str, where: str, *, wait_import, show_trac
     (exercises/check.py: load(seconds) returns the worker's next event, or None when the
     seconds ran out) and raises ImportTimeout. `echo` shows the file's output. A hand-in's
     report says so when the worker could not confine itself with Landlock."""
+    if os.name != "posix":
+        raise GraderError("the grader runs the file in processes of its own with POSIX pipes "
+                          "and process groups: use Linux or macOS (or WSL)")
     report = Report(exercise.number, exercise.title, _shown(path, where))
     try:
         with open(path, "rb") as file:
