@@ -9,27 +9,25 @@
     python exercises/check.py 01                 # works too
 
 Exit status: 0 when every check passes, 1 when one fails or a stub is still a stub (or
-the file under test does not import, loops at import, or calls sys.exit), 2 for a
-command-line mistake (one line on stderr), 130 when the user stops it with Ctrl-C.
+the file under test does not import, loops at import, calls sys.exit or os._exit), 2 for
+a command-line mistake or a machine that cannot run the checker (no temporary folder, no
+new process: one line on stderr), 130 when the user stops it with Ctrl-C. The
+file under test runs only in processes of its own, so nothing it does sets the status
+(exercises/checkers/grader.py; what that guarantees: docs/exercises.md).
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib
-import importlib.machinery
-import importlib.util
 import os
 import sys
-import threading
-import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `exercises` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exercises.checkers import EXERCISES, Exercise, find  # noqa: E402
-from exercises.checkers.harness import CHECK_TIMEOUT, Outcome, Report, exit_text  # noqa: E402
+from exercises.checkers.grader import GraderError, ImportTimeout, grade  # noqa: E402
+from exercises.checkers.harness import CHECK_TIMEOUT, Report  # noqa: E402
 from minipar.cli import OneLineParser  # noqa: E402  (one-line errors, flags spelled out)
 
 HERE = Path(__file__).resolve().parent
@@ -46,61 +44,23 @@ class UnusableFile(FileNotFoundError):  # (callers caught FileNotFoundError befo
     the solutions are not in this copy (a command-line mistake: exit status 2)."""
 
 
-class ImportTimeout(Exception):
-    """The file under test did not finish importing within IMPORT_TIMEOUT seconds."""
-
-
-class _StopImport(BaseException):  # a BaseException: `except Exception` cannot keep it
-    """Raised into an import thread that ran out of time (see _import_with_timeout)."""
-
-
 def _import_with_timeout(load, where: str):
-    """(module, None), or (None, the exception the file raised while importing, whatever
-    its kind: SystemExit and KeyboardInterrupt included). load() runs in a daemon thread:
-    after IMPORT_TIMEOUT seconds raise ImportTimeout, after trying to stop the thread
-    (an exception raised into it; one stuck in a long C call, or catching everything,
-    runs on as a daemon thread, which dies with the interpreter). A Ctrl-C while waiting
-    reaches the main thread: it is the user's and stops the checker."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["module"] = load()
-        except _StopImport:
-            pass
-        except BaseException as error:  # noqa: BLE001 - whatever the file raised is a result
-            result["error"] = error
-
-    thread = threading.Thread(target=target, name=f"import {where}", daemon=True)
-    thread.start()
-    thread.join(IMPORT_TIMEOUT)
-    if thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                   ctypes.py_object(_StopImport))
-        thread.join(0.5)
+    """The worker's event that ends the import of the file under test: `load(seconds)`
+    returns it, or None when the seconds ran out first (then ImportTimeout). The grader
+    waits, not the worker: whatever the file does, it cannot stop this clock."""
+    event = load(IMPORT_TIMEOUT)
+    if event is None:
         raise ImportTimeout(f"importing {where} did not finish in {IMPORT_TIMEOUT:g} s: is "
                             "there a loop or a long computation at module level?")
-    return result.get("module"), result.get("error")
+    return event
 
 
 def _where(exercise: Exercise, solution: bool, file: str | None) -> str:
     return file or f"exercises/{'solutions/' if solution else ''}{exercise.module}.py"
 
 
-def _import_line(error: BaseException, where: str):
-    """The line of the file under test where importing it raised `error` (its deepest
-    frame in that file; a SyntaxError's own line), else the deepest frame's, else "?"."""
-    if getattr(error, "lineno", None):
-        return error.lineno
-    frames = traceback.extract_tb(error.__traceback__)
-    path = (HERE.parent / where).resolve()  # (an absolute `where` stays itself)
-    mine = [f for f in frames if Path(f.filename).resolve() == path]
-    return (mine or frames)[-1].lineno if frames else "?"
-
-
-def _load(exercise: Exercise, solution: bool, file: str | None):
-    """(module, None) or (None, what importing it raised); UnusableFile, ImportTimeout."""
-    where = _where(exercise, solution, file)
+def _under_test(exercise: Exercise, solution: bool, file: str | None) -> tuple[Path, str]:
+    """(path of the file under test, the module name it is imported as); UnusableFile."""
     if file is not None:
         path = Path(file).resolve()
         if path.is_dir():
@@ -109,67 +69,34 @@ def _load(exercise: Exercise, solution: bool, file: str | None):
             raise UnusableFile(f"--file {file}: no such file")
         if path.suffix.lower() != ".py":
             raise UnusableFile(f"{file} is not a Python file (.py)")
-        name = f"handed_in_{exercise.module}"
-        # An explicit loader: a hand-in saved as .PY is Python too.
-        spec = importlib.util.spec_from_file_location(
-            name, path, loader=importlib.machinery.SourceFileLoader(name, str(path)))
-        module = importlib.util.module_from_spec(spec)
-
-        def load():
-            spec.loader.exec_module(module)
-            return module
-
-        return _import_with_timeout(load, where)
+        return path, f"handed_in_{exercise.module}"
     if solution:
-        if not (HERE / "solutions" / f"{exercise.module}.py").is_file():
+        path = HERE / "solutions" / f"{exercise.module}.py"
+        if not path.is_file():
             raise UnusableFile(
                 "the reference solutions are not part of this copy of the exercises "
                 "(a student handout); teachers find them in the minipar repository under "
                 "exercises/solutions/")
-        name = f"exercises.solutions.{exercise.module}"
-    else:
-        name = f"exercises.{exercise.module}"
-    return _import_with_timeout(lambda: importlib.import_module(name), where)
-
-
-def load_implementation(exercise: Exercise, *, solution: bool = False,
-                        file: str | None = None):
-    """The module under test: the student's file (default), the reference solution, or
-    any file with the student file's functions. Raises what importing it raised,
-    UnusableFile, or ImportTimeout (module-level code running past IMPORT_TIMEOUT)."""
-    module, error = _load(exercise, solution, file)
-    if error is not None:
-        raise error
-    return module
+        return path, f"exercises.solutions.{exercise.module}"
+    return HERE / f"{exercise.module}.py", f"exercises.{exercise.module}"
 
 
 def check_exercise(exercise: Exercise, *, solution: bool = False, file: str | None = None,
-                   show_traceback: bool = False) -> Report:
-    """Load the implementation and run the exercise's checker on it. A file that does not
-    even import (raises, calls sys.exit, or does not finish within IMPORT_TIMEOUT) gives
-    a report with that one failure. Raises UnusableFile."""
-    where = _where(exercise, solution, file)
+                   show_traceback: bool = False, echo=print) -> Report:
+    """Run the exercise's checker on the student file, the reference solution or `file`,
+    in processes of their own (exercises/checkers/grader.py); `echo` shows what the file
+    printed. A file that does not import (raises, calls sys.exit, or does not finish
+    within IMPORT_TIMEOUT) gives a report with that one failure. Raises UnusableFile,
+    and GraderError when this machine cannot run the checker apart."""
+    path, name = _under_test(exercise, solution, file)
+    return grade(exercise, path, name, _where(exercise, solution, file),
+                 wait_import=_import_with_timeout, show_traceback=show_traceback, echo=echo,
+                 hand_in=file is not None)
 
-    def failed_import(detail: str, raised: bool = False) -> Report:
-        return Report(exercise.number, exercise.title, where,
-                      outcomes=[Outcome("fail", "the file imports", detail, raised=raised)])
 
-    try:
-        impl, error = _load(exercise, solution, file)
-    except ImportTimeout as timeout:
-        return failed_import(str(timeout))
-    if error is None:
-        return exercise.check(impl, show_traceback=show_traceback)
-    line = _import_line(error, where)
-    if isinstance(error, SystemExit):  # at import: never the checker's own exit status
-        detail, raised = exit_text(error, line), True
-    else:  # a student's syntax error, a module-level exception, ... is a result
-        detail = (f"{type(error).__name__} at line {line}: {error}" if str(error)
-                  else f"{type(error).__name__} at line {line}")
-        raised = False
-    if show_traceback:
-        detail += "\n" + "".join(traceback.format_exception(error)).rstrip()
-    return failed_import(detail, raised)
+def _echo(line: str) -> None:
+    """Show a line of the file's output as it comes (stdout may be a pipe)."""
+    print(line, flush=True)
 
 
 def list_exercises() -> str:
@@ -229,8 +156,8 @@ def _main(argv: list[str] | None) -> int:
     for exercise in chosen:
         try:
             report = check_exercise(exercise, solution=args.solution, file=args.file,
-                                    show_traceback=args.traceback)
-        except UnusableFile as error:
+                                    show_traceback=args.traceback, echo=_echo)
+        except (UnusableFile, GraderError) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
         print(report.render(color=color))

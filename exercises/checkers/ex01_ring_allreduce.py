@@ -13,12 +13,18 @@ When the values are wrong, the checker runs the failing case again with every me
 recorded and names the first one that differs from the algorithm's: its phase
 (reduce-scatter or all-gather), step, the chunk index sent and the ranks summed into it,
 against the chunk and the ranks expected (`_first_wrong_message`).
+
+The grader runs these checks once more itself, every rank in a process of its own with
+only its own input (`check_in_rank_processes`). This module is long because the
+diagnosis of a wrong value, which message first went wrong, sits next to the checks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,12 +35,15 @@ from minipar.distributed import DeadlockError
 from .harness import (
     CheckFailed,
     CheckWarning,
-    check_building_blocks,
     expect,
     start_report,
 )
+from .rank_processes import RankProcesses
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "01", "ring all-reduce from send/recv"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "uses only send / recv / isend / irecv"
 
 FORBIDDEN = {name: "a ready-made collective; build the ring from send/recv/isend/irecv"
              for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
@@ -98,8 +107,9 @@ class Run:
     devices: list
 
 
-def _inputs(case: Case, seed: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, case.world, int(np.prod(case.shape))])
+def _inputs(case: Case, seed: int, secret: int | None = None) -> np.ndarray:
+    key = [seed, case.world, int(np.prod(case.shape))]
+    rng = np.random.default_rng(key if secret is None else [secret, *key])
     return rng.standard_normal((case.world, *case.shape)).astype(case.dtype)
 
 
@@ -116,10 +126,10 @@ def _launch(all_reduce, case: Case, inputs: np.ndarray):
 
 
 # ------------------------------------------------------------------ the checks
-def check_runs(impl) -> list[Run]:
+def check_runs(impl, secret: int | None = None) -> list[Run]:
     runs = []
     for index, case in enumerate(CASES):
-        inputs = _inputs(case, index)
+        inputs = _inputs(case, index, secret)
         try:
             results, devices = _launch(impl.ring_all_reduce, case, inputs)
         except DeadlockError as error:
@@ -361,10 +371,25 @@ def check_time(impl, runs: list[Run]) -> str:
 
 
 def check(impl, *, show_traceback: bool = False):
+    return _check(impl, show_traceback)
+
+
+def check_in_rank_processes(path: str, *, spawn: dict, show_traceback: bool = False):
+    """`check` on the file at `path` with every rank in a process of its own that holds
+    only its own input, drawn from a secret seed (rank_processes.py; spawn: its env and
+    cwd). A rank's result must then come from the messages it received: ranks that share
+    their inputs in memory, or recompute them from the checker's seeds, fail here."""
+    with RankProcesses(path, max(case.world for case in CASES), **spawn) as ranks:
+        impl = types.SimpleNamespace(__file__=path,
+                                     ring_all_reduce=ranks.function("ring_all_reduce"))
+        return _check(impl, show_traceback, secrets.randbits(64))
+
+
+def _check(impl, show_traceback: bool, secret: int | None = None):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
-    report.run("uses only send / recv / isend / irecv", check_building_blocks, impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     runs = report.run("runs without deadlock (n = 2, 3, 4, uneven sizes, sub-groups)",
-                      check_runs, impl, hints={DeadlockError: DEADLOCK_HINT})
+                      check_runs, impl, secret, hints={DeadlockError: DEADLOCK_HINT})
     names = ["returns a new array of x's shape and dtype, x unchanged",
              "values equal x_0 + x_1 + ... + x_{n-1} (np.sum in rank order)",
              "every rank holds the same result, bit for bit",

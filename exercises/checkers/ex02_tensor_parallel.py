@@ -18,9 +18,12 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import Linear, Parameter
 
-from .harness import CheckFailed, check_building_blocks, expect, expect_close, start_report
+from .harness import CheckFailed, expect, expect_close, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "02", "column- and row-parallel linear with f and g"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "uses its own f, g and layers (not minipar.parallel)"
 WORLDS = (2, 4)
 B, T, D_IN, D_HIDDEN, D_OUT = 2, 3, 6, 8, 5  # D_HIDDEN splits over 2 and 4 ranks
 RTOL = 1e-12
@@ -342,8 +345,7 @@ def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
     d = make_data()
     ref = reference(d)
-    report.run("uses its own f, g and layers (not minipar.parallel)", check_building_blocks,
-               impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     report.run("column_shard / row_shard give each rank its columns / rows",
                check_shards, impl, d)
     report.run("f: identity forward, all-reduce of the gradient backward", check_f, impl, d)

@@ -26,9 +26,12 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import GPT, AdamW, GPTConfig
 
-from .harness import CheckFailed, check_building_blocks, expect, scale_factor, start_report
+from .harness import CheckFailed, expect, scale_factor, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "03", "data parallelism with gradient accumulation"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "writes the step itself (no minipar.parallel / minipar.train)"
 CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
 MICRO, STEPS, LR, WEIGHT_DECAY = 2, 2, 1e-2, 0.1
 CASES = ((2, 3), (3, 2), (4, 1))  # (N ranks, A micro-batches)
@@ -422,8 +425,7 @@ def check_zeroed(cases: list[Case]) -> None:
 
 def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
-    report.run("writes the step itself (no minipar.parallel / minipar.train)",
-               check_building_blocks, impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     cases = report.run("runs on N = 2, 3, 4 ranks with A = 3, 2, 1 micro-batches, 2 steps",
                        check_runs, impl)
     checks = [

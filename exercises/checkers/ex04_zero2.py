@@ -22,9 +22,12 @@ from minipar import distributed as dist
 from minipar.autograd import Tensor
 from minipar.nn import AdamW, Linear, Module
 
-from .harness import CheckFailed, check_building_blocks, expect, scale_factor, start_report
+from .harness import CheckFailed, expect, scale_factor, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "04", "a ZeRO-2 optimizer step"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "builds on adamw_update and the collectives (no ready-made optimizer)"
 WORLDS = (2, 4)
 D_IN, D_HIDDEN, D_OUT, ROWS = 5, 7, 3, 4  # Ψ = 5*7 + 7 + 7*3 + 3 = 66
 STEPS, LR, BETAS, EPS, WEIGHT_DECAY = 3, 1e-2, (0.9, 0.95), 1e-8, 0.1
@@ -321,8 +324,7 @@ def check_bytes(runs: list[Run]) -> None:
 
 def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
-    report.run("builds on adamw_update and the collectives (no ready-made optimizer)",
-               check_building_blocks, impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     runs = report.run(f"runs on N = 2 and 4 ranks (Ψ = {numel()}, padded on 4), {STEPS} steps",
                       check_runs, impl)
     checks = [

@@ -32,9 +32,16 @@ from minipar.parallel.pipeline.actions import (
 )
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, expect, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "05", "the 1F1B pipeline schedule as action lists"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "builds the lists itself (not the library's schedules)"
+# The file's functions, and the classes their arguments and results may hold: the
+# grader calls them in a process of their own and runs `check` itself (grader.py).
+FUNCTIONS = ("compute_order", "one_f_one_b")
+CLASSES = ACTION_TYPES
 CASES = ((1, 3), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4))  # (p, m); m < p in (4, 2)
 FORWARD_TIME, BACKWARD_TIME = 1.0, 2.0
 
@@ -201,8 +208,7 @@ def check_time(schedules: dict) -> str:
 
 def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
-    report.run("builds the lists itself (not the library's schedules)", check_building_blocks,
-               impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     report.run("compute_order follows PipeDream-Flush (warm-up, 1F1B, cool-down)",
                check_compute_order, impl)
     schedules = report.run("one_f_one_b returns one list of pipeline actions per rank",

@@ -18,9 +18,16 @@ from dataclasses import dataclass
 
 from minipar.train import TrainConfig, train
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, expect, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "06", "predict per-rank bytes of a training run"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "predicts without running minipar"
+# The file's functions, and the classes their arguments and results may hold: the
+# grader calls them in a process of their own and runs `check` itself (grader.py).
+FUNCTIONS = ("count_parameters", "predict_rank")
+CLASSES = (TrainConfig,)
 MODEL = dict(data="synthetic", vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16,
              micro_batch_size=2, steps=2, bucket_size_mb=0.0)
 # Every flat buffer (and ZeRO-3 unit) of these models splits evenly over dp ranks.
@@ -160,7 +167,7 @@ def check_config(impl, run: Measured) -> None:
 
 def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
-    report.run("predicts without running minipar", check_building_blocks, impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     runs = report.run(f"minipar trains the {len(CONFIGS)} configurations (measurements)",
                       check_measurements)
     if runs is None:

@@ -22,9 +22,16 @@ from minipar.errors import ScheduleError
 from minipar.parallel.pipeline.schedules.orders import from_compute_orders
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
 
-from .harness import CheckFailed, check_building_blocks, expect, start_report
+from .harness import CheckFailed, expect, start_report
+from .source_check import check_building_blocks
 
 NUMBER, TITLE = "07", "zero bubble: B/W split of a Linear and ZB-H1 action lists"
+# The check of the file's text, which the grader also runs on its own copy (grader.py).
+BUILDING_BLOCKS = "builds it itself (not the library's split backward or schedules)"
+# The file's functions, and the classes their arguments and results may hold: the
+# grader calls them in a process of their own and runs `check` itself (grader.py).
+FUNCTIONS = ("linear_backward_input", "linear_backward_weight", "zb_h1_compute_order")
+CLASSES = ()
 SHAPES = (((2, 3, 4), 4), ((5, 3), 4), ((2, 3, 4), 6), ((2, 2, 3, 5), 1))  # x, out
 CASES = ((2, 2), (2, 4), (3, 3), (4, 4), (4, 8))  # (p, m), m >= p
 FORBIDDEN = {name: "the library's split backward and schedules are the answer key"
@@ -173,8 +180,7 @@ def check_bubble(orders: dict) -> None:
 
 def check(impl, *, show_traceback: bool = False):
     report = start_report(NUMBER, TITLE, impl, show_traceback)
-    report.run("builds it itself (not the library's split backward or schedules)",
-               check_building_blocks, impl, FORBIDDEN)
+    report.run(BUILDING_BLOCKS, check_building_blocks, impl, FORBIDDEN)
     report.run("B: dL/dx = g @ W^T equals the unsplit backward's (fp64)",
                check_backward_input, impl)
     report.run("W: dL/dW = x^T g and dL/db = sum g equal the unsplit backward's (fp64)",

@@ -30,21 +30,16 @@ keep them for types that have one cause, e.g. DeadlockError).
 Every check runs under `dist.launch_timeout(CHECK_TIMEOUT)`: the exercises' launches take
 milliseconds, so a student's infinite loop is stopped after CHECK_TIMEOUT seconds instead
 of hanging the checker (minipar's own default, 600 s, is for real training runs).
-`exercises/check.py` imports the file under test in a daemon thread and waits at most
-IMPORT_TIMEOUT (= CHECK_TIMEOUT) seconds, so a loop at module level does not hang it
-either.
+The grader (grader.py) runs all this in a process of its own, never in its own: it
+waits at most IMPORT_TIMEOUT (exercises/check.py, 3 x CHECK_TIMEOUT) for the import, so
+a loop at module level does not hang it either, and `os._exit` or a thread left running
+ends only that process.
 
 The student thus sees a list of checks, never a wall of traceback (`--traceback` shows it).
-
-Known limit: `os._exit(n)` ends the process at once, with no exception to catch, so a
-file under test that calls it (at import or in a check) ends the checker with status n
-and no report. Only running the code in a separate process could guard against that;
-the checker runs it in-process, which keeps every check under a second.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import os
 import signal
@@ -58,7 +53,8 @@ import minipar
 from minipar import distributed as dist
 from minipar.distributed import CollectiveMismatchError, DeadlockError, LaunchTimeoutError
 
-STDLIB = os.path.dirname(os.__file__)  # frames of Python's own library are not the student's
+from .import_failures import exit_text
+
 CHECK_TIMEOUT = 10.0  # seconds a check's launch may wait or stall (every one takes < 1 s)
 
 
@@ -112,6 +108,7 @@ class Report:
     impl_file: str | None = None
     show_traceback: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
+    remark: str = ""  # a paragraph shown before the last line (the grader's, see grader.py)
 
     # -------------------------------------------------------------- running checks
     def run(self, name: str, check, *args, hints: dict | None = None):
@@ -179,6 +176,8 @@ class Report:
                 lines.append(f"        {detail}")
         passed, total = self.counts()
         lines.append("")
+        if self.remark:
+            lines += [self.remark, ""]
         if self.passed:
             warned = sum(o.status == "warn" for o in self.outcomes)
             remark = f" ({warned} with a warning)" if warned else ""
@@ -240,7 +239,7 @@ class Report:
         if self.impl_file is not None:
             if not _same_file(filename, self.impl_file):
                 return None
-        elif f"{os.sep}minipar{os.sep}" in filename:
+        elif _library_file(filename):
             return None
         # co_qualname (Python >= 3.11) says which class's forward: "g.forward" is ambiguous
         name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
@@ -260,7 +259,7 @@ class Report:
             text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             frames = traceback.extract_tb(error.__traceback__)
             frame = self._student_frame(error) or (frames[-1] if frames else None)
-            if frame is not None:
+            if frame is not None and not _grader_file(frame.filename):
                 text += (f"\n  at {os.path.basename(frame.filename)}:{frame.lineno} in "
                          f"{frame.name}(): {frame.line}")
         notes = [note for note in getattr(error, "__notes__", ())
@@ -280,13 +279,6 @@ class Report:
         if self.show_traceback:
             text += "\n" + "".join(traceback.format_exception(error)).rstrip()
         return text
-
-
-def exit_text(error: SystemExit, line) -> str:
-    """"the file under test called sys.exit(0) (at line 12)" (raise SystemExit(0) reads
-    the same: it is what sys.exit does)."""
-    call = "sys.exit()" if error.code is None else f"sys.exit({error.code!r})"
-    return f"the file under test called {call} (at line {line})"
 
 
 class _CtrlC:
@@ -327,9 +319,7 @@ def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
         if report.impl_file is not None:
             mine = [f for f in stack if _same_file(f.filename, report.impl_file)]
         else:
-            mine = [f for f in stack if f"{os.sep}minipar{os.sep}" not in f.filename
-                    and f"{os.sep}checkers{os.sep}" not in f.filename
-                    and not f.filename.startswith(STDLIB)]
+            mine = [f for f in stack if not _library_file(f.filename)]
         if mine:
             outer, deepest = mine[0], mine[-1]
             key = (outer.name, os.path.basename(deepest.filename), deepest.lineno,
@@ -350,6 +340,11 @@ def _timeout_text(report: Report, error: LaunchTimeoutError) -> str:
 _LIBRARY_DIRS = tuple(os.path.abspath(d) + os.sep for d in (
     os.path.dirname(minipar.__file__), os.path.dirname(__file__),
     os.path.dirname(os.path.dirname(np.__file__)), os.path.dirname(os.__file__)))
+
+
+def _grader_file(filename: str) -> bool:
+    """A file of the checkers: where an error is raised is no news to the student."""
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS[1])
 
 
 def _library_file(filename: str) -> bool:
@@ -384,50 +379,6 @@ def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e
         diff, index = largest_difference(got, expected)
         raise CheckFailed(f"{what}: values differ, max abs diff {diff:.3g} at index {index} "
                           f"(got {got[index]:.6g}, expected {expected[index]:.6g})")
-
-
-def forbidden_uses(impl, forbidden: dict[str, str]) -> list[str]:
-    """Lines "name (line N): why" for every use of a forbidden name in impl's source file:
-    imported, called or read as an attribute (e.g. `dist.all_reduce`). [] without a file.
-
-    forbidden: {name: reason}; a dotted module name ("minipar.parallel") matches imports
-    of it and of its submodules."""
-    path = getattr(impl, "__file__", None)
-    if path is None or not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as source:
-        tree = ast.parse(source.read(), filename=path)
-    found = []
-    # The file's own functions and classes may share a name with the library's (the
-    # student writes `one_f_one_b` too): only imports and attributes of those count.
-    own = {node.name for node in ast.walk(tree)
-           if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-
-    def flag(name: str, node) -> None:
-        for banned, reason in forbidden.items():
-            if name == banned or name.startswith(banned + "."):
-                found.append(f"{name} (line {node.lineno}): {reason}")
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                flag(alias.name, node)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            flag(node.module, node)
-            for alias in node.names:
-                flag(alias.name, node)
-        elif isinstance(node, ast.Attribute):
-            flag(node.attr, node)
-        elif isinstance(node, ast.Name) and node.id not in own:
-            flag(node.id, node)
-    unique = list(dict.fromkeys(found))  # ast.walk's order, without repeats
-    return sorted(unique, key=lambda line: int(line.split("(line ")[1].split(")")[0]))
-
-
-def check_building_blocks(impl, forbidden: dict[str, str]):
-    """A check: the file under test uses none of the library's ready-made answers."""
-    uses = forbidden_uses(impl, forbidden)
-    expect(not uses, "your file uses what the exercise asks you to build:\n" + "\n".join(uses))
 
 
 def start_report(number: str, title: str, impl, show_traceback: bool = False) -> Report:

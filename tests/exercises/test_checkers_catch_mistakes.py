@@ -131,7 +131,7 @@ def test_01_global_peers_on_a_sub_group_get_a_hint():
 
 
 def test_01_the_library_collective_is_refused(tmp_path):
-    from exercises.check import load_implementation
+    from exercises.checkers.worker import load_implementation
 
     path = tmp_path / "ex01_ring_allreduce.py"
     path.write_text("from minipar import distributed as dist\n\n"

@@ -12,9 +12,9 @@ from exercises.checkers.harness import (
     CheckWarning,
     Outcome,
     Report,
-    forbidden_uses,
     start_report,
 )
+from exercises.checkers.source_check import forbidden_uses
 from minipar import distributed as dist
 
 
