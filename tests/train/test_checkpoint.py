@@ -257,6 +257,7 @@ def test_the_issue_recipe_on_a_small_tmpfs(small_disk):
     assert [p.name for p in (disk / "ck").iterdir()] == ["step-000002"]
     result = cli(["consolidate", str(disk / "ck"), str(disk.parent / "model.npz")])
     assert result.returncode == 0, result.stderr
+    assert "step-000002 (run " in result.stdout and ", step 2)" in result.stdout
 
 
 def cli(argv):
@@ -370,6 +371,27 @@ def test_a_swap_interrupted_between_its_renames_keeps_the_old_checkpoint(tmp_pat
     assert ckpt.load_checkpoint(tmp_path).step == 1
     train(config.replace(steps=2), save_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+
+
+# ------------------------------------------------------------------ which checkpoint
+def test_consolidate_refuses_a_directory_of_several_runs_and_says_which_it_takes(tmp_path):
+    """`minipar consolidate DIR` took the highest step of any run in DIR without a word;
+    now it takes the latest of one run's, says which, and refuses to guess between
+    runs (naming them and the way out)."""
+    settings = dict(precision="fp32", **{**SMALL, "steps": 2})
+    train(TrainConfig(**settings), save_dir=tmp_path / "ck", save_every=1)
+    train(TrainConfig(**{**settings, "lr": 2e-3, "steps": 3}), save_dir=tmp_path / "ck",
+          save_every=3)
+    refused = cli(["consolidate", str(tmp_path / "ck"), str(tmp_path / "m.npz")])
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert "holds the checkpoints of 2 runs" in refused.stderr
+    assert "step-000001, step-000002" in refused.stderr and "name the one" in refused.stderr
+    assert not (tmp_path / "m.npz").exists()
+    with pytest.raises(CheckpointError, match="2 runs"):
+        train(TrainConfig(**{**settings, "steps": 5}), resume_from=tmp_path / "ck")
+    chosen = cli(["consolidate", str(tmp_path / "ck" / "step-000003"), str(tmp_path / "m.npz")])
+    assert chosen.returncode == 0, chosen.stderr
+    assert "step-000003 (run " in chosen.stdout and ", step 3)" in chosen.stdout
 
 
 def test_resuming_with_other_optimizer_settings_warns_but_goes_on(saved):
