@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -148,6 +149,62 @@ def test_loading_never_unpickles(saved):
     manifest[schema.SEAL] = schema.seal(manifest)  # the seal covers sha256 and bytes
     (saved / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"rank-00000\.npz: cannot read.*pickle"):
+        ckpt.load_checkpoint(saved)
+
+
+def resealed(directory, edit):
+    """Edit the manifest and fix its seal, as a determined hand would."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    manifest[schema.SEAL] = schema.seal(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_file_size_edited_into_the_manifest_breaks_its_seal(saved):
+    """`bytes` and `sha256` are under the seal: an edited size is refused before the
+    file it points at is read (a sparse file that size took minutes to hash)."""
+    path = saved / "rank-00000.npz"
+    with open(path, "r+b") as f:
+        f.truncate(2 * 2**30)  # 2 GiB, sparse
+    manifest = json.loads((saved / "manifest.json").read_text())
+    manifest["files"][0]["bytes"] = 2 * 2**30
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest checksum mismatch"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_rank_file_larger_than_its_arrays_is_not_read(saved):
+    """Resealed, the size still has to fit what the file's arrays can take: a 200 GiB
+    file is refused from its record, before a byte of it is read."""
+    path = saved / "rank-00000.npz"
+    with open(path, "r+b") as f:
+        f.truncate(200 * 2**30)  # sparse: nothing written
+    resealed(saved, lambda m: m["files"][0].update(bytes=200 * 2**30))
+    with pytest.raises(CheckpointError, match=r"rank-00000\.npz: the manifest says "
+                                              r"214748364800 bytes, but its arrays .* at most"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_fifo_as_a_rank_file_is_refused_without_blocking(saved):
+    path = saved / "rank-00001.npz"
+    path.unlink()
+    os.mkfifo(path)
+    resealed(saved, lambda m: m["files"][1].update(bytes=0))
+    with pytest.raises(CheckpointError, match=r"rank-00001\.npz: a FIFO .*not a regular file"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_manifest_nested_100000_deep_is_one_line(saved):
+    (saved / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"manifest\.json: unreadable manifest \(not a "
+                                              r"manifest: its JSON is nested deeper"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_manifest_that_is_dev_zero_is_refused(saved):
+    (saved / "manifest.json").unlink()
+    (saved / "manifest.json").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"unreadable manifest \(a character device"):
         ckpt.load_checkpoint(saved)
 
 
