@@ -4,7 +4,7 @@
         rank-00000.npz          what rank 0 holds: its pieces of the parameters, master
         rank-00001.npz          weights and Adam moments (see minipar.parallel.data.ddp.Piece)
         ...
-        manifest.json           format, step, run id, config, and per file: rank, mesh
+        manifest.json           format, step, run ids, config, and per file: rank, mesh
                                 coords, sha256, bytes, the dropout generator state and, for
                                 every array, its tensor, kind, dtype and flat range
                                 (placements); and manifest_sha256, the manifest's own checksum
@@ -60,27 +60,32 @@ class TrainingState:
 
     tensors[kind][name]: kind "param", "exp_avg", "exp_avg_sq" and ("master", mixed
     precision); step: optimizer steps completed (the next batch is step's); rng_states:
-    each saving rank's dropout generator state, by rank."""
+    each saving rank's dropout generator state, by rank; origin: the run whose
+    trajectory it is (the run that saved it, or the first one it resumed)."""
 
     step: int
     config: dict
     tensors: dict[str, dict[str, np.ndarray]]
     rng_states: list[dict]
     world_size: int
+    origin: str
 
 
 # ------------------------------------------------------------------ saving (SPMD)
 def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
-                    rng_state: dict, run: str, failures: list | None = None) -> Path:
+                    rng_state: dict, run: str, origin: str | None = None,
+                    failures: list | None = None) -> Path:
     """Called by every rank: write my pieces, then rank 0 writes the manifest and puts
     the checkpoint in place at `directory` (replacing one saved there before).
 
     pieces: this rank's `Piece`s (engine.state_pieces()); coords: its mesh coordinates;
     rng_state: its dropout generator's `bit_generator.state`; run: the run's id
-    (checkpoint_dirs.new_run_id(), one per run). failures: a list shared by the ranks
-    (host-side, like a log); when given, a write that fails (a full disk) is appended to
-    it as (rank, path, OSError) instead of raised, nothing is put in place, and training
-    goes on, so the run's results are not lost with the file."""
+    (checkpoint_dirs.new_run_id(), one per run); origin: the run whose trajectory it
+    continues (a resumed run: the resumed checkpoint's origin; default: run).
+    failures: a list shared by the ranks (host-side, like a log); when given, a write
+    that fails (a full disk) is appended to it as (rank, path, OSError) instead of
+    raised, nothing is put in place, and training goes on, so the run's results are not
+    lost with the file."""
     directory = Path(directory)
     rank = dist.get_rank()
     staging = dirs.staging_path(directory, run)
@@ -107,7 +112,8 @@ def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
         dist.barrier()  # every file is complete (or has failed) before the manifest says so
         if rank == 0 and not failed():
             attempt(lambda: write_manifest(staging, step=step, config=config,
-                                           world_size=dist.get_world_size(), run=run))
+                                           world_size=dist.get_world_size(), run=run,
+                                           origin=origin or run))
             if not failed():
                 attempt(lambda: dirs.commit(staging, directory, run))
     finally:  # committed, failed or interrupted (Ctrl-C, another rank's error)
@@ -143,7 +149,7 @@ def write_rank_file(directory, rank: int, pieces, coords: dict, rng_state: dict,
 
 
 def write_manifest(directory, *, step: int, config: dict, world_size: int,
-                   run: str = "") -> Path:
+                   run: str = "", origin: str = "") -> Path:
     """The manifest of a directory of rank files (checksums taken from the files)."""
     directory = Path(directory)
     files = []
@@ -157,7 +163,7 @@ def write_manifest(directory, *, step: int, config: dict, world_size: int,
                       "sha256": digest, "bytes": path.stat().st_size,
                       "rng_state": meta["rng_state"], "entries": meta["entries"]})
     manifest = {"format": FORMAT, "step": int(step), "world_size": world_size, "run": run,
-                "config": config, "files": files}
+                "origin": origin or run, "config": config, "files": files}
     manifest[SEAL] = seal(manifest)
     path = directory / MANIFEST
     with atomic_write(path) as f:
@@ -229,7 +235,7 @@ def load_checkpoint(directory) -> TrainingState:
     tensors = assemble(held, config)
     return TrainingState(step=step, config=config, tensors=tensors,
                          rng_states=[r["rng_state"] for r in manifest["files"]],
-                         world_size=manifest["world_size"])
+                         world_size=manifest["world_size"], origin=manifest["origin"])
 
 
 def _piece(path: Path, npz, entry: dict) -> Piece:

@@ -159,8 +159,9 @@ def committed(directory: Path) -> dict[int, Path]:
 
 def resolve(directory) -> Path:
     """A checkpoint directory, or a save directory (step-NNNNNN): its latest checkpoint,
-    if every checkpoint in it is one run's. A directory holding several runs'
-    checkpoints is refused: which one is meant is the user's to say."""
+    if every checkpoint in it is of one run's trajectory (a run and the runs that resumed
+    it: one origin). A directory holding several runs' checkpoints is refused: which one
+    is meant is the user's to say."""
     directory = Path(directory)
     if (directory / MANIFEST).exists():
         return directory
@@ -173,7 +174,7 @@ def resolve(directory) -> Path:
                               "its save did not finish")
     runs: dict[str, list[int]] = {}
     for step in sorted(found):
-        runs.setdefault(run_of(found[step]), []).append(step)
+        runs.setdefault(origin_of(found[step]), []).append(step)
     latest = found[max(found)]
     if len(runs) > 1:
         listed = "; ".join(f"run {run}: {', '.join(found[s].name for s in steps)}"
@@ -183,8 +184,9 @@ def resolve(directory) -> Path:
     return latest
 
 
-def run_of(checkpoint: Path) -> str:
-    """The run id a checkpoint's manifest names (read, not yet checked: loading checks)."""
+def origin_of(checkpoint: Path) -> str:
+    """The run whose trajectory a checkpoint is, as its manifest says (read, not yet
+    checked: loading checks)."""
     path = checkpoint / MANIFEST
     try:
         manifest = load_json(path, what="manifest")
@@ -192,5 +194,5 @@ def run_of(checkpoint: Path) -> str:
         raise CheckpointError(f"{path}: unreadable manifest ({err.detail})") from None
     except OSError as err:
         raise CheckpointError(f"{path}: unreadable manifest ({err.strerror or err})") from None
-    run = manifest.get("run") if isinstance(manifest, dict) else None
-    return run if isinstance(run, str) else "(none)"
+    origin = manifest.get("origin") if isinstance(manifest, dict) else None
+    return origin if isinstance(origin, str) else "(none)"

@@ -72,6 +72,11 @@ class RunOptions:
     device: dist.DeviceProfile | None = None  # the simulated GPU (default: H100)
     trace: Path | None = None  # write a profiler trace per rank here (trace.py)
 
+    @property
+    def origin(self) -> str:
+        """The run whose trajectory this one continues: itself, or the resumed one's."""
+        return self.run if self.start is None else self.start.origin
+
 
 # ------------------------------------------------------------------ the rank program
 def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
@@ -126,7 +131,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
                 options.save_dir / f"step-{step + 1:06d}", step=step + 1,
                 config=config.to_dict(), pieces=engine.state_pieces(), coords=mesh.coords(),
                 rng_state=rank_model.dropout_generator.bit_generator.state,
-                run=options.run, failures=options.save_failures)
+                run=options.run, origin=options.origin, failures=options.save_failures)
         if options.progress is not None:
             options.progress.report(rank, record)
     return {"steps": history, "step_ends": step_ends, "loop_start": loop_start,

@@ -4,7 +4,8 @@ A manifest is data a user can open in a text editor, so none of it is trusted. B
 any array is read (checkpoint.load_checkpoint, hence resume and `minipar consolidate`):
 
 1. schema: every field present with its type and range (`step` an integer >= 0, `run`
-   the id of the run that saved it, `files` a list of one record per rank, each entry a
+   the id of the run that saved it, `origin` the run whose trajectory it is (itself, or
+   the first run it resumed), `files` a list of one record per rank, each entry a
    known kind, dtype, shape and range, each placement one of Replicate / Shard(dim) /
    StridedShard(dim, stride) with a dim inside the shape, each RNG state a PCG64 state
    NumPy accepts);
@@ -95,8 +96,8 @@ def check_schema(manifest, path) -> None:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: format {manifest.get('format')!r}, expected "
                               f"{FORMAT!r} (re-save it with this minipar)")
-    for name, kind in (("step", int), ("world_size", int), ("run", str), ("config", dict),
-                       ("files", list), (SEAL, str)):
+    for name, kind in (("step", int), ("world_size", int), ("run", str), ("origin", str),
+                       ("config", dict), ("files", list), (SEAL, str)):
         _field(manifest, name, kind, where)
     _integer(manifest["step"], f"{where}: step")
     _integer(manifest["world_size"], f"{where}: world_size", 1)

@@ -314,7 +314,7 @@ def test_the_issue_recipe_on_a_small_tmpfs(small_disk):
     assert [p.name for p in (disk / "ck").iterdir()] == ["step-000002"]
     result = cli(["consolidate", str(disk / "ck"), str(disk.parent / "model.npz")])
     assert result.returncode == 0, result.stderr
-    assert "step-000002 (run " in result.stdout and ", step 2)" in result.stdout
+    assert "step-000002 (run " in result.stdout and "; step 2)" in result.stdout
 
 
 def cli(argv):
@@ -448,7 +448,21 @@ def test_consolidate_refuses_a_directory_of_several_runs_and_says_which_it_takes
         train(TrainConfig(**{**settings, "steps": 5}), resume_from=tmp_path / "ck")
     chosen = cli(["consolidate", str(tmp_path / "ck" / "step-000003"), str(tmp_path / "m.npz")])
     assert chosen.returncode == 0, chosen.stderr
-    assert "step-000003 (run " in chosen.stdout and ", step 3)" in chosen.stdout
+    assert "step-000003 (run " in chosen.stdout and "; step 3)" in chosen.stdout
+
+
+def test_a_run_resumed_into_its_own_save_directory_is_one_trajectory(tmp_path):
+    """Resuming into the directory one resumes from is no ambiguity: the resumed run
+    records whose trajectory it continues, and consolidate says so."""
+    settings = dict(precision="fp32", **{**SMALL, "steps": 2})
+    train(TrainConfig(**settings), save_dir=tmp_path, save_every=1)
+    train(TrainConfig(**{**settings, "steps": 3}), save_dir=tmp_path, resume_from=tmp_path)
+    first = json.loads((tmp_path / "step-000001" / "manifest.json").read_text())
+    last = json.loads((tmp_path / "step-000003" / "manifest.json").read_text())
+    assert last["run"] != first["run"] and last["origin"] == first["origin"] == first["run"]
+    result = cli(["consolidate", str(tmp_path), str(tmp_path / "m.npz")])
+    assert result.returncode == 0, result.stderr
+    assert f"(run {last['run']}, continuing run {first['run']}; step 3)" in result.stdout
 
 
 def test_resuming_with_other_optimizer_settings_warns_but_goes_on(saved):
