@@ -63,7 +63,7 @@ MAX_JSON_BYTES = 256 * 2**20
 # value (repr, json.dumps, comparisons) also spends.
 MAX_DEPTH = 32
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe): reading it would wait for a writer"),
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
@@ -116,7 +116,7 @@ def _size(n: int) -> str:
 def _check_regular(path, status: os.stat_result, limit: int, what: str) -> None:
     if not stat.S_ISREG(status.st_mode):
         kind = next((name for test, name in _KINDS if test(status.st_mode)), "not a file")
-        raise InputFileError(path, f"{kind}, not a regular file: not a {what}")
+        raise InputFileError(path, f"{kind}, not a regular file")
     if status.st_size > limit:
         raise InputFileError(path, f"{_size(status.st_size)}, larger than a {what} can be "
                              f"({_size(limit)} at most)")
@@ -153,13 +153,12 @@ def loads_json(data: bytes | str, path, what: str = "file"):
     try:
         value = json.loads(data)
     except RecursionError:
-        raise InputFileError(path, f"not a {what}: its JSON is nested deeper than "
-                             "Python can parse") from None
+        raise InputFileError(path, "JSON nested deeper than Python can parse") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InputFileError(path, f"not JSON ({err})") from None
     if depth(value) > MAX_DEPTH:
-        raise InputFileError(path, f"not a {what}: its JSON is nested more than "
-                             f"{MAX_DEPTH} levels deep")
+        raise InputFileError(path, f"JSON nested more than {MAX_DEPTH} levels deep (a "
+                             f"{what} nests a few)")
     return value
 
 

@@ -339,7 +339,8 @@ def check_figures(profile, files: dict | None = None, folder="traces") -> None:
     TraceFileError naming the figure and the rank's file (`files`: by rank) or the
     folder."""
     def fail(where, name: str, value, problem: str) -> NoReturn:
-        raise TraceFileError(where, f"the profile's {name} is {_shown(value)}: {problem}; "
+        shown = f"{value:.3g}" if isinstance(value, float) else _shown(value)
+        raise TraceFileError(where, f"the profile's {name} is {shown}: {problem}; "
                              "the trace's values are each in range, together they are not "
                              "a run minipar could have traced")
 
