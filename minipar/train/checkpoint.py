@@ -43,7 +43,7 @@ from minipar import distributed as dist
 from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
 from minipar.errors import CheckpointError, InputFileError
-from minipar.files import DirectoryLock, atomic_write, load_json, loads_json, open_regular
+from minipar.files import DirectoryLock, atomic_write, loads_json, open_regular
 from minipar.parallel.data.buckets import Piece
 from minipar.train import checkpoint_dirs as dirs
 from minipar.train.manifest import FORMAT, MANIFEST, SEAL, check_manifest, rank_file, seal
@@ -191,12 +191,7 @@ def read_manifest(directory) -> dict:
     (schema, own checksum, agreement with its config: manifest.py) before anything
     trusts it."""
     path = dirs.resolve(directory) / MANIFEST
-    try:
-        manifest = load_json(path, what="manifest")
-    except InputFileError as err:
-        raise CheckpointError(f"{path}: unreadable manifest ({err.detail})") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: unreadable manifest ({err.strerror or err})") from None
+    manifest = dirs.load_manifest(path)
     check_manifest(manifest, path)
     return manifest
 

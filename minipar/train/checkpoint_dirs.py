@@ -101,16 +101,25 @@ def commit(staging: Path, directory: Path, run: str) -> None:
             os.rename(directory, retired)
         os.rename(staging, directory)
         fsync_directory(parent)
-        shutil.rmtree(retired, ignore_errors=True)
+        remove(retired)
 
 
 def discard(staging: Path, lock: DirectoryLock) -> None:
     """After a save, committed or not: remove the staging directory if it is still
     there (the save failed or was interrupted), then let go of its lock."""
     try:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove(staging)
     finally:
         lock.release()
+
+
+def remove(path: Path) -> None:
+    """Remove a directory of ours, or a symlink (never what it points to); quietly if
+    it is already gone."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def recover(parent: Path, run: str) -> None:
@@ -124,7 +133,7 @@ def recover(parent: Path, run: str) -> None:
         name, owner, kind = match.groups()
         if kind == "old":
             if (parent / name).exists():  # the swap finished: the new one is in place
-                shutil.rmtree(path, ignore_errors=True)
+                remove(path)
             else:
                 os.rename(path, parent / name)
             continue
@@ -135,7 +144,7 @@ def recover(parent: Path, run: str) -> None:
             continue
         try:
             if held or (held is None and owner == run):  # its writer is gone
-                shutil.rmtree(path, ignore_errors=True)
+                remove(path)
         finally:
             lock.release()
 
@@ -187,12 +196,17 @@ def resolve(directory) -> Path:
 def origin_of(checkpoint: Path) -> str:
     """The run whose trajectory a checkpoint is, as its manifest says (read, not yet
     checked: loading checks)."""
-    path = checkpoint / MANIFEST
+    manifest = load_manifest(checkpoint / MANIFEST)
+    origin = manifest.get("origin") if isinstance(manifest, dict) else None
+    return origin if isinstance(origin, str) else "(none)"
+
+
+def load_manifest(path: Path):
+    """The JSON of a manifest file, read within bounds (minipar.files), not yet checked
+    (manifest.check_manifest does that)."""
     try:
-        manifest = load_json(path, what="manifest")
+        return load_json(path, what="manifest")
     except InputFileError as err:
         raise CheckpointError(f"{path}: unreadable manifest ({err.detail})") from None
     except OSError as err:
         raise CheckpointError(f"{path}: unreadable manifest ({err.strerror or err})") from None
-    origin = manifest.get("origin") if isinstance(manifest, dict) else None
-    return origin if isinstance(origin, str) else "(none)"
