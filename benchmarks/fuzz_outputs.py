@@ -271,7 +271,7 @@ def concurrent_runs(work: Path, trial: int):
     """Two runs (another --lr each) saving every step into one directory at once: every
     checkpoint there must load as one run's (it is), or be refused (data lost: both runs
     said they saved it)."""
-    steps = ["--steps", "3", "--save-every", "1", "--dp", "2", "--zero", "3"]
+    steps = ["--steps", "6", "--save-every", "1", "--dp", "2", "--zero", "3"]
     small = MODEL
     refs = {}
     for lr in ("0.001", "0.002"):
@@ -289,7 +289,7 @@ def concurrent_runs(work: Path, trial: int):
         except subprocess.TimeoutExpired:
             run.kill()
             return HANG, "a run did not end"
-    for step in (1, 2, 3):
+    for step in range(1, 7):
         name = f"step-{step:06d}"
         state = state_of(shared / name)
         if state is None:
@@ -449,6 +449,8 @@ def trace_cases(work: Path):
     yield "memory peak 1.7e308 bytes", edited("mem308", memory(int(1.7e308)))
     yield "device 1e-300 FLOP/s", edited("slow", json_edit(
         lambda t: t["minipar"]["device"].__setitem__("flops", 1e-300)), every_file=True)
+    yield "every kernel 1e-300 FLOPs", edited("tiny", every("flops", 1e-300),
+                                              every_file=True)
     yield "device 1e308 FLOP/s (valid)", edited("fast", json_edit(
         lambda t: t["minipar"]["device"].__setitem__("flops", 1e308)), every_file=True)
     yield "profile --json over a file, disk full", lambda: profile_json_full(work, good)

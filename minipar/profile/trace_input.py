@@ -41,6 +41,10 @@ US = 1e6  # seconds -> trace microseconds
 # bytes passed every other check and came out as a 300-digit time or an OverflowError.
 MAX_SECONDS = 1e9  # of simulated time (31 years)
 MAX_BYTES = 2**63  # what a 64-bit counter holds (8 EiB)
+# Model FLOPs (MFU's numerator) over the FLOPs the kernels executed (HFU's): below 1 for
+# a dense model (recomputation, attention's softmax), above only where MoE layers drop
+# tokens over capacity (1.35 with a capacity factor of 0.01); a thousand is no run's.
+MAX_MODEL_OVER_EXECUTED = 1000
 STEP = re.compile(r"ProfilerStep#(\d+)", re.ASCII)
 MESH = ("dp", "pp", "tp")  # the mesh coordinates the report shows
 
@@ -333,11 +337,13 @@ def _check_kernel(f: _File, event: dict, where: str) -> int:
 def check_figures(profile, files: dict | None = None, folder="traces") -> None:
     """The figures a profile derived from checked traces, checked in turn: values each
     in range can combine into nonsense (kernels of 1e300 FLOPs: an HFU of 1e285; a sum
-    of them: `inf`, then `nan%`). Every figure finite, the run's length times the
-    device's peak above 0 (MFU and HFU divide by it), every MFU and HFU at most 100% (no
-    rank executes more FLOPs than its device's peak over the run); else one
-    TraceFileError naming the figure and the rank's file (`files`: by rank) or the
-    folder."""
+    of them: `inf`, then `nan%`). Every figure finite; the run's length times the
+    device's peak above 0 (MFU and HFU divide by it); every rank's HFU at most 100% (no
+    rank executes more FLOPs than its device's peak over the run); and the model FLOPs
+    of the run's config at most MAX_MODEL_OVER_EXECUTED times the FLOPs its kernels
+    executed (MFU over HFU: more than 1 only where MoE layers drop tokens over capacity,
+    which the model FLOPs count). Else one TraceFileError naming the figure and the
+    rank's file (`files`: by rank), or the folder."""
     def fail(where, name: str, value, problem: str) -> NoReturn:
         shown = f"{value:.3g}" if isinstance(value, float) else _shown(value)
         raise TraceFileError(where, f"the profile's {name} is {shown}: {problem}; "
@@ -359,9 +365,14 @@ def check_figures(profile, files: dict | None = None, folder="traces") -> None:
             finite = False
         if not finite:
             fail(source(name), name, value, "not a finite number")
-        if re.fullmatch(r"mfu|ranks\[\d+\]\.[mh]fu", name) and value > 1 + 1e-6:
+        if re.fullmatch(r"ranks\[\d+\]\.hfu", name) and value > 1 + 1e-6:
             fail(source(name), name, value, "over 100%, more FLOPs than the device's peak "
                  "over the run")
+    hfu = sum(r["hfu"] for r in profile.ranks) / len(profile.ranks)  # the run's
+    if profile.mfu > MAX_MODEL_OVER_EXECUTED * hfu:
+        fail(folder, "mfu", profile.mfu, f"over {MAX_MODEL_OVER_EXECUTED} times its HFU "
+             f"({hfu:.3g}): its config's model needs that many times the FLOPs its "
+             "kernels executed")
 
 
 def _numbers(value, name: str = ""):

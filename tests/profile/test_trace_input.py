@@ -364,6 +364,30 @@ def test_figures_out_of_range_together_are_one_line(good, tmp_path, capsys):
     assert f"{folder}: the profile's mfu is" in err and "not a run minipar" in err, err
 
 
+def test_kernels_that_executed_next_to_nothing_are_not_the_config_s_run(good, tmp_path,
+                                                                        capsys):
+    """Kernels of 1e-300 FLOPs each (valid numbers): the config's model needs ~1e300
+    times more, which made any MFU possible; refused as a figure out of range."""
+    folder = copy_of(good, tmp_path)
+    for path in folder.glob("rank*.json"):
+        path.write_text(json.dumps(set_event("args.flops", 1e-300, every=True)(
+            json.loads(path.read_text()))))
+    assert main(["profile", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert "the profile's mfu is" in err and "over 1000 times its HFU" in err, err
+
+
+def test_an_moe_run_dropping_tokens_has_an_mfu_over_100_percent_and_is_profiled(tmp_path):
+    """MFU counts the model's FLOPs, HFU the executed ones: an MoE layer dropping tokens
+    over capacity executes fewer than the model counts, so a compute-bound run's MFU can
+    pass 100% while its HFU cannot. Such a run is profiled, not refused."""
+    train(seq_len=8, n_layer=1, d_model=16, n_head=2, micro_batch_size=2, steps=1,
+          moe_num_experts=4, moe_capacity_factor=0.25, trace=tmp_path)
+    profile = profile_folder(tmp_path)
+    assert profile.mfu > 1 and all(r["hfu"] <= 1 + 1e-9 for r in profile.ranks)
+
+
 def test_the_json_report_on_a_full_disk_keeps_the_earlier_one(good, small_disk, capsys):
     """`profile --json` onto a full disk: one line, exit 2, the profile printed, and the
     earlier file at that path whole (it used to be truncated, with a traceback)."""
