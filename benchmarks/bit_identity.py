@@ -34,7 +34,7 @@ LAYOUTS = [
     dict(dp=4, zero=3, steps=3, precision="fp64"),
     dict(dp=2, ep=2, moe_num_experts=4, zero=1),
     dict(dp=2, cp=2, tp=1),
-    dict(dp=2, tp=2, offload_optimizer="cpu", zero=2, activation_checkpointing=True),
+    dict(dp=2, tp=2, offload_optimizer="cpu", zero=2, recompute_granularity="full"),
 ]
 
 

@@ -87,7 +87,7 @@ def main() -> None:
                 continue
             config = ParallelConfig(dp=gpus, zero=zero, micro_batch_size=1,
                                     global_batch_size=batch, flash_attention=True,
-                                    activation_checkpointing=True,
+                                    recompute_granularity="full",
                                     offload_optimizer=optimizer, offload_param=param)
             est = estimate(shape, config, h100)
             rows.append([model, gpus, batch, f"ZeRO-{zero} {optimizer}/{param}",

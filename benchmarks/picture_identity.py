@@ -48,7 +48,7 @@ VIEWS = [
     ("memory offload cpu", "MemoryExplorer", {}, [dict(zero=1, offload_optimizer="cpu")]),
     ("memory offload nvme params, checkpointing", "MemoryExplorer", {},
      [dict(offload_optimizer="nvme", offload_param="cpu", zero=3,
-           activation_checkpointing=True)]),
+           recompute_granularity="full")]),
     ("pipeline default", "PipelineExplorer", {}, []),
     ("pipeline gpipe", "PipelineExplorer", {}, [dict(schedule="gpipe")]),
     ("pipeline interleaved v2 p4 m8", "PipelineExplorer", {},

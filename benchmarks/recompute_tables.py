@@ -78,8 +78,8 @@ for granularity, policy, dropout, layouts in ROWS:
         granularity += " +dropout"
     for tp, sp in layouts:
         measured = dist.launch(one_layer, tp, tp, sp, policy, gpt)[0]
-        plan = ParallelConfig(tp=tp, sequence_parallel=sp, micro_batch_size=b,
-                              **policy.to_flags())
+        plan = ParallelConfig(tp=tp, sequence_parallel=sp,
+                              micro_batch_size=b).with_recompute(policy)
         layer = shape.layer_activation_bytes(b, tp, sp, 2, 4)
         if policy.selective:
             layer -= shape.attention_core_bytes(b, tp, 2, 4)

@@ -19,82 +19,17 @@ import argparse
 import dataclasses
 import os
 import sys
-import types
-import typing
 import warnings
 from pathlib import Path
 
 from minipar import distributed as dist
-from minipar.errors import ConfigError, MiniparError, OutputError, flag
-from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.pipeline.schedules.registry import SCHEDULES, schedule_names
-from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES
+from minipar.errors import ConfigError, MiniparError, OutputError
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
 from minipar.profile import cli as profile_cli
-from minipar.train.config import (
-    DATASETS,
-    MOE_HELP,
-    PRECISIONS,
-    ROUTING_SETTINGS,
-    TrainConfig,
-    moe_setting_without_experts,
-)
+from minipar.train.config import ROUTING_SETTINGS, TrainConfig, moe_setting_without_experts
+from minipar.train.flags import add_setting_flags
 from minipar.train.outputs import check_output_dir, check_output_file
-
-HELP = {**MOE_HELP,  # the MoE and --ep flags, beside their settings in train/config.py
-    "vocab_size": "vocabulary size (default: the data's tokenizer)",
-    "seq_len": "tokens per sequence (T)",
-    "n_layer": "transformer blocks",
-    "n_head": "attention heads",
-    "d_model": "hidden size (h)",
-    "dropout": "dropout probability (0 = off)",
-    "tie_embeddings": "share the LM head with the token embedding (GPT-2 does)",
-    "dp": "data-parallel size",
-    "tp": "tensor-parallel size",
-    "pp": "pipeline-parallel size",
-    "zero": "ZeRO stage over the data-parallel group (0-3)",
-    "schedule": "pipeline schedule",
-    "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
-    "sequence_parallel": "shard LayerNorm/dropout regions along the sequence (with --tp)",
-    "offload_optimizer": "ZeRO-Offload: optimizer state and Adam on the host (--zero >= 1)",
-    "offload_param": "ZeRO-Infinity: the parameter shard in host memory / NVMe (--zero 3)",
-    "gpus_per_node": "virtual GPUs per node (ranks on one node share fast links)",
-    "bucket_size_mb": "gradient bucket size in MiB (0 = one bucket, reduced after backward)",
-    "overlap_grad_reduce": "reduce gradient buckets while backward goes on (under --pp: "
-                           "during each stage's last micro-batch backward)",
-    "zero3_prefetch": "ZeRO-3: all-gather the next module's parameters while the current "
-                      "one computes",
-    "micro_batch_size": "sequences per micro-batch on one data-parallel rank",
-    "grad_accum_steps": "micro-batches per optimizer step (or give --global-batch-size)",
-    "global_batch_size": "sequences per optimizer step = micro x accum x dp",
-    "steps": "optimizer steps",
-    "lr": "peak learning rate",
-    "min_lr": "learning rate at the end of the cosine decay",
-    "warmup_steps": "linear warm-up steps",
-    "weight_decay": "AdamW decoupled weight decay (matrices only)",
-    "beta1": "AdamW beta1",
-    "beta2": "AdamW beta2",
-    "grad_clip": "clip the global gradient norm to this value (0 = off)",
-    "precision": "numerics: fp64 (exact checks), fp32, bf16-mixed",
-    "activation_checkpointing": "recompute each block's activations in backward "
-                                "(= --recompute-granularity full)",
-    "recompute_granularity": "recompute in backward: selective (the attention core only) or "
-                             "full (whole blocks; Megatron-LM's flag)",
-    "recompute_method": "with full: uniform (groups of --recompute-num-layers blocks) or "
-                        "block (only the first N blocks of each pipeline chunk)",
-    "recompute_num_layers": "blocks per group (uniform) or blocks recomputed per chunk (block)",
-    "data": "training data: the built-in corpus or a synthetic Markov task",
-    "seed": "seed of weights and batches",
-    "check": "also train the single-device reference and compare every step",
-}
-
-
-def choices() -> dict[str, tuple]:
-    """The fields whose values are a fixed set; the schedules are the registry's now."""
-    return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS,
-            "recompute_granularity": GRANULARITIES, "recompute_method": METHODS,
-            "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -110,35 +45,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _field_type(annotation):
-    """The scalar type of a field annotation like `int | None` -> int."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
-
-
-
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, defaulting to the field's default (the router's,
     ROUTING_SETTINGS: to None, so that `config_from_args` knows which were typed and
     refuses one on a dense model even at its default value, as `minipar plan` does)."""
-    hints = typing.get_type_hints(TrainConfig)
-    fixed = choices()
-    for f in dataclasses.fields(TrainConfig):
-        kind = _field_type(hints[f.name])
-        name = flag(f.name)
-        default = None if f.name in ROUTING_SETTINGS else f.default
-        if kind is bool:
-            parser.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=HELP.get(f.name, f.metadata.get("help")))
-        else:
-            help_text = HELP.get(f.name, f.metadata.get("help"))
-            if f.name == "schedule":  # each registered schedule says what it does
-                help_text += ": " + "; ".join(f"{spec.name}: {spec.description}"
-                                              for spec in SCHEDULES.values())
-            parser.add_argument(name, dest=f.name, type=kind, default=default,
-                                choices=fixed.get(f.name), help=help_text,
-                                metavar=None if f.name in fixed else f.name.upper())
+    add_setting_flags(parser, TrainConfig, defaults=dict.fromkeys(ROUTING_SETTINGS))
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -219,8 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from minipar.train.checkpoint import read_manifest
-    from minipar.train.loop import train
+    from minipar.train.loop import prepare_run, train_prepared
 
     config = config_from_args(args)
     if args.save_every and not args.save:
@@ -230,12 +140,13 @@ def cmd_train(args) -> int:
         check_output_file("json", args.json)
     if args.save is not None:
         check_output_dir("save", args.save)
-    check_fits(config)  # the planner's estimate, before anything is allocated
+    prepared = prepare_run(config, args.resume)  # the data, the layout, the checkpoint
+    check_fits(prepared.config)  # the planner's estimate, before anything is allocated
     bar = None
     if not args.quiet:
         from tqdm.auto import tqdm
 
-        start = read_manifest(args.resume)["step"] if args.resume else 0
+        start = 0 if prepared.start is None else prepared.start.step
         bar = tqdm(total=config.steps, initial=start, desc="train", unit="step",
                    disable=None)
 
@@ -247,9 +158,9 @@ def cmd_train(args) -> int:
     late = None  # an output that failed after the run: said last, the results kept
     with profile_cli.trace_folder(args) as trace:  # checked before the work
         try:
-            report = train(config, progress=progress, save_dir=args.save,
-                           save_every=args.save_every, resume_from=args.resume,
-                           device=device_profile(args.device), trace=trace)
+            report = train_prepared(prepared, progress=progress, save_dir=args.save,
+                                    save_every=args.save_every,
+                                    device=device_profile(args.device), trace=trace)
         except OutputError as err:
             if err.report is None:
                 raise
@@ -382,7 +293,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_timeline(args) -> int:
-    from minipar.train.loop import train
+    from minipar.train.loop import prepare_run, train_prepared
     from minipar.viz.timeline import plot_timeline
 
     config = config_from_args(args)
@@ -393,8 +304,9 @@ def cmd_timeline(args) -> int:
         args.out = f"{args.out}.png"
     check_output_file("out", args.out)
     check_figure_format(args.out)
-    check_fits(config)
-    report = train(config, device=device_profile(args.device))
+    prepared = prepare_run(config)
+    check_fits(prepared.config)
+    report = train_prepared(prepared, device=device_profile(args.device))
     start = end = None
     what = "the whole run"
     if not args.all_steps:

@@ -1,9 +1,10 @@
 """The errors minipar raises on purpose: one base, a subclass only where callers differ.
 
     MiniparError                  everything minipar refuses (bad input, a run it stops)
-    ├── ConfigError               a setting that cannot work; `.setting` names it
-    │   (also importable as        (the CLI flag is --setting) and the message starts
-    │    LayoutError, PlanError)   with that flag: "--n-head: d_model=64 is not ..."
+    ├── ConfigError               a setting that cannot work (the trainer's or the
+    │                              planner's); `.setting` names it (the CLI flag is
+    │                              --setting) and the message starts with that flag:
+    │                              "--n-head: d_model=64 is not ..."
     │   └── OutputError            an output path that cannot be written; `.report`
     │                              keeps a finished run's results if the write failed late
     ├── PipelineError              a pipeline schedule / stage that cannot work
@@ -54,11 +55,6 @@ class ConfigError(MiniparError, ValueError):
     @property
     def field(self) -> str:
         return self.setting
-
-
-# The names of the same idea in older versions: one class, so one `except` catches all.
-LayoutError = ConfigError
-PlanError = ConfigError
 
 
 class OutputError(ConfigError, OSError):

@@ -4,8 +4,9 @@
     report = train(TrainConfig(dp=2, zero=1, steps=5))
 
 The same as `minipar.train.loop.train` (see there for every argument), except that the
-run is first estimated by the planner (minipar/plan/fits.py) and refused with a
-ConfigError if it cannot fit this machine's memory, before anything is allocated. It
+prepared run (its data read, its layout checked) is estimated by the planner
+(minipar/plan/fits.py) and refused with a ConfigError if it cannot fit this machine's
+memory, before anything is allocated. It
 lives above minipar.plan (with the CLI) so that minipar.train need not import the
 planner: the formula has one home and the layers' arrows point down.
 """
@@ -24,10 +25,11 @@ def train(config: TrainConfig | None = None, **kwargs):
         config = TrainConfig(**kwargs)
     elif kwargs:
         config = config.replace(**kwargs)
-    check_fits(config)
-    return loop.train(config, **options)
+    prepared = loop.prepare_run(config, options.pop("resume_from", None))
+    check_fits(prepared.config)
+    return loop.train_prepared(prepared, **options)
 
 
-TRAIN_OPTIONS = ("progress", "save_dir", "save_every", "resume_from", "device", "reference",
+TRAIN_OPTIONS = ("progress", "save_dir", "save_every", "resume_from", "device", "references",
                  "trace")
 train.__doc__ = (train.__doc__ or "") + "\n\n" + (loop.train.__doc__ or "")

@@ -380,7 +380,7 @@ def test_activation_checkpointing_trades_activation_bytes_for_a_second_forward()
     """Checkpointing keeps only each block's input and recomputes the block in backward:
     fewer activation bytes, and extra forward FLOPs equal to one more forward of every
     block (measured as the FLOPs one block adds to a model)."""
-    plain, checkpointed = run(n_layer=2), run(n_layer=2, activation_checkpointing=True)
+    plain, checkpointed = run(n_layer=2), run(n_layer=2, recompute_granularity="full")
     one_block = flops(run(n_layer=2)) - flops(run(n_layer=1))
     assert mem(checkpointed, "activations") < mem(plain, "activations")
     extra = flops(checkpointed) - flops(plain)

@@ -278,8 +278,7 @@ def test_train_on_a_roofline_device_takes_the_time_plan_predicts_for_it(tmp_path
      "--recompute-method"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "3"], "--recompute-num-layers"),
-    (["--activation-checkpointing", "--recompute-granularity", "full"],
-     "--recompute-granularity"),
+    (["--activation-checkpointing"], "--activation-checkpointing"),  # no alias of full
     (["--recompute-granularity", "some"], "--recompute-granularity"),
 ])
 def test_inconsistent_recomputation_flags_are_one_line_errors(args, flag):

@@ -1,17 +1,15 @@
-"""One base for every refusal (minipar.errors): the old names stay importable and are
-caught by `except MiniparError`, and the CLI turns any of them into one line, exit 2."""
+"""One base for every refusal (minipar.errors), caught by `except MiniparError`, one name
+per class, and the CLI turns any of them into one line, exit 2."""
 
 import pytest
 
 import minipar
 from minipar import errors
 from minipar.distributed import CollectiveMismatchError, DeadlockError, DistError
-from minipar.errors import CheckpointError, LayoutError, PipelineError, ScheduleError
-from minipar.plan.layout import PlanError
-from minipar.train import ConfigError
+from minipar.errors import CheckpointError, ConfigError, PipelineError, ScheduleError
 
 
-@pytest.mark.parametrize("cls", [ConfigError, LayoutError, PlanError, PipelineError,
+@pytest.mark.parametrize("cls", [ConfigError, PipelineError,
                                  ScheduleError, CheckpointError, DistError, DeadlockError,
                                  CollectiveMismatchError, errors.TrainingDiverged])
 def test_every_error_type_is_a_minipar_error(cls):
@@ -19,13 +17,14 @@ def test_every_error_type_is_a_minipar_error(cls):
 
 
 def test_the_setting_errors_are_one_class_that_keeps_its_builtin_base_and_message():
-    assert ConfigError is LayoutError is PlanError
-    error = PlanError("micro_batch_size", "must be a positive integer, got 0")
+    # the trainer's and the planner's setting errors are this one class, by one name
+    assert not hasattr(errors, "LayoutError") and not hasattr(errors, "PlanError")
+    error = ConfigError("micro_batch_size", "must be a positive integer, got 0")
     assert isinstance(error, ValueError)
     assert error.setting == error.field == "micro_batch_size"
     assert str(error) == "--micro-batch-size: must be a positive integer, got 0"
     # a strategy's message that already names its flag is kept as it is
-    assert str(LayoutError("schedule", "--pp: needs 2 ranks")) == "--pp: needs 2 ranks"
+    assert str(ConfigError("schedule", "--pp: needs 2 ranks")) == "--pp: needs 2 ranks"
     assert issubclass(CheckpointError, RuntimeError) and issubclass(DistError, RuntimeError)
     assert issubclass(ScheduleError, PipelineError)
     assert issubclass(errors.OutputError, OSError) and issubclass(errors.OutputError, ConfigError)

@@ -24,7 +24,7 @@ from minipar.plan.advisor import advise
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import Estimate, estimate
 from minipar.plan.export import deepspeed_config, megatron_args, write_export
-from minipar.plan.layout import ParallelConfig, PlanError
+from minipar.plan.layout import ParallelConfig
 from minipar.plan.lint import Finding, lint
 from minipar.plan.shapes import ModelShape, from_train_config
 
@@ -35,7 +35,6 @@ __all__ = [
     "Finding",
     "ModelShape",
     "ParallelConfig",
-    "PlanError",
     "advise",
     "deepspeed_config",
     "estimate",

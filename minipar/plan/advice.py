@@ -79,7 +79,7 @@ def explain(advice: Advice) -> str:
         f"({nodes} node{'s' * (nodes > 1)} of {gpn}): dp={c.dp} x tp={c.tp} x pp={c.pp}"
         f"{f' x cp={c.cp}' if c.cp > 1 else ''}{f' (ep={c.ep})' if c.ep > 1 else ''}, "
         f"ZeRO-{c.zero}, micro-batch {c.micro_batch_size}, "
-        f"{'activation checkpointing, ' if c.activation_checkpointing else ''}"
+        f"{f'recompute {c.recompute.label}, ' if c.recomputes else ''}"
         f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}.",
         "",
         f"- The model state (parameters, gradients, optimizer) is "

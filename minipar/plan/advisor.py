@@ -37,23 +37,21 @@ from __future__ import annotations
 
 import itertools
 
-from minipar.errors import ScheduleError
+from minipar.errors import ConfigError, ScheduleError
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
-
-# What the search returns and how it is explained: advice.py (also importable from here)
-from minipar.plan.advice import Advice, explain, format_ranking  # noqa: F401
+from minipar.plan.advice import Advice
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
-from minipar.plan.layout import ParallelConfig, PlanError, check_model_fits_layout
+from minipar.plan.layout import ParallelConfig, check_model_fits_layout
 from minipar.plan.shapes import ModelShape
-from minipar.train.config import MAX_MICRO_BATCHES
+from minipar.train.layout import MAX_MICRO_BATCHES
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LONG_SEQUENCE = 8192  # tokens from which the search also tries context parallelism
 MAX_CP = 16
-# none, selective, full (every layer; what --activation-checkpointing has always meant)
+# none, selective, full (every layer: --recompute-granularity full without a method)
 RECOMPUTE_OPTIONS = ({}, {"recompute_granularity": "selective"},
-                     {"activation_checkpointing": True})
+                     {"recompute_granularity": "full"})
 # (offload_optimizer, offload_param) tried, in order, when no layout fits on the GPUs
 OFFLOADS = (("cpu", "none"), ("cpu", "cpu"), ("nvme", "nvme"))
 
@@ -119,7 +117,7 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                                 precision=precision, flash_attention=flash_attention,
                                 lr=lr, cp=cp, ep=ep, **recompute)
                             check_model_fits_layout(shape, config)
-                        except PlanError:
+                        except ConfigError:
                             continue
                         yield config
 
@@ -132,9 +130,9 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
     (plan/overlap.py); both False ranks the runs that wait for every reduction and gather."""
     if not isinstance(gpus, int) or gpus < 1:
-        raise PlanError("gpus", f"must be a positive integer, got {gpus!r}")
+        raise ConfigError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
-        raise PlanError("gpus", f"{gpus} GPUs is not a whole number of "
+        raise ConfigError("gpus", f"{gpus} GPUs is not a whole number of "
                         f"{cluster.gpus_per_node}-GPU nodes")
     fitting, not_fitting, searched = [], [], 0
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
@@ -151,10 +149,10 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
             (fitting if est.fits else not_fitting).append(est)
     if not searched:
         if global_batch_size % gpus == 0:  # it splits: into more micro-batches than allowed
-            raise PlanError("global_batch_size", f"{global_batch_size:,} sequences on {gpus} "
+            raise ConfigError("global_batch_size", f"{global_batch_size:,} sequences on {gpus} "
                             f"GPUs is more than {MAX_MICRO_BATCHES:,} micro-batches of at "
                             f"most {max(MICRO_BATCH_SIZES)} per step on every layout")
-        raise PlanError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
+        raise ConfigError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
                         f"of {global_batch_size} into micro-batches of "
                         f"{MICRO_BATCH_SIZES}: use a multiple of {gpus}")
     fitting.sort(key=lambda e: (e.step_time, e.memory["peak_total"]))

@@ -20,34 +20,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
-from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.pipeline.schedules.registry import schedule_names
+from minipar.errors import ConfigError
 from minipar.plan import presets, published
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
-from minipar.plan.layout import ParallelConfig, PlanError
+from minipar.plan.layout import ParallelConfig
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
-from minipar.train.config import (
-    MOE_HELP,
-    PRECISIONS,
-    check_learning_rate,
-    moe_setting_without_experts,
-)
+from minipar.train.config import ModelSettings, check_learning_rate, moe_setting_without_experts
+from minipar.train.flags import add_setting_flags
+from minipar.train.layout import Layout
 from minipar.train.outputs import check_output_dir, check_output_file
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
-# What a search (--gpus without --dp/--tp/--pp) chooses itself (advisor.candidate_configs)
-# or prices one way (one gradient bucket): given with a search, each would be ignored.
-SEARCHED_FLAGS = ("cp", "ep", "zero", "micro_batch_size", "grad_accum_steps", "schedule",
-                  "virtual_stages", "sequence_parallel", "activation_checkpointing",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers",
-                  "layer_split", "bucket_size_mb", "offload_optimizer", "offload_param")
+# The layout flags are the trainer's (one per Layout field); unset (None) unless given,
+# ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
+# these from the user and chooses (advisor.candidate_configs) or prices one way (one
+# gradient bucket) every other one: given with a search, it would be ignored.
+LAYOUT_SETTINGS = tuple(f.name for f in fields(Layout))
+SEARCH_TAKES = ("dp", "tp", "pp", "global_batch_size", "precision", "overlap_grad_reduce",
+                "zero3_prefetch")
+SEARCHED_FLAGS = (*(n for n in LAYOUT_SETTINGS if n not in SEARCH_TAKES), "layer_split")
+PLANNER_NOTES = {"global_batch_size": "default: the preset's published one",
+                 "bucket_size_mb": "default 0: one bucket"}
 MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
              "moe_layer_freq": int}
 
@@ -71,7 +71,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=help_text)
     for name, kind in MOE_FLAGS.items():  # the trainer's flags (a preset's by default)
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                           help=MOE_HELP[name])
+                           help=ModelSettings.__dataclass_fields__[name].metadata["help"])
     hardware = plan.add_argument_group("cluster")
     hardware.add_argument("--cluster", default=None,
                           help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb; "
@@ -85,30 +85,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                                "preset's roofline (GEMMs by shape, other ops by bytes)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
                                      "searching)")
-    for name in LAYOUT_FLAGS:
-        layout.add_argument("--" + name, type=int, dest=name,
-                            help=MOE_HELP["ep"] if name == "ep" else None)
-    layout.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
-    for name in ("offload-optimizer", "offload-param"):  # DeepSpeed's offload devices
-        layout.add_argument("--" + name, dest=name.replace("-", "_"), default="none",
-                            choices=("none", "cpu", "nvme"))
-    layout.add_argument("--schedule", choices=schedule_names(), default=None)
-    layout.add_argument("--virtual-stages", type=int, dest="virtual_stages", default=None)
-    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                        dest="sequence_parallel", default=None)
-    layout.add_argument("--micro-batch-size", type=int, dest="micro_batch_size")
-    layout.add_argument("--grad-accum-steps", type=int, dest="grad_accum_steps")
-    layout.add_argument("--global-batch-size", type=int, dest="global_batch_size",
-                        help="sequences per step (default: the preset's published one)")
-    layout.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                        dest="activation_checkpointing", default=None)
-    layout.add_argument("--recompute-granularity", choices=GRANULARITIES, default=None,
-                        dest="recompute_granularity",
-                        help="selective (the attention core) or full (whole layers)")
-    layout.add_argument("--recompute-method", choices=METHODS, default=None,
-                        dest="recompute_method")
-    layout.add_argument("--recompute-num-layers", type=int, default=None,
-                        dest="recompute_num_layers")
+    add_setting_flags(layout, Layout, defaults=dict.fromkeys(LAYOUT_SETTINGS),
+                      notes=PLANNER_NOTES)
     layout.add_argument("--flash-attention", action=argparse.BooleanOptionalAction,
                         dest="flash_attention", default=None,
                         help="attention that does not keep the (s x s) probabilities "
@@ -116,18 +94,6 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "as minipar's own attention)")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
-    # the trainer's overlap flags (minipar train), priced by plan/overlap.py
-    layout.add_argument("--bucket-size-mb", type=float, dest="bucket_size_mb", default=None,
-                        help="gradient bucket size in MiB (0 = one bucket, the default)")
-    layout.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
-                        dest="overlap_grad_reduce", default=True,
-                        help="reduce gradient buckets while backward goes on (under --pp: "
-                             "during each stage's last micro-batch backward)")
-    layout.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction,
-                        dest="zero3_prefetch", default=True,
-                        help="ZeRO-3: all-gather the next module's parameters while the "
-                             "current one computes")
-    layout.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
     layout.add_argument("--reference-global-batch-size", type=int,
                         dest="reference_global_batch_size",
@@ -155,7 +121,7 @@ def _shape(args) -> ModelShape:
     if (args.example or args.model) and custom:  # a preset's shape is the preset's
         flag, preset = "--" + custom[0].replace("_", "-"), (
             f"--model {args.model}" if args.model else f"--example {args.example}")
-        raise PlanError(custom[0], f"describes a custom model, and {preset} fixes its "
+        raise ConfigError(custom[0], f"describes a custom model, and {preset} fixes its "
                         f"shape; drop {flag} (or drop --model and give --n-layer, "
                         "--d-model, --n-head and --vocab-size)")
     if args.example == "bloom":
@@ -164,12 +130,12 @@ def _shape(args) -> ModelShape:
         try:
             shape = presets.model(args.model)
         except KeyError as err:
-            raise PlanError("model", err.args[0]) from None
+            raise ConfigError("model", err.args[0]) from None
     else:
         missing = [n for n in ("n_layer", "d_model", "n_head", "vocab_size")
                    if getattr(args, n) is None]
         if missing:
-            raise PlanError("model", "give a preset (--model NAME) or a custom shape; "
+            raise ConfigError("model", "give a preset (--model NAME) or a custom shape; "
                             f"missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
         try:
             shape = ModelShape(name="custom", n_layer=args.n_layer, d_model=args.d_model,
@@ -177,14 +143,14 @@ def _shape(args) -> ModelShape:
                                seq_len=args.seq_len or 1024)
         except ValueError as err:  # "ModelShape.n_layer must be ...": name the flag
             field, _, rest = str(err).removeprefix("ModelShape.").partition(" ")
-            raise PlanError(field if field in CUSTOM_SHAPE_FLAGS + ("seq_len",) else "model",
+            raise ConfigError(field if field in CUSTOM_SHAPE_FLAGS + ("seq_len",) else "model",
                             rest if field in CUSTOM_SHAPE_FLAGS + ("seq_len",)
                             else str(err)) from None
     if args.seq_len is not None and args.seq_len != shape.seq_len:
         try:
             shape = shape.with_seq_len(args.seq_len)
         except ValueError as err:
-            raise PlanError("seq_len", str(err).replace("ModelShape.seq_len ", "")) from None
+            raise ConfigError("seq_len", str(err).replace("ModelShape.seq_len ", "")) from None
     moe = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name) is not None}
     if moe:
         try:
@@ -194,7 +160,7 @@ def _shape(args) -> ModelShape:
             # CLI's words rather than the dataclass's
             named = [n for n in moe if n in str(err)] or list(moe)
             message = str(err).replace("ModelShape.", "").replace("ModelShape: ", "")
-            raise PlanError(named[0], message.removeprefix(f"{named[0]} ")) from None
+            raise ConfigError(named[0], message.removeprefix(f"{named[0]} ")) from None
         routing = [name for name in moe if name != "moe_num_experts"]
         if routing and not shape.moe_num_experts:  # a dense model: nothing to route
             raise moe_setting_without_experts(routing[0], moe[routing[0]])
@@ -206,18 +172,18 @@ def _cluster(args):
     try:
         spec = presets.cluster(name, args.gpu_mem)
     except KeyError as err:
-        raise PlanError("cluster", err.args[0]) from None
+        raise ConfigError("cluster", err.args[0]) from None
     except ValueError:  # ClusterSpec's own check of the memory it was given
-        raise PlanError("gpu_mem", f"must be > 0 GiB, got {args.gpu_mem}") from None
+        raise ConfigError("gpu_mem", f"must be > 0 GiB, got {args.gpu_mem}") from None
     if args.gpus_per_node is not None:
         try:
             spec = replace(spec, gpus_per_node=args.gpus_per_node)
         except ValueError:
-            raise PlanError("gpus_per_node", "must be a positive integer, got "
+            raise ConfigError("gpus_per_node", "must be a positive integer, got "
                             f"{args.gpus_per_node}") from None
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
-            raise PlanError("efficiency", f"must be in (0, 1], got "
+            raise ConfigError("efficiency", f"must be in (0, 1], got "
                             f"{args.efficiency}")
         spec = spec.uniform(args.efficiency)
     return spec
@@ -230,56 +196,30 @@ def _global_batch(args, shape: ModelShape, gpus: int) -> int:
 
 
 def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
-    """The layout asked for: the example's ParallelConfig, or the settings as a dict
-    (possibly inconsistent, for the lint to report)."""
-    if args.example == "bloom":
-        base = presets.BLOOM_176B
-        changes = {k: getattr(args, k) for k in ("zero", "micro_batch_size",
-                                                 "activation_checkpointing",
-                                                 "recompute_granularity", "recompute_method",
-                                                 "recompute_num_layers",
-                                                 "sequence_parallel")
-                   if getattr(args, k) is not None}
-        if args.recompute_granularity is not None and args.activation_checkpointing is None:
-            changes["activation_checkpointing"] = False  # the finer flags replace it
-        changes.update(_overlap(args))
-        return base.replace(**changes)
-    def given(value, default):  # (not `value or default`: --dp 0 must be refused, not 1)
-        return default if value is None else value
-
-    dp, tp, pp, cp, ep = (given(getattr(args, k), 1) for k in LAYOUT_FLAGS)
-    values = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=given(args.zero, 0),
-                  schedule=args.schedule or "1f1b",
-                  virtual_stages=given(args.virtual_stages, 1),
-                  sequence_parallel=bool(args.sequence_parallel),
-                  micro_batch_size=given(args.micro_batch_size, 1),
-                  grad_accum_steps=args.grad_accum_steps,
-                  global_batch_size=args.global_batch_size, precision=args.precision,
-                  activation_checkpointing=bool(args.activation_checkpointing),
-                  recompute_granularity=args.recompute_granularity,
-                  recompute_method=args.recompute_method,
-                  recompute_num_layers=args.recompute_num_layers,
-                  flash_attention=args.flash_attention, lr=args.lr,
-                  offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-                  **_overlap(args))
+    """The layout asked for: the example's ParallelConfig with the settings given, or the
+    settings as a dict (possibly inconsistent, for the lint to report)."""
+    if args.example == "bloom":  # (its mesh sizes were refused above)
+        return presets.BLOOM_176B.replace(**{name: getattr(args, name)
+                                            for name in LAYOUT_SETTINGS
+                                            if getattr(args, name) is not None})
+    values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
+    values.update(flash_attention=args.flash_attention, lr=args.lr)
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
         except ValueError:
-            raise PlanError("layer_split", f"{args.layer_split!r} is not a comma-separated "
-                            "list of layer counts") from None
+            raise ConfigError("layer_split", f"{args.layer_split!r} is not a comma-separated "
+                              "list of layer counts") from None
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
-        values["global_batch_size"] = _global_batch(args, shape, dp * tp * pp * cp)
+        gpus = values["dp"] * values["tp"] * values["pp"] * values["cp"]
+        values["global_batch_size"] = _global_batch(args, shape, gpus)
     return values
 
 
-def _overlap(args) -> dict:
-    """The overlap settings given (the trainer's names)."""
-    settings = {"overlap_grad_reduce": args.overlap_grad_reduce,
-                "zero3_prefetch": args.zero3_prefetch}
-    if args.bucket_size_mb is not None:
-        settings["bucket_size_mb"] = args.bucket_size_mb
-    return settings
+def _setting(args, name: str):
+    """A layout setting as given, or ParallelConfig's default."""
+    value = getattr(args, name)
+    return ParallelConfig.__dataclass_fields__[name].default if value is None else value
 
 
 def _emit_json(args, payload: dict) -> None:
@@ -296,7 +236,7 @@ def run_plan(args) -> int:
     """Run `minipar plan` with parsed `args`; returns the exit status."""
     try:
         return _run(args)
-    except PlanError as err:
+    except ConfigError as err:
         print(f"minipar plan: error: {err}", file=sys.stderr)
         return 2
 
@@ -314,16 +254,16 @@ def _run(args) -> int:
                                                        if getattr(args, k) is not None]
         if given:
             flag = "--" + given[0]
-            raise PlanError(given[0], f"--example {args.example} is a published model and "
+            raise ConfigError(given[0], f"--example {args.example} is a published model and "
                             f"layout; drop {flag} (or drop --example and give --model and "
                             "the layout)")
     if args.top < 1:
-        raise PlanError("top", f"lists the fastest N layouts: give N >= 1, got {args.top}")
+        raise ConfigError("top", f"lists the fastest N layouts: give N >= 1, got {args.top}")
     for name in ("lr", "reference_lr"):  # (they go into the exported DeepSpeed config)
         if getattr(args, name) is not None:
             check_learning_rate(name, getattr(args, name))
     if args.reference_global_batch_size is not None and args.reference_global_batch_size < 1:
-        raise PlanError("reference_global_batch_size", "must be a positive integer, got "
+        raise ConfigError("reference_global_batch_size", "must be a positive integer, got "
                         f"{args.reference_global_batch_size}")
     shape = _shape(args)
     cluster = _cluster(args)
@@ -337,7 +277,7 @@ def _run(args) -> int:
         for name in SEARCHED_FLAGS:
             if getattr(args, name) not in (None, "none"):
                 flag = "--" + name.replace("_", "-")
-                raise PlanError(name, f"--gpus searches the layouts and chooses {flag} "
+                raise ConfigError(name, f"--gpus searches the layouts and chooses {flag} "
                                 f"itself; drop {flag}, or give --dp/--tp/--pp to "
                                 "evaluate one layout")
         evaluate = False
@@ -352,7 +292,7 @@ def _run(args) -> int:
         world = sizes[0] * sizes[1] * sizes[2] * sizes[3]
         if (args.gpus is not None and args.gpus != world  # before the batch is judged,
                 and all(isinstance(s, int) and s >= 1 for s in sizes)):  # after the sizes
-            raise PlanError("gpus", f"{args.gpus} GPUs but dp x tp x pp"
+            raise ConfigError("gpus", f"{args.gpus} GPUs but dp x tp x pp"
                             f"{' x cp' if raw.get('cp', 1) > 1 else ''} = {world}; drop "
                             "--gpus or change the layout")
         findings = lint(shape, raw, cluster, reference=reference)
@@ -372,13 +312,14 @@ def _run(args) -> int:
         chosen = config
     else:
         if args.gpus is None:
-            raise PlanError("gpus", "give --gpus N to search layouts, or --dp/--tp/--pp to "
+            raise ConfigError("gpus", "give --gpus N to search layouts, or --dp/--tp/--pp to "
                             "evaluate one")
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
-                        precision=args.precision, flash_attention=args.flash_attention,
-                        lr=args.lr, overlap_grad_reduce=args.overlap_grad_reduce,
-                        zero3_prefetch=args.zero3_prefetch)
+                        precision=_setting(args, "precision"),
+                        flash_attention=args.flash_attention, lr=args.lr,
+                        overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
+                        zero3_prefetch=_setting(args, "zero3_prefetch"))
         if args.json:
             payload = advice.to_dict(top=args.top)
             if advice.best is not None:
@@ -411,12 +352,12 @@ def _compare_published(args) -> int:
     uniform model with --efficiency)."""
     if args.example is not None or args.model is not None or any(
             getattr(args, k) is not None for k in LAYOUT_FLAGS):
-        raise PlanError("compare_published", "takes no model or "
+        raise ConfigError("compare_published", "takes no model or "
                         "layout: it evaluates the published layouts")
     for name, given in (("gpus", args.gpus is not None), ("export", args.export is not None),
                         ("cluster", args.cluster is not None)):  # (typed, even a100)
         if given:  # each published row has its own GPUs, on the paper's A100 cluster
-            raise PlanError(name, f"--compare-published prices the paper's own layouts on "
+            raise ConfigError(name, f"--compare-published prices the paper's own layouts on "
                             f"its A100 cluster; drop --{name}")
     args.cluster = "a100-80gb"
     cluster = _cluster(args)
@@ -435,7 +376,7 @@ def _consistent(values: dict) -> ParallelConfig:
     """The ParallelConfig of possibly inconsistent settings (lint reported the batch)."""
     try:
         return ParallelConfig(**values)
-    except PlanError as err:
+    except ConfigError as err:
         if err.setting != "global_batch_size" or values.get("grad_accum_steps") is None:
             raise
         return ParallelConfig(**{**values, "global_batch_size": None})

@@ -268,7 +268,7 @@ def format_estimate(est: Estimate) -> str:
         + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
         + f", micro-batch {c.micro_batch_size} x {c.micro_batches} accum x dp {c.dp} = "
           f"global {c.global_batch_size}, {c.precision}"
-        + (", activation checkpointing" if c.activation_checkpointing else "")
+        + (f", recompute {c.recompute.label}" if c.recomputes else "")
         + (", sequence parallel" if c.sequence_parallel else "")
         + (", flash attention" if c.flash_attention else "")
         + (", ring attention" + ("" if c.cp_load_balance else " without load balancing")

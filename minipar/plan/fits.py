@@ -12,7 +12,8 @@ whose estimate exceeds this machine's physical memory, with the estimate in the 
     ~119 GiB), this machine has 23 GiB; ...
 
 The check lives here, above minipar.train, because the formula does (one formula, no
-import up the layers); the front ends call it before training: the CLI, and
+import up the layers); the front ends call it before training, once the run is prepared
+(`minipar.train.loop.prepare_run`: the data read, the layout checked): the CLI, and
 `minipar.train` (the public entry point, minipar/run.py). `minipar.train.loop.train`
 itself does not estimate (it is what the estimate is tested against).
 """
@@ -81,15 +82,13 @@ def _culprit(config) -> str:
 
 
 def check_fits(config, available: int | None = None) -> int:
-    """Raise ConfigError if `config` (a TrainConfig) needs more memory than `available`
-    bytes (default: this machine's); return the estimate. Runs in microseconds: the
-    planner's arithmetic, nothing allocated."""
+    """Raise ConfigError if `config` (a TrainConfig whose layout check_layout accepted)
+    needs more memory than `available` bytes (default: this machine's); return the
+    estimate. Runs in microseconds: the planner's arithmetic, nothing allocated."""
     from minipar.train.data import make_stream
-    from minipar.train.layouts import check_layout
 
-    if config.vocab_size is None:
+    if config.vocab_size is None:  # (a prepared run's config has the data's)
         config = config.replace(vocab_size=make_stream(config.data).vocab_size)
-    check_layout(config)  # the trainer's refusals first, in its words
     available = machine_memory() if available is None else available
     needed, parts = run_bytes(config)
     if needed > available:

@@ -35,13 +35,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
+from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
     ParallelConfig,
-    PlanError,
     check_model_fits_layout,
     layer_counts,
     stage_plans,
@@ -50,7 +50,7 @@ from minipar.plan.lint_experts import check_expert_parallel
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import stage_time, transfer_time
 from minipar.plan.traffic import stage_traffic
-from minipar.train.config import check_positive_integers
+from minipar.train.layout import check_positive_integers
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -94,7 +94,7 @@ def lint(shape: ModelShape, config: ParallelConfig | Mapping, cluster: ClusterSp
             "group's replicated activations.", "drop --sequence-parallel or use --tp > 1"))
     try:
         check_model_fits_layout(shape, config)
-    except PlanError as err:  # nothing below can be estimated
+    except ConfigError as err:  # nothing below can be estimated
         findings.append(Finding("INVALID_LAYOUT", "error", str(err),
                                 f"choose --{err.setting.replace('_', '-')} so that the model "
                                 "splits evenly"))
@@ -126,7 +126,7 @@ def _as_config(config, findings: list[Finding]) -> ParallelConfig:
     micro, dp = values.get("micro_batch_size", 1), values.get("dp", 1)
     # the batch arithmetic below divides by them: refuse 0 first, in TrainConfig's words
     check_positive_integers(SimpleNamespace(micro_batch_size=micro, dp=dp),
-                            ("micro_batch_size", "dp"), PlanError)
+                            ("micro_batch_size", "dp"))
     accum, global_batch = values.get("grad_accum_steps"), values.get("global_batch_size")
     if accum is not None and global_batch is not None and micro * accum * dp != global_batch:
         per_step = micro * dp
@@ -275,8 +275,8 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
         # the cheapest recomputation that fits: selective, then full (every layer)
         if not config.recompute.full:
             for flags, policy in (("--recompute-granularity selective", Recompute("selective")),
-                                  ("--activation-checkpointing", Recompute("full", "uniform",
-                                                                           1))):
+                                  ("--recompute-granularity full",
+                                   Recompute("full", "uniform", 1))):
                 if policy == config.recompute:
                     continue
                 ck = estimate(shape, config.with_recompute(policy), cluster)
@@ -317,8 +317,7 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
     what = ("selective recomputation" if recompute.selective
             else "activation checkpointing" if recompute.label == "full"
             else f"full recomputation ({recompute.label})")
-    flag = ("--activation-checkpointing" if config.activation_checkpointing
-            else "--recompute-granularity")
+    flag = "--recompute-granularity"
 
     def slower(cheaper: Estimate) -> str:
         return (f"{est.step_time / cheaper.step_time - 1:.0%} more time per step "

@@ -138,7 +138,7 @@ def cluster(name: str, memory_gib: float | None = None) -> ClusterSpec:
 # the first and last of the 12 stages get 5 transformer layers and the others 6.
 BLOOM_176B = ParallelConfig(
     dp=8, tp=4, pp=12, zero=1, schedule="1f1b", micro_batch_size=2,
-    global_batch_size=2048, precision="bf16-mixed", activation_checkpointing=True,
+    global_batch_size=2048, precision="bf16-mixed", recompute_granularity="full",
     layer_split=(5,) + (6,) * 10 + (5,), lr=6e-5)
 
 

@@ -76,7 +76,7 @@ class PublishedRun:
             dp=self.gpus // (self.tp * self.pp), tp=self.tp, pp=self.pp,
             schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
             micro_batch_size=self.micro_batch, global_batch_size=self.global_batch,
-            precision="bf16-mixed", activation_checkpointing=True, flash_attention=False,
+            precision="bf16-mixed", recompute_granularity="full", flash_attention=False,
             # torch DDP reduces its 25 MiB buckets (bucket_cap_mb's default) during the
             # last micro-batch's backward; Megatron's local DDP after it (plan/overlap.py)
             bucket_size_mb=TORCH_DDP_BUCKET_MB if self.ddp == "torch" else 0.0,

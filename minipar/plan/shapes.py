@@ -31,10 +31,10 @@ BLOOM and the MoE structure: the MoE per-micro-batch counts are in plan/experts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from math import inf
 
-from minipar.train.config import check_model_size
+from minipar.train.config import ModelSettings, check_model_size
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -416,14 +416,12 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 
 def from_train_config(config, vocab_size: int | None = None) -> ModelShape:
-    """The ModelShape of a minipar TrainConfig (GPT-2 architecture)."""
+    """The ModelShape of a minipar TrainConfig (GPT-2 architecture): its model settings
+    that a shape has (all but the aux-loss coefficient, which changes no count)."""
     vocab = config.vocab_size if vocab_size is None else vocab_size
     if vocab is None:
         raise ValueError("from_train_config: the config has no vocab_size (it comes from the "
                          "data); pass vocab_size=")
-    return ModelShape(name="minipar", n_layer=config.n_layer, d_model=config.d_model,
-                      n_head=config.n_head, vocab_size=vocab, seq_len=config.seq_len,
-                      tie_embeddings=config.tie_embeddings, dropout=config.dropout,
-                      moe_num_experts=config.moe_num_experts, moe_top_k=config.moe_top_k,
-                      moe_capacity_factor=config.moe_capacity_factor,
-                      moe_layer_freq=config.moe_layer_freq)
+    shared = [f.name for f in fields(ModelSettings) if f.name in ModelShape.__dataclass_fields__]
+    values = {name: getattr(config, name) for name in shared}
+    return ModelShape(name="minipar", **{**values, "vocab_size": vocab})

@@ -238,7 +238,7 @@ def _check_trace(trace, source) -> dict:
 def _check_config(f: _File, meta: dict, world: int) -> dict:
     """The run's config: a TrainConfig minipar can train (every setting, as to_dict)."""
     from minipar.train.config import TrainConfig
-    from minipar.train.layouts import check_layout
+    from minipar.train.mixes import check_layout
 
     values = f.object(meta, "config", "minipar")
     known = {field.name for field in dataclasses.fields(TrainConfig)}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from minipar.distributed.trace import device_profile
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate, human_bytes, human_seconds
-from minipar.plan.layout import ParallelConfig, PlanError
+from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import from_train_config
 
 MEMORY_KNOBS = {
@@ -42,7 +42,7 @@ MEMORY_KNOBS = {
 
 def _train_config(values: dict):
     from minipar.train.config import TrainConfig
-    from minipar.train.layouts import check_layout
+    from minipar.train.mixes import check_layout
 
     config = TrainConfig.from_dict(values)
     check_layout(config)
@@ -104,9 +104,10 @@ def _candidates(profile, bottleneck: str, group: str | None) -> list[tuple[str, 
             why, changes = _more_dp(c)
             out.append((f"half the pipeline stages (pp {c['pp']} -> {c['pp'] // 2}, {why})",
                         {"pp": c["pp"] // 2, **changes}))
-    elif bottleneck == "compute" and c["activation_checkpointing"]:
-        out.append(("activation checkpointing off (no recomputation in backward)",
-                    {"activation_checkpointing": False}))
+    elif bottleneck == "compute" and c["recompute_granularity"] is not None:
+        out.append(("recomputation off (no forward run again in backward)",
+                    {name: None for name in ("recompute_granularity", "recompute_method",
+                                             "recompute_num_layers") if c[name] is not None}))
     return out
 
 
@@ -145,7 +146,7 @@ def _knob(profile, targets: list[str], group: str | None) -> dict | None:
                 new = _train_config(values)
                 before = _planned(_train_config(profile.config), profile)
                 after = _planned(new, profile)
-            except (ConfigError, PlanError, ValueError):
+            except (ConfigError, ValueError):
                 continue  # minipar cannot run it (the layout check says why): next one
             tried.append({"target": target, "setting": why, "changes": changes,
                           "planner_before": before, "planner_after": after,

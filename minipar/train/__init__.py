@@ -1,8 +1,7 @@
 """Training: config, data, the loop over any parallel mix, and the report."""
 
-from minipar.errors import ConfigError
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
 from minipar.train.report import Report, validate_report
 
-__all__ = ["ConfigError", "Report", "TrainConfig", "train", "validate_report"]
+__all__ = ["Report", "TrainConfig", "train", "validate_report"]

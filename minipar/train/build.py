@@ -18,7 +18,7 @@ the same full initial weights, so every layout starts where a single device star
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
     rank.engine.clip_grad_norm_(1.0); rank.engine.step(lr); rank.engine.zero_grad()
 
-`check_layout` (which mixes run, and why the others are refused) is in layouts.py.
+`check_layout` (which mixes run, and why the others are refused) is in mixes.py.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
     # states) over DP x CP, Megatron's data-parallel group with context parallelism.
     replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
-    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by layouts.check_layout)
+    if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by mixes.check_layout)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
     else:

@@ -16,10 +16,7 @@ from dataclasses import dataclass
 
 from minipar.errors import ConfigError
 from minipar.train.config import TrainConfig
-from minipar.train.data import make_stream
-from minipar.train.equivalence import reference_config
-from minipar.train.layouts import check_layout
-from minipar.train.loop import Reference, reference_run, train
+from minipar.train.loop import train
 
 # Small enough that the whole grid runs in seconds; 4 layers so that pp=4 and
 # interleaved pp=2 x 2 chunks each get a layer; vocabulary 52 (the corpus) splits over
@@ -53,10 +50,10 @@ GRID = [
     Case("pp2 interleaved v2 untied", dict(pp=2, schedule="interleaved", virtual_stages=2,
                                            grad_accum_steps=4, tie_embeddings=False)),
     Case("dp2 tp2 zero3 sp checkpointing", dict(dp=2, tp=2, zero=3, sequence_parallel=True,
-                                                activation_checkpointing=True)),
+                                                recompute_granularity="full")),
     Case("tp2 pp2 sp 1f1b", dict(tp=2, pp=2, sequence_parallel=True, grad_accum_steps=4)),
     Case("dp2 pp2 zero1 checkpointing buckets",
-         dict(dp=2, pp=2, zero=1, grad_accum_steps=2, activation_checkpointing=True,
+         dict(dp=2, pp=2, zero=1, grad_accum_steps=2, recompute_granularity="full",
               bucket_size_mb=0.01)),
     Case("tp2 pp2 sp selective recompute", dict(tp=2, pp=2, sequence_parallel=True,
                                                 grad_accum_steps=4,
@@ -137,19 +134,12 @@ class GridResult:
 
 
 def run_case(case: Case, references: dict | None = None, **overrides) -> GridResult:
-    """Train one case with its check; `references` caches reference runs by config."""
+    """Train one case with its check; `references` keeps the reference runs for the
+    cases after it (`train`'s `references`). A refused layout is refused before its
+    reference trains."""
     config = case.config(**overrides)
     try:
-        key = repr(sorted(reference_config(config).to_dict().items()))
-        if references is None:
-            references = {}
-        reference: Reference | None = references.get(key)
-        if reference is None:
-            # Refuse before paying for the reference.
-            vocab = make_stream(config.data, config.vocab_size).vocab_size
-            check_layout(config.replace(vocab_size=vocab))
-            reference = references[key] = reference_run(config)
-        report = train(config, reference=reference)
+        report = train(config, references=references)
     except ConfigError as err:
         return GridResult(case, config.world_size, refusal=str(err))
     return GridResult(case, config.world_size, report.equivalence,

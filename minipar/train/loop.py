@@ -18,9 +18,14 @@ Megatron-LM / DeepSpeed code is):
     engine.step(lr); engine.zero_grad()             # AdamW on my replica or shard
 
 What a rank builds for its mesh coordinates (GPT, its TP slices, its pipeline stage) and
-which mixes are refused lives in build.py; each strategy in minipar.parallel; how what the
+which mixes are refused in mixes.py; each strategy in minipar.parallel; how what the
 ranks measured becomes a Report in report.py. This file drives the steps, saves
 checkpoints and runs the single-device reference for `check`.
+
+A run first reads what it needs once (`prepare_run`: the data, whose vocabulary completes
+the model; the layout check; the checkpoint to resume from), then trains
+(`train_prepared`); a checked run's reference trains from the same stream and checkpoint.
+`train(config)` is the two in a row.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig
 from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.divergence import check_finite
-from minipar.train.layouts import check_layout
+from minipar.train.mixes import check_layout
 from minipar.train.outputs import check_output_dir
 from minipar.train.report import Report, merge_step, report_from_run
 
-__all__ = ["Reference", "learning_rate", "reference_run", "train"]
+__all__ = ["PreparedRun", "Reference", "learning_rate", "prepare_run", "reference_run",
+           "train", "train_prepared"]
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -168,9 +174,10 @@ class _StepLog:
 
 
 # ------------------------------------------------------------------ the driver
-def _launch(config: TrainConfig, options: RunOptions):
+def _launch(config: TrainConfig, options: RunOptions, warnings: list[str]):
     """Run the rank program on every virtual rank; the report is what they measured
-    (shaped in report.py), the results are what each rank returned."""
+    (shaped in report.py, with the layout's `warnings`), the results are what each rank
+    returned."""
     results, devices = dist.launch(_rank_program, config.world_size, config, options,
                                    gpus_per_node=config.gpus_per_node,
                                    device=options.device, return_devices=True,
@@ -178,7 +185,7 @@ def _launch(config: TrainConfig, options: RunOptions):
     if options.trace is not None:
         start_step = 0 if options.start is None else options.start.step
         _write_trace(options.trace, config, devices, results, start_step)
-    return report_from_run(config, results, devices), results
+    return report_from_run(config, results, devices, warnings), results
 
 
 def _write_trace(directory: Path, config: TrainConfig, devices, results, first_step: int):
@@ -221,6 +228,29 @@ def _resume_state(config: TrainConfig, resume_from) -> checkpoint.TrainingState:
 
 
 @dataclass
+class PreparedRun:
+    """What a run reads and decides before it trains, once: the config with the data's
+    vocabulary, the token stream, the layout's warnings (check_layout) and the training
+    state to resume from (None: from the initial weights)."""
+
+    config: TrainConfig
+    stream: TokenStream
+    warnings: list[str]
+    start: checkpoint.TrainingState | None = None
+
+
+def prepare_run(config: TrainConfig, resume_from=None) -> PreparedRun:
+    """Read the data (its vocabulary completes the model), refuse a mix that cannot run
+    before anything runs (check_layout: once per run) and load the checkpoint to resume
+    from (a checkpoint directory, or a save_dir: its latest), checked against the config."""
+    stream = make_stream(config.data, config.vocab_size)
+    config = config.replace(vocab_size=stream.vocab_size)
+    warnings = check_layout(config)
+    start = None if resume_from is None else _resume_state(config, resume_from)
+    return PreparedRun(config, stream, warnings, start)
+
+
+@dataclass
 class Reference:
     """A single-device run recorded for equivalence checks: its config, its report and
     its parameters after every step. Several checked runs with the same reference config
@@ -231,21 +261,21 @@ class Reference:
     states: dict[int, dict[str, np.ndarray]]
 
 
-def reference_run(config: TrainConfig, *, resume_from=None,
-                  device: dist.DeviceProfile | None = None) -> Reference:
-    """Train the single-device reference of `config` (equivalence.reference_config)."""
-    stream = make_stream(config.data, config.vocab_size)
-    config = config.replace(vocab_size=stream.vocab_size)
-    start = None if resume_from is None else _resume_state(config, resume_from)
-    single = equivalence.reference_config(config)
-    report, results = _launch(single, RunOptions(stream, start=start, record_states=True,
-                                                 device=device))
+def reference_run(prepared: PreparedRun, device: dist.DeviceProfile | None = None
+                  ) -> Reference:
+    """Train the single-device reference of a prepared run (equivalence.reference_config)
+    from what the run read: the same token stream, the same checkpoint. One device has
+    no layout to warn about (no group spans nodes, no pipeline to fill)."""
+    single = equivalence.reference_config(prepared.config)
+    options = RunOptions(prepared.stream, start=prepared.start, record_states=True,
+                         device=device)
+    report, results = _launch(single, options, warnings=[])
     return Reference(single, report, results[0]["states"])
 
 
 def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
           save_every: int = 0, resume_from=None, device: dist.DeviceProfile | None = None,
-          reference: Reference | None = None, trace=None, **overrides) -> Report:
+          references: dict | None = None, trace=None, **overrides) -> Report:
     """Train the model described by `config` and return its measured Report.
 
     progress(step, record): called after every optimizer step (the CLI's progress bar).
@@ -254,9 +284,10 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
     to continue from, saved under any dp / tp / pp / ZeRO layout. device: the
     DeviceProfile every rank simulates (default: an H100 SXM; see minipar.distributed.clock).
     Keyword overrides build or modify the config: `train(steps=5, precision="fp64")`.
-    With config.check, the single-device reference is trained first (or `reference`, a
-    `reference_run` of the same reference config, is reused) and the report gets an
-    `equivalence` section; `report.reference` is the reference's own report.
+    With config.check, the single-device reference is trained first and the report gets
+    an `equivalence` section; `report.reference` is the reference's own report.
+    references: a dict the runs of a series share (`minipar check`), in which a run
+    started from the initial weights finds (or leaves) its reference by its config.
     trace: a folder to write one profiler trace per rank to (rank<N>.json, Chrome Trace
     Event format on the simulated clock; see minipar.distributed.trace and
     docs/profiling.md); `minipar profile DIR` reads it."""
@@ -264,32 +295,37 @@ def train(config: TrainConfig | None = None, *, progress=None, save_dir=None,
         config = TrainConfig(**overrides)
     elif overrides:
         config = config.replace(**overrides)
+    return train_prepared(prepare_run(config, resume_from), progress=progress,
+                          save_dir=save_dir, save_every=save_every, device=device,
+                          references=references, trace=trace)
+
+
+def train_prepared(prepared: PreparedRun, *, progress=None, save_dir=None,
+                   save_every: int = 0, device: dist.DeviceProfile | None = None,
+                   references: dict | None = None, trace=None) -> Report:
+    """Train a prepared run (`prepare_run`); the options are `train`'s."""
+    config = prepared.config
     if save_every < 0:
         raise ConfigError("save_every", f"must be >= 0, got {save_every}")
     if save_dir is not None:
         check_output_dir("save_dir", save_dir)  # before the work, not after it
     if trace is not None:
         check_output_dir("trace", trace)
-    stream = make_stream(config.data, config.vocab_size)
-    config = config.replace(vocab_size=stream.vocab_size)
-    check_layout(config)  # refuse an unsupported mix before anything runs
-    start = None if resume_from is None else _resume_state(config, resume_from)
+    reference = None
     if config.check:
-        expected = equivalence.reference_config(config)
-        if reference is None:
-            reference = reference_run(config, resume_from=resume_from, device=device)
-        elif reference.config.to_dict() != expected.to_dict():
-            raise ValueError("train(reference=...): the reference was trained with another "
-                             "config than this run's single-device reference; build it with "
-                             "reference_run(config)")
+        key = (equivalence.reference_config(config), device)
+        shared = references if references is not None and prepared.start is None else {}
+        if key not in shared:
+            shared[key] = reference_run(prepared, device)
+        reference = shared[key]
     options = RunOptions(
-        stream, start=start,
+        prepared.stream, start=prepared.start,
         reference_states=None if reference is None else reference.states,
         save_dir=None if save_dir is None else Path(save_dir), save_every=save_every,
         progress=None if progress is None else _StepLog(progress, config.world_size),
         device=device, trace=None if trace is None else Path(trace))
-    report, results = _launch(config, options)
-    if config.check:
+    report, results = _launch(config, options, prepared.warnings)
+    if reference is not None:
         report.reference = reference.report
         report.equivalence = equivalence.compare_runs(
             report.steps, reference.report.steps, report.state_dict,

@@ -5,10 +5,10 @@ it. Add fields freely; rename none. `report.schema.json` beside this file is the
 Schema; `validate_report()` checks a report dict against it without extra dependencies
 (the tests also validate with the `jsonschema` package when it is installed).
 
-`report_from_run(config, results, devices)` gives the report its shape: the training
-loop (loop.py) hands over what every rank returned and the virtual devices that measured
-it (ledger, comm log, clock), and gets the Report back. Every section of the report is
-built here, in one place:
+`report_from_run(config, results, devices, warnings)` gives the report its shape: the
+training loop (loop.py) hands over what every rank returned, the virtual devices that
+measured it (ledger, comm log, clock) and the layout's warnings, and gets the Report back.
+Every section of the report is built here, in one place:
 
     steps     the ranks' step records merged (the loss of the global batch)
     ranks     each device's summary (memory, comm, time: + exposed / overlapped comm)
@@ -44,7 +44,6 @@ from minipar.parallel.pipeline.schedules.registry import (
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.train import checkpoint
 from minipar.train.config import TrainConfig, gpt_config
-from minipar.train.layouts import check_layout
 
 SCHEMA = "minipar.report/1"
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -153,9 +152,11 @@ class Report:
 
 
 # ------------------------------------------------------------------ a run's report
-def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report:
+def report_from_run(config: TrainConfig, results: list[dict], devices,
+                    warnings: list[str]) -> Report:
     """The Report of one launch: `results[i]` is what rank i's program returned (steps,
-    step_ends, coords, pieces, sharding), `devices[i]` its virtual device."""
+    step_ends, coords, pieces, sharding), `devices[i]` its virtual device, `warnings`
+    what check_layout said of the layout before the run."""
     steps = [merge_step(list(records)) for records in zip(*(r["steps"] for r in results),
                                                            strict=True)]
     ranks = []
@@ -182,7 +183,7 @@ def report_from_run(config: TrainConfig, results: list[dict], devices) -> Report
                     n_params=int(sum(np.prod(s) for s in shapes.values())), steps=steps,
                     ranks=ranks, timelines=timelines, transfers=_transfers(devices),
                     state_dict=state_dict,
-                    layout=_layout(config), warnings=check_layout(config),
+                    layout=_layout(config), warnings=list(warnings),
                     traffic=_traffic(devices), device=dataclasses.asdict(devices[0].profile),
                     step_end_s=[max(ends) for ends in zip(*(r["step_ends"] for r in results),
                                                           strict=True)])

@@ -28,7 +28,7 @@ from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream
-from minipar.train.layouts import check_layout
+from minipar.train.mixes import check_layout
 from minipar.train.report import Report
 
 
@@ -189,6 +189,6 @@ def vocab_size(data: str) -> int:
 
 
 def check_training_layout(config: TrainConfig) -> None:
-    """The rules `train` applies before it runs (minipar.train.layouts.check_layout), on
+    """The rules `train` applies before it runs (minipar.train.mixes.check_layout), on
     `config` with its data's vocabulary: a refusal in ~2 ms instead of after the worker."""
     check_layout(config.replace(vocab_size=config.vocab_size or vocab_size(config.data)))

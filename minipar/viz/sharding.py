@@ -37,7 +37,7 @@ from minipar.parallel.state import holdings as engine_holdings
 from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
-from minipar.train.layouts import check_layout
+from minipar.train.mixes import check_layout
 from minipar.viz.ticks import TickCopyingAxes
 
 KINDS = ("params", "grads", "optimizer")

@@ -173,8 +173,9 @@ class MemoryExplorer(Explorer):
             # a pipeline's memory depends on how many micro-batches it holds (notebook 05)
             "grad_accum_steps": make_control("dropdown", "micro-batches", [1, 2, 4, 8], 1,
                                          "160px"),
-            "activation_checkpointing": make_control("check", "checkpointing", value=False,
-                                                 width="140px"),
+            "recompute_granularity": make_control(
+                "dropdown", "recompute", [("none", None), ("selective", "selective"),
+                                          ("full", "full")], None, "160px"),
             # ZeRO-Offload / ZeRO-Infinity: a second panel, below, shows host and NVMe tiers
             "offload_optimizer": make_control("dropdown", "offload optimizer",
                                           ["none", "cpu", "nvme"], "none", "210px"),
@@ -201,7 +202,8 @@ class MemoryExplorer(Explorer):
     def draw(self, **settings):
         report = self.run(**settings)
         c = report.config
-        extras = (["checkpointing"] * c["activation_checkpointing"]
+        recompute = c["recompute_granularity"]
+        extras = ([f"recompute {recompute}"] * (recompute is not None)
                   + [f"{what} offloaded to {c[f'offload_{name}']}"
                      for name, what in (("optimizer", "optimizer state"),
                                         ("param", "parameters"))

@@ -42,7 +42,7 @@ def test_activation_checkpointing_and_full_alone_mean_every_block():
     every = Recompute("full", "uniform", 1)
     assert Recompute.from_settings(activation_checkpointing=True) == every
     assert Recompute.from_settings(granularity="full") == every
-    assert TrainConfig(activation_checkpointing=True).recompute == every
+    assert TrainConfig(recompute_granularity="full").recompute == every
     assert Recompute.from_settings().granularity is None
 
 

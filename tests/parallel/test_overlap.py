@@ -45,7 +45,7 @@ LAYOUTS = {
     "dp2 zero1 accum 2": dict(dp=2, zero=1, bucket_size_mb=0.01, grad_accum_steps=2),
     "dp2 zero2 accum 2": dict(dp=2, zero=2, bucket_size_mb=0.01, grad_accum_steps=2),
     "dp2 zero3": dict(dp=2, zero=3),
-    "dp2 zero3 checkpointing": dict(dp=2, zero=3, activation_checkpointing=True),
+    "dp2 zero3 checkpointing": dict(dp=2, zero=3, recompute_granularity="full"),
     "dp2 pp2 1f1b": dict(dp=2, pp=2, bucket_size_mb=0.01, grad_accum_steps=4),
     "dp2 pp2 zero1 untied": dict(dp=2, pp=2, zero=1, bucket_size_mb=0.01,
                                  grad_accum_steps=2, tie_embeddings=False),

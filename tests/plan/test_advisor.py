@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from minipar.errors import ConfigError
 from minipar.plan import presets
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise, candidate_configs
 from minipar.plan.estimate import estimate
-from minipar.plan.layout import PlanError
 from minipar.plan.shapes import ModelShape
 
 A100 = presets.cluster("a100")
@@ -75,7 +75,7 @@ def test_search_finds_a_layout_that_fits(name, gpus, batch):
 def test_small_model_needs_only_data_parallelism():
     advice = advise(presets.model("gpt2"), 8, A100, global_batch_size=512)
     c = advice.best.config
-    assert (c.dp, c.tp, c.pp) == (8, 1, 1) and not c.activation_checkpointing
+    assert (c.dp, c.tp, c.pp) == (8, 1, 1) and not c.recompute.full
 
 
 def test_nothing_fits_is_explained():
@@ -85,9 +85,9 @@ def test_nothing_fits_is_explained():
 
 
 def test_bad_gpu_counts_are_refused():
-    with pytest.raises(PlanError, match="nodes"):
+    with pytest.raises(ConfigError, match="nodes"):
         advise(presets.model("gpt2"), 12, A100, global_batch_size=48)
-    with pytest.raises(PlanError, match="global-batch-size"):
+    with pytest.raises(ConfigError, match="global-batch-size"):
         advise(presets.model("gpt2"), 64, A100, global_batch_size=7)  # dp >= 2: odd
 
 
@@ -100,8 +100,7 @@ def test_selective_recomputation_is_chosen_when_it_suffices():
     best = advice.best.config
     assert best.recompute.selective
     assert not estimate(shape, best.replace(recompute_granularity=None), advice.cluster).fits
-    full = estimate(shape, best.replace(recompute_granularity=None,
-                                        activation_checkpointing=True), advice.cluster)
+    full = estimate(shape, best.replace(recompute_granularity="full"), advice.cluster)
     assert full.fits and full.step_time > advice.best.step_time
     assert "Selective recomputation" in advice.explain()
 

@@ -142,7 +142,7 @@ def test_activations_per_rank_fall_as_one_over_cp():
     dict(cp=2, tp=2, micro_batch_size=2),
     dict(cp=2, tp=2, sequence_parallel=True, micro_batch_size=2),
     dict(cp=2, pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4),
-    dict(cp=2, activation_checkpointing=True, micro_batch_size=2, grad_accum_steps=2),
+    dict(cp=2, recompute_granularity="full", micro_batch_size=2, grad_accum_steps=2),
 ], ids=lambda s: " ".join(f"{k}={v}" for k, v in s.items()))
 def test_planner_predicts_context_parallel_training(settings):
     """As tests/plan/test_estimate.py: memory exact (buffers and total within 10%),

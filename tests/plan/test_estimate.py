@@ -65,12 +65,12 @@ GRID = [
     case("single fp32 accum 2", micro_batch_size=2, grad_accum_steps=2),
     case("single fp64", precision="fp64", micro_batch_size=3),
     case("single bf16 checkpointing", precision="bf16-mixed", micro_batch_size=2,
-         grad_accum_steps=2, activation_checkpointing=True),
+         grad_accum_steps=2, recompute_granularity="full"),
     case("single dropout untied", dropout=0.1, tie_embeddings=False, micro_batch_size=2),
     case("dp2", dp=2, micro_batch_size=2, grad_accum_steps=2),
     case("dp2 zero1", dp=2, zero=1, micro_batch_size=2, grad_accum_steps=2),
     case("dp2 zero2 checkpointing", dp=2, zero=2, micro_batch_size=2, grad_accum_steps=2,
-         activation_checkpointing=True),
+         recompute_granularity="full"),
     case("dp2 zero3", dp=2, zero=3, micro_batch_size=2, grad_accum_steps=2),
     case("dp3 zero2 padded", dp=3, zero=2, micro_batch_size=2, grad_accum_steps=2),
     case("dp4 zero3 bf16", dp=4, zero=3, precision="bf16-mixed", micro_batch_size=2),
@@ -209,7 +209,8 @@ def test_planner_predicts_tensor_parallelism(tp, sequence_parallel, checkpointin
 
     _, devices = dist.launch(rank_program, tp, return_devices=True)
     config = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel, precision="fp32",
-                            activation_checkpointing=checkpointing, micro_batch_size=b)
+                            recompute_granularity="full" if checkpointing else None,
+                            micro_batch_size=b)
     est = estimate(as_shape(gpt), config, EMULATED)
     (stage,) = est.stages
     # one micro-batch, no optimizer step: everything but the step's gradient-norm
@@ -253,7 +254,7 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
     _, devices = dist.launch(rank_program, pp, return_devices=True)
     config = ParallelConfig(pp=pp, schedule=schedule, virtual_stages=v, grad_accum_steps=m,
                             micro_batch_size=b, precision="fp32",
-                            activation_checkpointing=checkpointing)
+                            recompute_granularity="full" if checkpointing else None)
     est = estimate(as_shape(gpt), config, EMULATED, all_stages=True)
     tolerance = INTERLEAVED_ACTIVATION_TOLERANCE if v > 1 else ACTIVATION_TOLERANCE
     for stage, device in zip(est.stages, devices, strict=True):
@@ -286,7 +287,7 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
     ("interleaved", 4, 2, dict(recompute_granularity="selective")),
     ("interleaved", 4, 2, dict(recompute_granularity="full", recompute_method="uniform",
                                recompute_num_layers=2)),
-    ("interleaved", 4, 2, dict(activation_checkpointing=True)),
+    ("interleaved", 4, 2, dict(recompute_granularity="full")),
 ], ids=["gpipe selective", "gpipe block 1", "1f1b uniform 2", "interleaved selective",
         "interleaved uniform 2", "interleaved checkpointing"])
 def test_planner_predicts_recomputation_in_a_pipeline(schedule, m, v, flags):
@@ -422,7 +423,7 @@ OVERLAP_GRID = [
     overlap_case("dp2 tp2 pp2 buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2, pp=2,
                  n_layer=4, grad_accum_steps=4, **SMALL_BUCKETS),
     overlap_case("dp2 zero2 checkpointing buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2,
-                 zero=2, activation_checkpointing=True, **SMALL_BUCKETS),
+                 zero=2, recompute_granularity="full", **SMALL_BUCKETS),
     overlap_case("dp2 pp2 1f1b zero1 buckets overlap", BUCKET_EXPOSED_TOLERANCE,
                  STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
                  grad_accum_steps=4, **SMALL_BUCKETS),

@@ -112,7 +112,7 @@ def test_launch_script_is_valid_bash(tmp_path):
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
      ["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "2"]),
-    (dict(activation_checkpointing=True),
+    (dict(recompute_granularity="full"),
      ["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"]),
 ])

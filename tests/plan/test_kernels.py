@@ -65,7 +65,7 @@ def test_recomputation_adds_the_forward_kernels_to_the_backward():
     config = ParallelConfig(micro_batch_size=4)
     (stage,) = stage_plans(shape, config)
     plain = stage_seconds(shape, config, cluster, stage)
-    recomputed = stage_seconds(shape, config.replace(activation_checkpointing=True),
+    recomputed = stage_seconds(shape, config.replace(recompute_granularity="full"),
                                cluster, stage)
     assert recomputed["forward"] == plain["forward"]
     layers_forward = shape.n_layer * cluster.roofline.total_seconds(
@@ -109,7 +109,7 @@ PROFILE_GRID = [
     pytest.param(dict(precision="bf16-mixed", micro_batch_size=2), id="bf16"),
     pytest.param(dict(dropout=0.1, tie_embeddings=False, micro_batch_size=2),
                  id="dropout untied"),
-    pytest.param(dict(activation_checkpointing=True, micro_batch_size=2), id="checkpointing"),
+    pytest.param(dict(recompute_granularity="full", micro_batch_size=2), id="checkpointing"),
     pytest.param(dict(recompute_granularity="selective", seq_len=64, micro_batch_size=2),
                  id="selective"),
     pytest.param(dict(recompute_granularity="full", recompute_method="block",

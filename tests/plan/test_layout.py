@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from minipar.errors import ConfigError
 from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.plan import presets
 from minipar.plan.layout import (
     ParallelConfig,
-    PlanError,
     check_model_fits_layout,
     in_flight,
     layer_counts,
@@ -41,7 +41,7 @@ def test_global_batch_is_micro_times_accumulation_times_dp():
     (dict(tp=0), "tp"),
 ])
 def test_bad_settings_name_the_flag(changes, setting):
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(ConfigError) as info:
         ParallelConfig(**changes)
     assert info.value.setting == setting
     assert f"--{setting.replace('_', '-')}" in str(info.value)
@@ -49,11 +49,11 @@ def test_bad_settings_name_the_flag(changes, setting):
 
 def test_from_train_config_keeps_the_layout():
     train = TrainConfig(dp=2, tp=1, pp=1, zero=2, micro_batch_size=3, grad_accum_steps=5,
-                        precision="bf16-mixed", activation_checkpointing=True)
+                        precision="bf16-mixed", recompute_granularity="full")
     config = ParallelConfig.from_train_config(train)
     assert (config.dp, config.zero, config.micro_batch_size, config.micro_batches,
             config.global_batch_size) == (2, 2, 3, 5, 30)
-    assert config.activation_checkpointing and config.precision == "bf16-mixed"
+    assert config.recompute_granularity == "full" and config.precision == "bf16-mixed"
 
 
 @pytest.mark.parametrize("layers,stages", [(4, 2), (7, 3), (12, 5), (70, 12), (3, 3)])
@@ -84,15 +84,15 @@ def test_first_pipeline_rank_holds_the_embedding_and_the_last_the_head():
 
 @pytest.mark.parametrize("model,tp,setting", [("llama2-70b", 16, "tp"), ("gpt2", 5, "tp")])
 def test_model_must_split_over_the_layout(model, tp, setting):
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(ConfigError) as info:
         check_model_fits_layout(presets.model(model), ParallelConfig(tp=tp))
     assert info.value.setting == setting
 
 
 def test_more_stages_than_layers_is_refused():
-    with pytest.raises(PlanError, match="stages"):
+    with pytest.raises(ConfigError, match="stages"):
         check_model_fits_layout(presets.model("gpt2"), ParallelConfig(pp=16,
                                                                        grad_accum_steps=16))
-    with pytest.raises(PlanError, match="layer-split"):
+    with pytest.raises(ConfigError, match="layer-split"):
         check_model_fits_layout(presets.model("gpt2"),
                                 ParallelConfig(pp=2, layer_split=(5, 6), grad_accum_steps=2))

@@ -54,11 +54,11 @@ def test_learning_rate_not_rescaled_with_the_global_batch():
 def test_tensor_parallel_group_across_nodes():
     shape = presets.model("gpt3-175b")
     config = ParallelConfig(dp=1, tp=16, pp=8, micro_batch_size=1, grad_accum_steps=64,
-                            sequence_parallel=True, activation_checkpointing=True)
+                            sequence_parallel=True, recompute_granularity="full")
     (finding,) = [f for f in lint(shape, config, A100) if f.code == "TP_ACROSS_NODES"]
     assert "--tp 8" in finding.fix
     inside = ParallelConfig(dp=2, tp=8, pp=8, micro_batch_size=1, grad_accum_steps=64,
-                            sequence_parallel=True, activation_checkpointing=True)
+                            sequence_parallel=True, recompute_granularity="full")
     assert "TP_ACROSS_NODES" not in codes(lint(shape, inside, A100))
 
 
@@ -96,7 +96,7 @@ def test_zero_stage_whose_traffic_dominates_the_step():
 def test_checkpointing_when_memory_was_not_short():
     shape = presets.model("gpt2")
     config = ParallelConfig(dp=8, micro_batch_size=4, grad_accum_steps=4,
-                            activation_checkpointing=True)
+                            recompute_granularity="full")
     (finding,) = [f for f in lint(shape, config, A100) if f.code == "UNNEEDED_CHECKPOINTING"]
     assert "more time per step" in finding.message
     # BLOOM needed it: no finding there
@@ -145,7 +145,7 @@ def test_full_recomputation_where_selective_fits_is_too_much():
     shape = presets.model("gpt2-xl").with_seq_len(4096)
     cluster = presets.cluster("a100-80gb", 40)
     config = ParallelConfig(dp=8, zero=1, micro_batch_size=1, grad_accum_steps=1,
-                            activation_checkpointing=True)
+                            recompute_granularity="full")
     (finding,) = [f for f in lint(shape, config, cluster) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-granularity selective" in finding.fix
     assert "UNNEEDED_CHECKPOINTING" not in codes(lint(shape, config, cluster))  # it was short

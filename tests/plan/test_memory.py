@@ -74,7 +74,7 @@ def test_interleaving_multiplies_first_stage_activations_by_korthikanti_factor()
 
 def test_full_recomputation_keeps_layer_inputs_and_one_layer():
     shape = presets.model("gpt2-xl")
-    config = ParallelConfig(activation_checkpointing=True, micro_batch_size=2,
+    config = ParallelConfig(recompute_granularity="full", micro_batch_size=2,
                             precision="bf16-mixed")
     (plan,) = stage_plans(shape, config)
     memory = stage_memory(shape, config, plan)

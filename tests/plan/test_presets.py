@@ -47,7 +47,7 @@ def test_bloom_memory_fits_on_a100_80gb():
         state = stage.memory["params"] + stage.memory["grads"] + stage.memory["optimizer"]
         assert state == pytest.approx((2 + 2 + 12 / 8) * share, rel=0.15)
     # Without activation checkpointing it would not (the reason BLOOM used it).
-    assert not estimate(shape, config.replace(activation_checkpointing=False), cluster).fits
+    assert not estimate(shape, config.replace(recompute_granularity=None), cluster).fits
 
 
 def test_bloom_throughput_is_in_the_published_range():

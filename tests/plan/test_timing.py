@@ -61,7 +61,7 @@ def test_mfu_is_efficiency_times_model_over_executed_flops_on_one_gpu():
     assert est.mfu == pytest.approx(UNIFORM.efficiency * model / executed, rel=1e-12)
     assert 0.9 * UNIFORM.efficiency < est.mfu < UNIFORM.efficiency
     # full recomputation runs the forward twice: ~3/4 of the MFU (Korthikanti, section 5)
-    recomputed = estimate(shape, config.replace(activation_checkpointing=True), UNIFORM)
+    recomputed = estimate(shape, config.replace(recompute_granularity="full"), UNIFORM)
     assert recomputed.mfu / est.mfu == pytest.approx(0.75, rel=0.02)
 
 

@@ -68,7 +68,7 @@ def test_tensor_parallel_layer_all_reduces_twice_each_way(t):
     per_layer = sent(deeper, config, "tp") - sent(UNTIED, config, "tp")
     bsh = b * UNTIED.seq_len * UNTIED.d_model * 2
     assert per_layer == m * 4 * 2 * (t - 1) / t * bsh
-    recomputed = config.replace(activation_checkpointing=True)
+    recomputed = config.replace(recompute_granularity="full")
     per_layer = sent(deeper, recomputed, "tp") - sent(UNTIED, recomputed, "tp")
     assert per_layer == m * 6 * 2 * (t - 1) / t * bsh  # the forward's two again
 

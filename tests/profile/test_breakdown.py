@@ -71,7 +71,7 @@ def test_stage_imbalance_shows_the_extra_layer(pipeline):
 
 
 def test_mfu_counts_model_flops_not_recomputation(tmp_path):
-    report, profile = traced(tmp_path, activation_checkpointing=True, micro_batch_size=2)
+    report, profile = traced(tmp_path, recompute_granularity="full", micro_batch_size=2)
     shape = from_train_config(TrainConfig.from_dict(report.config))
     model_flops = shape.model_flops_per_sequence() * 2 * TINY["steps"]
     assert profile.mfu == pytest.approx(
@@ -81,7 +81,7 @@ def test_mfu_counts_model_flops_not_recomputation(tmp_path):
     assert rank["hfu"] == pytest.approx(rank["compute_s"] / profile.window_s, rel=1e-9)
     verdict = profile.verdict
     assert verdict["bottleneck"] == "compute"
-    assert verdict["knob"]["changes"] == {"activation_checkpointing": False}
+    assert verdict["knob"]["changes"] == {"recompute_granularity": None}
 
 
 def test_a_bubble_bound_pipeline_is_told_to_use_more_micro_batches(tmp_path):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
-from minipar.errors import ConfigError, LayoutError
+from minipar.errors import ConfigError
 from minipar.nn.gpt import parameter_shapes
 from minipar.train import TrainConfig, train
 from minipar.train.build import build_rank_model
 from minipar.train.config import gpt_config
-from minipar.train.layouts import check_layout, tp_groups_across_nodes
+from minipar.train.mixes import check_layout, tp_groups_across_nodes
 
 TINY = dict(seq_len=8, n_layer=2, d_model=16, n_head=2, micro_batch_size=2, steps=2,
             vocab_size=52, precision="fp64")
@@ -34,19 +34,19 @@ TINY = dict(seq_len=8, n_layer=2, d_model=16, n_head=2, micro_batch_size=2, step
 ])
 def test_unsupported_mixes_are_refused_naming_the_flag_and_the_fix(settings, flag, words):
     config = TrainConfig(**{**TINY, **settings})
-    with pytest.raises(LayoutError) as error:
+    with pytest.raises(ConfigError) as error:
         check_layout(config)
     message = str(error.value)
     assert message.startswith(flag) or flag in message.split(":")[0], message
     assert words in message
     assert isinstance(error.value, ConfigError)  # the CLI prints it as one line
-    with pytest.raises(LayoutError):  # and train() refuses before anything runs
+    with pytest.raises(ConfigError):  # and train() refuses before anything runs
         train(config)
 
 
 @pytest.mark.parametrize("settings", [
     dict(dp=2, tp=2, pp=2, zero=1, grad_accum_steps=2),
-    dict(dp=2, tp=2, zero=3, sequence_parallel=True, activation_checkpointing=True),
+    dict(dp=2, tp=2, zero=3, sequence_parallel=True, recompute_granularity="full"),
     dict(pp=2, schedule="interleaved", virtual_stages=2, grad_accum_steps=2, n_layer=4),
     dict(dp=3, pp=2, zero=1, grad_accum_steps=2),
     dict(dropout=0.1, check=True),  # one rank draws the reference's masks

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
-from minipar.errors import CheckpointError
+from minipar.errors import CheckpointError, ConfigError
 from minipar.nn import GPT, GPTConfig, parameter_shapes
-from minipar.train import ConfigError, TrainConfig, train
+from minipar.train import TrainConfig, train
 from minipar.train import checkpoint as ckpt
 from minipar.train import manifest as schema
 

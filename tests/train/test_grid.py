@@ -21,7 +21,7 @@ def test_the_grid_covers_every_axis_and_the_required_layouts():
     # every registered schedule (the zero-bubble ones of issue 17 too) is trained
     assert {c.schedule for c in configs if c.pp > 1} == set(schedule_names())
     assert any(c.sequence_parallel for c in configs)
-    assert any(c.activation_checkpointing for c in configs)
+    assert any(c.recompute.label == "full" for c in configs)  # every layer recomputed
     assert all(c.precision == "fp64" and c.check for c in configs)
     assert set(REPRESENTATIVE) <= names
 
@@ -72,7 +72,7 @@ def test_refusals_cost_no_training(name, monkeypatch):
         raise AssertionError("a refused layout must not train its reference")
 
     # (minipar.train is also a function's name: reach the module through importlib)
-    monkeypatch.setattr(importlib.import_module("minipar.train.grid"), "reference_run",
+    monkeypatch.setattr(importlib.import_module("minipar.train.loop"), "reference_run",
                         no_training)
     assert run_case(case).passed
 
@@ -83,3 +83,19 @@ def test_a_v_with_data_parallelism_reduces_its_buckets_right():
     (case,) = [c for c in GRID if c.name.startswith("dp2 pp2 zb-v zero1")]
     result = run_case(case)
     assert result.passed, result.equivalence
+
+
+def test_cases_with_the_same_reference_train_it_once(monkeypatch):
+    """pp2 gpipe and pp4 1f1b run the same 4 micro-batches of 2 on one device."""
+    loop = importlib.import_module("minipar.train.loop")
+    trained, real = [], loop.reference_run
+
+    def counted(prepared, device=None):
+        trained.append(prepared.config.schedule)
+        return real(prepared, device)
+
+    monkeypatch.setattr(loop, "reference_run", counted)
+    cases = [c for c in GRID if c.name in ("pp2 gpipe", "pp4 1f1b")]
+    results = run_grid(cases, steps=1)
+    assert [r.passed for r in results] == [True, True]
+    assert trained == ["gpipe"]  # the second case reused the first one's reference

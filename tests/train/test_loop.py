@@ -69,7 +69,7 @@ def test_bf16_mixed_holds_two_two_twelve_bytes_per_parameter():
 
 def test_activation_checkpointing_lowers_the_activation_peak_and_adds_flops():
     plain = train(TrainConfig(steps=1, **SMALL))
-    ckpt = train(TrainConfig(steps=1, activation_checkpointing=True, **SMALL))
+    ckpt = train(TrainConfig(steps=1, recompute_granularity="full", **SMALL))
     assert ckpt.ranks[0]["memory"]["activations"] < plain.ranks[0]["memory"]["activations"]
     assert ckpt.ranks[0]["time"]["compute_s"] > plain.ranks[0]["time"]["compute_s"]
     np.testing.assert_allclose(ckpt.losses, plain.losses, rtol=1e-5)
@@ -158,7 +158,7 @@ def test_step_windows_cover_the_run_on_the_simulated_clock():
 @pytest.mark.parametrize("settings", [
     LAYOUT_3D,
     {**SMALL, "tp": 2, "pp": 2, "sequence_parallel": True, "schedule": "gpipe",
-     "grad_accum_steps": 2, "activation_checkpointing": True},
+     "grad_accum_steps": 2, "recompute_granularity": "full"},
     {**SMALL, "dp": 2, "pp": 2, "schedule": "interleaved", "virtual_stages": 2,
      "grad_accum_steps": 2, "n_layer": 4, "tie_embeddings": False},
 ])
@@ -210,3 +210,46 @@ def test_a_traced_run_writes_one_nested_trace_per_rank_and_changes_no_number(tmp
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
     ends = [s["ts"] + s["dur"] for s in steps]
     assert ends[-1] == pytest.approx(traced.step_end_s[-1] * 1e6)
+
+
+# ------------------------------------------------------------------ read once, checked once
+def counting(monkeypatch, module, name: str) -> list:
+    """Replace module.name by a wrapper that records each call; returns the record."""
+    calls, real = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def test_a_checked_run_reads_its_data_and_checks_its_layout_once(monkeypatch):
+    """The --check reference trains from the stream `train` read, after the one layout
+    check of the run (whose warnings the report carries)."""
+    import minipar
+    from minipar.train import data, mixes
+
+    # (counted inside the two functions, whoever calls them)
+    streams = counting(monkeypatch, data, "corpus_stream")  # make_stream's read
+    checks = counting(monkeypatch, mixes, "tp_groups_across_nodes")  # check_layout's
+    config = TrainConfig(steps=1, pp=2, grad_accum_steps=1, precision="fp64", check=True,
+                         **SMALL)
+    report = train(config)
+    assert report.equivalence["passed"] and len(report.warnings) == 1  # "never fills"
+    assert (len(streams), len(checks)) == (1, 1)
+    minipar.train(config)  # the public entry point: the memory estimate reuses them too
+    assert (len(streams), len(checks)) == (2, 2)
+
+
+def test_a_resumed_checked_run_loads_its_checkpoint_once(tmp_path, monkeypatch):
+    from minipar.train import checkpoint
+
+    config = TrainConfig(steps=2, dp=2, zero=1, precision="fp64", **SMALL)
+    train(config.replace(steps=1), save_dir=tmp_path)
+    loads = counting(monkeypatch, checkpoint, "load_checkpoint")
+    resumed = train(config.replace(check=True), resume_from=tmp_path)
+    assert len(loads) == 1
+    assert resumed.equivalence["passed"] and [s["step"] for s in resumed.steps] == [1]
+    assert resumed.reference.losses == pytest.approx(resumed.losses, rel=1e-10)

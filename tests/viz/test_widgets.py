@@ -252,7 +252,7 @@ def test_figure_png_is_a_png_of_the_figure_size_at_the_given_dpi():
 
 @pytest.mark.parametrize("make", [
     lambda: MemoryExplorer(SMALL, dp=2, tp=2, pp=2, zero=1),
-    lambda: MemoryExplorer(SMALL, dp=8, zero=3, activation_checkpointing=True),  # long title
+    lambda: MemoryExplorer(SMALL, dp=8, zero=3, recompute_granularity="full"),  # long title
     lambda: PipelineExplorer(schedule="interleaved", pp=4, micro_batches=8, virtual_stages=2),
     lambda: TrafficExplorer(SMALL, dp=2, tp=2, pp=2, zero=1),
     lambda: ShardingExplorer(dp=4, tp=4, pp=1),

@@ -42,7 +42,7 @@ def test_load_balancing_gives_every_rank_the_same_chunk_pairs(n):
 ])
 def test_layouts_that_cannot_cut_the_sequence_are_refused_with_the_reason(settings, message):
     from minipar.train.config import TrainConfig
-    from minipar.train.layouts import check_layout
+    from minipar.train.mixes import check_layout
 
     config = TrainConfig(**{**CHECK, "vocab_size": 32, **settings})
     with pytest.raises(ValueError, match=message) as err:

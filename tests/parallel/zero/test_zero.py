@@ -225,7 +225,7 @@ def test_zero3_with_activation_checkpointing_gathers_no_more_often():
                                                        activation_checkpointing=True)
     assert [c[:2] for c in recomputed] == [c[:2] for c in plain]
     assert all(size == 0 for size in sizes) and current["buffers"] == 0
-    report = train(TrainConfig(dp=2, zero=3, activation_checkpointing=True,
+    report = train(TrainConfig(dp=2, zero=3, recompute_granularity="full",
                                grad_accum_steps=2, precision="fp64", check=True,
                                **{**SMALL, "steps": 2}))
     assert report.equivalence["passed"], report.equivalence["first_mismatch"]

@@ -105,7 +105,7 @@ def check_schedule_name(name: str, error=_schedule_error) -> ScheduleSpec:
     """The spec of schedule `name`; raise error("schedule", message) if there is none.
 
     `error(setting, message)` builds the exception: ScheduleError here, ConfigError in
-    TrainConfig, PlanError in the planner, so each rule's message is written once."""
+    TrainConfig and the planner, so each rule's message is written once."""
     if name not in SCHEDULES:
         raise error("schedule", f"unknown pipeline schedule {name!r}; use one of "
                                 f"{', '.join(SCHEDULES)}")

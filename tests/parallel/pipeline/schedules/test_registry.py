@@ -25,7 +25,7 @@ from minipar.parallel.pipeline.schedules.registry import (
     uniform_bubble_fraction,
 )
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
-from minipar.plan.layout import ParallelConfig, PlanError
+from minipar.plan.layout import ParallelConfig
 from minipar.train.config import TrainConfig
 from minipar.train.report import SCHEMA_PATH
 
@@ -186,7 +186,7 @@ def test_a_registered_schedule_is_planned(toy):
 
 def test_a_registered_schedule_trains_equal_to_one_device_and_reports(toy):
     from minipar.train import train, validate_report
-    from minipar.train.layouts import check_layout
+    from minipar.train.mixes import check_layout
 
     config = TrainConfig(seq_len=8, n_layer=2, d_model=16, n_head=2, micro_batch_size=2,
                          grad_accum_steps=3, steps=1, vocab_size=52, precision="fp64",
@@ -234,15 +234,14 @@ def test_impossible_settings_are_clear_errors(name, p, m, v, match):
 ])
 def test_schedule_rules_say_the_same_in_the_simulator_the_trainer_and_the_planner(settings,
                                                                                    field):
-    from minipar.errors import LayoutError
-    from minipar.train.layouts import check_layout
+    from minipar.train.mixes import check_layout
 
     with pytest.raises(ScheduleError) as schedule_error:
         check_schedule_settings(settings.get("schedule", "1f1b"), settings["pp"],
                                 settings["grad_accum_steps"], settings["virtual_stages"])
-    with pytest.raises(LayoutError) as layout_error:
+    with pytest.raises(ConfigError) as layout_error:
         check_layout(TrainConfig(n_layer=8, vocab_size=52, **settings))
-    with pytest.raises(PlanError) as plan_error:
+    with pytest.raises(ConfigError) as plan_error:
         ParallelConfig(**settings)
     assert layout_error.value.field == plan_error.value.setting == field
     assert str(schedule_error.value) == str(layout_error.value) == str(plan_error.value)
@@ -260,7 +259,7 @@ def test_schedule_rules_say_the_same_in_the_simulator_the_trainer_and_the_planne
 def test_the_planner_refuses_what_train_config_refuses_with_its_words(settings, field):
     with pytest.raises(ConfigError) as config_error:
         TrainConfig(**settings)
-    with pytest.raises(PlanError) as plan_error:
+    with pytest.raises(ConfigError) as plan_error:
         ParallelConfig(**settings)
     assert config_error.value.field == plan_error.value.setting == field
     assert str(config_error.value) == str(plan_error.value)

@@ -1,8 +1,12 @@
-"""Which dp x tp x pp x cp x ep x zero mixes run.
+"""Which dp x tp x pp x cp x ep x zero mixes run, for this model.
 
 `check_layout(config)` decides, before anything runs, whether a mix is supported; it
 raises a `ConfigError` that names the setting and the fix, or returns warnings (a TP
-group across nodes, a pipeline that never fills) that the report carries.
+group across nodes, a pipeline that never fills) that the report carries. These are the
+rules that need the model and its vocabulary (heads, layers and vocabulary that split,
+a sequence that cuts into chunks) or are the trainer's own refusals; the settings'
+rules that need neither are checked when the TrainConfig is built (config.py,
+layout.py). `train` runs it once per run, after reading the data.
 
 ZeRO-2/3 with pipeline parallelism is refused, as DeepSpeed refuses it
 (`PipelineEngine` asserts `zero_optimization_stage() < 2`). A pipeline runs m >= pp
@@ -19,10 +23,7 @@ pipeline has flushed and the tied embedding's two copies have summed their gradi
 from __future__ import annotations
 
 from minipar import distributed as dist
-from minipar.errors import (
-    LayoutError,  # a ConfigError (minipar/errors.py)
-    PipelineError,
-)
+from minipar.errors import ConfigError, PipelineError
 from minipar.parallel.context.layout import SELECTIVE_WITH_CP, validate_context_parallel
 from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
@@ -32,13 +33,13 @@ from minipar.train.config import TrainConfig, gpt_config
 
 
 def check_layout(config: TrainConfig) -> list[str]:
-    """Raise LayoutError if this dp x tp x pp x zero mix cannot run (naming the fix);
+    """Raise ConfigError if this dp x tp x pp x zero mix cannot run (naming the fix);
     otherwise return warnings about a layout that runs but costs more than it should.
     config.vocab_size must be resolved (the data's vocabulary)."""
     tp, pp, v, m = config.tp, config.pp, config.virtual_stages, config.grad_accum_steps
     if pp > 1 and config.zero >= 2:
         z = config.zero
-        raise LayoutError(
+        raise ConfigError(
             "zero", f"--zero {z} with --pp {pp} is refused, as DeepSpeed refuses it: ZeRO-{z} "
             "reduce-scatters gradients" + (" and all-gathers parameters" if z == 3 else "")
             + " for every micro-batch, and a pipeline runs many micro-batches per step "
@@ -49,32 +50,32 @@ def check_layout(config: TrainConfig) -> list[str]:
         problem = expert_layout_problem(config.cp, config.zero, config.ep,
                                         config.offload_optimizer, config.offload_param)
         if problem is not None:
-            raise LayoutError(*problem)
+            raise ConfigError(*problem)
     if config.sequence_parallel and tp == 1:
-        raise LayoutError("sequence_parallel", "sequence parallelism splits the regions "
+        raise ConfigError("sequence_parallel", "sequence parallelism splits the regions "
                           "tensor parallelism leaves replicated, so it needs --tp 2 or more; "
                           "add --tp or drop --sequence-parallel")
     # the schedule's own rules (its registry entry), then enough layers for its stages
-    check_schedule_settings(config.schedule, pp, m, v, LayoutError)
+    check_schedule_settings(config.schedule, pp, m, v, ConfigError)
     try:
         split_layers(config.n_layer, pp * v)
     except PipelineError as err:
-        raise LayoutError("schedule", str(err)) from None
+        raise ConfigError("schedule", str(err)) from None
     if tp > 1:
         try:
             validate_tensor_parallel(gpt_config(config), tp, config.sequence_parallel)
         except ValueError as err:
-            raise LayoutError("tp", str(err)) from None
+            raise ConfigError("tp", str(err)) from None
     if config.cp > 1 and config.recompute.selective:
-        raise LayoutError("recompute_granularity", SELECTIVE_WITH_CP)
+        raise ConfigError("recompute_granularity", SELECTIVE_WITH_CP)
     if config.cp > 1:
         try:
             validate_context_parallel(gpt_config(config), config.cp, config.cp_load_balance,
                                       tp, config.sequence_parallel)
         except ValueError as err:
-            raise LayoutError("cp", str(err)) from None
+            raise ConfigError("cp", str(err)) from None
     if config.check and config.dropout > 0 and config.world_size > 1:
-        raise LayoutError("check", f"with --dropout {config.dropout} every rank (and "
+        raise ConfigError("check", f"with --dropout {config.dropout} every rank (and "
                           "pipeline stage) draws its own dropout masks, which cannot equal "
                           "the single device's; check equivalence with --dropout 0")
     warnings = []

@@ -1,0 +1,282 @@
+"""Layout: how one training run is cut over GPUs, defined once for the trainer and the planner.
+
+A layout is the mesh (dp x pp x cp x tp, with ep inside dp), what each data-parallel rank
+keeps (the ZeRO stage, offload), how a step is cut into micro-batches and run through the
+pipeline (the schedule), and the numerics and memory settings every one of those costs
+depends on (precision, recomputation, gradient buckets). The batch arithmetic every
+interview asks about lives here:
+
+    global_batch_size = micro_batch_size x grad_accum_steps x dp
+
+Give either `grad_accum_steps` or `global_batch_size` (or both, consistently); the other
+is derived. A global batch that does not split is an error that names the fix.
+
+Two configs build on this one definition, as Megatron-LM's `TransformerConfig` builds on
+`ModelParallelConfig` (megatron/core/transformer/transformer_config.py, a dataclass that
+inherits the parallel fields): minipar.train.config.TrainConfig (the model, the layout,
+the optimizer and the run) and minipar.plan.layout.ParallelConfig (the layout and what a
+real cluster adds). A field added here is a flag of `minipar train` and a setting of the
+planner at once.
+
+The rules below need nothing but the layout and run when it is built. The rules that need
+the model (heads that split over tp, layers enough for the stages, a sequence that cuts
+into 2cp chunks) need the data's vocabulary too: they are minipar.train.mixes.check_layout
+for the trainer and minipar.plan.layout.check_model_fits_layout for the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from minipar.errors import ConfigError
+from minipar.nn.recompute import Recompute, recompute_problem
+from minipar.parallel.pipeline.schedules.registry import check_schedule_name
+from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
+
+PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+# Micro-batches per optimizer step: the trainer runs each one and the planner simulates
+# each one of the schedule; --grad-accum-steps 10**12 hung the planner and asked the
+# trainer for 29 TiB of token ids. Published runs use hundreds to a few thousand.
+MAX_MICRO_BATCHES = 65536
+
+
+def setting(default, help: str):
+    """A field of a settings dataclass: its default and the one line of its CLI flag."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is cut over GPUs (the module docstring). Checked when built; the batch
+    is derived then: grad_accum_steps and global_batch_size are both set after it."""
+
+    # the device mesh dp x pp x cp x tp (minipar.distributed.DeviceMesh)
+    dp: int = setting(1, "data-parallel size")
+    tp: int = setting(1, "tensor-parallel size")
+    pp: int = setting(1, "pipeline-parallel size")
+    # context parallelism: every sequence cut over cp ranks, ring attention
+    cp: int = setting(1, "context-parallel size: each sequence cut over this many ranks "
+                         "(ring attention)")
+    cp_load_balance: bool = setting(True, "cut the sequence into 2 x cp chunks, rank r keeping "
+                                          "r and 2cp-1-r, so causal attention gives every "
+                                          "rank the same work")
+    # expert parallelism: the experts split over ep ranks inside the data-parallel group
+    ep: int = setting(1, "expert-parallel size (splits the experts inside the data-parallel "
+                         "group)")
+    # what each data-parallel rank keeps: ZeRO stage 0-3 over the DP group; ZeRO-Offload /
+    # ZeRO-Infinity (minipar/parallel/zero/offload.py): where the optimizer state (ZeRO >= 1)
+    # and the parameter shard (ZeRO-3) live: none (GPU), cpu, nvme
+    zero: int = setting(0, "ZeRO stage over the data-parallel group (0-3)")
+    offload_optimizer: str = setting("none", "ZeRO-Offload: optimizer state and Adam on the "
+                                             "host (--zero >= 1)")
+    offload_param: str = setting("none", "ZeRO-Infinity: the parameter shard in host memory / "
+                                         "NVMe (--zero 3)")
+    # the pipeline: its schedule (minipar.parallel.pipeline.schedules) and model chunks
+    # per rank; tensor parallelism's sequence-parallel regions
+    schedule: str = setting("1f1b", "pipeline schedule")
+    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved schedule)")
+    sequence_parallel: bool = setting(False, "shard LayerNorm/dropout regions along the "
+                                             "sequence (with --tp)")
+    # data parallelism: gradient bucket capacity (DDP's bucket_cap_mb); buckets reduced
+    # asynchronously while backward goes on, and under pipeline parallelism during each
+    # stage's last micro-batch backward (DeepSpeed's overlap_comm, Megatron's
+    # --overlap-grad-reduce; without it each reduction is waited for as it starts: same
+    # bytes and numbers); ZeRO-3's prefetch (FSDP's forward/backward prefetch, DeepSpeed's
+    # stage3_prefetch_bucket_size)
+    bucket_size_mb: float = setting(0.25, "gradient bucket size in MiB (0 = one bucket, "
+                                          "reduced after backward)")
+    overlap_grad_reduce: bool = setting(True, "reduce gradient buckets while backward goes on "
+                                              "(under --pp: during each stage's last "
+                                              "micro-batch backward)")
+    zero3_prefetch: bool = setting(True, "ZeRO-3: all-gather the next module's parameters "
+                                         "while the current one computes")
+    # the batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
+    micro_batch_size: int = setting(4, "sequences per micro-batch on one data-parallel rank")
+    grad_accum_steps: int | None = setting(None, "micro-batches per optimizer step (or give "
+                                                 "--global-batch-size)")
+    global_batch_size: int | None = setting(None, "sequences per optimizer step = micro x "
+                                                  "accum x dp")
+    # numerics and memory: the dtype policy; recomputation (Megatron-LM's flags,
+    # minipar.nn.recompute)
+    precision: str = setting("fp32", "numerics: fp64 (exact checks), fp32, bf16-mixed")
+    recompute_granularity: str | None = setting(
+        None, "recompute in backward: selective (the attention core only) or full (whole "
+              "blocks, every one without --recompute-method; Megatron-LM's flag)")
+    recompute_method: str | None = setting(
+        None, "with full: uniform (groups of --recompute-num-layers blocks) or block (only "
+              "the first N blocks of each pipeline chunk)")
+    recompute_num_layers: int | None = setting(
+        None, "blocks per group (uniform) or blocks recomputed per chunk (block)")
+
+    def __post_init__(self) -> None:
+        self.validate_layout()
+
+    def validate_layout(self, n_layer: int | None = None) -> None:
+        """The layout's rules, each once (the sizes, the ZeRO stage and its offload, the
+        precision, the schedule's name, the buckets, --ep inside --dp, the batch, the
+        recomputation flags); the batch is derived. n_layer: the model's layers, when it
+        is known (a TrainConfig), which bound --recompute-num-layers by a chunk's."""
+        check_positive_integers(self, ("dp", "tp", "pp", "cp", "ep", "virtual_stages",
+                                       "micro_batch_size"))
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        choice("precision", self.precision, PRECISIONS)
+        check_schedule_name(self.schedule, ConfigError)
+        bucket = self.bucket_size_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or \
+                not math.isfinite(bucket) or bucket < 0:  # NaN compares False with every bound
+            raise ConfigError("bucket_size_mb", "must be a finite number >= 0 (0 = one "
+                              f"bucket), got {bucket!r}")
+        check_offload_settings(self.offload_optimizer, self.offload_param, self.zero)
+        if self.dp % self.ep:
+            raise ConfigError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the experts "
+                              "are split inside the data-parallel group")
+        accum, global_batch = resolve_batch(self.micro_batch_size, self.dp,
+                                            self.grad_accum_steps, self.global_batch_size)
+        object.__setattr__(self, "grad_accum_steps", accum)  # derived, once, at construction
+        object.__setattr__(self, "global_batch_size", global_batch)
+        # a chunk's layers (pp x virtual_stages chunks) bound the count; no model, no bound
+        chunks = self.pp * self.virtual_stages
+        layers_per_chunk = (self.recompute_num_layers or 1) if n_layer is None else \
+            -(-n_layer // chunks)
+        problem = recompute_problem(False, self.recompute_granularity, self.recompute_method,
+                                    self.recompute_num_layers, layers_per_chunk)
+        if problem is not None:
+            raise ConfigError(*problem)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged and ZeRO
+        shards: dp x cp (parameters are replicated over context parallelism)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same experts, over which expert gradients are reduced and
+        expert ZeRO shards cut: dp / ep (Megatron's expert-data-parallel group)."""
+        return self.replicas // self.ep
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each DP rank (= grad_accum_steps; the
+        pipeline's m)."""
+        return self.grad_accum_steps
+
+    @property
+    def recompute(self) -> Recompute:
+        """The recomputation policy (minipar.nn.recompute) of the recompute_* settings."""
+        return Recompute.from_settings(granularity=self.recompute_granularity,
+                                       method=self.recompute_method,
+                                       num_layers=self.recompute_num_layers)
+
+    # ------------------------------------------------------------------ copies
+    def to_dict(self) -> dict:
+        """Every setting, flat (a TrainConfig's is the report's `config`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown setting; valid settings: {sorted(known)}")
+        return cls(**values)
+
+    def replace(self, **changes):
+        """A copy with some settings changed; the batch is re-derived unless given:
+        changing dp, the micro-batch size or the accumulation recomputes the global batch,
+        and a new global batch recomputes the accumulation."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if "global_batch_size" not in changes and {"dp", "micro_batch_size",
+                                                   "grad_accum_steps"} & set(changes):
+            values["global_batch_size"] = None
+        if "grad_accum_steps" not in changes and "global_batch_size" in changes:
+            values["grad_accum_steps"] = None
+        return type(self).from_dict({**values, **changes})
+
+
+# ------------------------------------------------------------------ the rules
+def check_offload_settings(optimizer: str, param: str, zero: int) -> None:
+    """ZeRO-Offload / ZeRO-Infinity's devices and the stages DeepSpeed runs them with
+    (deepspeed/runtime/zero/offload_config.py; minipar/parallel/zero/offload.py)."""
+    choice("offload_optimizer", optimizer, OFFLOAD_DEVICES)
+    choice("offload_param", param, OFFLOAD_DEVICES)
+    if param != "none" and zero != 3:
+        raise ConfigError(
+            "offload_param", f"--offload-param {param} needs --zero 3 (got --zero {zero}): "
+            "below stage 3 every rank keeps the full parameters on its GPU to run forward "
+            "and backward, so there is no parameter shard to offload (DeepSpeed: "
+            "offload_param is valid only with stage 3); use --zero 3, or "
+            "--offload-optimizer cpu to offload the optimizer state")
+    if optimizer != "none" and zero == 0:
+        raise ConfigError(
+            "offload_optimizer", f"--offload-optimizer {optimizer} needs --zero 1, 2 or 3: "
+            "ZeRO-Offload moves a rank's ZeRO partition of the optimizer state to the host, "
+            "and --zero 0 has none (DeepSpeed: offload_optimizer is valid with stage 1, 2 "
+            "and 3); add --zero 1")
+    if optimizer == "nvme" and zero < 3:
+        raise ConfigError(
+            "offload_optimizer", f"--offload-optimizer nvme needs --zero 3 (got --zero "
+            f"{zero}): DeepSpeed's stage 1/2 optimizer has no NVMe swapper (stage_1_and_2.py "
+            "keeps the state in CPU memory for any offload device); ZeRO-Infinity's NVMe "
+            "swapping is stage 3's. Use --offload-optimizer cpu or --zero 3")
+
+
+def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
+                  global_batch_size: int | None) -> tuple[int, int]:
+    """(grad_accum_steps, global_batch_size) with global = micro x accum x dp, from
+    either (or both, consistent); neither given means one micro-batch per step."""
+    per_step = micro_batch_size * dp  # sequences per micro-step, all DP ranks
+    accum, global_batch = grad_accum_steps, global_batch_size
+    if accum is not None and (not isinstance(accum, int) or accum < 1):
+        raise ConfigError("grad_accum_steps", f"must be a positive integer, got {accum!r}")
+    if accum is not None and accum > MAX_MICRO_BATCHES:
+        raise ConfigError("grad_accum_steps", f"must be at most {MAX_MICRO_BATCHES:,} "
+                          f"micro-batches per step (every one is run, or simulated), got "
+                          f"{accum:,}")
+    if global_batch is None:
+        accum = 1 if accum is None else accum
+        return accum, per_step * accum
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError("global_batch_size", f"must be a positive integer, got "
+                          f"{global_batch!r}")
+    if global_batch % per_step:
+        lower = max(per_step, global_batch // per_step * per_step)
+        raise ConfigError(
+            "global_batch_size", f"{global_batch} does not split into micro-batches: it must "
+            f"be a multiple of micro_batch_size x dp = {micro_batch_size} x {dp} = "
+            f"{per_step} (e.g. {lower} or {lower + per_step}), or set --grad-accum-steps "
+            "instead")
+    derived = global_batch // per_step
+    if derived > MAX_MICRO_BATCHES:
+        raise ConfigError("global_batch_size", f"{global_batch:,} is {derived:,} micro-batches "
+                          f"of micro_batch_size x dp = {per_step} per step; at most "
+                          f"{MAX_MICRO_BATCHES:,} (every one is run, or simulated): raise "
+                          "--micro-batch-size or dp")
+    if accum is not None and accum != derived:
+        raise ConfigError("global_batch_size",
+                          f"{global_batch} != micro_batch_size x grad_accum_steps x dp = "
+                          f"{micro_batch_size} x {accum} x {dp} = {per_step * accum}; give "
+                          "only one of --global-batch-size and --grad-accum-steps")
+    return derived, global_batch
+
+
+def check_positive_integers(settings, names) -> None:
+    """Each setting in `names` (attributes of `settings`) is an int >= 1."""
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def choice(name: str, value, options) -> None:
+    """`value` is one of `options`."""
+    if value not in options:
+        raise ConfigError(name, f"must be one of {', '.join(options)}; got {value!r}")
