@@ -168,7 +168,7 @@ class AnswerStore:
 
     def _write(self, entry: dict, path: pathlib.Path) -> None:
         """Write to a temporary file beside `path`, then rename: never half a file.
-        (minipar.train.checkpoint's `_atomic_write` does this too, plus an fsync: a
+        (minipar.files.atomic_write does this too, plus an fsync: a
         checkpoint must survive a crash, a cache entry lost in one is measured again,
         and an fsync would add milliseconds to the answer that saves it.)"""
         self._prepare()
