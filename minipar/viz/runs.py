@@ -8,6 +8,12 @@
 `minipar.parallel.pipeline.executor.Pipeline` on p virtual ranks of a deliberately slow device
 with free links (PIPELINE_DEVICE), so the timelines look like a big model's: compute
 dominates and the bubble is the grey between the bars.
+
+What an explorer keeps of a run is its summary, JSON: `train_summary(report)` the report
+fields the memory and traffic pictures read (each rank's memory tiers, transfers and
+bytes sent, the traffic matrices), `summary_report` a Report of them again (the pictures
+drawn from it are the full report's: tests/viz/test_lattice.py); `pipeline_summary` the
+timelines, bubble and activations of a pipeline step.
 """
 
 from __future__ import annotations
@@ -149,7 +155,73 @@ def pipeline_step(schedule: str, pp: int, micro_batches: int, virtual_stages: in
     }
 
 
+def pipeline_summary(step: dict) -> dict:
+    """What the pipeline explorer reads of a `pipeline_step`, as JSON: per rank its
+    timeline as [kind, start, end, label] events, the measured bubble and the formula's,
+    the peak forwards in flight and activation bytes per rank."""
+    return {"timelines": [[[e.kind, e.start, e.end, e.label] for e in timeline]
+                          for timeline in step["timelines"]],
+            "bubble": step["bubble"], "formula": step["formula"],
+            "in_flight": [int(n) for n in step["in_flight"]],
+            "activations": [int(n) for n in step["activations"]]}
+
+
 # ------------------------------------------------------------------ training runs
+# The fields of a rank's report the memory and traffic pictures read (minipar/viz/
+# memory.py, traffic.py); not "node", which depends on the GPUs per node the traffic
+# explorer shows any of.
+RANK_FIELDS = ("rank", "coords", "memory", "memory_host", "memory_nvme")
+TRANSFER_FIELDS = ("to_host_bytes", "to_device_bytes", "nvme_read_bytes", "nvme_write_bytes")
+COMM_FIELDS = ("sent_bytes", "calls", "by_op", "by_group")
+
+
+def train_summary(report: Report) -> dict:
+    """The report fields the memory and traffic explorers draw, as JSON: per rank its
+    memory tiers, the bytes it moved between them and the bytes it sent; the traffic
+    matrices as [i, j, bytes] of their cells that sent any."""
+    ranks = []
+    for r in report.ranks:
+        rank = {field: r[field] for field in RANK_FIELDS if field in r}
+        if "transfers" in r:
+            rank["transfers"] = {k: r["transfers"][k] for k in TRANSFER_FIELDS}
+        rank["comm"] = {k: r["comm"][k] for k in COMM_FIELDS}
+        ranks.append(rank)
+    traffic = report.traffic or {}
+    return {"world_size": report.world_size, "n_params": report.n_params,
+            "steps": len(report.steps), "ranks": ranks,
+            "traffic": {"matrix": _cells(traffic.get("matrix")),
+                        "by_group": {k: _cells(m) for k, m in
+                                     traffic.get("by_group", {}).items()}}}
+
+
+def summary_report(summary: dict, config: TrainConfig) -> Report:
+    """A Report of a `train_summary`'s fields (the rest empty), for the pictures."""
+    world = summary["world_size"]
+    traffic = summary["traffic"]
+    return Report(config=config.to_dict(), world_size=world, n_params=summary["n_params"],
+                  steps=[{} for _ in range(summary["steps"])], ranks=summary["ranks"],
+                  traffic={"matrix": _dense(traffic["matrix"], world),
+                           "by_group": {k: _dense(cells, world)
+                                        for k, cells in traffic["by_group"].items()}})
+
+
+def _cells(matrix) -> list[list[int]]:
+    """[i, j, value] of the non-zero cells of a square matrix (lists or None)."""
+    if matrix is None:
+        return []
+    matrix = np.asarray(matrix, dtype=np.int64)
+    return [[int(i), int(j), int(matrix[i, j])] for i, j in zip(*np.nonzero(matrix),
+                                                                strict=True)]
+
+
+def _dense(cells: list, world: int) -> np.ndarray:
+    matrix = np.zeros((world, world), np.int64)
+    for i, j, value in cells:
+        matrix[i, j] = value
+    return matrix
+
+
+
 # Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): up to 32
 # ranks, dearest last. A change that comes meanwhile cancels the run (the ranks stop at
 # their next call into minipar) but waits for figures being drawn, which grow with the

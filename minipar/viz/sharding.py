@@ -37,7 +37,6 @@ from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
 from minipar.train.layouts import check_layout
-from minipar.viz.ticks import TickCopyingAxes
 
 KINDS = ("params", "grads", "optimizer")
 # The memory categories' colours (the memory explorer uses the same ones).
@@ -136,6 +135,36 @@ def holdings(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, *,
     return Holdings(dp, tp, pp, zero, shapes, coords, masks, nbytes)
 
 
+def holdings_summary(held: Holdings) -> dict:
+    """What every rank holds, as JSON: per rank and kind of state the rectangles
+    (`rectangles`) of each tensor it holds some of, its coordinates and bytes."""
+    return {"dp": held.dp, "tp": held.tp, "pp": held.pp, "zero": held.zero,
+            "coords": held.coords, "nbytes": held.nbytes,
+            "rects": [{kind: {name: rectangles(mask) for name, mask in masks.items()}
+                       for kind, masks in rank.items()} for rank in held.masks]}
+
+
+def holdings_from_summary(summary: dict, config: TrainConfig = DEFAULT_CONFIG) -> Holdings:
+    """The Holdings a `holdings_summary` describes (`config`: the model it was built for)."""
+    if config.vocab_size is None:
+        config = config.replace(vocab_size=make_stream(config.data).vocab_size)
+    shapes = parameter_shapes(gpt_config(config))
+    masks = []
+    for rank in summary["rects"]:
+        rank_masks = {}
+        for kind, tensors in rank.items():
+            rank_masks[kind] = {}
+            for name, rects in tensors.items():
+                mask = np.zeros(shapes[name], bool)
+                rows = mask.reshape(1, -1) if mask.ndim == 1 else mask
+                for r0, r1, c0, c1 in rects:
+                    rows[r0:r1, c0:c1] = True
+                rank_masks[kind][name] = mask
+        masks.append(rank_masks)
+    return Holdings(summary["dp"], summary["tp"], summary["pp"], summary["zero"], shapes,
+                    summary["coords"], masks, summary["nbytes"])
+
+
 # ------------------------------------------------------------------ the picture
 def _units(shapes: dict) -> list[tuple[str, int, int]]:
     """(label, first flat element, end) of embed / each block / head in the model strip."""
@@ -159,67 +188,129 @@ def _grid(held: Holdings) -> tuple[int, int]:
     return -(-n // cols), cols
 
 
-def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.c_attn.weight",
-                  *, bins: int = 400, width: float = 10.0) -> Figure:
-    """Top: every rank's share of the whole model (tensors end to end, cut into `bins`
-    slices; darker = more of that slice held). Bottom: one panel per rank showing which
-    elements of `tensor` (full shape; vectors drawn as one row) it holds, with the share
-    held above it.
-
-    Two axes: `fig.axes[0]` the strip (one image row per rank), `fig.axes[1]` the panels,
-    one image per rank in rank order (`fig.axes[1].images[r]`) titled by a text
-    "r3 (dp1 pp0 tp1): 50%". Beside the strip, a bar says what its shades mean: the share
-    of each slice held (pale: a part, as TP's column shards hold a part of every row;
-    dark: all of it). One axes for all panels and margins of fixed inches instead
-    of a constrained layout: the explorer redraws this on every change, and every extra
-    Axes (ticks, spines) or layout pass costs several milliseconds to build and draw."""
+def sharding_picture(held: Holdings, kind: str = "params",
+                     tensor: str = "h.0.attn.c_attn.weight", *, bins: int = 400) -> dict:
+    """What the sharding picture shows, as data (JSON). Top, a strip: every rank's share of
+    the whole model (tensors end to end, cut into `bins` slices), as runs [first slice,
+    end, share held] of equal shares. Below, one panel per rank: the rectangles [row0,
+    row1, col0, col1) of `tensor` (full shape; vectors as one row) it holds, and the share
+    held. `plot_sharding` draws it with matplotlib, an explorer in the browser
+    (minipar/viz/pictures.js)."""
     if kind not in KINDS:
         raise ValueError(f"plot_sharding: kind {kind!r} is not one of {KINDS}")
     if tensor not in held.shapes:
         raise ValueError(f"plot_sharding: no tensor {tensor!r}; the model has "
                          f"{', '.join(held.shapes)}")
     n = held.world_size
-    rows, cols = _grid(held)
-    cmap = LinearSegmentedColormap.from_list(kind, ["#f2f2f2", KIND_COLORS[kind]])
+    total = sum(int(np.prod(s)) for s in held.shapes.values())
+    edges = np.linspace(0, total, bins + 1).astype(int)
+    shape = held.shapes[tensor]
+    ranks = []
+    for r in range(n):
+        shares = (np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
+                  / np.diff(edges))
+        mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
+        label = _rank_label(r, held.coords[r])
+        ranks.append({"label": label, "strip": _runs(shares),
+                      "rects": rectangles(mask), "title": f"{label}: {mask.mean():.0%}"})
+    return {"kind": "sharding", "figure": "sharding", "color": KIND_COLORS[kind],
+            "bins": bins, "total": total,
+            "units": [list(unit) for unit in _units(held.shapes)],
+            "title": f"{kind} held by each rank: the {total:,} parameters end to end, in "
+                     f"{bins} slices - dp={held.dp} tp={held.tp} pp={held.pp} "
+                     f"ZeRO-{held.zero}",
+            "tensor_title": f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
+            "shape": [1, shape[0]] if len(shape) == 1 else list(shape),
+            "grid": list(_grid(held)), "ranks": ranks}
+
+
+def _runs(values: np.ndarray) -> list[list]:
+    """[first, end, value] of each run of equal values."""
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+    ends = np.r_[starts[1:], len(values)]
+    return [[int(a), int(b), float(values[a])] for a, b in zip(starts, ends, strict=True)]
+
+
+def rectangles(mask: np.ndarray) -> list[list[int]]:
+    """The True elements of a 1- or 2-d mask as rectangles [row0, row1, col0, col1) (a
+    vector is one row): each row's runs, rows with the same runs in a row merged. A TP
+    shard is one rectangle (three for the fused q, k, v), a ZeRO range of it at most
+    three more."""
+    mask = mask.reshape(1, -1) if mask.ndim == 1 else mask
+    rows, cols = mask.shape
+    padded = np.zeros((rows, cols + 2), np.int8)
+    padded[:, 1:-1] = mask
+    changes = np.diff(padded, axis=1)
+    # a new block of rows wherever a row's runs differ from the row above
+    first = np.flatnonzero(np.r_[True, (mask[1:] != mask[:-1]).any(axis=1)])
+    out = []
+    for r0, r1 in zip(first, np.r_[first[1:], rows], strict=True):
+        starts, = np.nonzero(changes[r0] == 1)
+        ends, = np.nonzero(changes[r0] == -1)
+        out += [[int(r0), int(r1), int(c0), int(c1)] for c0, c1 in zip(starts, ends,
+                                                                        strict=True)]
+    return out
+
+
+def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.c_attn.weight",
+                  *, bins: int = 400, width: float = 10.0) -> Figure:
+    """Top: every rank's share of the whole model (tensors end to end, cut into `bins`
+    slices; darker = more of that slice held). Bottom: one panel per rank showing which
+    elements of `tensor` (full shape; vectors drawn as one row) it holds, with the share
+    held above it: `sharding_picture` drawn by `draw_sharding`."""
+    return draw_sharding(sharding_picture(held, kind, tensor, bins=bins), width)
+
+
+def draw_sharding(picture: dict, width: float = 10.0) -> Figure:
+    """The matplotlib figure of a `sharding_picture`.
+
+    Two axes: `fig.axes[0]` the strip (one image row per rank), `fig.axes[1]` the panels,
+    one image per rank in rank order (`fig.axes[1].images[r]`) titled by a text
+    "r3 (dp1 pp0 tp1): 50%". Beside the strip, a bar says what its shades mean: the share
+    of each slice held (pale: a part, as TP's column shards hold a part of every row;
+    dark: all of it). One axes for all panels and margins of fixed inches: one Axes
+    (ticks, spines) per rank would crowd a 16-rank figure."""
+    ranks = picture["ranks"]
+    n = len(ranks)
+    rows, cols = picture["grid"]
+    cmap = LinearSegmentedColormap.from_list("held", ["#f2f2f2", picture["color"]])
     fig = Figure(figsize=(width, 1.2 + 0.28 * n + 1.5 * rows))
     ax, panels, bar_at, title_at = _fixed_axes(fig, n, rows, cols)
 
-    total = sum(int(np.prod(s)) for s in held.shapes.values())
-    edges = np.linspace(0, total, bins + 1).astype(int)
-    strip = np.stack([np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
-                      / np.diff(edges) for r in range(n)])
+    total, units = picture["total"], picture["units"]
+    strip = np.zeros((n, picture["bins"]))
+    for r, rank in enumerate(ranks):
+        for first, end, share in rank["strip"]:
+            strip[r, first:end] = share
     shown = ax.imshow(strip, aspect="auto", cmap=cmap, vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, total, n - 0.5, -0.5))
     _shade_bar(fig, bar_at, shown.cmap, n)
-    for _, lo, _ in _units(held.shapes)[1:]:
+    for _, lo, _ in units[1:]:
         ax.axvline(lo, color="black", linewidth=0.6)
-    ax.set_xticks([(lo + hi) / 2 for _, lo, hi in _units(held.shapes)],
-                  [label for label, _, _ in _units(held.shapes)], fontsize=8)
-    ax.set_yticks(range(n), [_rank_label(r, held.coords[r]) for r in range(n)], fontsize=7)
-    ax.set_title(f"{kind} held by each rank: the {total:,} parameters end to end, in {bins} "
-                 f"slices - dp={held.dp} tp={held.tp} pp={held.pp} ZeRO-{held.zero}",
-                 fontsize=9, y=1.0)  # where it goes anyway: saying so spares measuring ticks
+    ax.set_xticks([(lo + hi) / 2 for _, lo, hi in units], [label for label, _, _ in units],
+                  fontsize=8)
+    ax.set_yticks(range(n), [rank["label"] for rank in ranks], fontsize=7)
+    ax.set_title(picture["title"], fontsize=9, y=1.0)
 
     # Panel of rank r: column r % cols, row r // cols, in data units of the panels'
     # axes (x: one unit per column, y: one per row, downwards), a gap for the title.
-    shape = held.shapes[tensor]
-    # The limits first: fixed, so each image's extent and frame need not move them
-    # (imshow would set them again per image, add_patch work out each frame's limits).
+    shape = picture["shape"]
+    # The limits first: fixed, so each image's extent and frame need not move them.
     panels.set_xlim(0, cols)
     panels.set_ylim(rows + 0.02, 0)  # room for the last row's frame
-    for r in range(n):
+    for r, rank in enumerate(ranks):
         row, col = divmod(r, cols)
-        mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
-        image = mask.reshape(1, -1) if mask.ndim == 1 else mask
+        image = np.zeros(shape)
+        for r0, r1, c0, c1 in rank["rects"]:
+            image[r0:r1, c0:c1] = 1.0
         x0, x1, y0, y1 = col + 0.02, col + 0.98, row + 0.2, row + 1.0
-        panels.imshow(image.astype(float), aspect="auto", cmap=cmap, vmin=0, vmax=1,
+        panels.imshow(image, aspect="auto", cmap=cmap, vmin=0, vmax=1,
                       interpolation="nearest", extent=(x0, x1, y1, y0))
         panels.add_artist(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False,
                                     edgecolor="black", linewidth=0.8))
-        panels.text((x0 + x1) / 2, y0 - 0.03, f"{_rank_label(r, held.coords[r])}: "
-                    f"{mask.mean():.0%}", ha="center", va="bottom", fontsize=8)
-    fig.text(0.5, title_at, f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
-             ha="center", va="center", fontsize=9)
+        panels.text((x0 + x1) / 2, y0 - 0.03, rank["title"], ha="center", va="bottom",
+                    fontsize=8)
+    fig.text(0.5, title_at, picture["tensor_title"], ha="center", va="center", fontsize=9)
     return fig
 
 
@@ -234,8 +325,7 @@ def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
     strip_top = 1 - 0.3 / height         # below the strip's title
     strip_bottom = strip_top - strip_height / height
     strip = fig.add_axes((left / width, strip_bottom, 1 - (left + right) / width,
-                          strip_height / height),
-                         axes_class=TickCopyingAxes)  # the same ticks, made faster
+                          strip_height / height))
     # Below the strip: its tick labels, the tensor's title, then the panels.
     title_at = strip_top - (strip_height + 0.42) / height
     panels_top = strip_top - (strip_height + 0.5) / height
