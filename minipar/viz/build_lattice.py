@@ -13,13 +13,12 @@ of what minipar measures: tests/viz/test_lattice.py says when).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 
 from tqdm import tqdm
 
-from minipar.viz.lattice import FORMAT, key_text, lattice_path, shipped
+from minipar.viz.lattice import key_text, shipped, write_lattice
 from minipar.viz.widgets import (
     MemoryExplorer,
     PipelineExplorer,
@@ -41,22 +40,14 @@ def lattices() -> dict:
 def build(name: str, measurements, settings: list[dict], fresh: bool) -> None:
     old = None if fresh else shipped(name)
     model = None if measurements.config is None else measurements.config.to_dict()
-    results = dict(old["results"]) if old and old["config"] == model else {}
+    results = ({key: json.loads(text) for key, text in old[1].items()}
+               if old and old[0] == model else {})
     wanted = {key_text(values): values for values in settings}
     missing = [values for text, values in wanted.items() if text not in results]
     for values in tqdm(missing, desc=name, unit="setting", file=sys.stderr):
         results[key_text(values)] = measurements.measure(values)
-    data = {"format": FORMAT, "config": model,
-            "results": {text: results[text] for text in sorted(wanted)}}
-    text = json.dumps(data, separators=(",", ":"), sort_keys=True)
-    path = lattice_path(name)
-    path.parent.mkdir(exist_ok=True)
-    # mtime 0: the same results give the same bytes (the store's fingerprint reads them)
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0,
-                                                compresslevel=9) as file:
-        file.write(text.encode("utf-8"))
-    print(f"{path}: {len(wanted)} settings, {path.stat().st_size / 1024:.0f} KiB "
-          f"({len(text) / 2**20:.1f} MiB of JSON)")
+    path = write_lattice(name, model, {key: results[key] for key in wanted})
+    print(f"{path}: {len(wanted)} settings, {path.stat().st_size / 1024:.0f} KiB")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,7 +66,9 @@ function hatchPattern(svg, id, color) {
   node(pattern, "line", { x1: 0, y1: 0, x2: 0, y2: 6, stroke: color, "stroke-width": 1.5 });
 }
 
-let uid = 0;
+// An id for a pattern or gradient, unique in the page (each widget may load this module
+// afresh, so a counter of its own would repeat another's).
+function uid() { return Math.random().toString(36).slice(2); }
 
 // ------------------------------------------------------------------ legend (right side)
 function legendRight(svg, entries, x, y) {
@@ -95,7 +97,7 @@ function drawBars(picture) {
   const rows = column ? panels.length : 1;
   const height = rows * rowHeight + 6;
   const svg = node(null, "svg", { viewBox: `0 0 ${WIDTH} ${height}`, width: "100%" });
-  svg.dataset.hatch = `minipar-hatch-${uid++}`;
+  svg.dataset.hatch = `minipar-hatch-${uid()}`;
   hatchPattern(svg, svg.dataset.hatch, "rgba(0,0,0,0.55)");
   const cellWidth = (plotWidth + (cols - 1) * 0) / cols;
   panels.forEach((panel, index) => {
@@ -202,7 +204,7 @@ function drawMatrix(picture) {
   });
   // the colour bar: its gradient spans the log scale, its ticks at their log positions
   const barX = left + count * side + 25 * (count - 1) + 18;
-  const gradientId = `minipar-gradient-${uid++}`;
+  const gradientId = `minipar-gradient-${uid()}`;
   const gradient = node(node(svg, "defs"), "linearGradient",
                         { id: gradientId, x1: 0, y1: 1, x2: 0, y2: 0 });
   const stops = picture.colorbar.stops;
@@ -223,6 +225,8 @@ function drawMatrix(picture) {
 }
 
 // ------------------------------------------------------------------ timeline
+function rgb([r, g, b]) { return `rgb(${r * 255}, ${g * 255}, ${b * 255})`; }
+
 function drawTimeline(picture) {
   const n = picture.rank_labels.length;
   const rowHeight = 32;
@@ -234,13 +238,13 @@ function drawTimeline(picture) {
   const svg = node(null, "svg", { viewBox: `0 0 ${WIDTH} ${height}`, width: "100%" });
   const x = v => left + (v / picture.xmax) * plotWidth;
   const y = v => top + (v + 0.5) * rowHeight;  // a row's centre at y(rank)
-  const clip = `minipar-clip-${uid++}`;
+  const clip = `minipar-clip-${uid()}`;
   node(node(node(svg, "defs"), "clipPath", { id: clip }), "rect",
        { x: left, y: top, width: plotWidth, height: n * rowHeight });
   const bars = node(svg, "g", { "clip-path": `url(#${clip})` });
   for (const [x0, w, y0, h, color, edge] of picture.bars) {
     node(bars, "rect", { x: x(x0), y: y(y0), width: Math.max(x(x0 + w) - x(x0), 0.3),
-                         height: h * rowHeight, fill: picture.colors[color],
+                         height: h * rowHeight, fill: rgb(picture.colors[color]),
                          stroke: edge ? "#fff" : "none", "stroke-width": edge ? 0.4 : 0 });
   }
   for (const [tx, ty, words, color] of picture.texts) {
@@ -261,7 +265,8 @@ function drawTimeline(picture) {
     const lx = 20 + (i % 4) * each;
     const ly = bottom + 50 + 16 * Math.floor(i / 4);
     entry.colors.forEach((color, c) => node(svg, "rect", { x: lx + 9 * c, y: ly - 5,
-                                                          width: 9, height: 10, fill: color }));
+                                                          width: 9, height: 10,
+                                                          fill: rgb(color) }));
     label(svg, lx + 9 * entry.colors.length + 5, ly, entry.label, { size: 10, anchor: "start" });
   });
   return svg;
@@ -306,7 +311,7 @@ function drawSharding(picture) {
   frame(svg, left, top, stripWidth, stripHeight);
   label(svg, left + stripWidth / 2, 13, picture.title, { size: 11 });
   // what a shade means: the share of a slice held, 0% to 100%
-  const gradientId = `minipar-gradient-${uid++}`;
+  const gradientId = `minipar-gradient-${uid()}`;
   const gradient = node(node(svg, "defs"), "linearGradient",
                         { id: gradientId, x1: 0, y1: 1, x2: 0, y2: 0 });
   node(gradient, "stop", { offset: 0, "stop-color": "#f2f2f2" });

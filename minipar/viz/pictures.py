@@ -44,9 +44,9 @@ DRAWERS = {"memory": draw_memory, "sent_bytes": draw_sent_bytes, "traffic": draw
 def draw_picture(picture: dict) -> Figure:
     """The matplotlib Figure of an explorer's picture, at the width a notebook shows."""
     drawer = DRAWERS[picture["figure"]]
-    if drawer is draw_traffic:  # its width is in the picture (the panels' geometry)
+    if picture["figure"] == "traffic":  # its width is in the picture (the panels' geometry)
         return drawer(picture)
-    return drawer(picture, FIGURE_WIDTH)
+    return drawer(picture, width=FIGURE_WIDTH)
 
 
 class PictureView(anywidget.AnyWidget):

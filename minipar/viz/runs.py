@@ -35,7 +35,7 @@ from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream
 from minipar.train.layouts import check_layout
-from minipar.train.report import Report
+from minipar.train.report import MEMORY_CATEGORIES, Report
 
 
 class RunCache:
@@ -167,24 +167,33 @@ def pipeline_summary(step: dict) -> dict:
 
 
 # ------------------------------------------------------------------ training runs
-# The fields of a rank's report the memory and traffic pictures read (minipar/viz/
-# memory.py, traffic.py); not "node", which depends on the GPUs per node the traffic
-# explorer shows any of.
-RANK_FIELDS = ("rank", "coords", "memory", "memory_host", "memory_nvme")
+# What the memory and traffic pictures read of a rank's report (minipar/viz/memory.py,
+# traffic.py), kept compact: each memory tier as its bytes per category then its
+# peak_total, a tier or the transfers only when not all zero, the bytes sent by group
+# and by collective only where not zero; not "node", which depends on the GPUs per node
+# the traffic explorer shows any of.
+MEMORY_FIELDS = (*MEMORY_CATEGORIES, "peak_total")
+TIERS = ("memory", "memory_host", "memory_nvme")
 TRANSFER_FIELDS = ("to_host_bytes", "to_device_bytes", "nvme_read_bytes", "nvme_write_bytes")
-COMM_FIELDS = ("sent_bytes", "calls", "by_op", "by_group")
 
 
 def train_summary(report: Report) -> dict:
-    """The report fields the memory and traffic explorers draw, as JSON: per rank its
+    """The report fields the memory and traffic explorers draw, compact JSON: per rank its
     memory tiers, the bytes it moved between them and the bytes it sent; the traffic
     matrices as [i, j, bytes] of their cells that sent any."""
     ranks = []
     for r in report.ranks:
-        rank = {field: r[field] for field in RANK_FIELDS if field in r}
-        if "transfers" in r:
-            rank["transfers"] = {k: r["transfers"][k] for k in TRANSFER_FIELDS}
-        rank["comm"] = {k: r["comm"][k] for k in COMM_FIELDS}
+        rank = {"coords": r["coords"]}
+        for tier in TIERS:
+            if tier in r and (tier == "memory" or any(r[tier].values())):
+                rank[tier] = [r[tier][field] for field in MEMORY_FIELDS]
+        moved = [r.get("transfers", {}).get(field, 0) for field in TRANSFER_FIELDS]
+        if any(moved):
+            rank["transfers"] = moved
+        comm = r["comm"]
+        rank["comm"] = [comm["sent_bytes"], comm["calls"],
+                        {k: v for k, v in comm["by_group"].items() if v},
+                        {k: v for k, v in comm["by_op"].items() if v}]
         ranks.append(rank)
     traffic = report.traffic or {}
     return {"world_size": report.world_size, "n_params": report.n_params,
@@ -198,8 +207,20 @@ def summary_report(summary: dict, config: TrainConfig) -> Report:
     """A Report of a `train_summary`'s fields (the rest empty), for the pictures."""
     world = summary["world_size"]
     traffic = summary["traffic"]
+    ranks = []
+    for index, r in enumerate(summary["ranks"]):
+        rank = {"rank": index, "coords": r["coords"]}
+        for tier in TIERS:
+            rank[tier] = dict(zip(MEMORY_FIELDS, r.get(tier, [0] * len(MEMORY_FIELDS)),
+                                  strict=True))
+        rank["transfers"] = dict(zip(TRANSFER_FIELDS, r.get("transfers", [0] * 4),
+                                     strict=True))
+        sent, calls, by_group, by_op = r["comm"]
+        rank["comm"] = {"sent_bytes": sent, "calls": calls, "by_group": by_group,
+                        "by_op": by_op}
+        ranks.append(rank)
     return Report(config=config.to_dict(), world_size=world, n_params=summary["n_params"],
-                  steps=[{} for _ in range(summary["steps"])], ranks=summary["ranks"],
+                  steps=[{} for _ in range(summary["steps"])], ranks=ranks,
                   traffic={"matrix": _dense(traffic["matrix"], world),
                            "by_group": {k: _dense(cells, world)
                                         for k, cells in traffic["by_group"].items()}})

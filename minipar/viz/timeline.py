@@ -23,7 +23,7 @@ from __future__ import annotations
 import matplotlib as mpl
 import numpy as np
 from matplotlib.collections import PolyCollection
-from matplotlib.colors import to_hex, to_rgb
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Patch
@@ -137,14 +137,17 @@ def timeline_picture(timelines, *, title: str | None = None, rank_labels=None,
                     for t in transfers[y] if min(t["end"], t1) > max(t["start"], t0)]
             drawn.add(lane, (y + 0.22, 0.18), COMM_STREAM)
     if title is None:
-        bubble = bubble_fraction(timelines, t0, t1)
+        bubble = bubble_fraction([[{"kind": k, "start": s, "end": e} for k, s, e, _ in row]
+                                  for row in rows], t0, t1)
         title = f"timeline of {n} rank{'s' * (n != 1)}: idle {bubble:.1%} of rank-time"
     present = {kind for row in rows for kind, *_ in row}
     legend = _legend_entries(max_chunk, present)
     if weights_drawn:
-        legend.insert(2, {"label": "backward weight (W)", "colors": [WEIGHT_COLOR]})
+        legend.insert(2, {"label": "backward weight (W)",
+                          "colors": [list(to_rgb(WEIGHT_COLOR))]})
     if transfers is not None:
-        legend.append({"label": "transfer (comm stream)", "colors": [COMM_STREAM]})
+        legend.append({"label": "transfer (comm stream)",
+                       "colors": [list(to_rgb(COMM_STREAM))]})
     return {"kind": "timeline", "figure": "timeline", "title": title,
             "xlabel": f"simulated time ({unit})",
             "xmax": (t1 - t0) / scale, "rank_labels": list(rank_labels),
@@ -210,7 +213,8 @@ def draw_timeline(picture: dict, width: float = 10.0) -> Figure:
 
 class _Bars:
     """The chart's bars in the order they are added (the order they are painted): [x,
-    width, y, height, colour index, edge] each, the colours once in `palette` (hex)."""
+    width, y, height, colour index, edge] each, the colours once in `palette` ([r, g, b]
+    from 0 to 1: a lighter shade of a chunk is no whole 8-bit value)."""
 
     def __init__(self):
         self.bars, self.palette, self._index = [], [], {}
@@ -219,10 +223,10 @@ class _Bars:
         """Rectangles (x, width) spanning yrange = (y, height), as broken_barh takes them;
         edge: a thin white edge (compute bars, apart from their neighbours)."""
         y0, height = yrange
-        color = to_hex(facecolor)
+        color = tuple(to_rgb(facecolor))
         if color not in self._index:
             self._index[color] = len(self.palette)
-            self.palette.append(color)
+            self.palette.append(list(color))
         for x0, width in xranges:
             self.bars.append([x0, width, y0, height, self._index[color], int(edge)])
 
@@ -239,8 +243,8 @@ def _legend_entries(max_chunk: int, present=()) -> list[dict]:
         if max_chunk and kind in ("forward", "backward"):
             entries.append({"label": f"{kind}, chunk "
                                      f"{' / '.join(map(str, range(max_chunk + 1)))}",
-                            "colors": [to_hex(_lighter(color, 0.5 * c / max_chunk))
+                            "colors": [list(_lighter(color, 0.5 * c / max_chunk))
                                        for c in range(max_chunk + 1)]})
         else:
-            entries.append({"label": kind, "colors": [color]})
+            entries.append({"label": kind, "colors": [list(to_rgb(color))]})
     return entries
