@@ -52,7 +52,7 @@ EXPLORERS = ["ShardingExplorer", "MemoryExplorer", "PipelineExplorer", "TrafficE
 # and m, layouts and micro-batches), turning from one explorer to another; `*` marks the
 # settings outside the lattices (64 ranks; two of the step's settings changed at once).
 PATH = [
-    (0, "zero", 0), (0, "zero", 2), (0, "zero", 3), (0, "kind", "params"), (0, "kind", "grads"),
+    (0, "pp", 1), (0, "zero", 2), (0, "zero", 3), (0, "kind", "params"), (0, "kind", "grads"),
     (1, "zero", 1), (1, "zero", 2), (1, "zero", 3), (1, "offload_optimizer", "cpu"),
     (1, "offload_param", "cpu"),
     (2, "schedule", "gpipe"), (2, "micro_batches", 4), (2, "micro_batches", 16),
@@ -60,16 +60,17 @@ PATH = [
     (3, "zero", 0), (3, "by", "op"), (3, "tp", 4), (3, "gpus_per_node", 8),
     (3, "dp", 8),  # * 64 ranks
     (3, "pp", 1), (3, "precision", "bf16-mixed"),
-    (0, "tensor", "h.1.attn.c_attn.weight"), (0, "tp", 4), (0, "pp", 1), (0, "dp", 4),
+    (0, "tensor", "h.1.attn.c_attn.weight"), (0, "tp", 4), (0, "dp", 4), (0, "zero", 1),
     (1, "offload_param", "none"), (1, "offload_optimizer", "none"), (1, "dp", 8),
-    (1, "activation_checkpointing", True), (1, "micro_batch_size", 8),  # * two changed
+    (1, "activation_checkpointing", True),
+    (1, "micro_batch_size", 8),  # * checkpointing and micro-batch size 8 at once
     (1, "micro_batch_size", 4), (1, "tp", 2),
-    (2, "schedule", "interleaved"), (2, "virtual_stages", 2), (2, "pp", 4),
-    (2, "schedule", "zb-v"), (2, "micro_batches", 8),
+    (2, "pp", 4), (2, "schedule", "zb-h1"), (2, "schedule", "zb-h2"), (2, "micro_batches", 8),
+    (2, "schedule", "gpipe"),
     (3, "grad_accum_steps", 4), (3, "zero", 1), (3, "by", "group"), (3, "tp", 1),
-    (0, "kind", "optimizer"), (0, "zero", 1),
-    (1, "precision", "fp32"), (1, "pp", 2),
-    (2, "schedule", "zb-h1"), (2, "micro_batches", 12),
+    (0, "kind", "optimizer"), (0, "zero", 0),
+    (1, "precision", "fp32"), (1, "zero", 1),
+    (2, "schedule", "1f1b"), (2, "micro_batches", 12),
     (3, "dp", 4), (3, "pp", 2),
 ]
 

@@ -84,6 +84,7 @@ class Explorer(widgets.VBox):
         self._ticking: threading.Event | None = None  # set: stop counting "... ms so far"
         self._lattice: list[dict] | None = None  # the lattice, once planned (`_plan`)
         self._refused: set = set()  # keys of lattice settings the rules refused
+        self._verdicts: dict = {}  # setting -> what `check` said (None: it runs)
         self.status = widgets.HTML()
         self.progress = widgets.HTML()  # how far the background lattice pass got
         self.view = PictureView()
@@ -136,6 +137,18 @@ class Explorer(widgets.VBox):
         before any run (so a refusal never waits for the worker, nor says "measuring").
         Default: nothing; `answer` refuses what this lets through."""
 
+    def _check(self, values: dict) -> None:
+        """`check`, its verdict kept per setting (the rules are a pure function of it)."""
+        key = key_text(values)
+        if key not in self._verdicts:
+            try:
+                self.check(values)
+                self._verdicts[key] = None
+            except REFUSALS as refusal:
+                self._verdicts[key] = refusal
+        if self._verdicts[key] is not None:
+            raise self._verdicts[key]
+
     def answer(self, values: dict, result: dict) -> tuple[list[dict], str]:
         """(the pictures' data, status html) of a setting from its measured result."""
         raise NotImplementedError  # pragma: no cover - abstract
@@ -161,7 +174,7 @@ class Explorer(widgets.VBox):
         start = time.perf_counter()
         values = self.values()
         try:
-            self.check(values)  # what the rules refuse, said at once, with no run
+            self._check(values)  # what the rules refuse, said at once, with no run
             measured = self.measured(values)
             result = self.measurements.known(measured)
             if result is not None:  # measured beforehand: answered here and now

@@ -273,11 +273,7 @@ function drawTimeline(picture) {
 }
 
 // ------------------------------------------------------------------ sharding
-function mix(color, share) {  // #f2f2f2 (nothing held) to the kind's colour (all of it)
-  const rgb = h => [1, 3, 5].map(i => parseInt(h.slice(i, i + 2), 16));
-  const [a, b] = [rgb("#f2f2f2"), rgb(color)];
-  return `rgb(${a.map((v, i) => Math.round(v + (b[i] - v) * share)).join(",")})`;
-}
+function rgbOf(hex) { return [1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16)); }
 
 function drawSharding(picture) {
   const ranks = picture.ranks;
@@ -293,15 +289,28 @@ function drawSharding(picture) {
   const height = panelsTop + rows * (panelHeight + 22) + 6;
   const svg = node(null, "svg", { viewBox: `0 0 ${WIDTH} ${height}`, width: "100%" });
   const color = picture.color;
-  const binWidth = stripWidth / picture.bins;
+  // The strip: one pixel per slice and rank, shaded by the share of the slice held,
+  // stretched over the strip's width (a few hundred slices per rank: one image, not
+  // thousands of shapes).
+  const canvas = document.createElement("canvas");
+  canvas.width = picture.bins;
+  canvas.height = n;
+  const context = canvas.getContext("2d");
+  const pixels = context.createImageData(picture.bins, n);
+  const [pale, full] = [rgbOf("#f2f2f2"), rgbOf(color)];
   ranks.forEach((rank, r) => {
-    for (const [first, end, share] of rank.strip) {
-      node(svg, "rect", { x: left + first * binWidth, y: top + r * rowHeight,
-                          width: (end - first) * binWidth + 0.2, height: rowHeight,
-                          fill: mix(color, share) });
-    }
+    rank.held.forEach((held, b) => {
+      const share = held / (picture.edges[b + 1] - picture.edges[b]);
+      const at = 4 * (r * picture.bins + b);
+      for (let c = 0; c < 3; c++) pixels.data[at + c] = pale[c] + (full[c] - pale[c]) * share;
+      pixels.data[at + 3] = 255;
+    });
     label(svg, left - 5, top + (r + 0.5) * rowHeight, rank.label, { size: 9, anchor: "end" });
   });
+  context.putImageData(pixels, 0, 0);
+  node(svg, "image", { x: left, y: top, width: stripWidth, height: stripHeight,
+                       href: canvas.toDataURL(), preserveAspectRatio: "none",
+                       style: "image-rendering: pixelated" });
   const at = v => left + (v / picture.total) * stripWidth;
   picture.units.forEach(([words, lo, hi], i) => {
     if (i > 0) node(svg, "line", { x1: at(lo), x2: at(lo), y1: top, y2: top + stripHeight,
@@ -357,7 +366,7 @@ function render({ model, el }) {
   el.appendChild(root);
   let drawn = 0;
   const draw = () => {
-    const pictures = model.get("pictures") || [];
+    const pictures = JSON.parse(model.get("data") || "[]");
     root.replaceChildren(...pictures.map(picture => DRAW[picture.kind](picture)));
     root.style.visibility = model.get("visible") ? "visible" : "hidden";
     // what the pictures show and how many were drawn: for benchmarks/browser_explorers.py
@@ -372,7 +381,7 @@ function render({ model, el }) {
     scheduled = true;
     queueMicrotask(() => { scheduled = false; draw(); });
   };
-  const names = ["change:pictures", "change:visible", "change:setting"];
+  const names = ["change:data", "change:visible", "change:setting"];
   names.forEach(name => model.on(name, schedule));
   draw();
   return () => names.forEach(name => model.off(name, schedule));

@@ -18,6 +18,7 @@ given the same numbers (tests/viz/test_pictures.py compares them).
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 from matplotlib.figure import Figure
@@ -52,11 +53,21 @@ def draw_picture(picture: dict) -> Figure:
 class PictureView(anywidget.AnyWidget):
     """The pictures of one explorer setting, drawn as SVG in the browser.
 
-    pictures: the pictures' data (JSON: `memory_picture`, `traffic_picture` ...);
-    setting: what they show (the explorer's setting, as text); visible: False hides them
-    (their space kept, so the page does not jump), as after a refusal."""
+    pictures: the pictures' data (`memory_picture`, `traffic_picture` ...), sent as JSON
+    text (`data`: ipywidgets walks a list of dicts for binary buffers, element by
+    element, ~10 ms for a sharding picture; a string it sends as it is); setting: what
+    they show (the explorer's setting, as text); visible: False hides them (their space
+    kept, so the page does not jump), as after a refusal."""
 
     _esm = pathlib.Path(__file__).with_name("pictures.js")
-    pictures = traitlets.List([]).tag(sync=True)
+    data = traitlets.Unicode("[]").tag(sync=True)
     setting = traitlets.Unicode("").tag(sync=True)
     visible = traitlets.Bool(True).tag(sync=True)
+
+    @property
+    def pictures(self) -> list[dict]:
+        return json.loads(self.data)
+
+    @pictures.setter
+    def pictures(self, pictures: list[dict]) -> None:
+        self.data = json.dumps(pictures, separators=(",", ":"), allow_nan=False)

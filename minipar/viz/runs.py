@@ -203,8 +203,9 @@ def train_summary(report: Report) -> dict:
                                      traffic.get("by_group", {}).items()}}}
 
 
-def summary_report(summary: dict, config: TrainConfig) -> Report:
-    """A Report of a `train_summary`'s fields (the rest empty), for the pictures."""
+def summary_report(summary: dict, config: TrainConfig | dict) -> Report:
+    """A Report of a `train_summary`'s fields (the rest empty), for the pictures; config:
+    the run's, or its `to_dict()` (an explorer keeps its model's and sets the settings)."""
     world = summary["world_size"]
     traffic = summary["traffic"]
     ranks = []
@@ -219,7 +220,8 @@ def summary_report(summary: dict, config: TrainConfig) -> Report:
         rank["comm"] = {"sent_bytes": sent, "calls": calls, "by_group": by_group,
                         "by_op": by_op}
         ranks.append(rank)
-    return Report(config=config.to_dict(), world_size=world, n_params=summary["n_params"],
+    config = config if isinstance(config, dict) else config.to_dict()
+    return Report(config=config, world_size=world, n_params=summary["n_params"],
                   steps=[{} for _ in range(summary["steps"])], ranks=ranks,
                   traffic={"matrix": _dense(traffic["matrix"], world),
                            "by_group": {k: _dense(cells, world)

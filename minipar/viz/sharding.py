@@ -181,54 +181,69 @@ def _units(shapes: dict) -> list[tuple[str, int, int]]:
     return [(label, lo, hi) for label, (lo, hi) in spans.items()]
 
 
-def _grid(held: Holdings) -> tuple[int, int]:
+def _grid(summary: dict) -> tuple[int, int]:
     """Rows x columns of the per-rank panels: one row per DP replica (up to 4 columns)."""
-    n = held.world_size
-    cols = min(4, n) if held.dp == 1 else min(4, held.tp * held.pp)
+    n = summary["dp"] * summary["tp"] * summary["pp"]
+    cols = min(4, n) if summary["dp"] == 1 else min(4, summary["tp"] * summary["pp"])
     return -(-n // cols), cols
 
 
-def sharding_picture(held: Holdings, kind: str = "params",
+def shares(summary: dict, shapes: dict, kind: str) -> list[float]:
+    """Each rank's share of the whole model's `kind` of state, from a `holdings_summary`
+    (the rectangles of one rank never overlap)."""
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    return [sum((r1 - r0) * (c1 - c0) for rects in rank[kind].values()
+                for r0, r1, c0, c1 in rects) / total for rank in summary["rects"]]
+
+
+def _flat(rank: dict, shapes: dict, offsets: dict, total: int) -> np.ndarray:
+    """A rank's mask over the whole model (tensors end to end), from its rectangles."""
+    flat = np.zeros(total, bool)
+    for name, rects in rank.items():
+        shape = shapes[name]
+        rows = flat[offsets[name]:offsets[name] + int(np.prod(shape))].reshape(
+            (1, -1) if len(shape) == 1 else shape)
+        for r0, r1, c0, c1 in rects:
+            rows[r0:r1, c0:c1] = True
+    return flat
+
+
+def sharding_picture(summary: dict, shapes: dict, kind: str = "params",
                      tensor: str = "h.0.attn.c_attn.weight", *, bins: int = 400) -> dict:
-    """What the sharding picture shows, as data (JSON). Top, a strip: every rank's share of
-    the whole model (tensors end to end, cut into `bins` slices), as runs [first slice,
-    end, share held] of equal shares. Below, one panel per rank: the rectangles [row0,
-    row1, col0, col1) of `tensor` (full shape; vectors as one row) it holds, and the share
-    held. `plot_sharding` draws it with matplotlib, an explorer in the browser
-    (minipar/viz/pictures.js)."""
+    """What the sharding picture shows, as data (JSON), from what every rank holds (a
+    `holdings_summary`, of a model whose tensors have `shapes`). Top, a strip: every
+    rank's share of the whole model (tensors end to end, cut into `bins` slices between
+    `edges`), as the elements it holds of each slice ("held"). Below, one panel per rank: the
+    rectangles [row0, row1, col0, col1) of `tensor` (full shape; vectors as one row) it
+    holds, and the share held. `plot_sharding` draws it with matplotlib, an explorer in
+    the browser (minipar/viz/pictures.js)."""
     if kind not in KINDS:
         raise ValueError(f"plot_sharding: kind {kind!r} is not one of {KINDS}")
-    if tensor not in held.shapes:
+    if tensor not in shapes:
         raise ValueError(f"plot_sharding: no tensor {tensor!r}; the model has "
-                         f"{', '.join(held.shapes)}")
-    n = held.world_size
-    total = sum(int(np.prod(s)) for s in held.shapes.values())
+                         f"{', '.join(shapes)}")
+    sizes = {name: int(np.prod(shape)) for name, shape in shapes.items()}
+    offsets = dict(zip(sizes, np.cumsum([0, *sizes.values()])[:-1].tolist(), strict=True))
+    total = sum(sizes.values())
     edges = np.linspace(0, total, bins + 1).astype(int)
-    shape = held.shapes[tensor]
+    shape = shapes[tensor]
     ranks = []
-    for r in range(n):
-        shares = (np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
-                  / np.diff(edges))
-        mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
-        label = _rank_label(r, held.coords[r])
-        ranks.append({"label": label, "strip": _runs(shares),
-                      "rects": rectangles(mask), "title": f"{label}: {mask.mean():.0%}"})
+    for r, rank in enumerate(summary["rects"]):
+        held = np.add.reduceat(_flat(rank[kind], shapes, offsets, total), edges[:-1])
+        rects = rank[kind].get(tensor, [])
+        label = _rank_label(r, summary["coords"][r])
+        share = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in rects) / sizes[tensor]
+        ranks.append({"label": label, "held": held.tolist(), "rects": rects,
+                      "title": f"{label}: {share:.0%}"})
     return {"kind": "sharding", "figure": "sharding", "color": KIND_COLORS[kind],
-            "bins": bins, "total": total,
-            "units": [list(unit) for unit in _units(held.shapes)],
+            "bins": bins, "total": total, "edges": edges.tolist(),
+            "units": [list(unit) for unit in _units(shapes)],
             "title": f"{kind} held by each rank: the {total:,} parameters end to end, in "
-                     f"{bins} slices - dp={held.dp} tp={held.tp} pp={held.pp} "
-                     f"ZeRO-{held.zero}",
+                     f"{bins} slices - dp={summary['dp']} tp={summary['tp']} "
+                     f"pp={summary['pp']} ZeRO-{summary['zero']}",
             "tensor_title": f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
             "shape": [1, shape[0]] if len(shape) == 1 else list(shape),
-            "grid": list(_grid(held)), "ranks": ranks}
-
-
-def _runs(values: np.ndarray) -> list[list]:
-    """[first, end, value] of each run of equal values."""
-    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
-    ends = np.r_[starts[1:], len(values)]
-    return [[int(a), int(b), float(values[a])] for a, b in zip(starts, ends, strict=True)]
+            "grid": list(_grid(summary)), "ranks": ranks}
 
 
 def rectangles(mask: np.ndarray) -> list[list[int]]:
@@ -258,7 +273,8 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     slices; darker = more of that slice held). Bottom: one panel per rank showing which
     elements of `tensor` (full shape; vectors drawn as one row) it holds, with the share
     held above it: `sharding_picture` drawn by `draw_sharding`."""
-    return draw_sharding(sharding_picture(held, kind, tensor, bins=bins), width)
+    return draw_sharding(sharding_picture(holdings_summary(held), held.shapes, kind, tensor,
+                                          bins=bins), width)
 
 
 def draw_sharding(picture: dict, width: float = 10.0) -> Figure:
@@ -278,10 +294,7 @@ def draw_sharding(picture: dict, width: float = 10.0) -> Figure:
     ax, panels, bar_at, title_at = _fixed_axes(fig, n, rows, cols)
 
     total, units = picture["total"], picture["units"]
-    strip = np.zeros((n, picture["bins"]))
-    for r, rank in enumerate(ranks):
-        for first, end, share in rank["strip"]:
-            strip[r, first:end] = share
+    strip = np.array([rank["held"] for rank in ranks], float) / np.diff(picture["edges"])
     shown = ax.imshow(strip, aspect="auto", cmap=cmap, vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, total, n - 0.5, -0.5))
     _shade_bar(fig, bar_at, shown.cmap, n)

@@ -88,11 +88,14 @@ def traffic_picture(report, *, title: str | None = None, annotate: bool | None =
     cmap = colormaps["viridis"]
     panels = []
     for kind, matrix in matrices.items():
+        rows, cols = np.nonzero(matrix > 0)
+        sent = matrix[rows, cols]
+        shade = np.asarray(norm(sent))  # (the colour map and norm once per panel)
+        colors = [to_hex(rgba) for rgba in cmap(shade)]
         # [i, j, bytes, colour, the colour of its text, its text]
-        cells = [[int(i), int(j), float(matrix[i, j]), to_hex(cmap(norm(matrix[i, j]))),
-                  "black" if norm(matrix[i, j]) > 0.6 else "white",
-                  cell_bytes(matrix[i, j])]
-                 for i, j in zip(*np.nonzero(matrix > 0), strict=True)]
+        cells = [[int(i), int(j), float(v), color, "black" if x > 0.6 else "white",
+                  cell_bytes(v)]
+                 for i, j, v, color, x in zip(rows, cols, sent, colors, shade, strict=True)]
         panels.append({"group": kind, "title": f"{GROUP_TITLES[kind]}\n"
                                                 f"{human_bytes(matrix.sum())} per step in total",
                        "cells": cells})

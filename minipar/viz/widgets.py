@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
-
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings, schedule_names
 from minipar.train.config import TrainConfig, gpt_config
@@ -45,7 +43,13 @@ from minipar.viz.runs import (
     summary_report,
     vocab_size,
 )
-from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings_from_summary, sharding_picture
+from minipar.viz.sharding import (
+    DEFAULT_CONFIG,
+    KINDS,
+    holdings_from_summary,
+    sharding_picture,
+    shares,
+)
 from minipar.viz.stages import stages_picture
 from minipar.viz.tables import human_bytes, span
 from minipar.viz.timeline import timeline_picture
@@ -107,8 +111,9 @@ class ShardingExplorer(Explorer):
                  prefetch: bool | None = None, **initial):
         self.config = config
         self.measurements = ShardingLayouts(config, cache)
-        self._held: tuple | None = None  # (layout, Holdings) of the last layout shown
-        names = list(_tensor_names(config))
+        self.shapes = parameter_shapes(gpt_config(config, config.vocab_size
+                                                  or vocab_size(config.data)))
+        names = list(self.shapes)
         controls = {
             "dp": make_control("dropdown", "dp", [1, 2, 4], 2, "110px"),
             "tp": make_control("dropdown", "tp", [1, 2, 4], 2, "110px"),
@@ -127,11 +132,8 @@ class ShardingExplorer(Explorer):
 
     def holdings(self, dp, tp, pp, zero):
         """The Holdings of a layout (its masks made again from the measured rectangles)."""
-        layout = dict(dp=dp, tp=tp, pp=pp, zero=zero)
-        if self._held is None or self._held[0] != layout:
-            summary = self.measurements.get(layout)
-            self._held = (layout, holdings_from_summary(summary, self.config))
-        return self._held[1]
+        return holdings_from_summary(self.measurements.get(dict(dp=dp, tp=tp, pp=pp,
+                                                                zero=zero)), self.config)
 
     def lattice(self) -> list[dict]:
         kept = []
@@ -157,17 +159,13 @@ class ShardingExplorer(Explorer):
     def answer(self, values: dict, result: dict):
         dp, pp, zero, kind, tensor = (values[k] for k in ("dp", "pp", "zero", "kind",
                                                           "tensor"))
-        layout = self.measured(values)
-        if self._held is None or self._held[0] != layout:
-            self._held = (layout, holdings_from_summary(result, self.config))
-        held = self._held[1]
-        picture = sharding_picture(held, kind, tensor)
-        shares = [held.fraction(r, kind) for r in range(held.world_size)]
-        who = "1 rank holds" if held.world_size == 1 else f"{held.world_size} ranks; each holds"
-        message = (f"{who} {span(shares, '{:.1%}'.format)} of the model's {kind} "
-                   f"({span([b[kind] for b in held.nbytes])}); one device would hold 100%.")
-        empty = [r for r in range(held.world_size)
-                 if not held.masks[r][kind].get(tensor, np.zeros(1, bool)).any()]
+        picture = sharding_picture(result, self.shapes, kind, tensor)
+        world = len(result["rects"])
+        who = "1 rank holds" if world == 1 else f"{world} ranks; each holds"
+        message = (f"{who} {span(shares(result, self.shapes, kind), '{:.1%}'.format)} of "
+                   f"the model's {kind} ({span([b[kind] for b in result['nbytes']])}); one "
+                   "device would hold 100%.")
+        empty = [r for r, rank in enumerate(result["rects"]) if not rank[kind].get(tensor)]
         if empty:
             why = []
             if pp > 1:
@@ -178,15 +176,10 @@ class ShardingExplorer(Explorer):
                            f"one flat buffer, into {dp} contiguous ranges, one per DP rank, "
                            "so a tensor sits wholly on the rank whose range covers it "
                            "unless a cut falls inside it")
-            message += (f"<br>{len(empty)} of {held.world_size} panels are empty: "
+            message += (f"<br>{len(empty)} of {world} panels are empty: "
                         + "; ".join(why or ["those ranks hold none of it"])
                         + " (the strip above shows where the cuts are).")
         return [picture], message
-
-
-def _tensor_names(config: TrainConfig):
-    return parameter_shapes(gpt_config(config, config.vocab_size
-                                       or vocab_size(config.data))).keys()
 
 
 # ------------------------------------------------------------------ memory
@@ -210,6 +203,7 @@ class MemoryExplorer(Explorer):
     def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
                  prefetch: bool | None = None, **initial):
         self.config = config
+        self.model = config.to_dict()  # (the settings of each step replace their own)
         self.measurements = TrainRuns(config, cache)
         step = self.STEP_DEFAULTS
         controls = {
@@ -243,7 +237,7 @@ class MemoryExplorer(Explorer):
         """The Report (the fields the pictures read) of a setting's training step."""
         measured = self.measured(settings)
         return summary_report(self.measurements.get(measured),
-                              self.config.replace(**measured))
+                              {**self.model, **measured})
 
     def lattice(self) -> list[dict]:
         """Every layout (and precision) up to LATTICE_MAX_RANKS ranks with each number of
@@ -270,7 +264,7 @@ class MemoryExplorer(Explorer):
         return step_status(values)
 
     def answer(self, values: dict, result: dict):
-        report = summary_report(result, self.config.replace(**values))
+        report = summary_report(result, {**self.model, **self.measured(values)})
         c = report.config
         extras = (["checkpointing"] * c["activation_checkpointing"]
                   + [f"{what} offloaded to {c[f'offload_{name}']}"
@@ -376,6 +370,7 @@ class TrafficExplorer(Explorer):
     def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
                  prefetch: bool | None = None, **initial):
         self.config = config
+        self.model = config.to_dict()  # (the settings of each step replace their own)
         self.measurements = TrainRuns(config, cache)
         controls = {
             "dp": make_control("dropdown", "dp", [1, 2, 4, 8], 2, "110px"),
@@ -405,7 +400,7 @@ class TrafficExplorer(Explorer):
         """The Report (the fields the pictures read) of a layout's training step."""
         measured = self.measured(settings)
         return summary_report(self.measurements.get(measured),
-                              self.config.replace(**measured))
+                              {**self.model, **measured})
 
     def lattice(self) -> list[dict]:
         """Every layout (and precision) up to LATTICE_MAX_RANKS ranks with each number of
@@ -427,7 +422,7 @@ class TrafficExplorer(Explorer):
 
     def answer(self, values: dict, result: dict):
         settings = {k: v for k, v in values.items() if k != "by"}
-        report = summary_report(result, self.config.replace(**self.measured(values)))
+        report = summary_report(result, {**self.model, **self.measured(values)})
         per_node = settings["gpus_per_node"]
         matrix = traffic_of(report)
         pictures = [traffic_picture(report, annotate=False, width=FIGURE_WIDTH,
