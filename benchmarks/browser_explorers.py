@@ -18,10 +18,10 @@ explorers' lattices (measured beforehand, minipar/viz/lattice.py), a few to sett
 outside them (measured when asked for): which is which is asked of minipar itself.
 
 Timed in the page, from the moment the script changes the control (the DOM event a click
-makes): "status", until the explorer's status line changes (a MutationObserver); and
-"picture", until the explorer's pictures show the new setting (the `data-setting`
-minipar/viz/pictures.js writes once it has drawn them) and the browser has painted them
-(the next animation frame). A change superseded by the next one before its picture came
+makes): "status", until the explorer's status line has changed (a MutationObserver) and
+been painted (the next animation frame); and "picture", until the explorer's pictures
+show the new setting (the `data-setting` minipar/viz/pictures.js writes once it has
+drawn them) and have been painted. A change superseded by the next one before its picture came
 is counted as such. Reported: every change, then the median and 95th percentile of the
 picture times of lattice settings and of the others, the slowest status line, and the
 load average before and after.
@@ -85,9 +85,11 @@ roots.forEach((root, k) => {
   }).observe(root, {attributes: true, attributeFilter: ['data-setting']});
   const box = root.closest('.widget-vbox');
   const status = box.children[1];
-  new MutationObserver(() => window.miniparTimes.status.push(
-    {k, t: performance.now(), text: status.textContent})).observe(
-      status, {childList: true, subtree: true, characterData: true});
+  new MutationObserver(() => {
+    const text = status.textContent, seen = performance.now();
+    requestAnimationFrame(() => requestAnimationFrame(() => window.miniparTimes.status.push(
+      {k, seen, t: performance.now(), text})));
+  }).observe(status, {childList: true, subtree: true, characterData: true});
 });
 return roots.length;
 """
@@ -287,7 +289,7 @@ def measure(driver, lab: Lab, args) -> int:
     for i, change in enumerate(changes):
         until = changes[i + 1]["t"] if i + 1 < len(changes) else float("inf")
         status = [s["t"] for s in times["status"] if s["k"] == change["k"]
-                  and s["t"] >= change["t"]]
+                  and s["seen"] >= change["t"]]
         drawn = [p["painted"] for p in times["picture"] if p["k"] == change["k"]
                  and p["setting"] == change["setting"] and p["seen"] >= change["t"]]
         change["status_ms"] = (status[0] - change["t"]) if status else None

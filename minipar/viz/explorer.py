@@ -269,11 +269,11 @@ class Explorer(widgets.VBox):
         self._stop_ticking()
         self.error = None
         self.pictures = pictures
+        self.status.value = message  # (first: the smaller message)
         with self.view.hold_sync():  # one message: the browser draws once
             self.view.pictures = pictures
             self.view.setting = key_text(values)
             self.view.visible = True
-        self.status.value = message
         self.draws += 1
         self.last_seconds = time.perf_counter() - start
         self._shown_values = values

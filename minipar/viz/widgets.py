@@ -162,9 +162,11 @@ class ShardingExplorer(Explorer):
         picture = sharding_picture(result, self.shapes, kind, tensor)
         world = len(result["rects"])
         who = "1 rank holds" if world == 1 else f"{world} ranks; each holds"
+        # what is shown, last: a change that moves no share still changes the line
         message = (f"{who} {span(shares(result, self.shapes, kind), '{:.1%}'.format)} of "
                    f"the model's {kind} ({span([b[kind] for b in result['nbytes']])}); one "
-                   "device would hold 100%.")
+                   f"device would hold 100% (dp={dp} tp={values['tp']} pp={pp} ZeRO-{zero}, "
+                   f"{tensor} below).")
         empty = [r for r, rank in enumerate(result["rects"]) if not rank[kind].get(tensor)]
         if empty:
             why = []
@@ -278,7 +280,11 @@ class MemoryExplorer(Explorer):
                  + ("\n+ " + ", ".join(extras) if extras else ""))
         picture = memory_picture(report, title=title)
         peaks = [r["memory"]["peak_total"] for r in report.ranks]
-        message = (f"{report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
+        # The setting first, as the title says it (and the micro-batch size): a change that
+        # moves no bar still changes the line.
+        setting = (title.removeprefix("peak bytes per rank, measured: ").replace("\n+", ",")
+                   + f", micro-batch size {c['micro_batch_size']}")
+        message = (f"{setting}: {report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
                    f"{report.n_params:,} parameters; "
                    f"peak per rank {span(peaks)} "
                    f"(bars: each category's own peak; black tick: the peak of their sum)")
@@ -436,7 +442,8 @@ class TrafficExplorer(Explorer):
         message = (f"dp={settings['dp']} tp={settings['tp']} pp={settings['pp']} ZeRO-"
                    f"{settings['zero']}, micro-batches {settings['grad_accum_steps']}, "
                    f"{settings['precision']}, "
-                   f"{per_node} GPUs per node: one step moved {human_bytes(total)} in all; "
+                   f"{per_node} GPUs per node, bars by {values['by']}: one step moved "
+                   f"{human_bytes(total)} in all; "
                    + ", ".join(f"{k} {human_bytes(v)}" for k, v in groups.items())
                    + f"; {crossing / max(total, 1):.0%} of it crosses a node boundary "
                      f"(InfiniBand instead of NVLink)")
