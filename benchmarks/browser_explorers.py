@@ -80,8 +80,9 @@ const roots = document.querySelectorAll('.minipar-pictures');
 roots.forEach((root, k) => {
   new MutationObserver(() => {
     const setting = root.dataset.setting, seen = performance.now();
+    const drawing = parseFloat(root.dataset.drawMs);
     requestAnimationFrame(() => requestAnimationFrame(() => window.miniparTimes.picture.push(
-      {k, setting, seen, painted: performance.now()})));
+      {k, setting, seen, drawing, painted: performance.now()})));
   }).observe(root, {attributes: true, attributeFilter: ['data-setting']});
   const box = root.closest('.widget-vbox');
   const status = box.children[1];
@@ -294,15 +295,19 @@ def measure(driver, lab: Lab, args) -> int:
                  and p["setting"] == change["setting"] and p["seen"] >= change["t"]]
         change["status_ms"] = (status[0] - change["t"]) if status else None
         change["picture_ms"] = (drawn[0] - change["t"]) if drawn else None
+        change["drawing_ms"] = next((p["drawing"] for p in times["picture"]
+                                     if p["k"] == change["k"] and p["setting"] ==
+                                     change["setting"] and p["seen"] >= change["t"]), None)
         change["superseded"] = bool(drawn) and drawn[0] > until and not change["lattice"]
     print(f"\n{'#':>3} {'explorer':16} {'change':32} {'lattice':>7} {'status ms':>9} "
-          f"{'picture ms':>10}")
+          f"{'picture ms':>10} {'of it, SVG':>10}")
     for i, c in enumerate(changes):
         status = "-" if c["status_ms"] is None else f"{c['status_ms']:.0f}"
         picture = "-" if c["picture_ms"] is None else f"{c['picture_ms']:.0f}"
+        drawing = "-" if c["drawing_ms"] is None else f"{c['drawing_ms']:.0f}"
         what = f"{c['label']} = {c['value']}" + (" (refused)" if c["refused"] else "")
         print(f"{i + 1:>3} {EXPLORERS[c['k']]:16} {what:32} {'yes' if c['lattice'] else 'no':>7} "
-              f"{status:>9} {picture:>10}")
+              f"{status:>9} {picture:>10} {drawing:>10}")
     on = [c["picture_ms"] for c in changes if c["lattice"] and c["picture_ms"] is not None]
     off = [c["picture_ms"] for c in changes if not c["lattice"] and c["picture_ms"] is not None]
     statuses = [c["status_ms"] for c in changes if c["status_ms"] is not None]

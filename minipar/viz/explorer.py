@@ -94,6 +94,8 @@ class Explorer(widgets.VBox):
         self.last_seconds = 0.0
         box = widgets.HBox(list(controls.values()),
                            layout=widgets.Layout(flex_flow="row wrap"))
+        self.view.controls = [[c.model_id, c.description] for c in controls.values()]
+        self.view.status_id = self.status.model_id
         super().__init__([box, self.status, self.view, self.progress])
         for control in controls.values():
             control.observe(self._changed, names="value")
@@ -246,8 +248,7 @@ class Explorer(widgets.VBox):
 
         def say():
             elapsed = 1000 * (time.perf_counter() - start)
-            self.status.value = (f"<span style='color:#666'>{said} {elapsed:.0f} ms so far"
-                                 f"{after}</span>")
+            self._say(f"<span style='color:#666'>{said} {elapsed:.0f} ms so far{after}</span>")
 
         def tick():
             while not stop.wait(TICK_S):
@@ -257,6 +258,13 @@ class Explorer(widgets.VBox):
 
         say()
         threading.Thread(target=tick, name="minipar-explorer-status", daemon=True).start()
+
+    def _say(self, text: str) -> None:
+        """The status line; sent to the browser even when it reads as before (the browser
+        wrote its own there when the reader changed a control: pictures.js)."""
+        if self.status.value == text:
+            self.status.send_state("value")
+        self.status.value = text
 
     def _stop_ticking(self) -> None:
         if self._ticking is not None:
@@ -269,7 +277,7 @@ class Explorer(widgets.VBox):
         self._stop_ticking()
         self.error = None
         self.pictures = pictures
-        self.status.value = message  # (first: the smaller message)
+        self._say(message)  # (first: the smaller message)
         with self.view.hold_sync():  # one message: the browser draws once
             self.view.pictures = pictures
             self.view.setting = key_text(values)
@@ -284,8 +292,8 @@ class Explorer(widgets.VBox):
         self.error = str(refusal)
         asked = the_change(self.controls, self._shown_values, values)
         said = getattr(refusal, "said_as", "cannot run this layout")  # (NothingToShow)
-        self.status.value = (f"<span style='color:#b00020'>{said}{html.escape(asked)}: "
-                             f"{html.escape(self.in_control_words(self.error))}</span>")
+        self._say(f"<span style='color:#b00020'>{said}{html.escape(asked)}: "
+                  f"{html.escape(self.in_control_words(self.error))}</span>")
         # The last pictures belong to another setting: hidden (their space kept, so
         # the page does not jump), never shown under controls they do not match.
         with self.view.hold_sync():
@@ -300,7 +308,7 @@ class Explorer(widgets.VBox):
         what = ("interrupted; change a control to try again"
                 if isinstance(error, KeyboardInterrupt)
                 else f"this setting could not be drawn: {self.error}")
-        self.status.value = f"<span style='color:#b00020'>{html.escape(what)}</span>"
+        self._say(f"<span style='color:#b00020'>{html.escape(what)}</span>")
         self.view.visible = False  # (another setting's pictures)
 
     # ------------------------------------------------------------------ the lattice

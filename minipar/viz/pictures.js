@@ -359,6 +359,42 @@ function drawSharding(picture) {
 const DRAW = { bars: drawBars, matrix: drawMatrix, timeline: drawTimeline,
                sharding: drawSharding };
 
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, c => `&#${c.charCodeAt(0)};`);
+}
+
+// The moment the reader changes one of the explorer's controls, say so in its status
+// line, in the browser: the kernel's answer (the new setting's, or "measuring ...")
+// replaces it a few tens of milliseconds later, or more on a busy machine.
+function watchControls(model) {
+  const manager = model.widget_manager;
+  const watched = [];
+  let stopped = false;
+  (async () => {
+    if (!manager || !model.get("status_id")) return;
+    const status = await manager.get_model(model.get("status_id"));
+    for (const [id, label] of model.get("controls")) {
+      const control = await manager.get_model(id);
+      if (stopped) return;
+      const said = () => {
+        const labels = control.get("_options_labels");
+        const value = labels ? labels[control.get("index")] : control.get("value");
+        status.set("value", `<span style='color:#666'>${escapeHtml(label)} = ` +
+                            `${escapeHtml(value)} ... (the pictures below are still of the ` +
+                            "last setting)</span>");
+      };
+      for (const name of ["change:index", "change:value"]) {
+        control.on(name, said);
+        watched.push([control, name, said]);
+      }
+    }
+  })();
+  return () => {
+    stopped = true;
+    watched.forEach(([control, name, said]) => control.off(name, said));
+  };
+}
+
 function render({ model, el }) {
   const root = document.createElement("div");
   root.className = "minipar-pictures";
@@ -366,8 +402,10 @@ function render({ model, el }) {
   el.appendChild(root);
   let drawn = 0;
   const draw = () => {
+    const started = performance.now();
     const pictures = JSON.parse(model.get("data") || "[]");
     root.replaceChildren(...pictures.map(picture => DRAW[picture.kind](picture)));
+    root.dataset.drawMs = (performance.now() - started).toFixed(1);
     root.style.visibility = model.get("visible") ? "visible" : "hidden";
     // what the pictures show and how many were drawn: for benchmarks/browser_explorers.py
     root.dataset.setting = model.get("setting");
@@ -384,7 +422,8 @@ function render({ model, el }) {
   const names = ["change:data", "change:visible", "change:setting"];
   names.forEach(name => model.on(name, schedule));
   draw();
-  return () => names.forEach(name => model.off(name, schedule));
+  const unwatch = watchControls(model);
+  return () => { names.forEach(name => model.off(name, schedule)); unwatch(); };
 }
 
 export default { render };

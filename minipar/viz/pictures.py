@@ -63,6 +63,11 @@ class PictureView(anywidget.AnyWidget):
     data = traitlets.Unicode("[]").tag(sync=True)
     setting = traitlets.Unicode("").tag(sync=True)
     visible = traitlets.Bool(True).tag(sync=True)
+    # The explorer's controls ([model id, label]) and status line (model id): when the
+    # reader changes a control, the browser says so in the status line at once, before
+    # the kernel has heard of it (the kernel's answer replaces it).
+    controls = traitlets.List([]).tag(sync=True)
+    status_id = traitlets.Unicode("").tag(sync=True)
 
     @property
     def pictures(self) -> list[dict]:
