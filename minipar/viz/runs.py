@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -48,7 +46,6 @@ class RunCache:
         self._runs: dict = {}
         self.hits = 0
         self.misses = 0
-        self._recording = threading.local()  # this thread's `recording()` list, if any
 
     def get(self, key, compute: Callable):
         if key in self._runs:
@@ -57,29 +54,7 @@ class RunCache:
         self.misses += 1
         value = compute()
         self._runs[key] = value
-        made = getattr(self._recording, "keys", None)
-        if made is not None:
-            made.append(key)
         return value
-
-    @contextmanager
-    def recording(self):
-        """`with cache.recording() as made:` -> the keys this thread added meanwhile
-        (a prefetched picture's run, figures and picture, to `discard` together)."""
-        outer = getattr(self._recording, "keys", None)
-        made: list = []
-        self._recording.keys = made
-        try:
-            yield made
-        finally:
-            self._recording.keys = outer
-            if outer is not None:
-                outer.extend(made)
-
-    def discard(self, keys) -> None:
-        """Forget these keys (a later get computes them again)."""
-        for key in keys:
-            self._runs.pop(key, None)
 
     def __contains__(self, key) -> bool:
         return key in self._runs
@@ -243,38 +218,6 @@ def _dense(cells: list, world: int) -> np.ndarray:
         matrix[i, j] = value
     return matrix
 
-
-
-# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): up to 32
-# ranks, dearest last. A change that comes meanwhile cancels the run (the ranks stop at
-# their next call into minipar) but waits for figures being drawn, which grow with the
-# ranks: measured while the worker prepared a neighbour (benchmarks/README.md), a change
-# waited at most ~150 ms behind a 16-rank one, 190 ms behind 32 ranks, 290 ms behind 64
-# and 0.5-0.9 s behind 128 (its run's end and its figures cannot be interrupted).
-PREFETCH_MAX_RANKS = 32
-
-
-def train_key(config: TrainConfig) -> tuple:
-    """A training run's key in a RunCache: its whole config."""
-    return ("train", tuple(sorted(config.to_dict().items())))
-
-
-def traffic_key(config: TrainConfig) -> tuple:
-    """A traffic run's key: its config but the GPUs per node (TrafficExplorer.run)."""
-    return ("train, any gpus_per_node",
-            tuple(sorted((k, v) for k, v in config.to_dict().items()
-                         if k != "gpus_per_node")))
-
-
-def training_cost(values: dict) -> float | None:
-    """What a measured step of a layout costs on the host, relatively: every rank runs
-    every one of its micro-batches through all the ops of its layers (a TP rank too, on
-    slices), one Python op at a time under the GIL, so ranks x micro-batches
-    (benchmarks/README.md, bench_emulation); None past PREFETCH_MAX_RANKS."""
-    world = values["dp"] * values["tp"] * values["pp"]
-    if world > PREFETCH_MAX_RANKS:
-        return None
-    return world * max(1, values.get("grad_accum_steps") or 1)
 
 
 @functools.lru_cache(maxsize=8)
