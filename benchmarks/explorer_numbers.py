@@ -97,20 +97,43 @@ def collect() -> dict:
     return out
 
 
+def _where(x, y, path: str = "") -> str | None:
+    """The first place where two JSON values differ, or None."""
+    if type(x) is not type(y):
+        return path or "/"
+    if isinstance(x, dict):
+        for key in x:
+            found = _where(x[key], y.get(key), f"{path}/{key}") if key in y else f"{path}/{key}"
+            if found:
+                return found
+        return None
+    if isinstance(x, list):
+        if len(x) != len(y):
+            return f"{path} (length {len(x)} vs {len(y)})"
+        return next((found for i, (p, q) in enumerate(zip(x, y, strict=True))
+                     if (found := _where(p, q, f"{path}[{i}]"))), None)
+    return None if x == y else path
+
+
 def compare(a: dict, b: dict) -> int:
-    """Print the views that differ; the number of them."""
-    differ = 0
+    """Print the views whose figures differ (where first) and those whose status line
+    does; the number of views that differ in either."""
+    figures = status = 0
     for label in a:
         if label not in b:
             print(f"only in the first: {label}")
-            differ += 1
+            figures += 1
             continue
-        if a[label] != b[label]:
-            differ += 1
-            what = [key for key in ("status", "error", "figures") if a[label][key] != b[label][key]]
-            print(f"differs: {label} ({', '.join(what)})")
-    print(f"{len(a) - differ} of {len(a)} views show the same numbers")
-    return differ
+        if a[label]["figures"] != b[label]["figures"] or a[label]["error"] != b[label]["error"]:
+            figures += 1
+            print(f"figures differ: {label} at {_where(a[label], b[label])}")
+        if a[label]["status"] != b[label]["status"]:
+            status += 1
+            print(f"status differs: {label}\n  {a[label]['status'][:160]}\n  "
+                  f"{b[label]['status'][:160]}")
+    print(f"{len(a) - figures} of {len(a)} views' figures show the same numbers; "
+          f"{len(a) - status} status lines read the same")
+    return figures + status
 
 
 def main() -> None:

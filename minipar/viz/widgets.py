@@ -23,6 +23,9 @@ layout up to LATTICE_MAX_RANKS ranks with the rest of its controls, minipar/viz/
 lattice.py) was measured once and ships with the package, so a change to one of them
 costs a lookup and a few KB of data for the browser; any other setting is measured when
 asked for, the status line saying so at once (minipar/viz/explorer.py).
+
+This module is long because it holds the four explorers, a screenful each: their
+controls, their lattice and what their status line says.
 """
 
 from __future__ import annotations
