@@ -18,6 +18,8 @@ benchmarks/zero_bubble_tables.py prints both cases.
 
 from __future__ import annotations
 
+import contextlib
+
 from minipar import distributed as dist
 from minipar.autograd.function import Context
 from minipar.autograd.tracking import use_device
@@ -48,19 +50,17 @@ def zero_backward_flops(output, stop=None) -> None:
 def charge_blocks_only(chunk) -> None:
     """Make a pipeline chunk's embedding, final LayerNorm, head and loss free (forward and
     backward), so that the chunk costs exactly its blocks. Call it on every chunk of a
-    `Pipeline` before `forward_backward`, on the rank that owns the chunk."""
-    embed, head = chunk.embed, chunk.head
+    `Pipeline` before `forward_backward`, on the rank that owns the chunk: forward hooks
+    around GPT's `embed` and `head` run them on a device that charges no time."""
+    for method in ("embed", "head"):
+        free = contextlib.ExitStack()
 
-    def free_embed(idx):
-        with use_device(NoCompute(dist.get_device())):
-            x = embed(idx)
-        zero_backward_flops(x)
-        return x
+        def enter(module, args, free=free):
+            free.enter_context(use_device(NoCompute(dist.get_device())))
 
-    def free_head(x, targets=None):
-        with use_device(NoCompute(dist.get_device())):
-            loss = head(x, targets)
-        zero_backward_flops(loss, stop=x)
-        return loss
+        def leave(module, args, output, free=free, stop_at_input=method == "head"):
+            free.close()
+            zero_backward_flops(output, stop=args[0] if stop_at_input else None)
 
-    chunk.embed, chunk.head = free_embed, free_head
+        chunk.register_forward_pre_hook(enter, method=method)
+        chunk.register_forward_hook(leave, method=method)

@@ -20,7 +20,7 @@ from minipar import distributed as dist
 from minipar.distributed.timeline import bubble_fraction, labelled_compute_seconds
 from minipar.nn import GPTConfig
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 
 if __name__ == "__main__":
     parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype

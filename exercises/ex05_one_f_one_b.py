@@ -6,7 +6,7 @@ Pipeline parallelism cuts the model into p stages of consecutive layers, one per
 and splits the batch into m micro-batches. A *schedule* says in which order each stage
 runs its forwards and backwards, and where activations and gradients travel between
 neighbouring stages. minipar keeps schedules as data: per rank, a list of actions
-(minipar/parallel/pipeline/schedules.py, read its docstring):
+(minipar/parallel/pipeline/actions.py, read its docstring):
 
     Forward(i)                  run this stage's layers forward on micro-batch i
     Backward(i)                 backpropagate micro-batch i through this stage
@@ -67,7 +67,7 @@ def one_f_one_b(pp: int, micro_batches: int) -> list[list]:
     What the checker measures, for (p, m) = (1, 3), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4):
     - the compute order of every stage against the PipeDream-Flush rules above;
     - every send is received and every receive is sent, by the right neighbour, in the
-      right order (minipar.parallel.pipeline.schedules.validate);
+      right order (minipar.parallel.pipeline.simulator.validate);
     - the schedule runs on p virtual ranks without deadlock, and each receive gets the
       message it expects (sends are posted with isend, as Megatron-LM's p2p code does);
     - at most min(p - s, m) micro-batches in flight on stage s;

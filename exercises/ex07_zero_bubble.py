@@ -59,7 +59,7 @@ def zb_h1_compute_order(pp: int, micro_batches: int, rank: int) -> list[tuple[st
     What the checker measures, for (p, m) = (2, 2), (2, 4), (3, 3), (4, 4), (4, 8):
     - the order against the rules, stage by stage;
     - the lists of all p stages, with sends and receives added, run on paper without
-      deadlock (minipar.parallel.pipeline.schedules.simulate_step) and every W after its I;
+      deadlock (minipar.parallel.pipeline.simulator.simulate_step) and every W after its I;
     - at most p micro-batches between F and W on every stage (1F1B's peak);
     - with T_F = T_B = T_W = 1, (p - 1)(T_F + T_B - T_W) = p - 1 units idle per stage.
     """

@@ -27,7 +27,7 @@ from pathlib import Path
 from minipar import distributed as dist
 from minipar.errors import ConfigError, MiniparError, OutputError, flag
 from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.pipeline.schedules import SCHEDULES, schedule_names
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, schedule_names
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minipar.distributed import DeviceProfile
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
 from minipar.train.report import MEMORY_CATEGORIES, Report

@@ -3,7 +3,7 @@
 The expected compute order is derived here from the PipeDream-Flush rules (Narayanan et
 al. 2021, section 2.2.1): stage s runs min(p - s - 1, m) warm-up forwards, then one
 forward and one backward in turn, then the remaining backwards. The action lists are
-- validated on paper by `minipar.parallel.pipeline.schedules.simulate` (every send received by
+- validated on paper by `minipar.parallel.pipeline.simulator.simulate` (every send received by
   the right neighbour, every receive sent, inputs received before use, no wait cycle);
 - run on p virtual ranks with minipar.distributed (isend for sends, a blocking recv for
   receives, as Megatron-LM's p2p code): no DeadlockError, and every receive gets the

@@ -6,7 +6,7 @@ backward of `minipar.autograd.functional.linear` on the same x, W, b and dL/dy).
 expected ZB-H1 order is derived here from the rules of the exercise (Qi et al. 2024,
 section 3.1): 1F1B's warm-up, then F / I in turn with stage r's W's delayed by r, the rest
 at the end. The orders of all stages, with their messages, are then
-- validated and timed on paper by `minipar.parallel.pipeline.schedules.simulate_step` (every I
+- validated and timed on paper by `minipar.parallel.pipeline.simulator.simulate_step` (every I
   after its F and after its output gradient arrived, every W after its I, no deadlock);
 - measured: micro-batches between F and W per stage (at most p, 1F1B's peak), and the
   idle time per stage with T_F = T_B = T_W = 1 (the paper's (p-1)(T_F+T_B-T_W) = p - 1).
@@ -19,7 +19,7 @@ import numpy as np
 from minipar.autograd import Tensor
 from minipar.autograd import functional as F
 from minipar.errors import ScheduleError
-from minipar.parallel.pipeline.actions import from_compute_orders
+from minipar.parallel.pipeline.schedules.orders import from_compute_orders
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
 
 from .harness import CheckFailed, check_building_blocks, expect, start_report

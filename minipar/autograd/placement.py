@@ -152,8 +152,8 @@ def require_replicated_gradients(named_params) -> None:
                 f"{name}: its gradient is {placement} over the {param.placement_group} "
                 "group (this rank's summand) but the gradient norm and the optimizer "
                 "step need Replicate(): the step's all-reduce of the sequence-parallel "
-                "gradients (finalize_model_grads, minipar/parallel/tensor/sequence.py) has not "
-                "run since the last backward, so each replica would step differently")
+                "gradients (finalize_model_grads, minipar/parallel/tensor/sequence_grads.py) "
+                "has not run since the last backward, so each replica would step differently")
 
 
 # ---------------------------------------------------------------------------- activations

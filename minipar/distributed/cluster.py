@@ -193,6 +193,8 @@ class Cluster:
                     raise RankAborted
             self.turns.give_back(rank)
             self._wakeup[rank].wait()
+            if self.failure is not None:  # woken to stop: that needs no turn
+                raise RankAborted
             # Take the turn back without the lock: the rank running now may need the lock.
             self.lock.release()
             try:

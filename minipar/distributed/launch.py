@@ -21,10 +21,13 @@ torch.distributed's NCCL process groups: generous for any run minipar trains).
 Stopping: after a failure or a timeout, every rank is woken and stops at its next call
 into minipar. A rank that does not within ABORT_GRACE seconds (stuck in its own loop, or
 catching the abort and retrying) gets RankAborted raised in its thread
-(PyThreadState_SetAsyncExc), a few times; CPython delivers it at the thread's next
-bytecode, so a thread blocked inside one long C call (time.sleep, a huge matmul) only
-stops when that call returns. Such a thread is left running as a daemon thread (it
-cannot keep the interpreter alive) and the error says so.
+(PyThreadState_SetAsyncExc), up to ASYNC_ABORTS times, ASYNC_GRACE seconds apart;
+CPython delivers it at the thread's next bytecode, so a thread blocked inside one long C
+call (time.sleep, a huge matmul) only stops when that call returns. Such a thread is left
+running as a daemon thread (it cannot keep the interpreter alive) and the error says so.
+The launch does not wait for it: whatever the other ranks do, the error (a deadlock, a
+rank's exception) is raised within ABORT_GRACE + ASYNC_ABORTS x ASYNC_GRACE (< 1 s) of
+the failure.
 
 Cancelling: launches started inside `with cancellation:` (a `Cancellation`, by this
 thread) stop when any thread calls `cancellation.cancel()`, as after a failure, and raise
@@ -61,8 +64,12 @@ from .p2p import finish_pending
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's default for NCCL process groups
 TIMEOUT_ENV = "MINIPAR_LAUNCH_TIMEOUT"
 WATCH_INTERVAL = 0.05  # seconds between the watchdog's looks
-ABORT_GRACE = 1.0  # seconds a rank gets to stop by itself after an abort
+ABORT_GRACE = 0.5  # seconds a rank gets to stop by itself after an abort
 ASYNC_ABORTS = 3  # times RankAborted is raised into a rank that does not stop
+# Seconds a rank gets to stop after each: a thread that runs Python takes the exception at
+# its next bytecode, within a GIL switch interval (5 ms) of being scheduled; one that has
+# not stopped by then catches it, or is blocked in a C call that no exception interrupts.
+ASYNC_GRACE = 0.15
 STACK_FRAMES = 8  # frames of each rank's stack in a timeout message
 
 _scoped_timeout: contextvars.ContextVar = contextvars.ContextVar("minipar_launch_timeout",
@@ -324,7 +331,7 @@ def _stop(threads: list) -> list[int]:
     """Join the ranks after an abort; raise RankAborted into those that do not stop by
     themselves (module docstring). Returns the ranks left running."""
     for attempt in range(ASYNC_ABORTS + 1):
-        deadline = time.monotonic() + ABORT_GRACE
+        deadline = time.monotonic() + (ASYNC_GRACE if attempt else ABORT_GRACE)
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         stuck = [t for t in threads if t.is_alive()]

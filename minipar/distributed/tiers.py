@@ -21,7 +21,7 @@ alpha + S/B (`DeviceProfile.tier_link`, clock.py). A blocking copy makes the ran
 for its end ("transfer" on the timeline); an `async_op=True` copy runs while the rank
 computes on (a CUDA copy on a side stream, `non_blocking=True`) and the rank only waits
 for it in `wait_transfers()`. Which copies overlap is the strategy's decision, made where
-DeepSpeed makes it (minipar/parallel/zero/sharded.py).
+DeepSpeed makes it (minipar/parallel/zero/offload.py).
 
 The arrays of every tier are NumPy arrays in this process: a tier is where the ledger
 books them and what a copy costs, exactly as the GPU "tier" is.

@@ -54,7 +54,7 @@ def bubble_fraction(timelines, start: float | None = None, end: float | None = N
     Idle is time neither computing nor communicating: waiting for a neighbour's
     activation or gradient (the pipeline bubble), for a collective's last member, or
     after finishing early. With uniform stages and free communication this is the
-    schedule's own formula, minipar.parallel.pipeline.schedules.uniform_bubble_fraction
+    schedule's own formula, minipar.parallel.pipeline.schedules.registry.uniform_bubble_fraction
     ((p - 1) / (m + p - 1) for GPipe and 1F1B).
     """
     rows = time_breakdown(timelines, start, end)

@@ -25,16 +25,28 @@ collective) would otherwise run out of it one after another while every turn is 
 well, and then all run at once: 18-21k context switches and 0.13-0.22 s of kernel CPU in
 one such step instead of ~200 and 0.03-0.05 s (benchmarks/README.md, "turns that wait
 their turn").
+
+A turn that has not changed hands for STUCK_S is stuck: its holder sleeps, loops or sits
+in one long call (time.sleep, a big NumPy call), and nobody queues for it again until it
+changes hands. Otherwise every wake-up of every other rank would wait PATIENCE_S first:
+two ranks exchanging messages beside a rank in a 4 s time.sleep would manage 20 messages
+a second, and a wait cycle they close after many would be found that much later.
+STUCK_S is a few times the longest a rank of the demo's or the explorers' layouts holds
+the turn between two waits (measured: medians 0.1-2.4 ms, at most ~100 ms on 2 cores at
+load 6), so that waking ranks still queue behind a holder that is merely computing.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 # How long a rank waits for a turn that does not change hands before it runs anyway:
 # longer than the compute of a tiny model between two collectives (~1 ms), short next to
 # a delay a reader notices.
 PATIENCE_S = 0.05
+# How long the turn must stay with one holder before nobody waits for it (docstring).
+STUCK_S = 0.25
 
 
 class Turns:
@@ -45,15 +57,21 @@ class Turns:
         self._turn = threading.Lock()
         self._has_turn = [False] * world_size
         self._handovers = 0  # how many times the turn was taken: it changed hands
+        self._handed_over_at = time.monotonic()  # when it last did
 
     def take(self, rank: int) -> None:
         """Wait for the turn before `rank` runs its own code; run without it once the turn
         has not changed hands for PATIENCE_S (its holder sleeps or loops, or computes
-        that long)."""
+        that long), and at once if it is stuck (module docstring)."""
         while True:
             handovers = self._handovers
-            if self._turn.acquire(timeout=PATIENCE_S):
+            if time.monotonic() - self._handed_over_at < STUCK_S:
+                taken = self._turn.acquire(timeout=PATIENCE_S)
+            else:  # stuck: take it if it is free, else run without it
+                taken = self._turn.acquire(blocking=False)
+            if taken:
                 self._handovers += 1
+                self._handed_over_at = time.monotonic()
                 self._has_turn[rank] = True
                 return
             if self._handovers == handovers:  # nobody took it meanwhile: run anyway

@@ -5,7 +5,8 @@
         x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))    (pre-LayerNorm)
     loss = CE(ln_f(x) @ wte.T, targets)             head(x, targets)
 
-`embed`, the blocks and `head` are separate so pipeline stages can run their share.
+`embed`, the blocks and `head` are separate so a pipeline stage, a GPT over some of
+the layers, runs its share.
 Attention reads its number of heads off the width of its `c_attn` output, so a
 column-parallel `c_attn` that holds a subset of heads works unchanged.
 
@@ -29,7 +30,15 @@ from minipar.autograd.checkpoint import checkpoint
 from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.precision import get_policy
 from minipar.autograd.tensor import Tensor
-from minipar.nn.layers import INITIAL_DRAWS, Dropout, Embedding, LayerNorm, Linear
+from minipar.nn.layers import (
+    INITIAL_DRAWS,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    Identity,
+    LayerNorm,
+    Linear,
+)
 from minipar.nn.module import Module, ModuleList, Parameter, hook_point
 from minipar.nn.moe import MoE, attach_aux_loss
 from minipar.nn.recompute import Recompute, run_blocks
@@ -236,26 +245,43 @@ class Block(Module):
 
 
 class LMHead(Module):
-    """Untied output projection; weight (vocab, d_model) as HF's lm_head, logits = x @ W.T."""
+    """The output projection, logits = x @ W.T with W (vocab, d_model): its own weight
+    (HF's `lm_head.weight`) when untied, else the weight passed in, wte for GPT-2's tied
+    head (Megatron-LM's `output_layer(x, weight=shared_embedding_or_output_weight())`).
+    gather_output: a vocabulary-parallel head all-gathers its logits; here they are whole."""
 
-    def __init__(self, vocab_size: int, d_model: int, *, dtype=np.float64):
+    def __init__(self, vocab_size: int, d_model: int, *, tied: bool = False,
+                 dtype=np.float64):
         super().__init__()
-        self.weight = Parameter(np.zeros((vocab_size, d_model), dtype=dtype))
+        if not tied:
+            self.weight = Parameter(np.zeros((vocab_size, d_model), dtype=dtype))
 
-    def forward(self, x):
-        return F.linear(x, self.weight, None, transpose_weight=True)
+    def forward(self, x, weight=None, gather_output: bool = False):
+        weight = self.weight if weight is None else weight
+        return F.linear(x, weight, None, transpose_weight=True)
 
 
-def check_token_ids(idx, seq_len: int, who: str) -> np.ndarray:
-    """idx as an integer ndarray (B, T) with T <= seq_len, or a ValueError naming `who`
-    (the model, or the pipeline stage that embeds)."""
+class PositionIds(Module):
+    """The rows of wpe that a sequence of `length` tokens takes: 0 .. length-1 (Megatron's
+    position_ids). Context parallelism swaps in its own: my tokens' global positions."""
+
+    def __init__(self, seq_len: int):
+        super().__init__()
+        self.seq_len = seq_len
+
+    def forward(self, length: int):
+        if length > self.seq_len:
+            raise ValueError(f"GPT: sequence length {length} exceeds seq_len {self.seq_len} "
+                             "of the config")
+        return slice(0, length)  # a view of wpe's first rows
+
+
+def check_token_ids(idx) -> np.ndarray:
+    """idx as an integer ndarray (B, T), or a ValueError."""
     idx = np.asarray(idx.data if isinstance(idx, Tensor) else idx)
     if idx.ndim != 2 or idx.dtype.kind not in "iu":
-        raise ValueError(f"{who}: idx must be an integer array (B, T), got shape "
+        raise ValueError(f"GPT: idx must be an integer array (B, T), got shape "
                          f"{idx.shape} dtype {idx.dtype}")
-    if idx.shape[1] > seq_len:
-        raise ValueError(f"{who}: sequence length {idx.shape[1]} exceeds seq_len "
-                         f"{seq_len} of the config")
     return idx
 
 
@@ -263,34 +289,59 @@ class GPT(Module):
     """The model: `loss = model(idx, targets)`, or logits (B, T, V) without targets.
 
     precision: "fp64", "fp32" or "bf16-mixed" (parameter and activation dtype; see
-    minipar.autograd.precision). activation_checkpointing: recompute each block in
-    backward instead of keeping its activations. recompute: a finer policy (selective,
-    or full for some blocks; minipar.nn.recompute), instead of activation_checkpointing.
+    minipar.autograd.precision). recompute: which activations backward recomputes
+    (selective, or full for some blocks; minipar.nn.recompute); None keeps them all.
+
+    A pipeline stage is a GPT over some of the layers (Megatron-LM's GPTModel with
+    pre_process / post_process): `layers`, a range of global indices (default all), the
+    embedding if `pre_process`, ln_f, the LM head and the loss if `post_process`. Blocks
+    are registered under their global index, so a stage's parameter names are the whole
+    model's ("h.5.attn.c_attn.weight" wherever layer 5 is); a last stage without the
+    first holds its own copy of a tied wte (the pipeline keeps the copies equal). `stage`
+    (a virtual stage's index) gives the stage its own dropout stream, as Megatron seeds
+    each pipeline rank apart. Parameters are initialised by global name, so a stage
+    starts equal to the same layers of the whole model.
+
+    Parallel strategies convert a built GPT in place by swapping its child modules
+    (`parallelize_tensor`, `parallelize_context`, `parallelize_experts` in
+    minipar/parallel/): `position_ids`, `scatter_to_sequence_parallel`, `lm_head` and
+    `lm_loss` are the places where embed and head differ between strategies.
     """
 
     def __init__(self, config: GPTConfig, seed: int = 0, precision: str = "fp64",
-                 activation_checkpointing: bool = False, recompute: Recompute | None = None):
+                 recompute: Recompute | None = None, *, layers: range | None = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 stage: int | None = None):
         super().__init__()
         self.config = config
         self.seed = seed
         self.policy = get_policy(precision)
-        self.activation_checkpointing = activation_checkpointing
-        self.recompute = recompute if recompute is not None else Recompute.from_settings(
-            activation_checkpointing)
+        self.recompute = Recompute() if recompute is None else recompute
+        self.layers = range(config.n_layer) if layers is None else layers
+        self.pre_process, self.post_process = pre_process, post_process
         dtype = self.policy.param_dtype
-        # One generator for every dropout mask, seeded apart from the weights.
-        self.dropout_generator = np.random.default_rng([seed, zlib.crc32(b"dropout")])
+        # One generator for every dropout mask, seeded apart from the weights (a pipeline
+        # stage's apart from the others': with dropout its masks differ from one device's).
+        stream = [seed, zlib.crc32(b"dropout")] + ([] if stage is None else [stage])
+        self.dropout_generator = np.random.default_rng(stream)
         gen = self.dropout_generator
-        self.wte = Embedding(config.vocab_size, config.d_model, dtype=dtype)
-        self.wpe = Embedding(config.seq_len, config.d_model, dtype=dtype)
-        self.drop = Dropout(config.dropout, gen)
-        self.h = ModuleList(Block(config, dtype=dtype, generator=gen,
-                                  checkpoint_core_attention=self.recompute.selective,
-                                  moe=config.is_moe_layer(i))
-                            for i in range(config.n_layer))
-        self.ln_f = LayerNorm(config.d_model, dtype=dtype)
-        if not config.tie_embeddings:
-            self.lm_head = LMHead(config.vocab_size, config.d_model, dtype=dtype)
+        d, vocab = config.d_model, config.vocab_size
+        if pre_process:
+            self.wte = Embedding(vocab, d, dtype=dtype)
+            self.wpe = Embedding(config.seq_len, d, dtype=dtype)
+            self.position_ids = PositionIds(config.seq_len)
+            self.drop = Dropout(config.dropout, gen)
+            self.scatter_to_sequence_parallel = Identity()
+        self.h = ModuleList((Block(config, dtype=dtype, generator=gen,
+                                   checkpoint_core_attention=self.recompute.selective,
+                                   moe=config.is_moe_layer(i)) for i in self.layers),
+                            start=self.layers.start)
+        if post_process:
+            self.ln_f = LayerNorm(d, dtype=dtype)
+            self.lm_head = LMHead(vocab, d, tied=config.tie_embeddings, dtype=dtype)
+            self.lm_loss = CrossEntropyLoss()
+            if config.tie_embeddings and not pre_process:  # the last stage's own copy
+                self.wte = Embedding(vocab, d, dtype=dtype)
         initialize_parameters(self, config, seed)
 
     @staticmethod
@@ -301,25 +352,34 @@ class GPT(Module):
 
     @hook_point
     def embed(self, idx) -> Tensor:
-        """Token plus position embeddings: idx (B, T) ints -> x (B, T, d)."""
-        idx = check_token_ids(idx, self.config.seq_len, who="GPT")
-        x = self.wte(idx) + self.wpe.weight[:idx.shape[1]]
-        return self.drop(x)
+        """Token plus position embeddings: idx (B, T) ints -> x (B, T, d). Per rank:
+        under context parallelism idx holds my T/N tokens; under sequence parallelism
+        x is my (B, T/t, d) piece."""
+        idx = check_token_ids(idx)
+        where = self.position_ids(idx.shape[1])
+        x = self.drop(self.wte(idx) + self.wpe.weight[where])
+        return self.scatter_to_sequence_parallel(x)
 
     @hook_point
     def head(self, x, targets=None):
         """Final LayerNorm and LM head: x (B, T, d) -> mean cross-entropy against
         targets (B, T), or the logits (B, T, V) when targets is None."""
         x = self.ln_f(x)
-        weight = self.wte.weight if self.config.tie_embeddings else self.lm_head.weight
-        logits = F.linear(x, weight, None, transpose_weight=True)
+        tied = self.wte.weight if self.config.tie_embeddings else None
         if targets is None:
-            return logits
-        return F.cross_entropy(logits, targets)
+            return self.lm_head(x, tied, gather_output=True)
+        return self.lm_loss(self.lm_head(x, tied), targets)
 
-    def forward(self, idx, targets=None):
-        x = self.embed(idx)
+    def forward(self, x, targets=None):
+        """x: idx (B, T) ints, or the previous stage's (B, T, d) output when this GPT
+        has no embedding (not pre_process). Returns the loss (logits without targets),
+        or without a head (not post_process) the (B, T, d) output of the blocks."""
+        return self.body(self.embed(x) if self.pre_process else x, targets)
+
+    def body(self, x, targets=None):
+        """Everything after the embedding, on its (B, T, d) output x: the blocks, then
+        the head and loss if post_process (a pipeline's split backward stops at x)."""
         generator = self.dropout_generator if self.config.dropout > 0 else None
         x = run_blocks(self.h, x, self.recompute, generator)
         # The LM loss; MoE blocks' aux losses join the gradients in backward (moe.py).
-        return self.head(x, targets)
+        return self.head(x, targets) if self.post_process else x

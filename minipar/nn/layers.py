@@ -1,4 +1,4 @@
-"""Layers: `Linear`, `LayerNorm`, `Embedding`, `Dropout`.
+"""Layers: `Linear`, `LayerNorm`, `Embedding`, `Dropout`, `Identity`, `CrossEntropyLoss`.
 
 Weights use Hugging Face GPT-2's layouts: `Linear.weight` is (in_features, out_features)
 and is applied as x @ W (HF's Conv1D), `Embedding.weight` is (num_embeddings, dim).
@@ -123,3 +123,18 @@ class Dropout(Module):
 
     def forward(self, x):
         return F.dropout(x, self.p, self.generator, self.training)
+
+
+class Identity(Module):
+    """x -> x. Holds a place in a model that a parallel strategy swaps for its own module
+    (GPT's scatter into the sequence-parallel region: minipar/parallel/tensor/sequence.py)."""
+
+    def forward(self, x):
+        return x
+
+
+class CrossEntropyLoss(Module):
+    """Mean cross-entropy of logits (..., V) against integer targets (...)."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits, targets)

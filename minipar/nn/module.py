@@ -36,7 +36,7 @@ class Parameter(Tensor):
     `grad_placement` is how its gradient relates to the full one over the same group:
     `Replicate()`, except for a sequence-parallel parameter whose gradient holds only my
     tokens' summand, `Partial()`, until the step's all-reduce sums it
-    (minipar/parallel/tensor/sequence.py); the optimizers refuse it until then.
+    (minipar/parallel/tensor/sequence_grads.py); the optimizers refuse it until then.
     """
 
     __slots__ = ("placement", "placement_group", "grad_category", "grad_placement")
@@ -266,16 +266,19 @@ class _Handle:
 
 
 class ModuleList(Module):
-    """A list of modules registered as "0", "1", ... (GPT-2's `h.0`, `h.1`, ...)."""
+    """A list of modules registered as "0", "1", ... (GPT-2's `h.0`, `h.1`, ...), or from
+    `start` on (a pipeline stage's blocks keep their global index: "h.5", "h.6").
+    Indexing and iteration are by position, as a list's."""
 
-    def __init__(self, modules=()):
+    def __init__(self, modules=(), start: int = 0):
         super().__init__()
         self._items: list[Module] = []
+        self._start = start
         for module in modules:
             self.append(module)
 
     def append(self, module: Module) -> ModuleList:
-        setattr(self, str(len(self._items)), module)
+        setattr(self, str(self._start + len(self._items)), module)
         self._items.append(module)
         return self
 
@@ -284,7 +287,7 @@ class ModuleList(Module):
 
     def __setitem__(self, index: int, module: Module) -> None:
         index = range(len(self._items))[index]
-        setattr(self, str(index), module)
+        setattr(self, str(self._start + index), module)
         self._items[index] = module
 
     def __len__(self) -> int:

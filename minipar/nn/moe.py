@@ -55,7 +55,7 @@ from minipar.autograd.function import Function
 from minipar.autograd.grad_mode import is_grad_enabled
 from minipar.autograd.ops import concat
 from minipar.autograd.tensor import Tensor
-from minipar.nn.layers import Linear
+from minipar.nn.layers import Identity, Linear
 from minipar.nn.module import Module, Parameter
 
 
@@ -150,12 +150,28 @@ def run_local_experts(experts: Experts, buffer: Tensor) -> Tensor:
     return concat(outs, axis=0)
 
 
+class MoETokenDispatcher(Module):
+    """Moves the dispatch buffer to the experts that hold its rows and back (Megatron-LM's
+    MoETokenDispatcher, megatron/core/transformer/moe/token_dispatcher.py). On one device
+    every expert is here: dispatch and combine keep the buffer (E, C, d) as it is.
+    Expert parallelism swaps in its all-to-all (minipar/parallel/expert/dispatch.py)."""
+
+    def dispatch(self, buffer):
+        """(E, C, d) my tokens by expert -> (E_local, rows, d) the rows of my experts."""
+        return buffer
+
+    def combine(self, out):
+        """(E_local, rows, d) my experts' outputs -> (E, C, d) my tokens' by expert."""
+        return out
+
+
 class MoE(Module):
     """Drop-in for a block's MLP: x (B, T, d) -> (B, T, d), plus `self.aux_loss`.
 
-    `exchange(buffer)` maps the dispatch buffer (E, C, d) to the experts' outputs
-    (E, C, d); on one device it runs every expert here. Expert parallelism replaces it
-    (minipar.parallel.expert.dispatch) and builds only its experts (`expert_ids`).
+    `token_dispatcher` moves the dispatch buffer (E, C, d) to the experts and back;
+    expert parallelism swaps it and keeps only its experts (`expert_ids`). With sequence
+    parallelism, tensor parallelism swaps the two Identity places around the routing:
+    my tokens' pieces all-gathered before it, my piece of the output kept after.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, capacity_factor: float,
@@ -167,10 +183,9 @@ class MoE(Module):
         self.router.weight = Parameter(np.zeros((d_model, num_experts), dtype=dtype))
         ids = range(num_experts) if expert_ids is None else expert_ids
         self.experts = Experts(ids, d_model, dtype=dtype)
-        self.exchange = lambda buffer: run_local_experts(self.experts, buffer)
-        # Tensor parallelism replaces these (minipar/parallel/tensor/model.py): with sequence
-        # parallelism, gather my tokens' sequence pieces before routing, scatter after.
-        self.enter_region = self.leave_region = lambda x: x
+        self.token_dispatcher = MoETokenDispatcher()
+        self.gather_from_sequence_parallel = Identity()
+        self.scatter_to_sequence_parallel = Identity()
         self.aux_loss: Tensor | None = None
         self.aux_loss_scale = 1.0  # d(objective)/d(aux_loss): set_aux_loss_scale
         self.last_routing: dict | None = None
@@ -178,7 +193,7 @@ class MoE(Module):
                                "assigned": 0, "forwards": 0, "aux_loss": 0.0}
 
     def forward(self, x):
-        x = self.enter_region(x)
+        x = self.gather_from_sequence_parallel(x)
         b, t, d = x.shape
         n, e, k = b * t, self.num_experts, self.top_k
         tokens = x.reshape(n, d)
@@ -194,7 +209,8 @@ class MoE(Module):
         source[chosen[kept], slot[kept]] = np.broadcast_to(rows, chosen.shape)[kept]
         padded = concat([tokens, Tensor(np.zeros((1, d), dtype=tokens.dtype))], axis=0)
         buffer = padded[source]                                               # (E, C, d)
-        out = self.exchange(buffer)                                           # (E, C, d)
+        local = run_local_experts(self.experts, self.token_dispatcher.dispatch(buffer))
+        out = self.token_dispatcher.combine(local)                            # (E, C, d)
 
         # combine: y[t] = sum_j gates[t, j] out[chosen[t, j], slot[t, j]]
         flat = concat([out.reshape(e * cap, d),
@@ -217,4 +233,4 @@ class MoE(Module):
             totals["assigned"] += n * k
             totals["forwards"] += 1
             totals["aux_loss"] += float(self.aux_loss.data)
-        return self.leave_region(y.reshape(b, t, d))
+        return self.scatter_to_sequence_parallel(y.reshape(b, t, d))

@@ -20,10 +20,9 @@ d98e8a64):
 
 `num_layers` counts layers of one model chunk (Megatron's `num_layers_per_pipeline_rank`
 is `len(self.layers)` of one TransformerBlock, a virtual stage under interleaving).
-minipar's `--activation-checkpointing` is full recomputation of every layer, i.e. full /
-uniform / 1, and `--recompute-granularity full` without a method means the same
-(Megatron's docstring: "if None, and recompute is enabled, all layers will do
-recomputation"; its validation instead insists on a method and a count).
+`--recompute-granularity full` without a method recomputes every layer, i.e. full /
+uniform / 1 (Megatron's docstring: "if None, and recompute is enabled, all layers will
+do recomputation"; its validation instead insists on a method and a count).
 
 The rules (validation) live here once (`recompute_problem`); TrainConfig, the planner's
 ParallelConfig and a hand-built `Recompute` raise them as ConfigError naming the flag.
@@ -155,9 +154,8 @@ def recompute_problem(activation_checkpointing: bool, granularity, method, num_l
 def run_blocks(blocks, x, recompute: Recompute, generator=None):
     """x through `blocks` in order, checkpointing the segments `recompute` chooses.
 
-    With full uniform k = 1 this is `checkpoint(block, x)` per block, exactly what
-    --activation-checkpointing always did. `generator`: the dropout masks' generator, so
-    a recomputed segment draws the same masks.
+    With full uniform k = 1 this is `checkpoint(block, x)` per block. `generator`: the
+    dropout masks' generator, so a recomputed segment draws the same masks.
     """
     if not recompute.full or not is_grad_enabled():
         for block in blocks:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 
 from minipar.errors import ScheduleError
-from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
 
 # What the search returns and how it is explained: advice.py (also importable from here)
 from minipar.plan.advice import Advice, explain, format_ranking  # noqa: F401

@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 
 from minipar.nn.recompute import GRANULARITIES, METHODS
-from minipar.parallel.pipeline.schedules import schedule_names
+from minipar.parallel.pipeline.schedules.registry import schedule_names
 from minipar.plan import presets, published
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise

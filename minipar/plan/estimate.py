@@ -173,7 +173,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
 
     all_stages: estimate every pipeline rank (default: the first, second and last, which
     bound the others). exact_pipeline: time a pipeline by simulating its schedule
-    (minipar.parallel.pipeline.schedules.simulate_step; O(p m v)); False uses the closed form
+    (minipar.parallel.pipeline.simulator.simulate_step; O(p m v)); False uses the closed form
     (Narayanan et al. 2021), which the advisor uses to search fast and which agrees when
     compute dominates.
     scatter_gather: price pipeline messages as Megatron-LM sends them across TP

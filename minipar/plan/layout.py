@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
-from minipar.parallel.context.ring_attention import SELECTIVE_WITH_CP
+from minipar.parallel.context.layout import SELECTIVE_WITH_CP
 from minipar.parallel.expert.dispatch import expert_layout_problem
-from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import (
     check_expert_parallel_settings,

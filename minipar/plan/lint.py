@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 from minipar.nn.recompute import Recompute
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (

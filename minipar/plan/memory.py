@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.context import local_shape
 from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
 from minipar.plan.layout import ParallelConfig, StagePlan

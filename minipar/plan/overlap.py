@@ -20,7 +20,7 @@ bucket and the stream are free:
 
 so what outlasts the backward is about the last bucket (it is ready only when backward
 ends) plus whatever the reductions exceed the compute left behind them. ZeRO (DeepSpeed's
-double-buffered reduction bucket, minipar.parallel.data.ddp.MAX_IN_FLIGHT) keeps at most two
+double-buffered reduction bucket, minipar.parallel.zero.sharded.MAX_IN_FLIGHT) keeps at most two
 reductions in flight: launching a third first waits for the oldest, which stalls the
 compute stream too. Without overlap (`--no-overlap-grad-reduce`) every bucket is waited
 for as it starts: exposed = sum_k d_k, the upper bound the planner used to price.
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minipar.parallel.data.ddp import MAX_IN_FLIGHT
+from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
 

@@ -24,7 +24,7 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from minipar.parallel.pipeline.schedules import check_schedule_name, make_schedule
+from minipar.parallel.pipeline.schedules.registry import check_schedule_name, make_schedule
 from minipar.parallel.pipeline.simulator import simulate_step
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import (

@@ -44,7 +44,7 @@ x peak FLOP/s).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
-from minipar.parallel.pipeline.schedules import uniform_bubble_fraction
+from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
     attention_flops_correction,

@@ -1,18 +1,18 @@
 """One rank's share of the model on the device mesh, and how it runs one step.
 
-The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape):
+The mesh decides what a rank builds (Megatron-LM's `get_model`; picotron's shape): a GPT
+(pp = 1) or a Pipeline of GPT chunks over its layers (pp > 1), each converted by
+construction, one strategy after the other, in place:
 
-                pp = 1                    pp > 1
-    tp = 1      GPT                       Pipeline of PipelineStage (my layers)
-    tp > 1      TensorParallelGPT         Pipeline of TensorParallelStage (my layers,
-                                          their matrices, embedding and head cut over TP)
+    model = GPT(config, ..., layers=..., pre_process=..., post_process=...)
+    parallelize_tensor(model, ...)     # --tp: my slices of its matrices, vocabulary
+    parallelize_context(model, ...)    # --cp: ring attention, my tokens' positions
+    parallelize_experts(model, ...)    # --ep: my experts, the all-to-all dispatcher
 
-(with --ep keeping only its experts, minipar/parallel/expert/dispatch.py), and then the
-data-parallel engine wraps whatever parameters the rank ended up with, over its DP group
-(`data_parallel_engine`: DDP in minipar/parallel/data/ddp.py, ZeRO-1/2 in zero.py, ZeRO-3 in
-zero3.py; with --ep a pair, dense over DP and experts over expert-data-parallel). Every
-rank builds its pieces from the same full initial weights, so every layout starts where
-a single device starts.
+and then the data-parallel engine wraps whatever parameters the rank ended up with,
+over its DP group (minipar/train/engines.py: DDP, ZeRO-1/2, ZeRO-3; with --ep a pair,
+dense over DP and experts over expert-data-parallel). Every rank builds its pieces from
+the same full initial weights, so every layout starts where a single device starts.
 
     rank = build_rank_model(config, mesh)          # inside minipar.distributed.launch
     loss = rank.forward_backward(micro_batches)     # my DP rank's micro-batches of a step
@@ -23,54 +23,42 @@ a single device starts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
-from minipar.errors import LayoutError  # noqa: F401 - re-exported (a ConfigError)
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
-from minipar.parallel.context.ring_attention import context_parallel_class
-from minipar.parallel.expert.dispatch import (
-    expert_parallel_gpt,
-)
+from minipar.parallel.context.model import parallelize_context
+from minipar.parallel.expert.dispatch import parallelize_experts
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.stage import PipelineStage
-from minipar.parallel.tensor.model import (
-    TensorParallelGPT,
-    TensorParallelMixin,
-    counts_once_in_norm,
-)
-from minipar.parallel.tensor.sequence import (
+from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
+from minipar.parallel.tensor.sequence_grads import (
     allreduce_sequence_parallel_grads,
     defer_gradient_reduction,
 )
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
-from minipar.train.layouts import check_layout, tp_groups_across_nodes  # noqa: F401 - re-exported
 
 
 # ------------------------------------------------------------------ one rank's model
-class TensorParallelStage(TensorParallelMixin, PipelineStage):
-    """A pipeline stage whose blocks, embedding and head are cut over a TP group (set by
-    `tensor_parallel_stage`), built from the full weights of its layers."""
-
-    tp_group_to_build = None
-    sequence_parallel_to_build = False
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tensor_parallel(self.tp_group_to_build, self.sequence_parallel_to_build)
-
-
-def tensor_parallel_stage(tp_group, sequence_parallel: bool) -> type:
-    """A TensorParallelStage class bound to my TP group (`Pipeline(stage_class=...)`
-    builds the stages itself)."""
-    return type("TensorParallelStage", (TensorParallelStage,),
-                {"tp_group_to_build": tp_group,
-                 "sequence_parallel_to_build": sequence_parallel})
+def build_model(config: TrainConfig, mesh: dist.DeviceMesh, **part) -> GPT:
+    """My GPT, or with `part` (GPT's layers, pre_process, post_process, stage) my
+    pipeline chunk: built whole from the initial weights, then converted by each
+    strategy of the layout in turn."""
+    gpt = gpt_config(config)
+    model = GPT(gpt, config.seed, config.precision, config.recompute, **part)
+    if config.tp > 1:
+        parallelize_tensor(model, gpt, mesh.tp_group(),
+                           sequence_parallel=config.sequence_parallel)
+    if config.cp > 1:
+        parallelize_context(model, mesh.cp_group(), config.cp_load_balance)
+    if config.ep > 1:  # my experts (under TP my slices; a stage its own layers' experts)
+        parallelize_experts(model, mesh.ep_group(), mesh.ep_rank_of())
+    return model
 
 
 @dataclass
@@ -163,43 +151,22 @@ class RankModel:
 def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> RankModel:
     """My share of the model (initial weights, or `start`'s: a checkpoint.TrainingState)
     and the DP / ZeRO engine over it. Call inside a launch, on every rank."""
-    gpt = gpt_config(config)
     tp_group, pp_group = mesh.tp_group(), mesh.pp_group()
     model = pipeline = None
-    common = dict(seed=config.seed, precision=config.precision,
-                  activation_checkpointing=config.activation_checkpointing,
-                  recompute=config.recompute)
-
-    def with_context_parallel(model_class: type) -> type:
-        # CP converts what TP built: ring attention on its heads, my tokens' positions
-        if config.cp == 1:
-            return model_class
-        return context_parallel_class(model_class, mesh.cp_group(), config.cp_load_balance)
-
     if config.pp == 1:
-        if config.tp == 1:
-            model = with_context_parallel(GPT)(gpt, **common)
-        else:
-            model = with_context_parallel(TensorParallelGPT)(
-                gpt, tp_group=tp_group, sequence_parallel=config.sequence_parallel, **common)
+        model = build_model(config, mesh)
     else:
-        stage_class = with_context_parallel(
-            PipelineStage if config.tp == 1
-            else tensor_parallel_stage(tp_group, config.sequence_parallel))
-        pipeline = Pipeline(gpt, pp_group=pp_group, schedule=config.schedule,
+        pipeline = Pipeline(gpt_config(config), pp_group=pp_group, schedule=config.schedule,
                             micro_batches=config.grad_accum_steps,
-                            virtual_stages=config.virtual_stages, stage_class=stage_class,
-                            **common)
-    if config.ep > 1:  # my experts (under TP my slices; a stage its own layers' experts)
-        for part in [model] if pipeline is None else pipeline.chunks:
-            expert_parallel_gpt(part, mesh.ep_group(), mesh.ep_rank_of())
+                            virtual_stages=config.virtual_stages,
+                            build_chunk=functools.partial(build_model, config, mesh))
     named = list((model if pipeline is None else pipeline).named_parameters())
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
     tp_rank = mesh.tp_rank
 
     def counts_in_norm(param) -> bool:
-        # Each element of the full model once: TP replicas on TP rank 0 (tensor.py), a
+        # Each element of the full model once: TP replicas on TP rank 0 (tensor/model.py), a
         # tied embedding on the first pipeline stage (Pipeline.counts_in_norm).
         return ((pipeline is None or pipeline.counts_in_norm(param))
                 and counts_once_in_norm(param, tp_rank))

@@ -2,7 +2,7 @@
 
     CKPT/                       (e.g. runs/step-000010)
         rank-00000.npz          what rank 0 holds: its pieces of the parameters, master
-        rank-00001.npz          weights and Adam moments (see minipar.parallel.data.ddp.Piece)
+        rank-00001.npz          weights and Adam moments (see minipar.parallel.state.Piece)
         ...
         manifest.json           format, step, config, and per file: rank, mesh coords,
                                 sha256, bytes, the dropout generator state and, for every
@@ -40,7 +40,7 @@ from minipar import distributed as dist
 from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
 from minipar.errors import CheckpointError
-from minipar.parallel.data.buckets import Piece
+from minipar.parallel.state import Piece
 from minipar.train.manifest import FORMAT, KINDS, SEAL, check_manifest, rank_file, seal
 
 __all__ = ["FORMAT", "KINDS", "CheckpointError", "TrainingState", "consolidate",
@@ -70,11 +70,12 @@ def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
                     rng_state: dict, failures: list | None = None) -> Path:
     """Called by every rank: write my pieces, then rank 0 writes the manifest.
 
-    pieces: this rank's `Piece`s (engine.state_pieces()); coords: its mesh coordinates;
-    rng_state: its dropout generator's `bit_generator.state`. failures: a list shared by
-    the ranks (host-side, like a log); when given, a write that fails (a full disk) is
-    appended to it as (rank, path, OSError) instead of raised, the manifest is not
-    written, and training goes on, so the run's results are not lost with the file."""
+    pieces: this rank's `Piece`s (`minipar.parallel.state.state_pieces`); coords: its
+    mesh coordinates; rng_state: its dropout generator's `bit_generator.state`.
+    failures: a list shared by the ranks (host-side, like a log); when given, a write
+    that fails (a full disk) is appended to it as (rank, path, OSError) instead of
+    raised, the manifest is not written, and training goes on, so the run's results are
+    not lost with the file."""
     directory = Path(directory)
     rank = dist.get_rank()
 
@@ -331,7 +332,7 @@ def _check_replicas(kind: str, name: str, group: str | None, arrays) -> None:
 
 
 def consolidate(directory) -> dict[str, np.ndarray]:
-    """The single-device state dict of a checkpoint (DESIGN.md's names and shapes).
+    """The single-device state dict of a checkpoint (`GPT.state_dict()`'s names and shapes).
 
     For mixed precision these are the fp32 master weights, the precise values the bf16
     parameters are rounded from (as DeepSpeed's zero_to_fp32.py); otherwise the

@@ -30,7 +30,7 @@ from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError, flag
 from minipar.nn.gpt import GPTConfig
 from minipar.nn.recompute import Recompute, recompute_problem
-from minipar.parallel.pipeline.schedules import check_schedule_name
+from minipar.parallel.pipeline.schedules.registry import check_schedule_name
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 
 __all__ = ["DATASETS", "PRECISIONS", "ConfigError", "TrainConfig", "flag"]

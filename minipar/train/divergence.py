@@ -18,16 +18,17 @@ import math
 import numpy as np
 
 from minipar.errors import TrainingDiverged
+from minipar.parallel.state import parameter_pieces
 
 
 def check_finite(step: int, loss: float, grad_norm: float, rank_model) -> None:
     """Raise TrainingDiverged if the loss or gradient norm of `step` is not finite.
 
-    rank_model: this rank's build.RankModel (its engine's parameter pieces, its named
-    parameters' gradients), only searched once something is not finite."""
+    rank_model: this rank's build.RankModel (the parameter pieces its engine holds, its
+    named parameters' gradients), only searched once something is not finite."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    culprit = first_non_finite(rank_model.engine.parameter_pieces(),
+    culprit = first_non_finite(parameter_pieces(rank_model.engine),
                                rank_model.named_parameters())
     raise TrainingDiverged(
         f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; the "
@@ -35,9 +36,9 @@ def check_finite(step: int, loss: float, grad_norm: float, rank_model) -> None:
         "--precision fp32 / fp64", step=step, tensor=culprit)
 
 
-def first_non_finite(parameter_pieces, named) -> str:
+def first_non_finite(pieces, named) -> str:
     """'parameter NAME' or 'gradient of NAME' of the first non-finite one, in order."""
-    for piece in parameter_pieces:
+    for piece in pieces:
         if not np.isfinite(np.asarray(piece.values, dtype=np.float64)).all():
             return f"parameter {piece.name}"
     for name, param in named:

@@ -1,6 +1,6 @@
 """The gradient engine of one rank: which data-parallel strategy wraps the parameters a
 rank ended up with (DeepSpeed's `zero_optimization.stage`; with --ep, Megatron's
-expert-data-parallel pair).
+expert-data-parallel pair). Every engine is a `minipar.parallel.engine.GradientEngine`.
 
     engine = data_parallel_engine(model, named_params, mesh.dp_group(), zero_stage=1, ...)
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from minipar.parallel.data.ddp import DataParallel
 from minipar.parallel.expert.dispatch import is_expert_parameter
 from minipar.parallel.expert.engine import ExpertDataParallel
+from minipar.parallel.zero.offload import OffloadedZero3Optimizer, OffloadedZeroOptimizer
 from minipar.parallel.zero.stage3 import Zero3Optimizer, gpt_units
 from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 from minipar.train.config import TrainConfig
@@ -23,29 +24,38 @@ def data_parallel_engine(model, named_params, group, *, zero_stage: int,
                          zero3_prefetch: bool = True,
                          offload_optimizer: str = "none", offload_param: str = "none"):
     """The engine of one DP rank, by ZeRO stage (DeepSpeed's `zero_optimization.stage`):
-    0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, which also hooks the
-    model's embed, blocks and head to gather their parameters (`gpt_units`; model is a
-    GPT or a pipeline stage). norm_groups, counts_in_norm: see `DataParallel` (TP / PP);
-    overlap_comm: reduce buckets asynchronously (DeepSpeed's name); zero3_prefetch:
-    stage 3 prefetches the next module's parameters; offload_optimizer, offload_param:
-    DeepSpeed's offload devices (parallel/offload.py)."""
+    0 `DataParallel` (DDP), 1/2 `ZeroOptimizer`, 3 `Zero3Optimizer`, whose hooks on the
+    model's embed, blocks and head gather their parameters (`gpt_units`; model is a
+    GPT); with an offload device, their ZeRO-Offload / ZeRO-Infinity forms
+    (minipar/parallel/zero/offload.py). norm_groups, counts_in_norm: see `DataParallel`
+    (TP / PP); overlap_comm: reduce buckets asynchronously (DeepSpeed's name);
+    zero3_prefetch: stage 3 prefetches the next module's parameters; offload_optimizer,
+    offload_param: DeepSpeed's offload devices (none, cpu, nvme)."""
     named_params = list(named_params)
     common = {"adamw": adamw, "norm_groups": norm_groups, "counts_in_norm": counts_in_norm,
               "overlap_comm": overlap_comm}
     if zero_stage == 0:
         return DataParallel(named_params, group, bucket_bytes=bucket_bytes, **common)
+    offload = {"offload_optimizer": offload_optimizer, "offload_param": offload_param}
+    offloaded = offload_optimizer != "none" or offload_param != "none"
     if zero_stage in (1, 2):
+        if offloaded:
+            return OffloadedZeroOptimizer(named_params, group, stage=zero_stage,
+                                          bucket_bytes=bucket_bytes, **offload, **common)
         return ZeroOptimizer(named_params, group, stage=zero_stage, bucket_bytes=bucket_bytes,
-                             offload_optimizer=offload_optimizer, **common)
+                             **common)
     if zero_stage != 3:
         raise ValueError(f"data_parallel_engine: zero_stage must be 0, 1, 2 or 3, "
                          f"got {zero_stage}")
     units, sites = gpt_units(model, named_params)
-    engine = Zero3Optimizer(named_params, group, units=units, prefetch=zero3_prefetch,
-                            offload_optimizer=offload_optimizer, offload_param=offload_param,
-                            **common)
-    for owner, attribute, unit_names in sites:
-        engine.hook_module(owner, attribute, unit_names)
+    if offloaded:
+        engine = OffloadedZero3Optimizer(named_params, group, units=units,
+                                         prefetch=zero3_prefetch, **offload, **common)
+    else:
+        engine = Zero3Optimizer(named_params, group, units=units, prefetch=zero3_prefetch,
+                                **common)
+    for module, method, unit_names in sites:
+        engine.register_hooks(module, unit_names, method=method)
     return engine
 
 

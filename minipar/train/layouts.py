@@ -23,9 +23,9 @@ from minipar.errors import (
     LayoutError,  # a ConfigError (minipar/errors.py)
     PipelineError,
 )
-from minipar.parallel.context.ring_attention import SELECTIVE_WITH_CP, validate_context_parallel
+from minipar.parallel.context.layout import SELECTIVE_WITH_CP, validate_context_parallel
 from minipar.parallel.expert.dispatch import expert_layout_problem
-from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.parallel.tensor.model import validate_tensor_parallel
 from minipar.train.config import TrainConfig, gpt_config

@@ -35,7 +35,8 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.errors import ConfigError, OutputError, flag
 from minipar.nn import lr_schedule
-from minipar.parallel.context import ring_attention as context
+from minipar.parallel.context import layout as context
+from minipar.parallel.state import describe, parameter_pieces, state_pieces
 from minipar.train import checkpoint, equivalence
 from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig
@@ -115,23 +116,23 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
         history.append(record)
         step_ends.append(clock.now)
         if checker is not None:
-            owned = [p for p in engine.state_pieces() if p.kind == "param"]
-            checker.compare(step, owned, engine.parameter_pieces())
+            owned = [p for p in state_pieces(engine) if p.kind == "param"]
+            checker.compare(step, owned, parameter_pieces(engine))
         if options.record_states:
             states[step] = {p.name: p.values.reshape(p.shape).copy()
-                            for p in engine.parameter_pieces()}
+                            for p in parameter_pieces(engine)}
         if options.save_dir is not None and _save_now(step, config, options.save_every):
             checkpoint.save_checkpoint(
                 options.save_dir / f"step-{step + 1:06d}", step=step + 1,
-                config=config.to_dict(), pieces=engine.state_pieces(), coords=mesh.coords(),
+                config=config.to_dict(), pieces=state_pieces(engine), coords=mesh.coords(),
                 rng_state=rank_model.dropout_generator.bit_generator.state,
                 failures=options.save_failures)
         if options.progress is not None:
             options.progress.report(rank, record)
     return {"steps": history, "step_ends": step_ends, "loop_start": loop_start,
             "coords": mesh.coords(),
-            "pieces": engine.parameter_pieces(),
-            "sharding": engine.describe(), "states": states,
+            "pieces": parameter_pieces(engine),
+            "sharding": describe(engine), "states": states,
             "routing": rank_model.routing(),
             "check": None if checker is None else checker.summary()}
 

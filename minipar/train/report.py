@@ -36,7 +36,11 @@ from minipar.distributed.timeline import (
     labelled_compute_seconds,
 )
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.pipeline.schedules import SCHEDULES, schedule_names, uniform_bubble_fraction
+from minipar.parallel.pipeline.schedules.registry import (
+    SCHEDULES,
+    schedule_names,
+    uniform_bubble_fraction,
+)
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.train import checkpoint
 from minipar.train.config import TrainConfig, gpt_config

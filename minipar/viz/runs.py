@@ -28,7 +28,7 @@ from minipar import distributed as dist
 from minipar.distributed.timeline import bubble_fraction
 from minipar.nn import GPTConfig
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import uniform_bubble_fraction
+from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream

@@ -7,11 +7,11 @@
 Nothing here is computed from a formula. `holdings` launches the virtual ranks, lets
 each one build its share of the model with the training loop's own builder
 (`minipar.train.build.build_rank_model`: a pipeline stage of its layers, cut into its
-tensor-parallel pieces, wrapped in its DP / ZeRO engine), and then asks the engine
-which flat ranges of which tensors it keeps (`engine.holdings()`, its public
-description: per parameter, the range of the parameter, gradient and each optimizer
-state it holds). Each holding's placement (Replicate / Shard / StridedShard over the TP
-group) maps its local elements back to positions in the full single-device tensor.
+tensor-parallel pieces, wrapped in its DP / ZeRO engine), and then reads which flat
+ranges of which tensors the engine keeps (`minipar.parallel.state.holdings`: per
+parameter, the range of the parameter, gradient and each optimizer state it holds).
+Each holding's placement (Replicate / Shard / StridedShard over the TP group) maps its
+local elements back to positions in the full single-device tensor.
 
 The three kinds of state, from one rank's point of view:
     params     the weights it keeps between steps (ZeRO-3: only its shard)
@@ -33,6 +33,7 @@ from matplotlib.transforms import Bbox, TransformedBbox
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.nn.gpt import parameter_shapes
+from minipar.parallel.state import holdings as engine_holdings
 from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
@@ -93,7 +94,7 @@ def _rank_state(config: TrainConfig):
     is the one the engine keeps for the optimizer: ZeRO-2/3 their shard, DP and ZeRO-1
     the full local gradient backward creates (ZeRO-1 reduce-scatters it after)."""
     mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp)
-    held = build_rank_model(config, mesh).engine.holdings()
+    held = engine_holdings(build_rank_model(config, mesh).engine)
     return mesh.coords(), mesh.tp_rank, {
         kind: [h for h in held if h.kind in HOLDING_KINDS[kind]] for kind in KINDS}
 

@@ -33,7 +33,11 @@ from __future__ import annotations
 import itertools
 
 from minipar.nn.gpt import parameter_shapes
-from minipar.parallel.pipeline.schedules import SCHEDULES, check_schedule_settings, schedule_names
+from minipar.parallel.pipeline.schedules.registry import (
+    SCHEDULES,
+    check_schedule_settings,
+    schedule_names,
+)
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.viz.controls import make_control
 from minipar.viz.explorer import REFUSALS, Explorer

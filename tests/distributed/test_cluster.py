@@ -157,8 +157,7 @@ def test_mixed_collective_and_recv_deadlock():
 
 
 def test_deadlock_is_detected_while_other_ranks_still_compute():
-    # Ranks 0 and 1 wait on each other while rank 2 is busy: not a deadlock until rank 2
-    # finishes, then immediately one (it returned, and 0 <-> 1 is a cycle).
+    # Ranks 0 and 1 wait on each other while rank 2 is busy: a cycle, whatever rank 2 does.
     def worker():
         rank = dist.get_rank()
         if rank == 2:
@@ -168,6 +167,42 @@ def test_deadlock_is_detected_while_other_ranks_still_compute():
 
     message = run_expecting(dist.DeadlockError, worker, 3)
     assert "rank 0 waits recv from 1" in message
+
+
+# --- no false positives: waiting for a rank that is busy, or slow, is not a deadlock -----
+def test_a_chain_of_waits_ending_at_a_busy_rank_is_not_a_deadlock():
+    """Rank 0 waits for 1, which waits for 2, which computes (sleeps, holding the turn if
+    it has it, long past PATIENCE_S) before it sends: every rank waits but one, and no
+    wait closes a cycle. Then each passes the message on, plus one."""
+    def worker():
+        rank = dist.get_rank()
+        if rank == 2:
+            time.sleep(0.3)
+            dist.send(np.zeros(1), 1)
+            return dist.recv(0)[0]
+        x = dist.recv(rank + 1) + 1
+        dist.send(x, (rank - 1) % 3)
+        return x[0]
+
+    assert dist.launch(worker, 3, timeout=60) == [2.0, 1.0, 2.0]
+
+
+def test_ranks_that_wait_for_each_other_in_turn_are_not_a_cycle():
+    """Ranks 0 and 1 each wait for the other in turn (20 all_reduces of their pair) while
+    rank 2 is slow to join the world's all_reduce: at no instant do two ranks wait on
+    each other."""
+    def worker():
+        rank = dist.get_rank()
+        pair = dist.new_group([0, 1])
+        x = np.ones(1)
+        if rank == 2:
+            time.sleep(0.3)
+        else:
+            for _ in range(20):
+                x = dist.all_reduce(x, group=pair) / 2
+        return dist.all_reduce(x)[0]
+
+    assert dist.launch(worker, 3, timeout=60) == [3.0, 3.0, 3.0]
 
 
 # --- exceptions ------------------------------------------------------------------------------

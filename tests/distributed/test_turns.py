@@ -3,6 +3,10 @@ run measures depends on them."""
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+
 import numpy as np
 
 from minipar import distributed as dist
@@ -51,8 +55,6 @@ def test_a_rank_queued_behind_others_keeps_waiting_while_the_turn_changes_hands(
     rank still runs with it (counting the patience from when a rank began to wait, ranks
     3-7 ran out of it and all ran at once: 18-21k context switches in a dp=8 step of the
     explorers' model instead of ~200)."""
-    import time
-
     monkeypatch.setattr(turns, "PATIENCE_S", 0.1)
     took: list[tuple[int, bool]] = []
     original = Turns.take
@@ -70,3 +72,87 @@ def test_a_rank_queued_behind_others_keeps_waiting_while_the_turn_changes_hands(
     assert dist.launch(program, 8) == [[8.0]] * 8
     assert len({rank for rank, _ in took}) == 8
     assert all(with_turn for _, with_turn in took), took
+
+
+class RecordingLock:
+    """A lock that records how each acquire waited: its timeout, or None (it did not)."""
+
+    def __init__(self) -> None:
+        self._lock, self.waits = threading.Lock(), []
+
+    def acquire(self, blocking=True, timeout=-1):
+        self.waits.append(timeout if blocking else None)
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
+
+
+def test_a_stuck_turn_is_not_queued_for_again_until_it_changes_hands(monkeypatch):
+    """Rank 2 keeps the turn (asleep in a long call): ranks queue for it (and run without
+    it after PATIENCE_S) until it has stayed with rank 2 for STUCK_S; from then on nobody
+    waits for it until it changes hands, and then ranks queue again."""
+    clock = SimpleNamespace(now=0.0)  # the Turns' clock, moved by hand
+    monkeypatch.setattr(turns, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    monkeypatch.setattr(turns, "PATIENCE_S", 0.01)  # (the lock's waits are real)
+    ranks = Turns(3)
+    ranks._turn = lock = RecordingLock()
+    ranks.take(2)
+    clock.now = turns.STUCK_S / 2
+    ranks.take(0)  # waits PATIENCE_S, the turn does not move: rank 0 runs without it
+    clock.now = turns.STUCK_S
+    for _ in range(5):
+        ranks.take(1)
+        ranks.take(0)
+    assert lock.waits == [0.01, 0.01] + [None] * 10
+    assert ranks._has_turn == [False, False, True]
+    ranks.give_back(2)
+    ranks.take(1)  # free: rank 1 takes it at once
+    ranks.take(0)  # it changed hands just now: rank 0 queues for it again
+    assert lock.waits[-2:] == [None, 0.01]
+    assert ranks._has_turn == [False, True, False]
+
+
+def test_a_rank_that_keeps_the_turn_through_a_long_call_slows_nobody():
+    """Rank 2 completes a barrier, so it runs on with the turn, and then sits in one long
+    C call (an Event.wait: a time.sleep the test can end early) without giving it back.
+    Ranks 0 and 1 exchange 100 messages each way while it is still in that call: one
+    wake-up waits PATIENCE_S for the turn, the others not at all (waiting PATIENCE_S at
+    each of their ~200 wake-ups would take ~10 s, twice the call)."""
+    released, finished = threading.Event(), threading.Event()
+    exchanged_during_the_call = []
+
+    def program():
+        rank = dist.get_rank()
+        cluster = dist.get_device()._cluster
+        if rank == 2:  # arrive last at the barrier, holding the turn
+            waiting = False
+            while not waiting:
+                time.sleep(0.001)
+                with cluster.lock:
+                    waiting = all(cluster.rank_state(r)[1] is not None for r in (0, 1))
+            if not cluster.turns._has_turn[2]:
+                cluster.turns.take(2)  # free: ranks 0 and 1 gave it back to wait
+        dist.barrier()
+        if rank == 2:
+            holds_the_turn = cluster.turns._has_turn[2]
+            try:
+                released.wait(5)
+            finally:
+                finished.set()
+            return holds_the_turn
+        x, peer = np.zeros(1), 1 - rank
+        for _ in range(100):
+            if rank == 0:
+                dist.send(x, peer)
+                x = dist.recv(peer) + 1
+            else:
+                x = dist.recv(peer)
+                dist.send(x, peer)
+        if rank == 0:
+            exchanged_during_the_call.append(not finished.is_set())
+            released.set()
+        return float(x[0])
+
+    assert dist.launch(program, 3) == [100.0, 99.0, True]
+    assert exchanged_during_the_call == [True]

@@ -141,6 +141,36 @@ def test_a_cycle_through_a_collective_is_reported_too():
     assert finished == []
 
 
+def test_a_cycle_is_reported_while_a_rank_sits_in_one_long_call():
+    """Ranks 0 and 1 recv from each other while rank 2 sits in one long C call, which no
+    exception interrupts (an Event.wait: a time.sleep the test can end early). The launch
+    gives up on such a rank within a second (launch.py: ABORT_GRACE + ASYNC_ABORTS x
+    ASYNC_GRACE) and raises the deadlock while rank 2 is still in its call; 3.5 s leaves
+    a loaded machine 2.5 s of slack."""
+    released, finished = threading.Event(), threading.Event()
+
+    def program():
+        rank = dist.get_rank()
+        if rank == 2:
+            try:
+                released.wait(3.5)
+            finally:
+                finished.set()
+            return None
+        return dist.recv(1 - rank)
+
+    with pytest.raises(dist.DeadlockError, match=r"rank 0 waits recv from 1.*rank 1 waits "
+                                                 r"recv from 0.*rank\(s\) 2 are not part "
+                                                 r"of it") as info:
+        dist.launch(program, 3, timeout=600)
+    rank_2_was_in_its_call = not finished.is_set()
+    released.set()  # end the call: the rank stops at its next bytecode
+    assert rank_2_was_in_its_call
+    assert any("rank(s) 2 did not stop after the abort and were left running as daemon "
+               "threads" in note for note in info.value.__notes__)
+    assert live_rank_threads() == []
+
+
 def test_the_timeout_comes_from_the_argument_the_scope_or_the_environment(monkeypatch, stop):
     assert dist.launch(lambda: 1, 1) == [1]
     from minipar.distributed.launch import DEFAULT_TIMEOUT, resolve_timeout

@@ -15,6 +15,7 @@ from minipar.nn import (
     Block,
     GPTConfig,
     Linear,
+    Recompute,
     init_parameter,
     initialize_parameters,
 )
@@ -30,7 +31,7 @@ def batch(config=CONFIG, batch_size=4, seed=0):
 
 
 def expected_shapes(v, t, d, n_layer, tied):
-    """Written out from DESIGN.md (HF GPT-2 names, weights stored (in, out))."""
+    """Written out by hand (HF GPT-2 names, weights stored (in, out))."""
     shapes = {"wte.weight": (v, d), "wpe.weight": (t, d)}
     for i in range(n_layer):
         shapes[f"h.{i}.ln_1.weight"] = (d,)
@@ -204,7 +205,7 @@ def test_activation_checkpointing_same_gradients_lower_peak(device):
     for use in (False, True):
         device.memory.peak.clear()
         device.flops.clear()
-        model = GPT(CONFIG, seed=0, activation_checkpointing=use)
+        model = GPT(CONFIG, seed=0, recompute=Recompute("full", "uniform", 1) if use else None)
         loss = model(idx, targets)
         loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -249,3 +250,33 @@ def test_post_accumulate_hooks_fire_once_per_parameter_including_tied_wte():
     # the tied embedding's hook saw the complete gradient (lookup + LM head)
     wte_grad = dict(fired)["wte.weight"]
     np.testing.assert_array_equal(wte_grad, model.wte.weight.grad)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_stage_is_a_gpt_over_its_layers_with_the_single_device_names_and_values(tied):
+    """Megatron's pre_process / post_process: the first stage holds the embedding, the
+    last ln_f and the head (and, tied, its own copy of wte), every stage its blocks under
+    their global index; names and initial values are the whole model's, and the stages
+    run one after the other give the whole model's loss."""
+    config = GPTConfig(vocab_size=11, seq_len=8, n_layer=5, n_head=2, d_model=16,
+                       tie_embeddings=tied)
+    whole = GPT(config, seed=3)
+    full = whole.state_dict()
+    first = GPT(config, seed=3, layers=range(0, 2), post_process=False)
+    middle = GPT(config, seed=3, layers=range(2, 4), pre_process=False, post_process=False)
+    last = GPT(config, seed=3, layers=range(4, 5), pre_process=False)
+
+    def blocks(*layers):
+        return [n for n in full if n.split(".")[:2] in [["h", str(i)] for i in layers]]
+    head = ["wte.weight"] if tied else ["lm_head.weight"]
+    assert list(first.state_dict()) == ["wte.weight", "wpe.weight", *blocks(0, 1)]
+    assert list(middle.state_dict()) == blocks(2, 3)
+    assert list(last.state_dict()) == [*blocks(4), "ln_f.weight", "ln_f.bias", *head]
+    for stage in (first, middle, last):
+        for name, value in stage.state_dict().items():
+            np.testing.assert_array_equal(value, full[name], err_msg=name)
+    assert [name for name, _ in middle.h.named_children()] == ["2", "3"]  # global
+    assert middle.h[0] is getattr(middle.h, "2")  # indexing is by position, as a list's
+    idx, targets = batch(config)
+    loss = last(middle(first(idx)), targets)
+    assert float(loss.data) == float(whole(idx, targets).data)

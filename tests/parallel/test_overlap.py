@@ -1,6 +1,6 @@
-"""Communication overlap (issue 15), in every engine that has it: DP / ZeRO-1/2 buckets
-reduced while backward goes on, the same under pipeline parallelism during each stage's
-last micro-batch backward (Megatron's --overlap-grad-reduce), ZeRO-3 prefetch.
+"""Communication overlap, in every engine that has it: DP / ZeRO-1/2 buckets reduced
+while backward goes on, the same under pipeline parallelism during each stage's last
+micro-batch backward (Megatron's --overlap-grad-reduce), ZeRO-3 prefetch.
 
 The specification: overlap moves *when* transfers run, nothing else. Against the run that
 waits for every reduction (`overlap_grad_reduce=False`, `zero3_prefetch=False`) the

@@ -9,7 +9,8 @@ import pytest
 
 from minipar import distributed as dist
 from minipar.autograd.tensor import Tensor
-from minipar.parallel.context.ring_attention import ring_attention, sequence_shard
+from minipar.parallel.context.layout import sequence_shard
+from minipar.parallel.context.ring_attention import ring_attention
 from minipar.plan.context import (
     attention_imbalance,
     chunk_tokens,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
-from minipar.nn import GPTConfig
+from minipar.nn import GPTConfig, Recompute
 from minipar.parallel.pipeline.executor import Pipeline
 from minipar.parallel.tensor.model import tensor_parallel_gpt
 from minipar.plan.cluster import ClusterSpec
@@ -32,6 +32,8 @@ from minipar.plan.shapes import ModelShape, from_train_config
 from minipar.plan.timing import transfer_time
 from minipar.plan.traffic import GRADIENT_NORM
 from minipar.train import TrainConfig, train
+
+EVERY_LAYER = Recompute("full", "uniform", 1)  # full recomputation of every block
 
 EXACT = ("params", "grads", "optimizer")
 ACTIVATION_TOLERANCE = 0.0
@@ -197,7 +199,7 @@ def test_planner_predicts_tensor_parallelism(tp, sequence_parallel, checkpointin
         mesh = dist.DeviceMesh(tp=tp)
         model = tensor_parallel_gpt(gpt, 0, "fp32", mesh.tp_group(),
                                     sequence_parallel=sequence_parallel,
-                                    activation_checkpointing=checkpointing)
+                                    recompute=EVERY_LAYER if checkpointing else None)
         for p in model.parameters():
             dist.get_device().memory.hold(p.data, "params")
         with dist.phase("forward"):
@@ -243,7 +245,7 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
 
     def rank_program():
         pipe = Pipeline(gpt, schedule=schedule, micro_batches=m, virtual_stages=v,
-                        precision="fp32", activation_checkpointing=checkpointing)
+                        precision="fp32", recompute=EVERY_LAYER if checkpointing else None)
         for p in pipe.parameters():
             dist.get_device().memory.hold(p.data, "params")
         pipe.forward_backward(batches)

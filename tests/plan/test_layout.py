@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minipar.parallel.pipeline.schedules import make_schedule
+from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.plan import presets

@@ -174,7 +174,7 @@ def test_tensor_parallel_shards_are_joined_by_their_placement():
     """Consolidation reads placements: two tp ranks holding Shard(1) halves of a matrix,
     each split further into ZeRO flat ranges, give back the full matrix."""
     from minipar.autograd.placement import Shard
-    from minipar.parallel.data.buckets import Piece
+    from minipar.parallel.state import Piece
 
     full = np.arange(24.0).reshape(4, 6)
     held = []

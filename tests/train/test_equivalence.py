@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from minipar.parallel.data import ddp as data_parallel
+from minipar.parallel.state import bucket_pieces
 from minipar.parallel.zero import sharded as zero_engine
 from minipar.train import TrainConfig, train, validate_report
 from minipar.train.equivalence import compare_runs, reference_config
@@ -70,7 +71,7 @@ def test_a_corrupted_replica_is_named_by_step_tensor_and_rank(monkeypatch):
 
     def faulty_step(self, lr):
         step(self, lr)
-        if self.device.rank == 1 and self.step_count == 2:  # after the second step
+        if data_parallel.dist.get_rank() == 1 and self.step_count == 2:  # after the second step
             dict(zip(self.names, self.params, strict=True))["h.0.mlp.c_fc.bias"].data[3] += 1
 
     monkeypatch.setattr(data_parallel.DataParallel, "step", faulty_step)
@@ -97,7 +98,7 @@ def test_a_corrupted_shard_names_the_rank_that_owns_it(monkeypatch, zero):
         complete(self, sb, flat, work)
         if self.rank == 2 and self.step_count == 1 and sb.bucket.index == 0 and not corrupted:
             sb.grad_shard[0] += 1e3  # a wrong gradient element before the second update
-            corrupted.append(sb.bucket.pieces("param", sb.param_shard, self.rank)[0].name)
+            corrupted.append(bucket_pieces(sb.bucket, "param", sb.param_shard, self.rank)[0].name)
 
     monkeypatch.setattr(zero_engine.ZeroEngine, "_complete", faulty_complete)
     # (no clipping: the global norm would carry the error into every rank's update)

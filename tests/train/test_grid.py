@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import schedule_names
+from minipar.parallel.pipeline.schedules.registry import schedule_names
+from minipar.parallel.pipeline.tied_embedding import TiedEmbedding
 from minipar.train.grid import GRID, REPRESENTATIVE, Case, run_case, run_grid
 from minipar.viz.tables import grid_table
 
@@ -47,7 +47,7 @@ def test_a_missing_tied_embedding_all_reduce_is_located(monkeypatch):
     """Plant the bug the pipeline author warns about: the first and last stage's copies
     of the tied embedding never sum their gradients. The check must fail at step 0 on
     wte.weight, blaming a rank of the first or last stage."""
-    monkeypatch.setattr(Pipeline, "_all_reduce_tied_embedding", lambda self: None)
+    monkeypatch.setattr(TiedEmbedding, "all_reduce_grads", lambda self: None)
     case = Case("broken", dict(dp=2, tp=2, pp=2, zero=1, grad_accum_steps=2))
     result = run_case(case, steps=2)
     assert not result.passed

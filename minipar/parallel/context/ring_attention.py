@@ -25,17 +25,10 @@ the saved log-sum-exp lse = m + log l (FlashAttention's backward), and sends the
 again around the ring together with their gradients' running sums, which arrive at their
 owners after N - 1 hops (TE's backward sends dK/dV the same way).
 
-Causality and load balancing. With the sequence cut into N contiguous pieces, rank 0's
-queries see one block and rank N-1's see N: rank N-1 does 2N/(N+1) times the average
-work and everyone waits for it. Megatron-LM cuts the sequence into 2N chunks instead and
-gives rank r chunks r and 2N-1-r, one early and one late ("zigzag":
-`get_batch_on_this_cp_rank` -> `_get_batch_on_this_cp_rank_per_sequence_balancing` in
-megatron/core/utils.py, Megatron-LM d98e8a64), so every rank computes the same number of
-chunk pairs: 2N-1 full ones and 2 diagonal (causally masked) ones. Token ids, position
-embeddings and targets follow the same permutation (`sequence_shard`, `positions`).
-Megatron's mesh order "tp-cp-ep-dp-pp" (`initialize_model_parallel` in
-megatron/core/parallel_state.py) keeps CP next to TP, and its gradients are reduced over
-`get_data_parallel_group(with_context_parallel=True)`: minipar's "dp-cp" group.
+Which tokens a rank holds is layout.py's: N contiguous pieces, or by default Megatron's
+load-balanced "zigzag" (rank r holds chunks r and 2N-1-r of 2N), so every rank attends
+to the same number of chunk pairs under the causal mask. The model conversion (ring
+attention in every block, my tokens' positions) is model.py's.
 
 Per chunk pair (query chunk a, key chunk b): b < a attend fully, b == a causally,
 b > a skip (all masked). Both layouts use this one rule; they differ in which chunks a
@@ -51,9 +44,6 @@ Attention dropout under CP is not implemented (refused in `validate_context_para
 
 Shapes per rank (B batch, T sequence, N = cp, H local heads, hd head_dim):
     qkv (B, T/N, 3 H hd) -> out (B, T/N, H hd); K/V block sent (2, B, H, T/N, hd).
-
-This module is long because it holds one strategy whole: the sequence layout, the ring
-exchange, the block math and its Function, and the model conversion, each a section.
 """
 
 from __future__ import annotations
@@ -68,63 +58,9 @@ from minipar.autograd.functional import causal_mask, row_dot, row_sum
 from minipar.autograd.kernels import ring_attention_block_kernels
 from minipar.autograd.placement import require_reduced
 from minipar.autograd.precision import compute_dtype
-from minipar.nn import GPTConfig, Module
-from minipar.nn.gpt import Block, CausalSelfAttention, check_token_ids
-from minipar.parallel.tensor.mappings import scatter_to_sequence_parallel_region
+from minipar.parallel.context.layout import chunk_ids
 
-SELECTIVE_WITH_CP = ("selective recomputation (the attention core) with --cp: ring "
-                     "attention already keeps no (s, s) scores for backward, only q, k, v, "
-                     "its output and the log-sum-exp, so there is nothing to recompute; "
-                     "drop --recompute-granularity selective, or use full")
 KV_TAG, DKV_TAG = 21, 22  # p2p tags of the K/V blocks and of their gradients' sums
-SEQUENCE_DIM = 1  # activations and token ids are (B, T, ...)
-
-
-# ---------------------------------------------------------------------------- layout
-def chunk_ids(cp_rank: int, cp_size: int, load_balance: bool) -> tuple[int, ...]:
-    """The chunks of the sequence rank `cp_rank` holds, in its local order: (r,) of N
-    equal chunks, or (r, 2N-1-r) of 2N with load balancing (Megatron-LM's zigzag
-    `_get_batch_on_this_cp_rank_per_sequence_balancing`)."""
-    if not load_balance:
-        return (cp_rank,)
-    return (cp_rank, 2 * cp_size - 1 - cp_rank)
-
-
-def chunks_per_sequence(cp_size: int, load_balance: bool) -> int:
-    return 2 * cp_size if load_balance else cp_size
-
-
-def positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) -> np.ndarray:
-    """Global positions (T/N,) of my tokens, in my local order."""
-    size = seq_len // chunks_per_sequence(cp_size, load_balance)
-    return np.concatenate([np.arange(c * size, (c + 1) * size)
-                           for c in chunk_ids(cp_rank, cp_size, load_balance)])
-
-
-def sequence_shard(x: np.ndarray, cp_rank: int, cp_size: int, load_balance: bool):
-    """My tokens of x (B, T, ...) along the sequence: (B, T/N, ...), a copy (as if this
-    rank had loaded only its share). Token ids and targets go through this same cut."""
-    return np.ascontiguousarray(x[:, positions(x.shape[SEQUENCE_DIM], cp_rank, cp_size,
-                                               load_balance)])
-
-
-def validate_context_parallel(config: GPTConfig, cp: int, load_balance: bool,
-                              tp: int = 1, sequence_parallel: bool = False) -> None:
-    """Refuse a model whose sequence cannot be cut over `cp` ranks, naming the fix."""
-    pieces = chunks_per_sequence(cp, load_balance)
-    if config.seq_len % pieces:
-        how = (f"2 x cp = {pieces} chunks (load balancing: rank r keeps chunks r and "
-               f"2cp-1-r)" if load_balance else f"cp = {cp} pieces")
-        raise ValueError(f"--cp {cp}: seq_len={config.seq_len} does not split into {how}; "
-                         f"choose --seq-len a multiple of {pieces}")
-    if sequence_parallel and (config.seq_len // cp) % tp:
-        raise ValueError(f"--sequence-parallel with --cp {cp}: each CP rank's "
-                         f"{config.seq_len // cp} tokens do not split over --tp {tp}; "
-                         f"choose --seq-len a multiple of {cp * tp}")
-    if config.dropout > 0:
-        raise ValueError(f"--dropout {config.dropout} with --cp {cp}: attention dropout "
-                         "inside ring attention (and masks that follow the sequence "
-                         "permutation) is not implemented; use --dropout 0")
 
 
 # ---------------------------------------------------------------------------- the ring
@@ -347,89 +283,3 @@ def ring_attention(qkv, head_dim: int, group: dist.ProcessGroup, load_balance: b
     """Ring attention on my tokens' qkv over the CP `group`; see `RingAttention`."""
     require_reduced(qkv, "ring attention")
     return RingAttention.apply(qkv, head_dim, group, load_balance)
-
-
-# ---------------------------------------------------------------------------- the model
-class ContextParallelAttention(Module):
-    """GPT-2's attention with ring attention over the CP group; the same c_attn, c_proj
-    (so the same parameter names, and TP can still cut them by heads)."""
-
-    def __init__(self, attention: CausalSelfAttention, cp_group, load_balance: bool):
-        super().__init__()
-        self.head_dim = attention.head_dim
-        self.c_attn, self.c_proj = attention.c_attn, attention.c_proj
-        self.resid_dropout = attention.resid_dropout
-        self.cp_group, self.load_balance = cp_group, load_balance
-
-    def forward(self, x):
-        qkv = self.c_attn(x)  # (B, T/N, 3 * local_heads * head_dim)
-        return self.resid_dropout(self.c_proj(
-            ring_attention(qkv, self.head_dim, self.cp_group, self.load_balance)))
-
-
-def parallelize_context(module: Module, cp_group, load_balance: bool = True) -> Module:
-    """Swap, in place, every Block's attention for `ContextParallelAttention`. The code
-    that embeds must place my tokens at their global positions (`ContextParallelMixin`)."""
-    for _, parent in list(module.named_modules()):
-        if isinstance(parent, Block) and not isinstance(parent.attn, ContextParallelAttention):
-            parent.attn = ContextParallelAttention(parent.attn, cp_group, load_balance)
-    return module
-
-
-class ContextParallelMixin:
-    """`embed` of one CP rank for a Module shaped like GPT (wte, wpe, drop, config): my
-    tokens (B, T/N) at their global positions. It comes first in the bases (before
-    TensorParallelMixin), so with TP it also does TP's one step after the embedding,
-    the sequence-parallel scatter of my T/N tokens over the TP group.
-
-        model = context_parallel_class(GPT, cp_group, load_balance)(config, seed)
-    """
-
-    cp_group = None
-    load_balance = True
-
-    def context_parallel(self, cp_group, load_balance: bool = True):
-        parallelize_context(self, cp_group, load_balance)
-        self.cp_group, self.load_balance = cp_group, load_balance
-        return self
-
-    def embed(self, idx):
-        """idx: my tokens (B, T/N) (`sequence_shard` of the batch) -> (B, T/N, d), or
-        with sequence parallelism my TP rank's (B, T/(N t), d)."""
-        size = self.cp_group.size
-        idx = check_token_ids(idx, self.config.seq_len // size,
-                              who="context-parallel embedding")
-        rank = self.cp_group.ranks.index(dist.get_rank())
-        where = positions(idx.shape[1] * size, rank, size, self.load_balance)
-        x = self.drop(self.wte(idx) + self.wpe.weight[where])
-        if getattr(self, "sequence_parallel", False):  # as TensorParallelMixin.embed
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        return x
-
-
-def context_parallel_class(base: type, cp_group, load_balance: bool) -> type:
-    """`base` (GPT, a pipeline stage, or their TP versions) with the CP embed and every
-    block's attention converted when built (Pipeline(stage_class=...) builds its own)."""
-
-    def __init__(self, *args, **kwargs):
-        base.__init__(self, *args, **kwargs)
-        self.context_parallel(cp_group, load_balance)
-
-    return type(f"ContextParallel{base.__name__}", (ContextParallelMixin, base),
-                {"__init__": __init__})
-
-
-__all__ = [
-    "ContextParallelAttention",
-    "ContextParallelMixin",
-    "RingAttention",
-    "RingExchange",
-    "attending_pairs",
-    "chunk_ids",
-    "context_parallel_class",
-    "parallelize_context",
-    "positions",
-    "ring_attention",
-    "sequence_shard",
-    "validate_context_parallel",
-]

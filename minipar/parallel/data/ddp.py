@@ -19,16 +19,13 @@ Two ideas of DDP live here:
   gradients into `p.grad` locally, and only the last one's backward reduces (DDP's
   `no_sync`). Reducing every micro-batch would move the same bytes grad_accum_steps times
   for the same result.
-- Gradient buckets (Li et al. 2020, section 3.2.3): parameters are grouped, in reverse
-  registration order (about the order backward finishes their gradients), into buckets
-  of at most `bucket_bytes`. As soon as every gradient of a bucket is complete, its
-  all-reduce starts asynchronously while backward goes on with earlier layers; on the
+- Gradient buckets (Li et al. 2020, section 3.2.3; buckets.py): parameters are grouped,
+  in reverse registration order (about the order backward finishes their gradients),
+  into buckets of at most `bucket_bytes`. A post-accumulate-grad hook on every parameter
+  counts the bucket's finished gradients; when the last one is in, the bucket's
+  all-reduce starts asynchronously while backward goes on with earlier layers, so on the
   simulated clock the transfer overlaps the compute. One bucket (bucket_bytes=0) reduces
   everything after backward, with nothing to overlap.
-
-`Bucket` (a flat layout of parameters padded to a multiple of the group size; in
-buckets.py with `Piece` and `Holding`, re-exported here) is also the unit that ZeRO
-shards (zero_engine.py).
 
 Composed with tensor and pipeline parallelism (minipar/train/build.py), a rank's
 parameters are its TP pieces of its pipeline stage, and two things change:
@@ -59,20 +56,13 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd.placement import require_replicated_gradients
 from minipar.nn.optim import AdamW, grad_norm_squared, scale_grads_
-from minipar.parallel.data.buckets import Bucket, Holding, Piece, build_buckets
-
-__all__ = ["MAX_IN_FLIGHT", "Bucket", "DataParallel", "Holding", "Piece", "build_buckets",
-           "sum_over_groups"]
-
-# ZeRO's reductions in flight at once: a rank waits for the oldest before starting a
-# third, so at most two flat copies of gradients exist (DeepSpeed double-buffers its
-# reduction bucket when overlap_comm is on). DDP needs no limit: every bucket has its own
-# buffer, which DDP keeps for the whole run.
-MAX_IN_FLIGHT = 2
+from minipar.parallel.booking import hold_replica
+from minipar.parallel.data.buckets import Bucket, build_buckets
 
 
 class DataParallel:
-    """DDP plus a replicated AdamW: ZeRO stage 0 from one rank's point of view.
+    """DDP plus a replicated AdamW: ZeRO stage 0 from one rank's point of view (a
+    `minipar.parallel.engine.GradientEngine`).
 
     named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup;
     bucket_bytes: gradient bucket capacity in bytes (0 = one bucket); adamw: keyword
@@ -81,8 +71,6 @@ class DataParallel:
     is summed; counts_in_norm(param) -> bool: does my copy of `param` count in that sum;
     overlap_comm: False waits for each bucket's all-reduce as soon as it starts (compute
     stops while it runs: the unoverlapped baseline, same bytes and numbers).
-    Holds the parameters in the rank's ledger as "params"; AdamW holds its state as
-    "optimizer"; backward books `p.grad` as "grads"; bucket buffers are "buffers".
     """
 
     stage = 0
@@ -95,11 +83,9 @@ class DataParallel:
         self.params = [p for _, p in named_params]
         self.group = group
         self.world = group.size
-        self.device = dist.get_device()
         self.norm_groups = tuple(norm_groups)
         self.counts_in_norm = counts_in_norm if counts_in_norm is not None else _always
-        for p in self.params:
-            dist.hold(p.data, "params")
+        hold_replica(self.params)  # every rank keeps the whole model
         self.optimizer = AdamW(named_params, **adamw)
         self.buckets = build_buckets(named_params, bucket_bytes, shards=1)
         self._bucket_of = {}
@@ -135,10 +121,9 @@ class DataParallel:
         """Start the asynchronous all-reduce of one bucket's gradients: the one place a
         bucket is reduced (DDP's `Reducer::mark_bucket_ready`)."""
         self._launched.add(bucket.index)
-        flat = dist.hold(bucket.flatten_grads(), "buffers")
+        flat = bucket.flatten_grads()
         # Average, as DDP does: each rank's loss is a mean over its share of the batch.
-        work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True,
-                               category="buffers")
+        work = dist.all_reduce(flat, op="avg", group=self.group, async_op=True)
         if self.overlap_comm:
             self._pending.append((bucket, flat, work))
         else:
@@ -155,10 +140,9 @@ class DataParallel:
 
     def _complete(self, bucket: Bucket, flat: np.ndarray, work) -> None:
         """Wait for one bucket's all-reduce and write the averages into p.grad."""
-        averaged = work.wait()
-        for i, p in enumerate(bucket.params):
-            p.grad[...] = bucket.view(averaged, i)
-        dist.release(averaged)
+        with dist.transient(work.wait()) as averaged:
+            for i, p in enumerate(bucket.params):
+                p.grad[...] = bucket.view(averaged, i)
         dist.release(flat)
 
     def finish_gradient_synchronization(self) -> None:
@@ -203,23 +187,6 @@ class DataParallel:
     def step_count(self) -> int:
         return self.optimizer.step_count
 
-    # -------------------------------------------------------------- state
-    def parameter_pieces(self) -> list[Piece]:
-        """The parameter values this rank holds (its whole replica)."""
-        return [_whole("param", name, p.data, p) for name, p in zip(self.names, self.params,
-                                                                     strict=True)]
-
-    def state_pieces(self) -> list[Piece]:
-        """Parameters and optimizer state, for a checkpoint (every replica saves its own)."""
-        pieces = self.parameter_pieces()
-        opt = self.optimizer
-        for name, p, master, m, v in zip(self.names, self.params, opt.master, opt.exp_avg,
-                                         opt.exp_avg_sq, strict=True):
-            pieces += [_whole("exp_avg", name, m, p), _whole("exp_avg_sq", name, v, p)]
-            if master is not None:
-                pieces.append(_whole("master", name, master, p))
-        return pieces
-
     def load_optimizer_state(self, step: int, state: dict[str, dict[str, np.ndarray]]) -> None:
         """Restore AdamW from full local tensors: state[kind][name] for kind in
         exp_avg, exp_avg_sq and (mixed precision) master."""
@@ -229,26 +196,6 @@ class DataParallel:
                 kind, name = key.split(".", 1)
                 flat[key] = state[kind][name]
         self.optimizer.load_state_dict(flat)
-
-    def holdings(self) -> list[Holding]:
-        """What I keep: the whole replica of parameters, gradients and AdamW's state."""
-        opt = self.optimizer
-        held = []
-        for name, p, master, m, v in zip(self.names, self.params, opt.master, opt.exp_avg,
-                                         opt.exp_avg_sq, strict=True):
-            held += [_whole_holding("param", name, p, p.data),
-                     _whole_holding("grad", name, p, p.grad, p.dtype)]
-            if master is not None:
-                held.append(_whole_holding("master", name, p, master))
-            held += [_whole_holding("exp_avg", name, p, m),
-                     _whole_holding("exp_avg_sq", name, p, v)]
-        return held
-
-    def describe(self) -> dict:
-        """How this rank's state is laid out (the report's ranks[i]["sharding"])."""
-        numel = sum(p.size for p in self.params)
-        return {"zero_stage": 0, "buckets": len(self.buckets), "numel": numel,
-                "padded_numel": numel, "padding_elements": 0}
 
 
 def _always(param) -> bool:
@@ -262,18 +209,6 @@ def sum_over_groups(value: float, groups) -> float:
         if group.size > 1:
             value = float(dist.all_reduce(np.array([value]), op="sum", group=group)[0])
     return value
-
-
-def _whole_holding(kind: str, name: str, param, array, dtype=None) -> Holding:
-    values, dtype = (None, dtype) if array is None else (array.reshape(-1), array.dtype)
-    return Holding(kind, name, param.shape, 0, param.size, np.dtype(dtype),
-                   placement=param.placement, placement_group=param.placement_group,
-                   values=values)
-
-
-def _whole(kind: str, name: str, array: np.ndarray, param) -> Piece:
-    return Piece(kind, name, array.shape, 0, array.size, array.reshape(-1),
-                 param.placement, param.placement_group)
 
 
 def _check_all_reduced(buckets: list[Bucket]) -> None:

@@ -28,7 +28,7 @@ experts by 1 / ep, the dispatch's backward undoes it for the tokens' gradient (e
 a power of two), and the expert engine averages over edp: sum / dp, as a single device.
 
 With the other strategies (docs/expert-parallel.md): under TP every rank of an ep group
-has the same TP index and holds its TP slices of its experts (tensor.py,
+has the same TP index and holds its TP slices of its experts (minipar/parallel/tensor/model.py,
 `tensor_parallel_experts`), routing replicated tokens identically, so its all-to-all
 moves the same E x C x d bytes as without TP; in a pipeline each stage keeps its own
 layers' experts and trains their aux losses locally (minipar/nn/moe.py,
@@ -41,7 +41,8 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.function import Function
-from minipar.nn.moe import MoE, run_local_experts
+from minipar.nn import GPT
+from minipar.nn.moe import MoE, MoETokenDispatcher
 
 
 class AllToAll(Function):
@@ -67,27 +68,38 @@ def local_expert_ids(num_experts: int, ep: int, ep_rank: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def expert_parallel_exchange(moe: MoE, ep_group):
-    """The `MoE.exchange` of an expert-parallel rank: buffer (E, C, d) -> (E, C, d)."""
-    ep = ep_group.size
+class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+    """The dispatcher of an expert-parallel rank (Megatron-LM's MoEAlltoAllTokenDispatcher):
+    my tokens' buffer (E, C, d) -> all-to-all -> my E_local experts' ep x C rows each,
+    and back. See the module docstring for the gradient scales."""
 
-    def exchange(buffer):
+    def __init__(self, ep_group):
+        super().__init__()
+        self.ep_group = ep_group
+
+    def dispatch(self, buffer):
+        """(E, C, d) -> (E_local, ep x C, d): every rank's tokens for my experts."""
         e, cap, d = buffer.shape
-        local = e // ep
-        received = AllToAll.apply(buffer, ep_group, float(ep))        # (ep * E_l, C, d)
-        by_expert = received.reshape(ep, local, cap, d).permute(1, 0, 2, 3)
-        out = run_local_experts(moe.experts, by_expert.reshape(local, ep * cap, d))
-        back = out.reshape(local, ep, cap, d).permute(1, 0, 2, 3).reshape(e, cap, d)
-        return AllToAll.apply(back, ep_group, 1.0 / ep)               # (E, C, d)
+        ep = self.ep_group.size
+        received = AllToAll.apply(buffer, self.ep_group, float(ep))   # (ep * E_l, C, d)
+        by_expert = received.reshape(ep, e // ep, cap, d).permute(1, 0, 2, 3)
+        return by_expert.reshape(e // ep, ep * cap, d)
 
-    return exchange
+    def combine(self, out):
+        """(E_local, ep x C, d) -> (E, C, d): my tokens' expert outputs, back in place."""
+        local, rows, d = out.shape
+        ep = self.ep_group.size
+        back = out.reshape(local, ep, rows // ep, d).permute(1, 0, 2, 3)
+        back = back.reshape(local * ep, rows // ep, d)
+        return AllToAll.apply(back, self.ep_group, 1.0 / ep)            # (E, C, d)
 
 
-def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
-    """Keep only my experts in every MoE layer of `model` (a GPT, a tensor-parallel GPT
-    or a pipeline stage) and route through the ep group. Each rank builds the full
-    initial weights first (their init is a function of the name), so the experts it keeps
-    are the single device's (under TP, its slices of them)."""
+def parallelize_experts(model: GPT, ep_group, ep_rank: int) -> GPT:
+    """Convert `model` (a GPT, whole or a pipeline stage, tensor-parallel or not) in place
+    to one expert-parallel rank's: every MoE layer keeps only my experts and dispatches
+    through the ep group. Each rank builds the full initial weights first (their init is
+    a function of the name), so the experts it keeps are the single device's (under TP,
+    its slices of them). Returns it."""
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
@@ -96,7 +108,8 @@ def expert_parallel_gpt(model, ep_group, ep_rank: int) -> None:
             if e not in keep:
                 delattr(module.experts, str(e))
         module.experts.ids = tuple(sorted(keep))
-        module.exchange = expert_parallel_exchange(module, ep_group)
+        module.token_dispatcher = MoEAlltoAllTokenDispatcher(ep_group)
+    return model
 
 
 def expert_layout_problem(cp: int, zero: int, ep: int, offload_optimizer: str = "none",

@@ -14,7 +14,8 @@ from minipar.nn.optim import scale_grads_
 class ExpertDataParallel:
     """Two data-parallel engines as one: `dense` over the DP group (non-expert
     parameters), `experts` over the expert-data-parallel group. The training loop sees
-    one engine; the gradient norm is the whole model's (both engines' squares)."""
+    one engine (a `minipar.parallel.engine.GradientEngine`); the gradient norm is the
+    whole model's (both engines' squares)."""
 
     def __init__(self, dense, experts) -> None:
         self.dense, self.experts = dense, experts
@@ -48,6 +49,9 @@ class ExpertDataParallel:
         dense engine holds their gradients."""
         return self.dense.main_grads(params)
 
+    def local_gradients(self) -> list:
+        return [g for engine in self.engines for g in engine.local_gradients()]
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """sqrt(dense^2 + experts^2): each engine's norm (one all-reduce of its sum of
         squares, over its own groups), then both scale their local gradients by the
@@ -73,24 +77,6 @@ class ExpertDataParallel:
     def step_count(self) -> int:
         return self.dense.step_count
 
-    def parameter_pieces(self):
-        return [p for engine in self.engines for p in engine.parameter_pieces()]
-
-    def state_pieces(self):
-        return [p for engine in self.engines for p in engine.state_pieces()]
-
-    def holdings(self):
-        return [h for engine in self.engines for h in engine.holdings()]
-
     def load_optimizer_state(self, step: int, state) -> None:
         for engine in self.engines:
             engine.load_optimizer_state(step, state)
-
-    def describe(self) -> dict:
-        dense, experts = (engine.describe() for engine in self.engines)
-        merged = dict(dense)
-        for key in ("buckets", "numel", "padded_numel", "padding_elements"):
-            if key in experts:
-                merged[key] = dense.get(key, 0) + experts[key]
-        merged["expert_numel"] = experts.get("numel", 0)
-        return merged

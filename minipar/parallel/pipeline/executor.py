@@ -5,31 +5,23 @@
     loss = pipe.forward_backward(micro_batches)   # [(inputs, targets), ...] of one step
     optimizer.step(); optimizer.zero_grad()
 
-What a stage holds: minipar/parallel/pipeline/stage.py (the layers cut into pp x v
-pieces, embeddings on the first, head and loss on the last, the tied copy of wte).
+Each chunk is a GPT over its layers (stage.py). One step, from one rank's point of view:
+run the schedule's actions in order (schedules/). A forward receives the (b, s, h)
+activation from the previous stage, runs the chunk and sends its output on; a backward
+receives the gradient of that output, backpropagates and sends the gradient of its input
+back. Sends are `isend`s (a blocking send is a rendezvous, as with NCCL, so two
+neighbours that both send first would deadlock), waited for at the end of the step; a
+receive blocks until its message is there, which is where the pipeline bubble shows up
+on the simulated clock (`bubble_fraction` in minipar/distributed/timeline.py).
 
-One step, from one rank's point of view: run the schedule's actions in order
-(schedules.py). A forward receives the (b, s, h) activation from the previous stage,
-runs the chunk and sends its output on; a backward receives the gradient of that output,
-backpropagates and sends the gradient of its input back. Sends are `isend`s (the dist
-layer's blocking send is a rendezvous, as with NCCL, so two neighbours that both send
-first would deadlock), waited for at the end of the step, so a sender only pays for a
-transfer still in flight then; a receive blocks until its message is there, which is
-where the pipeline bubble shows up on the simulated clock.
+Loss: the last stage backpropagates each micro-batch's mean cross-entropy scaled by 1/m,
+so the gradients are those of the step's mean loss, as in single-device gradient
+accumulation; it broadcasts that mean over the pp group (8 bytes per step).
 
-Loss: the last stage computes each micro-batch's mean cross-entropy and backpropagates
-it scaled by 1/m, so the accumulated gradients are those of the step's mean loss, as in
-single-device gradient accumulation. `forward_backward` returns that mean on every rank of
-the pipeline: the last stage broadcasts it over the pp group (8 bytes per step).
-
-Memory: received activations and gradients are "buffers" in the ledger, from their
-arrival until the backward that consumes them; what the chunks save for backward is
-"activations". Micro-batch tokens are copied when their forward runs, as a data loader
-moves each micro-batch to the GPU.
-
-Measuring the bubble: `bubble_fraction` and `time_breakdown` read the ranks' clock
-timelines; they live in minipar/distributed/timeline.py (idle accounting is the clocks' business,
-and applies to any run) and are re-exported here.
+Memory: received activations and gradients are "buffers" from their arrival until the
+backward that consumes them; what the chunks save for backward is "activations".
+Micro-batch tokens are copied when their forward runs, as a data loader moves each
+micro-batch to the GPU.
 """
 
 from __future__ import annotations
@@ -38,9 +30,8 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.engine import backward_input
-from minipar.distributed.timeline import bubble_fraction, time_breakdown  # noqa: F401 - re-exported
 from minipar.errors import PipelineError
-from minipar.nn import GPTConfig
+from minipar.nn import GPT, GPTConfig
 from minipar.nn.optim import grad_norm_squared
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.actions import (
@@ -54,9 +45,10 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from minipar.parallel.pipeline.schedules import make_schedule
+from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import validate
-from minipar.parallel.pipeline.stage import PipelineStage, StageInput, split_layers
+from minipar.parallel.pipeline.stage import StageInput, split_layers, stage_part
+from minipar.parallel.pipeline.tied_embedding import TiedEmbedding
 
 
 # --------------------------------------------------------------------------- one rank
@@ -64,22 +56,25 @@ class Pipeline:
     """One pipeline rank's model chunks, its schedule and the group it talks to.
 
     config: the GPT shape; pp_group: this rank's pipeline group (`mesh.pp_group()`; None =
-    every rank of the launch); schedule: "gpipe" | "1f1b" | "interleaved" or a Schedule;
+    every rank of the launch); schedule: a name in schedules/registry.py or a Schedule;
     micro_batches: m per optimizer step (= grad_accum_steps); virtual_stages: model chunks
     per rank (interleaved); layer_split: layers per virtual stage (default balanced);
     validate_schedule: check a given Schedule before running it (leave on);
-    stage_class: the chunk Module to build (a subclass of PipelineStage can override
-    `embed` / `head`, e.g. with tensor-parallel versions, as TensorParallelGPT does GPT's).
+    build_chunk(**part) -> GPT: builds one chunk from GPT's part keywords
+    (`stage_part`: layers, pre_process, post_process, stage), e.g. a GPT then converted
+    by tensor and context parallelism (minipar/train/build.py); by default a plain
+    `GPT(config, seed, precision, recompute, **part)`.
     Build it inside `minipar.distributed.launch`; every rank of the group builds its own share.
     """
 
     def __init__(self, config: GPTConfig, *, pp_group: dist.ProcessGroup | None = None,
                  schedule: str | Schedule = "1f1b", micro_batches: int = 1,
                  virtual_stages: int = 1, layer_split=None, seed: int = 0,
-                 precision: str = "fp64", activation_checkpointing: bool = False,
-                 validate_schedule: bool = True, stage_class: type = None,
-                 recompute: Recompute | None = None):
-        stage_class = PipelineStage if stage_class is None else stage_class
+                 precision: str = "fp64", recompute: Recompute | None = None,
+                 validate_schedule: bool = True, build_chunk=None):
+        if build_chunk is None:
+            def build_chunk(**part) -> GPT:
+                return GPT(config, seed, precision, recompute, **part)
         if pp_group is None:
             pp_group = dist.new_group(range(dist.get_world_size()), kind="pp")
         self.config, self.group = config, pp_group
@@ -98,43 +93,24 @@ class Pipeline:
         self.schedule = schedule
         self.actions = schedule[self.pp_rank]
         self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
+        self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
         num_stages = self.pp * virtual_stages
         ranges = split_layers(config.n_layer, num_stages, layer_split)
-        if config.tie_embeddings and self.pp == 1 and num_stages > 1:
-            raise PipelineError("a tied embedding needs the first and last virtual stage on "
-                                "different ranks: use pp >= 2 or one virtual stage")
-        self.chunks = [
-            stage_class(config, stage, num_stages, ranges[stage], seed=seed,
-                        precision=precision, activation_checkpointing=activation_checkpointing,
-                        recompute=recompute)
-            for stage in (schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages))
-        ]
-        # Which pipeline rank holds the first and the last virtual stage: ranks 0 and
-        # p - 1 for the looped placements, both rank 0 in a V (schedule.placement).
-        self.first_rank = schedule.rank_of(0)
-        self.last_rank = schedule.rank_of(num_stages - 1)
-        if config.tie_embeddings and self.first_rank == self.last_rank == self.pp_rank \
-                and num_stages > 1:  # a V: embedding and head on this rank share one wte
-            head = next(c for c in self.chunks if c.is_last)
-            head.wte, head.holds_tied_copy = self.chunks[0].wte, False
-        # Megatron's embedding group: the ranks holding the two copies of a tied wte.
-        first, last = pp_group.ranks[self.first_rank], pp_group.ranks[self.last_rank]
-        self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
-        self.embedding_group = None
-        if config.tie_embeddings and first != last:
-            self.embedding_group = dist.new_group(sorted([first, last]), kind="pp")
+        # the virtual stage of each of my chunks
+        self.stages = [schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages)]
+        self.chunks = [build_chunk(**stage_part(stage, num_stages, ranges[stage]))
+                       for stage in self.stages]
+        self.tied = TiedEmbedding(config, pp_group, schedule, self.pp_rank, self.chunks)
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self, include_tied_copy: bool = True):
         """(global HF name, Parameter) of every chunk on this rank."""
-        seen = set()
+        seen = set() if include_tied_copy else {id(p) for p in self.tied.copies()}
         for chunk in self.chunks:
             for name, p in chunk.named_parameters():
-                if id(p) in seen or (chunk.holds_tied_copy and name == "wte.weight"
-                                     and not include_tied_copy):
-                    continue
-                seen.add(id(p))
-                yield name, p
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
 
     def parameters(self, include_tied_copy: bool = True):
         return [p for _, p in self.named_parameters(include_tied_copy)]
@@ -156,6 +132,12 @@ class Pipeline:
         Sum it over the pp group for the squared global norm."""
         return grad_norm_squared(p.grad for p in self.parameters()
                                  if p.grad is not None and self.counts_in_norm(p))
+
+    def late_reduced_parameters(self) -> list:
+        """Parameters whose gradient is final only after the whole schedule (the tied
+        embedding's, `TiedEmbedding.late_reduced`): a DP engine reduces them in
+        synchronize_gradients, not from its hooks."""
+        return self.tied.late_reduced()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, micro_batches, grad_sync=None) -> float:
@@ -186,41 +168,16 @@ class Pipeline:
                 grad_sync(last_backward[action.chunk] == i)
             step.run(action)
         step.finish_sends()
-        self._all_reduce_tied_embedding()
+        self.tied.all_reduce_grads()
         return self._broadcast_loss(step.losses)
 
-    def tied_embedding_parameters(self) -> list:
-        """The copies of a tied wte on this rank whose gradients the step sums over the
-        embedding group (final only after that sum): [] on the other ranks."""
-        if self.embedding_group is None or self.pp_rank not in (self.first_rank,
-                                                                  self.last_rank):
-            return []
-        chunk = next(c for c in self.chunks if c.is_first or c.holds_tied_copy)
-        return [chunk.wte.weight]
-
-    def late_reduced_parameters(self) -> list:
-        """Parameters whose gradient is final only after the whole schedule: the tied
-        embedding copies (summed over the embedding group), and in a V the wte that rank
-        0's embedding and head chunks share (both chunks' last backwards add into it), so
-        a DP engine reduces them in synchronize_gradients, not from its hooks."""
-        shared = [c.wte.weight for c in self.chunks if c.is_last and not c.is_first
-                  and not c.holds_tied_copy and self.config.tie_embeddings]
-        return self.tied_embedding_parameters() + shared
-
-    def _all_reduce_tied_embedding(self) -> None:
-        """Sum the gradients of the first and last stage's copies of a tied wte
-        (Megatron-LM's `_allreduce_embedding_grads`): both then see embedding + head."""
-        for weight in self.tied_embedding_parameters():
-            with dist.phase("backward"):
-                weight.grad[...] = dist.all_reduce(weight.grad, "sum",
-                                                   group=self.embedding_group)
-
     def _broadcast_loss(self, losses) -> float:
-        last = self.group.ranks[self.last_rank]
-        mean = np.asarray(np.mean(losses) if self.pp_rank == self.last_rank else 0.0,
-                          np.float64)
+        """The step's mean loss, from the rank holding the last stage to every rank."""
+        last_rank = self.schedule.rank_of(self.pp * self.virtual_stages - 1)
+        mean = np.asarray(np.mean(losses) if self.pp_rank == last_rank else 0.0, np.float64)
         with dist.phase("other"):
-            return float(dist.broadcast(mean, src=last, group=self.group))
+            return float(dist.broadcast(mean, src=self.group.ranks[last_rank],
+                                        group=self.group))
 
 
 class _Step:
@@ -234,7 +191,7 @@ class _Step:
         self.out_grads: dict = {}  # (micro_batch, chunk) -> received gradient of the output
         self.embedded: dict = {}  # (micro_batch, 0) -> the first stage's embedding output
         self.weight_work: dict = {}  # (micro_batch, chunk) -> the W an I left queued
-        self.chunk_of = {chunk.stage: c for c, chunk in enumerate(pipe.chunks)}
+        self.chunk_of = {stage: c for c, stage in enumerate(pipe.stages)}
         self.losses = [None] * pipe.micro_batches
         self.sends = {"forward": [], "backward": []}
         self.scale = 1.0 / pipe.micro_batches
@@ -251,12 +208,12 @@ class _Step:
     def run(self, action) -> None:
         key = (action.micro_batch, action.chunk)
         chunk = self.pipe.chunks[action.chunk]
-        stage = chunk.stage
+        stage = self.pipe.stages[action.chunk]
         kind = type(action)
         if kind is Forward:
-            self.forward(key, chunk, action)
+            self.forward(key, chunk, stage, action)
         elif kind is Backward or kind is BackwardInput:
-            self.backward(key, chunk, action, split=kind is BackwardInput)
+            self.backward(key, chunk, stage, action, split=kind is BackwardInput)
         elif kind is BackwardWeight:
             with dist.timeline_label(str(action)):
                 self.weight_work.pop(key).run()
@@ -283,40 +240,40 @@ class _Step:
         else:
             raise PipelineError(f"not a pipeline action: {action!r}")
 
-    def forward(self, key, chunk: PipelineStage, action) -> None:
+    def forward(self, key, chunk: GPT, stage: int, action) -> None:
         inputs, targets = self.batches[key[0]]
-        if chunk.is_first:
+        if chunk.pre_process:
             if inputs is None:
                 raise PipelineError("the first pipeline stage needs the micro-batch inputs")
             x = np.array(inputs, copy=True)  # this micro-batch's tokens, on the device
         else:
             x = self.inputs[key]
-        if chunk.is_last:
+        if chunk.post_process:
             if targets is None:
                 raise PipelineError("the last pipeline stage needs the micro-batch targets")
             targets = np.array(targets, copy=True)
         with dist.phase("forward"), dist.timeline_label(str(action)):
-            if chunk.is_first:
+            if chunk.pre_process:
                 x = self.embedded[key] = chunk.embed(x)
-            out = chunk.body(x, targets if chunk.is_last else None)
+            out = chunk.body(x, targets if chunk.post_process else None)
         self.outputs[key] = out
-        if chunk.is_last:
+        if chunk.post_process:
             self.losses[key[0]] = float(out.data)
-        elif self.local(chunk.stage + 1):  # the next stage is mine too (a V's tip)
-            following = (key[0], self.chunk_of[chunk.stage + 1])
+        elif self.local(stage + 1):  # the next stage is mine too (a V's tip)
+            following = (key[0], self.chunk_of[stage + 1])
             self.inputs[following] = StageInput(out.data, requires_grad=True)
 
     def local(self, stage: int) -> bool:
         """Does this rank hold virtual stage `stage` (tensors then pass in memory)?"""
         return self.pipe.schedule.rank_of(stage) == self.pipe.pp_rank
 
-    def backward(self, key, chunk: PipelineStage, action, split: bool = False) -> None:
+    def backward(self, key, chunk: GPT, stage: int, action, split: bool = False) -> None:
         """The full backward (B), or with `split` its input half (I), leaving the
         weight gradients queued for the W action (engine.backward_input)."""
         out = self.outputs.pop(key)
-        stage_input = self.embedded.pop(key) if chunk.is_first else self.inputs.get(key)
+        stage_input = self.embedded.pop(key) if chunk.pre_process else self.inputs.get(key)
         # d(mean over the m micro-batches)/d(loss_i) = 1/m
-        grad = (np.asarray(self.scale, dtype=out.data.dtype) if chunk.is_last
+        grad = (np.asarray(self.scale, dtype=out.data.dtype) if chunk.post_process
                 else self.out_grads.pop(key))
         # (the autograd engine charges backward's communication to the backward phase)
         with dist.timeline_label(str(action)):
@@ -324,11 +281,11 @@ class _Step:
                 self.weight_work[key] = backward_input(out, grad, [stage_input])
             else:
                 out.backward(grad)
-        if not chunk.is_last:
+        if not chunk.post_process:
             dist.release(grad)
-        if not chunk.is_first and self.local(chunk.stage - 1):  # hand the gradient over
+        if not chunk.pre_process and self.local(stage - 1):  # hand the gradient over
             x = self.inputs.pop(key)
-            self.out_grads[(key[0], self.chunk_of[chunk.stage - 1])] = x.grad
+            self.out_grads[(key[0], self.chunk_of[stage - 1])] = x.grad
             dist.hold(x.grad, "buffers")  # until the stage before has used it
             x.release_grad()
 

@@ -3,8 +3,8 @@
 `simulate_step(schedule, forward, backward, message, weight=...)` is the one walker of
 action lists: it checks every rule (a ScheduleError names the rank and action) while it
 times the schedule with per-(rank, chunk) costs and a message cost. `validate` and
-`simulate` are views of it; the planner's exact pipeline time (minipar.plan.timing) calls
-it. The actions and the Schedule are in pipeline_actions.py.
+`simulate` are views of it; the planner's exact pipeline time (minipar.plan.pipeline_step)
+calls it. The actions and the Schedule are in actions.py.
 
 Costs of one micro-batch through chunk c on rank r: forward[r][c]; backward[r][c] the full
 backward (B); weight[r][c] its W part (the weight gradients), so a split backward costs

@@ -1,44 +1,24 @@
 """Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", section 4.2.2), from one rank's point of view.
 
-Tensor parallelism (tensor_layers.py) splits attention heads and the MLP hidden layer,
-but every TP rank still holds the whole (B, T, d) activations of the LayerNorms, the
-dropouts and the residual stream: they sit between the all-reduces, replicated. Sequence
-parallelism cuts those regions along the sequence: rank i keeps tokens [i T/t, (i+1) T/t).
-
-The all-reduce at the end of a tensor-parallel region is a reduce-scatter followed by an
-all-gather, so it splits in two at no extra cost (the paper's figure 6):
+Tensor parallelism (layers.py) splits the heads and the MLP, but every TP rank still
+holds the whole (B, T, d) activations of the LayerNorms, dropouts and residual stream
+between the all-reduces. Sequence parallelism cuts those regions along the sequence
+(rank i keeps tokens [i T/t, (i+1) T/t)) and splits each all-reduce, a reduce-scatter
+then an all-gather, in two at no extra cost (the paper's figure 6; Megatron-LM's
+mappings.py names):
 
     sequence-parallel region  --all-gather-->      tensor-parallel region     (g)
     tensor-parallel region    --reduce-scatter-->  sequence-parallel region   (g-bar)
 
-Those region functions are in mappings.py (Megatron-LM's mappings.py names; the paper
-calls the first `g` and the second `g-bar`, not to be confused with Shoeybi et al.'s f
-and g). This module holds the layers that run on a sequence piece:
-
-`SequenceParallelLinear` is the column-parallel linear layer entered from a sequence-
-parallel region. Saving its all-gathered (B, T, d) input for backward would give back
-what sequence parallelism saved, so, as Megatron does, it saves only this rank's
-(B, T/t, d) piece and all-gathers it again in backward to form the weight gradient
-(the paper: "an extra all-gather ... in the backward pass"; Megatron overlaps it with
-the input-gradient matmul, we run it first).
-
-`SequenceParallelLayerNorm` and the row-parallel biases use replicated parameters on my
-tokens only, so their gradients are partial sums over the TP group. They are
-`SequenceParallelParameter`s (Megatron marks them `param.sequence_parallel = True`).
-Megatron sums their gradients once per step, after the data-parallel sync, in one
-flat all-reduce over TP (`finalize_model_grads` ->
-`_allreduce_non_tensor_model_parallel_grads`, megatron/core/distributed/
-finalize_model_grads.py); the training loop does the same here
-(`defer_gradient_reduction`, `allreduce_sequence_parallel_grads`, called by
-minipar/train/build.py's `RankModel.finalize_model_grads`): one latency per step
-instead of one per parameter and micro-batch. A model used on its own keeps the
-per-backward path: the parameters enter the graph through f, whose backward
-all-reduces each gradient, so `.grad` is whole after every backward. Either way a
-gradient that would reach the optimizer without its TP sum is refused with a
-PlacementError (each TP replica would otherwise take a different optimizer step): at
-`.grad` on the per-backward path, in the engines' clip_grad_norm_ and step on the
-per-step one.
+The column-parallel layer entered from a sequence piece (`SequenceParallelLinear`) saves
+only my (B, T/t, d) piece for backward and all-gathers it again there for the weight
+gradient (the paper's "extra all-gather"; Megatron overlaps it with the input-gradient
+matmul, we run it first). The LayerNorms and the row-parallel biases see only my tokens,
+so their gradients are partial sums over TP: `SequenceParallelParameter`s (Megatron's
+`param.sequence_parallel = True`), summed by f in each backward, or once per step in a
+training run (sequence_grads.py). Activations are (B, T, ...) (Megatron: (T, B, ...)), so the
+sequence is dim 1. `parallelize_tensor(..., sequence_parallel=True)` swaps these in.
 """
 
 from __future__ import annotations
@@ -49,11 +29,97 @@ from minipar import distributed as dist
 from minipar.autograd import functional as F
 from minipar.autograd.function import Function
 from minipar.autograd.kernels import linear_kernels
-from minipar.autograd.placement import Partial, PlacementError, Replicate
+from minipar.autograd.placement import partial
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Tensor
-from minipar.nn import LayerNorm, Parameter
-from minipar.parallel.tensor.mappings import SEQUENCE_DIM, copy_to_tensor_parallel_region
+from minipar.nn import LayerNorm, Module, Parameter
+from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from minipar.parallel.tensor.sequence_grads import (
+    copy_parameter_to_tensor_parallel_region,
+    sequence_parallel_parameter,
+)
+from minipar.parallel.tensor.vocab import VocabParallelLMHead
+
+SEQUENCE_DIM = 1  # activations are (B, T, ...)
+
+
+# ---------------------------------------------------------------------------- regions
+def my_sequence_piece(x: np.ndarray, group) -> np.ndarray:
+    """This rank's slice of x along the sequence (a copy, so it owns its memory)."""
+    length, t = x.shape[SEQUENCE_DIM], group.size
+    if length % t:
+        raise ValueError(
+            f"sequence parallelism: sequence length {length} is not divisible by the "
+            f"tensor-parallel size {t}; use sequences whose length is a multiple of {t} "
+            "(--seq-len) or turn --sequence-parallel off")
+    piece = length // t
+    start = dist.get_rank(group) * piece
+    return np.ascontiguousarray(x[:, start:start + piece])
+
+
+class ScatterToSequenceParallelRegion(Function):
+    """Keep my sequence piece (forward, no communication); all-gather the gradient
+    (backward). x (B, T, d) -> (B, T/t, d)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return my_sequence_piece(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return dist.all_gather(grad, group=ctx.group, dim=SEQUENCE_DIM), None
+
+
+class GatherFromSequenceParallelRegion(Function):
+    """All-gather along the sequence (forward); reduce-scatter the gradient (backward):
+    the paper's `g`. x (B, T/t, d) -> (B, T, d).
+
+    tensor_parallel_output_grad=False (Megatron's flag of the same name): what follows
+    computes the same thing on every rank (an MoE layer routing all tokens), so each
+    rank's gradient is already whole and backward keeps my tokens' piece of it."""
+
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad=True):
+        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
+        return dist.all_gather(x, group=group, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.reduce:
+            return my_sequence_piece(grad, ctx.group), None, None
+        return dist.reduce_scatter(grad, group=ctx.group, dim=SEQUENCE_DIM), None, None
+
+
+class ReduceScatterToSequenceParallelRegion(Function):
+    """Sum the group's partial outputs and keep my sequence piece (forward,
+    reduce-scatter); all-gather the gradient (backward): the paper's `g-bar`.
+    partial (B, T, d) -> (B, T/t, d)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        if x.shape[SEQUENCE_DIM] % group.size:
+            my_sequence_piece(x, group)  # raises the clear error
+        return dist.reduce_scatter(x, group=group, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return dist.all_gather(grad, group=ctx.group, dim=SEQUENCE_DIM), None
+
+
+def scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
+    return ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: Tensor, group,
+                                         tensor_parallel_output_grad: bool = True) -> Tensor:
+    return GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
+    """g-bar: Partial() (B, T, d) in, my replicated-value tokens (B, T/t, d) out."""
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 
 # ---------------------------------------------------------------------------- linear
@@ -131,120 +197,6 @@ def sequence_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, gro
     return SequenceParallelLinear.apply(x, weight, bias, transpose_weight, group)
 
 
-# ---------------------------------------------------------------------------- parameters
-class SequenceParallelParameter(Parameter):
-    """A replicated parameter that meets only my sequence piece: its gradient from one
-    backward is this rank's Partial() summand over the TP group. It becomes whole in
-    one of two places:
-
-    per backward (a model used on its own: tests, notebooks): the parameter enters the
-        graph through f, whose backward all-reduces its gradient and calls
-        `mark_reduced`; a post-accumulate-grad hook (which runs before any
-        data-parallel engine's) refuses a gradient that arrives without it.
-    per step (`defer_gradient_reduction`: the training loop, as Megatron-LM): used as
-        is, the gradient accumulates as my summand (`grad_placement` Partial()), the
-        data-parallel engine averages it like any other (both are sums, so DP then TP
-        is the same math), and `allreduce_sequence_parallel_grads` sums every such
-        gradient over TP in one flat all-reduce; the engines refuse a Partial gradient
-        in clip_grad_norm_ and step (`require_replicated_gradients`).
-    """
-
-    __slots__ = ("name", "reduced", "deferred")
-
-    def mark_reduced(self) -> None:
-        self.reduced = True
-
-
-def _on_gradient_accumulated(param: SequenceParallelParameter) -> None:
-    if param.deferred:
-        param.grad_placement = Partial()  # my tokens' summand, until the step sums it
-        return
-    if not param.reduced:
-        raise PlacementError(
-            f"{param.name}: its gradient is Partial(sum) over the tensor-parallel group "
-            "(under sequence parallelism it sees only this rank's tokens) and reached .grad "
-            "without the all-reduce of f (copy_to_tensor_parallel_region's backward): the "
-            "optimizer and the gradient norm need Replicate(), else each TP replica steps "
-            "differently")
-    param.reduced = False  # the next backward must reduce again
-
-
-def sequence_parallel_parameter(param: Parameter, name: str) -> SequenceParallelParameter:
-    """`param` (same data, placement and group) as a SequenceParallelParameter."""
-    marked = SequenceParallelParameter(param.data, requires_grad=param.requires_grad,
-                                       placement=param.placement,
-                                       placement_group=param.placement_group)
-    marked.grad_category = param.grad_category
-    marked.name, marked.reduced, marked.deferred = name, False, False
-    marked.register_post_accumulate_grad_hook(_on_gradient_accumulated)
-    return marked
-
-
-def copy_parameter_to_tensor_parallel_region(param: Parameter, group) -> Tensor:
-    """f for a SequenceParallelParameter: all-reduce its gradient in backward and note
-    it; a deferred one is used as is (its gradient is summed once per step)."""
-    if getattr(param, "deferred", False):
-        return param
-    return copy_to_tensor_parallel_region(param, group,
-                                          on_reduced=getattr(param, "mark_reduced", None))
-
-
-def defer_gradient_reduction(named_params) -> list:
-    """Move the TP all-reduce of every SequenceParallelParameter among `named_params`
-    from each backward to the step (`allreduce_sequence_parallel_grads`). Call before
-    the first forward. Returns those (name, parameter) pairs, in order, each once.
-    The training loop (train/build.py) defers unless the optimizer is offloaded: then
-    the gradient shard goes to the host as its DP reduction completes, leaving no GPU
-    gradient to sum after the DP sync, and f keeps summing per backward."""
-    deferred, seen = [], set()
-    for name, param in named_params:
-        if isinstance(param, SequenceParallelParameter) and id(param) not in seen:
-            seen.add(id(param))
-            param.deferred = True
-            deferred.append((name, param))
-    return deferred
-
-
-def allreduce_sequence_parallel_grads(named_params, engine, group) -> None:
-    """Sum the deferred sequence-parallel gradients over the TP group in ONE all-reduce:
-    Megatron-LM's `_allreduce_non_tensor_model_parallel_grads` (alias
-    `_allreduce_layernorm_grads`; megatron/core/distributed/finalize_model_grads.py),
-    which `finalize_model_grads` runs after the data-parallel gradient sync:
-    `_flatten_dense_tensors` -> all_reduce over TP -> `_unflatten_dense_tensors`.
-
-    named_params: the (name, SequenceParallelParameter) pairs of `defer_gradient_
-    reduction`; engine: the DP / ZeRO engine, whose `main_grads` gives for each the
-    array the optimizer will read, summed in place (p.grad under DDP, the part of my
-    gradient shard that holds it under ZeRO; Megatron's `param.main_grad`). A ZeRO
-    shard may hold none of a parameter (an empty array). TP peers hold the same layout
-    (same shapes, same DP rank), so their flat buffers line up element by element, as
-    Megatron's grad buffers do.
-    One call of 2(t-1)/t x (the bytes of these gradients) per step, instead of one per
-    parameter and micro-batch; the same bytes as the per-backward path without
-    gradient accumulation, 1/A of them with A micro-batches per step.
-    """
-    named_params = list(named_params)
-    if not named_params:  # (no sequence parallelism, or its per-backward path)
-        return
-    for name, param in named_params:
-        if not isinstance(param.grad_placement, Partial):
-            raise PlacementError(f"{name}: no Partial() gradient to all-reduce over TP (no "
-                                 "backward since the last reduction): a second sum would "
-                                 "multiply it by the TP size")
-    grads = engine.main_grads([param for _, param in named_params])
-    coalesced = dist.hold(np.concatenate([g.reshape(-1) for g in grads]), "buffers")
-    if coalesced.size:  # (empty: my ZeRO shard holds none, nor do my TP peers')
-        synced = dist.all_reduce(coalesced, group=group, category="buffers")
-        offset = 0
-        for grad in grads:
-            grad[...] = synced[offset:offset + grad.size].reshape(grad.shape)
-            offset += grad.size
-        dist.release(synced)
-    dist.release(coalesced)
-    for _, param in named_params:
-        param.grad_placement = Replicate()
-
-
 class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on a sequence piece (B, T/t, d). Weight and bias are replicated but see
     only my tokens, so their gradients are summed over the TP group: by f's backward, or
@@ -262,3 +214,66 @@ class SequenceParallelLayerNorm(LayerNorm):
         return F.layer_norm(x, copy_parameter_to_tensor_parallel_region(self.weight, self.group),
                             copy_parameter_to_tensor_parallel_region(self.bias, self.group),
                             self.eps)
+
+
+# ---------------------------------------------------------------------------- layers
+class SequenceParallelColumnLinear(ColumnParallelLinear):
+    """A column-parallel linear layer entered from the sequence-parallel region: my
+    tokens (B, T/t, in) -> (B, T, out/t), all-gathered inside (`SequenceParallelLinear`)."""
+
+    def forward(self, x):
+        return sequence_parallel_linear(x, self.weight, self.bias, self.group)
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """A row-parallel linear layer leaving into the sequence-parallel region: g-bar
+    (reduce-scatter) instead of g. x (B, T, in/t) -> my tokens (B, T/t, out). Its bias
+    meets only my tokens: a SequenceParallelParameter."""
+
+    def __init__(self, weight: Parameter, bias: Parameter | None, group, *,
+                 name: str = "RowParallelLinear"):
+        if bias is not None:
+            bias = sequence_parallel_parameter(bias, f"{name}.bias")
+        super().__init__(weight, bias, group, name=name)
+
+    def forward(self, x):
+        # My rows' share of the sum, awaiting g-bar (reduce-scatter over TP).
+        y = reduce_scatter_to_sequence_parallel_region(
+            partial(F.linear(x, self.weight), self.name,
+                    "g-bar (reduce_scatter_to_sequence_parallel_region)"), self.group)
+        if self.bias is None:
+            return y
+        return y + copy_parameter_to_tensor_parallel_region(self.bias, self.group)
+
+
+class SequenceParallelLMHead(VocabParallelLMHead):
+    """The vocabulary-parallel LM head entered from the sequence-parallel region: my
+    tokens (B, T/t, d) -> the logits of my words for every token (B, T, V/t)."""
+
+    def logits(self, x, weight):
+        return sequence_parallel_linear(x, weight, None, self.group, transpose_weight=True)
+
+
+class SequenceParallelScatter(Module):
+    """Where a replicated (B, T, d) activation enters the sequence-parallel region: my
+    tokens (B, T/t, d) (GPT's embedding output; an MoE layer's output)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return scatter_to_sequence_parallel_region(x, self.group)
+
+
+class SequenceParallelGather(Module):
+    """All-gather my tokens into the whole (B, T, d) (an MoE layer's input, routed whole
+    on every rank: tensor_parallel_output_grad=False, see the region function)."""
+
+    def __init__(self, group, tensor_parallel_output_grad: bool = True):
+        super().__init__()
+        self.group, self.tensor_parallel_output_grad = group, tensor_parallel_output_grad
+
+    def forward(self, x):
+        return gather_from_sequence_parallel_region(x, self.group,
+                                                    self.tensor_parallel_output_grad)

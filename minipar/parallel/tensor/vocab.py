@@ -33,9 +33,9 @@ from minipar.nn import Embedding, LMHead, Module
 from minipar.parallel.tensor.layers import shard_parameter
 from minipar.parallel.tensor.mappings import (
     copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
-from minipar.parallel.tensor.sequence import sequence_parallel_linear
 
 
 def pad_vocab_size(vocab_size: int, tp: int) -> int:
@@ -147,24 +147,37 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, vocab_start: int, grou
     return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
 
 
-def vocab_parallel_logits(x: Tensor, weight: Tensor, group,
-                          sequence_parallel: bool = False) -> Tensor:
-    """My logits x @ W_i.T, W_i (V/t, d) my vocabulary rows: x (B, T, d) replicated, or
-    (B, T/t, d) sequence-parallel (gathered inside) -> (B, T, V/t)."""
-    if sequence_parallel:
-        return sequence_parallel_linear(x, weight, None, group, transpose_weight=True)
-    return F.linear(copy_to_tensor_parallel_region(x, group), weight, None,
-                    transpose_weight=True)
-
-
 class VocabParallelLMHead(Module):
-    """An untied LM head (V, d) split by vocabulary rows: weight (V/t, d), Shard(0)."""
+    """The LM head split by vocabulary rows: my logits x @ W_i.T, W_i (V/t, d) my rows of
+    an untied head's weight (Shard(0)), or of the weight passed in (the vocabulary-
+    parallel wte of a tied head). x (B, T, d) replicated -> (B, T, V/t), or with
+    `gather_output` (generation only) the whole (B, T, V) on every rank."""
 
     def __init__(self, head: LMHead, group):
         super().__init__()
         self.group = group
-        self.weight = shard_parameter(head.weight.data, Shard(0), group)
-        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+        if hasattr(head, "weight"):
+            self.weight = shard_parameter(head.weight.data, Shard(0), group)
 
-    def forward(self, x, sequence_parallel: bool = False):
-        return vocab_parallel_logits(x, self.weight, self.group, sequence_parallel)
+    def forward(self, x, weight=None, gather_output: bool = False):
+        logits = self.logits(x, self.weight if weight is None else weight)
+        if gather_output:
+            return gather_from_tensor_parallel_region(logits, self.group)
+        return logits
+
+    def logits(self, x, weight):
+        """f, then x @ W_i.T (no communication forward)."""
+        return F.linear(copy_to_tensor_parallel_region(x, self.group), weight, None,
+                        transpose_weight=True)
+
+
+class VocabParallelCrossEntropyLoss(Module):
+    """The LM loss from my vocabulary's logits (`VocabParallelCrossEntropy`)."""
+
+    def __init__(self, vocab_size: int, group):
+        super().__init__()
+        self.group = group
+        self.vocab_start = dist.get_rank(group) * (vocab_size // group.size)
+
+    def forward(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)

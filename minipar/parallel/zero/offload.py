@@ -1,5 +1,5 @@
-"""ZeRO-Offload and ZeRO-Infinity: where a ZeRO rank's optimizer state and parameters live
-(GPU, host memory, NVMe) and what crosses PCIe and the NVMe drive each step.
+"""ZeRO-Offload and ZeRO-Infinity: a ZeRO rank's optimizer state and parameter shard in
+host memory or on NVMe, and what crosses PCIe and the NVMe drive each step.
 
 Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC);
 Rajbhandari et al. 2021, "ZeRO-Infinity: Breaking the GPU Memory Wall" (SC21); DeepSpeed's
@@ -9,6 +9,10 @@ switches are DeepSpeed's config keys:
 
     zero_optimization.offload_optimizer.device  none | cpu | nvme   (ZeRO 1, 2, 3)
     zero_optimization.offload_param.device      none | cpu | nvme   (ZeRO 3 only)
+
+`OffloadedZeroOptimizer` (stages 1 and 2) and `OffloadedZero3Optimizer` (stage 3) are
+the ZeRO engines of sharded.py with `ZeroOffload` in front: it changes where the state
+is allocated, what happens to a bucket's reduced gradient, and where AdamW runs.
 
 Where each state of my shard lives (16 bytes per parameter in bf16-mixed, the paper's
 2 + 2 + 12; Psi/N elements per rank):
@@ -44,8 +48,9 @@ One step, from rank r's point of view:
     ZeRO-3    every gather of a unit first brings my shard to the GPU: host -> GPU
               (offload_param cpu), or NVMe -> host buffer -> GPU (nvme,
               `AsyncPartitionedParameterSwapper`), then the all-gather as usual; per unit,
-              before its forward and again before its backward. Without prefetch (minipar
-              has none yet, issue 15) the copy blocks.
+              before its forward and again before its backward. minipar does not
+              prefetch an offloaded shard (DeepSpeed prefetches the copy from host / NVMe
+              too), so the copy blocks.
 
 Where DeepSpeed's code differs from the paper, and which minipar follows: the paper
 (section 4.1, Figure 2) sends fp16 gradients down and fp16 parameters up, 2 + 2 bytes per
@@ -70,6 +75,11 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.nn.optim import ADAMW_FLOPS_PER_ELEMENT
+from minipar.parallel.booking import Held
+from minipar.parallel.zero.partition import ShardedBucket
+from minipar.parallel.zero.sharded import ZeroEngine
+from minipar.parallel.zero.stage3 import Zero3Optimizer
+from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 
 DEVICES = ("none", "cpu", "nvme")
 TIER_OF = {"none": "gpu", "cpu": "host", "nvme": "nvme"}
@@ -93,56 +103,132 @@ def check_offload(offload_optimizer: str, offload_param: str, stage: int) -> Non
                          "set for any device but none); ZeRO-Infinity's swapping is stage 3's")
 
 
-class Offload:
-    """Where one ZeRO engine keeps its optimizer state and parameter shard, and the copies
-    that move them (the bookkeeping itself is minipar.distributed.tiers).
+class OffloadedShard(ShardedBucket):
+    """A `ShardedBucket` whose optimizer state (and under stage 3 its parameter shard)
+    lives in another tier, with what the trip there needs:
 
-    optimizer_tier, param_tier: gpu | host | nvme. stage: the ZeRO stage (it decides
-    which copies block and which precision crosses, as DeepSpeed's two code paths do).
+    optimizer_params  fp32/fp64: the optimizer's copy of my parameters in its tier
+                      (DeepSpeed's fp32 partition); bf16-mixed has its master instead
+    reduced           my shard of the latest reduce-scatter, on the GPU
+    accumulator       my gradient shard summed on the GPU over a step's earlier
+                      micro-batches, until the boundary sends it to the host
     """
 
-    def __init__(self, offload_optimizer: str = "none", offload_param: str = "none", *,
-                 stage: int, param_dtype, state_dtype):
+    optimizer_params = Held("optimizer")
+    reduced = Held("grads")
+    accumulator = Held("grads")
+
+    def __init__(self, bucket, shard: int, weight_decay: float, counts_in_norm=None, *,
+                 partition_gradients: bool, optimizer_tier: str, param_tier: str):
+        super().__init__(bucket, shard, weight_decay, counts_in_norm,
+                         partition_gradients=partition_gradients)
+        for name in ("master", "exp_avg", "exp_avg_sq", "optimizer_params"):
+            self.booking[name] = ("optimizer", optimizer_tier)
+        self.booking["param_shard"] = ("params", param_tier)
+        if optimizer_tier != "gpu":
+            self.booking["grad_shard"] = ("grads", "host")  # the host's fp32 gradient
+        if not partition_gradients:  # ZeRO-1 keeps the full p.grad until the step
+            self.booking["reduced"] = ("buffers", "gpu")
+
+
+class ZeroOffload(ZeroEngine):
+    """What offload changes in a ZeRO engine: its state in the tiers of
+    `offload_optimizer` and `offload_param`, the reduced gradient sent to the host at
+    the accumulation boundary, AdamW on the host CPU, and the new parameters copied to
+    where the parameter shard lives. Put in front of a ZeRO engine class (below)."""
+
+    def _place(self, offload_optimizer: str, offload_param: str, stage: int) -> None:
         check_offload(offload_optimizer, offload_param, stage)
-        self.optimizer_device, self.param_device = offload_optimizer, offload_param
+        self.offload_optimizer, self.offload_param = offload_optimizer, offload_param
         self.optimizer_tier = TIER_OF[offload_optimizer]
         self.param_tier = TIER_OF[offload_param]
-        self.stage = stage
-        self.param_dtype, self.state_dtype = np.dtype(param_dtype), np.dtype(state_dtype)
 
-    @property
-    def optimizer_on_gpu(self) -> bool:
-        return self.optimizer_tier == "gpu"
+    def _sharded_bucket(self, bucket, counts_in_norm) -> OffloadedShard:
+        return OffloadedShard(bucket, self.rank, self.weight_decay, counts_in_norm,
+                              partition_gradients=self.partition_gradients,
+                              optimizer_tier=self.optimizer_tier, param_tier=self.param_tier)
+
+    def _allocate_optimizer_state(self, sb: OffloadedShard) -> None:
+        """The 12Ψ/N in the optimizer's tier (placing them there at start-up is not
+        priced, as loading the weights is not); fp32/fp64 add the optimizer's own copy
+        of my parameters there, so the update happens where the state is."""
+        if not self.mixed:
+            sb.optimizer_params = sb.param_shard.copy()
+        super()._allocate_optimizer_state(sb)
 
     # -------------------------------------------------------------- gradients
-    def gradient_to_host(self, gpu_gradient: np.ndarray) -> np.ndarray:
-        """Cast my reduced gradient shard to the optimizer's dtype on the GPU and copy it
-        to host memory (asynchronously in stages 1/2). Returns the host array, held as
-        "grads" in the host ledger; the caller frees the GPU one."""
-        with dist.transient(gpu_gradient.astype(self.state_dtype)) as cast:
-            return dist.copy_to_host(cast, "grads", async_op=self.stage < 3)
+    def _complete(self, sb: OffloadedShard, flat: np.ndarray, work) -> None:
+        """The optimizer runs on the host: sum my shard on the GPU until the step's last
+        micro-batch (the accumulation boundary), then send it to the host."""
+        if self.optimizer_tier == "gpu":
+            super()._complete(sb, flat, work)
+            return
+        sb.reduced = work.wait()
+        dist.release(flat)
+        if sb.accumulator is not None:  # add the earlier micro-batches' sum
+            sb.accumulator += sb.reduced
+            sb.reduced, sb.accumulator = sb.accumulator, None
+        if not (self.stage == 1 or self.require_backward_grad_sync):
+            sb.accumulator, sb.reduced = sb.reduced, None  # not the boundary yet
+            return
+        # Cast on the GPU, then copy down (asynchronously in stages 1/2).
+        with dist.transient(sb.reduced.astype(self.state_dtype)) as cast:
+            if sb.grad_shard is None:
+                sb.grad_shard = np.empty_like(cast)
+                dist.copy_into(sb.grad_shard, cast, "to_host", async_op=self.stage < 3)
+            else:  # a second boundary before the step adds into the host gradient
+                host = dist.copy_to_host(cast, "grads", async_op=self.stage < 3)
+                sb.grad_shard += host
+                dist.release(host)
+        sb.reduced = None
+
+    def main_grads(self, params) -> list[np.ndarray]:
+        if self.optimizer_tier != "gpu":
+            raise RuntimeError(f"ZeRO-{self.stage} with the optimizer offloaded: the "
+                               "gradient shard leaves the GPU as its reduction completes")
+        return super().main_grads(params)
 
     # -------------------------------------------------------------- the step
-    def step_on_host(self, states: list[np.ndarray], update, store) -> int:
-        """Run `update(*states_on_host) -> elements` on the host CPU (priced as CPU Adam),
-        then `store(new_weights_on_host)`: states on NVMe are read into host buffers
-        first and written back after."""
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        if self.optimizer_tier != "gpu":
+            dist.wait_transfers()  # the host gradients must have arrived
+        return super().clip_grad_norm_(max_norm)
+
+    def _step_shards(self, lr: float) -> None:
+        """On the host CPU when the optimizer state is offloaded (CPU Adam)."""
+        if self.optimizer_tier == "gpu":
+            super()._step_shards(lr)
+            return
+        dist.wait_transfers()
+        for sb in self.shards:
+            self._update_shard(sb, lr)
+
+    def _update_shard(self, sb: OffloadedShard, lr: float) -> int:
+        """AdamW where the state lives (states on NVMe are read into host buffers first
+        and written back after), then the new weights into my parameter shard, wherever
+        it lives. Returns the elements updated."""
+        weights = sb.master if self.mixed else sb.optimizer_params
+        states = [weights, sb.exp_avg, sb.exp_avg_sq]
+        if self.optimizer_tier == "gpu":  # ZeRO-3 with only its parameters offloaded
+            elements = self._adamw(sb, *states, lr)
+            self._store_parameters(sb.param_shard, weights, "gpu")
+            return elements
         with contextlib.ExitStack() as stack:
             if self.optimizer_tier == "nvme":
                 host = [stack.enter_context(dist.swap_in(state, "optimizer"))
                         for state in states]
             else:
                 host = states
-            elements = update(*host)
+            elements = self._adamw(sb, *host, lr)
             dist.host_compute(ADAMW_FLOPS_PER_ELEMENT * elements)
-            store(host[0])
+            self._store_parameters(sb.param_shard, host[0], "host")
             if self.optimizer_tier == "nvme":
                 for buffer, state in zip(host, states, strict=True):
                     dist.swap_out(buffer, state)
         return elements
 
-    def store_parameters(self, param_shard: np.ndarray, weights: np.ndarray,
-                         weights_tier: str) -> None:
+    def _store_parameters(self, param_shard: np.ndarray, weights: np.ndarray,
+                          weights_tier: str) -> None:
         """Write updated weights (the optimizer's dtype, in `weights_tier`: gpu or host)
         into my parameter shard, in its tier, booking what crosses."""
         target = self.param_tier
@@ -150,7 +236,7 @@ class Offload:
             param_shard[...] = weights  # same memory tier: a cast in place, no copy
         elif weights_tier == "host" and target == "gpu":
             if self.stage < 3:  # fp32_partition.to(device), then the cast on the GPU
-                gpu = dist.copy_to_device(weights, "buffers")
+                gpu = dist.copy_to_device(weights)
                 param_shard[...] = gpu
                 dist.release(gpu)
             else:  # copy_ into the bf16 shard casts on the CPU: bf16 crosses
@@ -160,8 +246,8 @@ class Offload:
             dist.copy_into(param_shard, weights, "to_host")  # cast on the CPU after
         elif target == "nvme":
             if weights_tier == "gpu":  # down first (a host buffer), then to the drive
-                host = dist.copy_to_host(weights, "buffers")
-                self.store_parameters(param_shard, host, "host")
+                host = dist.copy_to_host(weights)
+                self._store_parameters(param_shard, host, "host")
                 dist.release(host)
                 return
             with dist.transient(weights.astype(self.param_dtype), tier="host") as cast:
@@ -169,17 +255,38 @@ class Offload:
         else:
             raise ValueError(f"no copy from {weights_tier} to {target}")
 
-    # -------------------------------------------------------------- ZeRO-3 fetch
-    def fetch_shard(self, param_shard: np.ndarray) -> np.ndarray:
-        """My parameter shard on the GPU, for an all-gather: the shard itself, or a GPU
-        copy ("buffers", the caller releases it) brought from host memory or NVMe."""
-        if self.param_tier == "gpu":
-            return param_shard
-        if self.param_tier == "host":
-            return dist.copy_to_device(param_shard, "buffers")
-        with dist.swap_in(param_shard) as host:
-            return dist.copy_to_device(host, "buffers")
 
-    def describe(self) -> dict:
-        return {"offload_optimizer": self.optimizer_device,
-                "offload_param": self.param_device}
+class OffloadedZeroOptimizer(ZeroOffload, ZeroOptimizer):
+    """ZeRO-Offload: ZeRO stage 1 or 2 with the optimizer state and step on the host
+    (offload_optimizer cpu). Arguments as `ZeroOptimizer`'s."""
+
+    def __init__(self, named_params, group, *, stage: int, offload_optimizer: str = "cpu",
+                 offload_param: str = "none", **kwargs):
+        self._place(offload_optimizer, offload_param, stage)
+        super().__init__(named_params, group, stage=stage, **kwargs)
+
+
+class OffloadedZero3Optimizer(ZeroOffload, Zero3Optimizer):
+    """ZeRO-Infinity: ZeRO stage 3 with the optimizer state (offload_optimizer) and the
+    parameter shard (offload_param) in host memory or on NVMe. Arguments as
+    `Zero3Optimizer`'s."""
+
+    def __init__(self, named_params, group, *, offload_optimizer: str = "none",
+                 offload_param: str = "none", **kwargs):
+        self._place(offload_optimizer, offload_param, 3)
+        super().__init__(named_params, group, **kwargs)
+        if self.param_tier != "gpu":
+            self.prefetch_enabled = False  # the gather fetches an offloaded shard itself
+
+    def _all_gather(self, sb: OffloadedShard) -> None:
+        """An offloaded shard comes to the GPU first (from NVMe through a host buffer)."""
+        if self.param_tier == "gpu":
+            super()._all_gather(sb)
+            return
+        if self.param_tier == "host":
+            local = dist.copy_to_device(sb.param_shard)
+        else:
+            with dist.swap_in(sb.param_shard) as host:
+                local = dist.copy_to_device(host)
+        sb.gathered = dist.all_gather(local, group=self.group)
+        dist.release(local)

@@ -1,8 +1,8 @@
 """ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", SC20; DeepSpeed's `runtime/zero/stage_1_and_2.py`).
-Stage 3 is `Zero3Optimizer` in zero3.py (DeepSpeed's `stage3.py`); what the stages share
-(flat shards, AdamW on my shard, the gradient reduce-scatter) is `ZeroEngine` in
-zero_engine.py; `minipar.train.build.data_parallel_engine` picks the engine for a stage.
+Training Trillion Parameter Models", SC20, sections 5.1-5.2; DeepSpeed's
+`runtime/zero/stage_1_and_2.py`). What the stages share (flat shards, the gradient
+reduce-scatter, AdamW on my shard) is `ZeroEngine` in sharded.py; stage 3 is
+`Zero3Optimizer` in stage3.py.
 
 Data parallelism keeps the whole model state on every rank: with mixed precision 2Ψ bytes
 of bf16 parameters, 2Ψ of bf16 gradients and 12Ψ of optimizer state (fp32 master weights,
@@ -21,7 +21,7 @@ One optimizer step of stages 1 and 2, from rank r's point of view (DeepSpeed sem
              AdamW on my shard, then all-gather the updated parameters.
     stage 2  every micro-batch reduce-scatters each bucket as soon as its gradients are
              complete, adds my piece into a persistent gradient shard and frees the full
-             gradients (they are transient "buffers"). Then as stage 1.
+             gradients (they only live until their reduce-scatter). Then as stage 1.
 
 Communication per rank and step, in elements (no accumulation): stages 1 and 2 send
 2(N-1)/N Ψ (reduce-scatter + all-gather), as much as DP's all-reduce. With A
@@ -33,8 +33,9 @@ to accumulate into.
 from __future__ import annotations
 
 from minipar import distributed as dist
-from minipar.parallel.data.buckets import Holding, Piece, build_buckets
-from minipar.parallel.zero.sharded import ShardedBucket, ZeroEngine, check_stage
+from minipar.parallel.data.buckets import build_buckets
+from minipar.parallel.zero.partition import ShardedBucket
+from minipar.parallel.zero.sharded import ZeroEngine
 
 
 class ZeroOptimizer(ZeroEngine):
@@ -45,34 +46,30 @@ class ZeroOptimizer(ZeroEngine):
     stage: 1 or 2; bucket_bytes: bucket capacity (0 = one flat bucket); adamw: lr, betas,
     eps, weight_decay as for `minipar.nn.AdamW`; norm_groups, counts_in_norm: as for
     `DataParallel` (the TP / PP groups the gradient norm is also summed over, and which
-    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine);
-    offload_optimizer: none | cpu (ZeRO-Offload: the optimizer state and step on the
-    host, offload.py).
+    of my elements count in it); overlap_comm: DeepSpeed's (see ZeroEngine).
 
     Every rank keeps the full flat parameters (the model's p.data are views of them) and
     owns one shard of each bucket: its optimizer state, and under stage 2 its gradient.
     """
 
     def __init__(self, named_params, group, *, stage: int, bucket_bytes: float = 0,
-                 adamw: dict, norm_groups=(), counts_in_norm=None, overlap_comm: bool = True,
-                 offload_optimizer: str = "none"):
-        check_stage(stage, "ZeroOptimizer", (1, 2))
+                 adamw: dict, norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
+        check_stage(stage, type(self).__name__, (1, 2))
         named_params = list(named_params)
         self.stage = stage
         self.partition_gradients = stage == 2
         super().__init__(named_params, group,
                          build_buckets(named_params, bucket_bytes, group.size),
                          adamw=adamw, norm_groups=norm_groups, counts_in_norm=counts_in_norm,
-                         overlap_comm=overlap_comm, offload_optimizer=offload_optimizer)
+                         overlap_comm=overlap_comm)
 
     def _partition_parameters(self, sb: ShardedBucket) -> None:
         """The full flat parameters stay on every rank; p.data become views of them."""
         bucket = sb.bucket
-        flat = bucket.flatten([p.data for p in bucket.params], self.param_dtype)
-        sb.flat_params = dist.hold(flat, "params")
+        sb.flat_params = bucket.flatten([p.data for p in bucket.params], self.param_dtype)
         for i, p in enumerate(bucket.params):
-            p.data = bucket.view(flat, i)
-        sb.param_shard = flat[sb.start:sb.stop]
+            p.data = bucket.view(sb.flat_params, i)
+        sb.param_shard = sb.flat_params[sb.start:sb.stop]
 
     def synchronize_gradients(self) -> None:
         """Stage 1: reduce-scatter the buckets no hook has reduced yet (after a pipeline
@@ -102,13 +99,11 @@ class ZeroOptimizer(ZeroEngine):
             for p in sb.bucket.params:
                 p.release_grad()
 
-    def parameter_pieces(self) -> list[Piece]:
-        """The full replica (every rank uses it in forward)."""
-        return [Piece("param", name, p.shape, 0, p.size, p.data.reshape(-1),
-                      p.placement, p.placement_group)
-                for sb in self.shards
-                for name, p in zip(sb.bucket.names, sb.bucket.params, strict=True)]
 
-    def _parameter_holdings(self, sb: ShardedBucket) -> list[Holding]:
-        return sb.bucket.whole_holdings("param", [p.data for p in sb.bucket.params],
-                                        self.param_dtype)
+def check_stage(stage: int, engine: str, accepted: tuple[int, ...]) -> None:
+    """A clear error for a stage that is not ZeRO's, or not this engine's."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"{engine}: stage must be 1, 2 or 3, got {stage}")
+    if stage not in accepted:
+        raise ValueError(f"{engine} runs ZeRO stage {' or '.join(map(str, accepted))}, "
+                         f"not {stage}: ZeRO-3 is Zero3Optimizer (minipar/parallel/zero/stage3.py)")

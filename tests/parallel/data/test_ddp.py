@@ -10,6 +10,7 @@ from minipar import distributed as dist
 from minipar.nn import Parameter
 from minipar.parallel.data.buckets import Bucket, build_buckets
 from minipar.parallel.data.ddp import DataParallel
+from minipar.parallel.state import bucket_pieces
 from minipar.train import TrainConfig, train
 
 SMALL = dict(seq_len=8, n_layer=2, d_model=16, n_head=2, micro_batch_size=2,
@@ -35,7 +36,7 @@ def test_bucket_lays_parameters_end_to_end_and_pads_to_the_shard_count():
                           np.float64)
     np.testing.assert_array_equal(flat, [1] * 6 + [2] * 4 + [3] * 5 + [0])
     assert bucket.view(flat, 0).shape == (2, 3) and np.shares_memory(bucket.view(flat, 0), flat)
-    pieces = bucket.pieces("param", flat[8:12], shard=2)
+    pieces = bucket_pieces(bucket, "param", flat[8:12], shard=2)
     assert [(p.name, p.start, p.stop, list(p.values)) for p in pieces] == [
         ("p1", 2, 4, [2.0, 2.0]), ("p2", 0, 2, [3.0, 3.0])]
 

@@ -15,7 +15,7 @@ from minipar import distributed as dist
 from minipar.errors import ConfigError
 from minipar.nn import GPT
 from minipar.nn import moe as moe_module
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.train import TrainConfig, build, train
 from minipar.train.data import make_stream
 

@@ -15,10 +15,9 @@ from benchmarks.uniform_stages import charge_blocks_only
 from minipar import distributed as dist
 from minipar.distributed.timeline import bubble_fraction, labelled_compute_seconds, time_breakdown
 from minipar.errors import PipelineError, ScheduleError
-from minipar.nn import GPT, AdamW, GPTConfig, clip_grad_norm_
+from minipar.nn import GPT, AdamW, GPTConfig, Recompute, clip_grad_norm_
 from minipar.nn.gpt import parameter_shapes
 from minipar.nn.optim import scale_grads_
-from minipar.parallel.data.buckets import Piece
 from minipar.parallel.pipeline.actions import (
     Backward,
     Forward,
@@ -29,8 +28,9 @@ from minipar.parallel.pipeline.actions import (
     SendGrad,
 )
 from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules import SCHEDULES
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.pipeline.stage import split_layers
+from minipar.parallel.state import Piece
 from minipar.train.checkpoint import assemble, in_model_order
 from minipar.train.data import micro_batch, synthetic_stream
 
@@ -226,7 +226,7 @@ def test_untied_head_uneven_split_one_stage_and_checkpointing_are_equivalent_too
     check_equivalent(gpt_config(4, tied=False), "1f1b", 2, 4, 1)
     check_equivalent(gpt_config(4), "1f1b", 1, 4, 1)  # pp = 1: gradient accumulation
     check_equivalent(gpt_config(4), "gpipe", 2, 4, 1, layer_split=(3, 1))
-    check_equivalent(gpt_config(4), "1f1b", 2, 4, 1, activation_checkpointing=True)
+    check_equivalent(gpt_config(4), "1f1b", 2, 4, 1, recompute=Recompute("full", "uniform", 1))
 
 
 # --------------------------------------------------------------------------- bubble

@@ -26,30 +26,25 @@ from minipar.distributed.clock import DeviceProfile, collective_time
 from minipar.nn import (
     GPT,
     AdamW,
-    Block,
-    Dropout,
-    Embedding,
     GPTConfig,
-    LayerNorm,
     Linear,
-    Module,
+    Recompute,
     adamw_update,
     clip_grad_norm_,
     grad_norm_squared,
-    initialize_parameters,
     lr_schedule,
     parameter_shapes,
 )
 from minipar.nn.optim import scale_grads_
-from minipar.parallel.data.buckets import Piece
 from minipar.parallel.data.ddp import DataParallel
+from minipar.parallel.state import Piece
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from minipar.parallel.tensor.model import (
-    TensorParallelMixin,
     counts_once_in_norm,
+    parallelize_tensor,
     tensor_parallel_gpt,
 )
-from minipar.parallel.tensor.sequence import SequenceParallelParameter
+from minipar.parallel.tensor.sequence_grads import SequenceParallelParameter
 from minipar.train.build import load_local_state
 from minipar.train.checkpoint import assemble
 from minipar.train.data import make_stream, micro_batch
@@ -58,7 +53,8 @@ from minipar.train.data import make_stream, micro_batch
 CONFIG = GPTConfig(vocab_size=52, seq_len=8, n_layer=2, n_head=4, d_model=16)
 STREAM = make_stream("corpus")
 STEPS, MICRO, ACCUM, LR, CLIP = 3, 2, 2, 1e-2, 0.5
-RTOL = 1e-10  # fp64 equivalence (DESIGN.md)
+RTOL = 1e-10  # fp64 equivalence with one device
+EVERY_LAYER = Recompute("full", "uniform", 1)  # full recomputation of every block
 
 
 def tp_program(fn, tp, *args, dp=1, gpus_per_node=8, **kwargs):
@@ -284,31 +280,6 @@ def test_tensor_parallel_grad_norm_equals_the_single_device_norm(tp, sequence_pa
     np.testing.assert_allclose(results, [expected] * tp, rtol=1e-12)
 
 
-class Part(Module):
-    """Some of GPT's pieces under their global names, with GPT's embed and head: the
-    shape of a pipeline stage (the last one holds its own copy of a tied wte)."""
-
-    embed, head = GPT.embed, GPT.head
-
-    def __init__(self, config, layers, first, last):
-        super().__init__()
-        self.config, d = config, config.d_model
-        if first or last:
-            self.wte = Embedding(config.vocab_size, d)
-        if first:
-            self.wpe, self.drop = Embedding(config.seq_len, d), Dropout(0.0)
-        self.h = Module()
-        for i in layers:
-            setattr(self.h, str(i), Block(config))
-        if last:
-            self.ln_f = LayerNorm(d)
-        initialize_parameters(self, config, seed=0)
-
-
-class TensorParallelPart(TensorParallelMixin, Part):
-    pass
-
-
 def test_parallelize_tensor_converts_partial_trees_like_pipeline_stages():
     """Two parts holding blocks 0 and 1, converted separately, run one after the other
     on each TP rank: the same loss and (consolidated) gradients as the whole GPT."""
@@ -319,10 +290,13 @@ def test_parallelize_tensor_converts_partial_trees_like_pipeline_stages():
 
     def program(mesh):
         group = mesh.tp_group()
-        first = TensorParallelPart(CONFIG, [0], True, False).tensor_parallel(group, True)
-        last = TensorParallelPart(CONFIG, [1], False, True).tensor_parallel(group, True)
-        x = getattr(first.h, "0")(first.embed(idx))
-        out = last.head(getattr(last.h, "1")(x), targets)
+        # the two stages of a pipeline (the last holds its own copy of the tied wte)
+        first = parallelize_tensor(GPT(CONFIG, layers=range(0, 1), post_process=False),
+                                   CONFIG, group, sequence_parallel=True)
+        last = parallelize_tensor(GPT(CONFIG, layers=range(1, 2), pre_process=False),
+                                  CONFIG, group, sequence_parallel=True)
+        x = first.h[0](first.embed(idx))
+        out = last.head(last.h[0](x), targets)
         out.backward()
         named = {**dict(first.named_parameters()),
                  **{n: p for n, p in last.named_parameters() if n != "wte.weight"}}
@@ -438,7 +412,7 @@ def parallel_training(mesh, config, sequence_parallel, zero=False, checkpointing
     production DDP engine), or the ZeRO-1 above."""
     tp_group, dp_group = mesh.tp_group(), mesh.dp_group()
     model = tensor_parallel_gpt(config, 0, "fp64", tp_group, sequence_parallel,
-                                activation_checkpointing=checkpointing)
+                                recompute=EVERY_LAYER if checkpointing else None)
     params = list(model.parameters())
     if zero:
         device = dist.get_device()
@@ -723,7 +697,7 @@ def _skip(monkeypatch, module, name):
 @pytest.mark.parametrize("sequence_parallel, module, name, reduction", [
     (False, "tensor_layers", "reduce_from_tensor_parallel_region",
      r"g \(reduce_from_tensor_parallel_region\)"),
-    (True, "tensor_layers", "reduce_scatter_to_sequence_parallel_region",
+    (True, "sequence", "reduce_scatter_to_sequence_parallel_region",
      r"g-bar \(reduce_scatter_to_sequence_parallel_region\)"),
 ])
 def test_a_row_parallel_output_used_before_its_reduction_is_a_placement_error(
@@ -731,7 +705,8 @@ def test_a_row_parallel_output_used_before_its_reduction_is_a_placement_error(
     """Skip g (or g-bar): the first use of the Partial sum (the bias add) names the layer
     and the missing collective, instead of a loss that is silently wrong."""
     from minipar.parallel.tensor import layers as tensor_layers
-    _skip(monkeypatch, tensor_layers, name)
+    from minipar.parallel.tensor import sequence
+    _skip(monkeypatch, {"tensor_layers": tensor_layers, "sequence": sequence}[module], name)
     idx, targets = batch()
 
     def program(mesh):
@@ -771,8 +746,8 @@ def test_a_sequence_parallel_gradient_that_skips_its_all_reduce_is_refused(monke
     """Skip f's all-reduce of the LayerNorm weights under SP: each TP rank's gradient
     would hold only its tokens' share, and the replicas would step apart. The gradient is
     refused as it reaches .grad, before any optimizer or norm reads it."""
-    from minipar.parallel.tensor import sequence
-    _skip(monkeypatch, sequence, "copy_to_tensor_parallel_region")
+    from minipar.parallel.tensor import sequence_grads
+    _skip(monkeypatch, sequence_grads, "copy_to_tensor_parallel_region")
     idx, targets = batch()
 
     def program(mesh):
@@ -791,7 +766,7 @@ def test_sequence_parallel_parameters_accept_every_reduced_gradient():
 
     def program(mesh):
         model = tensor_parallel_gpt(CONFIG, 0, "fp64", mesh.tp_group(), sequence_parallel=True,
-                                    activation_checkpointing=True)
+                                    recompute=EVERY_LAYER)
         for _ in range(3):
             model(idx, targets).backward()
         return sorted(n for n, p in model.named_parameters()

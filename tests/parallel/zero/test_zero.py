@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from minipar import distributed as dist
-from minipar.nn import GPT, GPTConfig, parameter_shapes
+from minipar.nn import GPT, GPTConfig, Recompute, parameter_shapes
+from minipar.parallel.state import describe, holdings
 from minipar.parallel.zero.stage3 import Zero3Optimizer
 from minipar.parallel.zero.stage_1_and_2 import ZeroOptimizer
 from minipar.train import TrainConfig, train
@@ -183,7 +184,8 @@ def _one_zero3_step(tie_embeddings: bool, activation_checkpointing: bool = False
     def worker():
         model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16,
                               tie_embeddings=tie_embeddings),
-                    activation_checkpointing=activation_checkpointing)
+                    recompute=Recompute("full", "uniform", 1) if activation_checkpointing
+                    else None)
         engine = data_parallel_engine(model, model.named_parameters(),
                                       dist.new_group([0, 1], "dp"), zero_stage=3,
                                       bucket_bytes=0, adamw={"lr": 0.01})
@@ -325,7 +327,7 @@ CATEGORY_OF = {"param": "params", "grad": "grads", "master": "optimizer",
 @pytest.mark.parametrize("precision", ["fp64", "bf16-mixed"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_the_holdings_describe_the_arrays_the_ledger_counts(zero, precision):
-    """engine.holdings() after a backward: every range is a live array of the ledger,
+    """The engine's holdings after a backward: every range is a live array of the ledger,
     the parameter ranges hold the initial weights' elements, and per category the
     holdings add up to the bytes the ledger counts (a model that needs no padding over
     2 ranks, so that flat buffers are exactly their parameters)."""
@@ -341,7 +343,7 @@ def test_the_holdings_describe_the_arrays_the_ledger_counts(zero, precision):
         model(idx, idx).backward()
         engine.finish_gradient_synchronization()
         memory = dist.get_device().memory
-        held = engine.holdings()
+        held = holdings(engine)
         for h in held:
             assert h.values is not None and memory.is_held(h.values), (h.kind, h.name)
             assert h.values.shape == (h.numel,) and h.values.dtype == h.dtype
@@ -349,7 +351,7 @@ def test_the_holdings_describe_the_arrays_the_ledger_counts(zero, precision):
                 expected = initial[h.name].reshape(-1)[h.start:h.stop]
                 np.testing.assert_array_equal(h.values, expected)
         if zero in (1, 2):  # one flat bucket: my optimizer state is my piece of it
-            shard, me = engine.describe()["shard_numel"], dist.get_rank()
+            shard, me = describe(engine)["shard_numel"], dist.get_rank()
             for h in held:
                 if h.kind in ("master", "exp_avg", "exp_avg_sq"):
                     assert h.bucket == 0

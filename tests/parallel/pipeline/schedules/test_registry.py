@@ -1,7 +1,8 @@
 """The schedule registry: every schedule's declared facts (bubble, activations in flight,
 settings rules, placement) agree with its own action lists; a schedule registered by one
 call is accepted by the config, both CLIs, the planner, the validator, the report schema,
-the explorer and the training loop; each settings rule speaks with one message."""
+the explorer and the training loop; each settings rule speaks with one message, naming
+the fix."""
 
 from __future__ import annotations
 
@@ -11,27 +12,19 @@ import json
 import pytest
 
 from minipar.errors import ConfigError, ScheduleError
-from minipar.parallel.pipeline.actions import (
-    BackwardWeight,
-    Forward,
-    RecvActivation,
-    RecvGrad,
-    Schedule,
-    SendActivation,
-    SendGrad,
-    from_compute_orders,
-)
-from minipar.parallel.pipeline.schedules import (
+from minipar.parallel.pipeline.actions import BackwardWeight, Schedule
+from minipar.parallel.pipeline.schedules.one_f_one_b import flushing_bubble
+from minipar.parallel.pipeline.schedules.orders import from_compute_orders
+from minipar.parallel.pipeline.schedules.registry import (
     SCHEDULES,
     ScheduleSpec,
     check_schedule_settings,
-    flushing_bubble,
     make_schedule,
     register_schedule,
     schedule_names,
     uniform_bubble_fraction,
 )
-from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step, validate
+from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
 from minipar.plan.layout import ParallelConfig, PlanError
 from minipar.train.config import TrainConfig
 from minipar.train.report import SCHEMA_PATH
@@ -216,6 +209,24 @@ def test_a_registered_schedule_is_an_option_of_the_pipeline_explorer(toy):
 
 
 # --------------------------------------------------------------------------- one message per rule
+@pytest.mark.parametrize("name, p, m, v, match", [
+    ("interleaved", 4, 6, 2, r"--grad-accum-steps.*multiple of 4.*4 or 8"),
+    ("interleaved", 2, 1, 2, r"--grad-accum-steps.*multiple of 2"),
+    ("interleaved", 4, 8, 1, r"--virtual-stages.*at least 2"),
+    # the fix it suggests would be refused next: it says what else it needs
+    ("interleaved", 4, 5, 1, r"--virtual-stages 2 with --grad-accum-steps a multiple of 4"),
+    ("interleaved", 1, 4, 2, r"--pp.*at least 2 pipeline ranks"),
+    ("1f1b", 4, 8, 2, r"--virtual-stages 2.*--schedule interleaved"),
+    ("gpipe", 2, 4, 3, r"--virtual-stages 3"),
+    ("zigzag", 2, 4, 1, r"--schedule: unknown.*gpipe, 1f1b, interleaved"),
+    ("1f1b", 2, 0, 1, r"micro_batches.*positive integer"),
+    ("gpipe", 0, 4, 1, r"pp must be a positive integer"),
+])
+def test_impossible_settings_are_clear_errors(name, p, m, v, match):
+    with pytest.raises(ScheduleError, match=match):
+        make_schedule(name, p, m, v)
+
+
 @pytest.mark.parametrize("settings, field", [
     (dict(pp=4, schedule="interleaved", virtual_stages=2, grad_accum_steps=6),
      "grad_accum_steps"),
@@ -253,42 +264,3 @@ def test_the_planner_refuses_what_train_config_refuses_with_its_words(settings, 
         ParallelConfig(**settings)
     assert config_error.value.field == plan_error.value.setting == field
     assert str(config_error.value) == str(plan_error.value)
-
-
-# --------------------------------------------------------------------------- placements
-def test_the_v_placement_puts_chunk_1_of_rank_r_on_stage_2p_minus_1_minus_r():
-    """Qi et al. 2024 (ZB-V) and DualPipe-V: rank 0 holds the first and the last stage."""
-    schedule = from_compute_orders("v", 3, 1, 2, [[]] * 3, placement="v")
-    assert [[schedule.virtual_stage(r, c) for c in range(2)] for r in range(3)] == [
-        [0, 5], [1, 4], [2, 3]]
-    assert schedule.rank_of(5) == 0 and schedule.rank_of(3) == 2
-
-
-def test_the_simulator_checks_a_v_shaped_schedule_by_its_placement():
-    """One micro-batch down ranks 0, 1 (chunk 0) and back up 1, 0 (chunk 1): the message
-    from stage 1 to stage 2 stays on rank 1 (handed over in memory, no message: a real
-    p2p library does not send to itself), and the loss is on rank 0."""
-    orders = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)],
-              [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]]
-    schedule = from_compute_orders("v-gpipe", 2, 1, 2, orders, placement="v")
-    assert schedule[0][:4] == (Forward(0), SendActivation(0, 0, 1),
-                               RecvActivation(0, 1, 1), Forward(0, 1))
-    assert schedule[1][:3] == (RecvActivation(0, 0, 0), Forward(0), Forward(0, 1))
-    run = simulate_step(schedule, 1.0, 2.0)
-    assert max(run.finish) == pytest.approx(4 * 1.0 + 4 * 2.0)  # a chain of 4 stages
-    wrong = list(schedule[0])
-    wrong[wrong.index(RecvGrad(0, 0, 1))] = RecvGrad(0, 0, 0)
-    with pytest.raises(ScheduleError, match="virtual stage 0's neighbour lives on rank 1"):
-        validate(Schedule("v-gpipe", 2, 1, 2, (tuple(wrong), schedule[1]), "v"))
-    assert SendGrad(0, 1, 1) in schedule[0]
-
-
-def test_the_simulator_s_time_is_compute_plus_comm_plus_idle_on_every_rank():
-    """p = 2, v = 2, m = 4 with uneven per-(rank, chunk) costs: each rank holds two of the
-    four stages, which touch all three boundaries, so it receives 3 x 4 messages."""
-    forward, backward = [[1.0, 1.5], [0.5, 2.0]], [[2.0, 3.0], [1.0, 4.0]]
-    run = simulate_step(make_schedule("interleaved", 2, 4, 2), forward, backward, 0.25)
-    for r in range(2):
-        assert run.compute[r] == pytest.approx(4 * (sum(forward[r]) + sum(backward[r])))
-        assert run.comm[r] == pytest.approx(12 * 0.25)
-        assert run.compute[r] + run.comm[r] + run.idle[r] == pytest.approx(run.finish[r])
