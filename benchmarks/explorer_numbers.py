@@ -126,7 +126,7 @@ def compare(a: dict, b: dict) -> int:
             continue
         if a[label]["figures"] != b[label]["figures"] or a[label]["error"] != b[label]["error"]:
             figures += 1
-            print(f"figures differ: {label} at {_where(a[label], b[label])}")
+            print(f"figures differ: {label} at {_where(a[label]['figures'], b[label]['figures'])}")
         if a[label]["status"] != b[label]["status"]:
             status += 1
             print(f"status differs: {label}\n  {a[label]['status'][:160]}\n  "
