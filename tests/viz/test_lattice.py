@@ -57,6 +57,7 @@ def _values(text: str, explorer) -> dict:
     for word in text.split(","):
         name, value = word.split("=")
         typed[name] = (value == "True" if value in ("True", "False")
+                       else None if value == "None"
                        else int(value) if value.lstrip("-").isdigit() else value)
     return typed
 
