@@ -297,7 +297,8 @@ class MemoryExplorer(Explorer):
         message = (f"{setting}: {report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
                    f"{report.n_params:,} parameters; "
                    f"peak per rank {span(peaks)} "
-                   f"(bars: each category's own peak; black tick: the peak of their sum)")
+                   f"(bars: what each rank held at its peak instant, the black tick; dashes beside "
+                   f"them: each category's own peak)")
         host = max(r["memory_host"]["peak_total"] for r in report.ranks)
         nvme = max(r["memory_nvme"]["peak_total"] for r in report.ranks)
         if host or nvme:
