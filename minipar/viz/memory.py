@@ -55,6 +55,9 @@ COMPACT_LABELS_FROM = 9
 LABELLED_RANKS = 16
 TIERS_HEIGHT = 7.0  # inches: the GPU panel over the host / NVMe one (an offloaded run)
 OWN_PEAK_DASH = (0.39, 0.5)  # x from the bar's centre (bars are 0.7 wide): the own peaks
+LEGEND = ([{"label": c, "color": COLORS[c]} for c in MEMORY_CATEGORIES]
+          + [{"label": "peak_total", "color": "black"},
+             {"label": "own peak", "color": "#555555", "line": True}])
 
 
 def at_peak(rank: dict, tier: str = "memory") -> dict:
@@ -101,9 +104,6 @@ def memory_picture(report, *, baselines: dict | None = None,
     gpu = _panel(bars, title, f"peak bytes {'on the GPU' if tiers else 'held'}",
                  "rank, dp/pp/tp" if report.world_size > 1 else None)
     gpu["ticks"] = _ticks(bars)
-    legend = [{"label": c, "color": COLORS[c]} for c in MEMORY_CATEGORIES]
-    legend.append({"label": "peak_total", "color": "black"})
-    legend.append({"label": "own peak", "color": "#555555", "line": True})
     panels = [gpu]
     if tiers:
         behind = _panel(tiers, "behind each GPU: host memory, NVMe (hatched)",
@@ -116,9 +116,33 @@ def memory_picture(report, *, baselines: dict | None = None,
             behind["ticks"] = [[i + (tiers_per_rank - 1) / 2, tiers[i][0].splitlines()[1]]
                                for i in pairs[::every]]
         panels.append(behind)
-        legend.append({"label": "NVMe", "color": "white", "hatch": "xx"})
+    legend = LEGEND + [{"label": "NVMe", "color": "white", "hatch": "xx"}] * bool(tiers)
     return {"kind": "bars", "figure": "memory", "layout": "column", "panels": panels,
             "legend": legend}
+
+
+def memory_comparison_picture(reports: dict, *, rank: int = 0,
+                              title: str | None = None) -> dict:
+    """One bar per run, side by side: what `rank` of each report held at its peak instant,
+    stacked, and each category's own peak beside it (`memory_picture`'s bars), e.g.
+    ZeRO-0 to 3 on the same ranks, the paper's Figure 1 measured. reports: {label:
+    Report}."""
+    bars = [(label, r.ranks[rank]["memory"], at_peak(r.ranks[rank]), False)
+            for label, r in reports.items()]
+    if not bars:
+        raise ValueError("plot_memory_comparison: no reports")
+    panel = _panel(bars, title or f"rank {rank} of each run: what it held at its peak "
+                   "instant (stacked)\ndashes: each category's own peak", "peak bytes held",
+                   None)
+    panel["ticks"] = _ticks(bars)
+    return {"kind": "bars", "figure": "memory", "layout": "column", "panels": [panel],
+            "legend": list(LEGEND)}
+
+
+def plot_memory_comparison(reports: dict, *, rank: int = 0, title: str | None = None,
+                           width: float | None = None) -> Figure:
+    """`memory_comparison_picture` drawn by `draw_memory`."""
+    return draw_memory(memory_comparison_picture(reports, rank=rank, title=title), width)
 
 
 def _panel(bars, title: str, ylabel: str, xlabel: str | None) -> dict:

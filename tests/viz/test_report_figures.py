@@ -213,3 +213,19 @@ def test_sent_bytes_start_at_zero_and_say_which_ops_are_too_thin_to_see():
     assert ax.get_ylim()[0] == 0
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     assert labels == ["all_reduce (<1%)", "reduce_scatter", "all_gather"]
+
+
+def test_runs_side_by_side_stack_rank_0_of_each_at_its_peak():
+    from minipar.viz.memory import memory_comparison_picture
+
+    report = two_rank_report()
+    other = Report(config={}, world_size=1, n_params=10, ranks=[report.ranks[1]])
+    picture = memory_comparison_picture({"A": report, "B": other})
+    (panel,) = picture["panels"]
+    assert [label for _, label in panel["ticks"]] == ["A", "B"]
+    assert panel["markers"] == [6 * MIB, 3.5 * MIB]  # each run's peak_total
+    stacked_sum = [sum(series["values"][i] for series in panel["series"]) for i in (0, 1)]
+    assert stacked_sum == panel["markers"]
+    own = {series["name"]: series["values"] for series in panel["own_peaks"]}
+    assert own["grads"] == [MIB, 0] and own["activations"] == [3 * MIB, MIB]
+    assert not any(panel["hatched"])
