@@ -4,8 +4,8 @@ what the experiment measured.
     guess = 0.25                               # a cell tagged `predict`: the reader's number
     ...                                        # the experiment
     print(judge(guess, measured, "pp=4, stage 0's activations / one GPU's"))
-    # pp=4, stage 0's activations / one GPU's: you predicted 0.25, measured 0.96:
-    #   the measurement is 3.8x your figure (off by +284%)
+    # pp=4, stage 0's activations / one GPU's: you predicted 0.25, measured 0.96: off,
+    #   the measurement is 3.84x your figure
     print(judge_choice("a", "c", {"a": "1/4", "b": "1/2", "c": "about all of them"}))
 
 The notebooks ask before each experiment (cells tagged `predict`, with a default the
@@ -19,9 +19,9 @@ import math
 
 def judge(prediction, measured: float, what: str, *, close: float = 0.1,
           digits: int = 3) -> str:
-    """One line comparing a numeric prediction with the measurement: their ratio and the
-    relative error; within `close` (relative), "close". A prediction of None says none
-    was written."""
+    """One line comparing a numeric prediction with the measurement: within `close`
+    (relative), "close" and the error; otherwise how many times the one is the other. A
+    prediction of None says none was written."""
     shown = f"{measured:.{digits}g}"
     if prediction is None:
         return f"{what}: measured {shown} (write a prediction first, then run again)"
@@ -34,10 +34,12 @@ def judge(prediction, measured: float, what: str, *, close: float = 0.1,
     if measured == 0 or prediction == 0:
         return f"{head}: off by {abs(measured - prediction):.{digits}g}"
     error = prediction / measured - 1
-    verdict = "close" if abs(error) <= close else "off"
-    ratio = measured / prediction
-    return (f"{head}: {verdict}, {error:+.0%} "
-            f"(the measurement is {ratio:.{digits}g}x your figure)")
+    if abs(error) <= close:
+        return f"{head}: close ({error:+.0%})"
+    ratio = prediction / measured
+    if ratio > 1:
+        return f"{head}: off, your figure is {ratio:.{digits}g}x the measurement"
+    return f"{head}: off, the measurement is {1 / ratio:.{digits}g}x your figure"
 
 
 def judge_choice(choice, answer, options: dict, what: str = "your choice") -> str:

@@ -107,8 +107,9 @@ def test_the_layer_picture_measures_what_each_split_cuts_and_calls():
 
 
 def test_a_prediction_is_judged_against_the_measurement():
-    assert "close, +4%" in judge(1.04, 1.0, "x")
-    assert "off, -75%" in judge(0.25, 1.0, "x") and "4x your figure" in judge(0.25, 1.0, "x")
+    assert "close (+4%)" in judge(1.04, 1.0, "x")
+    assert "off, the measurement is 4x your figure" in judge(0.25, 1.0, "x")
+    assert "off, your figure is 4x the measurement" in judge(4, 1.0, "x")
     assert "write a prediction" in judge(None, 1.0, "x")
     assert "exactly" in judge(2, 2.0, "x")
     with pytest.raises(ValueError, match="write a number"):
