@@ -1,0 +1,164 @@
+"""Learning-rate scaling with the batch, done properly: the best learning rate of AdamW
+and of SGD at a batch of B and of 4B sequences, on the same data budget, and the
+loss-sum-versus-mean accumulation bug (~6 min on 2 cores; writes lr_scaling.json).
+
+    OMP_NUM_THREADS=1 python benchmarks/lr_scaling.py      # writes benchmarks/lr_scaling.json
+    python benchmarks/lr_scaling.py --quick                # a smoke run (a few seconds)
+
+Notebook 02 reads the JSON and draws it. One device, fp32, minipar's GPT-2 (2 layers,
+h = 64, sequences of 32 characters of the built-in corpus), trained in this script's own
+loop so that SGD and the accumulation bug can be run (the trainer has AdamW only, and
+averages correctly). What "properly" means here:
+- the same data budget: BUDGET sequences, so 4B trains a quarter of B's steps;
+- the large batch by gradient accumulation: 4 micro-batches of B, each loss divided by 4
+  (the mean over the batch, what DDP and minipar compute);
+- the schedule matched in sequences, not steps: linear warm-up over the first 10% of the
+  budget and cosine decay to lr/10 at its end, for both batches;
+- a grid of learning rates wide enough to hold each optimum, three seeds each, the loss
+  measured at the end on the same 16 batches of 16 sequences for every run (windows of
+  the same 50k-character corpus the runs train on, seen ~3 times by then: a training
+  loss, what the scaling rules are about); the optimum is the vertex of a parabola
+  through the best grid point and its neighbours (in log lr).
+The sqrt rule (Adam: Malladi et al. 2022, Hoffer et al. 2017) predicts the best lr of 4B
+at 2x B's, the linear rule (SGD: Goyal et al. 2017) at 4x.
+
+The bug: summing the 4 micro-batches' losses instead of averaging makes the gradient 4x.
+SGD's step is then 4x (it trains at 4x the lr it was given); AdamW divides the gradient by
+its own running scale, so its step hardly changes. No gradient clipping anywhere: a
+clip at norm 1 would hide part of the bug for SGD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from minipar.autograd.grad_mode import no_grad
+from minipar.nn import GPT, GPTConfig
+from minipar.nn.optim import AdamW, lr_schedule
+from minipar.train.data import make_stream
+
+OUT = pathlib.Path(__file__).with_name("lr_scaling.json")
+B, K, SEQ = 8, 4, 32
+BUDGET = B * 600  # sequences
+GRIDS = {"adamw": [10 ** e for e in np.arange(-3.25, -0.99, 0.25)],
+         "sgd": [10 ** e for e in np.arange(-1.5, 0.76, 0.25)]}
+SEEDS = (0, 1, 2)
+
+
+class SGD:
+    """SGD with momentum 0.9 (the linear scaling rule's setting, Goyal et al. 2017)."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers = [np.zeros_like(p.data) for p in self.params]
+
+    def step(self) -> None:
+        for p, buffer in zip(self.params, self.buffers, strict=True):
+            buffer *= self.momentum
+            buffer += p.grad
+            p.data -= self.lr * buffer
+
+
+def train_once(optimizer: str, lr: float, batch: int, seed: int, *, budget: int = BUDGET,
+               summed: bool = False) -> dict:
+    """Train with `batch` sequences per step (micro-batches of B, accumulated), `budget`
+    sequences in all; the held-out loss at the end, and the first step's update norm."""
+    stream = make_stream("corpus")
+    config = GPTConfig(vocab_size=stream.vocab_size, seq_len=SEQ, n_layer=2, n_head=4,
+                       d_model=64)
+    model = GPT(config, seed, "fp32")
+    params = list(model.parameters())
+    opt = (AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
+           else SGD(params, lr=lr))
+    steps, accum = budget // batch, batch // B
+    warmup = max(1, steps // 10)
+    first_update = None
+    for step in range(steps):
+        opt.lr = lr_schedule(step, lr=lr, warmup_steps=warmup, total_steps=steps,
+                             min_lr=lr / 10)
+        x, y = stream.global_batch(step, batch, SEQ, 1000 + seed)
+        for p in params:
+            p.grad = None
+        for k in range(accum):
+            loss = model(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+            (loss if summed else loss * (1.0 / accum)).backward()
+        before = [p.data.copy() for p in params] if step == 0 else None
+        opt.step()
+        if before is not None:
+            first_update = math.sqrt(sum(float(((p.data - b) ** 2).sum())
+                                         for p, b in zip(params, before, strict=True)))
+        if not math.isfinite(float(loss.data)):
+            return {"loss": math.inf, "first_update": first_update}
+    with no_grad():
+        held_out = [float(model(*stream.global_batch(10**6 + i, 16, SEQ, 7)).data)
+                    for i in range(16)]
+    return {"loss": float(np.mean(held_out)), "first_update": first_update}
+
+
+def optimum(lrs: list[float], losses: list[float]) -> float:
+    """The lr at the vertex of the parabola through the best point and its neighbours
+    (log lr); the best grid point itself when it sits at an end of the grid."""
+    i = int(np.argmin(losses))
+    if i in (0, len(lrs) - 1):
+        return lrs[i]
+    x, y = np.log10(lrs[i - 1:i + 2]), np.asarray(losses[i - 1:i + 2])
+    a, b, _ = np.polyfit(x, y, 2)
+    return float(10 ** (-b / (2 * a))) if a > 0 else lrs[i]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run, nothing written")
+    args = parser.parse_args()
+    budget = B * 8 if args.quick else BUDGET
+    grids = {name: grid[::4] for name, grid in GRIDS.items()} if args.quick else GRIDS
+    seeds = SEEDS[:1] if args.quick else SEEDS
+    started = time.perf_counter()
+    results = {"B": B, "K": K, "budget": budget, "seeds": list(seeds), "runs": {}}
+    with threadpool_limits(1):
+        for optimizer, grid in grids.items():
+            for batch in (B, K * B):
+                losses = []
+                for lr in grid:
+                    runs = [train_once(optimizer, lr, batch, seed, budget=budget)
+                            for seed in seeds]
+                    losses.append(float(np.mean([r["loss"] for r in runs])))
+                best = optimum(grid, losses)
+                results["runs"][f"{optimizer} {batch}"] = {"lrs": grid, "losses": losses,
+                                                          "best_lr": best}
+                print(f"{optimizer:5} batch {batch:3}: best lr {best:.3g} "
+                      f"(loss {min(losses):.4f})", flush=True)
+            small, large = (results["runs"][f"{optimizer} {b}"]["best_lr"] for b in (B, K * B))
+            results["runs"][f"{optimizer} ratio"] = large / small
+            print(f"{optimizer}: best lr at {K}B / at B = {large / small:.2f} "
+                  f"(sqrt rule {math.sqrt(K):.0f}, linear rule {K})", flush=True)
+        # the bug: the large batch's losses summed, at the small batch's best lr
+        for optimizer in grids:
+            lr = results["runs"][f"{optimizer} {B}"]["best_lr"]
+            bug = {}
+            for summed in (False, True):
+                runs = [train_once(optimizer, lr, K * B, seed, budget=budget, summed=summed)
+                        for seed in seeds]
+                bug["summed" if summed else "mean"] = {
+                    "loss": float(np.mean([r["loss"] for r in runs])),
+                    "first_update": float(np.mean([r["first_update"] for r in runs]))}
+            results["runs"][f"{optimizer} bug"] = {"lr": lr, **bug}
+            print(f"{optimizer} at lr {lr:.3g}, {K} micro-batches: loss mean "
+                  f"{bug['mean']['loss']:.4f}, summed {bug['summed']['loss']:.4f}; first "
+                  f"update x{bug['summed']['first_update'] / bug['mean']['first_update']:.2f}",
+                  flush=True)
+    results["seconds"] = round(time.perf_counter() - started)
+    if not args.quick:
+        OUT.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {OUT} ({results['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
