@@ -3,13 +3,15 @@ and of SGD at a batch of B and of 4B sequences, on the same data budget, and the
 loss-sum-versus-mean accumulation bug (~6 min on 2 cores; writes lr_scaling.json).
 
     OMP_NUM_THREADS=1 python benchmarks/lr_scaling.py      # writes benchmarks/lr_scaling.json
+    python benchmarks/lr_scaling.py --data synthetic --batch 4 --steps 1200 --seeds 2 \
+        --out benchmarks/lr_scaling_synthetic.json         # a longer run on the Markov task
     python benchmarks/lr_scaling.py --quick                # a smoke run (a few seconds)
 
 Notebook 02 reads the JSON and draws it. One device, fp32, minipar's GPT-2 (2 layers,
 h = 64, sequences of 32 characters of the built-in corpus), trained in this script's own
 loop so that SGD and the accumulation bug can be run (the trainer has AdamW only, and
 averages correctly). What "properly" means here:
-- the same data budget: BUDGET sequences, so 4B trains a quarter of B's steps;
+- the same data budget: B x STEPS sequences, so 4B trains a quarter of B's steps;
 - the large batch by gradient accumulation: 4 micro-batches of B, each loss divided by 4
   (the mean over the batch, what DDP and minipar compute);
 - the schedule matched in sequences, not steps: linear warm-up over the first 10% of the
@@ -37,6 +39,7 @@ import pathlib
 import time
 
 import numpy as np
+from arguments import positive_int
 from threadpoolctl import threadpool_limits
 
 from minipar.autograd.grad_mode import no_grad
@@ -45,8 +48,8 @@ from minipar.nn.optim import AdamW, lr_schedule
 from minipar.train.data import make_stream
 
 OUT = pathlib.Path(__file__).with_name("lr_scaling.json")
-B, K, SEQ = 8, 4, 32
-BUDGET = B * 600  # sequences
+B, K, SEQ = 8, 4, 32  # B: the small batch (and the micro-batch), K: the large batch's factor
+STEPS = 600  # the small batch's steps: the budget is B x STEPS sequences
 GRIDS = {"adamw": [10 ** e for e in np.arange(-3.25, -0.99, 0.25)],
          "sgd": [10 ** e for e in np.arange(-1.5, 0.76, 0.25)]}
 SEEDS = (0, 1, 2)
@@ -66,18 +69,20 @@ class SGD:
             p.data -= self.lr * buffer
 
 
-def train_once(optimizer: str, lr: float, batch: int, seed: int, *, budget: int = BUDGET,
+def train_once(optimizer: str, lr: float, batch: int, seed: int, *, budget: int,
+               micro: int = B, data: str = "corpus", vocab: int | None = None,
                summed: bool = False) -> dict:
-    """Train with `batch` sequences per step (micro-batches of B, accumulated), `budget`
-    sequences in all; the held-out loss at the end, and the first step's update norm."""
-    stream = make_stream("corpus")
+    """Train with `batch` sequences per step (micro-batches of `micro`, accumulated),
+    `budget` sequences in all; the loss at the end (on the same batches for every run),
+    and the first step's update norm."""
+    stream = make_stream(data, vocab)
     config = GPTConfig(vocab_size=stream.vocab_size, seq_len=SEQ, n_layer=2, n_head=4,
                        d_model=64)
     model = GPT(config, seed, "fp32")
     params = list(model.parameters())
     opt = (AdamW(params, lr=lr, weight_decay=0.0) if optimizer == "adamw"
            else SGD(params, lr=lr))
-    steps, accum = budget // batch, batch // B
+    steps, accum = budget // batch, batch // micro
     warmup = max(1, steps // 10)
     first_update = None
     for step in range(steps):
@@ -87,7 +92,7 @@ def train_once(optimizer: str, lr: float, batch: int, seed: int, *, budget: int 
         for p in params:
             p.grad = None
         for k in range(accum):
-            loss = model(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+            loss = model(x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro])
             (loss if summed else loss * (1.0 / accum)).backward()
         before = [p.data.copy() for p in params] if step == 0 else None
         opt.step()
@@ -116,35 +121,46 @@ def optimum(lrs: list[float], losses: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run, nothing written")
+    parser.add_argument("--data", choices=("corpus", "synthetic"), default="corpus")
+    parser.add_argument("--vocab", type=positive_int, default=None,
+                        help="the synthetic task's vocabulary (default 32)")
+    parser.add_argument("--batch", type=positive_int, default=B,
+                        help=f"the small batch and micro-batch, in sequences (default {B})")
+    parser.add_argument("--steps", type=positive_int, default=STEPS,
+                        help=f"the small batch's steps (default {STEPS})")
+    parser.add_argument("--seeds", type=positive_int, default=len(SEEDS))
+    parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args()
-    budget = B * 8 if args.quick else BUDGET
+    small = args.batch
+    budget = small * (8 if args.quick else args.steps)
     grids = {name: grid[::4] for name, grid in GRIDS.items()} if args.quick else GRIDS
-    seeds = SEEDS[:1] if args.quick else SEEDS
+    seeds = tuple(range(1 if args.quick else args.seeds))
+    run = dict(budget=budget, micro=small, data=args.data, vocab=args.vocab)
     started = time.perf_counter()
-    results = {"B": B, "K": K, "budget": budget, "seeds": list(seeds), "runs": {}}
+    results = {"B": small, "K": K, "budget": budget, "data": args.data, "vocab": args.vocab,
+               "seeds": list(seeds), "runs": {}}
     with threadpool_limits(1):
         for optimizer, grid in grids.items():
-            for batch in (B, K * B):
+            for batch in (small, K * small):
                 losses = []
                 for lr in grid:
-                    runs = [train_once(optimizer, lr, batch, seed, budget=budget)
-                            for seed in seeds]
+                    runs = [train_once(optimizer, lr, batch, seed, **run) for seed in seeds]
                     losses.append(float(np.mean([r["loss"] for r in runs])))
                 best = optimum(grid, losses)
                 results["runs"][f"{optimizer} {batch}"] = {"lrs": grid, "losses": losses,
                                                           "best_lr": best}
                 print(f"{optimizer:5} batch {batch:3}: best lr {best:.3g} "
                       f"(loss {min(losses):.4f})", flush=True)
-            small, large = (results["runs"][f"{optimizer} {b}"]["best_lr"] for b in (B, K * B))
-            results["runs"][f"{optimizer} ratio"] = large / small
-            print(f"{optimizer}: best lr at {K}B / at B = {large / small:.2f} "
+            lo, hi = (results["runs"][f"{optimizer} {b}"]["best_lr"] for b in (small, K * small))
+            results["runs"][f"{optimizer} ratio"] = hi / lo
+            print(f"{optimizer}: best lr at {K}B / at B = {hi / lo:.2f} "
                   f"(sqrt rule {math.sqrt(K):.0f}, linear rule {K})", flush=True)
         # the bug: the large batch's losses summed, at the small batch's best lr
         for optimizer in grids:
-            lr = results["runs"][f"{optimizer} {B}"]["best_lr"]
+            lr = results["runs"][f"{optimizer} {small}"]["best_lr"]
             bug = {}
             for summed in (False, True):
-                runs = [train_once(optimizer, lr, K * B, seed, budget=budget, summed=summed)
+                runs = [train_once(optimizer, lr, K * small, seed, summed=summed, **run)
                         for seed in seeds]
                 bug["summed" if summed else "mean"] = {
                     "loss": float(np.mean([r["loss"] for r in runs])),
@@ -156,8 +172,8 @@ def main() -> None:
                   flush=True)
     results["seconds"] = round(time.perf_counter() - started)
     if not args.quick:
-        OUT.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {OUT} ({results['seconds']} s)")
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.out} ({results['seconds']} s)")
 
 
 if __name__ == "__main__":
