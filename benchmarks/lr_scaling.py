@@ -1,26 +1,31 @@
 """Learning-rate scaling with the batch, done properly: the best learning rate of AdamW
 and of SGD at a batch of B and of 4B sequences, on the same data budget, and the
-loss-sum-versus-mean accumulation bug (~6 min on 2 cores; writes lr_scaling.json).
+loss-sum-versus-mean accumulation bug (5-15 min per run on 2 busy cores; writes JSON).
 
-    OMP_NUM_THREADS=1 python benchmarks/lr_scaling.py      # writes benchmarks/lr_scaling.json
-    python benchmarks/lr_scaling.py --data synthetic --batch 4 --steps 1200 --seeds 2 \
-        --out benchmarks/lr_scaling_synthetic.json         # a longer run on the Markov task
-    python benchmarks/lr_scaling.py --quick                # a smoke run (a few seconds)
+    cd benchmarks && export OMP_NUM_THREADS=1
+    python lr_scaling.py --data synthetic --vocab 128 --batch 1 --steps 2400 --seeds 2 \
+        --out lr_scaling_markov_b1.json     # a small batch: where the rules part
+    python lr_scaling.py --data synthetic --vocab 128 --batch 4 --steps 1200 --seeds 2 \
+        --out lr_scaling_markov_b4.json
+    python lr_scaling.py --out lr_scaling_corpus_b8.json      # the corpus, B = 8, 3 seeds
+    python lr_scaling.py --quick                              # a smoke run, nothing written
 
-Notebook 02 reads the JSON and draws it. One device, fp32, minipar's GPT-2 (2 layers,
-h = 64, sequences of 32 characters of the built-in corpus), trained in this script's own
-loop so that SGD and the accumulation bug can be run (the trainer has AdamW only, and
-averages correctly). What "properly" means here:
+Notebook 02 reads the three JSON files and draws them. One device, fp32, minipar's GPT-2
+(2 layers, h = 64, sequences of 32 tokens: characters of the built-in corpus, or the
+synthetic Markov task of 128 tokens, 3 likely successors each, whose loss floor is
+ln 3 = 1.10), trained in this script's own loop so that SGD and the accumulation bug can
+be run (the trainer has AdamW only, and averages correctly). What "properly" means here:
 - the same data budget: B x STEPS sequences, so 4B trains a quarter of B's steps;
 - the large batch by gradient accumulation: 4 micro-batches of B, each loss divided by 4
   (the mean over the batch, what DDP and minipar compute);
 - the schedule matched in sequences, not steps: linear warm-up over the first 10% of the
   budget and cosine decay to lr/10 at its end, for both batches;
-- a grid of learning rates wide enough to hold each optimum, three seeds each, the loss
-  measured at the end on the same 16 batches of 16 sequences for every run (windows of
-  the same 50k-character corpus the runs train on, seen ~3 times by then: a training
-  loss, what the scaling rules are about); the optimum is the vertex of a parabola
-  through the best grid point and its neighbours (in log lr).
+- a grid of learning rates wide enough to hold each optimum (a quarter decade apart; an
+  optimum at an end of the grid is refused), two or three seeds each, the loss measured
+  at the end on the same 16 batches of 16 sequences for every run (windows of the same
+  stream the runs train on: a training loss, what the scaling rules are about; the
+  corpus's 50k characters are seen ~3 times by then); the optimum is the vertex of a
+  parabola through the best grid point and its neighbours (in log lr).
 The sqrt rule (Adam: Malladi et al. 2022, Hoffer et al. 2017) predicts the best lr of 4B
 at 2x B's, the linear rule (SGD: Goyal et al. 2017) at 4x.
 
@@ -47,11 +52,11 @@ from minipar.nn import GPT, GPTConfig
 from minipar.nn.optim import AdamW, lr_schedule
 from minipar.train.data import make_stream
 
-OUT = pathlib.Path(__file__).with_name("lr_scaling.json")
+OUT = pathlib.Path(__file__).with_name("lr_scaling_corpus_b8.json")
 B, K, SEQ = 8, 4, 32  # B: the small batch (and the micro-batch), K: the large batch's factor
 STEPS = 600  # the small batch's steps: the budget is B x STEPS sequences
 GRIDS = {"adamw": [10 ** e for e in np.arange(-3.25, -0.99, 0.25)],
-         "sgd": [10 ** e for e in np.arange(-1.5, 0.76, 0.25)]}
+         "sgd": [10 ** e for e in np.arange(-2.5, 0.76, 0.25)]}
 SEEDS = (0, 1, 2)
 
 
@@ -107,12 +112,16 @@ def train_once(optimizer: str, lr: float, batch: int, seed: int, *, budget: int,
     return {"loss": float(np.mean(held_out)), "first_update": first_update}
 
 
-def optimum(lrs: list[float], losses: list[float]) -> float:
+def optimum(lrs: list[float], losses: list[float], strict: bool = True) -> float:
     """The lr at the vertex of the parabola through the best point and its neighbours
-    (log lr); the best grid point itself when it sits at an end of the grid."""
+    (log lr). An optimum at an end of the grid is no measurement: refused (`strict`), or
+    that end (a smoke run's sparse grid)."""
     i = int(np.argmin(losses))
     if i in (0, len(lrs) - 1):
-        return lrs[i]
+        if not strict:
+            return lrs[i]
+        raise SystemExit(f"the best lr {lrs[i]:.3g} is at an end of the grid "
+                         f"{lrs[0]:.3g} .. {lrs[-1]:.3g}: widen GRIDS")
     x, y = np.log10(lrs[i - 1:i + 2]), np.asarray(losses[i - 1:i + 2])
     a, b, _ = np.polyfit(x, y, 2)
     return float(10 ** (-b / (2 * a))) if a > 0 else lrs[i]
@@ -146,7 +155,7 @@ def main() -> None:
                 for lr in grid:
                     runs = [train_once(optimizer, lr, batch, seed, **run) for seed in seeds]
                     losses.append(float(np.mean([r["loss"] for r in runs])))
-                best = optimum(grid, losses)
+                best = optimum(grid, losses, strict=not args.quick)
                 results["runs"][f"{optimizer} {batch}"] = {"lrs": grid, "losses": losses,
                                                           "best_lr": best}
                 print(f"{optimizer:5} batch {batch:3}: best lr {best:.3g} "
