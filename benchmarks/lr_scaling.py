@@ -9,6 +9,7 @@ loss-sum-versus-mean accumulation bug (5-15 min per run on 2 busy cores; writes 
         --out lr_scaling_markov_b4.json
     python lr_scaling.py --out lr_scaling_corpus_b8.json      # the corpus, B = 8, 3 seeds
     python lr_scaling.py --quick                              # a smoke run, nothing written
+    python lr_scaling.py --refit lr_scaling_corpus_b8.json    # the optima again, from the losses
 
 Notebook 02 reads the three JSON files and draws them. One device, fp32, minipar's GPT-2
 (2 layers, h = 64, sequences of 32 tokens: characters of the built-in corpus, or the
@@ -25,7 +26,9 @@ be run (the trainer has AdamW only, and averages correctly). What "properly" mea
   at the end on the same 16 batches of 16 sequences for every run (windows of the same
   stream the runs train on: a training loss, what the scaling rules are about; the
   corpus's 50k characters are seen ~3 times by then); the optimum is the vertex of a
-  parabola through the best grid point and its neighbours (in log lr).
+  parabola (in log lr) through the best grid point and its neighbour on each side
+  (`best_lr`), and through two on each side (`best_lr_wide`): where the loss is flat
+  near its minimum the two differ, and the notebook shows both.
 The sqrt rule (Adam: Malladi et al. 2022, Hoffer et al. 2017) predicts the best lr of 4B
 at 2x B's, the linear rule (SGD: Goyal et al. 2017) at 4x.
 
@@ -112,19 +115,35 @@ def train_once(optimizer: str, lr: float, batch: int, seed: int, *, budget: int,
     return {"loss": float(np.mean(held_out)), "first_update": first_update}
 
 
-def optimum(lrs: list[float], losses: list[float], strict: bool = True) -> float:
-    """The lr at the vertex of the parabola through the best point and its neighbours
-    (log lr). An optimum at an end of the grid is no measurement: refused (`strict`), or
-    that end (a smoke run's sparse grid)."""
+def optimum(lrs: list[float], losses: list[float], strict: bool = True,
+            neighbours: int = 1) -> float:
+    """The lr at the vertex of the parabola through the best point and `neighbours` grid
+    points on each side (log lr; diverged runs left out). An optimum at an end of the grid
+    is no measurement: refused (`strict`), or that end (a smoke run's sparse grid)."""
     i = int(np.argmin(losses))
     if i in (0, len(lrs) - 1):
         if not strict:
             return lrs[i]
         raise SystemExit(f"the best lr {lrs[i]:.3g} is at an end of the grid "
                          f"{lrs[0]:.3g} .. {lrs[-1]:.3g}: widen GRIDS")
-    x, y = np.log10(lrs[i - 1:i + 2]), np.asarray(losses[i - 1:i + 2])
-    a, b, _ = np.polyfit(x, y, 2)
+    window = slice(max(0, i - neighbours), i + neighbours + 1)
+    x, y = np.log10(lrs[window]), np.asarray(losses[window])
+    a, b, _ = np.polyfit(x[np.isfinite(y)], y[np.isfinite(y)], 2)
     return float(10 ** (-b / (2 * a))) if a > 0 else lrs[i]
+
+
+def fit_optima(results: dict, strict: bool = True) -> None:
+    """Each curve's optimum by both fits, and the ratio of the large batch's to the small
+    batch's, written into `results`."""
+    small, large = results["B"], results["K"] * results["B"]
+    for optimizer in GRIDS:
+        for batch in (small, large):
+            run = results["runs"][f"{optimizer} {batch}"]
+            run["best_lr"] = optimum(run["lrs"], run["losses"], strict)
+            run["best_lr_wide"] = optimum(run["lrs"], run["losses"], strict, neighbours=2)
+        for key, suffix in (("best_lr", "ratio"), ("best_lr_wide", "ratio wide")):
+            lo, hi = (results["runs"][f"{optimizer} {b}"][key] for b in (small, large))
+            results["runs"][f"{optimizer} {suffix}"] = hi / lo
 
 
 def main() -> None:
@@ -139,7 +158,16 @@ def main() -> None:
                         help=f"the small batch's steps (default {STEPS})")
     parser.add_argument("--seeds", type=positive_int, default=len(SEEDS))
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    parser.add_argument("--refit", type=pathlib.Path, metavar="JSON",
+                        help="recompute the optima of a file this script wrote, from its "
+                             "losses (no training), and write it back")
     args = parser.parse_args()
+    if args.refit:
+        results = json.loads(args.refit.read_text())
+        fit_optima(results)
+        args.refit.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.refit}")
+        return
     small = args.batch
     budget = small * (8 if args.quick else args.steps)
     grids = {name: grid[::4] for name, grid in GRIDS.items()} if args.quick else GRIDS
@@ -155,15 +183,14 @@ def main() -> None:
                 for lr in grid:
                     runs = [train_once(optimizer, lr, batch, seed, **run) for seed in seeds]
                     losses.append(float(np.mean([r["loss"] for r in runs])))
-                best = optimum(grid, losses, strict=not args.quick)
-                results["runs"][f"{optimizer} {batch}"] = {"lrs": grid, "losses": losses,
-                                                          "best_lr": best}
-                print(f"{optimizer:5} batch {batch:3}: best lr {best:.3g} "
-                      f"(loss {min(losses):.4f})", flush=True)
-            lo, hi = (results["runs"][f"{optimizer} {b}"]["best_lr"] for b in (small, K * small))
-            results["runs"][f"{optimizer} ratio"] = hi / lo
-            print(f"{optimizer}: best lr at {K}B / at B = {hi / lo:.2f} "
-                  f"(sqrt rule {math.sqrt(K):.0f}, linear rule {K})", flush=True)
+                results["runs"][f"{optimizer} {batch}"] = {"lrs": grid, "losses": losses}
+                print(f"{optimizer:5} batch {batch:3}: loss {min(losses):.4f} at best",
+                      flush=True)
+        fit_optima(results, strict=not args.quick)
+        for optimizer in grids:
+            ratios = [results["runs"][f"{optimizer} {key}"] for key in ("ratio", "ratio wide")]
+            print(f"{optimizer}: best lr at {K}B / at B = {ratios[0]:.2f} ({ratios[1]:.2f} by "
+                  f"the wider fit; sqrt rule {math.sqrt(K):.0f}, linear rule {K})", flush=True)
         # the bug: the large batch's losses summed, at the small batch's best lr
         for optimizer in grids:
             lr = results["runs"][f"{optimizer} {small}"]["best_lr"]
