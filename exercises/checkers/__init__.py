@@ -55,6 +55,10 @@ EXERCISES = (
              "ex07_zero_bubble", 50,
              "a backward split in B (input gradient) and W (weight gradients); W delayed "
              "into the bubble: ZB-H1's (p-1)(T_F+T_B-T_W) at 1F1B's memory"),
+    Exercise("08", "zero3_prefetch", "ZeRO-3 gather and free, with prefetch, as actions",
+             "ex08_zero3_prefetch", 45,
+             "ZeRO-3's all-gather before a unit's forward and backward, free after; "
+             "prefetch hides the transfer for a second unit's buffer"),
 )
 
 

@@ -650,3 +650,109 @@ def test_06_forgetting_the_loss_broadcast():
     detail = failures("06", predict_rank=_predict(no_loss))
     assert len(detail) == 2  # the two PP runs
     assert all("the loss the last stage broadcasts" in d for d in detail.values())
+
+
+# ------------------------------------------------------------------ 08 ZeRO-3 prefetch
+def _zero3(forward=None, backward=None):
+    """zero3_actions whose forward part (or backward part) is `forward(units, prefetch)`
+    (`backward(units, prefetch)`), the other part the solution's."""
+    _, sol = mutant("08")
+
+    def zero3_actions(units, prefetch):
+        actions = sol.zero3_actions(units, prefetch)
+        split = actions.index(("forward", units - 1)) + 2  # after the last forward's free
+        return ((forward or (lambda *_: actions[:split]))(units, prefetch)
+                + (backward or (lambda *_: actions[split:]))(units, prefetch))
+    return zero3_actions
+
+
+def test_08_never_freeing_after_forward_keeps_every_unit_gathered():
+    def forward(units, prefetch):  # gather, wait, forward; never free
+        return [a for u in range(units) for a in (("gather", u), ("wait", u), ("forward", u))]
+
+    def backward(units, prefetch):  # everything is still there
+        return [a for u in reversed(range(units)) for a in (("backward", u), ("free", u))]
+
+    detail = failures("08", zero3_actions=_zero3(forward, backward))
+    peak = detail["peak of gathered buffers: <= 2 units with prefetch, 1 without"]
+    assert "3 units, N=2, prefetch=False: at the peak 3 units' full parameters" in peak
+    assert "Units 0, 1, 2 stay gathered from their forward to their backward" in peak
+    assert "ZeRO-2's memory, not ZeRO-3's" in peak
+
+
+def test_08_prefetching_every_unit_at_the_start_holds_them_all():
+    def forward(units, prefetch):
+        return ([("gather", u) for u in range(units)]
+                + [a for u in range(units) for a in (("wait", u), ("forward", u),
+                                                      ("free", u))])
+
+    text = only_failure("08", zero3_actions=_zero3(forward))
+    assert "3 units, N=2, prefetch=False: at the peak 3 units' full parameters" in text
+    assert "the running unit)" in text
+
+
+def test_08_waiting_right_after_the_prefetch_hides_nothing():
+    def eager(units, prefetch, order, kind):
+        actions = [("gather", order[0]), ("wait", order[0])]
+        for i, u in enumerate(order):
+            if prefetch and i + 1 < len(order):
+                actions += [("gather", order[i + 1]), ("wait", order[i + 1])]
+            actions += [(kind, u), ("free", u)]
+            if not prefetch and i + 1 < len(order):
+                actions += [("gather", order[i + 1]), ("wait", order[i + 1])]
+        return actions
+
+    text = only_failure("08", zero3_actions=_zero3(
+        lambda units, prefetch: eager(units, prefetch, list(range(units)), "forward"),
+        lambda units, prefetch: eager(units, prefetch, list(reversed(range(units))),
+                                      "backward")))
+    assert "3 units, N=2, prefetch=True:" in text and "us of exposed communication" in text
+    assert "Waited for: forward of unit 0 (1 all-gathers); forward of unit 1" in text
+    assert "compute runs between its gather and its wait" in text
+
+
+def test_08_backward_without_a_second_gather_is_named():
+    def backward(units, prefetch):  # the forward freed every unit
+        return [a for u in reversed(range(units)) for a in (("backward", u), ("free", u))]
+
+    text = only_failure("08", zero3_actions=_zero3(backward=backward))
+    assert "action 4 (backward 0): unit 0 is not gathered: its parameters were freed " \
+           "after its forward; gather it again before its backward" in text
+
+
+def test_08_computing_before_the_wait_is_named():
+    def forward(units, prefetch):
+        _, sol = mutant("08")
+        actions = sol.zero3_actions(units, prefetch)
+        actions = actions[:actions.index(("forward", units - 1)) + 2]
+        actions.remove(("wait", 0))
+        return actions[:actions.index(("forward", 0)) + 1] + [("wait", 0)] + \
+            actions[actions.index(("forward", 0)) + 1:]
+
+    text = only_failure("08", zero3_actions=_zero3(forward))
+    assert "action 1 (forward 0): unit 0's all-gather was launched but not waited for" in text
+    assert "Put ('wait', 0) before the forward" in text
+
+
+def test_08_backward_prefetch_in_the_forward_direction_is_exposed_and_wasted():
+    def backward(units, prefetch):
+        actions = [("gather", units - 1)]
+        for u in reversed(range(units)):
+            actions.append(("wait", u))
+            if prefetch and u + 1 < units:  # "the next unit" taken as u + 1, as in forward
+                actions.append(("gather", u + 1))
+            actions += [("backward", u), ("free", u)]
+            if prefetch and u + 1 < units:
+                actions.append(("free", u + 1))
+            if u > 0:
+                actions.append(("gather", u - 1))
+        return actions
+
+    detail = failures("08", zero3_actions=_zero3(backward=backward))
+    assert set(detail) == {
+        "exposed communication: every all-gather without prefetch, at most 2 with",
+        "bytes: each unit gathered for its forward and for its backward"}
+    exposed = detail["exposed communication: every all-gather without prefetch, at most 2 with"]
+    assert "in backward the next unit is the previous one (u - 1)" in exposed
+    assert "8 all-gathers of" in detail["bytes: each unit gathered for its forward and for "
+                                        "its backward"]
