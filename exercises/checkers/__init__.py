@@ -59,6 +59,11 @@ EXERCISES = (
              "ex08_zero3_prefetch", 45,
              "ZeRO-3's all-gather before a unit's forward and backward, free after; "
              "prefetch hides the transfer for a second unit's buffer"),
+    Exercise("09", "zero2_backward", "a true ZeRO-2: reduce-scatter during backward",
+             "ex09_zero2_backward", 45,
+             "gradient hooks reduce-scatter each bucket as backward completes it: the "
+             "gradient peak is one bucket plus the shards; one reduce-scatter per "
+             "micro-batch"),
 )
 
 

@@ -756,3 +756,65 @@ def test_08_backward_prefetch_in_the_forward_direction_is_exposed_and_wasted():
     assert "in backward the next unit is the previous one (u - 1)" in exposed
     assert "8 all-gathers of" in detail["bytes: each unit gathered for its forward and for "
                                         "its backward"]
+
+
+# ------------------------------------------------------------------ 09 ZeRO-2 in backward
+def _zero2_backward(**methods):
+    _, sol = mutant("09")
+    return type("Mutant", (sol.Zero2Gradients,), methods)
+
+
+def _reduce_bucket(op="avg", release=True, accumulate=True):
+    def reduce_bucket(self, b):
+        flat = self.flatten(b, [p.grad for p in self.buckets[b]])
+        piece = dist.reduce_scatter(flat, op=op, group=self.group)
+        for p in self.buckets[b]:
+            if release:
+                p.release_grad()
+            else:
+                p.grad = None  # gone from the parameter, not from the ledger
+        if self.grad_shards[b] is None or not accumulate:
+            if self.grad_shards[b] is not None:
+                dist.release(self.grad_shards[b])
+            self.grad_shards[b] = dist.hold(piece, "grads")
+        else:
+            self.grad_shards[b] += piece
+    return reduce_bucket
+
+
+def test_09_reducing_after_backward_has_zero1s_gradient_peak():
+    def on_gradient_ready(self, b):  # waits for the whole gradient, then reduces it all
+        self.ready[b] += 1
+        if sum(self.ready) == sum(len(bucket) for bucket in self.buckets):
+            self.ready = [0] * len(self.buckets)
+            for bucket in range(len(self.buckets)):
+                self.reduce_bucket(bucket)
+
+    text = only_failure("09", Zero2Gradients=_zero2_backward(
+        on_gradient_ready=on_gradient_ready))
+    assert "N=2, A=1, rank 0: the ledger's gradient peak is 1344 bytes" in text
+    assert "That is the whole gradient, Ψ = 168 elements" in text
+    assert "reducing after backward is ZeRO-1's gradient peak" in text
+
+
+def test_09_assigning_the_piece_keeps_only_the_last_micro_batch():
+    text = only_failure("09", Zero2Gradients=_zero2_backward(
+        reduce_bucket=_reduce_bucket(accumulate=False)))
+    assert text.startswith("N=2, A=2, rank 0, step 0, bucket 0")
+    assert "is only one micro-batch's piece kept?" in text and "(+=)" in text
+
+
+def test_09_dropping_p_grad_without_releasing_it_is_named():
+    detail = failures("09", Zero2Gradients=_zero2_backward(
+        reduce_bucket=_reduce_bucket(release=False)))
+    assert set(detail) == {
+        "gradient PEAK <= the shards + one bucket's full gradients (the ledger)",
+        "after backward: no p.grad left, only the shards in the ledger"}
+    left = detail["after backward: no p.grad left, only the shards in the ledger"]
+    assert "p.grad = None does not take a gradient out of the ledger" in left
+
+
+def test_09_summing_over_the_ranks_is_named():
+    text = only_failure("09", Zero2Gradients=_zero2_backward(
+        reduce_bucket=_reduce_bucket(op="sum")))
+    assert "it is N = 2 times that: summed over the ranks" in text
