@@ -64,6 +64,11 @@ EXERCISES = (
              "gradient hooks reduce-scatter each bucket as backward completes it: the "
              "gradient peak is one bucket plus the shards; one reduce-scatter per "
              "micro-batch"),
+    Exercise("10", "sequence_parallel", "sequence parallelism: g and g-bar around the MLP",
+             "ex10_sequence_parallel", 60,
+             "TP's all-reduces split into all-gather and reduce-scatter along the "
+             "sequence: LayerNorm on T/t tokens, the same bytes, replicated gradients "
+             "all-reduced"),
 )
 
 

@@ -818,3 +818,85 @@ def test_09_summing_over_the_ranks_is_named():
     text = only_failure("09", Zero2Gradients=_zero2_backward(
         reduce_bucket=_reduce_bucket(op="sum")))
     assert "it is N = 2 times that: summed over the ranks" in text
+
+
+# ------------------------------------------------------------------ 10 sequence parallel
+def _sp_mlp(gather=None, scatter=None, bias_before=False):
+    """The solution's block with g (gather) and g-bar (scatter) replaced; bias_before adds
+    b2 before g-bar."""
+    _, sol = mutant("10")
+    gather = gather or sol.GatherFromSequenceParallelRegion
+    scatter = scatter or sol.ReduceScatterToSequenceParallelRegion
+
+    def sequence_parallel_mlp(x, ln_weight, ln_bias, w1, b1, w2, b2, group):
+        h = gather.apply(F.layer_norm(x, ln_weight, ln_bias), group)
+        h = F.gelu(F.linear(h, w1, b1))
+        if bias_before:
+            return x + scatter.apply(F.linear(h, w2, b2), group)
+        return x + scatter.apply(F.linear(h, w2), group) + b2
+    return {"GatherFromSequenceParallelRegion": gather,
+            "ReduceScatterToSequenceParallelRegion": scatter,
+            "sequence_parallel_mlp": sequence_parallel_mlp}
+
+
+class _AllReduce(Function):
+    """TP's g (all-reduce forward, identity backward) where g-bar belongs."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return dist.all_reduce(x, group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _LocalBackward(Function):
+    """An all-gather whose backward keeps my tokens' slice: no sum over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, ctx.n = dist.get_rank(group), x.shape[1]
+        return dist.all_gather(x, group=group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].copy(), None
+
+
+def test_10_all_reduce_after_the_row_parallel_layer_is_tps_g_not_g_bar():
+    detail = failures("10", **_sp_mlp(scatter=_AllReduce))
+    assert "an all-reduce is TP's g: here each rank keeps only its tokens" in \
+        detail["g-bar: reduce-scatter along the sequence forward, all-gather backward"]
+    assert "operands could not be broadcast together with shapes (2,4,8) (2,8,8)" in \
+        detail["your code raised ValueError (while checking: the MLP block runs on t = 2 "
+               "and 4 ranks)"]  # x + h: my piece plus every token
+
+
+def test_10_a_gather_whose_backward_keeps_only_my_piece_is_named():
+    detail = failures("10", **_sp_mlp(gather=_LocalBackward))
+    gather = detail["g: all-gather along the sequence forward, reduce-scatter backward "
+                    "(t = 2, 4)"]
+    assert "it kept only this rank's own gradient, with no communication" in gather
+    assert "t=2, rank 0: the gradient of x differs from one device's" in \
+        detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
+    assert "backward called ['all_gather']" in \
+        detail["communication: all-gather + reduce-scatter each way (TP's bytes), then "
+               "all-reduce of the replicated gradients"]
+
+
+def test_10_replicated_gradients_left_partial_are_named():
+    detail = failures("10", allreduce_sequence_parallel_grads=lambda params, group: None)
+    text = detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
+    assert "t=2, rank 0: the gradient of ln_weight holds only this rank's tokens' share" \
+        in text
+    assert "Megatron's param.sequence_parallel" in text
+    assert "allreduce_sequence_parallel_grads called nothing" in "".join(detail.values())
+
+
+def test_10_the_bias_added_before_the_reduce_scatter_is_named():
+    detail = failures("10", **_sp_mlp(bias_before=True))
+    assert "off by (t - 1) x b2: b2 was added on every rank before the reduce-scatter" in \
+        detail["output: my (B, T/t, d) piece of one device's x + MLP(LN(x))"]
+    assert "the gradient of b2 differs" in \
+        detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
