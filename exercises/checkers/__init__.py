@@ -69,6 +69,10 @@ EXERCISES = (
              "TP's all-reduces split into all-gather and reduce-scatter along the "
              "sequence: LayerNorm on T/t tokens, the same bytes, replicated gradients "
              "all-reduced"),
+    Exercise("11", "predict_activations", "predict the activation bytes (core mode)",
+             "ex11_predict_activations", 50,
+             "Korthikanti's saved activations per layer with TP and SP, the 1F1B first "
+             "stage's p micro-batches, full recomputation; minipar's own terms given"),
 )
 
 

@@ -900,3 +900,63 @@ def test_10_the_bias_added_before_the_reduce_scatter_is_named():
         detail["output: my (B, T/t, d) piece of one device's x + MLP(LN(x))"]
     assert "the gradient of b2 differs" in \
         detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
+
+
+# ------------------------------------------------------------------ 11 activations
+def _layer_without(*, probabilities=True, sequence_parallel=True):
+    _, sol = mutant("11")
+
+    def layer_activation_bytes(config):
+        nbytes = sol.layer_activation_bytes(config)
+        if not probabilities:
+            nbytes -= (config.micro_batch_size * config.n_head // config.tp
+                       * config.seq_len ** 2 * sol.BYTES[config.precision])
+        if not sequence_parallel and config.sequence_parallel:
+            tokens = config.micro_batch_size * config.seq_len
+            nbytes += (4 * (tokens - tokens // config.tp) * config.d_model
+                       * sol.BYTES[config.precision])
+        return nbytes
+    return layer_activation_bytes
+
+
+def test_11_forgetting_the_attention_probabilities_is_named():
+    detail = failures("11", layer_activation_bytes=_layer_without(probabilities=False))
+    text = "".join(detail.values())
+    assert "missing the attention probabilities, B (a/t) T T?" in text
+
+
+def test_11_sequence_parallelism_not_applied_to_the_stream_is_named():
+    detail = failures("11", layer_activation_bytes=_layer_without(sequence_parallel=False))
+    layer = next(v for k, v in detail.items() if k.startswith("one layer's saved bytes"))
+    assert layer.startswith("tp=2 sp, fp32")
+    assert "the stream's four tensors hold T/t tokens" in layer
+
+
+def test_11_the_first_pipeline_stage_holding_one_micro_batch_is_the_interview_trap():
+    _, sol = mutant("11")
+
+    def activation_peak(config, rank, terms):  # "PP divides the activations by p"
+        if config.pp == 1:
+            return sol.activation_peak(config, rank, terms)
+        one = config.replace(pp=1, n_layer=config.n_layer // config.pp)
+        stage = (rank // config.tp) % config.pp
+        embedding = terms.embedding if stage == 0 else 0
+        head = terms.head if stage == config.pp - 1 else 0
+        layer = sol.layer_activation_bytes(one) + terms.norm_statistics
+        return one.n_layer * layer + embedding + head
+
+    text = only_failure("11", activation_peak=activation_peak)
+    assert "pp=2 m=4, fp32" in text and "rank 0: predicted" in text
+    assert "counted one micro-batch: 1F1B's first stage holds p of them" in text
+    assert "PP does not cut the first stage's activations" in text
+
+
+def test_11_recomputation_keeping_every_layer_is_named():
+    _, sol = mutant("11")
+
+    def activation_peak(config, rank, terms):
+        return sol.activation_peak(config.replace(recompute_granularity=None), rank, terms)
+
+    text = only_failure("11", activation_peak=activation_peak)
+    assert "recompute full" in text
+    assert "a layer keeps only its input until its backward recomputes it" in text
