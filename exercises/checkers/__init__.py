@@ -73,6 +73,10 @@ EXERCISES = (
              "ex11_predict_activations", 50,
              "Korthikanti's saved activations per layer with TP and SP, the 1F1B first "
              "stage's p micro-batches, full recomputation; minipar's own terms given"),
+    Exercise("12", "port_recipe", "port a one-GPU recipe to N GPUs", "ex12_port_recipe",
+             30,
+             "keep the global batch, and the learning rate stays; when it must grow, the "
+             "square-root rule and the token budget; accumulation within the memory limit"),
 )
 
 

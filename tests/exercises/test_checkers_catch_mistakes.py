@@ -960,3 +960,48 @@ def test_11_recomputation_keeping_every_layer_is_named():
     text = only_failure("11", activation_peak=activation_peak)
     assert "recompute full" in text
     assert "a layer keeps only its input until its backward recomputes it" in text
+
+
+# ------------------------------------------------------------------ 12 port a recipe
+def _port(change):
+    _, sol = mutant("12")
+    return lambda recipe, n, limit: change(sol.port_recipe(recipe, n, limit), recipe, n, limit)
+
+
+def test_12_scaling_the_learning_rate_by_the_gpu_count_is_named():
+    text = only_failure("12", port_recipe=_port(
+        lambda port, recipe, n, limit: port.replace(lr=port.lr * n, min_lr=port.min_lr * n)))
+    assert text.startswith("G = 2 x 4 = 8 on 1 GPU -> 4 GPUs (micro-batch <= 2): lr = 0.008")
+    assert "the linear scaling rule follows the global batch, not the GPU count" in text
+
+
+def test_12_keeping_the_one_gpu_accumulation_is_named():
+    text = only_failure("12", port_recipe=lambda recipe, n, limit: recipe.replace(dp=n))
+    assert "global batch 4 x 2 x 4 = 32; expected 8 (G is kept" in text
+    assert "the one-GPU micro-batch and accumulation were kept" in text
+
+
+def test_12_a_micro_batch_over_the_limit_is_named():
+    text = only_failure("12", port_recipe=_port(
+        lambda port, recipe, n, limit: port.replace(
+            micro_batch_size=port.micro_batch_size * port.grad_accum_steps,
+            grad_accum_steps=1)))
+    assert "(micro-batch <= 2): micro_batch_size = 4 does not fit" in text
+
+
+def test_12_the_grown_batch_with_the_same_steps_is_named():
+    def same_steps(port, recipe, n, limit):
+        return port.replace(steps=recipe.steps, warmup_steps=recipe.warmup_steps)
+
+    text = only_failure("12", port_recipe=_port(same_steps))
+    assert text.startswith("G = 3 x 2 = 6 on 1 GPU -> 4 GPUs")
+    assert "steps = 8, expected 6: with k = 1.33333 times the sequences per step" in text
+
+
+def test_12_the_linear_rule_for_adamw_is_named():
+    def linear(port, recipe, n, limit):
+        k = port.global_batch_size / recipe.global_batch_size
+        return port.replace(lr=recipe.lr * k, min_lr=recipe.min_lr * k)
+
+    text = only_failure("12", port_recipe=_port(linear))
+    assert "scaled linearly by k = 1.33333; for AdamW take the square-root rule" in text
