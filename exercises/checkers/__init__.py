@@ -77,6 +77,10 @@ EXERCISES = (
              30,
              "keep the global batch, and the learning rate stays; when it must grow, the "
              "square-root rule and the token budget; accumulation within the memory limit"),
+    Exercise("13", "choose_layout", "choose a layout for a cluster, and justify it",
+             "ex13_choose_layout", 60,
+             "dp x tp x pp x ZeRO for a model and a cluster, with the claims of a short "
+             "justification checked by the planner and the emulator"),
 )
 
 

@@ -1005,3 +1005,58 @@ def test_12_the_linear_rule_for_adamw_is_named():
 
     text = only_failure("12", port_recipe=_port(linear))
     assert "scaled linearly by k = 1.33333; for AdamW take the square-root rule" in text
+
+
+# ------------------------------------------------------------------ 13 choose a layout
+def _layout(model, **changes):
+    """choose_layout answering `model`'s task with `changes` to the solution's answer."""
+    _, sol = mutant("13")
+
+    def choose_layout(task):
+        answer = sol.choose_layout(task)
+        return {**answer, **changes} if task["model"] == model else answer
+    return choose_layout
+
+
+def test_13_tensor_parallelism_that_does_not_split_the_heads_is_refused():
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", dp=4, tp=2))
+    assert "gpt2-xl on 8 GPUs: the layout is not valid" in text
+    assert "n_head=25 is not divisible by tp=2" in text
+
+
+def test_13_tensor_parallelism_across_nodes_is_named():
+    text = only_failure("13", choose_layout=_layout("llama2-70b", dp=4, tp=16, pp=1))
+    assert "tp=16 crosses nodes of 8 GPUs" in text and "keep tp within a node" in text
+
+
+def test_13_a_layout_that_does_not_fit_names_its_largest_part():
+    detail = failures("13", choose_layout=_layout("llama2-70b", dp=64, tp=1, pp=1,
+                                                    sequence_parallel=False))
+    text = detail["fits the GPU's usable memory (the planner's estimate)"]
+    assert "llama2-70b on 64 GPUs (dp=64 tp=1 pp=1 zero=1 micro=1): the fullest GPU needs" \
+        in text
+    assert "the largest part is params: split the model (tp, pp) or shard it (ZeRO-3)" in text
+
+
+def test_13_a_wrong_bottleneck_is_compared_with_the_planners_breakdown():
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", bottleneck="pipeline bubble"))
+    assert "you name 'pipeline bubble' the bottleneck" in text
+    assert "so it is compute-bound (no overhead reaches 10%)" in text
+
+
+def test_13_a_memory_claim_far_from_the_planner_is_named():
+    text = only_failure("13", choose_layout=_layout("llama2-70b", memory_gib=35.0))
+    assert "memory_gib = 35.0; the planner predicts 70.8 GiB" in text
+
+
+def test_13_zero2_with_a_pipeline_is_refused_by_the_emulator():
+    detail = failures("13", choose_layout=_layout("llama2-70b", zero=2, memory_gib=67.0))
+    text = detail["the emulator trains the layout scaled down, like one device"]
+    assert "minipar refuses the layout" in text and "DeepSpeed refuses" in text
+
+
+def test_13_a_justification_silent_about_a_parallelism_is_named():
+    why = ("Tensor parallelism tp 2 inside each node with sequence parallelism, data "
+           "parallelism dp 4 with ZeRO-1 for the optimizer state; micro-batch 1.")
+    text = only_failure("13", choose_layout=_layout("llama2-70b", why=why))
+    assert "'why' does not say why you use pp" in text
