@@ -40,9 +40,10 @@ EXERCISES = (
              "ex03_data_parallel", 45,
              "DDP from one rank's view; no_sync: one all-reduce per step, not per "
              "micro-batch; equivalence with single-device training"),
-    Exercise("04", "zero2", "a ZeRO-2 optimizer step", "ex04_zero2", 60,
+    Exercise("04", "zero2", "ZeRO's sharded optimizer step (after backward)", "ex04_zero2",
+             60,
              "reduce-scatter, sharded AdamW, all-gather; the same bytes as DP, 1/N of the "
-             "gradients and optimizer state"),
+             "optimizer state (and of the gradients once the step has run)"),
     Exercise("05", "one_f_one_b", "the 1F1B pipeline schedule as action lists",
              "ex05_one_f_one_b", 45,
              "PipeDream-Flush: warm-up, steady 1F1B, cool-down; matching sends and "
