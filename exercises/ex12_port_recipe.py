@@ -16,8 +16,8 @@ Only when G cannot be kept (it does not split over N ranks) does the optimizatio
 and then every setting that depends on G moves with it. With G' = the smallest multiple
 of N at least G, k = G'/G:
 - learning rate: AdamW's square-root rule (Malladi et al. 2022, "On the SDEs and Scaling
-  Rules for Adaptive Gradient Algorithms"; Krizhevsky 2014 for SGD's linear rule and its
-  limits): lr and min_lr times sqrt(k);
+  Rules for Adaptive Gradient Algorithms"; Krizhevsky 2014, "One weird trick", argued
+  for it with SGD and found the linear rule better there): lr and min_lr times sqrt(k);
 - the same number of training tokens: steps / k, and the warm-up in tokens too:
   warmup_steps / k (the cases are chosen so that these divide exactly).
 

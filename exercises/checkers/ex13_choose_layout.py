@@ -82,6 +82,10 @@ def check_answers(impl) -> list[Answer]:
                                          f"{type(answer).__name__}; return a dict")
         missing = [k for k in KEYS if k not in answer]
         expect(not missing, f"{where}: the answer lacks {', '.join(missing)}")
+        wrong = [k for k in ("dp", "tp", "pp", "zero", "micro_batch_size")
+                 if not isinstance(answer[k], int) or isinstance(answer[k], bool)
+                 or answer[k] < (0 if k == "zero" else 1)]
+        expect(not wrong, f"{where}: {', '.join(wrong)}: give a positive integer (zero: 0 to 3)")
         expect(answer["bottleneck"] in BOTTLENECKS,
                f"{where}: bottleneck {answer['bottleneck']!r} is not one of {BOTTLENECKS}")
         expect(answer["recompute"] in (None, "selective", "full"),
