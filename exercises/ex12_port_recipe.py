@@ -28,7 +28,8 @@ the GPU better.
 
 The recipe and your answer are minipar `TrainConfig`s (minipar/train/config.py and
 layout.py: dp, micro_batch_size, grad_accum_steps, lr, min_lr, warmup_steps, steps);
-`recipe.replace(dp=..., ...)` makes the new one (global_batch_size follows). The checker
+`recipe.replace(dp=..., ...)` makes the new one (global_batch_size follows); everything
+else (the model, the data, the seed, the precision) stays the recipe's. The checker
 trains the recipe and your port with minipar (fp64, synthetic data) and compares: with
 G kept the two loss curves must be the same, step for step, to 1e-10.
 """

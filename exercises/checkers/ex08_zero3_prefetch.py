@@ -35,6 +35,7 @@ FORBIDDEN = {"minipar.parallel": "the library's ZeRO-3 is the answer key",
 CASES = ((1, 2), (3, 2), (4, 4), (6, 2))  # (units, N ranks)
 D = 32  # a unit is a (D, D) fp64 matrix: 8 KiB gathered
 KINDS = ("gather", "wait", "forward", "backward", "free")
+PER_UNIT = 8  # gather, wait, compute, free: forward and backward (twice that is refused)
 PROFILE = DeviceProfile()
 
 
@@ -54,6 +55,10 @@ def _actions(impl, units: int, prefetch: bool) -> list[tuple[str, int]]:
     expect(isinstance(actions, (list, tuple)),
            f"zero3_actions({units}, {prefetch}) returned {type(actions).__name__}; return a "
            "list of (kind, unit) tuples")
+    expect(len(actions) <= 2 * PER_UNIT * units,
+           f"zero3_actions({units}, {prefetch}) returned {len(actions)} actions; ZeRO-3 needs "
+           f"{PER_UNIT} per unit (gather, wait, compute and free, in forward and in "
+           f"backward): {PER_UNIT * units}")
     out = []
     for i, action in enumerate(actions):
         ok = (isinstance(action, (list, tuple)) and len(action) == 2

@@ -91,6 +91,7 @@ def _operators(impl, t: int, x: np.ndarray, full: np.ndarray):
     mine = Tensor(piece(x, rank, t), requires_grad=True)
     with dist.phase("forward"):
         gathered = impl.GatherFromSequenceParallelRegion.apply(mine, group)
+    _expect_tensor(gathered, "GatherFromSequenceParallelRegion")
     with dist.phase("backward"):  # a rank-dependent gradient: a partial one on each
         gathered.backward(_fitting(full * (rank + 1), gathered))
     out["gather"] = (np.array(gathered.data), np.array(mine.grad), _records(device, 0))
@@ -98,11 +99,17 @@ def _operators(impl, t: int, x: np.ndarray, full: np.ndarray):
     whole = Tensor(full * (rank + 1), requires_grad=True)
     with dist.phase("forward"):
         scattered = impl.ReduceScatterToSequenceParallelRegion.apply(whole, group)
+    _expect_tensor(scattered, "ReduceScatterToSequenceParallelRegion")
     with dist.phase("backward"):
         scattered.backward(_fitting(piece(x, rank, t), scattered))
     out["scatter"] = (np.array(scattered.data), np.array(whole.grad),
                       _records(device, start))
     return out
+
+
+def _expect_tensor(out, name: str) -> None:
+    expect(isinstance(out, Tensor), f"{name}.apply returned {type(out).__name__}; return a "
+                                    "Tensor (forward returns an array, which apply wraps)")
 
 
 def _fitting(grad: np.ndarray, out: Tensor) -> np.ndarray:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from minipar.plan.shapes import from_train_config
 from minipar.train import TrainConfig, train
 
@@ -131,12 +133,22 @@ def _layer_hint(config: TrainConfig, got: int, expected: int) -> str:
     return ""
 
 
+def _bytes(got, call: str) -> int:
+    """A count of bytes: an int (a NumPy integer too), never a float or an array."""
+    if not isinstance(got, (int, np.integer)) or isinstance(got, (bool, np.bool_)):
+        raise CheckFailed(f"{call} returned {type(got).__name__} {got!r:.60}; return an int "
+                          "(bytes)")
+    got = int(got)
+    expect(0 <= got < 2 ** 63, f"{call} returned " + (
+        f"{got}" if abs(got) < 10 ** 30 else f"an integer of {got.bit_length()} bits")
+        + "; a count of bytes is from 0 to 2^63 - 1")
+    return got
+
+
 def check_layers(impl, runs: dict) -> None:
     for config, layer in runs["layers"]:
         expected = layer - terms_of(config).norm_statistics
-        got = impl.layer_activation_bytes(config)
-        expect(isinstance(got, int) and not isinstance(got, bool),
-               f"layer_activation_bytes returned {type(got).__name__}; return an int")
+        got = _bytes(impl.layer_activation_bytes(config), "layer_activation_bytes")
         if got != expected:
             raise CheckFailed(
                 f"{describe(config)}: layer_activation_bytes = {got}; one layer measured "
@@ -147,11 +159,12 @@ def check_layers(impl, runs: dict) -> None:
 
 def _peak_hint(config: TrainConfig, rank: int, got: int, expected: int,
                terms: ActivationTerms, impl) -> str:
-    if config.pp > 1:
+    layer = impl.layer_activation_bytes(config) if config.pp > 1 else None
+    if isinstance(layer, (int, np.integer)):
         stage = (rank // config.tp) % config.pp
         k = min(config.pp - stage, config.grad_accum_steps)
         layers = config.n_layer // config.pp + (stage < config.n_layer % config.pp)
-        per = layers * (impl.layer_activation_bytes(config) + terms.norm_statistics) + (
+        per = layers * (int(layer) + terms.norm_statistics) + (
             terms.embedding if stage == 0 else 0)
         head = terms.head if stage == config.pp - 1 else 0
         for held, why in ((1, "one micro-batch: 1F1B's first stage holds p of them"),
@@ -172,7 +185,7 @@ def check_peaks(impl, runs: dict) -> None:
     for config, ranks in runs["peaks"]:
         terms = terms_of(config)
         for rank, expected in enumerate(ranks):
-            got = impl.activation_peak(config, rank, terms)
+            got = _bytes(impl.activation_peak(config, rank, terms), "activation_peak")
             if got != expected:
                 problems.append(f"{describe(config)}, rank {rank}: predicted {got}, measured "
                                 f"{expected}{_peak_hint(config, rank, got, expected, terms, impl)}")

@@ -4,7 +4,8 @@ For each case the expected port is derived here from the exercise's rules (keep 
 global batch G when it splits over the N GPUs; otherwise G' = the smallest multiple of N
 at least G, AdamW's square-root rule for lr and min_lr, steps and warm-up in tokens; the
 fewest accumulation steps within the micro-batch limit). The answer is then checked
-field by field, with the typical mistakes named (a learning rate scaled by N, the
+field by field (and nothing else may differ from the recipe: the model, the data and
+the seed stay), with the typical mistakes named (a learning rate scaled by N, the
 one-GPU accumulation kept, a micro-batch over the limit, the steps or the warm-up left
 in steps when G grows, the linear rule for AdamW), and trained: minipar runs the recipe
 on one GPU and the port on N (fp64, synthetic data); with G kept the loss curves must be
@@ -13,8 +14,10 @@ the same, step for step, to 1e-10, and the tokens seen the same in every case.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from minipar.errors import ConfigError
 from minipar.train import TrainConfig, train
 
 from .harness import CheckFailed, expect, start_report
@@ -35,6 +38,10 @@ CASES = ((2, 4, 4, 2, 4, 2),   # G = 8 on 4 GPUs: one micro-batch of 2 each
          (1, 8, 4, 2, 2, 2),   # G = 8 on 2 GPUs, at most 2: accumulate 2
          (3, 2, 8, 4, 4, 2))   # G = 6 does not split over 4: G' = 8, k = 4/3
 RTOL = 1e-10
+# What a port sets; every other field of the TrainConfig stays the recipe's (the model,
+# the data and the seed, precision, the optimizer's other settings, how the ranks run).
+PORTED = ("dp", "micro_batch_size", "grad_accum_steps", "global_batch_size", "lr", "min_lr",
+          "steps", "warmup_steps")
 
 
 def recipe_of(case) -> TrainConfig:
@@ -68,6 +75,12 @@ def _port(impl, case) -> tuple[TrainConfig, TrainConfig, dict]:
     expect(isinstance(port, TrainConfig),
            f"{_where(recipe, n, limit)}: port_recipe returned {type(port).__name__}; return "
            "a TrainConfig (recipe.replace(...))")
+    try:  # validated again: a frozen dataclass's fields can be set around its checks
+        port = TrainConfig(**{f.name: getattr(port, f.name)
+                              for f in dataclasses.fields(TrainConfig)})
+    except (ConfigError, ValueError, OverflowError, TypeError) as error:
+        raise CheckFailed(f"{_where(recipe, n, limit)}: minipar refuses the port: "
+                          f"{type(error).__name__}: {error}") from None
     return recipe, port, expected_port(recipe, n, limit)
 
 
@@ -83,6 +96,14 @@ def check_settings(impl) -> list:
         where = _where(recipe, n, limit)
         batch = recipe.micro_batch_size * recipe.grad_accum_steps
         k = want["global_batch_size"] / batch
+        changed = [f"{f.name} {getattr(recipe, f.name)!r} -> {getattr(port, f.name)!r}"
+                   for f in dataclasses.fields(TrainConfig) if f.name not in PORTED
+                   and getattr(port, f.name) != getattr(recipe, f.name)]
+        expect(not changed,
+               f"{where}: the port changes {', '.join(changed[:4])}"
+               f"{' ...' if len(changed) > 4 else ''}; a port sets only "
+               f"{', '.join(PORTED)}: the model, the data, the seed and everything else "
+               "stay the recipe's (recipe.replace(...) with those fields only)")
         expect(port.dp == n, f"{where}: dp = {port.dp}; the port runs on dp = {n} GPUs")
         expect(port.micro_batch_size <= limit,
                f"{where}: micro_batch_size = {port.micro_batch_size} does not fit: each GPU "

@@ -82,14 +82,18 @@ def check_answers(impl) -> list[Answer]:
                                          f"{type(answer).__name__}; return a dict")
         missing = [k for k in KEYS if k not in answer]
         expect(not missing, f"{where}: the answer lacks {', '.join(missing)}")
-        wrong = [k for k in ("dp", "tp", "pp", "zero", "micro_batch_size")
+        ranges = {"dp": (1, gpus), "tp": (1, gpus), "pp": (1, gpus), "zero": (0, 3),
+                  "micro_batch_size": (1, batch)}
+        wrong = [f"{k} from {lo} to {hi}" for k, (lo, hi) in ranges.items()
                  if not isinstance(answer[k], int) or isinstance(answer[k], bool)
-                 or answer[k] < (0 if k == "zero" else 1)]
-        expect(not wrong, f"{where}: {', '.join(wrong)}: give a positive integer (zero: 0 to 3)")
+                 or not lo <= answer[k] <= hi]
+        expect(not wrong, f"{where}: give {', '.join(wrong)} (integers)")
         expect(answer["bottleneck"] in BOTTLENECKS,
                f"{where}: bottleneck {answer['bottleneck']!r} is not one of {BOTTLENECKS}")
         expect(answer["recompute"] in (None, "selective", "full"),
                f"{where}: recompute must be None, 'selective' or 'full'")
+        used = answer["dp"] * answer["tp"] * answer["pp"]
+        expect(used == gpus, f"{where}: dp x tp x pp = {used}; use all {gpus} GPUs")
         spec = presets.cluster(cluster)
         expect(spec.gpus_per_node % answer["tp"] == 0,
                f"{where}: tp={answer['tp']} crosses nodes of {spec.gpus_per_node} GPUs: every "
@@ -106,9 +110,6 @@ def check_answers(impl) -> list[Answer]:
             check_model_fits_layout(presets.model(model), config)
         except ConfigError as error:
             raise CheckFailed(f"{where}: the layout is not valid: {error}") from None
-        expect(config.dp * config.tp * config.pp == gpus,
-               f"{where}: dp x tp x pp = {config.dp * config.tp * config.pp}; use all {gpus} "
-               "GPUs")
         answers.append(Answer(model, cluster, gpus, batch, answer, config))
     return answers
 

@@ -758,6 +758,19 @@ def test_08_backward_prefetch_in_the_forward_direction_is_exposed_and_wasted():
                                         "its backward"]
 
 
+def test_08_a_plan_padded_with_gathers_is_refused_before_it_runs():
+    """A plan that gathers and frees a unit thousands of times passes the walk on paper
+    (each gather is freed); it is refused by its length, before the ranks run it."""
+    _, sol = mutant("08")
+
+    def zero3_actions(units, prefetch):
+        return [("gather", 0), ("free", 0)] * 20_000 + sol.zero3_actions(units, prefetch)
+
+    text = only_failure("08", zero3_actions=zero3_actions)
+    assert text.startswith("zero3_actions(1, False) returned 40008 actions; ZeRO-3 needs 8 "
+                           "per unit")
+
+
 # ------------------------------------------------------------------ 09 ZeRO-2 in backward
 def _zero2_backward(**methods):
     _, sol = mutant("09")
@@ -962,6 +975,37 @@ def test_11_recomputation_keeping_every_layer_is_named():
     assert "a layer keeps only its input until its backward recomputes it" in text
 
 
+@pytest.mark.parametrize("answer", [float, lambda n: np.array([], dtype=np.int64)],
+                         ids=["float", "empty array"])
+def test_11_a_peak_that_is_not_a_count_of_bytes_is_named(answer):
+    """A float equal to the bytes, or an empty array (which NumPy before 2.2 compares as
+    false, so `peak != measured` would pass it), is not an answer."""
+    _, sol = mutant("11")
+
+    def activation_peak(config, rank, terms):
+        return answer(sol.activation_peak(config, rank, terms))
+
+    text = only_failure("11", activation_peak=activation_peak)
+    assert text.startswith("activation_peak returned ")
+    assert "; return an int (bytes)" in text
+
+
+def test_11_a_count_of_bytes_too_large_to_print_is_named():
+    """10**5000 bytes once ended in Python's 4300-digit limit on printing an int."""
+    _, sol = mutant("11")
+    text = only_failure("11", activation_peak=lambda config, rank, terms: -10 ** 5000)
+    assert text == ("activation_peak returned an integer of 16610 bits; a count of bytes "
+                    "is from 0 to 2^63 - 1")
+
+
+def test_11_numpy_integers_are_counts_of_bytes():
+    _, sol = mutant("11")
+    exercise, impl = mutant(
+        "11", layer_activation_bytes=lambda c: np.int64(sol.layer_activation_bytes(c)),
+        activation_peak=lambda c, r, t: np.int64(sol.activation_peak(c, r, t)))
+    assert exercise.check(impl).passed
+
+
 # ------------------------------------------------------------------ 12 port a recipe
 def _port(change):
     _, sol = mutant("12")
@@ -1005,6 +1049,30 @@ def test_12_the_linear_rule_for_adamw_is_named():
 
     text = only_failure("12", port_recipe=_port(linear))
     assert "scaled linearly by k = 1.33333; for AdamW take the square-root rule" in text
+
+
+def test_12_a_port_that_changes_the_model_or_the_seed_is_named():
+    """Where G grows the loss curves are not compared, so only this check stops a port of
+    another model (which the checker would otherwise train, slowly)."""
+    def other_model(port, recipe, n, limit):
+        if port.global_batch_size == recipe.global_batch_size:
+            return port
+        return port.replace(seed=recipe.seed + 1, d_model=32)
+
+    text = only_failure("12", port_recipe=_port(other_model))
+    assert text.startswith("G = 3 x 2 = 6 on 1 GPU -> 4 GPUs (micro-batch <= 2): the port "
+                           "changes d_model 16 -> 32, seed 0 -> 1; a port sets only dp,")
+    assert "the model, the data, the seed and everything else stay the recipe's" in text
+
+
+def test_12_a_port_set_around_the_configs_checks_is_refused_by_minipar():
+    def around(port, recipe, n, limit):
+        object.__setattr__(port, "dp", -1)  # frozen, but not to object.__setattr__
+        return port
+
+    text = only_failure("12", port_recipe=_port(around))
+    assert text == ("G = 2 x 4 = 8 on 1 GPU -> 4 GPUs (micro-batch <= 2): minipar refuses "
+                    "the port: ConfigError: --dp: must be a positive integer, got -1")
 
 
 # ------------------------------------------------------------------ 13 choose a layout
@@ -1060,3 +1128,14 @@ def test_13_a_justification_silent_about_a_parallelism_is_named():
            "parallelism dp 4 with ZeRO-1 for the optimizer state; micro-batch 1.")
     text = only_failure("13", choose_layout=_layout("llama2-70b", why=why))
     assert "'why' does not say why you use pp" in text
+
+
+def test_13_sizes_out_of_range_are_named_before_anything_computes_with_them():
+    """dp = 10**5000 once reached the float formatting of an error message: OverflowError."""
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", dp=10 ** 5000, zero=4))
+    assert text == "gpt2-xl on 8 GPUs: give dp from 1 to 8, zero from 0 to 3 (integers)"
+
+
+def test_13_a_layout_of_another_gpu_count_is_named_first():
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", dp=4))
+    assert text == "gpt2-xl on 8 GPUs: dp x tp x pp = 4; use all 8 GPUs"
