@@ -102,7 +102,8 @@ def deviation(steps: int, settings: dict) -> str:
         rows.append([name, f"{r.losses[-1]:.4f}", f"{reference.losses[-1]:.4f}",
                      f"{(r.losses[-1] / reference.losses[-1] - 1):+.2%}",
                      f"{e['max_rel_loss_diff']:.2%}", f"{e['max_rel_param_diff']:.2%}",
-                     f"{e['quantized']['grad_norm_ratio']:.3f}", f"{e['max_rel_grad_norm_diff']:.0%}",
+                     f"{e['quantized']['grad_norm_ratio']:.3f}",
+                     f"{e['max_rel_grad_norm_diff']:.0%}",
                      "pass" if e["passed"] else "FAIL"])
     return table([f"{steps} steps", "loss", "reference loss", "final", "max |loss diff|",
                   "params (model scale)", "norm ratio (geo. mean)", "max one-step norm",
