@@ -7,14 +7,16 @@ HSDP, FSDP2's reshard_after_forward and ZeRO++ on the demo-sized model, 2 nodes 
 
 Every figure is read from a run's report: per-rank peak bytes from the memory ledger,
 bytes per step from the byte ledger (`ranks[i].comm.by_link`: to a GPU of the same node
-or of another; `by_group`: by group kind), the losses from the steps and the check's
-`equivalence` section. The papers' formulas are printed beside them, not used for them.
+or of another; `by_group`: by group kind), the simulated time of the last step on the
+demo's GPU (minipar/demo.py's DEMO_PROFILE: H100's link ratios, the inter-node link 9x
+slower than NVLink), the losses from the steps and the check's `equivalence` section. The papers' formulas are printed beside them, not used for them.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from minipar.demo import DEMO_PROFILE
 from minipar.train import train
 
 # The demo model (minipar/demo.py) on 8 ranks, 2 nodes of 4, ZeRO-3 over all 8.
@@ -56,7 +58,7 @@ def per_step(report, *keys) -> list[float]:
 def memory_and_bytes(steps: int, settings: dict) -> str:
     rows = []
     for name, case in CASES.items():
-        r = train(**DEMO, **settings, **case, steps=steps)
+        r = train(**DEMO, **settings, **case, steps=steps, device=DEMO_PROFILE)
         inter = per_step(r, "comm", "by_link", "inter_node")
         intra = per_step(r, "comm", "by_link", "intra_node")
         groups = {kind: sum(per_step(r, "comm", "by_group", kind))
@@ -66,11 +68,12 @@ def memory_and_bytes(steps: int, settings: dict) -> str:
                      f"{max(r.memory('params')) / MIB:.2f}",
                      f"{max(r.memory('optimizer')) / MIB:.2f}",
                      f"{sum(inter[:4]) / MIB:.2f}", f"{max(inter) / MIB:.2f}",
-                     f"{sum(intra) / len(intra) / MIB:.2f}", shown])
+                     f"{sum(intra) / len(intra) / MIB:.2f}",
+                     f"{(lambda w: w[1] - w[0])(r.step_window()) * 1e3:.1f}", shown])
     return table(["layout", "peak GPU MiB/rank", "params", "optimizer",
                   "inter-node MiB/step, node 0", "... busiest rank",
-                  "intra-node MiB/step, mean rank", "sent MiB/step by group, all ranks"],
-                 rows)
+                  "intra-node MiB/step, mean rank", "simulated ms/step",
+                  "sent MiB/step by group, all ranks"], rows)
 
 
 def zeropp_ratio(settings: dict) -> str:
@@ -105,7 +108,7 @@ def deviation(steps: int, settings: dict) -> str:
                      f"{e['quantized']['grad_norm_ratio']:.3f}",
                      f"{e['max_rel_grad_norm_diff']:.0%}",
                      "pass" if e["passed"] else "FAIL"])
-    return table([f"{steps} steps", "loss", "reference loss", "final", "max |loss diff|",
+    return table([f"{steps} steps", "loss", "reference loss", "final", "max loss diff",
                   "params (model scale)", "norm ratio (geo. mean)", "max one-step norm",
                   f"check (tolerance {r.equivalence['tolerance']:g})"], rows)
 
