@@ -9,7 +9,8 @@ Every figure is read from a run's report: per-rank peak bytes from the memory le
 bytes per step from the byte ledger (`ranks[i].comm.by_link`: to a GPU of the same node
 or of another; `by_group`: by group kind), the simulated time of the last step on the
 demo's GPU (minipar/demo.py's DEMO_PROFILE: H100's link ratios, the inter-node link 9x
-slower than NVLink), the losses from the steps and the check's `equivalence` section. The papers' formulas are printed beside them, not used for them.
+slower than NVLink), the losses from the steps and the check's `equivalence` section.
+The papers' formulas are printed beside them, not used for them.
 """
 
 from __future__ import annotations
