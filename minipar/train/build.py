@@ -52,12 +52,10 @@ def device_mesh(config: TrainConfig, **outside_a_launch) -> dist.DeviceMesh:
     """The run's device mesh, with the data-parallel sub-groups its sharding across nodes
     needs (HSDP's, the secondary partition's, qgZ's node levels: made up front on every
     rank, as torch.distributed asks). outside_a_launch: world_size and gpus_per_node."""
-    secondary = config.zero_hpz_partition_size if config.zero_hpz_partition_size > 1 else \
-        config.reshard_after_forward
     return dist.DeviceMesh(
         dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp, ep=config.ep,
         dp_shard=config.hsdp_shard_size,
-        dp_secondary=None if isinstance(secondary, bool) else secondary,
+        dp_secondary=config.secondary_partition,
         dp_node_groups=config.zero_quantized_gradients, **outside_a_launch)
 
 

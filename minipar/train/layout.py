@@ -193,6 +193,30 @@ class Layout:
         shards: dp x cp (parameters are replicated over context parallelism)."""
         return self.dp * self.cp
 
+    def sharding_across_nodes(self) -> list[str]:
+        """The settings of ZeRO-3 across nodes this layout turns on (HSDP, ZeRO++,
+        FSDP2's reshard_after_forward), in the order of the fields."""
+        return [name for name, on in (
+            ("hsdp_shard_size", self.hsdp_shard_size is not None),
+            ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
+            ("zero_quantized_weights", self.zero_quantized_weights),
+            ("zero_quantized_gradients", self.zero_quantized_gradients),
+            ("reshard_after_forward", self.reshard_after_forward is not True)) if on]
+
+    @property
+    def sharding_group(self) -> int:
+        """Ranks ZeRO-3 shards over: HSDP's shard group, or all the replicas."""
+        return self.hsdp_shard_size or self.replicas
+
+    @property
+    def secondary_partition(self) -> int | None:
+        """Ranks of the secondary partition a unit keeps after its forward (ZeRO++ hpZ,
+        FSDP2's reshard_after_forward=K), or None."""
+        if self.zero_hpz_partition_size > 1:
+            return self.zero_hpz_partition_size
+        reshard = self.reshard_after_forward
+        return None if isinstance(reshard, bool) else reshard
+
     @property
     def expert_data_parallel(self) -> int:
         """Ranks holding the same experts, over which expert gradients are reduced and
@@ -251,11 +275,7 @@ def check_sharding_across_nodes(layout: Layout) -> None:
     if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool) and reshard < 1):
         raise ConfigError("reshard_after_forward", f"must be true, false or a positive number "
                           f"of ranks K, got {reshard!r}")
-    asked = [name for name, on in (
-        ("hsdp_shard_size", hsdp is not None), ("zero_hpz_partition_size", hpz > 1),
-        ("zero_quantized_weights", layout.zero_quantized_weights),
-        ("zero_quantized_gradients", layout.zero_quantized_gradients),
-        ("reshard_after_forward", reshard is not True)) if on]
+    asked = layout.sharding_across_nodes()
     if asked and layout.zero != 3:
         raise ConfigError(asked[0], f"{flag(asked[0])} shards ZeRO-3's parameters or changes "
                           f"its collectives: it needs --zero 3 (got --zero {layout.zero})")

@@ -102,12 +102,7 @@ def sharding_across_nodes(config: TrainConfig) -> list[str]:
     (--gpus-per-node); warnings when a group meant to stay inside a node does not
     (HSDP's shard group, the secondary partition's), or when qgZ has one node and so,
     as DeepSpeed, reduce-scatters."""
-    asked = [name for name, on in (
-        ("hsdp_shard_size", config.hsdp_shard_size is not None),
-        ("zero_hpz_partition_size", config.zero_hpz_partition_size > 1),
-        ("zero_quantized_weights", config.zero_quantized_weights),
-        ("zero_quantized_gradients", config.zero_quantized_gradients),
-        ("reshard_after_forward", config.reshard_after_forward is not True)) if on]
+    asked = config.sharding_across_nodes()
     if not asked:
         return []
     name = asked[0]
