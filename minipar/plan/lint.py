@@ -15,7 +15,8 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
     PIPELINE_UNBALANCED      one pipeline stage is much slower than the average
     TOO_FEW_MICRO_BATCHES    the pipeline bubble eats the step (m < p, or a large bubble)
     ZERO_COMM_DOMINATES      the ZeRO stage's traffic is a large share of the step and a
-                             lower stage would fit
+                             lower stage would fit, or (ZeRO-3 across nodes) HSDP, ZeRO++
+                             or FSDP2's reshard_after_forward would keep it in the node
     UNNEEDED_CHECKPOINTING   recomputation (any granularity) on although activations fit
     RECOMPUTES_TOO_MUCH      full recomputation where less fits with 10% to spare:
                              selective, or full for fewer layers (--recompute-method
@@ -408,13 +409,14 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
     if across:  # ZeRO-3's data-parallel group crosses nodes: keep ZeRO-3, move its traffic
         flags, best = across[0]
         others = "; ".join(f"{f}: {human_seconds(e.step_time)}" for f, e in across[1:])
-        return [Finding(
-            "ZERO_COMM_DOMINATES", "warning",
-            message + f" Its group crosses nodes: {flags} keeps the gathers inside the "
-            f"node ({human_bytes(best.memory['peak_total'])}, {human_seconds(best.step_time)}"
-            f" per step)" + (f"; also {others}" if others else "") + ".",
-            f"add {flags}")]
+        message += (f" Its group crosses nodes: {flags} keeps the gathers inside the node "
+                    f"({human_bytes(best.memory['peak_total'])}, "
+                    f"{human_seconds(best.step_time)} per step)"
+                    + (f"; also {others}" if others else "") + ".")
     if lower is None:
+        if across:
+            return [Finding("ZERO_COMM_DOMINATES", "warning", message + " No lower stage fits.",
+                            f"add {across[0][0]}")]
         return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits.",
                         "accept it, or reduce accumulation steps / use more GPUs per "
                         "replica (tp, pp) so a lower ZeRO stage fits")]
@@ -422,8 +424,7 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
         "ZERO_COMM_DOMINATES", "warning",
         message + f" ZeRO-{lower.config.zero} fits ({human_bytes(lower.memory['peak_total'])}"
         f") and takes {human_seconds(lower.step_time)} per step.",
-        f"use --zero {lower.config.zero}")]
-
+        f"use --zero {lower.config.zero}" + (f", or add {across[0][0]}" if across else ""))]
 
 def _across_nodes_options(shape, config, cluster, est: Estimate) -> list[tuple[str, Estimate]]:
     """ZeRO-3 across nodes (HSDP / MiCS, ZeRO++ hpZ with qwZ and qgZ, FSDP2's

@@ -85,7 +85,8 @@ def test_the_advisor_keeps_zero3_and_moves_its_traffic_inside_the_node():
     shape, cluster = presets.model("gpt2-xl"), ClusterSpec.from_device_profile(gpus_per_node=8)
     findings = [f for f in lint(shape, ParallelConfig(dp=64, zero=3, grad_accum_steps=4),
                                 cluster) if f.code == "ZERO_COMM_DOMINATES"]
-    assert findings and findings[0].fix.startswith("add --") and "8" in findings[0].fix
+    (finding,) = findings
+    assert "add --hsdp-shard-size 8" in finding.fix and "Its group crosses nodes" in finding.message
 
 
 def test_deepspeed_export_names_mics_and_zero_plus_plus():
