@@ -271,7 +271,10 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # (minipar/parallel/zero/stage3.py) but fetched to the GPU to be gathered
         offloaded = config.offload_param != "none"
         in_flight = 2 if config.zero3_prefetch and not offloaded else 1
-        forward_buffers += in_flight * largest * nbytes.param
+        held = in_flight * largest
+        if config.reshard_after_forward is False:  # FSDP2: every unit stays gathered from
+            held = max(held, sum(params.units))  # its forward to its backward
+        forward_buffers += held * nbytes.param
         if offloaded:
             forward_buffers += shard(largest, config.dp) * nbytes.param
     return activations, forward_buffers
