@@ -228,12 +228,10 @@ def _zero3(shape, config, stage, params, gpus_per_node) -> list[Transfer]:
             gather("dp_secondary", secondary, piece_k, m, "backward",
                    "secondary partition all-gather")
         transfers += _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node)
-    if config.hsdp_shard_size:  # HSDP: my gradient shard averaged over its replicas
-        replicas = config.replicas // n
-        elements = sum(shard(unit, n) for unit in params.units)
-        if replicas > 1:
-            transfers.append(Transfer("all_reduce", "dp_replicate", replicas, elements * g, 1,
-                                      all_reduce_sent(elements, g, replicas), "step",
+        replicas = config.replicas // n  # HSDP: each unit's gradient shard averaged over
+        if config.hsdp_shard_size and replicas > 1:  # its replicas, once per step
+            transfers.append(Transfer("all_reduce", "dp_replicate", replicas, piece * g, 1,
+                                      all_reduce_sent(piece, g, replicas), "step",
                                       "HSDP gradient all-reduce over the replicas"))
     if n > 1:
         transfers.append(Transfer("all_reduce", kind, n, NORM_BYTES, 1,
@@ -253,13 +251,17 @@ def _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node) -> list[Tra
                          reduce_scatter_sent(piece * n, g, n), "backward",
                          "ZeRO-3 gradient reduce-scatter")]
     local = n // nodes
-    blocks = quantized_nbytes(piece, 4, GRADIENT_BLOCK)  # one int4 shard and its scales
-    return [Transfer("all_to_all", "dp_intra_node", local, local * nodes * blocks, m,
-                     (local - 1) * nodes * blocks, "backward",
-                     "qgZ gradient all-to-all inside the node (int4)"),
-            Transfer("all_to_all", "dp_inter_node", nodes, nodes * blocks, m,
-                     (nodes - 1) * blocks, "backward",
-                     "qgZ gradient all-to-all across nodes (int4)")]
+    values = quantized_nbytes(piece, 4, GRADIENT_BLOCK) - 4 * -(-piece // GRADIENT_BLOCK)
+    transfers = []
+    for part, nbytes in (("int4", values), ("scales", quantized_nbytes(piece, 4,
+                                                                        GRADIENT_BLOCK) - values)):
+        transfers += [Transfer("all_to_all", "dp_intra_node", local, local * nodes * nbytes, m,
+                               (local - 1) * nodes * nbytes, "backward",
+                               f"qgZ gradient all-to-all inside the node ({part})"),
+                      Transfer("all_to_all", "dp_inter_node", nodes, nodes * nbytes, m,
+                               (nodes - 1) * nbytes, "backward",
+                               f"qgZ gradient all-to-all across nodes ({part})")]
+    return transfers
 
 
 # ------------------------------------------------------------------ tensor parallel
