@@ -336,7 +336,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         "exposed_comm_s": m * per_micro_comm + step_comm,
         "dp_comm_s": data_parallel["comm_s"] + sum(
             t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
-            if t.group.startswith("dp") and t.label != GRADIENT_NORM
+            if t.group == "dp" and t.label != GRADIENT_NORM
             and (shape.is_moe or config.sharding_across_nodes())),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
