@@ -336,3 +336,22 @@ def test_no_module_imports_a_name_through_a_reexport():
     found = imports_through_reexports()
     assert not found, ("import each name from the module that defines it:\n"
                        + "\n".join(found))
+
+
+# ---------------------------------------------------------------- reading one idea
+def test_the_architecture_page_shows_the_reading_paths_as_measured_today():
+    """The table of files a student opens per idea (docs/architecture.md) is what
+    benchmarks/reading_paths.py counts in this tree, and every algorithm file on a path
+    stays under ~300 lines: a file that grows past it, or a table left stale, fails."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("reading_paths",
+                                                  ROOT / "benchmarks" / "reading_paths.py")
+    reading = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reading)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert reading.markdown() in text, (
+        "docs/architecture.md's reading table is stale: paste the output of "
+        "`python benchmarks/reading_paths.py --markdown`")
+    for idea, (files, _) in reading.PATHS.items():
+        first = files[0]
+        assert reading.counts(first)[0] <= 300, f"{idea}'s algorithm file {first} > 300 lines"
