@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
@@ -402,6 +402,8 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
                      f"{config.micro_batches} micro-batches)",
            3: f" (parameters are all-gathered before every forward and backward of every "
               f"one of the {config.micro_batches} micro-batches)"}[config.zero]
+    if config.sharding_across_nodes():
+        why = " (with " + ", ".join(flag(name) for name in config.sharding_across_nodes()) + ")"
     message = (f"ZeRO-{config.zero}'s data-parallel traffic takes {human_seconds(dp_seconds)} "
                f"of the {human_seconds(est.step_time)} step ({dp_seconds / est.step_time:.0%}"
                f"), {human_seconds(extra)} more than plain data parallelism{why}.")
