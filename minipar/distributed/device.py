@@ -48,7 +48,7 @@ class Device:
         self.transfers = TransferLedger()
         self.clock = Clock()
         self.memory.moment = lambda: (self.clock.now, self._phase)  # when a peak happens
-        self.comm = CommLedger()
+        self.comm = CommLedger(rank, gpus_per_node)
         self._phase = "other"
         # FLOPs of forwards run again inside backward (activation checkpointing); they
         # are also in the clock's "forward" time, where a profiler would show them.

@@ -183,7 +183,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     plans = stage_plans(shape, config, all_ranks=all_stages)
     stages = []
     for plan in plans:
-        transfers = stage_traffic(shape, config, plan)
+        transfers = stage_traffic(shape, config, plan, cluster.gpus_per_node)
         tiers = tier_memory(shape, config, plan)
         stages.append(StageEstimate(
             rank=plan.rank, layers=plan.layers, in_flight=plan.in_flight,
@@ -205,8 +205,11 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
 
 
 def report_groups(config: ParallelConfig) -> tuple[str, ...]:
+    across = (("dp_shard", "dp_replicate") if config.hsdp_shard_size else ()) + (
+        ("dp_secondary",) if config.secondary_partition else ()) + (
+        ("dp_intra_node", "dp_inter_node") if config.zero_quantized_gradients else ())
     return (("dp", "tp", "pp") + (("cp",) if config.cp > 1 else ())
-            + (("ep",) if config.ep > 1 else ()))
+            + (("ep",) if config.ep > 1 else ()) + across)
 
 
 # ------------------------------------------------------------------ text

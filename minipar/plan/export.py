@@ -62,6 +62,18 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
             zero[key] = {"device": device, "pin_memory": True}
             if device == "nvme":
                 zero[key]["nvme_path"] = NVME_PATH
+    # ZeRO-3 across nodes: MiCS (runtime/zero/mics.py) and ZeRO++ (runtime/zero/config.py:
+    # zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients); FSDP2's
+    # reshard_after_forward=K is DeepSpeed's hpZ, =False has no DeepSpeed key
+    if config.hsdp_shard_size:
+        zero["mics_shard_size"] = config.hsdp_shard_size
+        zero["mics_hierarchical_params_gather"] = False
+    if config.secondary_partition:
+        zero["zero_hpz_partition_size"] = config.secondary_partition
+    if config.zero_quantized_weights:
+        zero["zero_quantized_weights"] = True
+    if config.zero_quantized_gradients:
+        zero["zero_quantized_gradients"] = True
     if config.precision == "bf16-mixed":
         ds["bf16"] = {"enabled": True}
     if config.recompute.full:  # DeepSpeed checkpoints whole layers; it has no selective

@@ -15,7 +15,8 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
     PIPELINE_UNBALANCED      one pipeline stage is much slower than the average
     TOO_FEW_MICRO_BATCHES    the pipeline bubble eats the step (m < p, or a large bubble)
     ZERO_COMM_DOMINATES      the ZeRO stage's traffic is a large share of the step and a
-                             lower stage would fit
+                             lower stage would fit, or (ZeRO-3 across nodes) HSDP, ZeRO++
+                             or FSDP2's reshard_after_forward would keep it in the node
     UNNEEDED_CHECKPOINTING   recomputation (any granularity) on although activations fit
     RECOMPUTES_TOO_MUCH      full recomputation where less fits with 10% to spare:
                              selective, or full for fewer layers (--recompute-method
@@ -35,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
@@ -49,7 +50,7 @@ from minipar.plan.layout import (
 from minipar.plan.lint_experts import check_expert_parallel
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import stage_time, transfer_time
-from minipar.plan.traffic import stage_traffic
+from minipar.plan.traffic import data_parallel_nodes, stage_traffic
 from minipar.train.layout import check_positive_integers
 
 SEVERITIES = ("error", "warning", "info")
@@ -195,7 +196,8 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
         return []
     findings = []
     plans = stage_plans(shape, config, all_ranks=True)
-    times = [stage_time(shape, config, cluster, plan, stage_traffic(shape, config, plan))
+    gpn = cluster.gpus_per_node
+    times = [stage_time(shape, config, cluster, plan, stage_traffic(shape, config, plan, gpn))
              ["micro_batch_s"] for plan in plans]
     mean = sum(times) / p
     slowest = max(range(p), key=times.__getitem__)
@@ -204,7 +206,7 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
             shape.n_layer, p, config.layer_split) and config.virtual_stages == 1:
         balanced = config.replace(layer_split=tuple(suggestion))
         new_times = [stage_time(shape, balanced, cluster, plan,
-                                stage_traffic(shape, balanced, plan))["micro_batch_s"]
+                                stage_traffic(shape, balanced, plan, gpn))["micro_batch_s"]
                      for plan in stage_plans(shape, balanced, all_ranks=True)]
         if max(new_times) < 0.97 * times[slowest]:
             plan = plans[slowest]
@@ -367,18 +369,23 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
 
 
 def _with_stage(config, stage: int):
-    """`config` at another ZeRO stage, keeping the offload that stage allows."""
+    """`config` at another ZeRO stage, keeping the offload (and ZeRO-3's sharding across
+    nodes) that stage allows."""
     optimizer = "none" if stage == 0 or (stage < 3 and config.offload_optimizer == "nvme") \
         else config.offload_optimizer
     param = config.offload_param if stage == 3 else "none"
-    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param)
+    across = {} if stage == 3 else {
+        "hsdp_shard_size": None, "zero_hpz_partition_size": 1, "reshard_after_forward": True,
+        "zero_quantized_weights": False, "zero_quantized_gradients": False}
+    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param,
+                          **across)
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
     if config.zero == 0 or config.dp == 1:
         return []
     dp_seconds = max(sum(tr.count * transfer_time(tr, cluster, est.links[tr.link])
-                         for tr in stage.transfers if tr.group == "dp")
+                         for tr in stage.transfers if tr.group.startswith("dp"))
                      for stage in est.stages)
     baseline = estimate(shape, _with_stage(config, 0), cluster)
     base_seconds = baseline.comm_time_by_group()["dp"]
@@ -395,10 +402,23 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
                      f"{config.micro_batches} micro-batches)",
            3: f" (parameters are all-gathered before every forward and backward of every "
               f"one of the {config.micro_batches} micro-batches)"}[config.zero]
+    if config.sharding_across_nodes():
+        why = " (with " + ", ".join(flag(name) for name in config.sharding_across_nodes()) + ")"
     message = (f"ZeRO-{config.zero}'s data-parallel traffic takes {human_seconds(dp_seconds)} "
                f"of the {human_seconds(est.step_time)} step ({dp_seconds / est.step_time:.0%}"
                f"), {human_seconds(extra)} more than plain data parallelism{why}.")
+    across = _across_nodes_options(shape, config, cluster, est)
+    if across:  # ZeRO-3's data-parallel group crosses nodes: keep ZeRO-3, move its traffic
+        flags, best = across[0]
+        others = "; ".join(f"{f}: {human_seconds(e.step_time)}" for f, e in across[1:])
+        message += (f" Its group crosses nodes: {flags} keeps the gathers inside the node "
+                    f"({human_bytes(best.memory['peak_total'])}, "
+                    f"{human_seconds(best.step_time)} per step)"
+                    + (f"; also {others}" if others else "") + ".")
     if lower is None:
+        if across:
+            return [Finding("ZERO_COMM_DOMINATES", "warning", message + " No lower stage fits.",
+                            f"add {across[0][0]}")]
         return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits.",
                         "accept it, or reduce accumulation steps / use more GPUs per "
                         "replica (tp, pp) so a lower ZeRO stage fits")]
@@ -406,5 +426,31 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
         "ZERO_COMM_DOMINATES", "warning",
         message + f" ZeRO-{lower.config.zero} fits ({human_bytes(lower.memory['peak_total'])}"
         f") and takes {human_seconds(lower.step_time)} per step.",
-        f"use --zero {lower.config.zero}")]
+        f"use --zero {lower.config.zero}" + (f", or add {across[0][0]}" if across else ""))]
 
+def _across_nodes_options(shape, config, cluster, est: Estimate) -> list[tuple[str, Estimate]]:
+    """ZeRO-3 across nodes (HSDP / MiCS, ZeRO++ hpZ with qwZ and qgZ, FSDP2's
+    reshard_after_forward=False) for a ZeRO-3 layout whose data-parallel group crosses
+    nodes: (the flags, the estimate) of those that fit and are faster, fastest first."""
+    if (config.zero != 3 or config.sharding_across_nodes() or not est.links["dp"]
+            or shape.is_moe or config.offload_optimizer != "none"
+            or config.offload_param != "none"):
+        return []
+    node = config.replicas // data_parallel_nodes(config, cluster.gpus_per_node)
+    options = [("--reshard-after-forward false", {"reshard_after_forward": False})]
+    if 1 < node < config.replicas:
+        options = [(f"--hsdp-shard-size {node}", {"hsdp_shard_size": node}),
+                   (f"--zero-hpz-partition-size {node}", {"zero_hpz_partition_size": node}),
+                   (f"--zero-hpz-partition-size {node} --zero-quantized-weights "
+                    "--zero-quantized-gradients",
+                    {"zero_hpz_partition_size": node, "zero_quantized_weights": True,
+                     "zero_quantized_gradients": True})] + options
+    found = []
+    for flags, changes in options:
+        try:
+            candidate = estimate(shape, config.replace(**changes), cluster)
+        except ConfigError:
+            continue
+        if candidate.fits and candidate.step_time < est.step_time:
+            found.append((flags, candidate))
+    return sorted(found, key=lambda pair: pair[1].step_time)

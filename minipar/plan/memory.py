@@ -110,9 +110,8 @@ def shard(numel: int, n: int) -> int:
 def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
     """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer per engine; 3: per
     unit)."""
-    n = config.replicas
-    if config.zero == 3:
-        return sum(shard(u, n) for u in params.units)
+    if config.zero == 3:  # over HSDP's shard group, when it has one
+        return sum(shard(u, config.sharding_group) for u in params.units)
     return sum(shard(numel, ranks) for numel, ranks in flat_buffers(params, config))
 
 
@@ -134,6 +133,12 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         optimizer_elements = sharded
     else:
         param_elements = grad_elements = optimizer_elements = sharded
+        if config.secondary_partition:  # ZeRO++ hpZ, FSDP2's reshard_after_forward=K:
+            # every unit's 1/K piece of its padded flat parameters, alive at the end of
+            # forward (minipar/parallel/zero/reshard.py)
+            n_shard = config.sharding_group
+            param_elements += sum(shard(u, n_shard) * n_shard // config.secondary_partition
+                                  for u in params.units)
 
     # Offload (plan/offload.py has the host and NVMe side): the optimizer state leaves
     # the GPU; so does ZeRO-3's parameter shard. ZeRO-2/3's gradient shard is a GPU array
@@ -157,6 +162,10 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     layer_input = local_shape(shape, config.cp).layer_input_bytes(b, t, sp,
                                                                   nbytes.activation)
     grads = grad_elements * nbytes.grad
+    if zero == 3 and config.hsdp_shard_size and config.replicas > config.sharding_group:
+        # HSDP's all-reduce of a unit's gradient shard returns a new array while the old
+        # one lives (minipar/parallel/zero/hybrid.py): one more shard, at most the largest
+        grads += max(shard(u, config.sharding_group) for u in params.units) * nbytes.grad
     recompute = config.recompute
     if recompute.full and stage.layers:
         grads += layer_input  # the recomputed layer's input gradient (see above)
@@ -262,7 +271,10 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # (minipar/parallel/zero/stage3.py) but fetched to the GPU to be gathered
         offloaded = config.offload_param != "none"
         in_flight = 2 if config.zero3_prefetch and not offloaded else 1
-        forward_buffers += in_flight * largest * nbytes.param
+        held = in_flight * largest
+        if config.reshard_after_forward is False:  # FSDP2: every unit stays gathered from
+            held = max(held, sum(params.units))  # its forward to its backward
+        forward_buffers += held * nbytes.param
         if offloaded:
             forward_buffers += shard(largest, config.dp) * nbytes.param
     return activations, forward_buffers

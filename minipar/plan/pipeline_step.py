@@ -77,7 +77,7 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
             seconds["forward"] += ring[0]
             seconds["backward"] += ring[1]
-            for transfer in stage_traffic(shape, config, chunk):
+            for transfer in stage_traffic(shape, config, chunk, cluster.gpus_per_node):
                 if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
                         and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                     seconds[transfer.phase] += (transfer.count / m * transfer_time(
@@ -168,8 +168,8 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     tails, data_parallel, tensor_parallel = [], [], []
     for r in range(p):
         plan = stage_plan(shape, config, r)
-        transfers = [t for t in stage_traffic(shape, config, plan)
-                     if not overlap_priced(t, shape)]
+        transfers = [t for t in stage_traffic(shape, config, plan, cluster.gpus_per_node)
+                     if not overlap_priced(t, shape, config)]
         data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
 
         def seconds(selected) -> float:

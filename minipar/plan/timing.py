@@ -44,6 +44,7 @@ x peak FLOP/s).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
+from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
@@ -86,7 +87,7 @@ def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]
     world, gpn = config.world_size, cluster.gpus_per_node
     tp, cp = config.tp, config.cp
     dp_stride = tp * cp * config.pp
-    return {
+    return {**data_parallel_subgroup_links(config, gpn),
         "ep": group_crosses_nodes(config.ep, dp_stride, world, gpn),
         "edp": group_crosses_nodes(config.expert_data_parallel, config.ep * dp_stride,
                                    world, gpn),
@@ -96,6 +97,26 @@ def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]
         "dp": (group_crosses_nodes(config.dp, tp * cp * config.pp, world, gpn)
                or group_crosses_nodes(cp, tp, world, gpn)),
     }
+
+
+def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
+                                  ) -> dict[str, bool]:
+    """Whether the data-parallel sub-groups of ZeRO-3 across nodes cross nodes (those the
+    layout has: minipar.distributed.mesh's dp_subgroup, rank 0's group of each kind,
+    which the others mirror)."""
+    kinds = {"dp_shard": config.hsdp_shard_size, "dp_replicate": config.hsdp_shard_size,
+             "dp_secondary": config.secondary_partition}
+    if not any(kinds.values()) and not config.zero_quantized_gradients:
+        return {}
+    mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                      world_size=config.world_size, gpus_per_node=gpus_per_node,
+                      dp_shard=config.hsdp_shard_size, dp_secondary=config.secondary_partition)
+    links = {kind: len({r // gpus_per_node for r in mesh.dp_subgroup(kind, 0).ranks}) > 1
+             for kind, size in kinds.items() if size}
+    if config.zero_quantized_gradients:  # qgZ's levels: by definition
+        links |= {"dp_intra_node": False,
+                  "dp_inter_node": len(mesh.data_parallel_ranks_by_node(0)) > 1}
+    return links
 
 
 def transfer_time(transfer: Transfer, cluster: ClusterSpec, crosses_nodes: bool) -> float:
@@ -216,7 +237,7 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
         backward_comm = 0.0
-        for transfer in stage_traffic(shape, config, part):
+        for transfer in stage_traffic(shape, config, part, cluster.gpus_per_node):
             if (transfer.group == "tp" and transfer.phase in out
                     and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                 spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
@@ -263,15 +284,18 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
     modules = (stage_modules(shape, config, cluster, stage)
-               if config.replicas > 1 and not shape.is_moe else [])
+               if config.replicas > 1 and not shape.is_moe
+               and not config.sharding_across_nodes() else [])
     return data_parallel_time(modules, config, collective)
 
 
-def overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
+def overlap_priced(transfer: Transfer, shape: ModelShape, config: ParallelConfig) -> bool:
     """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
-    model's two engines (dense over DP, experts over dp / ep) are not in overlap.py's
-    model: their transfers are priced as they block (traffic.py), an upper bound."""
-    return transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
+    model's two engines (dense over DP, experts over dp / ep) and ZeRO-3 across nodes
+    (HSDP, ZeRO++, FSDP2's reshard choices) are not in overlap.py's model: their
+    transfers are priced as they block (traffic.py), an upper bound."""
+    return (transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
+            and not config.sharding_across_nodes())
 
 
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -290,7 +314,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                   + data_parallel["after_step_s"])
     for transfer in transfers:
         seconds = transfer_time(transfer, cluster, links[transfer.link])
-        if transfer.group == "cp" or overlap_priced(transfer, shape):  # counted above
+        if transfer.group == "cp" or overlap_priced(transfer, shape, config):  # counted above
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
@@ -312,7 +336,8 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         "exposed_comm_s": m * per_micro_comm + step_comm,
         "dp_comm_s": data_parallel["comm_s"] + sum(
             t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
-            if t.group == "dp" and t.label != GRADIENT_NORM and shape.is_moe),
+            if t.group == "dp" and t.label != GRADIENT_NORM
+            and (shape.is_moe or config.sharding_across_nodes())),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
         "host_optimizer_s": offload["host_optimizer_s"],

@@ -41,7 +41,22 @@ from minipar.parallel.tensor.sequence_grads import (
     defer_gradient_reduction,
 )
 from minipar.train.config import TrainConfig, gpt_config
-from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
+from minipar.train.engines import (
+    data_parallel_engine,
+    expert_data_parallel_engine,
+    zero3_across_nodes,
+)
+
+
+def device_mesh(config: TrainConfig, **outside_a_launch) -> dist.DeviceMesh:
+    """The run's device mesh, with the data-parallel sub-groups its sharding across nodes
+    needs (HSDP's, the secondary partition's, qgZ's node levels: made up front on every
+    rank, as torch.distributed asks). outside_a_launch: world_size and gpus_per_node."""
+    return dist.DeviceMesh(
+        dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp, ep=config.ep,
+        dp_shard=config.hsdp_shard_size,
+        dp_secondary=config.secondary_partition,
+        dp_node_groups=config.zero_quantized_gradients, **outside_a_launch)
 
 
 # ------------------------------------------------------------------ one rank's model
@@ -174,8 +189,9 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     adamw = {"lr": config.lr, "betas": (config.beta1, config.beta2),
              "weight_decay": config.weight_decay}
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
-    # states) over DP x CP, Megatron's data-parallel group with context parallelism.
-    replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
+    # states) over DP x CP, Megatron's data-parallel group with context parallelism;
+    # ZeRO-3 across nodes may shard over a part of it (HSDP).
+    replicas, across_nodes = zero3_across_nodes(config, mesh)
     if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by mixes.check_layout)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
@@ -187,7 +203,8 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                                       overlap_comm=config.overlap_grad_reduce,
                                       zero3_prefetch=config.zero3_prefetch,
                                       offload_optimizer=config.offload_optimizer,
-                                      offload_param=config.offload_param)
+                                      offload_param=config.offload_param,
+                                      across_nodes=across_nodes)
     if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError
 from minipar.nn.gpt import GPTConfig
-from minipar.train.layout import Layout, check_positive_integers, choice, setting
+from minipar.train.layout import Layout, check_positive_integers, choice, divisors, setting
 
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 # The deepest and widest models minipar takes (the trainer's and the planner's): far past
@@ -75,7 +75,7 @@ class ModelSettings:
         if self.d_model % self.n_head:
             raise ConfigError("n_head", f"d_model={self.d_model} is not divisible by "
                               f"n_head={self.n_head}; pick n_head among "
-                              f"{_divisors(self.d_model)}")
+                              f"{divisors(self.d_model)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
         _finite("dropout", self.dropout)
@@ -239,10 +239,6 @@ def _integer(name: str, value, low: int, high: int | None = None) -> None:
             (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ConfigError(name, f"must be an integer {bound}, got {value!r}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:

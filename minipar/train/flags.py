@@ -44,7 +44,11 @@ def add_setting_flags(parser, settings: type, defaults: dict | None = None,
                                           for spec in SCHEDULES.values())
         if f.name in notes:
             help_text += f" ({notes[f.name]})"
-        if kind is bool:
+        if "parse" in f.metadata:  # e.g. true, false or K: the field's own reader
+            parser.add_argument(flag(f.name), dest=f.name, type=f.metadata["parse"],
+                                default=default, help=help_text,
+                                metavar=f.metadata["metavar"])
+        elif kind is bool:
             parser.add_argument(flag(f.name), dest=f.name, default=default, help=help_text,
                                 action=argparse.BooleanOptionalAction)
         else:

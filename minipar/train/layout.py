@@ -30,7 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
@@ -42,9 +42,24 @@ PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 MAX_MICRO_BATCHES = 65536
 
 
-def setting(default, help: str):
-    """A field of a settings dataclass: its default and the one line of its CLI flag."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def setting(default, help: str, parse=None, metavar: str | None = None):
+    """A field of a settings dataclass: its default and the one line of its CLI flag
+    (parse, metavar: how the flag reads its text and names it, when the field's type
+    alone cannot say)."""
+    metadata = {"help": help} if parse is None else {"help": help, "parse": parse,
+                                                     "metavar": metavar}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def bool_or_int(text: str) -> bool | int:
+    """true, false or a positive integer K (FSDP2's reshard_after_forward)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError("reshard_after_forward",
+                          f"must be true, false or a number of ranks K, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,26 @@ class Layout:
                                               "micro-batch backward)")
     zero3_prefetch: bool = setting(True, "ZeRO-3: all-gather the next module's parameters "
                                          "while the current one computes")
+    # sharding across nodes (docs/data-parallel-and-zero.md), each with --zero 3: hybrid
+    # sharding (FSDP2's HSDP, DeepSpeed's MiCS: zero/hybrid.py); ZeRO++'s hpZ, qwZ, qgZ
+    # (DeepSpeed's zero_hpz_partition_size, zero_quantized_weights and _gradients:
+    # zero/reshard.py, zero/quantized.py); FSDP2's reshard_after_forward (zero/reshard.py)
+    hsdp_shard_size: int | None = setting(
+        None, "HSDP / MiCS (--zero 3): shard within groups of K data-parallel ranks (a "
+              "node's), replicate across them, all-reducing the gradient shards once per "
+              "step")
+    zero_hpz_partition_size: int = setting(
+        1, "ZeRO++ hpZ (--zero 3): after forward keep a secondary copy of the parameters "
+           "sharded over K ranks (a node's), so backward all-gathers there (1 = off)")
+    zero_quantized_weights: bool = setting(
+        False, "ZeRO++ qwZ (--zero 3): the parameter all-gathers carry int8 blocks")
+    zero_quantized_gradients: bool = setting(
+        False, "ZeRO++ qgZ (--zero 3): the gradient reduce-scatter is an int4 all-to-all "
+               "inside each node, then across nodes")
+    reshard_after_forward: bool | int = setting(
+        True, "FSDP2 (--zero 3): true frees a module's parameters after its forward, false "
+              "keeps them for its backward, K keeps a 1/K piece (backward gathers over K "
+              "ranks)", parse=bool_or_int, metavar="true|false|K")
     # the batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
     micro_batch_size: int = setting(4, "sequences per micro-batch on one data-parallel rank")
     grad_accum_steps: int | None = setting(None, "micro-batches per optimizer step (or give "
@@ -130,6 +165,7 @@ class Layout:
             raise ConfigError("bucket_size_mb", "must be a finite number >= 0 (0 = one "
                               f"bucket), got {bucket!r}")
         check_offload_settings(self.offload_optimizer, self.offload_param, self.zero)
+        check_sharding_across_nodes(self)
         if self.dp % self.ep:
             raise ConfigError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the experts "
                               "are split inside the data-parallel group")
@@ -156,6 +192,30 @@ class Layout:
         """Ranks holding the same parameters, over which gradients are averaged and ZeRO
         shards: dp x cp (parameters are replicated over context parallelism)."""
         return self.dp * self.cp
+
+    def sharding_across_nodes(self) -> list[str]:
+        """The settings of ZeRO-3 across nodes this layout turns on (HSDP, ZeRO++,
+        FSDP2's reshard_after_forward), in the order of the fields."""
+        return [name for name, on in (
+            ("hsdp_shard_size", self.hsdp_shard_size is not None),
+            ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
+            ("zero_quantized_weights", self.zero_quantized_weights),
+            ("zero_quantized_gradients", self.zero_quantized_gradients),
+            ("reshard_after_forward", self.reshard_after_forward is not True)) if on]
+
+    @property
+    def sharding_group(self) -> int:
+        """Ranks ZeRO-3 shards over: HSDP's shard group, or all the replicas."""
+        return self.hsdp_shard_size or self.replicas
+
+    @property
+    def secondary_partition(self) -> int | None:
+        """Ranks of the secondary partition a unit keeps after its forward (ZeRO++ hpZ,
+        FSDP2's reshard_after_forward=K), or None."""
+        if self.zero_hpz_partition_size > 1:
+            return self.zero_hpz_partition_size
+        reshard = self.reshard_after_forward
+        return None if isinstance(reshard, bool) else reshard
 
     @property
     def expert_data_parallel(self) -> int:
@@ -203,6 +263,58 @@ class Layout:
 
 
 # ------------------------------------------------------------------ the rules
+def check_sharding_across_nodes(layout: Layout) -> None:
+    """HSDP, ZeRO++ and FSDP2's reshard_after_forward: ZeRO-3's, each a divisor of the
+    group it cuts (FSDP2's and DeepSpeed's rules). The mixes the trainer does not build
+    are minipar.train.mixes.check_layout's."""
+    hsdp, hpz = layout.hsdp_shard_size, layout.zero_hpz_partition_size
+    reshard = layout.reshard_after_forward
+    if hsdp is not None:
+        check_positive_integers(layout, ("hsdp_shard_size",))
+    check_positive_integers(layout, ("zero_hpz_partition_size",))
+    if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool) and reshard < 1):
+        raise ConfigError("reshard_after_forward", f"must be true, false or a positive number "
+                          f"of ranks K, got {reshard!r}")
+    asked = layout.sharding_across_nodes()
+    if asked and layout.zero != 3:
+        raise ConfigError(asked[0], f"{flag(asked[0])} shards ZeRO-3's parameters or changes "
+                          f"its collectives: it needs --zero 3 (got --zero {layout.zero})")
+    replicas = layout.replicas
+    if hsdp is not None and replicas % hsdp:
+        raise ConfigError("hsdp_shard_size", f"{hsdp} must divide the {replicas} "
+                          f"data-parallel ranks (dp x cp): one of {divisors(replicas)}")
+    sharding = hsdp or replicas  # the group ZeRO-3 shards over
+    if hpz > 1:
+        if reshard is not True and reshard != hpz:
+            raise ConfigError("reshard_after_forward", f"--zero-hpz-partition-size {hpz} is "
+                              f"ZeRO++'s reshard_after_forward={hpz} (DeepSpeed's name for "
+                              f"FSDP2's idea), not {str(reshard).lower()}: give one of the two")
+        _secondary_size("zero_hpz_partition_size", hpz, sharding)
+    if not isinstance(reshard, bool):
+        if reshard == 1:
+            raise ConfigError("reshard_after_forward", "1 means false (FSDP2 warns and keeps "
+                              "the full parameters): write --reshard-after-forward false")
+        if reshard == sharding:
+            raise ConfigError("reshard_after_forward", f"{reshard} is the whole sharding group "
+                              "(FSDP2 treats it as true): write --reshard-after-forward true")
+        _secondary_size("reshard_after_forward", reshard, sharding)
+
+
+def _secondary_size(name: str, size: int, sharding: int) -> None:
+    """A secondary partition of `size` ranks: a divisor of the sharding group, smaller."""
+    if sharding % size or size >= sharding:
+        sizes = divisors(sharding)[1:-1]
+        raise ConfigError(name, f"{size} must be a divisor of the {sharding} ranks ZeRO-3 "
+                          "shards over, smaller than it: "
+                          + (f"one of {sizes}" if sizes else "there is none, use more "
+                             "data-parallel ranks"))
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, in order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_offload_settings(optimizer: str, param: str, zero: int) -> None:
     """ZeRO-Offload / ZeRO-Infinity's devices and the stages DeepSpeed runs them with
     (deepspeed/runtime/zero/offload_config.py; minipar/parallel/zero/offload.py)."""

@@ -42,7 +42,9 @@ FORMAT = 2  # of a lattice file
 # explorer's among them (its other settings are views of the same run).
 TRAIN_SETTINGS = ("dp", "tp", "pp", "zero", "precision", "micro_batch_size",
                   "grad_accum_steps", "recompute_granularity", "offload_optimizer",
-                  "offload_param")
+                  "offload_param", "gpus_per_node", "hsdp_shard_size",
+                  "zero_hpz_partition_size", "zero_quantized_weights",
+                  "zero_quantized_gradients", "reshard_after_forward")
 
 
 def key_text(values: dict) -> str:

@@ -32,7 +32,8 @@ EVERY_LAYOUT_SETTING = dict(
     bucket_size_mb=1.0, overlap_grad_reduce=False, zero3_prefetch=False, micro_batch_size=2,
     grad_accum_steps=2, global_batch_size=16, precision="bf16-mixed",
     recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
-    n_layer=4, moe_num_experts=4)
+    hsdp_shard_size=4, zero_hpz_partition_size=2, zero_quantized_weights=True,
+    zero_quantized_gradients=True, reshard_after_forward=2, n_layer=4, moe_num_experts=4)
 
 
 def names(cls) -> list[str]:
