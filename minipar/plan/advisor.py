@@ -81,7 +81,8 @@ def context_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
 
 def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                       global_batch_size: int, precision: str = "bf16-mixed",
-                      flash_attention: bool = True, lr: float | None = None):
+                      flash_attention: bool = True, lr: float | None = None,
+                      grad_accum_dtype: str | None = None):
     """Every layout of `gpus` GPUs the search considers (see the module docstring)."""
     layouts = []
     for tp in divisors(min(gpus_per_node, gpus)):
@@ -114,8 +115,9 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                                 dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
                                 virtual_stages=v, sequence_parallel=tp > 1,
                                 micro_batch_size=micro, global_batch_size=global_batch_size,
-                                precision=precision, flash_attention=flash_attention,
-                                lr=lr, cp=cp, ep=ep, **recompute)
+                                precision=precision, grad_accum_dtype=grad_accum_dtype,
+                                flash_attention=flash_attention, lr=lr, cp=cp, ep=ep,
+                                **recompute)
                             check_model_fits_layout(shape, config)
                         except ConfigError:
                             continue
@@ -125,7 +127,7 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
 def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
            precision: str = "bf16-mixed", flash_attention: bool = True,
            lr: float | None = None, overlap_grad_reduce: bool = True,
-           zero3_prefetch: bool = True) -> Advice:
+           zero3_prefetch: bool = True, grad_accum_dtype: str | None = None) -> Advice:
     """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
     (plan/overlap.py); both False ranks the runs that wait for every reduction and gather."""
@@ -136,7 +138,7 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
                         f"{cluster.gpus_per_node}-GPU nodes")
     fitting, not_fitting, searched = [], [], 0
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
-                                    precision, flash_attention, lr):
+                                    precision, flash_attention, lr, grad_accum_dtype):
         config = config.replace(overlap_grad_reduce=overlap_grad_reduce,
                                 zero3_prefetch=zero3_prefetch)
         searched += 1

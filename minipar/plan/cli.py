@@ -43,11 +43,13 @@ CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # these from the user and chooses (advisor.candidate_configs) or prices one way (one
 # gradient bucket) every other one: given with a search, it would be ignored.
 LAYOUT_SETTINGS = tuple(f.name for f in fields(Layout))
-SEARCH_TAKES = ("dp", "tp", "pp", "global_batch_size", "precision", "overlap_grad_reduce",
-                "zero3_prefetch")
+SEARCH_TAKES = ("dp", "tp", "pp", "global_batch_size", "precision", "grad_accum_dtype",
+                "overlap_grad_reduce", "zero3_prefetch")
 SEARCHED_FLAGS = (*(n for n in LAYOUT_SETTINGS if n not in SEARCH_TAKES), "layer_split")
 PLANNER_NOTES = {"global_batch_size": "default: the preset's published one",
-                 "bucket_size_mb": "default 0: one bucket"}
+                 "bucket_size_mb": "default 0: one bucket",
+                 "grad_accum_dtype": "the planner's default under bf16-mixed: fp32, what "
+                                     "Megatron-LM and DeepSpeed allocate"}
 MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
              "moe_layer_freq": int}
 
@@ -317,6 +319,7 @@ def _run(args) -> int:
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
                         precision=_setting(args, "precision"),
+                        grad_accum_dtype=args.grad_accum_dtype,
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"))

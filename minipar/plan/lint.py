@@ -279,8 +279,8 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
                                    Recompute("full", "uniform", 1))):
                 if policy == config.recompute:
                     continue
-                ck = estimate(shape, config.with_recompute(policy), cluster)
-                if ck.fits:
+                ck = _estimate_if_valid(shape, config.with_recompute(policy), cluster)
+                if ck is not None and ck.fits:
                     options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
                     break
         for stage in range(config.zero + 1, 2 if config.pp > 1 else 3 if shape.is_moe else 4):
@@ -303,6 +303,15 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _estimate_if_valid(shape, config, cluster) -> Estimate | None:
+    """The estimate of an alternative the lint weighs, or None if the layout refuses it
+    (selective recomputation under context parallelism, for one)."""
+    try:
+        return estimate(shape, config, cluster)
+    except ConfigError:
+        return None
 
 
 CHEAPER_RECOMPUTE_HEADROOM = 0.9  # advise less recomputation only below 90% of memory
@@ -340,8 +349,9 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
     # an estimate (within 10% of the emulator's, tests/plan/test_estimate.py), and a
     # layout at 99% of memory is one allocator fragment away from running out.
     roomy = CHEAPER_RECOMPUTE_HEADROOM * usable
-    selective = estimate(shape, config.with_recompute(Recompute("selective")), cluster)
-    if selective.memory["peak_total"] <= roomy:
+    selective = _estimate_if_valid(shape, config.with_recompute(Recompute("selective")),
+                                   cluster)
+    if selective is not None and selective.memory["peak_total"] <= roomy:
         return Finding(
             "RECOMPUTES_TOO_MUCH", "info",
             f"{what} recomputes whole layers, but recomputing only the attention core fits "

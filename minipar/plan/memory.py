@@ -164,7 +164,11 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         grads += shape.qkv_bytes(b, t, nbytes.activation)
 
     activations, forward_buffers = _activations(shape, config, stage, layer_input)
-    sync_buffers = _sync_buffers(config, params, sharded)
+    # the gradient synchronisation's peak: the DP engines', or after it sequence
+    # parallelism's coalesced all-reduce (its flat input and the summed output)
+    sync_buffers = max(_sync_buffers(config, params, sharded),
+                       2 * sequence_parallel_gradient_elements(shape, config, stage)
+                       * nbytes.grad)
     state = param_elements * nbytes.param + optimizer_elements * optimizer_bytes
     buffers = max(forward_buffers, sync_buffers)
     if config.offload_optimizer != "none" and zero >= 2:
@@ -298,6 +302,31 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
         else:
             saved += (end - start) * layer
     return saved, max(0, peak - saved - head)
+
+
+def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:
+    """The (h,) parameters of one rank whose gradients sequence parallelism leaves partial
+    over TP: each layer's norm weights (and biases) and row-parallel biases, and ln_f's
+    on the last stage (an MoE layer's experts keep their row-parallel biases whole)."""
+    norms = 2 * (2 if shape.norm == "layernorm" else 1)
+    small = norms + (2 if shape.bias else 0)
+    return (small * stage.layers - (stage.moe_layers if shape.bias else 0)
+            + (norms // 2 if stage.last else 0))
+
+
+def sequence_parallel_gradient_elements(shape: ModelShape, config: ParallelConfig,
+                                        stage: StagePlan) -> int:
+    """Elements of the flat buffer sequence parallelism all-reduces over TP once per step
+    (minipar/parallel/tensor/sequence_grads.py; Megatron's finalize_model_grads): the
+    vectors' gradients the optimizer reads, under ZeRO my shard's (about 1/N of them: the
+    exact share depends on where the vectors fall in the flat buckets); 0 without it, or
+    with an offloaded optimizer (f all-reduces each in backward)."""
+    if not config.sequence_parallel or config.tp == 1 or config.offload_optimizer != "none":
+        return 0
+    elements = sequence_parallel_vectors(shape, stage) * shape.d_model
+    if config.zero and config.replicas > 1:
+        elements = shard(elements, config.replicas)
+    return elements
 
 
 def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int) -> int:

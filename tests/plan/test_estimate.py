@@ -107,6 +107,20 @@ GRID = [
     case("dp2 zero2 uniform 2", dp=2, zero=2, n_layer=4, recompute_granularity="full",
          recompute_method="uniform", recompute_num_layers=2, micro_batch_size=2,
          grad_accum_steps=2),
+    # fp32 gradient buffers under bf16 (Megatron's main_grad): 4-byte grads, reductions
+    # in fp32, the parameter all-gathers still bf16
+    case("dp2 zero1 bf16 fp32 grads", dp=2, zero=1, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=3),
+    case("dp2 zero0 bf16 fp32 grads", dp=2, precision="bf16-mixed", grad_accum_dtype="fp32",
+         micro_batch_size=2, grad_accum_steps=2),
+    case("dp3 zero2 bf16 fp32 grads", dp=3, zero=2, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=2),
+    case("dp2 zero3 bf16 fp32 grads", dp=2, zero=3, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=2),
+    case("tp2 sp bf16 fp32 grads", tp=2, sequence_parallel=True, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=2),
+    case("pp2 1f1b bf16 fp32 grads", pp=2, n_layer=4, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=4),
 ]
 
 

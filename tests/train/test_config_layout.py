@@ -30,7 +30,7 @@ EVERY_LAYOUT_SETTING = dict(
     dp=4, tp=2, pp=2, cp=2, cp_load_balance=False, ep=2, zero=3, offload_optimizer="cpu",
     offload_param="cpu", schedule="interleaved", virtual_stages=2, sequence_parallel=True,
     bucket_size_mb=1.0, overlap_grad_reduce=False, zero3_prefetch=False, micro_batch_size=2,
-    grad_accum_steps=2, global_batch_size=16, precision="bf16-mixed",
+    grad_accum_steps=2, global_batch_size=16, precision="bf16-mixed", grad_accum_dtype="fp32",
     recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
     n_layer=4, moe_num_experts=4)
 
