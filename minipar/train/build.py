@@ -33,8 +33,8 @@ from minipar.autograd.placement import Replicate, shard
 from minipar.autograd.precision import bfloat16, float32, float64
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
-from minipar.parallel.data.ddp import accumulate_gradients_in
 from minipar.parallel.context.model import parallelize_context
+from minipar.parallel.data.ddp import accumulate_gradients_in
 from minipar.parallel.expert.dispatch import parallelize_experts
 from minipar.parallel.pipeline.executor import Pipeline
 from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
@@ -44,7 +44,6 @@ from minipar.parallel.tensor.sequence_grads import (
 )
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
-
 
 GRAD_DTYPES = {"bf16": bfloat16, "fp32": float32, "fp64": float64}
 

@@ -23,7 +23,8 @@ from minipar.train.layout import GRAD_ACCUM_DTYPES, PRECISIONS
 
 def choices() -> dict[str, tuple]:
     """The settings whose values are a fixed set (the schedules: the registry's now)."""
-    return {"precision": PRECISIONS, "grad_accum_dtype": GRAD_ACCUM_DTYPES, "schedule": schedule_names(), "data": DATASETS,
+    return {"precision": PRECISIONS, "grad_accum_dtype": GRAD_ACCUM_DTYPES,
+            "schedule": schedule_names(), "data": DATASETS,
             "recompute_granularity": GRANULARITIES, "recompute_method": METHODS,
             "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
 
