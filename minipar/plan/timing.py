@@ -264,7 +264,7 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
 
     modules = (stage_modules(shape, config, cluster, stage)
                if config.replicas > 1 and not shape.is_moe else [])
-    return data_parallel_time(modules, config, collective)
+    return data_parallel_time(modules, config, collective, shape.tie_embeddings)
 
 
 def overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
