@@ -82,7 +82,7 @@ def context_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
 def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                       global_batch_size: int, precision: str = "bf16-mixed",
                       flash_attention: bool = True, lr: float | None = None,
-                      grad_accum_dtype: str | None = None):
+                      grad_accum_dtype: str | None = None, memory_accounting: str = "paper"):
     """Every layout of `gpus` GPUs the search considers (see the module docstring)."""
     layouts = []
     for tp in divisors(min(gpus_per_node, gpus)):
@@ -106,8 +106,9 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                          and (v == 1 or shape.n_layer % (pp * v) == 0)]
             expert_parallel = [ep for ep in divisors(dp) if shape.is_moe
                                and shape.moe_num_experts % ep == 0] or [1]
-            for zero, ep in itertools.product((0, 1) if pp > 1 else (0, 1, 2, 3),
-                                              expert_parallel):
+            # Megatron-LM's own ZeRO is its distributed optimizer: stages 0-1
+            stages = (0, 1) if pp > 1 or memory_accounting == "megatron" else (0, 1, 2, 3)
+            for zero, ep in itertools.product(stages, expert_parallel):
                 for schedule, v in schedules:
                     for recompute in RECOMPUTE_OPTIONS:
                         try:
@@ -117,7 +118,7 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                                 micro_batch_size=micro, global_batch_size=global_batch_size,
                                 precision=precision, grad_accum_dtype=grad_accum_dtype,
                                 flash_attention=flash_attention, lr=lr, cp=cp, ep=ep,
-                                **recompute)
+                                memory_accounting=memory_accounting, **recompute)
                             check_model_fits_layout(shape, config)
                         except ConfigError:
                             continue
@@ -127,7 +128,8 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
 def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
            precision: str = "bf16-mixed", flash_attention: bool = True,
            lr: float | None = None, overlap_grad_reduce: bool = True,
-           zero3_prefetch: bool = True, grad_accum_dtype: str | None = None) -> Advice:
+           zero3_prefetch: bool = True, grad_accum_dtype: str | None = None,
+           memory_accounting: str = "paper") -> Advice:
     """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
     (plan/overlap.py); both False ranks the runs that wait for every reduction and gather."""
@@ -138,7 +140,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
                         f"{cluster.gpus_per_node}-GPU nodes")
     fitting, not_fitting, searched = [], [], 0
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
-                                    precision, flash_attention, lr, grad_accum_dtype):
+                                    precision, flash_attention, lr, grad_accum_dtype,
+                                    memory_accounting):
         config = config.replace(overlap_grad_reduce=overlap_grad_reduce,
                                 zero3_prefetch=zero3_prefetch)
         searched += 1

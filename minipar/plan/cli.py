@@ -24,6 +24,7 @@ from dataclasses import fields, replace
 
 from minipar.errors import ConfigError
 from minipar.plan import presets, published
+from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
 from minipar.plan.estimate import estimate
@@ -94,6 +95,15 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="attention that does not keep the (s x s) probabilities "
                              "(default: on for model presets, off for a custom shape, "
                              "as minipar's own attention)")
+    layout.add_argument("--memory-accounting", dest="memory_accounting", default=None,
+                        choices=ACCOUNTINGS,
+                        help="whose bytes: paper (minipar's emulator: the ZeRO paper's model "
+                             "states, Korthikanti's activations; default), megatron "
+                             "(Megatron-LM: fp32 logits in the loss, in-place gradient "
+                             "buffers, its estimate's 5%% for temporaries) or deepspeed "
+                             "(bf16 gradients + an fp32 partition, reduce_bucket_size "
+                             "buckets, ZeRO-3's largest module gathered); the plan names "
+                             "each term it adds (plan/accounting.py)")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -205,7 +215,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                                             for name in LAYOUT_SETTINGS
                                             if getattr(args, name) is not None})
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
-    values.update(flash_attention=args.flash_attention, lr=args.lr)
+    values.update(flash_attention=args.flash_attention, lr=args.lr,
+                  memory_accounting=args.memory_accounting or "paper")
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
@@ -320,6 +331,7 @@ def _run(args) -> int:
                         global_batch_size=_global_batch(args, shape, args.gpus),
                         precision=_setting(args, "precision"),
                         grad_accum_dtype=args.grad_accum_dtype,
+                        memory_accounting=args.memory_accounting or "paper",
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"))

@@ -146,6 +146,9 @@ class Estimate:
             "world_size": self.config.world_size,
             "fits": self.fits,
             "memory": self.memory,
+            "memory_accounting": {"name": self.config.memory_accounting, "terms": [
+                {"name": t.name, "category": t.category, "bytes": t.nbytes}
+                for t in self.worst_stage.memory["detail"]["accounting"]]},
             "memory_host": self.memory_host,
             "memory_nvme": self.memory_nvme,
             "traffic": self.traffic,
@@ -251,6 +254,13 @@ def moe_line(est: Estimate) -> str:
     return line
 
 
+def accounting_lines(est: Estimate) -> list[str]:
+    """What the chosen memory accounting counts beyond the paper's, on the fullest rank."""
+    terms = est.worst_stage.memory["detail"]["accounting"]
+    return [f"  {'+' if t.nbytes >= 0 else '-'} {human_bytes(abs(t.nbytes))} {t.category}: "
+            f"{t.name}" for t in terms if t.nbytes]
+
+
 def format_estimate(est: Estimate) -> str:
     """A plain-text table: memory per pipeline rank by category, traffic, time."""
     c, shape = est.config, est.shape
@@ -293,7 +303,10 @@ def format_estimate(est: Estimate) -> str:
     lines += [
         "",
         f"memory: {human_bytes(est.memory['peak_total'])} of {human_bytes(usable)} usable "
-        f"per GPU -> {'fits' if est.fits else 'DOES NOT FIT'}",
+        f"per GPU -> {'fits' if est.fits else 'DOES NOT FIT'}"
+        + (f" ({c.memory_accounting}'s accounting)" if c.memory_accounting != "paper"
+           else ""),
+        *accounting_lines(est),
         f"step: {human_seconds(t['step_s'])} (pipeline {human_seconds(t['pipeline_s'])}, "
         f"after the last backward {human_seconds(t['tail_s'])}), bubble "
         f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} {compute_model(est.cluster)}, "

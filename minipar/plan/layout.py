@@ -25,6 +25,7 @@ from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.context.layout import SELECTIVE_WITH_CP
 from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
+from minipar.plan.accounting import check_accounting
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import check_experts_split
 from minipar.train.layout import Layout
@@ -67,9 +68,13 @@ class ParallelConfig(Layout):
     flash_attention: bool = False
     layer_split: tuple[int, ...] | None = None
     lr: float | None = None
+    # whose bytes the memory estimate counts: minipar's (the papers'), Megatron-LM's or
+    # DeepSpeed's (plan/accounting.py)
+    memory_accounting: str = "paper"
 
     def __post_init__(self) -> None:
         self.validate_layout()
+        check_accounting(self.memory_accounting, self.zero)
         check_schedule_settings(self.schedule, self.pp, self.micro_batches,
                                 self.virtual_stages, ConfigError)
 

@@ -284,8 +284,8 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
                     options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
                     break
         for stage in range(config.zero + 1, 2 if config.pp > 1 else 3 if shape.is_moe else 4):
-            z = estimate(shape, _with_stage(config, stage), cluster)
-            if z.fits:
+            z = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
+            if z is not None and z.fits:
                 options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
                 break
         options.append(("expert parallelism (--ep: see EXPERTS_NEED_EP), "
@@ -377,11 +377,15 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
 
 
 def _with_stage(config, stage: int):
-    """`config` at another ZeRO stage, keeping the offload that stage allows."""
+    """`config` at another ZeRO stage, keeping the offload that stage allows (and, for a
+    stage Megatron-LM does not run, DeepSpeed's memory accounting instead of its)."""
     optimizer = "none" if stage == 0 or (stage < 3 and config.offload_optimizer == "nvme") \
         else config.offload_optimizer
     param = config.offload_param if stage == 3 else "none"
-    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param)
+    accounting = ("deepspeed" if config.memory_accounting == "megatron" and stage > 1
+                  else config.memory_accounting)
+    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param,
+                          memory_accounting=accounting)
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
@@ -397,8 +401,8 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
         return []
     lower = None
     for stage in range(config.zero - 1, -1, -1):
-        candidate = estimate(shape, _with_stage(config, stage), cluster)
-        if candidate.fits:
+        candidate = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
+        if candidate is not None and candidate.fits:
             lower = candidate
             break
     why = {1: "", 2: f" (the gradients are reduce-scattered on every one of the "

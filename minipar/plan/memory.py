@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan.accounting import Ingredients, account
 from minipar.plan.context import local_shape
 from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
 from minipar.plan.layout import ParallelConfig, StagePlan
@@ -163,43 +164,51 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     elif recompute.selective and stage.layers:  # the recomputed attention core's input
         grads += shape.qkv_bytes(b, t, nbytes.activation)
 
-    activations, forward_buffers = _activations(shape, config, stage, layer_input)
+    activations, forward_buffers, gathered = _activations(shape, config, stage, layer_input)
     # the gradient synchronisation's peak: the DP engines', or after it sequence
     # parallelism's coalesced all-reduce (its flat input and the summed output)
     sync_buffers = max(_sync_buffers(config, params, sharded),
                        2 * sequence_parallel_gradient_elements(shape, config, stage)
                        * nbytes.grad)
-    state = param_elements * nbytes.param + optimizer_elements * optimizer_bytes
-    buffers = max(forward_buffers, sync_buffers)
+    paper = Ingredients(params=param_elements * nbytes.param, grads=grads,
+                        optimizer=optimizer_elements * optimizer_bytes,
+                        activations=activations, forward_buffers=forward_buffers,
+                        sync_buffers=sync_buffers, gathered=gathered)
+    # what the system that runs the job counts differently (plan/accounting.py)
+    parts, terms = account(shape, config, stage, paper, local, sharded)
+    state = parts.params + parts.optimizer
+    forward_peak = parts.activations + parts.forward_buffers
     if config.offload_optimizer != "none" and zero >= 2:
         # the GPU keeps only the running sums between micro-batches; the piece being
         # added and sent to the host is transient, after the synchronisation's peak
         persistent = sharded * nbytes.grad if config.micro_batches > 1 else 0
-        total = state + persistent + max(activations + forward_buffers, sync_buffers)
+        total = state + persistent + max(forward_peak, parts.sync_buffers)
     elif config.micro_batches == 1:
         # zero_grad frees the gradients after each step (set_to_none; every stage,
         # ZeRO-2/3's shard too, as DeepSpeed frees its partitioned gradients), so with
         # one micro-batch they are born in backward as the activations die: the peak is
         # the larger of the forward's end and the gradient synchronisation.
-        total = state + max(activations + forward_buffers, grads + sync_buffers)
+        total = state + max(forward_peak, parts.grads + parts.sync_buffers)
     else:  # the gradients stay from the first micro-batch's backward to the step
-        total = state + grads + max(activations + forward_buffers, sync_buffers)
+        total = state + parts.grads + max(forward_peak, parts.sync_buffers)
     return {
-        "params": param_elements * nbytes.param,
-        "grads": grads,
-        "optimizer": optimizer_elements * optimizer_bytes,
-        "activations": activations,
-        "buffers": buffers,
+        "params": parts.params,
+        "grads": parts.grads,
+        "optimizer": parts.optimizer,
+        "activations": parts.activations,
+        "buffers": max(parts.forward_buffers, parts.sync_buffers),
         "peak_total": total,
         "detail": {"parameters": local, "expert_parameters": params.expert_numel,
                    "shard": sharded, "layer_input": layer_input,
-                   "forward_buffers": forward_buffers, "sync_buffers": sync_buffers},
+                   "forward_buffers": parts.forward_buffers,
+                   "sync_buffers": parts.sync_buffers, "accounting": terms},
     }
 
 
 def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
-                 layer_input: int) -> tuple[int, int]:
-    """(activation bytes, buffers held alongside them) of one rank at its forward peak."""
+                 layer_input: int) -> tuple[int, int, int]:
+    """(activation bytes, buffers held alongside them, of those ZeRO-3's gathered
+    parameters) of one rank at its forward peak."""
     nbytes = config.bytes
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     a, c = nbytes.activation, nbytes.compute
@@ -256,6 +265,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     if config.cp > 1 and stage.layers:
         # ring attention's received K/V block (one at a time: used, then released)
         forward_buffers += 2 * b * shape.seq_len * shape.d_model // t * a
+    gathered = 0
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head
         # uses), held while the unit computes
@@ -266,10 +276,11 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # (minipar/parallel/zero/stage3.py) but fetched to the GPU to be gathered
         offloaded = config.offload_param != "none"
         in_flight = 2 if config.zero3_prefetch and not offloaded else 1
-        forward_buffers += in_flight * largest * nbytes.param
+        gathered = in_flight * largest * nbytes.param
         if offloaded:
-            forward_buffers += shard(largest, config.dp) * nbytes.param
-    return activations, forward_buffers
+            gathered += shard(largest, config.dp) * nbytes.param
+        forward_buffers += gathered
+    return activations, forward_buffers, gathered
 
 
 def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, layer: int,
