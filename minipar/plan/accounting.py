@@ -56,6 +56,15 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 MEGATRON_ACTIVATION_OVERHEAD = 0.05
 
 
+def with_deepspeed_buckets(config):
+    """`config` reducing ZeRO-2's gradients through DeepSpeed's reduce_bucket_size
+    buckets (5e8 elements; minipar's bucket_size_mb counts parameter bytes, as DDP's
+    bucket_cap_mb) rather than one flat copy of all of them, unless it sets its own."""
+    if config.zero != 2 or config.bucket_size_mb > 0:
+        return config
+    return config.replace(bucket_size_mb=DEEPSPEED_REDUCE_BUCKET * config.bytes.param / 2**20)
+
+
 @dataclass(frozen=True)
 class Term:
     """Bytes one accounting adds to (or, negative, takes from) the paper's count of one

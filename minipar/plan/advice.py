@@ -84,7 +84,8 @@ def explain(advice: Advice) -> str:
         "",
         f"- The model state (parameters, gradients, optimizer) is "
         f"{human_bytes(replica)} in {c.precision} ({c.bytes.param} + {c.bytes.grad} + "
-        f"{c.bytes.optimizer} bytes per parameter, the ZeRO paper's count): "
+        f"{c.bytes.optimizer} bytes per parameter: the ZeRO paper's count with "
+        f"{c.grad_dtype} gradient buffers): "
         + (f"more than one GPU's {human_bytes(cluster.usable_memory)}, so it has to be "
            f"split; this layout leaves {human_bytes(state)} of it per GPU."
            if split else f"it fits on one GPU, so splitting it is optional ("

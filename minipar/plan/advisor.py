@@ -10,7 +10,9 @@ guesses, and lets the estimate decide between what remains:
 - pipeline and data parallelism across nodes, pp dividing the GPUs left, at most one
   stage per layer;
 - ZeRO 0-3 inside the data-parallel group; with pp > 1 only ZeRO 0-1 (DeepSpeed's
-  pipeline engine and Megatron's distributed optimizer stop there);
+  pipeline engine and Megatron's distributed optimizer stop there); ZeRO-2 reduces
+  through DeepSpeed's reduce_bucket_size buckets (5e8 elements), not one flat copy of
+  every gradient;
 - micro-batch sizes 1, 2, 4, 8 that split the global batch; interleaving with 2 chunks
   per rank when the layers and micro-batches allow it;
 - sequence parallelism whenever tp > 1 (same traffic as plain TP, less activation
@@ -39,6 +41,7 @@ import itertools
 
 from minipar.errors import ConfigError, ScheduleError
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
+from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.advice import Advice
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
@@ -142,8 +145,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
                                     precision, flash_attention, lr, grad_accum_dtype,
                                     memory_accounting):
-        config = config.replace(overlap_grad_reduce=overlap_grad_reduce,
-                                zero3_prefetch=zero3_prefetch)
+        config = with_deepspeed_buckets(config.replace(overlap_grad_reduce=overlap_grad_reduce,
+                                                       zero3_prefetch=zero3_prefetch))
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)
@@ -160,9 +163,24 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
         raise ConfigError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
                         f"of {global_batch_size} into micro-batches of "
                         f"{MICRO_BATCH_SIZES}: use a multiple of {gpus}")
-    fitting.sort(key=lambda e: (e.step_time, e.memory["peak_total"]))
+    fitting = rank_by_time_then_headroom(fitting)
     not_fitting.sort(key=lambda e: e.memory["peak_total"])
     return Advice(shape, cluster, gpus, global_batch_size, fitting, searched, not_fitting)
+
+
+TIE = 0.01  # step times within 1% of the fastest are a tie (the model's own error is more)
+
+
+def rank_by_time_then_headroom(estimates: list) -> list:
+    """Fastest first; the layouts within TIE of the fastest step time first of all, the
+    one with the most memory to spare leading (a 1% faster step is inside the time
+    model's error; a rank at 99% of memory is one allocator fragment from running out)."""
+    ranked = sorted(estimates, key=lambda e: (e.step_time, e.memory["peak_total"]))
+    if not ranked:
+        return ranked
+    tied = [e for e in ranked if e.step_time <= ranked[0].step_time * (1 + TIE)]
+    rest = ranked[len(tied):]
+    return sorted(tied, key=lambda e: (e.memory["peak_total"], e.step_time)) + rest
 
 
 def offload_candidates(configs):

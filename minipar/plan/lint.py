@@ -38,6 +38,7 @@ from types import SimpleNamespace
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
@@ -384,8 +385,9 @@ def _with_stage(config, stage: int):
     param = config.offload_param if stage == 3 else "none"
     accounting = ("deepspeed" if config.memory_accounting == "megatron" and stage > 1
                   else config.memory_accounting)
-    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param,
-                          memory_accounting=accounting)
+    return with_deepspeed_buckets(config.replace(
+        zero=stage, offload_optimizer=optimizer, offload_param=param,
+        memory_accounting=accounting))
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
@@ -399,10 +401,12 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
     extra = dp_seconds - base_seconds
     if extra <= share * est.step_time:
         return []
+    # a lower stage that fits and is faster by this plan's own figures (its traffic may
+    # be less exposed, or its memory buy no time: recommend it only when the step wins)
     lower = None
     for stage in range(config.zero - 1, -1, -1):
         candidate = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
-        if candidate is not None and candidate.fits:
+        if candidate is not None and candidate.fits and candidate.step_time < est.step_time:
             lower = candidate
             break
     why = {1: "", 2: f" (the gradients are reduce-scattered on every one of the "
@@ -413,7 +417,8 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
                f"of the {human_seconds(est.step_time)} step ({dp_seconds / est.step_time:.0%}"
                f"), {human_seconds(extra)} more than plain data parallelism{why}.")
     if lower is None:
-        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits.",
+        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits "
+                        "and runs faster.",
                         "accept it, or reduce accumulation steps / use more GPUs per "
                         "replica (tp, pp) so a lower ZeRO stage fits")]
     return [Finding(

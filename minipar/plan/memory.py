@@ -53,6 +53,7 @@ from minipar.plan.accounting import Ingredients, account
 from minipar.plan.context import local_shape
 from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
 from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
 from minipar.plan.shapes import ModelShape
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -71,6 +72,7 @@ class StageParameters:
     embedding_unit: int  # elements of the embedding unit (0 if not on this rank)
     tied_unit: int  # elements of the tied copy (last rank, pp > 1)
     expert_numel: int = 0  # of numel, the MoE layers' experts (reduced over dp / ep)
+    tensors: tuple[int, ...] = ()  # each parameter's elements, in registration order
 
 
 def flat_buffers(params: StageParameters, config: ParallelConfig) -> list[tuple[int, int]]:
@@ -99,8 +101,14 @@ def stage_parameters(shape: ModelShape, config: ParallelConfig,
     units += [layer] * (stage.layers - stage.moe_layers) + [moe_layer] * stage.moe_layers
     if stage.last:
         units.append(sum(shape.head_params(t)))
+    tensors = ((embedding_tensors(shape, t) if embedding else ())
+               + layer_tensors(shape, t) * (stage.layers - stage.moe_layers)
+               + ((moe_layer,) * stage.moe_layers)
+               + (head_tensors(shape, t, stage.tied_copy)[0] if stage.last else
+                  (tied,) if tied else ()))
     return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
-                           tied_unit=tied, expert_numel=stage.moe_layers * expert)
+                           tied_unit=tied, expert_numel=stage.moe_layers * expert,
+                           tensors=tensors)
 
 
 def shard(numel: int, n: int) -> int:
@@ -315,6 +323,21 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
     return saved, max(0, peak - saved - head)
 
 
+def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int]:
+    """Elements of each gradient bucket of a rank, in the order backward fills them
+    (minipar.parallel.data.buckets.build_buckets: reverse registration order, at most
+    bucket_size_mb of parameters, a larger tensor alone)."""
+    cap, itemsize = config.bucket_size_mb * 2**20, config.bytes.param
+    buckets, size = [0], 0
+    for numel in reversed(params.tensors):
+        if buckets[-1] and size + numel * itemsize > cap:
+            buckets.append(0)
+            size = 0
+        buckets[-1] += numel
+        size += numel * itemsize
+    return buckets
+
+
 def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:
     """The (h,) parameters of one rank whose gradients sequence parallelism leaves partial
     over TP: each layer's norm weights (and biases) and row-parallel biases, and ln_f's
@@ -368,6 +391,11 @@ def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int)
                 peaks.append(int(numel * g + min(bucket, numel) * g))
             elif config.zero == 1:
                 peaks.append(numel * g + shard(numel, n) * g)
+            elif config.zero == 2 and len(buffers) == 1 and config.bucket_size_mb > 0:
+                # DeepSpeed's reduce buckets (and minipar's): bucket i's gradients, their
+                # flat copy and the previous bucket's still in flight (at most two)
+                sizes = [0, *bucket_elements(params, config)]
+                peaks.append(max(2 * b + a for a, b in zip(sizes[:-1], sizes[1:], strict=True)) * g)
             elif config.zero == 2:
                 peaks.append(2 * numel * g)
         return max(peaks)

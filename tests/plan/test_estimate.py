@@ -76,6 +76,9 @@ GRID = [
          recompute_granularity="full"),
     case("dp2 zero3", dp=2, zero=3, micro_batch_size=2, grad_accum_steps=2),
     case("dp3 zero2 padded", dp=3, zero=2, micro_batch_size=2, grad_accum_steps=2),
+    # ZeRO-2 reducing bucket by bucket (DeepSpeed's reduce_bucket_size): not one flat copy
+    case("dp2 zero2 buckets", dp=2, zero=2, bucket_size_mb=0.05, micro_batch_size=2,
+         grad_accum_steps=2),
     case("dp4 zero3 bf16", dp=4, zero=3, precision="bf16-mixed", micro_batch_size=2),
     # an untied head is its own ZeRO-3 unit: its call gathers no embedding
     case("dp2 zero3 untied", dp=2, zero=3, tie_embeddings=False, micro_batch_size=2,
