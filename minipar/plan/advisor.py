@@ -132,10 +132,13 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
            precision: str = "bf16-mixed", flash_attention: bool = True,
            lr: float | None = None, overlap_grad_reduce: bool = True,
            zero3_prefetch: bool = True, grad_accum_dtype: str | None = None,
-           memory_accounting: str = "paper") -> Advice:
+           memory_accounting: str = "paper", tp_comm_overlap: bool = False,
+           overlap_param_gather: bool = False) -> Advice:
     """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
-    (plan/overlap.py); both False ranks the runs that wait for every reduction and gather."""
+    (plan/overlap.py); both False ranks the runs that wait for every reduction and gather.
+    tp_comm_overlap, overlap_param_gather: Megatron-LM's, for the candidates they apply to
+    (sequence parallelism; ZeRO-1)."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
@@ -145,8 +148,10 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
                                     precision, flash_attention, lr, grad_accum_dtype,
                                     memory_accounting):
-        config = with_deepspeed_buckets(config.replace(overlap_grad_reduce=overlap_grad_reduce,
-                                                       zero3_prefetch=zero3_prefetch))
+        config = with_deepspeed_buckets(config.replace(
+            overlap_grad_reduce=overlap_grad_reduce, zero3_prefetch=zero3_prefetch,
+            tp_comm_overlap=tp_comm_overlap and config.sequence_parallel,
+            overlap_param_gather=overlap_param_gather and config.zero == 1))
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)

@@ -23,7 +23,7 @@ import sys
 from dataclasses import fields, replace
 
 from minipar.errors import ConfigError
-from minipar.plan import presets, published
+from minipar.plan import presets, published, published_h100
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
@@ -72,6 +72,11 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                             ("vocab_size", "vocabulary (custom model)"),
                             ("seq_len", "sequence length (overrides the preset's)")):
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=help_text)
+    model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
+                       dest="tie_embeddings", default=None,
+                       help=ModelSettings.__dataclass_fields__["tie_embeddings"].metadata[
+                           "help"] + " (default: the preset's; --no-tie-embeddings as in "
+                                     "minipar train)")
     for name, kind in MOE_FLAGS.items():  # the trainer's flags (a preset's by default)
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
                            help=ModelSettings.__dataclass_fields__[name].metadata["help"])
@@ -104,6 +109,17 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "(bf16 gradients + an fp32 partition, reduce_bucket_size "
                              "buckets, ZeRO-3's largest module gathered); the plan names "
                              "each term it adds (plan/accounting.py)")
+    layout.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction,
+                        dest="tp_comm_overlap", default=None,
+                        help="Megatron-LM's --tp-comm-overlap: Transformer Engine pipelines "
+                             "the sequence-parallel all-gathers and reduce-scatters with "
+                             "the GEMMs beside them (needs --sequence-parallel; a search "
+                             "applies it to every layout with tp > 1)")
+    layout.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
+                        dest="overlap_param_gather", default=None,
+                        help="Megatron-LM's --overlap-param-gather: the distributed "
+                             "optimizer's (ZeRO-1's) parameter all-gather under the next "
+                             "step's forward")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -122,8 +138,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="list every pipeline rank (default: first, second, last)")
     output.add_argument("--compare-published", action="store_true", dest="compare_published",
                         help="print the time model against Narayanan et al. 2021, Table 1 "
-                             "(published vs predicted TFLOP/s per A100, error per row, the "
-                             "assumptions)")
+                             "(A100) and published H100 runs (Megatron-LM's README, Llama 3 "
+                             "Table 4): published vs predicted TFLOP/s per GPU, error per "
+                             "row, fitted or held out, the assumptions")
     return plan
 
 
@@ -163,6 +180,8 @@ def _shape(args) -> ModelShape:
             shape = shape.with_seq_len(args.seq_len)
         except ValueError as err:
             raise ConfigError("seq_len", str(err).replace("ModelShape.seq_len ", "")) from None
+    if args.tie_embeddings is not None:
+        shape = replace(shape, tie_embeddings=args.tie_embeddings)
     moe = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name) is not None}
     if moe:
         try:
@@ -216,7 +235,9 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                                             if getattr(args, name) is not None})
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
     values.update(flash_attention=args.flash_attention, lr=args.lr,
-                  memory_accounting=args.memory_accounting or "paper")
+                  memory_accounting=args.memory_accounting or "paper",
+                  tp_comm_overlap=bool(args.tp_comm_overlap),
+                  overlap_param_gather=bool(args.overlap_param_gather))
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
@@ -332,6 +353,8 @@ def _run(args) -> int:
                         precision=_setting(args, "precision"),
                         grad_accum_dtype=args.grad_accum_dtype,
                         memory_accounting=args.memory_accounting or "paper",
+                        tp_comm_overlap=bool(args.tp_comm_overlap),
+                        overlap_param_gather=bool(args.overlap_param_gather),
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"))
@@ -377,13 +400,21 @@ def _compare_published(args) -> int:
     args.cluster = "a100-80gb"
     cluster = _cluster(args)
     rows = published.compare(cluster)
+    h100 = "h100-80gb"
+    h100_rows = published_h100.compare(presets.cluster(h100) if args.efficiency is None
+                                       else presets.cluster(h100).uniform(args.efficiency))
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
                           "source": "Narayanan et al. 2021, Table 1", "rows": rows,
                           "tolerance": published.TOLERANCE,
-                          "assumptions": published.assumptions(cluster)})
+                          "assumptions": published.assumptions(cluster),
+                          "h100": {"sources": [published_h100.README, published_h100.LLAMA3],
+                                   "rows": h100_rows,
+                                   "tolerance": published_h100.TOLERANCE}})
     else:
         print(published.format_comparison(rows, cluster))
+        print()
+        print(published_h100.format_comparison(h100_rows))
     return 0
 
 

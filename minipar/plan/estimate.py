@@ -229,10 +229,12 @@ def human_seconds(s: float) -> str:
 
 
 def compute_model(cluster: ClusterSpec) -> str:
-    """How the cluster prices compute, in a few words."""
-    if cluster.roofline is None:
-        return f"at {cluster.efficiency:.0%} kernel efficiency"
-    return f"on the {cluster.roofline.name} roofline"
+    """How the cluster prices compute, in a few words, and what calibrates it."""
+    how = (f"at {cluster.efficiency:.0%} kernel efficiency" if cluster.roofline is None
+           else f"on the {cluster.roofline.name} roofline")
+    if cluster.calibration is None:
+        return how + " (uncalibrated: no published run fitted or checked on this profile)"
+    return how + f" (calibrated on {cluster.calibration})"
 
 
 def moe_line(est: Estimate) -> str:

@@ -156,6 +156,9 @@ def moe_kernels(shape: ModelShape, b: int, tp: int, ep: int, itemsize: int = 2
     return forward, backward
 
 
+FLASH_BLOCK = 128  # FlashAttention-2's key/value block (its A100/H100 kernels: 64-128)
+
+
 def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int = 2,
                            flash_attention: bool = False, ring: tuple[int, int] | None = None
                            ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
@@ -175,7 +178,9 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
     d = shape.head_dim
     scores = heads * s * s
     if flash_attention:  # one kernel: reads q, k, v, writes o (and dO, dq, dk, dv back)
-        attention = 4 * heads * s * s * d
+        # causal: the kernel skips the key blocks above the diagonal (Dao 2023,
+        # FlashAttention-2, section 3.1.1), running (s + FLASH_BLOCK) / 2s of the products
+        attention = 4 * heads * s * s * d * min(1.0, (s + FLASH_BLOCK) / (2 * s))
         q_k_v_o = e * tokens * (shape.qkv_width // tp + h // tp)
         return ((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s)),),
                 (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,

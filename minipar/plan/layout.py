@@ -71,10 +71,26 @@ class ParallelConfig(Layout):
     # whose bytes the memory estimate counts: minipar's (the papers'), Megatron-LM's or
     # DeepSpeed's (plan/accounting.py)
     memory_accounting: str = "paper"
+    # what a real framework overlaps that minipar's emulator runs in turn (timing.py):
+    # Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers: the sequence-
+    # parallel all-gathers and reduce-scatters pipelined with the GEMMs beside them) and
+    # --overlap-param-gather (the distributed optimizer's parameter all-gather under the
+    # next step's forward)
+    tp_comm_overlap: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         self.validate_layout()
         check_accounting(self.memory_accounting, self.zero)
+        if self.tp_comm_overlap and self.tp > 1 and not self.sequence_parallel:
+            raise ConfigError("tp_comm_overlap", "Megatron-LM overlaps tensor-parallel "
+                              "communication with GEMMs only under sequence parallelism "
+                              "(its all-gathers and reduce-scatters): add "
+                              "--sequence-parallel")
+        if self.overlap_param_gather and self.zero != 1:
+            raise ConfigError("overlap_param_gather", "overlaps Megatron-LM's distributed "
+                              f"optimizer's parameter all-gather (ZeRO-1), not ZeRO-"
+                              f"{self.zero}'s: use --zero 1, or drop it")
         check_schedule_settings(self.schedule, self.pp, self.micro_batches,
                                 self.virtual_stages, ConfigError)
 

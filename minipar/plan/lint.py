@@ -387,7 +387,8 @@ def _with_stage(config, stage: int):
                   else config.memory_accounting)
     return with_deepspeed_buckets(config.replace(
         zero=stage, offload_optimizer=optimizer, offload_param=param,
-        memory_accounting=accounting))
+        memory_accounting=accounting,
+        overlap_param_gather=config.overlap_param_gather and stage == 1))
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:

@@ -36,6 +36,10 @@ i.e. with gradient accumulation; an upper bound for one micro-batch); and a pipe
 rank's received activation is a buffer, so it is not counted again as the first
 checkpointed layer's input.
 
+What a real framework counts differently (Megatron-LM's, DeepSpeed's) is
+plan/accounting.py's, applied to the ingredients computed here. This module is long
+because the peak is one sum of many parts, each with its emulator-checked rule.
+
 Predictions for params, grads and optimizer are exact for minipar's layouts; activations
 are exact for one pipeline stage, GPipe and 1F1B; buffers and the total are an estimate:
 the total adds the persistent state to the larger of the activation peak and the

@@ -285,8 +285,23 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     if zero in (1, 2):
         gathers = [collective("all_gather", bucket.numel * b.param) for bucket in buckets]
         out["after_step_s"] = sum(gathers)
+        if config.overlap_param_gather:
+            out["after_step_s"] = param_gather_exposed(gathers, modules)
         out["comm_s"] += sum(gathers)
     return out
+
+
+def param_gather_exposed(gathers: list[float], modules: list[Module]) -> float:
+    """Seconds of the distributed optimizer's parameter all-gathers the next step waits
+    for with Megatron-LM's --overlap-param-gather (megatron/core/distributed/
+    param_and_grad_buffer.py: each bucket's all-gather is launched after the step and
+    waited for by a forward pre-hook of its first module): the first bucket's gather
+    (forward order: the last one backward reduced) before the first forward can start,
+    and what of the rest outlasts one micro-batch's forward."""
+    if not gathers:
+        return 0.0
+    forward = sum(mod.forward_s for mod in modules)
+    return max(gathers[-1], sum(gathers) - forward)
 
 
 def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: ParallelConfig,

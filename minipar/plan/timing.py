@@ -161,6 +161,34 @@ def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             for kind, groups in stage_kernels(shape, config, stage).items()}
 
 
+def tp_overlap_hidden(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                      stage: StagePlan) -> dict[str, float]:
+    """Seconds of one micro-batch's tensor-parallel collectives that --tp-comm-overlap
+    hides, forward and backward (Megatron-LM with Transformer Engine's userbuffers,
+    Wang et al. 2022 / TE's `ub_overlap_ag` and `ub_overlap_rs`: each sequence-parallel
+    all-gather is pipelined with the GEMM that reads its output, each reduce-scatter with
+    the GEMM that writes its input, chunk by chunk): as much of the phase's TP time as the
+    phase's GEMMs last. What outlasts them stays exposed."""
+    if not config.tp_comm_overlap or config.tp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    links, m = group_links(config, cluster), config.micro_batches
+    comm = {"forward": 0.0, "backward": 0.0}
+    for transfer in stage_traffic(shape, config, stage):
+        if (transfer.group == "tp" and transfer.phase in comm
+                and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):
+            comm[transfer.phase] += transfer.count / m * transfer_time(transfer, cluster,
+                                                                       links["tp"])
+    gemm = {"forward": 0.0, "backward": 0.0}
+    for kind, groups in stage_kernels(shape, config, stage).items():
+        if kind in gemm:
+            gemms = [[k for k in kernels if k.gemm is not None] for _, kernels in groups]
+            gemm[kind] = sum(times * (cluster.roofline.total_seconds(kernels)
+                                      if cluster.roofline is not None else
+                                      sum(k.flops for k in kernels) / cluster.sustained_flops)
+                             for (times, _), kernels in zip(groups, gemms, strict=True))
+    return {kind: min(comm[kind], gemm[kind]) for kind in comm}
+
+
 def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                  chunk_layers: tuple[int, ...], split: bool = False):
     """Seconds per micro-batch that the ring attention exchanges of a rank's layers
@@ -195,7 +223,8 @@ def overlap_needs_times(config: ParallelConfig) -> bool:
     at the end of backward: all of it is exposed) unless ZeRO-3 prefetches."""
     if config.zero == 3:
         return config.zero3_prefetch or config.overlap_grad_reduce
-    return config.overlap_grad_reduce and config.bucket_size_mb > 0
+    return (config.overlap_grad_reduce and config.bucket_size_mb > 0
+            or config.overlap_param_gather)
 
 
 def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -222,6 +251,10 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
                 spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
                 out[transfer.phase] += spent
                 backward_comm += spent if transfer.phase == "backward" else 0.0
+        hidden = tp_overlap_hidden(shape, config, cluster, part)
+        for phase in out:
+            out[phase] -= hidden[phase]
+        backward_comm -= hidden["backward"]
         comm_share = backward_comm / out["backward"] if out["backward"] > 0 else 0.0
         return out["forward"] * share, out["backward"] * share, comm_share
 
@@ -298,6 +331,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
             step_comm += transfer.count * seconds
         else:
             per_micro_comm += transfer.count * seconds / m
+    per_micro_comm -= sum(tp_overlap_hidden(shape, config, cluster, stage).values())
     compute = compute_s["forward"] + compute_s["backward"]
     offload = offload_time(shape, config, cluster, stage)
     return {
