@@ -37,8 +37,8 @@ rank's received activation is a buffer, so it is not counted again as the first
 checkpointed layer's input.
 
 What a real framework counts differently (Megatron-LM's, DeepSpeed's) is
-plan/accounting.py's, applied to the ingredients computed here. This module is long
-because the peak is one sum of many parts, each with its emulator-checked rule.
+plan/accounting.py's, applied to the ingredients computed here.
+This module is long because the peak is one sum of many parts, each checked by the emulator.
 
 Predictions for params, grads and optimizer are exact for minipar's layouts; activations
 are exact for one pipeline stage, GPipe and 1F1B; buffers and the total are an estimate:
