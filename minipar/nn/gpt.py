@@ -273,13 +273,14 @@ class MLP(Module):
     def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
         super().__init__()
         d = config.d_model
-        self.activation = F.swiglu if config.mlp == "swiglu" else F.gelu
+        self.gated = config.mlp == "swiglu"
         self.c_fc = Linear(d, config.mlp_in_width, dtype=dtype)
         self.c_proj = Linear(config.ffn, d, dtype=dtype)
         self.dropout = Dropout(config.dropout, generator)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.activation(self.c_fc(x))))
+        h = self.c_fc(x)
+        return self.dropout(self.c_proj(F.swiglu(h) if self.gated else F.gelu(h)))
 
 
 class Block(Module):
