@@ -413,14 +413,20 @@ def equivalence_line(check: dict) -> str:
 
 
 def cmd_consolidate(args) -> int:
-    from minipar.train.checkpoint import consolidate, save_state_dict
+    from minipar.train.checkpoint import consolidate, read_manifest, save_state_dict
+    from minipar.train.checkpoint_dirs import resolve
 
     check_output_file("OUT.npz", args.output)
-    state_dict = consolidate(args.checkpoint)
+    source = resolve(args.checkpoint)  # a save directory: its latest, if of one run
+    manifest = read_manifest(source)
+    state_dict = consolidate(source)
     save_state_dict(args.output, state_dict)
     n = sum(a.size for a in state_dict.values())
+    run = manifest["run"] + ("" if manifest["origin"] == manifest["run"] else
+                             f", continuing run {manifest['origin']}")
     print(f"{args.output}: {len(state_dict)} tensors, {n:,} parameters "
-          f"(single-device names, {next(iter(state_dict.values())).dtype})")
+          f"(single-device names, {next(iter(state_dict.values())).dtype}), from {source} "
+          f"(run {run}; step {manifest['step']})")
     return 0
 
 

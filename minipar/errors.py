@@ -10,6 +10,8 @@
     ├── PipelineError              a pipeline schedule / stage that cannot work
     │   └── ScheduleError          a schedule that cannot run (exercise 5 catches it)
     ├── CheckpointError            a checkpoint that cannot be used; names the file
+    ├── InputFileError             a file minipar will not read (not a regular file, too
+    │                              large, nested too deep); `.path` and `.detail`
     ├── TrainingDiverged           the loss or a gradient became NaN or inf
     └── DistError                  the virtual cluster: mismatch, deadlock, timeout
 
@@ -77,6 +79,17 @@ class ScheduleError(PipelineError):
 
 class CheckpointError(MiniparError, RuntimeError):
     """A checkpoint that cannot be used: the message names the file and what is wrong."""
+
+
+class InputFileError(MiniparError, ValueError):
+    """A file minipar will not read as it is: not a regular file (a FIFO, a device), larger
+    than such a file can be, or JSON nested deeper than minipar writes (minipar.files).
+    `path` is the file, `detail` what is wrong; readers re-raise it as their own error
+    (a CheckpointError, a TraceFileError) with the same words."""
+
+    def __init__(self, path, detail: str):
+        self.path, self.detail = str(path), detail
+        super().__init__(f"{path}: {detail}")
 
 
 class TrainingDiverged(MiniparError, RuntimeError):  # noqa: N818 (what happened, not a bug)

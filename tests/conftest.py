@@ -19,6 +19,7 @@ and nn tests use it so they do not depend on the layer below them (minipar.distr
 from __future__ import annotations
 
 import os
+import subprocess
 from collections import defaultdict
 
 import matplotlib
@@ -80,3 +81,29 @@ def device():
     fake = FakeDevice()
     with use_device(fake):
         yield fake
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk("600k"): a new directory on a tmpfs of that size, a disk that fills up
+    (mounted for the test, unmounted after it). Skips where mounting is not allowed (it
+    needs root on Linux)."""
+    mounted = []
+
+    def mount(size: str):
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        try:
+            result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                     str(point)], capture_output=True, text=True)
+        except OSError as err:
+            result = subprocess.CompletedProcess([], 1, "", str(err))
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a {size} tmpfs here ({result.stderr.strip()}): a "
+                        "full disk needs root on Linux")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)

@@ -8,6 +8,7 @@ disk with monkeypatch; the exit status and the one line on stderr are what a use
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -173,3 +174,13 @@ def test_a_directory_with_some_other_manifest_json_is_not_a_checkpoint(tmp_path,
     (tmp_path / "manifest.json").write_text('{"name": "my site"}')
     assert cli.main(["train", *SMALL, "--quiet", "--json", str(tmp_path / "r.json")]) == 0
     assert (tmp_path / "r.json").exists()
+
+
+def test_a_fifo_named_manifest_json_beside_an_output_does_not_block(tmp_path):
+    """The checkpoint guard peeks at a manifest.json beside the output: a FIFO of that
+    name blocked the open forever; it is no checkpoint, and the output is fine."""
+    os.mkfifo(tmp_path / "manifest.json")
+    assert check_output_file("json", tmp_path / "r.json") == tmp_path / "r.json"
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "manifest.json").symlink_to("/dev/zero")  # read until memory ran out
+    assert check_output_file("json", tmp_path / "r.json") == tmp_path / "r.json"

@@ -37,7 +37,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from minipar.errors import MiniparError
+from minipar.errors import InputFileError, MiniparError
+from minipar.files import load_json
 
 from .clock import DeviceProfile
 from .memory import CATEGORIES
@@ -319,10 +320,10 @@ def read_trace_files(directory, error=None) -> list[tuple[Path, dict]]:
         raise fail(directory, "is not a folder of traces (minipar train --trace DIR writes one)")
     files = []
     for path in sorted(directory.glob("rank*.json")):
-        try:
-            trace = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-            reason = getattr(err, "strerror", None) or err
+        try:  # a regular file of bounded size only: a FIFO would block, /dev/zero never end
+            trace = load_json(path, what="trace")
+        except (OSError, InputFileError) as err:
+            reason = getattr(err, "detail", None) or getattr(err, "strerror", None) or err
             raise fail(path, f"not a JSON trace ({reason})") from None
         meta = trace.get("minipar") if isinstance(trace, dict) else None
         if not isinstance(trace, dict) or "minipar" not in trace:

@@ -33,6 +33,7 @@ h100 / a100) kernels run below it and HFU is lower than the compute share.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from minipar.distributed.memory import CATEGORIES
 from minipar.distributed.timeline import comm_overlap
@@ -149,10 +150,13 @@ class Profile:
 def profile_traces(traces: list[dict], verdict: bool = True, sources=None) -> Profile:
     """The profile of a run from its per-rank traces (`minipar.distributed.read_traces`),
     checked first (`check_traces`; sources: each trace's file, for its messages)."""
-    from minipar.profile.trace_input import check_traces
+    from minipar.profile.trace_input import check_figures, check_traces
     from minipar.train.config import TrainConfig
 
-    traces = check_traces(traces, sources)
+    given, traces = traces, check_traces(traces, sources)
+    files = {} if sources is None else {
+        t["distributedInfo"]["rank"]: source for t, source in zip(given, sources, strict=True)}
+    folder = Path(sources[0]).parent if sources else "traces"
     meta = traces[0]["minipar"]
     config, device = meta["config"], meta["device"]
     window = max(t["minipar"]["end_s"] for t in traces)
@@ -181,10 +185,12 @@ def profile_traces(traces: list[dict], verdict: bool = True, sources=None) -> Pr
         stages=_stages(traces, ranks, steps) if config["pp"] > 1 else None,
         mfu=model_flops / (window * len(traces) * peak) if window else 0.0,
         config=config, device=device)
+    check_figures(profile, files, folder)  # before the planner is asked about them
     if verdict:
         from minipar.profile.verdict import diagnose
 
         profile.verdict = diagnose(profile)
+        check_figures(profile, files, folder)
     return profile
 
 

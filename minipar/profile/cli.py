@@ -18,6 +18,8 @@ import json
 import tempfile
 
 from minipar.distributed.trace import read_trace_files
+from minipar.errors import OutputError
+from minipar.files import atomic_write
 from minipar.profile.breakdown import Profile, profile_traces
 from minipar.profile.trace_input import TraceFileError
 
@@ -71,8 +73,12 @@ def run_profile(args) -> int:
         check_output_file("json", args.json)  # before the work, as minipar train does
     profile = profile_folder(args.trace_dir)
     print(profile.text())
-    if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(profile.to_dict(), out, indent=2)
+    if args.json is not None:  # whole or not at all: an earlier file survives a full disk
+        try:
+            with atomic_write(args.json, "w") as out:
+                json.dump(profile.to_dict(), out, indent=2)
+        except OSError as err:
+            raise OutputError("json", f"{args.json}: the profile could not be written "
+                              f"({err.strerror or err}); it is printed above") from None
         print(f"\nprofile written to {args.json}")
     return 0

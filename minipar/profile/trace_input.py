@@ -11,8 +11,10 @@ all of one run (the same world size, config and device). The first value that is
 so is one `TraceFileError` naming the file, where in it (`minipar.end_s`,
 `traceEvents[12].dur`) and what is wrong: the CLI prints it as one line, exit status 2,
 and no report comes out of nonsense (a NaN duration would have read as 100% idle).
-Only JSON is read (nothing is unpickled). `check_traces` is the same check on traces
-already loaded (`minipar.profile.breakdown.profile_traces` runs it).
+Only JSON is read, from regular files of bounded size (minipar.files; nothing is
+unpickled). `check_traces` is the same check on traces already loaded
+(`minipar.profile.breakdown.profile_traces` runs it), and `check_figures` checks what the
+profile derives from them: values each in range can still combine into nonsense.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from minipar.distributed.trace import (
 from minipar.errors import ConfigError, MiniparError
 
 US = 1e6  # seconds -> trace microseconds
+# The largest values a traced run can hold. Each is far past any run minipar simulates,
+# and keeps the figures made of them printable: a run of 1e300 s or a peak of 10**400
+# bytes passed every other check and came out as a 300-digit time or an OverflowError.
+MAX_SECONDS = 1e9  # of simulated time (31 years)
+MAX_BYTES = 2**63  # what a 64-bit counter holds (8 EiB)
+# Model FLOPs (MFU's numerator) over the FLOPs the kernels executed (HFU's): below 1 for
+# a dense model (recomputation, attention's softmax), above only where MoE layers drop
+# tokens over capacity (1.35 with a capacity factor of 0.01); a thousand is no run's.
+MAX_MODEL_OVER_EXECUTED = 1000
 STEP = re.compile(r"ProfilerStep#(\d+)", re.ASCII)
 MESH = ("dp", "pp", "tp")  # the mesh coordinates the report shows
 
@@ -86,14 +97,22 @@ class _File:
             self.fail(f"{where}.{key}", f"must be a string, got {_shown(value)}")
         return value
 
-    def integer(self, node: dict, key: str, where: str, low: int = 0) -> int:
+    def integer(self, node: dict, key: str, where: str, low: int = 0,
+                most: float | None = None) -> int:
         value = self.get(node, key, where)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             self.fail(f"{where}.{key}", f"must be an integer >= {low}, got {_shown(value)}")
+        self.at_most(value, most, f"{where}.{key}")
         return value
 
-    def number(self, node: dict, key: str, where: str, positive: bool = False) -> float:
-        """A finite number >= 0 (> 0 if `positive`)."""
+    def at_most(self, value, most: float | None, name: str) -> None:
+        if most is not None and value > most:
+            self.fail(name, f"must be at most {most:.3g} (no run minipar simulates comes "
+                      f"near), got {_shown(value)}")
+
+    def number(self, node: dict, key: str, where: str, positive: bool = False,
+               most: float | None = None) -> float:
+        """A finite number >= 0 (> 0 if `positive`), at most `most`."""
         value = self.get(node, key, where)
         name = f"{where}.{key}"
         if not isinstance(value, int | float) or isinstance(value, bool):
@@ -106,6 +125,7 @@ class _File:
             self.fail(name, f"must be finite, got {_shown(value)}")
         if value < 0 or (positive and value == 0):
             self.fail(name, f"must be {'> 0' if positive else '>= 0'}, got {_shown(value)}")
+        self.at_most(value, most, name)
         return float(value)
 
 
@@ -190,7 +210,7 @@ def _check_trace(trace, source) -> dict:
     meta = f.object(trace, "minipar")
     config = _check_config(f, meta, world)
     device = _check_device(f, meta)
-    end = f.number(meta, "end_s", "minipar", positive=True)
+    end = f.number(meta, "end_s", "minipar", positive=True, most=MAX_SECONDS)
     coords = f.object(meta, "coords", "minipar")
     for axis in MESH:
         value = f.integer(coords, axis, "minipar.coords")
@@ -198,14 +218,14 @@ def _check_trace(trace, source) -> dict:
             f.fail(f"minipar.coords.{axis}", f"{value} is outside the run's {axis} "
                    f"{config[axis]} (0..{config[axis] - 1})")
     peak = f.object(meta, "memory_peak", "minipar")
-    peak_bytes = f.integer(peak, "bytes", "minipar.memory_peak")
+    peak_bytes = f.integer(peak, "bytes", "minipar.memory_peak", most=MAX_BYTES)
     at = f.number(peak, "at_s", "minipar.memory_peak")
     by_category = f.object(peak, "by_category", "minipar.memory_peak")
     for key in by_category:
         if key not in CATEGORIES:
             f.fail(f"minipar.memory_peak.by_category.{key}", "not a memory category "
                    f"(one of {', '.join(CATEGORIES)})")
-    held = sum(f.integer(by_category, c, "minipar.memory_peak.by_category")
+    held = sum(f.integer(by_category, c, "minipar.memory_peak.by_category", most=MAX_BYTES)
                for c in CATEGORIES)
     if held != peak_bytes:
         f.fail("minipar.memory_peak.bytes", f"{peak_bytes}, but the sum of by_category "
@@ -309,5 +329,59 @@ def _check_kernel(f: _File, event: dict, where: str) -> int:
             f.string(args, "micro_batch", where)
         return 1
     f.string(args, "group", where)
-    f.number(args, "sent_bytes", where)
+    f.number(args, "sent_bytes", where, most=MAX_BYTES)
     return 0
+
+
+# ------------------------------------------------------------------ checking the figures
+def check_figures(profile, files: dict | None = None, folder="traces") -> None:
+    """The figures a profile derived from checked traces, checked in turn: values each
+    in range can combine into nonsense (kernels of 1e300 FLOPs: an HFU of 1e285; a sum
+    of them: `inf`, then `nan%`). Every figure finite; the run's length times the
+    device's peak above 0 (MFU and HFU divide by it); every rank's HFU at most 100% (no
+    rank executes more FLOPs than its device's peak over the run); and the model FLOPs
+    of the run's config at most MAX_MODEL_OVER_EXECUTED times the FLOPs its kernels
+    executed (MFU over HFU: more than 1 only where MoE layers drop tokens over capacity,
+    which the model FLOPs count). Else one TraceFileError naming the figure and the
+    rank's file (`files`: by rank), or the folder."""
+    def fail(where, name: str, value, problem: str) -> NoReturn:
+        shown = f"{value:.3g}" if isinstance(value, float) else _shown(value)
+        raise TraceFileError(where, f"the profile's {name} is {shown}: {problem}; "
+                             "the trace's values are each in range, together they are not "
+                             "a run minipar could have traced")
+
+    def source(name: str):
+        match = re.match(r"ranks\[(\d+)\]", name)
+        rank = profile.ranks[int(match.group(1))]["rank"] if match else None
+        return (files or {}).get(rank, folder)
+
+    if not profile.window_s * peak_flops(profile.device) > 0:
+        fail(folder, "run length x device peak", profile.window_s * peak_flops(profile.device),
+             "0 (it divides MFU and HFU)")
+    for name, value in _numbers(profile.to_dict()):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:
+            finite = False
+        if not finite:
+            fail(source(name), name, value, "not a finite number")
+        if re.fullmatch(r"ranks\[\d+\]\.hfu", name) and value > 1 + 1e-6:
+            fail(source(name), name, value, "over 100%, more FLOPs than the device's peak "
+                 "over the run")
+    hfu = sum(r["hfu"] for r in profile.ranks) / len(profile.ranks)  # the run's
+    if profile.mfu > MAX_MODEL_OVER_EXECUTED * hfu:
+        fail(folder, "mfu", profile.mfu, f"over {MAX_MODEL_OVER_EXECUTED} times its HFU "
+             f"({hfu:.3g}): its config's model needs that many times the FLOPs its "
+             "kernels executed")
+
+
+def _numbers(value, name: str = ""):
+    """(dotted name, number) of every number in a profile's dict."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{name}[{i}]")
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        yield name, value

@@ -4,21 +4,25 @@
         rank-00000.npz          what rank 0 holds: its pieces of the parameters, master
         rank-00001.npz          weights and Adam moments (see minipar.parallel.state.Piece)
         ...
-        manifest.json           format, step, config, and per file: rank, mesh coords,
-                                sha256, bytes, the dropout generator state and, for every
-                                array, its tensor, kind, dtype and flat range (placements);
-                                and manifest_sha256, the manifest's own checksum
+        manifest.json           format, step, run ids, config, and per file: rank, mesh
+                                coords, sha256, bytes, the dropout generator state and, for
+                                every array, its tensor, kind, dtype and flat range
+                                (placements); and manifest_sha256, the manifest's own checksum
 
 Every rank writes its own file (as DeepSpeed writes one optimizer-state file per DP rank);
-after a barrier rank 0 checksums the files and writes the manifest. Each file appears
-atomically (written to a temporary name, then renamed), and the manifest comes last, so a
-directory with a manifest is a complete checkpoint.
+after a barrier rank 0 checksums the files and writes the manifest. They are written into
+the run's own staging directory beside CKPT, which is renamed into place once the manifest
+is written (checkpoint_dirs.py), so a directory with a manifest is a complete checkpoint,
+and a save that fails or is interrupted leaves the checkpoint that was there before.
+Every file and the manifest carry the id of the run that wrote them.
 
 Loading never unpickles (`np.load(..., allow_pickle=False)`): a checkpoint is data, not
 code. Before any array is read the manifest is checked against its schema, its own
-checksum and its config (manifest.py); then every file against its record. A missing,
-truncated or altered file, or a manifest edited by hand, is a `CheckpointError` that names
-it; resume and consolidate load through the same checks.
+checksum and its config (manifest.py); then every file against its record: a regular file
+no larger than its arrays can be (checked before a byte of it is read), its size and
+sha256, its own description of itself (run id included). A missing, truncated, altered or
+foreign file, or a manifest edited by hand, is a `CheckpointError` that names it; resume
+and consolidate load through the same checks.
 Loading assembles the full single-device tensors from the pieces whatever dp and ZeRO
 stage saved them, so a checkpoint saved under one layout resumes under any other, and
 `consolidate` turns one into the single-device state dict (DeepSpeed's zero_to_fp32.py).
@@ -30,7 +34,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +42,15 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.autograd import placement as placements
 from minipar.autograd.precision import bfloat16
-from minipar.errors import CheckpointError
+from minipar.errors import CheckpointError, InputFileError
+from minipar.files import DirectoryLock, atomic_write, loads_json, open_regular
 from minipar.parallel.state import Piece
-from minipar.train.manifest import FORMAT, KINDS, SEAL, check_manifest, rank_file, seal
+from minipar.train import checkpoint_dirs as dirs
+from minipar.train.manifest import FORMAT, MANIFEST, SEAL, check_manifest, rank_file, seal
 
-__all__ = ["FORMAT", "KINDS", "CheckpointError", "TrainingState", "consolidate",
-           "load_checkpoint", "rank_file", "read_manifest", "save_checkpoint"]
+__all__ = ["CheckpointError", "TrainingState", "consolidate", "load_checkpoint",
+           "read_manifest", "save_checkpoint"]
 
-MANIFEST = "manifest.json"
 META_KEY = "__meta__"
 
 
@@ -56,28 +60,38 @@ class TrainingState:
 
     tensors[kind][name]: kind "param", "exp_avg", "exp_avg_sq" and ("master", mixed
     precision); step: optimizer steps completed (the next batch is step's); rng_states:
-    each saving rank's dropout generator state, by rank."""
+    each saving rank's dropout generator state, by rank; origin: the run whose
+    trajectory it is (the run that saved it, or the first one it resumed)."""
 
     step: int
     config: dict
     tensors: dict[str, dict[str, np.ndarray]]
     rng_states: list[dict]
     world_size: int
+    origin: str
 
 
 # ------------------------------------------------------------------ saving (SPMD)
 def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
-                    rng_state: dict, failures: list | None = None) -> Path:
-    """Called by every rank: write my pieces, then rank 0 writes the manifest.
+                    rng_state: dict, run: str, origin: str | None = None,
+                    failures: list | None = None) -> Path:
+    """Called by every rank: write my pieces, then rank 0 writes the manifest and puts
+    the checkpoint in place at `directory` (replacing one saved there before).
 
     pieces: this rank's `Piece`s (`minipar.parallel.state.state_pieces`); coords: its
-    mesh coordinates; rng_state: its dropout generator's `bit_generator.state`.
-    failures: a list shared by the ranks (host-side, like a log); when given, a write
-    that fails (a full disk) is appended to it as (rank, path, OSError) instead of
-    raised, the manifest is not written, and training goes on, so the run's results are
-    not lost with the file."""
+    mesh coordinates; rng_state: its dropout generator's `bit_generator.state`; run: the
+    run's id (checkpoint_dirs.new_run_id(), one per run); origin: the run whose
+    trajectory it continues (a resumed run: the resumed checkpoint's origin; default:
+    run). failures: a list shared by the ranks (host-side, like a log); when given, a
+    write that fails (a full disk) is appended to it as (rank, path, OSError) instead of
+    raised, nothing is put in place, and training goes on, so the run's results are not
+    lost with the file."""
     directory = Path(directory)
     rank = dist.get_rank()
+    staging = dirs.staging_path(directory, run)
+
+    def failed() -> bool:
+        return bool(failures) and any(d == directory for _, d, _ in failures)
 
     def attempt(write) -> None:
         try:
@@ -87,29 +101,32 @@ def save_checkpoint(directory, *, step: int, config: dict, pieces, coords: dict,
                 raise
             failures.append((rank, directory, err))
 
-    def prepare() -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+    lock = DirectoryLock(staging)
+    try:
         if rank == 0:
-            # Saving over an older checkpoint: retire its manifest first, so that a crash
-            # while the rank files are rewritten cannot leave an old manifest beside new
-            # files (a directory with a manifest is a complete checkpoint).
-            (directory / MANIFEST).unlink(missing_ok=True)
-
-    attempt(prepare)
-    dist.barrier()  # nobody writes a rank file while an old manifest still vouches for it
-    attempt(lambda: write_rank_file(directory, rank, pieces, coords, rng_state, step=step))
-    dist.barrier()  # every file is complete (or has failed) before the manifest says so
-    if rank == 0 and not (failures and any(d == directory for _, d, _ in failures)):
-        attempt(lambda: write_manifest(directory, step=step, config=config,
-                                       world_size=dist.get_world_size()))
-    dist.barrier()  # nobody goes on (or reads it) before the checkpoint is complete
+            attempt(lambda: dirs.begin(directory, run, lock))
+        dist.barrier()  # the staging directory exists before anyone writes into it
+        if not failed():
+            attempt(lambda: write_rank_file(staging, rank, pieces, coords, rng_state,
+                                            step=step, run=run))
+        dist.barrier()  # every file is complete (or has failed) before the manifest says so
+        if rank == 0 and not failed():
+            attempt(lambda: write_manifest(staging, step=step, config=config,
+                                           world_size=dist.get_world_size(), run=run,
+                                           origin=origin or run))
+            if not failed():
+                attempt(lambda: dirs.commit(staging, directory, run))
+    finally:  # committed, failed or interrupted (Ctrl-C, another rank's error)
+        if rank == 0:
+            dirs.discard(staging, lock)
+    dist.barrier()  # nobody goes on (or reads it) before the checkpoint is in place
     return directory
 
 
 def write_rank_file(directory, rank: int, pieces, coords: dict, rng_state: dict,
-                    step: int = 0) -> Path:
+                    step: int = 0, run: str = "") -> Path:
     """One rank's `.npz`: its arrays and a JSON description of them (`__meta__`): its
-    rank, step, coords, RNG state and entries, which the manifest must repeat exactly."""
+    rank, step, run, coords, RNG state and entries, which the manifest must repeat."""
     arrays, entries = {}, []
     for i, piece in enumerate(pieces):
         key = f"a{i}"
@@ -122,55 +139,41 @@ def write_rank_file(directory, rank: int, pieces, coords: dict, rng_state: dict,
                         "stop": int(piece.stop),
                         "placement": _placement_to_json(piece.placement),
                         "placement_group": piece.placement_group})
-    meta = {"rank": rank, "step": int(step), "coords": coords, "rng_state": rng_state,
-            "entries": entries}
+    meta = {"rank": rank, "step": int(step), "run": run, "coords": coords,
+            "rng_state": rng_state, "entries": entries}
     arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     path = Path(directory) / rank_file(rank)
-    _atomic_write(path, lambda f: np.savez(f, **arrays))
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
     return path
 
 
-def write_manifest(directory, *, step: int, config: dict, world_size: int) -> Path:
+def write_manifest(directory, *, step: int, config: dict, world_size: int,
+                   run: str = "", origin: str = "") -> Path:
     """The manifest of a directory of rank files (checksums taken from the files)."""
     directory = Path(directory)
     files = []
     for rank in range(world_size):
         path = directory / rank_file(rank)
+        with open(path, "rb") as f:
+            digest = _sha256(f)
         with np.load(path, allow_pickle=False) as npz:
             meta = json.loads(npz[META_KEY].tobytes())
         files.append({"file": path.name, "rank": rank, "coords": meta["coords"],
-                      "sha256": _sha256(path), "bytes": path.stat().st_size,
+                      "sha256": digest, "bytes": path.stat().st_size,
                       "rng_state": meta["rng_state"], "entries": meta["entries"]})
-    manifest = {"format": FORMAT, "step": int(step), "world_size": world_size,
-                "config": config, "files": files}
+    manifest = {"format": FORMAT, "step": int(step), "world_size": world_size, "run": run,
+                "origin": origin or run, "config": config, "files": files}
     manifest[SEAL] = seal(manifest)
-    text = json.dumps(manifest, indent=1).encode()
     path = directory / MANIFEST
-    _atomic_write(path, lambda f: f.write(text))
+    with atomic_write(path) as f:
+        f.write(json.dumps(manifest, indent=1).encode())
     return path
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temporary file in the same directory and rename it into place: a
-    reader sees the old file or the complete new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _sha256(f) -> str:
+    """The SHA-256 of an open binary file, read from where it is to its end."""
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _placement_to_json(placement) -> dict:
@@ -183,82 +186,97 @@ def _placement_from_json(spec: dict):
 
 
 # ------------------------------------------------------------------ loading
-def resolve(directory) -> Path:
-    """A checkpoint directory, or a directory of them (step-NNNNNN): the latest one."""
-    directory = Path(directory)
-    if (directory / MANIFEST).exists():
-        return directory
-    candidates = sorted(d for d in directory.glob("step-*") if (d / MANIFEST).exists())
-    if candidates:
-        return candidates[-1]
-    if not directory.exists():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
-    raise CheckpointError(f"{directory / MANIFEST}: missing; {directory} is not a minipar "
-                          "checkpoint, or its save did not finish")
-
-
 def read_manifest(directory) -> dict:
-    """The manifest of a checkpoint, checked (schema, own checksum, agreement with its
-    config: manifest.py) before anything trusts it."""
-    path = resolve(directory) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable manifest ({err})") from None
+    """The manifest of a checkpoint (or of a save directory's latest: resolve), checked
+    (schema, own checksum, agreement with its config: manifest.py) before anything
+    trusts it."""
+    path = dirs.resolve(directory) / MANIFEST
+    manifest = dirs.load_manifest(path)
     check_manifest(manifest, path)
     return manifest
 
 
 def load_checkpoint(directory) -> TrainingState:
     """Verify every file against the manifest and assemble the full tensors."""
-    directory = resolve(directory)
+    directory = dirs.resolve(directory)
     manifest = read_manifest(directory)
+    step, run = manifest["step"], manifest["run"]
     held = []  # (file name, coords, Piece)
     for record in manifest["files"]:
         path = directory / record["file"]
         if not path.exists():
             raise CheckpointError(f"{path}: missing (the manifest lists it)")
-        size = path.stat().st_size
-        if size != record["bytes"] or _sha256(path) != record["sha256"]:
-            raise CheckpointError(
-                f"{path}: checksum mismatch ({size} bytes, manifest says {record['bytes']}): "
-                "the file is truncated or was modified")
+        most = _most_bytes(record, step, run)
+        if record["bytes"] > most:  # before a byte is read (a 200 GiB file: minutes)
+            raise CheckpointError(f"{path}: the manifest says {record['bytes']} bytes, but "
+                                  f"its arrays and their description take at most {most}")
         try:
-            with np.load(path, allow_pickle=False) as npz:
-                _check_self_description(path, npz, record, manifest["step"])
-                for entry in record["entries"]:
-                    values = npz[entry["key"]]
-                    if entry["dtype"] == "bfloat16":
-                        values = values.view(bfloat16)
-                    if values.shape != (entry["stop"] - entry["start"],) or \
-                            values.dtype != np.dtype(bfloat16 if entry["dtype"] == "bfloat16"
-                                                     else entry["dtype"]):
-                        raise CheckpointError(
-                            f"{path}: array {entry['key']} ({entry['kind']} of "
-                            f"{entry['name']}) has shape {values.shape} dtype {values.dtype}, "
-                            "the manifest says otherwise")
-                    held.append((str(path), record["coords"], Piece(
-                        entry["kind"], entry["name"], tuple(entry["shape"]), entry["start"],
-                        entry["stop"], values, _placement_from_json(entry["placement"]),
-                        entry["placement_group"])))
-        except CheckpointError:
-            raise
+            with open_regular(path, most, what="rank file of this checkpoint") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != record["bytes"] or _sha256(f) != record["sha256"]:
+                    raise CheckpointError(
+                        f"{path}: checksum mismatch ({size} bytes, manifest says "
+                        f"{record['bytes']}): the file is truncated or was modified")
+                f.seek(0)  # the file checked is the file read, even if path is replaced
+                with np.load(f, allow_pickle=False) as npz:
+                    _check_self_description(path, npz, _description(record, step, run))
+                    held += [(str(path), record["coords"], _piece(path, npz, entry))
+                             for entry in record["entries"]]
+        except (CheckpointError, InputFileError) as err:
+            raise CheckpointError(str(err)) from None
         except Exception as err:  # noqa: BLE001 - zip/format errors: name the file
             raise CheckpointError(f"{path}: cannot read ({type(err).__name__}: {err})") from None
     config = manifest["config"]
     tensors = assemble(held, config)
-    return TrainingState(step=manifest["step"], config=config, tensors=tensors,
+    return TrainingState(step=step, config=config, tensors=tensors,
                          rng_states=[r["rng_state"] for r in manifest["files"]],
-                         world_size=manifest["world_size"])
+                         world_size=manifest["world_size"], origin=manifest["origin"])
 
 
-def _check_self_description(path: Path, npz, record: dict, step: int) -> None:
+def _piece(path: Path, npz, entry: dict) -> Piece:
+    """The Piece an entry of the manifest describes, read from the file's arrays."""
+    values = npz[entry["key"]]
+    dtype = bfloat16 if entry["dtype"] == "bfloat16" else np.dtype(entry["dtype"])
+    if entry["dtype"] == "bfloat16":
+        values = values.view(bfloat16)
+    if values.shape != (entry["stop"] - entry["start"],) or values.dtype != dtype:
+        raise CheckpointError(f"{path}: array {entry['key']} ({entry['kind']} of "
+                              f"{entry['name']}) has shape {values.shape} dtype "
+                              f"{values.dtype}, the manifest says otherwise")
+    return Piece(entry["kind"], entry["name"], tuple(entry["shape"]), entry["start"],
+                 entry["stop"], values, _placement_from_json(entry["placement"]),
+                 entry["placement_group"])
+
+
+def _description(record: dict, step: int, run: str) -> dict:
+    """What a rank file says of itself (write_rank_file's `__meta__`), per the manifest."""
+    return {"rank": record["rank"], "step": step, "run": run, "coords": record["coords"],
+            "rng_state": record["rng_state"], "entries": record["entries"]}
+
+
+def _most_bytes(record: dict, step: int, run: str) -> int:
+    """The largest a rank file holding `record`'s arrays can be: their bytes, their
+    description (`__meta__`) and, per array, NumPy's .npy header (128 bytes for a flat
+    array) and zip's local and central headers with their ZIP64 fields (np.savez), which
+    1 KiB covers with room to spare."""
+    data = sum((e["stop"] - e["start"]) * (2 if e["dtype"] == "bfloat16" else
+                                           np.dtype(e["dtype"]).itemsize)
+               for e in record["entries"])
+    meta = len(json.dumps(_description(record, step, run)).encode())
+    return data + meta + 1024 * (len(record["entries"]) + 2)
+
+
+def _check_self_description(path: Path, npz, said: dict) -> None:
     """The file's own description of itself (written inside it) must be the manifest's."""
     if META_KEY not in npz.files:
         raise CheckpointError(f"{path}: no {META_KEY} record: not a minipar rank file")
-    meta = json.loads(npz[META_KEY].tobytes())
-    said = {"rank": record["rank"], "step": step, "coords": record["coords"],
-            "rng_state": record["rng_state"], "entries": record["entries"]}
+    meta = loads_json(npz[META_KEY].tobytes(), path, what="rank file's description")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: its {META_KEY} record is not a JSON object")
+    if meta.get("run") != said["run"]:
+        raise CheckpointError(f"{path}: written by run {meta.get('run')!r}, but the "
+                              f"manifest is run {said['run']!r}'s: the checkpoint mixes "
+                              "the files of two runs (saved into one directory at once?)")
     for name, value in said.items():
         if meta.get(name) != value:
             raise CheckpointError(f"{path}: the file says {name}={meta.get(name)!r}, the "
@@ -362,5 +380,6 @@ def save_state_dict(path, state_dict: dict[str, np.ndarray]) -> Path:
     path = Path(path)
     arrays = {name: (a.astype(np.float32) if a.dtype == bfloat16 else a)
               for name, a in state_dict.items()}
-    _atomic_write(path, lambda f: np.savez(f, **arrays))
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
     return path

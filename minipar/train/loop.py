@@ -44,7 +44,7 @@ from minipar.errors import ConfigError, OutputError, flag
 from minipar.nn import lr_schedule
 from minipar.parallel.context import layout as context
 from minipar.parallel.state import describe, parameter_pieces, state_pieces
-from minipar.train import checkpoint, equivalence
+from minipar.train import checkpoint, checkpoint_dirs, equivalence
 from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig
 from minipar.train.data import TokenStream, make_stream, micro_batch
@@ -74,11 +74,17 @@ class RunOptions:
     record_states: bool = False  # keep the parameters after every step (the reference)
     save_dir: Path | None = None
     save_every: int = 0
+    run: str = field(default_factory=checkpoint_dirs.new_run_id)  # in every file it saves
     # Checkpoint writes that failed, as (rank, directory, OSError): host-side, like a log.
     save_failures: list = field(default_factory=list)
     progress: object = None  # a _StepLog, or None
     device: dist.DeviceProfile | None = None  # the simulated GPU (default: H100)
     trace: Path | None = None  # write a profiler trace per rank here (trace.py)
+
+    @property
+    def origin(self) -> str:
+        """The run whose trajectory this one continues: itself, or the resumed one's."""
+        return self.run if self.start is None else self.start.origin
 
 
 # ------------------------------------------------------------------ the rank program
@@ -135,7 +141,7 @@ def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
                 options.save_dir / f"step-{step + 1:06d}", step=step + 1,
                 config=config.to_dict(), pieces=state_pieces(engine), coords=mesh.coords(),
                 rng_state=rank_model.dropout_generator.bit_generator.state,
-                failures=options.save_failures)
+                run=options.run, origin=options.origin, failures=options.save_failures)
         if options.progress is not None:
             options.progress.report(rank, record)
     return {"steps": history, "step_ends": step_ends, "loop_start": loop_start,

@@ -3,13 +3,15 @@
 A manifest is data a user can open in a text editor, so none of it is trusted. Before
 any array is read (checkpoint.load_checkpoint, hence resume and `minipar consolidate`):
 
-1. schema: every field present with its type and range (`step` an integer >= 0, `files` a
-   list of one record per rank, each entry a known kind, dtype, shape and range, each
-   placement one of Replicate / Shard(dim) / StridedShard(dim, stride) with a dim inside
-   the shape, each RNG state a PCG64 state NumPy accepts);
-2. seal: `manifest_sha256` is the SHA-256 of the manifest's own content (without the seal
-   and without each file's sha256/bytes, which are checked against the files themselves),
-   so a hand edit of `step`, `world_size`, `config` or an entry is caught even when it is
+1. schema: every field present with its type and range (`step` an integer >= 0, `run`
+   the id of the run that saved it, `origin` the run whose trajectory it is (itself, or
+   the first run it resumed), `files` a list of one record per rank, each entry a
+   known kind, dtype, shape and range, each placement one of Replicate / Shard(dim) /
+   StridedShard(dim, stride) with a dim inside the shape, each RNG state a PCG64 state
+   NumPy accepts);
+2. seal: `manifest_sha256` is the SHA-256 of the manifest's own content (all of it but
+   the seal, each file's sha256 and size included), so a hand edit of `step`,
+   `world_size`, `config`, an entry or a file's size is caught even when it is
    well-formed;
 3. agreement with the config it carries: a valid TrainConfig (no unknown field),
    world_size = dp x tp x pp, each file's mesh coordinates those of its rank, every
@@ -19,8 +21,10 @@ any array is read (checkpoint.load_checkpoint, hence resume and `minipar consoli
    by exactly one data-parallel rank (ZeRO; every replica under plain DP: dp of them,
    dp / ep of an expert's).
 
-Then checkpoint.py checks each file against its record (size, sha256, and the file's own
-description of itself, written inside it, equal to the record).
+Then checkpoint.py checks each file against its record (size, at most what its arrays
+can take, before a byte is read; sha256; and the file's own description of itself,
+written inside it, equal to the record, its run id included: the files of another run
+saved into the same directory are refused).
 Like DeepSpeed's `zero_to_fp32.py`, which reads the partition counts and shapes from the
 saved metadata and asserts them, but here everything is checked before the first array.
 """
@@ -36,7 +40,9 @@ from minipar import distributed as dist
 from minipar.errors import CheckpointError, ConfigError
 from minipar.train.config import TrainConfig
 
-FORMAT = "minipar.checkpoint/2"  # /1 had no manifest checksum
+# /1 had no manifest checksum; /2 no run id and the files' sizes outside the seal
+FORMAT = "minipar.checkpoint/3"
+MANIFEST = "manifest.json"
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 PLACEMENTS = {"Replicate": (), "Shard": ("dim",), "StridedShard": ("dim", "stride")}
 GROUPS = (None, "dp", "pp", "tp")
@@ -57,12 +63,9 @@ def stored_dtype(precision: str, kind: str) -> str:
 
 
 def seal(manifest: dict) -> str:
-    """SHA-256 of the manifest's content: every field but the seal itself and the files'
-    own checksums (sha256, bytes), in canonical JSON."""
+    """SHA-256 of the manifest's content: every field but the seal itself, in canonical
+    JSON."""
     content = {k: v for k, v in manifest.items() if k != SEAL}
-    content["files"] = [{k: v for k, v in record.items() if k not in ("sha256", "bytes")}
-                        if isinstance(record, dict) else record
-                        for record in manifest.get("files", [])]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -93,8 +96,8 @@ def check_schema(manifest, path) -> None:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: format {manifest.get('format')!r}, expected "
                               f"{FORMAT!r} (re-save it with this minipar)")
-    for name, kind in (("step", int), ("world_size", int), ("config", dict), ("files", list),
-                       (SEAL, str)):
+    for name, kind in (("step", int), ("world_size", int), ("run", str), ("origin", str),
+                       ("config", dict), ("files", list), (SEAL, str)):
         _field(manifest, name, kind, where)
     _integer(manifest["step"], f"{where}: step")
     _integer(manifest["world_size"], f"{where}: world_size", 1)
@@ -159,8 +162,8 @@ def check_manifest(manifest, path) -> TrainConfig:
     check_schema(manifest, path)
     if manifest[SEAL] != seal(manifest):
         raise CheckpointError(f"{path}: manifest checksum mismatch: the manifest was edited "
-                              "after it was saved (its step, config, world size or an entry "
-                              "no longer match what was written)")
+                              "after it was saved (its step, config, world size, an entry or "
+                              "a file's size or checksum no longer match what was written)")
     try:
         config = TrainConfig.from_dict(manifest["config"])
     except (ConfigError, TypeError) as err:

@@ -13,12 +13,12 @@ yes to root on a read-only or virtual file system). If a write still fails at th
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
-from minipar.errors import OutputError
-from minipar.train.checkpoint import MANIFEST
+from minipar.errors import InputFileError, OutputError
+from minipar.files import load_json
+from minipar.train.manifest import MANIFEST
 
 
 def _writable_dir(directory: Path, setting: str, what: str) -> None:
@@ -59,11 +59,11 @@ def check_output_file(setting: str, path) -> Path:
 
 def _is_checkpoint(directory: Path) -> bool:
     """Does `directory` hold a minipar checkpoint's manifest (its format, not only its
-    name: a web app's manifest.json is no checkpoint)? Read as JSON, never unpickled."""
+    name: a web app's manifest.json is no checkpoint)? Read as JSON, never unpickled, and
+    only if it is a regular file (a FIFO named manifest.json would block the read)."""
     try:
-        with open(directory / MANIFEST, encoding="utf-8") as f:
-            manifest = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
+        manifest = load_json(directory / MANIFEST, what="manifest")
+    except (OSError, InputFileError):
         return False
     return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(
         "minipar.checkpoint/")

@@ -8,6 +8,7 @@ class: a ConfigError, so the CLI's MiniparError handling prints it, and a TraceE
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -104,6 +105,16 @@ def no_steps(trace):
 def not_an_event(trace):
     trace["traceEvents"][3] = 5
     return trace
+
+
+def memory_peak_of(nbytes):
+    """An edit: a memory peak of `nbytes`, its categories still summing to it."""
+    def edit(trace):
+        peak = trace["minipar"]["memory_peak"]
+        peak["by_category"]["params"] += nbytes - peak["bytes"]
+        peak["bytes"] = nbytes
+        return trace
+    return edit
 
 
 # (id, rank file to edit, edit, what the message must say besides the file's name)
@@ -215,6 +226,17 @@ CASES = [
     ("step name a number", 0, set_event("name", 3, cat="user_annotation"),
      ["traceEvents[", "name", "string"]),
     ("no ProfilerStep", 0, no_steps, ["no ProfilerStep"]),
+    # valid values, extreme: the figures made of them were inf GiB, nan%, a 300-digit
+    # MFU or an OverflowError traceback
+    ("end_s 1e300", 2, set_key("minipar.end_s", 1e300), ["minipar.end_s", "at most 1e+09"]),
+    ("memory peak 10**400 bytes", 5, memory_peak_of(10**400),
+     ["minipar.memory_peak.bytes", "at most"]),
+    ("sent_bytes 1e308", 0, set_event("args.sent_bytes", 1e308, compute=False),
+     ["args.sent_bytes", "at most"]),
+    ("a kernel of 1e300 FLOPs", 0, set_event("args.flops", 1e300),
+     ["ranks[0].hfu", "over 100%"]),
+    ("every kernel 1e308 FLOPs", 0, set_event("args.flops", 1e308, every=True),
+     ["ranks[0].hfu is inf", "not a finite number"]),
 ]
 
 
@@ -303,3 +325,85 @@ def test_the_json_report_is_written(good, tmp_path, capsys):
     assert main(["profile", str(good), "--json", str(path)]) == 0
     assert "profile written to" in capsys.readouterr().out
     assert json.loads(path.read_text())["verdict"]["bottleneck"]
+
+
+@pytest.mark.parametrize("what, says", [("a FIFO", "a FIFO (named pipe)"),
+                                        ("/dev/zero", "a character device"),
+                                        ("200 GiB", "200.0 GiB, larger than a trace can be")])
+def test_a_rank_file_that_is_not_a_trace_sized_file_is_refused_unread(good, tmp_path, capsys,
+                                                                     what, says):
+    """A FIFO blocked the read forever, /dev/zero read until memory ran out, a sparse
+    200 GiB file was read whole: each is refused from its stat, before a byte is read."""
+    folder = copy_of(good, tmp_path)
+    path = folder / "rank3.json"
+    path.unlink()
+    if what == "a FIFO":
+        os.mkfifo(path)
+    elif what == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(200 * 2**30)
+    assert main(["profile", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "rank3.json: not a JSON trace" in err and says in err, err
+
+
+def test_figures_out_of_range_together_are_one_line(good, tmp_path, capsys):
+    """Every file's device a 1e-300 FLOP/s GPU (the same in every file, each value
+    positive and finite): the MFU comes out infinite, and is refused as such."""
+    folder = copy_of(good, tmp_path)
+    for path in folder.glob("rank*.json"):
+        trace = json.loads(path.read_text())
+        trace["minipar"]["device"]["flops"] = 1e-300
+        path.write_text(json.dumps(trace))
+    assert main(["profile", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert f"{folder}: the profile's mfu is" in err and "not a run minipar" in err, err
+
+
+def test_kernels_that_executed_next_to_nothing_are_not_the_config_s_run(good, tmp_path,
+                                                                        capsys):
+    """Kernels of 1e-300 FLOPs each (valid numbers): the config's model needs ~1e300
+    times more, which made any MFU possible; refused as a figure out of range."""
+    folder = copy_of(good, tmp_path)
+    for path in folder.glob("rank*.json"):
+        path.write_text(json.dumps(set_event("args.flops", 1e-300, every=True)(
+            json.loads(path.read_text()))))
+    assert main(["profile", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert "the profile's mfu is" in err and "over 1000 times its HFU" in err, err
+
+
+def test_an_moe_run_dropping_tokens_has_an_mfu_over_100_percent_and_is_profiled(tmp_path):
+    """MFU counts the model's FLOPs, HFU the executed ones: an MoE layer dropping tokens
+    over capacity executes fewer than the model counts, so a compute-bound run's MFU can
+    pass 100% while its HFU cannot. Such a run is profiled, not refused."""
+    train(seq_len=8, n_layer=1, d_model=16, n_head=2, micro_batch_size=2, steps=1,
+          moe_num_experts=4, moe_capacity_factor=0.25, trace=tmp_path)
+    profile = profile_folder(tmp_path)
+    assert profile.mfu > 1 and all(r["hfu"] <= 1 + 1e-9 for r in profile.ranks)
+
+
+def test_the_json_report_on_a_full_disk_keeps_the_earlier_one(good, small_disk, capsys):
+    """`profile --json` onto a full disk: one line, exit 2, the profile printed, and the
+    earlier file at that path whole (it used to be truncated, with a traceback)."""
+    disk = small_disk("64k")
+    earlier = disk / "p.json"
+    earlier.write_text('{"earlier": true}')
+    with open(disk / "filler", "wb", buffering=0) as f:  # fill the disk up
+        try:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+        except OSError:
+            pass
+    assert main(["profile", str(good), "--json", str(earlier)]) == 2
+    out, err = capsys.readouterr()
+    assert "Bottleneck:" in out and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("minipar profile: error: --json: ") and "No space left" in err
+    assert json.loads(earlier.read_text()) == {"earlier": True}
+    assert sorted(p.name for p in disk.iterdir()) == ["filler", "p.json"]

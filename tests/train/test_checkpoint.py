@@ -3,17 +3,22 @@ consolidation to the single-device state dict, and clear errors for damaged file
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from minipar import distributed as dist
 from minipar.errors import CheckpointError, ConfigError
 from minipar.nn import GPT, GPTConfig, parameter_shapes
 from minipar.train import TrainConfig, train
 from minipar.train import checkpoint as ckpt
+from minipar.train import manifest as schema
 
 SMALL = dict(seq_len=8, n_layer=1, d_model=16, n_head=2, micro_batch_size=2, steps=4,
              grad_clip=0.05)
@@ -139,10 +144,67 @@ def test_loading_never_unpickles(saved):
     with open(path, "wb") as f:
         np.savez(f, **arrays)
     manifest = json.loads((saved / "manifest.json").read_text())
-    manifest["files"][0]["sha256"] = ckpt._sha256(path)
+    manifest["files"][0]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     manifest["files"][0]["bytes"] = path.stat().st_size
+    manifest[schema.SEAL] = schema.seal(manifest)  # the seal covers sha256 and bytes
     (saved / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"rank-00000\.npz: cannot read.*pickle"):
+        ckpt.load_checkpoint(saved)
+
+
+def resealed(directory, edit):
+    """Edit the manifest and fix its seal, as a determined hand would."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    manifest[schema.SEAL] = schema.seal(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_file_size_edited_into_the_manifest_breaks_its_seal(saved):
+    """`bytes` and `sha256` are under the seal: an edited size is refused before the
+    file it points at is read (a sparse file that size took minutes to hash)."""
+    path = saved / "rank-00000.npz"
+    with open(path, "r+b") as f:
+        f.truncate(2 * 2**30)  # 2 GiB, sparse
+    manifest = json.loads((saved / "manifest.json").read_text())
+    manifest["files"][0]["bytes"] = 2 * 2**30
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest checksum mismatch"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_rank_file_larger_than_its_arrays_is_not_read(saved):
+    """Resealed, the size still has to fit what the file's arrays can take: a 200 GiB
+    file is refused from its record, before a byte of it is read."""
+    path = saved / "rank-00000.npz"
+    with open(path, "r+b") as f:
+        f.truncate(200 * 2**30)  # sparse: nothing written
+    resealed(saved, lambda m: m["files"][0].update(bytes=200 * 2**30))
+    with pytest.raises(CheckpointError, match=r"rank-00000\.npz: the manifest says "
+                                              r"214748364800 bytes, but its arrays .* at most"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_fifo_as_a_rank_file_is_refused_without_blocking(saved):
+    path = saved / "rank-00001.npz"
+    path.unlink()
+    os.mkfifo(path)
+    resealed(saved, lambda m: m["files"][1].update(bytes=0))
+    with pytest.raises(CheckpointError, match=r"rank-00001\.npz: a FIFO .*not a regular file"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_manifest_nested_100000_deep_is_one_line(saved):
+    (saved / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"manifest\.json: unreadable manifest \(JSON "
+                                              r"nested deeper"):
+        ckpt.load_checkpoint(saved)
+
+
+def test_a_manifest_that_is_dev_zero_is_refused(saved):
+    (saved / "manifest.json").unlink()
+    (saved / "manifest.json").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match=r"unreadable manifest \(a character device"):
         ckpt.load_checkpoint(saved)
 
 
@@ -218,23 +280,189 @@ def test_cli_saves_resumes_and_consolidates(tmp_path):
     assert bad.returncode == 2 and "nowhere" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_a_failed_save_over_an_old_checkpoint_leaves_no_manifest(tmp_path, monkeypatch):
-    """Re-saving into the same step directory retires the old manifest before any rank
-    file is rewritten, so a crash cannot leave an old manifest beside new files."""
+# ------------------------------------------------------------------ saves that fail
+def test_a_failed_save_over_an_old_checkpoint_keeps_it(tmp_path, monkeypatch):
+    """A second run saving into the same directory (another --lr) that fails (a full
+    disk) leaves the first run's checkpoint complete: the new one is written beside it
+    and renamed into place only once complete; nothing of the failed save is left."""
+    config = TrainConfig(dp=2, zero=1, precision="fp32", **SMALL)
+    first = train(config, save_dir=tmp_path)
+    (step_dir,) = list(tmp_path.iterdir())
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_rank_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        train(config.replace(lr=2e-3), save_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [step_dir.name]  # no debris
+    state_dict = ckpt.consolidate(tmp_path)
+    for name, value in first.state_dict.items():
+        assert np.array_equal(state_dict[name], value), name
+
+
+def test_the_issue_recipe_on_a_small_tmpfs(small_disk):
+    """Two runs with different --lr into one --save on a 600 KiB tmpfs: the second fails
+    for space, and `minipar consolidate` still takes the first run's checkpoint."""
+    disk = small_disk("600k")
+    flags = ["--seq-len", "8", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
+             "--micro-batch-size", "2", "--steps", "2", "--quiet", "--save", str(disk / "ck")]
+    first = cli(["train", *flags])
+    assert first.returncode == 0, first.stderr
+    second = cli(["train", *flags, "--lr", "0.002"])
+    assert second.returncode == 2 and "No space left" in second.stderr, second.stderr
+    assert [p.name for p in (disk / "ck").iterdir()] == ["step-000002"]
+    result = cli(["consolidate", str(disk / "ck"), str(disk.parent / "model.npz")])
+    assert result.returncode == 0, result.stderr
+    assert "step-000002 (run " in result.stdout and "; step 2)" in result.stdout
+
+
+def cli(argv):
+    return subprocess.run([sys.executable, "-m", "minipar.cli", *argv], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_an_interrupted_save_keeps_the_old_checkpoint_and_leaves_no_temporaries(
+        tmp_path, monkeypatch):
+    """Ctrl-C while a rank file is half written: the temporary file and the staging
+    directory go, the checkpoint saved before stays."""
     config = TrainConfig(dp=2, zero=1, precision="fp32", **SMALL)
     train(config, save_dir=tmp_path)
-    (step_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert (step_dir / ckpt.MANIFEST).exists()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "step-000004").iterdir()}
+    real_savez = np.savez
 
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
+    def interrupted(f, **arrays):
+        if dist.get_rank() == 1:
+            f.write(b"half a file")
+            raise KeyboardInterrupt
+        real_savez(f, **arrays)
 
-    monkeypatch.setattr(ckpt, "write_rank_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(np, "savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(config.replace(lr=2e-3), save_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000004"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "step-000004").iterdir()} == before
+    assert ckpt.load_checkpoint(tmp_path).step == 4
+
+
+KILLED_SAVE = """
+import os, signal, sys
+import numpy as np
+from minipar.train import TrainConfig, train
+real_savez = np.savez
+def killed(f, **arrays):  # kill -9 half-way through a rank file
+    f.write(b"half a file"); f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+np.savez = killed
+train(TrainConfig(**{config!r}), save_dir={directory!r})
+"""
+
+
+def test_a_save_killed_half_way_loses_nothing_and_its_debris_goes_next_time(tmp_path):
+    """kill -9 during the second run's save: the first run's checkpoint still loads, and
+    the next save into the directory removes what the killed one left (its staging
+    directory, whose lock died with it)."""
+    settings = dict(dp=2, zero=1, precision="fp32", **SMALL)
+    first = train(TrainConfig(**settings), save_dir=tmp_path)
+    script = KILLED_SAVE.format(config={**settings, "lr": 2e-3}, directory=str(tmp_path))
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    state = ckpt.load_checkpoint(tmp_path)
+    for name, value in first.state_dict.items():
+        assert np.array_equal(state.tensors["param"][name], value), name
+    train(TrainConfig(**settings).replace(steps=2), save_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000004"]
+
+
+# ------------------------------------------------------------------ runs that share one
+def test_the_files_of_another_run_are_refused(tmp_path):
+    """Two runs saving into one directory at once could leave one run's rank file under
+    the other's manifest, checksums and all (rank 0 hashes the files it finds): every
+    file names its run, and loading compares it with the manifest's."""
+    settings = dict(dp=2, zero=3, precision="fp32", **{**SMALL, "steps": 2})
+    train(TrainConfig(**settings), save_dir=tmp_path / "a")
+    train(TrainConfig(**settings, lr=2e-3), save_dir=tmp_path / "b")
+    mine, theirs = (tmp_path / run / "step-000002" for run in "ab")
+    (mine / "rank-00001.npz").write_bytes((theirs / "rank-00001.npz").read_bytes())
+    manifest = json.loads((mine / "manifest.json").read_text())
+    data = (mine / "rank-00001.npz").read_bytes()
+    manifest["files"][1].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    manifest[schema.SEAL] = schema.seal(manifest)
+    (mine / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"rank-00001\.npz: written by run '[0-9a-f]+'"
+                                              r", but the manifest is run '[0-9a-f]+'.*two runs"):
+        ckpt.load_checkpoint(mine)
+
+
+def test_a_staging_directory_is_removed_only_once_its_writer_is_gone(tmp_path):
+    """A save cleans the staging directories of saves that died, and only those: the
+    lock of one being written (here held by this test, as another process would) keeps
+    it. Without locks (Windows) only its own run's would be removed."""
+    from minipar.files import DirectoryLock
+
+    config = TrainConfig(precision="fp32", **{**SMALL, "steps": 1})
+    alive, dead = tmp_path / ".step-000009.aaaa.partial", tmp_path / ".step-000009.bbbb.partial"
+    for staging in (alive, dead):
+        staging.mkdir(parents=True)
+        (staging / "rank-00000.npz").write_bytes(b"half")
+    writer = DirectoryLock(alive)
+    if writer.acquire() is None:
+        pytest.skip("no advisory locks on this system (fcntl.flock)")
+    try:
         train(config, save_dir=tmp_path)
-    assert not (step_dir / ckpt.MANIFEST).exists()
-    with pytest.raises(CheckpointError):
-        ckpt.load_checkpoint(step_dir)
+        assert alive.exists() and not dead.exists()
+    finally:
+        writer.release()
+    train(config, save_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"]
+
+
+def test_a_swap_interrupted_between_its_renames_keeps_the_old_checkpoint(tmp_path):
+    """The one moment a step directory is missing: its old checkpoint renamed aside, the
+    new one not yet renamed into place. Readers take the old one; the next save puts it
+    back."""
+    config = TrainConfig(precision="fp32", **{**SMALL, "steps": 1})
+    train(config, save_dir=tmp_path)
+    old = tmp_path / ".step-000001.0123abcd.old"
+    (tmp_path / "step-000001").rename(old)
+    assert ckpt.load_checkpoint(tmp_path).step == 1
+    train(config.replace(steps=2), save_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+
+
+# ------------------------------------------------------------------ which checkpoint
+def test_consolidate_refuses_a_directory_of_several_runs_and_says_which_it_takes(tmp_path):
+    """`minipar consolidate DIR` took the highest step of any run in DIR without a word;
+    now it takes the latest of one run's, says which, and refuses to guess between
+    runs (naming them and the way out)."""
+    settings = dict(precision="fp32", **{**SMALL, "steps": 2})
+    train(TrainConfig(**settings), save_dir=tmp_path / "ck", save_every=1)
+    train(TrainConfig(**{**settings, "lr": 2e-3, "steps": 3}), save_dir=tmp_path / "ck",
+          save_every=3)
+    refused = cli(["consolidate", str(tmp_path / "ck"), str(tmp_path / "m.npz")])
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert "holds the checkpoints of 2 runs" in refused.stderr
+    assert "step-000001, step-000002" in refused.stderr and "name the one" in refused.stderr
+    assert not (tmp_path / "m.npz").exists()
+    with pytest.raises(CheckpointError, match="2 runs"):
+        train(TrainConfig(**{**settings, "steps": 5}), resume_from=tmp_path / "ck")
+    chosen = cli(["consolidate", str(tmp_path / "ck" / "step-000003"), str(tmp_path / "m.npz")])
+    assert chosen.returncode == 0, chosen.stderr
+    assert "step-000003 (run " in chosen.stdout and "; step 3)" in chosen.stdout
+
+
+def test_a_run_resumed_into_its_own_save_directory_is_one_trajectory(tmp_path):
+    """Resuming into the directory one resumes from is no ambiguity: the resumed run
+    records whose trajectory it continues, and consolidate says so."""
+    settings = dict(precision="fp32", **{**SMALL, "steps": 2})
+    train(TrainConfig(**settings), save_dir=tmp_path, save_every=1)
+    train(TrainConfig(**{**settings, "steps": 3}), save_dir=tmp_path, resume_from=tmp_path)
+    first = json.loads((tmp_path / "step-000001" / "manifest.json").read_text())
+    last = json.loads((tmp_path / "step-000003" / "manifest.json").read_text())
+    assert last["run"] != first["run"] and last["origin"] == first["origin"] == first["run"]
+    result = cli(["consolidate", str(tmp_path), str(tmp_path / "m.npz")])
+    assert result.returncode == 0, result.stderr
+    assert f"(run {last['run']}, continuing run {first['run']}; step 3)" in result.stdout
 
 
 def test_resuming_with_other_optimizer_settings_warns_but_goes_on(saved):

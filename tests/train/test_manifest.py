@@ -61,7 +61,7 @@ def refused(directory, match):
 
 def test_the_saved_manifest_passes_its_own_checks(checkpoint):
     manifest = read(checkpoint)
-    assert manifest["format"] == "minipar.checkpoint/2"
+    assert manifest["format"] == "minipar.checkpoint/3"
     assert manifest[schema.SEAL] == schema.seal(manifest)
     schema.check_manifest(manifest, "manifest.json")
     assert ckpt.load_checkpoint(checkpoint).step == 2
