@@ -35,7 +35,9 @@ import importlib.util
 import json
 import os
 import pathlib
+import subprocess
 import sys
+import tempfile
 import types
 from dataclasses import replace
 
@@ -169,10 +171,17 @@ def megatron_args(shape, config) -> dict | None:
 
 # ------------------------------------------------------------------ calling them
 def load_megatron(path: str):
-    """theoretical_memory_usage.py from a Megatron-LM checkout (or the file itself), as
-    it ships, its package's `.utils` stubbed (the two names it imports)."""
+    """theoretical_memory_usage.py from a Megatron-LM checkout, a bare clone (the file at
+    its HEAD) or the file itself, as it ships, its package's `.utils` stubbed (the two
+    names it imports)."""
     source = pathlib.Path(path)
-    if source.is_dir():
+    if (source / "objects").is_dir() and (source / "HEAD").is_file():  # a bare clone
+        text = subprocess.run(["git", "--git-dir", str(source), "show",
+                               f"HEAD:{MEGATRON_FILE}"], check=True, capture_output=True
+                              ).stdout
+        source = pathlib.Path(tempfile.mkdtemp()) / "theoretical_memory_usage.py"
+        source.write_bytes(text)
+    elif source.is_dir():
         source = source / MEGATRON_FILE
     for name in ("megatron", "megatron.training"):
         sys.modules.setdefault(name, types.ModuleType(name)).__path__ = []

@@ -49,6 +49,7 @@ from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
     attention_flops_correction,
     chunk_tokens,
+    diagonal_share,
     exposed_ring_seconds,
     local_shape,
     pair_flops,
@@ -211,7 +212,7 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
                                              alpha + kv * e.activation / bandwidth,
                                              alpha + kv * e.compute / bandwidth,
-                                             config.flash_attention)
+                                             diagonal_share(c, config.flash_attention))
     recomputed = sum(config.recompute.recomputed_layers(n) for n in chunk_layers)
     forward, backward = layers * forward, layers * backward + recomputed * forward
     return (forward, backward) if split else forward + backward

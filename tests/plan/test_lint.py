@@ -150,10 +150,15 @@ def test_full_recomputation_where_selective_fits_is_too_much():
     (finding,) = [f for f in lint(shape, config, cluster) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-granularity selective" in finding.fix
     assert "UNNEEDED_CHECKPOINTING" not in codes(lint(shape, config, cluster))  # it was short
-    # and on BLOOM (which trained before selective recomputation) a block of 4 would do
-    # (3 with the ZeRO paper's bf16 gradients; BLOOM's DeepSpeed bf16 optimizer kept
-    # fp32 gradient accumulation buffers, the preset's default)
-    (bloom,) = [f for f in lint(*presets.bloom_example()) if f.code == "RECOMPUTES_TOO_MUCH"]
+    # and on BLOOM (which trained before selective recomputation) a block of 3 would do,
+    # with the ZeRO paper's bf16 gradients
+    shape, bloom_config, a100 = presets.bloom_example()
+    paper = bloom_config.replace(grad_accum_dtype="bf16")
+    (bloom,) = [f for f in lint(shape, paper, a100) if f.code == "RECOMPUTES_TOO_MUCH"]
+    assert "--recompute-method block --recompute-num-layers 3" in bloom.fix
+    # a block of 4 with fp32 gradient buffers (BLOOM's DeepSpeed bf16 optimizer kept them;
+    # the planner's default)
+    (bloom,) = [f for f in lint(shape, bloom_config, a100) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-method block --recompute-num-layers 4" in bloom.fix
 
 

@@ -112,8 +112,8 @@ def test_deepspeeds_estimators_still_say_what_the_fixture_says():
 def test_megatrons_theoretical_memory_still_says_what_the_fixture_says():
     path = os.environ.get("MINIPAR_MEGATRON_LM")
     if not path:
-        pytest.skip("MINIPAR_MEGATRON_LM is not set (a Megatron-LM checkout): the "
-                    "fixture's Megatron numbers are not re-checked")
+        pytest.skip("MINIPAR_MEGATRON_LM is not set (a Megatron-LM checkout or bare "
+                    "clone): the fixture's Megatron numbers are not re-checked")
     module, blob = SCRIPT.load_megatron(path)
     for row in FIXTURE["layouts"]:
         if row["megatron"] is not None:
