@@ -330,9 +330,12 @@ class WeightGradient:
 
 
 def _accumulate_into_leaf(leaf: Tensor, grad: np.ndarray, owned: bool) -> None:
-    """Add a finished gradient into `leaf.grad`, then run its post-accumulate hooks."""
-    if grad.dtype != leaf.data.dtype:
-        grad = grad.astype(leaf.data.dtype)
+    """Add a finished gradient into `leaf.grad` (in the leaf's `grad_dtype` if it has
+    one: a bf16 weight's fp32 gradient buffer sums each backward's bf16 gradient), then
+    run its post-accumulate hooks."""
+    dtype = getattr(leaf, "grad_dtype", None) or leaf.data.dtype
+    if grad.dtype != dtype:
+        grad = grad.astype(dtype)
         owned = True
     if leaf.grad is None:
         # The array may be shared with other consumers (Add passes one gradient to both

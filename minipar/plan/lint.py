@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
@@ -281,13 +282,13 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
                                    Recompute("full", "uniform", 1))):
                 if policy == config.recompute:
                     continue
-                ck = estimate(shape, config.with_recompute(policy), cluster)
-                if ck.fits:
+                ck = _estimate_if_valid(shape, config.with_recompute(policy), cluster)
+                if ck is not None and ck.fits:
                     options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
                     break
         for stage in range(config.zero + 1, 2 if config.pp > 1 else 3 if shape.is_moe else 4):
-            z = estimate(shape, _with_stage(config, stage), cluster)
-            if z.fits:
+            z = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
+            if z is not None and z.fits:
                 options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
                 break
         options.append(("expert parallelism (--ep: see EXPERTS_NEED_EP), "
@@ -305,6 +306,15 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _estimate_if_valid(shape, config, cluster) -> Estimate | None:
+    """The estimate of an alternative the lint weighs, or None if the layout refuses it
+    (selective recomputation under context parallelism, for one)."""
+    try:
+        return estimate(shape, config, cluster)
+    except ConfigError:
+        return None
 
 
 CHEAPER_RECOMPUTE_HEADROOM = 0.9  # advise less recomputation only below 90% of memory
@@ -342,8 +352,9 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
     # an estimate (within 10% of the emulator's, tests/plan/test_estimate.py), and a
     # layout at 99% of memory is one allocator fragment away from running out.
     roomy = CHEAPER_RECOMPUTE_HEADROOM * usable
-    selective = estimate(shape, config.with_recompute(Recompute("selective")), cluster)
-    if selective.memory["peak_total"] <= roomy:
+    selective = _estimate_if_valid(shape, config.with_recompute(Recompute("selective")),
+                                   cluster)
+    if selective is not None and selective.memory["peak_total"] <= roomy:
         return Finding(
             "RECOMPUTES_TOO_MUCH", "info",
             f"{what} recomputes whole layers, but recomputing only the attention core fits "
@@ -370,15 +381,20 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
 
 def _with_stage(config, stage: int):
     """`config` at another ZeRO stage, keeping the offload (and ZeRO-3's sharding across
-    nodes) that stage allows."""
+    nodes) that stage allows (and, for a stage Megatron-LM does not run, DeepSpeed's
+    memory accounting instead of its)."""
     optimizer = "none" if stage == 0 or (stage < 3 and config.offload_optimizer == "nvme") \
         else config.offload_optimizer
     param = config.offload_param if stage == 3 else "none"
     across = {} if stage == 3 else {
         "hsdp_shard_size": None, "zero_hpz_partition_size": 1, "reshard_after_forward": True,
         "zero_quantized_weights": False, "zero_quantized_gradients": False}
-    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param,
-                          **across)
+    accounting = ("deepspeed" if config.memory_accounting == "megatron" and stage > 1
+                  else config.memory_accounting)
+    return with_deepspeed_buckets(config.replace(
+        zero=stage, offload_optimizer=optimizer, offload_param=param,
+        memory_accounting=accounting,
+        overlap_param_gather=config.overlap_param_gather and stage == 1, **across))
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
@@ -392,10 +408,12 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
     extra = dp_seconds - base_seconds
     if extra <= share * est.step_time:
         return []
+    # a lower stage that fits and is faster by this plan's own figures (its traffic may
+    # be less exposed, or its memory buy no time: recommend it only when the step wins)
     lower = None
     for stage in range(config.zero - 1, -1, -1):
-        candidate = estimate(shape, _with_stage(config, stage), cluster)
-        if candidate.fits:
+        candidate = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
+        if candidate is not None and candidate.fits and candidate.step_time < est.step_time:
             lower = candidate
             break
     why = {1: "", 2: f" (the gradients are reduce-scattered on every one of the "
@@ -417,9 +435,10 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
                     + (f"; also {others}" if others else "") + ".")
     if lower is None:
         if across:
-            return [Finding("ZERO_COMM_DOMINATES", "warning", message + " No lower stage fits.",
-                            f"add {across[0][0]}")]
-        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits.",
+            return [Finding("ZERO_COMM_DOMINATES", "warning", message + " No lower stage fits "
+                            "and runs faster.", f"add {across[0][0]}")]
+        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits "
+                        "and runs faster.",
                         "accept it, or reduce accumulation steps / use more GPUs per "
                         "replica (tp, pp) so a lower ZeRO stage fits")]
     return [Finding(

@@ -1,5 +1,8 @@
 """Predicted time of one optimizer step, its pipeline bubble and MFU.
 
+Long because one rank's micro-batch is priced here whole: compute, TP, CP and ZeRO-3
+collectives (across nodes too), the data-parallel tail, the bubble; each is a few lines.
+
 One micro-batch on pipeline rank r costs t_r = its compute (stage_seconds: each kernel of
 plan/kernels.py on the cluster's roofline, or FLOPs / sustained FLOP/s on a uniform
 cluster), plus the tensor-parallel collectives and ZeRO-3 gathers it waits for (minipar's
@@ -50,6 +53,7 @@ from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
     attention_flops_correction,
     chunk_tokens,
+    diagonal_share,
     exposed_ring_seconds,
     local_shape,
     pair_flops,
@@ -182,6 +186,34 @@ def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             for kind, groups in stage_kernels(shape, config, stage).items()}
 
 
+def tp_overlap_hidden(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                      stage: StagePlan) -> dict[str, float]:
+    """Seconds of one micro-batch's tensor-parallel collectives that --tp-comm-overlap
+    hides, forward and backward (Megatron-LM with Transformer Engine's userbuffers,
+    Wang et al. 2022 / TE's `ub_overlap_ag` and `ub_overlap_rs`: each sequence-parallel
+    all-gather is pipelined with the GEMM that reads its output, each reduce-scatter with
+    the GEMM that writes its input, chunk by chunk): as much of the phase's TP time as the
+    phase's GEMMs last. What outlasts them stays exposed."""
+    if not config.tp_comm_overlap or config.tp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    links, m = group_links(config, cluster), config.micro_batches
+    comm = {"forward": 0.0, "backward": 0.0}
+    for transfer in stage_traffic(shape, config, stage):
+        if (transfer.group == "tp" and transfer.phase in comm
+                and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):
+            comm[transfer.phase] += transfer.count / m * transfer_time(transfer, cluster,
+                                                                       links["tp"])
+    gemm = {"forward": 0.0, "backward": 0.0}
+    for kind, groups in stage_kernels(shape, config, stage).items():
+        if kind in gemm:
+            gemms = [[k for k in kernels if k.gemm is not None] for _, kernels in groups]
+            gemm[kind] = sum(times * (cluster.roofline.total_seconds(kernels)
+                                      if cluster.roofline is not None else
+                                      sum(k.flops for k in kernels) / cluster.sustained_flops)
+                             for (times, _), kernels in zip(groups, gemms, strict=True))
+    return {kind: min(comm[kind], gemm[kind]) for kind in comm}
+
+
 def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                  chunk_layers: tuple[int, ...], split: bool = False):
     """Seconds per micro-batch that the ring attention exchanges of a rank's layers
@@ -204,7 +236,7 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
                                              alpha + kv * e.activation / bandwidth,
                                              alpha + kv * e.compute / bandwidth,
-                                             config.flash_attention)
+                                             diagonal_share(c, config.flash_attention))
     recomputed = sum(config.recompute.recomputed_layers(n) for n in chunk_layers)
     forward, backward = layers * forward, layers * backward + recomputed * forward
     return (forward, backward) if split else forward + backward
@@ -216,7 +248,8 @@ def overlap_needs_times(config: ParallelConfig) -> bool:
     at the end of backward: all of it is exposed) unless ZeRO-3 prefetches."""
     if config.zero == 3:
         return config.zero3_prefetch or config.overlap_grad_reduce
-    return config.overlap_grad_reduce and config.bucket_size_mb > 0
+    return (config.overlap_grad_reduce and config.bucket_size_mb > 0
+            or config.overlap_param_gather)
 
 
 def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -243,6 +276,10 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
                 spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
                 out[transfer.phase] += spent
                 backward_comm += spent if transfer.phase == "backward" else 0.0
+        hidden = tp_overlap_hidden(shape, config, cluster, part)
+        for phase in out:
+            out[phase] -= hidden[phase]
+        backward_comm -= hidden["backward"]
         comm_share = backward_comm / out["backward"] if out["backward"] > 0 else 0.0
         return out["forward"] * share, out["backward"] * share, comm_share
 
@@ -286,7 +323,7 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
     modules = (stage_modules(shape, config, cluster, stage)
                if config.replicas > 1 and not shape.is_moe
                and not config.sharding_across_nodes() else [])
-    return data_parallel_time(modules, config, collective)
+    return data_parallel_time(modules, config, collective, shape.tie_embeddings)
 
 
 def overlap_priced(transfer: Transfer, shape: ModelShape, config: ParallelConfig) -> bool:
@@ -322,6 +359,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
             step_comm += transfer.count * seconds
         else:
             per_micro_comm += transfer.count * seconds / m
+    per_micro_comm -= sum(tp_overlap_hidden(shape, config, cluster, stage).values())
     compute = compute_s["forward"] + compute_s["backward"]
     offload = offload_time(shape, config, cluster, stage)
     return {

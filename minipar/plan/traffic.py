@@ -75,7 +75,13 @@ from minipar.plan.cluster import (
 from minipar.plan.context import local_shape, ring_attention_bytes
 from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
 from minipar.plan.layout import ParallelConfig, StagePlan
-from minipar.plan.memory import flat_buffers, shard, stage_parameters
+from minipar.plan.memory import (
+    flat_buffers,
+    sequence_parallel_gradient_elements,
+    sequence_parallel_vectors,
+    shard,
+    stage_parameters,
+)
 from minipar.plan.shapes import ModelShape, padded_vocab
 
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
@@ -310,8 +316,6 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             add("all_reduce", 1, numel * a, full, "backward", "logits input gradient")
     else:
         gather, scatter = all_gather_sent(piece, a, t), reduce_scatter_sent(numel, a, t)
-        norms = 2 * (2 if shape.norm == "layernorm" else 1)
-        small = norms + (2 if shape.bias else 0)  # norm weights/biases, row-parallel biases
         add("all_gather", 2 * (layers + recomputed), numel * a, gather, "forward",
             "sequence-parallel all-gather (g)")
         add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
@@ -320,23 +324,18 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             "input re-gather and gradient all-gather")
         add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")
-        # (an MoE layer's experts hold their row-parallel biases whole: no all-reduce)
-        vectors = (small * layers - (moe if shape.bias else 0)
-                   + (norms // 2 if stage.last else 0))  # + ln_f's
+        vectors = sequence_parallel_vectors(shape, stage)
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
-            # finalize_model_grads; minipar/parallel/tensor/sequence.py), of the elements the
-            # optimizer reads: under ZeRO my shard's (about 1/N of them: the exact share
-            # depends on where the vectors fall in the flat buckets)
-            elements = vectors * h
-            if config.zero and config.replicas > 1:
-                elements = shard(elements, config.replicas)
+            # finalize_model_grads; minipar/parallel/tensor/sequence.py)
+            elements = sequence_parallel_gradient_elements(shape, config, stage)
             transfers.append(Transfer(
                 "all_reduce", "tp", t, elements * nbytes.grad, 1,
                 all_reduce_sent(elements, nbytes.grad, t), "backward",
                 SEQUENCE_PARALLEL_GRADIENTS))
-        else:  # (an offloaded optimizer keeps f's all-reduce per vector and micro-batch)
-            add("all_reduce", vectors, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
+        else:  # (an offloaded optimizer keeps f's all-reduce per vector and micro-batch,
+            # of the micro-batch's gradient: in the parameters' dtype, before accumulation)
+            add("all_reduce", vectors, h * nbytes.param, all_reduce_sent(h, nbytes.param, t),
                 "backward", "norm and bias gradient all-reduce")
         if stage.first:
             add("all_reduce", 1, numel * a, all_reduce_sent(numel, a, t), "forward",

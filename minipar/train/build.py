@@ -30,9 +30,11 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
+from minipar.autograd.precision import bfloat16, float32, float64
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context.model import parallelize_context
+from minipar.parallel.data.ddp import accumulate_gradients_in
 from minipar.parallel.expert.dispatch import parallelize_experts
 from minipar.parallel.pipeline.executor import Pipeline
 from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
@@ -57,6 +59,8 @@ def device_mesh(config: TrainConfig, **outside_a_launch) -> dist.DeviceMesh:
         dp_shard=config.hsdp_shard_size,
         dp_secondary=config.secondary_partition,
         dp_node_groups=config.zero_quantized_gradients, **outside_a_launch)
+
+GRAD_DTYPES = {"bf16": bfloat16, "fp32": float32, "fp64": float64}
 
 
 # ------------------------------------------------------------------ one rank's model
@@ -176,6 +180,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                             virtual_stages=config.virtual_stages,
                             build_chunk=functools.partial(build_model, config, mesh))
     named = list((model if pipeline is None else pipeline).named_parameters())
+    accumulate_gradients_in((p for _, p in named), GRAD_DTYPES[config.grad_dtype])
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
     tp_rank = mesh.tp_rank

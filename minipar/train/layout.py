@@ -16,7 +16,8 @@ Two configs build on this one definition, as Megatron-LM's `TransformerConfig` b
 inherits the parallel fields): minipar.train.config.TrainConfig (the model, the layout,
 the optimizer and the run) and minipar.plan.layout.ParallelConfig (the layout and what a
 real cluster adds). A field added here is a flag of `minipar train` and a setting of the
-planner at once.
+planner at once. Long because every layout setting's field, help line and rule live here
+and nowhere else.
 
 The rules below need nothing but the layout and run when it is built. The rules that need
 the model (heads that split over tp, layers enough for the stages, a sequence that cuts
@@ -36,6 +37,7 @@ from minipar.parallel.pipeline.schedules.registry import check_schedule_name
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+GRAD_ACCUM_DTYPES = ("bf16", "fp32")
 # Micro-batches per optimizer step: the trainer runs each one and the planner simulates
 # each one of the schedule; --grad-accum-steps 10**12 hung the planner and asked the
 # trainer for 29 TiB of token ids. Published runs use hundreds to a few thousand.
@@ -136,6 +138,14 @@ class Layout:
     # numerics and memory: the dtype policy; recomputation (Megatron-LM's flags,
     # minipar.nn.recompute)
     precision: str = setting("fp32", "numerics: fp64 (exact checks), fp32, bf16-mixed")
+    # the dtype gradients are accumulated and reduced in: with bf16-mixed, the ZeRO
+    # paper's 2 bytes (bf16, the parameters' dtype) or Megatron-LM's fp32 main_grad
+    # buffers (--accumulate-allreduce-grads-in-fp32, its default for --bf16), into which
+    # each micro-batch's bf16 gradient is summed; None: the parameters' dtype
+    grad_accum_dtype: str | None = setting(
+        None, "dtype gradients are accumulated and reduced in under bf16-mixed: bf16 (the "
+              "ZeRO paper's 2 bytes per parameter) or fp32 (Megatron-LM's main_grad, "
+              "4 bytes); default: the parameters' dtype")
     recompute_granularity: str | None = setting(
         None, "recompute in backward: selective (the attention core only) or full (whole "
               "blocks, every one without --recompute-method; Megatron-LM's flag)")
@@ -158,6 +168,7 @@ class Layout:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
         choice("precision", self.precision, PRECISIONS)
+        check_grad_accum_dtype(self.grad_accum_dtype, self.precision)
         check_schedule_name(self.schedule, ConfigError)
         bucket = self.bucket_size_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or \
@@ -228,6 +239,14 @@ class Layout:
         """Micro-batches per optimizer step on each DP rank (= grad_accum_steps; the
         pipeline's m)."""
         return self.grad_accum_steps
+
+    @property
+    def grad_dtype(self) -> str:
+        """The dtype gradients are accumulated and reduced in: grad_accum_dtype, or the
+        parameters' (bf16 under bf16-mixed)."""
+        if self.grad_accum_dtype is not None:
+            return self.grad_accum_dtype
+        return "bf16" if self.precision == "bf16-mixed" else self.precision
 
     @property
     def recompute(self) -> Recompute:
@@ -339,6 +358,21 @@ def check_offload_settings(optimizer: str, param: str, zero: int) -> None:
             f"{zero}): DeepSpeed's stage 1/2 optimizer has no NVMe swapper (stage_1_and_2.py "
             "keeps the state in CPU memory for any offload device); ZeRO-Infinity's NVMe "
             "swapping is stage 3's. Use --offload-optimizer cpu or --zero 3")
+
+
+def check_grad_accum_dtype(grad_accum_dtype: str | None, precision: str) -> None:
+    """--grad-accum-dtype names a dtype, one no narrower than the parameters' own: bf16
+    only under bf16-mixed (fp32 and fp64 parameters keep their gradients in their own
+    dtype), fp32 under bf16-mixed or fp32."""
+    if grad_accum_dtype is None:
+        return
+    choice("grad_accum_dtype", grad_accum_dtype, GRAD_ACCUM_DTYPES)
+    if precision == "fp64" or (grad_accum_dtype == "bf16" and precision != "bf16-mixed"):
+        raise ConfigError(
+            "grad_accum_dtype", f"--grad-accum-dtype {grad_accum_dtype} with --precision "
+            f"{precision}: {precision} parameters accumulate their gradients in {precision} "
+            "(a narrower buffer would round every micro-batch's sum); it chooses between "
+            "bf16 and fp32 under --precision bf16-mixed: drop it, or use bf16-mixed")
 
 
 def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
