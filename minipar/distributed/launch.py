@@ -54,6 +54,7 @@ from threadpoolctl import threadpool_limits
 
 from minipar.autograd.tracking import use_device
 
+from .allocator import keep_freed_memory
 from .clock import COMPUTE_KINDS, DeviceProfile
 from .cluster import Call, Cluster
 from .comm_log import PHASES
@@ -215,6 +216,7 @@ def launch(
             "GPU, it cannot start a cluster of its own. Call launch once, from the main "
             "program, and use process groups (dist.new_group, DeviceMesh) inside it")
     timeout = resolve_timeout(timeout)
+    keep_freed_memory()  # the next micro-batch's arrays reuse this one's (allocator.py)
     cluster = Cluster(world_size, gpus_per_node, device)
     if trace:
         for rank_device in cluster.devices:
