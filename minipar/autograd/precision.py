@@ -90,10 +90,12 @@ def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     and the collectives' reductions are bf16 adds in bf16-mixed runs."""
     if getattr(a, "dtype", None) != bfloat16 or getattr(b, "dtype", None) != bfloat16:
         return np.add(a, b, out=out)
-    shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
-    if a.shape != shape:
-        a, b = b, a  # the fp32 copy takes the result's shape (an fp32 add commutes bitwise)
-    total = np.broadcast_to(a, shape).astype(float32)
+    if a.shape != b.shape:  # the fp32 copy takes the result's shape (a broadcast bias)
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        if a.shape != shape:
+            a, b = b, a  # (an fp32 add commutes, bit for bit)
+        a = np.broadcast_to(a, shape)
+    total = np.array(a, dtype=float32)  # (an array also when a is a scalar)
     np.add(total, b, out=total)  # b converted to fp32 as it is read
     if out is None:
         total = total.astype(bfloat16)

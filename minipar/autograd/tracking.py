@@ -82,8 +82,9 @@ def is_recomputing() -> bool:
 
 def charge(device, flops: float, kind: str, op: str, kernels=None) -> None:
     """device.compute(flops, kind[, kernels]), naming the op when the device records a trace."""
-    args = (flops, kind) if kernels is None else (flops, kind, kernels)
     if getattr(device, "trace", None) is not None:
-        device.compute(*args, op=op)
+        device.compute(flops, kind, kernels, op=op)
+    elif kernels is None:
+        device.compute(flops, kind)
     else:
-        device.compute(*args)
+        device.compute(flops, kind, kernels)
