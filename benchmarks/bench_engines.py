@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 from arguments import positive_int
-from bench_step import cpu_model
+from machine import describe
 
 MODEL = dict(n_layer=4, d_model=192, n_head=6, seq_len=64, micro_batch_size=4,
              precision="fp32", data="corpus", seed=0)
@@ -125,8 +124,8 @@ def main(argv=None) -> int:
     from minipar.train import train
     from minipar.viz.tables import format_table
 
-    print(f"CPU: {cpu_model()}, {platform.machine()}; torch {torch.__version__}; "
-          f"python {platform.python_version()}; {args.rounds} rounds x {args.steps} steps")
+    print(f"{describe()}; torch {torch.__version__}; {args.rounds} rounds x {args.steps} "
+          "steps")
     for name in args.layouts:
         began = time.perf_counter()
         result = bench_layout(name, args.rounds, args.steps, get_engine, train)
