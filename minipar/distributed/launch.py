@@ -184,7 +184,7 @@ def _run_rank(cluster: Cluster, rank: int, fn, args, kwargs, results: list) -> N
     finally:
         with cluster.lock:
             cluster.rank_returned(rank)
-        cluster.turns.give_back(rank)
+            cluster.turns.give_back(rank)  # (with the lock: it may wake a queued rank)
 
 
 def launch(
@@ -278,6 +278,7 @@ def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
         if progress != last_progress:
             last_progress, last_change = progress, now
         with cluster.lock:
+            cluster.turns.wake_queued()  # ranks queued behind a holder that keeps the turn
             oldest = cluster.oldest_wait()
             waited = oldest is not None and now - oldest.since > timeout
             if cluster.failure is None and (waited or now - last_change > timeout):
