@@ -82,6 +82,20 @@ class Device:
         if self.trace is not None and clock.now > start:
             self.trace.kernel(kind, op or kind, clock.compute_label, start, clock.now, flops)
 
+    def lend_turn(self, flops: float) -> bool:
+        """Let another rank run while this one spends `flops` in one NumPy call that
+        releases the GIL (minipar.autograd.tracking.long_call; turns.py); True if lent."""
+        cluster = self._cluster
+        turns = getattr(cluster, "turns", None)  # (ranks of the thread engine only)
+        if turns is None:
+            return False
+        with cluster.lock:
+            return turns.lend(self.rank)
+
+    def take_turn(self) -> None:
+        """Take the turn again after a call it was lent for."""
+        self._cluster.turns.take(self.rank)
+
     def start_trace(self) -> None:
         """Record every compute span and the memory history from now on (see trace.py)."""
         self.trace = TraceRecorder()

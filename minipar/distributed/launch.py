@@ -61,6 +61,7 @@ from .comm_log import PHASES
 from .context import _rank_context, get_device
 from .errors import DistError, LaunchCancelled, LaunchTimeoutError, RankAborted
 from .p2p import finish_pending
+from .turns import SpareCore
 
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's default for NCCL process groups
 TIMEOUT_ENV = "MINIPAR_LAUNCH_TIMEOUT"
@@ -260,6 +261,7 @@ def launch(
 def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
     """Wait for the ranks; on a failure stop them; on a stall raise the timeout error."""
     last_progress, last_change = -1, time.monotonic()
+    spare = SpareCore()
     while True:
         alive = [t for t in threads if t.is_alive()]
         if not alive:
@@ -279,6 +281,7 @@ def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
             last_progress, last_change = progress, now
         with cluster.lock:
             cluster.turns.wake_queued()  # ranks queued behind a holder that keeps the turn
+            cluster.turns.lending = spare.look()  # lend it during GEMMs on a spare core
             oldest = cluster.oldest_wait()
             waited = oldest is not None and now - oldest.since > timeout
             if cluster.failure is None and (waited or now - last_change > timeout):

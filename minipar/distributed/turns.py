@@ -15,6 +15,14 @@ One turn, not two: a second rank could run a GEMM on the other core while one ru
 (the demo model's 8-rank step took 7-21% less wall time with two turns than with one, on
 an idle machine), but the two then contend for the GIL again (3-17k switches instead of
 ~6k in the step above), and on busy cores, where the explorers must answer, CPU counts.
+Instead the turn is *lent* for the length of one long GEMM (`lend`, through
+minipar.autograd.tracking.long_call): the GEMM runs without the GIL, so the next rank
+runs its Python beside it, and the lender takes the turn again after the call. Only when
+a core is spare (`SpareCore`): on busy cores lending is switching for nothing. Nor more
+BLAS threads per rank: with the turn, only one rank computes at a time, but OpenBLAS's
+threads spin-wait for each other, and with both cores taken by other jobs the demo's
+single-device step took 3.7-5.4 s with 2 BLAS threads instead of 0.4-0.55 s with one
+(benchmarks/README.md, "the emulator's own cost").
 
 A turn is a preference, not a lock: a rank runs anyway once the turn has not changed hands
 for PATIENCE_S while it waited, so a rank that sleeps or loops in its own code stops nobody
@@ -43,6 +51,7 @@ load 6), so that waking ranks still queue behind a holder that is merely computi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -65,11 +74,20 @@ class Turns:
         self._handovers = 0  # how many times the turn was taken: it changed hands
         self._handed_over_at = time.monotonic()  # when it last did
         self._queued: deque = deque()  # wake-ups of ranks that will run after the holder
+        self._taking = 0  # ranks in take() now (a hint: += from threads, under the GIL)
+        self.lending = False  # lend the turn during long NumPy calls (SpareCore says when)
 
     def take(self, rank: int) -> None:
         """Wait for the turn before `rank` runs its own code; run without it once the turn
         has not changed hands for PATIENCE_S (its holder sleeps or loops, or computes
         that long), and at once if it is stuck (module docstring)."""
+        self._taking += 1
+        try:
+            self._take(rank)
+        finally:
+            self._taking -= 1
+
+    def _take(self, rank: int) -> None:
         while True:
             handovers = self._handovers
             if time.monotonic() - self._handed_over_at < STUCK_S:
@@ -107,6 +125,16 @@ class Turns:
         else:
             wake()
 
+    def lend(self, rank: int) -> bool:
+        """Give the turn back for the length of one long NumPy call of `rank`'s (a GEMM,
+        which releases the GIL) if another rank wants it: that rank then runs its Python
+        on another core meanwhile, and `rank` takes the turn again after the call. True
+        if given. (Called with the cluster's lock held: it may wake a queued rank.)"""
+        if self.lending and self._has_turn[rank] and (self._queued or self._taking):
+            self.give_back(rank)
+            return True
+        return False
+
     def wake_queued(self) -> None:
         """Wake every queued rank if the turn has not changed hands for PATIENCE_S: its
         holder computes, sleeps or loops on, and they run anyway (`take`). The launch's
@@ -114,3 +142,49 @@ class Turns:
         if self._queued and time.monotonic() - self._handed_over_at >= PATIENCE_S:
             while self._queued:
                 self._queued.popleft()()
+
+
+class SpareCore:
+    """Is a core of this machine free for a second rank? The launch's watchdog asks at
+    each look and sets `Turns.lending` from the answer.
+
+    A lent turn lets a rank run its Python beside another's GEMM: on an idle core that is
+    wall time saved, on busy ones only more switching (the demo's 8-rank step: +600-900
+    context switches and +4% CPU with both cores taken by other jobs, no wall time
+    gained). So the turn is lent only while the cores the other processes use (all busy
+    time in /proc/stat, minus this process's own CPU time) leave at least SPARE_CORES
+    for this one, measured over the last WINDOW_S. Without /proc/stat (not Linux): never.
+    """
+
+    SPARE_CORES = 1.5  # one for the turn's holder, most of another for the lender's GEMM
+    WINDOW_S = 0.25
+
+    def __init__(self) -> None:
+        self._cores = os.cpu_count() or 1
+        self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._sample()
+        self._spare = False
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall, busy CPU seconds of the machine, CPU seconds of this process)."""
+        try:
+            with open("/proc/stat", "rb") as stat:
+                ticks = [int(t) for t in stat.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        return time.monotonic(), busy / self._ticks, time.process_time()
+
+    def look(self) -> bool:
+        """True if the other processes left SPARE_CORES free over the last WINDOW_S."""
+        if self._last is None or self._cores < 2:
+            return False
+        if time.monotonic() - self._last[0] >= self.WINDOW_S:
+            now = self._sample()
+            if now is None:
+                return False
+            wall, busy, ours = (b - a for a, b in zip(self._last, now, strict=True))
+            others = max(0.0, busy - ours) / wall  # cores the other processes kept busy
+            self._spare = self._cores - others >= self.SPARE_CORES
+            self._last = now
+        return self._spare

@@ -156,3 +156,60 @@ def test_a_rank_that_keeps_the_turn_through_a_long_call_slows_nobody():
 
     assert dist.launch(program, 3) == [100.0, 99.0, True]
     assert exchanged_during_the_call == [True]
+
+
+def test_the_turn_is_lent_only_to_a_rank_that_wants_it_and_only_on_a_spare_core():
+    ranks = Turns(2)
+    ranks.take(0)
+    assert not ranks.lend(0)  # lending off (no spare core measured yet)
+    ranks.lending = True
+    assert not ranks.lend(0)  # nobody waits for it
+    ranks._taking = 1  # rank 1 waits in take()
+    assert not ranks.lend(1)  # rank 1 does not hold it
+    assert ranks.lend(0) and ranks._has_turn == [False, False]
+    ranks.take(0)  # after its long call the lender takes it again
+    assert ranks._has_turn == [True, False]
+
+
+def test_a_rank_runs_while_another_computes_a_lent_gemm():
+    """Rank 0 holds the turn and enters a long GEMM (`long_call`) while rank 1 waits for
+    the turn: with a spare core the turn is lent and rank 1 runs during the GEMM; rank 0
+    takes the turn back after it. Without one, rank 1 waits."""
+    from minipar.autograd.tracking import long_call, use_device
+    from minipar.distributed.cluster import Cluster
+
+    for lending in (True, False):
+        cluster = Cluster(2)
+        ranks = cluster.turns
+        ranks.lending = lending
+        ranks.take(0)
+        took = threading.Event()
+
+        def rank_1(ranks=ranks, took=took):
+            ranks.take(1)
+            took.set()
+            ranks.give_back(1)
+
+        thread = threading.Thread(target=rank_1)
+        thread.start()
+        while not ranks._taking:  # rank 1 is in take()
+            time.sleep(0.001)
+        with use_device(cluster.devices[0]), long_call(1e9):  # as rank 0
+            ran_during_the_call = took.wait(turns.PATIENCE_S / 2)
+        thread.join()
+        assert ran_during_the_call == lending
+        assert ranks._has_turn[0]  # taken back after the call, or never lent
+        ranks.give_back(0)
+
+
+def test_a_spare_core_is_what_the_other_processes_leave(monkeypatch):
+    """SpareCore counts the machine's busy time minus this process's own CPU time."""
+    spare = turns.SpareCore()
+    spare._cores = 2
+    samples = iter([(1.0, 100.0, 10.0), (1.5, 100.5, 10.45)])  # others: 0.1 core busy
+    monkeypatch.setattr(spare, "_sample", lambda: next(samples))
+    spare._last = spare._sample()
+    assert spare.look()  # 1.9 cores spare
+    samples = iter([(2.0, 101.4, 10.5)])  # others: 1.6 cores busy over the last 0.5 s
+    monkeypatch.setattr(spare, "_sample", lambda: next(samples))
+    assert not spare.look()
