@@ -222,8 +222,8 @@ def _check_reduce_op(api: str, op: str, x: np.ndarray) -> None:
 def _reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
     """Reduce in list (= group rank) order into a fresh array of the inputs' dtype."""
     combine = REDUCE_OPS[op]
-    result = arrays[0].copy()
-    for a in arrays[1:]:
+    result = combine(arrays[0], arrays[1], out=np.empty_like(arrays[0]))  # (n >= 2)
+    for a in arrays[2:]:
         combine(result, a, out=result)
     if op == "avg":
         np.divide(result, np.array(len(arrays), dtype=result.dtype), out=result)

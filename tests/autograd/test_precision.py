@@ -46,7 +46,8 @@ def test_add_of_two_bf16_arrays_is_numpys_bit_for_bit():
             assert add(every, other, out=out) is out
             assert np.array_equal(out.view(np.uint16), expected)
         rows, column = every.reshape(256, 256), every[:256].reshape(256, 1)
-        for a, b in ((rows, column), (column, rows), (column, every[:256])):  # broadcasting
+        wide = every[:2048]  # (both broadcast, to a result large enough for the fp32 path)
+        for a, b in ((rows, column), (column, rows), (wide.reshape(-1, 1), wide)):
             assert np.array_equal(add(a, b).view(np.uint16), np.add(a, b).view(np.uint16))
         scalar = add(every[3], every[7])  # a scalar, as np.add returns
         assert type(scalar) is type(np.add(every[3], every[7])) and scalar == every[3] + every[7]
