@@ -213,3 +213,49 @@ def test_a_spare_core_is_what_the_other_processes_leave(monkeypatch):
     samples = iter([(2.0, 101.4, 10.5)])  # others: 1.6 cores busy over the last 0.5 s
     monkeypatch.setattr(spare, "_sample", lambda: next(samples))
     assert not spare.look()
+
+
+def _run_digest(config) -> tuple[str, ...]:
+    """Every figure of a run, as bytes: the report's JSON, the timelines and transfers,
+    and the trained weights."""
+    from minipar.train import train
+
+    report = train(config)
+    weights = b"".join(name.encode() + value.tobytes()
+                       for name, value in sorted(report.state_dict.items()))
+    return report.to_json(), repr(report.timelines), repr(report.transfers), weights
+
+
+def test_lending_the_turn_changes_the_timing_never_a_figure(monkeypatch):
+    """Whether a turn is lent depends on /proc/stat (SpareCore: what other processes do
+    on the machine), so it must change when ranks run, never what they compute: a 3D
+    run reports the same bytes with lending never, always, at random (as a busy machine
+    would switch it), and twice at random. Every GEMM is long here, so lending happens."""
+    from minipar.autograd import tracking
+    from minipar.train import TrainConfig
+
+    config = TrainConfig(steps=2, seq_len=16, n_layer=2, d_model=32, n_head=4,
+                         micro_batch_size=2, grad_accum_steps=2, dp=2, tp=2, pp=2,
+                         zero=1, sequence_parallel=True, precision="bf16-mixed")
+    monkeypatch.setattr(tracking, "LONG_CALL_FLOPS", 0)
+    lend, lent = Turns.lend, []
+
+    def run(decide):
+        def lend_as_decided(self, rank):
+            self.lending = decide()  # in place of SpareCore's answer
+            given = lend(self, rank)
+            lent.append(given)
+            return given
+
+        monkeypatch.setattr(Turns, "lend", lend_as_decided)
+        lent.clear()
+        digest = _run_digest(config)
+        return digest, sum(lent)
+
+    never, lent_never = run(lambda: False)
+    rng = np.random.default_rng()
+    always, lent_always = run(lambda: True)
+    randomly, _ = run(lambda: rng.random() < 0.5)
+    again, _ = run(lambda: rng.random() < 0.5)
+    assert lent_never == 0 and lent_always > 0  # the runs did differ in their timing
+    assert never == always == randomly == again
