@@ -158,6 +158,30 @@ def test_a_rank_that_keeps_the_turn_through_a_long_call_slows_nobody():
     assert exchanged_during_the_call == [True]
 
 
+def test_a_rank_whose_wait_the_holder_ends_is_woken_when_the_turn_is_given_back(monkeypatch):
+    ranks = Turns(3)
+    woken = []
+    ranks.wake_after(1, lambda: woken.append("by a rank without the turn"))
+    assert woken == ["by a rank without the turn"]  # at once
+    ranks.take(0)
+    ranks.wake_after(0, lambda: woken.append(1))
+    ranks.wake_after(0, lambda: woken.append(2))
+    assert woken == ["by a rank without the turn"]  # not while rank 0 holds the turn
+    ranks.give_back(0)
+    assert woken[1:] == [1]  # one at a time, in the order their waits ended
+    ranks.take(1)
+    ranks.give_back(1)
+    assert woken[1:] == [1, 2]
+    ranks.take(0)
+    ranks.wake_after(0, lambda: woken.append(3))
+    ranks.wake_queued()
+    assert woken[1:] == [1, 2]  # the turn changed hands just now
+    monkeypatch.setattr(turns.time, "monotonic", lambda: ranks._handed_over_at
+                        + 2 * turns.PATIENCE_S)
+    ranks.wake_queued()  # the watchdog: the holder kept the turn PATIENCE_S
+    assert woken[1:] == [1, 2, 3]
+
+
 def test_the_turn_is_lent_only_to_a_rank_that_wants_it_and_only_on_a_spare_core():
     ranks = Turns(2)
     ranks.take(0)
