@@ -28,6 +28,7 @@ from minipar.autograd.kernels import attention_kernels, linear_kernels
 from minipar.autograd.placement import require_reduced
 from minipar.autograd.precision import bfloat16, compute_dtype, float32
 from minipar.autograd.tensor import Tensor
+from minipar.autograd.tracking import long_call
 
 
 def row_sum(x: np.ndarray) -> np.ndarray:
@@ -59,20 +60,23 @@ class Linear(Function):
                 f"linear: input has {in_features} features but the weight is {weight.shape}"
                 f"{' (transposed)' if transpose_weight else ''}"
             )
+        m, n = x2.shape[0], w.shape[1]
         if x.dtype == bfloat16:  # tensor core: bf16 in, fp32 accumulate (+ bias), bf16 out
-            y = x2.astype(float32) @ w.astype(float32)
+            a, b = x2.astype(float32), w.astype(float32)
+            with long_call(2 * m * in_features * n):
+                y = a @ b
             if bias is not None:
                 y += bias.astype(float32)
             y = y.astype(bfloat16)
         else:
-            y = x2 @ w
+            with long_call(2 * m * in_features * n):
+                y = x2 @ w
             if bias is not None:
                 y += bias
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.x_shape = x.shape
         ctx.transpose_weight = transpose_weight
-        m, n = y.shape
         ctx.flops_forward = 2 * m * in_features * n + (m * n if bias is not None else 0)
         ctx.flops_backward = 4 * m * in_features * n + (m * n if bias is not None else 0)
         ctx.kernels_forward, ctx.kernels_backward = linear_kernels(
@@ -94,12 +98,16 @@ class Linear(Function):
         grad_x = grad_w = grad_b = None
         if need_x:
             w = weight.astype(float32) if bf16 else weight
-            grad_x = (g2 @ (w if ctx.transpose_weight else w.T)).reshape(ctx.x_shape)
+            w = w if ctx.transpose_weight else w.T
         if need_w:
             x = x.reshape(-1, x.shape[-1])
             if bf16:
                 x = x.astype(float32)
-            grad_w = g2.T @ x if ctx.transpose_weight else x.T @ g2
+        with long_call(2 * g2.size * ctx.x_shape[-1] * (need_x + need_w)):
+            if need_x:
+                grad_x = (g2 @ w).reshape(ctx.x_shape)
+            if need_w:
+                grad_w = g2.T @ x if ctx.transpose_weight else x.T @ g2
         if need_b:
             grad_b = g2.sum(axis=0)
         if bf16:

@@ -90,6 +90,7 @@ class RankModel:
     pipeline: Pipeline | None = None
     overlap_grad_reduce: bool = True
     sequence_parallel_params: list = field(default_factory=list)  # deferred TP sums
+    _moe_layers: list | None = field(default=None, init=False, repr=False)
 
     def finalize_model_grads(self) -> None:
         """Megatron's finalize_model_grads after the DP sync: SP's one TP all-reduce."""
@@ -102,8 +103,9 @@ class RankModel:
         gradients averaged over DP, then `finalize_model_grads`; returns the mean (LM) loss."""
         engine = self.engine
         # Each loss is seeded 1/m, so MoE aux losses weigh 1/m too (Megatron's set_loss_scale)
-        for part in self.parts():
-            set_aux_loss_scale(part, 1.0 / len(micro_batches))
+        if self.moe_layers():
+            for part in self.parts():
+                set_aux_loss_scale(part, 1.0 / len(micro_batches))
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
             # each chunk's buckets during its last backward (Megatron's
@@ -142,9 +144,13 @@ class RankModel:
         return [self.model] if self.pipeline is None else list(self.pipeline.chunks)
 
     def moe_layers(self) -> list[tuple[str, MoE]]:
-        """(global name such as "h.2.mlp", MoE) of the MoE layers this rank holds."""
-        return [(name, m) for part in self.parts() for name, m in part.named_modules()
-                if isinstance(m, MoE)]
+        """(global name such as "h.2.mlp", MoE) of the MoE layers this rank holds (looked
+        up once: what a rank runs does not change after it is built, and the training
+        loop asks at every step)."""
+        if self._moe_layers is None:
+            self._moe_layers = [(name, m) for part in self.parts()
+                                for name, m in part.named_modules() if isinstance(m, MoE)]
+        return self._moe_layers
 
     def routing(self) -> list[dict]:
         """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), by name."""
