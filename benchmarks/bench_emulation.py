@@ -1,67 +1,73 @@
 """What the emulation costs on the host: a dp2 x tp2 x pp2 step against one device.
 
-    python benchmarks/bench_emulation.py              # ~1.5 minutes on 2 cores
+    python benchmarks/bench_emulation.py              # ~2 minutes on 2 cores
     python benchmarks/bench_emulation.py --quick      # smoke run (a few seconds)
+    python benchmarks/bench_emulation.py --only scaling --rounds 5
 
 1. Overhead ratio. Wall time of one optimizer step of the demo model (`minipar demo`'s
-   config: 4 layers, d_model 64, 32 tokens, bf16-mixed) trained as dp2 x tp2 x pp2 with
-   ZeRO-1 on 8 virtual ranks, divided by the wall time of the single-device step on the
-   same global batch (32 sequences, in the same 8 micro-batches of 4; the run `--check`
-   compares against). 1.0 would mean emulating 8 GPUs costs nothing extra: the same
-   arithmetic, cut in pieces. The two alternate in one process, in rounds, so machine
-   noise hits both alike; the median of the per-round ratios is reported.
+   config: 4 layers, d_model 192, 6 heads, 64 tokens, bf16-mixed) trained as dp2 x tp2 x
+   pp2 with ZeRO-1 on 8 virtual ranks, divided by the wall time of the single-device step
+   on the same global batch (32 sequences, in the same 8 micro-batches of 4; the run
+   `--check` compares against). 1.0 would mean emulating 8 GPUs costs nothing extra: the
+   same arithmetic, cut in pieces. The two alternate in one process, in rounds, so
+   machine noise hits both alike; the median of the per-round ratios is reported, for
+   wall time and for CPU time (of the whole process: what the machine paid).
 2. Weak scaling. Wall time per step as the world grows from 1 to 64 ranks at fixed
-   per-rank work (data parallelism: every rank runs the same micro-batch of a small
+   per-rank work (data parallelism, ZeRO-1: every rank runs one micro-batch of a small
    model): ideal emulation costs world x (one rank's step), so the table shows the time
-   per rank-step relative to one rank.
+   per rank-step relative to one rank's. Every round measures every world once, smallest
+   first; each figure is the median over the rounds.
 
 A step's time is measured as (time of a run of 1 + k steps - time of a 1-step run) / k,
-which removes building the model and assembling the report.
+which removes building the model and assembling the report. The first line says what the
+machine is and how busy it was: on shared cores another job's load lands on some rounds
+and not others, which the medians absorb and a single run would not.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
 
-import numpy as np
 from arguments import positive_int
+from machine import describe
 
 from minipar.demo import DEMO_CONFIG
 from minipar.train import TrainConfig, train
 
 
-def step_seconds(config: TrainConfig, steps: int) -> float:
-    """Wall seconds of one steady-state optimizer step of `config`."""
+def step_seconds(config: TrainConfig, steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of one steady-state optimizer step of `config`."""
     def run(n):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         train(config.replace(steps=n, warmup_steps=0))
-        return time.perf_counter() - start
+        return time.perf_counter() - wall, time.process_time() - cpu
 
-    return (run(1 + steps) - run(1)) / steps
+    (wall_1, cpu_1), (wall_k, cpu_k) = run(1), run(1 + steps)
+    return (wall_k - wall_1) / steps, (cpu_k - cpu_1) / steps
 
 
 def overhead_ratio(config: TrainConfig, rounds: int, steps: int) -> dict:
-    """Median over rounds of (parallel step time / single-device step time)."""
+    """Median over rounds of (parallel step time / single-device step time), wall and CPU."""
     parallel = config.replace(check=False)
     single = parallel.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
                               grad_accum_steps=config.grad_accum_steps * config.dp,
                               global_batch_size=config.global_batch_size)
     step_seconds(parallel, 1), step_seconds(single, 1)  # warm up (imports, caches)
     times = {"parallel": [], "single": []}
-    ratios = []
     for _ in range(rounds):
-        p, s = step_seconds(parallel, steps), step_seconds(single, steps)
-        times["parallel"].append(p)
-        times["single"].append(s)
-        ratios.append(p / s)
-    return {"ratio": statistics.median(ratios), "ratios": ratios,
-            "parallel_s": statistics.median(times["parallel"]),
-            "single_s": statistics.median(times["single"])}
+        times["parallel"].append(step_seconds(parallel, steps))
+        times["single"].append(step_seconds(single, steps))
+    pairs = list(zip(times["parallel"], times["single"], strict=True))
+    return {"ratio": statistics.median(p[0] / s[0] for p, s in pairs),
+            "ratios": [p[0] / s[0] for p, s in pairs],
+            "cpu_ratio": statistics.median(p[1] / s[1] for p, s in pairs),
+            "parallel_s": statistics.median(p[0] for p, _ in pairs),
+            "single_s": statistics.median(s[0] for _, s in pairs),
+            "parallel_cpu_s": statistics.median(p[1] for p, _ in pairs),
+            "single_cpu_s": statistics.median(s[1] for _, s in pairs)}
 
 
 # Weak scaling uses a smaller rank program than the demo's (a 64-wide model, one micro-batch
@@ -72,46 +78,69 @@ SCALING = DEMO_CONFIG.replace(check=False, tp=1, pp=1, d_model=64, n_head=4, seq
                               precision="fp32")
 
 
-def weak_scaling(worlds, steps: int) -> list[dict]:
+def weak_scaling(worlds, rounds: int, steps: int) -> list[dict]:
     """Step time per world size at fixed per-rank work: data parallelism (ZeRO-1) over
-    `world` ranks, every rank running the same micro-batch of the SCALING model."""
-    rows, one = [], None
+    `world` ranks, every rank running the same micro-batch of the SCALING model; every
+    round measures each world once, the figures are medians over the rounds."""
+    configs = {world: SCALING.replace(dp=world, zero=1, grad_accum_steps=1,
+                                      global_batch_size=None) for world in worlds}
+    step_seconds(configs[worlds[0]], 1)  # warm up
+    measured = {world: [] for world in worlds}
+    for _ in range(rounds):
+        for world in worlds:
+            measured[world].append(step_seconds(configs[world], steps))
+    one_wall = statistics.median(w for w, _ in measured[worlds[0]]) / worlds[0]
+    one_cpu = statistics.median(c for _, c in measured[worlds[0]]) / worlds[0]
+    rows = []
     for world in worlds:
-        config = SCALING.replace(dp=world, zero=1, grad_accum_steps=1, global_batch_size=None)
-        seconds = min(step_seconds(config, steps) for _ in range(2 if world < 32 else 1))
-        one = seconds if one is None else one
-        rows.append({"world": world, "step_s": seconds, "per_rank_s": seconds / world,
-                     "vs_one": seconds / world / one})
+        wall = statistics.median(w for w, _ in measured[world])
+        cpu = statistics.median(c for _, c in measured[world])
+        rows.append({"world": world, "step_s": wall, "per_rank_s": wall / world,
+                     "vs_one": wall / world / one_wall, "cpu_per_rank_s": cpu / world,
+                     "cpu_vs_one": cpu / world / one_cpu})
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
-    parser.add_argument("--rounds", type=positive_int, default=7)
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="rounds of each part (default: 7 for the ratio, 3 for scaling)")
+    parser.add_argument("--only", choices=("ratio", "scaling"), default=None,
+                        help="run one of the two parts")
     args = parser.parse_args(argv)
-    rounds, steps = (2, 1) if args.quick else (args.rounds, 4)
+    steps = 1 if args.quick else 4
     worlds = (1, 2, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64)
-    print(f"Python {platform.python_version()}, NumPy {np.__version__}, "
-          f"{os.cpu_count()} CPU(s), {sys.platform}")
+    print(describe())
 
-    config = DEMO_CONFIG
-    result = overhead_ratio(config, rounds, steps)
-    print(f"\n1. demo model ({config.n_layer} layers, d_model {config.d_model}, seq "
-          f"{config.seq_len}, {config.precision}), global batch {config.global_batch_size}:")
-    print(f"   single device           {result['single_s'] * 1e3:7.1f} ms per step")
-    print(f"   dp2 x tp2 x pp2 ZeRO-1  {result['parallel_s'] * 1e3:7.1f} ms per step "
-          f"on 8 virtual ranks")
-    print(f"   overhead ratio (median of {rounds} rounds): {result['ratio']:.2f}  "
-          f"(rounds: {', '.join(f'{r:.2f}' for r in result['ratios'])})")
+    if args.only in (None, "ratio"):
+        rounds = 2 if args.quick else (args.rounds or 7)
+        config = DEMO_CONFIG
+        result = overhead_ratio(config, rounds, steps)
+        print(f"\n1. demo model ({config.n_layer} layers, d_model {config.d_model}, seq "
+              f"{config.seq_len}, {config.precision}), global batch "
+              f"{config.global_batch_size}:")
+        print(f"   single device           {result['single_s'] * 1e3:7.1f} ms per step "
+              f"(CPU {result['single_cpu_s'] * 1e3:.1f} ms)")
+        print(f"   dp2 x tp2 x pp2 ZeRO-1  {result['parallel_s'] * 1e3:7.1f} ms per step "
+              f"(CPU {result['parallel_cpu_s'] * 1e3:.1f} ms) on 8 virtual ranks")
+        print(f"   overhead ratio (median of {rounds} rounds): wall {result['ratio']:.2f}, "
+              f"CPU {result['cpu_ratio']:.2f}  (wall by round: "
+              f"{', '.join(f'{r:.2f}' for r in result['ratios'])})")
 
-    print(f"\n2. weak scaling: dp=world (ZeRO-1), each rank one micro-batch of "
-          f"{SCALING.micro_batch_size} x {SCALING.seq_len} tokens, d_model "
-          f"{SCALING.d_model}, {SCALING.n_layer} layers, {SCALING.precision}:")
-    print(f"   {'world':>5}  {'step':>10}  {'per rank':>9}  {'vs 1 rank':>9}")
-    for row in weak_scaling(worlds, steps):
-        print(f"   {row['world']:>5}  {row['step_s'] * 1e3:7.1f} ms  "
-              f"{row['per_rank_s'] * 1e3:6.1f} ms  {row['vs_one']:9.2f}")
+    if args.only in (None, "scaling"):
+        rounds = 1 if args.quick else (args.rounds or 3)
+        print(f"\n2. weak scaling: dp=world (ZeRO-1), each rank one micro-batch of "
+              f"{SCALING.micro_batch_size} x {SCALING.seq_len} tokens, d_model "
+              f"{SCALING.d_model}, {SCALING.n_layer} layers, {SCALING.precision}; median of "
+              f"{rounds} rounds:")
+        print(f"   {'world':>5}  {'step':>10}  {'per rank':>9}  {'vs 1 rank':>9}  "
+              f"{'CPU per rank':>12}  {'vs 1 rank':>9}")
+        for row in weak_scaling(worlds, rounds, steps):
+            print(f"   {row['world']:>5}  {row['step_s'] * 1e3:7.1f} ms  "
+                  f"{row['per_rank_s'] * 1e3:6.1f} ms  {row['vs_one']:9.2f}  "
+                  f"{row['cpu_per_rank_s'] * 1e3:9.1f} ms  {row['cpu_vs_one']:9.2f}")
+    print(f"\n{describe().rpartition('; ')[2]} at the end")
     return 0
 
 

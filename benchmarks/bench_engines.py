@@ -18,24 +18,27 @@ Three ways to run one training step of the demo model (4 layers, d_model 192, 6 
 The three alternate round by round, so that the machine's load hits each alike; a step's
 time is the median over the rounds of the median over steps after the first (rank 0's
 wall marks; the ranks meet at every step). Printed: each runner's step time and the
-ratios, in one run; the torch engine's start-up (the first pool of processes pays for
-importing torch in the forkserver; a later pool forks it warm); and, from the torch
-engine's report, per op the bytes its ranks put on their sockets (TCP_INFO) beside the
-ledger's ring-formula bytes. Skips with a message without torch (pip install -e '.[torch]').
+ratios, in one run; the CPU time per step of the thread engine's process (a run of k
+steps minus a 1-step run, over k - 1) and of DDP's processes (summed: on shared cores
+a layout of several processes takes a larger share of them than one process of threads,
+so wall ratios favour it as the load grows); the torch engine's start-up (the first
+pool of processes pays for importing torch in the forkserver; a later pool forks it
+warm); and, from the torch engine's report, per op the bytes its ranks put on their
+sockets (TCP_INFO) beside the ledger's ring-formula bytes. Skips with a message without
+torch (pip install -e '.[torch]').
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 from arguments import positive_int
-from bench_step import cpu_model
+from machine import describe
 
 MODEL = dict(n_layer=4, d_model=192, n_head=6, seq_len=64, micro_batch_size=4,
              precision="fp32", data="corpus", seed=0)
@@ -44,8 +47,9 @@ LAYOUTS = {"dp4": (dict(dp=4, grad_accum_steps=4), dict(dp=4, accum=4)),
                   dict(dp=8, accum=1))}
 
 
-def ddp_steps(steps: int, accum: int, vocab: int) -> list[float]:
-    """One DDP rank (run on the torch engine's processes: the default group is theirs)."""
+def ddp_steps(steps: int, accum: int, vocab: int) -> list[tuple[float, float]]:
+    """One DDP rank (run on the torch engine's processes: the default group is theirs):
+    (wall, CPU of this process) seconds of each step."""
     import torch
     import torch.distributed as tdist
     from bench_step import build_torch_model
@@ -64,13 +68,13 @@ def ddp_steps(steps: int, accum: int, vocab: int) -> list[float]:
                 torch.from_numpy(rng.integers(0, vocab, shape))) for _ in range(accum)]
     times = []
     for _ in range(steps):
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         for k, (idx, targets) in enumerate(batches):
             with model.no_sync() if k < accum - 1 else contextlib.nullcontext():
                 (model(idx, targets) / accum).backward()
         optimizer.step()
-        times.append(time.perf_counter() - began)
+        times.append((time.perf_counter() - began, time.process_time() - cpu))
     return times
 
 
@@ -83,18 +87,27 @@ def bench_layout(name: str, rounds: int, steps: int, get_engine, train) -> dict:
     config = dict(**MODEL, **settings, steps=steps)
     world = settings.get("dp", 1) * settings.get("tp", 1) * settings.get("pp", 1)
     times: dict[str, list[float]] = {"threads": [], "torch": [], "DDP": []}
+    cpu: dict[str, list[float]] = {"threads": [], "DDP": []}  # seconds per step
     threads = get_engine("threads")
     with get_engine("torch", nproc_per_node=world) as engine:  # DDP too: dp = world
         report = None
         for _ in range(rounds):
+            began = time.process_time()
             ours = train(**config, engine=threads)
+            run_cpu = time.process_time() - began
             times["threads"].append(later(ours.ranks[0]["measured"]["wall_step_s"]))
+            if steps > 1:  # a 1-step run's CPU (building, the first step) taken off
+                began = time.process_time()
+                train(**{**config, "steps": 1}, engine=threads)
+                cpu["threads"].append((run_cpu - time.process_time() + began) / (steps - 1))
             report = train(**config, engine=engine)
             times["torch"].append(later(report.ranks[0]["measured"]["wall_step_s"]))
             done = engine.launch(ddp_steps, world, steps, ddp["accum"],
                                  report.config["vocab_size"])
-            times["DDP"].append(later(done.results[0]))
+            times["DDP"].append(later([wall for wall, _ in done.results[0]]))
+            cpu["DDP"].append(sum(later([c for _, c in rank]) for rank in done.results))
     return {"times": {k: statistics.median(v) for k, v in times.items()},
+            "cpu": {k: statistics.median(v) for k, v in cpu.items() if v},
             "report": report, "startup": report.engine["startup_s"], "world": world}
 
 
@@ -125,8 +138,8 @@ def main(argv=None) -> int:
     from minipar.train import train
     from minipar.viz.tables import format_table
 
-    print(f"CPU: {cpu_model()}, {platform.machine()}; torch {torch.__version__}; "
-          f"python {platform.python_version()}; {args.rounds} rounds x {args.steps} steps")
+    print(f"{describe()}; torch {torch.__version__}; {args.rounds} rounds x {args.steps} "
+          "steps")
     for name in args.layouts:
         began = time.perf_counter()
         result = bench_layout(name, args.rounds, args.steps, get_engine, train)
@@ -139,6 +152,11 @@ def main(argv=None) -> int:
                              f"{1e3 * t['DDP']:.0f} ms", f"{t['torch'] / t['threads']:.2f}",
                              f"{t['torch'] / t['DDP']:.2f}",
                              f"{t['threads'] / t['DDP']:.2f}"]]))
+        c = result["cpu"]
+        if c:  # the torch engine's CPU is its processes': not measured here
+            print(f"CPU per step: threads {1e3 * c['threads']:.0f} ms (this process), DDP "
+                  f"{1e3 * c['DDP']:.0f} ms (its {result['world']} processes), threads / "
+                  f"DDP {c['threads'] / c['DDP']:.2f}")
         print(f"start-up of the torch engine's {result['world']} processes: "
               f"{result['startup']:.1f} s" + (" (the first pool: torch imported in the "
                                                "forkserver)" if name == args.layouts[0]

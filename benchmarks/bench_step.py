@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 from arguments import positive_int
+from machine import describe
 
 from minipar.nn import GPT, AdamW, GPTConfig
 
@@ -211,17 +211,6 @@ def run_size(torch, name: str, rounds: int) -> dict:
             "max_rel_diff": worst}
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=positive_int, default=16,
@@ -236,8 +225,7 @@ def main(argv=None) -> int:
         return 0
     threads, source = blas_threads()
     torch.set_num_threads(threads)
-    print(f"machine: {os.cpu_count()} CPUs, {cpu_model()}; python {platform.python_version()}"
-          f", numpy {np.__version__}, torch {torch.__version__}")
+    print(f"{describe()}; torch {torch.__version__}")
     print(f"threads: {threads} for both (numpy BLAS via {source}; torch.set_num_threads)")
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print("ms: median step time; ratio: minipar/torch of the medians; best: of the fastest "

@@ -5,6 +5,14 @@ write a SHA-256 digest of everything each run produced; run it on two trees, com
     PYTHONPATH=/path/to/main-tree python benchmarks/bit_identity.py digests-main.json
     python benchmarks/bit_identity.py --compare digests-main.json digests-branch.json
 
+A change that adds a field on purpose (a report field, a setting, which every report's
+config carries) shows everywhere; `--drop NAME` (repeatable) removes every key NAME, at
+any depth, from the reports and the trace files before they are digested, so two trees
+digested with the same --drop show that nothing else changed:
+
+    python benchmarks/bit_identity.py --wide --drop by_link a.json            # this tree
+    PYTHONPATH=/path/to/main-tree python benchmarks/bit_identity.py --wide --drop by_link b.json
+
 Digested per layout (2 steps of a small model): the report JSON (losses, grad norms,
 ledgers' bytes and peaks, comm logs, simulated clock), the per-rank timelines and
 transfers, the final state dict's dtypes, shapes and bytes, and every trace file.
@@ -52,8 +60,28 @@ TABLE_LAYOUTS = [
 ]
 
 
+DROPPED: set[str] = set()  # --drop: keys left out of every digested report and trace
+
+
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def without_dropped(value):
+    """`value` (parsed JSON) without the keys named by --drop, at any depth."""
+    if isinstance(value, dict):
+        return {k: without_dropped(v) for k, v in value.items() if k not in DROPPED}
+    if isinstance(value, list):
+        return [without_dropped(v) for v in value]
+    return value
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """A file's digest; a JSON file's without the dropped keys when --drop is given."""
+    if DROPPED and path.suffix == ".json":
+        data = without_dropped(json.loads(path.read_text()))
+        return digest(json.dumps(data, sort_keys=True).encode())
+    return digest(path.read_bytes())
 
 
 def report_digests(report) -> dict:
@@ -62,7 +90,7 @@ def report_digests(report) -> dict:
         state.update(f"{name} {value.dtype.str} {value.shape}".encode())
         state.update(value.tobytes())
     # The config section apart: a renamed or removed setting shows there alone.
-    fields = json.loads(report.to_json())
+    fields = without_dropped(json.loads(report.to_json()))
     config = fields.pop("config", None)
     return {"report": digest(json.dumps(fields, sort_keys=True).encode()),
             "config": digest(json.dumps(config, sort_keys=True).encode()),
@@ -110,7 +138,7 @@ def digests(wide: bool = False) -> dict:
         config = {**dict(n_layer=2, steps=2, seq_len=32, d_model=64, n_head=4), **layout}
         with tempfile.TemporaryDirectory() as folder:
             report = train(**config, trace=pathlib.Path(folder))
-            traces = {str(p.relative_to(folder)): digest(p.read_bytes())
+            traces = {str(p.relative_to(folder)): file_digest(p)
                       for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
         out[repr(layout)] = {**report_digests(report), "traces": traces}
         print(layout, "losses", report.losses, file=sys.stderr)
@@ -125,7 +153,10 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--wide", action="store_true",
                         help="also the grid, the tables' layouts and the demo (~3 min)")
+    parser.add_argument("--drop", action="append", default=[], metavar="NAME",
+                        help="leave every key NAME out of the reports and traces digested")
     args = parser.parse_args()
+    DROPPED.update(args.drop)
     if not args.compare:
         pathlib.Path(args.paths[0]).write_text(json.dumps(digests(args.wide), indent=1))
         return
@@ -137,8 +168,10 @@ def main() -> None:
             different.append((layout, [k for k in fields if fields[k] != other.get(k)]))
     for layout, fields in different:
         print(f"DIFFERENT {layout}: {fields}")
+    for layout in sorted(second.keys() - first.keys()):
+        print(f"NEW (only in {args.paths[1]}): {layout}")
     print(f"{len(first) - len(different)} of {len(first)} layouts bit-identical")
-    sys.exit(1 if different or first.keys() != second.keys() else 0)
+    sys.exit(1 if different or first.keys() - second.keys() else 0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Fit the roofline's two efficiencies on Narayanan et al. 2021, Table 1; print residuals.
+"""Fit the roofline's two efficiencies on Narayanan et al. 2021, Table 1 (A100) and on the
+fitted H100 runs of minipar/plan/published_h100.py; print residuals, held-out rows apart.
 
     python benchmarks/fit_time_model.py          # ~1-2 min on a busy laptop core
 
@@ -20,16 +21,21 @@ from dataclasses import replace
 
 from arguments import parse_no_flags
 
-from minipar.distributed.roofline import GEMM_EFFICIENCY, MEMORY_EFFICIENCY
-from minipar.plan import presets
+from minipar.distributed.roofline import (
+    GEMM_EFFICIENCY,
+    H100_GEMM_EFFICIENCY,
+    H100_MEMORY_EFFICIENCY,
+    MEMORY_EFFICIENCY,
+)
+from minipar.plan import presets, published_h100
 from minipar.plan.published import TOLERANCE, compare, format_comparison
 
 if __name__ == "__main__":
     parse_no_flags(__doc__)  # --help says what it measures; no flags to mistype
 
 
-def cluster_with(gemm: float, memory: float):
-    base = presets.cluster("a100-80gb")
+def cluster_with(gemm: float, memory: float, gpu: str = "a100-80gb"):
+    base = presets.cluster(gpu)
     return replace(base, roofline=base.roofline.replace(gemm_efficiency=gemm,
                                                         memory_efficiency=memory))
 
@@ -48,6 +54,25 @@ def grid(gemms, memories) -> tuple[float, float, float]:
             if best is None or value < best[0]:
                 best = (value, g, m)
     return best
+
+
+def h100() -> None:
+    """The H100's two efficiencies, fitted on the FITTED rows of published_h100.RUNS
+    only (the others are held out), then every row's residual."""
+    fitted = [run for run in published_h100.RUNS if run.fitted]
+
+    def h100_loss(g, m):
+        return loss(published_h100.compare(cluster_with(g, m, "h100-80gb"), fitted))
+
+    best = min((h100_loss(g, m), g, m) for g in (0.62, 0.64, 0.66, 0.68, 0.70, 0.72)
+               for m in (0.3, 0.35, 0.4, 0.45, 0.5, 0.55))
+    _, g, m = best
+    best = min((h100_loss(gg, mm), gg, mm) for gg in (g - 0.01, g, g + 0.01)
+               for mm in (m - 0.025, m, m + 0.025))
+    print(f"\nH100 fit on {len(fitted)} runs: gemm_efficiency {best[1]:.2f}, "
+          f"memory_efficiency {best[2]:.3f}, rms log error {best[0]:.4f}")
+    print(f"in roofline.py: {H100_GEMM_EFFICIENCY}, {H100_MEMORY_EFFICIENCY}\n")
+    print(published_h100.format_comparison(published_h100.compare()))
 
 
 def main() -> None:
@@ -74,6 +99,7 @@ def main() -> None:
         moved = compare(cluster)[worst]
         print(f"{name}: {rows[worst]['model']} {rows[worst]['tflops']:.1f} -> "
               f"{moved['tflops']:.1f} TFLOP/s")
+    h100()
 
 
 if __name__ == "__main__":

@@ -401,6 +401,16 @@ def check_figure_format(path: str) -> None:
 
 def equivalence_line(check: dict) -> str:
     """One line on the equivalence check: passed, or where the runs first differ."""
+    quantized = check.get("quantized")
+    if check["passed"] and quantized is not None:  # rounding on purpose: never a bare pass
+        rounds = " and ".join(quantized[k] for k in ("weights", "gradients") if k in quantized)
+        return (f"equivalence with single-device training: within the quantisation "
+                f"tolerance, not exact ({rounds} round on purpose): max relative parameter "
+                f"difference "
+                f"{check['max_rel_param_diff_per_step']:.2e} of the model's scale, loss "
+                f"{check['max_rel_loss_diff']:.2e}, tolerance {check['tolerance']:.0e}; "
+                f"gradient norms x{quantized['grad_norm_ratio']:.3f} on average (tolerance "
+                f"{quantized['grad_norm_tolerance']:g})")
     if check["passed"]:
         return (f"equivalence with single-device training: passed (max relative parameter "
                 f"difference {check['max_rel_param_diff_per_step']:.2e}, loss "

@@ -234,7 +234,7 @@ def test_the_drill_asks_first_and_hides_its_answers_until_the_experiment():
     notebook = read(NOTEBOOK_DIR / "07_interview_drill.ipynb")
     heads = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "markdown"
              and re.match(r"## (The question|Follow-up \d)", cell.source)]
-    assert len(heads) == 7
+    assert len(heads) == 8  # the question and its seven follow-ups
     for start, end in zip(heads, [*heads[1:], len(notebook.cells)], strict=True):
         section = notebook.cells[start:end]
         kinds = []

@@ -35,6 +35,7 @@ import numpy as np
 
 from minipar.autograd.function import Context
 from minipar.autograd.kernels import Kernel, array_bytes
+from minipar.autograd.precision import add
 from minipar.autograd.tracking import _current_device, charge, device_phase
 
 if TYPE_CHECKING:  # only annotations: tensor.py imports this module
@@ -188,7 +189,7 @@ class _Walk:
                 slots = self.pending.get(target)
                 if slots is None:
                     slots = self.pending[target] = [None] * len(target.out_shapes)
-                slots[index] = g if slots[index] is None else slots[index] + g
+                slots[index] = g if slots[index] is None else add(slots[index], g)
             remaining = self.node_deps[target] - 1
             self.node_deps[target] = remaining
             return remaining == 0
@@ -199,7 +200,7 @@ class _Walk:
             if entry is None:
                 self.leaf_pending[target] = [g, False]
             else:
-                entry[0] = entry[0] + g
+                entry[0] = add(entry[0], g)
                 entry[1] = True  # a fresh array: no copy needed
         remaining = self.leaf_deps[target] - 1
         self.leaf_deps[target] = remaining
@@ -330,9 +331,12 @@ class WeightGradient:
 
 
 def _accumulate_into_leaf(leaf: Tensor, grad: np.ndarray, owned: bool) -> None:
-    """Add a finished gradient into `leaf.grad`, then run its post-accumulate hooks."""
-    if grad.dtype != leaf.data.dtype:
-        grad = grad.astype(leaf.data.dtype)
+    """Add a finished gradient into `leaf.grad` (in the leaf's `grad_dtype` if it has
+    one: a bf16 weight's fp32 gradient buffer sums each backward's bf16 gradient), then
+    run its post-accumulate hooks."""
+    dtype = getattr(leaf, "grad_dtype", None) or leaf.data.dtype
+    if grad.dtype != dtype:
+        grad = grad.astype(dtype)
         owned = True
     if leaf.grad is None:
         # The array may be shared with other consumers (Add passes one gradient to both
@@ -345,7 +349,7 @@ def _accumulate_into_leaf(leaf: Tensor, grad: np.ndarray, owned: bool) -> None:
             device.memory.hold(leaf.grad, getattr(leaf, "grad_category", "grads"))
             leaf._grad_device = device
     else:
-        leaf.grad += grad
+        add(leaf.grad, grad, out=leaf.grad)
     if leaf._post_accumulate_grad_hooks:
         for hook in tuple(leaf._post_accumulate_grad_hooks):
             hook(leaf)

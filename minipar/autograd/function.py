@@ -79,35 +79,31 @@ class Context:
         if not self.recording:
             return
         device = _current_device.get()
-        saved = []
-        for item in items:
+        saved, held = [], []  # held: the arrays booked as activations
+        for item in items:  # (None, a scalar, a tuple of ints... are kept as they are)
             if isinstance(item, Tensor):
                 if item.requires_grad and item._ctx is None:
                     saved.append(item)
                     continue
                 item = item.data
+                held.append(item)
             elif isinstance(item, np.ndarray):
-                parameter = self._parameter_holding(item)
-                if parameter is not None:
-                    saved.append(parameter)
-                    continue
-            else:  # None, a scalar, a tuple of ints...
-                saved.append(item)
-                continue
-            if device is not None:
-                device.memory.hold(item, "activations")
-                if self._held is None:
-                    self._held = []
-                    self._device = device
-                self._held.append(item)
+                for parameter in self._parameters:  # a parameter's .data: keep the parameter
+                    if parameter.data is item:
+                        item = parameter
+                        break
+                else:
+                    held.append(item)
             saved.append(item)
         self._saved = tuple(saved)
-
-    def _parameter_holding(self, array: np.ndarray) -> Tensor | None:
-        for parameter in self._parameters:
-            if parameter.data is array:
-                return parameter
-        return None
+        if held and device is not None:
+            hold = device.memory.hold
+            for array in held:
+                hold(array, "activations")
+            if self._held is None:
+                self._held, self._device = held, device
+            else:
+                self._held += held
 
     @property
     def saved_tensors(self) -> tuple:
@@ -163,7 +159,7 @@ class Function:
         # enabled, the edge to whatever produced each input that needs a gradient (an
         # op's output, or a leaf: a parameter, whose saved .data save_for_backward keeps
         # by reference).
-        raw, edges, parameters = [], [], []
+        raw, edges, needs, parameters = [], [], [], []
         record = False
         if _grad_enabled.get():
             for arg in args:
@@ -171,6 +167,7 @@ class Function:
                     raw.append(arg.data)
                     if arg.requires_grad:
                         record = True
+                        needs.append(True)
                         if arg._ctx is None:
                             edges.append((arg, 0))
                             parameters.append(arg)
@@ -180,25 +177,29 @@ class Function:
                 else:
                     raw.append(arg)
                 edges.append(None)
+                needs.append(False)
         else:
             for arg in args:
                 raw.append(arg.data if isinstance(arg, Tensor) else arg)
         ctx = Context()
         if record:
             ctx.recording = True
-            ctx.needs_input_grad = tuple([edge is not None for edge in edges])
+            ctx.needs_input_grad = tuple(needs)
             ctx._parameters = parameters
         else:
             ctx.needs_input_grad = (False,) * len(args)
         out = cls.forward(ctx, *raw)
-        device = _current_device.get()
-        if device is not None and ctx.flops_forward:
-            if getattr(device, "wants_kernels", False):
-                kernels = ctx.kernels_forward or (Kernel(ctx.flops_forward, array_bytes(raw)
+        flops = ctx.flops_forward
+        if flops:
+            device = _current_device.get()
+            if device is None:
+                pass
+            elif getattr(device, "wants_kernels", False):
+                kernels = ctx.kernels_forward or (Kernel(flops, array_bytes(raw)
                                                          + array_bytes(_as_tuple(out))),)
-                charge(device, ctx.flops_forward, "forward", cls.__name__, kernels)
+                charge(device, flops, "forward", cls.__name__, kernels)
             else:
-                charge(device, ctx.flops_forward, "forward", cls.__name__)
+                charge(device, flops, "forward", cls.__name__)
         if not record:
             if isinstance(out, tuple):
                 return tuple(_new_tensor(o, None, 0) for o in out)

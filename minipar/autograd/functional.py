@@ -28,6 +28,7 @@ from minipar.autograd.kernels import attention_kernels, linear_kernels
 from minipar.autograd.placement import require_reduced
 from minipar.autograd.precision import bfloat16, compute_dtype, float32
 from minipar.autograd.tensor import Tensor
+from minipar.autograd.tracking import long_call
 
 
 def row_sum(x: np.ndarray) -> np.ndarray:
@@ -59,20 +60,23 @@ class Linear(Function):
                 f"linear: input has {in_features} features but the weight is {weight.shape}"
                 f"{' (transposed)' if transpose_weight else ''}"
             )
+        m, n = x2.shape[0], w.shape[1]
         if x.dtype == bfloat16:  # tensor core: bf16 in, fp32 accumulate (+ bias), bf16 out
-            y = x2.astype(float32) @ w.astype(float32)
+            a, b = x2.astype(float32), w.astype(float32)
+            with long_call(2 * m * in_features * n):
+                y = a @ b
             if bias is not None:
                 y += bias.astype(float32)
             y = y.astype(bfloat16)
         else:
-            y = x2 @ w
+            with long_call(2 * m * in_features * n):
+                y = x2 @ w
             if bias is not None:
                 y += bias
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.x_shape = x.shape
         ctx.transpose_weight = transpose_weight
-        m, n = y.shape
         ctx.flops_forward = 2 * m * in_features * n + (m * n if bias is not None else 0)
         ctx.flops_backward = 4 * m * in_features * n + (m * n if bias is not None else 0)
         ctx.kernels_forward, ctx.kernels_backward = linear_kernels(
@@ -94,12 +98,16 @@ class Linear(Function):
         grad_x = grad_w = grad_b = None
         if need_x:
             w = weight.astype(float32) if bf16 else weight
-            grad_x = (g2 @ (w if ctx.transpose_weight else w.T)).reshape(ctx.x_shape)
+            w = w if ctx.transpose_weight else w.T
         if need_w:
             x = x.reshape(-1, x.shape[-1])
             if bf16:
                 x = x.astype(float32)
-            grad_w = g2.T @ x if ctx.transpose_weight else x.T @ g2
+        with long_call(2 * g2.size * ctx.x_shape[-1] * (need_x + need_w)):
+            if need_x:
+                grad_x = (g2 @ w).reshape(ctx.x_shape)
+            if need_w:
+                grad_w = g2.T @ x if ctx.transpose_weight else x.T @ g2
         if need_b:
             grad_b = g2.sum(axis=0)
         if bf16:
@@ -218,6 +226,49 @@ def gelu(x: Tensor) -> Tensor:
     return GELU.apply(x)
 
 
+class SwiGLU(Function):
+    """The gated linear unit of Llama's MLP (Shazeer 2020, "GLU Variants Improve
+    Transformer"): x = [a | b] of width 2f -> silu(a) * b of width f, silu(a) =
+    a sigmoid(a). Megatron-LM's `bias_swiglu` on linear_fc1's fused output, as here.
+    Saves only x; 5 FLOPs per output element forward, 8 backward (minipar's convention,
+    as plan/shapes.py counts it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        work = compute_dtype(x.dtype)
+        a, b = np.split(x.astype(work, copy=False), 2, axis=-1)
+        y = 1.0 / (1.0 + np.exp(-a))  # sigmoid(a)
+        y *= a
+        y *= b
+        ctx.save_for_backward(x)
+        ctx.flops_forward = 5 * y.size
+        ctx.flops_backward = 8 * y.size
+        return y.astype(x.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        work = compute_dtype(x.dtype)
+        a, b = np.split(x.astype(work, copy=False), 2, axis=-1)
+        g = grad.astype(work, copy=False)
+        sig = 1.0 / (1.0 + np.exp(-a))
+        silu = a * sig
+        # d silu / da = sig (1 + a (1 - sig))
+        da = 1.0 - sig
+        da *= a
+        da += 1.0
+        da *= sig
+        da *= b
+        da *= g
+        db = silu * g
+        return np.concatenate([da, db], axis=-1).astype(x.dtype, copy=False)
+
+
+def swiglu(x: Tensor) -> Tensor:
+    require_reduced(x, "swiglu")
+    return SwiGLU.apply(x)
+
+
 # ---------------------------------------------------------------------------- softmax
 @functools.lru_cache(maxsize=64)
 def causal_mask(length: int, dtype_name: str) -> np.ndarray:
@@ -268,6 +319,56 @@ def softmax(x: Tensor, causal: bool = False) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- attention
+def _attention_forward(q, k, v, dropout_p, generator):
+    """softmax(causal(q k^T / sqrt(hd))) v on (B, H, T, hd) arrays of the compute dtype:
+    (the output (B, H, T, hd), the probabilities, the dropout's keep mask or None)."""
+    length, head_dim = q.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim)
+    att = (q * scale) @ k.swapaxes(-1, -2)  # (B, H, T, T)
+    att += causal_mask(length, att.dtype.name)
+    _softmax_inplace(att)
+    keep = None
+    if dropout_p > 0.0:
+        keep = generator.random(att.shape, dtype=np.float32) >= dropout_p
+        y = (att * keep) @ v
+        y *= 1.0 / (1.0 - dropout_p)
+    else:
+        y = att @ v  # (B, H, T, hd)
+    return y, att, keep
+
+
+def _attention_backward(dy, q, k, v, att, keep, dropout_p, dq, dk, dv) -> None:
+    """The gradients of `_attention_forward` written into dq, dk, dv (B, H, T, hd)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    datt = dy @ v.swapaxes(-1, -2)  # (B, H, T, T)
+    if keep is not None:
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        np.matmul((att * keep).swapaxes(-1, -2), dy, out=dv)
+        dv *= inv_keep
+        datt *= keep
+        datt *= inv_keep
+    else:
+        np.matmul(att.swapaxes(-1, -2), dy, out=dv)
+    # softmax backward: ds = p * (dp - sum_j dp_j p_j); masked entries have p = 0
+    datt -= row_dot(datt, att)
+    datt *= att
+    datt *= scale  # scores = scale * q k^T
+    np.matmul(datt, k, out=dq)
+    np.matmul(datt.swapaxes(-1, -2), q, out=dk)
+
+
+def _attention_costs(ctx, batch: int, n_heads: int, length: int, head_dim: int,
+                     itemsize: int, dropout: bool) -> None:
+    """FLOPs and kernels of attention over n_heads query heads (K/V heads shared by
+    several query heads cost nothing more: each query head multiplies its own)."""
+    scores = batch * n_heads * length * length
+    flops = 4 * scores * head_dim  # two matmuls
+    ctx.flops_forward = flops + 5 * scores
+    ctx.flops_backward = 2 * flops + 4 * scores
+    ctx.kernels_forward, ctx.kernels_backward = attention_kernels(
+        batch * n_heads, length, head_dim, itemsize, dropout)
+
+
 class CausalSelfAttention(Function):
     """Fused causal multi-head attention (Vaswani et al. 2017, GPT-2's masking).
 
@@ -292,25 +393,12 @@ class CausalSelfAttention(Function):
         q = heads[:, :, 0].transpose(0, 2, 1, 3)  # (B, H, T, hd), views
         k = heads[:, :, 1].transpose(0, 2, 1, 3)
         v = heads[:, :, 2].transpose(0, 2, 1, 3)
-        scale = 1.0 / math.sqrt(head_dim)
-        att = (q * scale) @ k.swapaxes(-1, -2)  # (B, H, T, T)
-        att += causal_mask(length, work.name)
-        _softmax_inplace(att)
-        keep = None
-        if dropout_p > 0.0:
-            keep = generator.random(att.shape, dtype=np.float32) >= dropout_p
-            y = (att * keep) @ v
-            y *= 1.0 / (1.0 - dropout_p)
-        else:
-            y = att @ v  # (B, H, T, hd)
+        y, att, keep = _attention_forward(q, k, v, dropout_p, generator)
         out = y.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * head_dim)
         ctx.save_for_backward(qkv, att.astype(qkv.dtype, copy=False), keep)
         ctx.head_dim, ctx.dropout_p = head_dim, dropout_p
-        flops = 4 * batch * n_heads * length * length * head_dim  # two matmuls
-        ctx.flops_forward = flops + 5 * att.size
-        ctx.flops_backward = 2 * flops + 4 * att.size
-        ctx.kernels_forward, ctx.kernels_backward = attention_kernels(
-            batch * n_heads, length, head_dim, qkv.dtype.itemsize, dropout_p > 0.0)
+        _attention_costs(ctx, batch, n_heads, length, head_dim, qkv.dtype.itemsize,
+                         dropout_p > 0.0)
         return out.astype(qkv.dtype, copy=False)
 
     @staticmethod
@@ -327,29 +415,77 @@ class CausalSelfAttention(Function):
         att = att.astype(work, copy=False)
         dy = grad.astype(work, copy=False).reshape(batch, length, n_heads, head_dim)
         dy = dy.transpose(0, 2, 1, 3)  # (B, H, T, hd)
-        scale = 1.0 / math.sqrt(head_dim)
-
         grad_qkv = np.empty((batch, length, 3, n_heads, head_dim), dtype=work)
         dq = grad_qkv[:, :, 0].transpose(0, 2, 1, 3)  # views to write into
         dk = grad_qkv[:, :, 1].transpose(0, 2, 1, 3)
         dv = grad_qkv[:, :, 2].transpose(0, 2, 1, 3)
-        datt = dy @ v.swapaxes(-1, -2)  # (B, H, T, T)
-        if keep is not None:
-            inv_keep = 1.0 / (1.0 - dropout_p)
-            np.matmul((att * keep).swapaxes(-1, -2), dy, out=dv)
-            dv *= inv_keep
-            datt *= keep
-            datt *= inv_keep
-        else:
-            np.matmul(att.swapaxes(-1, -2), dy, out=dv)
-        # softmax backward: ds = p * (dp - sum_j dp_j p_j); masked entries have p = 0
-        datt -= row_dot(datt, att)
-        datt *= att
-        datt *= scale  # scores = scale * q k^T
-        np.matmul(datt, k, out=dq)
-        np.matmul(datt.swapaxes(-1, -2), q, out=dk)
+        _attention_backward(dy, q, k, v, att, keep, dropout_p, dq, dk, dv)
         return (grad_qkv.reshape(batch, length, width).astype(qkv.dtype, copy=False),
                 None, None, None)
+
+
+class GroupedQueryAttention(Function):
+    """Causal attention with fewer key/value heads than query heads (grouped-query
+    attention, Ainslie et al. 2023; Llama-2 70B, Mistral): each key/value head serves a
+    group of `group` query heads, query head h reading key/value head h // group.
+
+    qkv: (B, T, KV*(group+2)*head_dim) in Megatron-LM's layout (megatron/core/transformer/
+    attention.py, `get_query_key_value_tensors`): per key/value head, its group's query
+    heads, then its k, then its v. So tensor parallelism cuts qkv's columns into whole
+    groups (a plain Shard: rank i holds KV/t groups), and KV is read off the width.
+    Returns (B, T, KV*group*head_dim), heads merged. Saves qkv and the probabilities.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, head_dim, group, dropout_p, generator):
+        batch, length, width = qkv.shape
+        if width % ((group + 2) * head_dim):
+            raise ValueError(f"grouped-query attention: qkv width {width} is not a multiple "
+                             f"of (group + 2) * head_dim = {(group + 2) * head_dim}")
+        q, k, v = _grouped_heads(qkv, head_dim, group)
+        n_heads = q.shape[1]
+        y, att, keep = _attention_forward(q, k, v, dropout_p, generator)
+        out = y.transpose(0, 2, 1, 3).reshape(batch, length, n_heads * head_dim)
+        ctx.save_for_backward(qkv, att.astype(qkv.dtype, copy=False), keep)
+        ctx.head_dim, ctx.group, ctx.dropout_p = head_dim, group, dropout_p
+        _attention_costs(ctx, batch, n_heads, length, head_dim, qkv.dtype.itemsize,
+                         dropout_p > 0.0)
+        return out.astype(qkv.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, att, keep = ctx.saved_tensors
+        head_dim, group, dropout_p = ctx.head_dim, ctx.group, ctx.dropout_p
+        batch, length, width = qkv.shape
+        q, k, v = _grouped_heads(qkv, head_dim, group)
+        n_heads, kv_heads = q.shape[1], q.shape[1] // group
+        dy = grad.astype(q.dtype, copy=False).reshape(batch, length, n_heads, head_dim)
+        dy = dy.transpose(0, 2, 1, 3)
+        dq, dk, dv = (np.empty_like(k) for _ in range(3))
+        _attention_backward(dy, q, k, v, att.astype(q.dtype, copy=False), keep, dropout_p,
+                            dq, dk, dv)
+        grad_qkv = np.empty((batch, length, kv_heads, group + 2, head_dim), dtype=q.dtype)
+        grad_qkv[:, :, :, :group] = dq.transpose(0, 2, 1, 3).reshape(
+            batch, length, kv_heads, group, head_dim)
+        # each key/value head's gradient: the sum over the query heads of its group
+        for i, d in ((group, dk), (group + 1, dv)):
+            grad_qkv[:, :, :, i] = d.reshape(batch, kv_heads, group, length, head_dim).sum(
+                axis=2).transpose(0, 2, 1, 3)
+        return (grad_qkv.reshape(batch, length, width).astype(qkv.dtype, copy=False),
+                None, None, None, None)
+
+
+def _grouped_heads(qkv, head_dim: int, group: int):
+    """(B, H, T, hd) arrays of the compute dtype from grouped-layout qkv: the query
+    heads, and each key and value head repeated for the `group` query heads reading it."""
+    batch, length, width = qkv.shape
+    kv_heads = width // ((group + 2) * head_dim)
+    work = compute_dtype(qkv.dtype)
+    heads = qkv.astype(work, copy=False).reshape(batch, length, kv_heads, group + 2, head_dim)
+    q = heads[:, :, :, :group].reshape(batch, length, kv_heads * group, head_dim)
+    k, v = (np.repeat(heads[:, :, :, i].transpose(0, 2, 1, 3), group, axis=1)
+            for i in (group, group + 1))
+    return q.transpose(0, 2, 1, 3), k, v
 
 
 def causal_self_attention(qkv: Tensor, head_dim: int, dropout_p: float = 0.0,
@@ -359,6 +495,16 @@ def causal_self_attention(qkv: Tensor, head_dim: int, dropout_p: float = 0.0,
     if dropout_p > 0.0 and generator is None:
         raise ValueError("attention dropout needs a seeded numpy Generator (generator=...)")
     return CausalSelfAttention.apply(qkv, head_dim, dropout_p, generator)
+
+
+def grouped_query_attention(qkv: Tensor, head_dim: int, group: int, dropout_p: float = 0.0,
+                            generator: np.random.Generator | None = None) -> Tensor:
+    """Fused causal grouped-query attention on Megatron-layout qkv; see
+    `GroupedQueryAttention`."""
+    require_reduced(qkv, "attention")
+    if dropout_p > 0.0 and generator is None:
+        raise ValueError("attention dropout needs a seeded numpy Generator (generator=...)")
+    return GroupedQueryAttention.apply(qkv, head_dim, group, dropout_p, generator)
 
 
 # ---------------------------------------------------------------------------- loss

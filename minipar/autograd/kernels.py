@@ -91,6 +91,16 @@ def array_bytes(items) -> int:
     return sum(item.nbytes for item in items if isinstance(item, np.ndarray))
 
 
+FLASH_BLOCK = 128  # FlashAttention-2's key/value block (its A100/H100 kernels: 64-128)
+
+
+def flash_causal_share(s: int) -> float:
+    """The share of the s x s query-key products a causal FlashAttention kernel runs: it
+    skips the key blocks above the diagonal (Dao 2023, FlashAttention-2, section 3.1.1),
+    (s + FLASH_BLOCK) / 2s of them (all of them for s up to one block)."""
+    return min(1.0, (s + FLASH_BLOCK) / (2 * s))
+
+
 def ring_attention_block_kernels(heads: int, c: int, d: int, itemsize: int,
                                  flash: bool = False
                                  ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:

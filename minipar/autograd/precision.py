@@ -79,6 +79,32 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a @ b
 
 
+def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`np.add(a, b, out=out)`, bit for bit, and for two large bf16 arrays ~2x faster.
+
+    NumPy adds two bf16 arrays with ml_dtypes' loop, which converts element by element:
+    ~25x the time of an fp32 add of the same shape. It computes each sum in fp32 and
+    rounds it to bf16 (round to nearest even), which is what the fp32 add followed by a
+    cast does with NumPy's fast loops (every one of the 65,536 bf16 patterns checked in
+    tests/autograd/test_precision.py). Gradients summed in backward, the residual adds
+    and the collectives' reductions are bf16 adds in bf16-mixed runs."""
+    if (getattr(a, "dtype", None) != bfloat16 or getattr(b, "dtype", None) != bfloat16
+            or max(a.size, b.size) < 2048):  # (below, ml_dtypes' loop is quicker)
+        return np.add(a, b, out=out)
+    if a.shape != b.shape:  # the fp32 copy takes the result's shape (a broadcast bias)
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        if a.shape != shape:
+            a, b = b, a  # (an fp32 add commutes, bit for bit)
+        a = np.broadcast_to(a, shape)
+    total = np.array(a, dtype=float32)  # (an array also when a is a scalar)
+    np.add(total, b, out=total)  # b converted to fp32 as it is read
+    if out is None:
+        total = total.astype(bfloat16)
+        return total if total.ndim else total[()]  # a scalar, as np.add returns
+    out[...] = total
+    return out
+
+
 def sum_to_dtype(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
     """`x.sum(...)` accumulated in fp32 when x is bf16 (a bf16 sum stalls at 256)."""
     if x.dtype == bfloat16:

@@ -20,6 +20,12 @@ forward again inside backward, `is_recomputing()` is true, so a device can tell 
 recomputed FLOPs (reported as "forward", which they are) from the first forward's.
 Keeping the protocol here, and the bookkeeping in `minipar.distributed`, keeps the
 engine free of ledgers and clocks.
+
+Optionally, a device whose ranks take turns on the host's cores (minipar.distributed's:
+one runs Python at a time) has `device.lend_turn(flops) -> bool` and `device.take_turn()`:
+an op about to spend `flops` in one NumPy call that releases the GIL (a GEMM) wraps it in
+`with long_call(flops):`, so that the next rank can run its Python on another core
+meanwhile, as a GPU computes while its host goes on.
 """
 
 from __future__ import annotations
@@ -80,10 +86,37 @@ def is_recomputing() -> bool:
     return _recomputing.get()
 
 
+# A GEMM this long is worth lending the turn for: ~0.2 ms on one core of the machines
+# minipar runs on, against ~20-40 us of CPU to hand the turn over and take it back.
+LONG_CALL_FLOPS = 10e6
+
+
+class long_call:  # noqa: N801 - used as a context manager, like a function
+    """`with long_call(flops): y = a @ b`: lend the device's turn during one long NumPy
+    call that releases the GIL (module docstring); nothing without such a device."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, flops: float):
+        device = _current_device.get() if flops >= LONG_CALL_FLOPS else None
+        if device is not None and not (hasattr(device, "lend_turn")
+                                       and device.lend_turn(flops)):
+            device = None
+        self.device = device
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self.device is not None:
+            self.device.take_turn()
+
+
 def charge(device, flops: float, kind: str, op: str, kernels=None) -> None:
     """device.compute(flops, kind[, kernels]), naming the op when the device records a trace."""
-    args = (flops, kind) if kernels is None else (flops, kind, kernels)
     if getattr(device, "trace", None) is not None:
-        device.compute(*args, op=op)
+        device.compute(flops, kind, kernels, op=op)
+    elif kernels is None:
+        device.compute(flops, kind)
     else:
-        device.compute(*args)
+        device.compute(flops, kind, kernels)

@@ -16,7 +16,8 @@ ledgers), memory and buffers (what a rank holds, and for how long), tiers (host 
 and NVMe behind each GPU, and the copies between them), clock, timeline
 (busy/idle time, the bubble and the communication compute hides, from the clocks'
 timelines), trace (Chrome Trace Event files per rank, as torch.profiler writes them),
-comm_log (the byte ledger), errors.
+comm_log (the byte ledger), allocator (freed arrays kept in the process for the next
+step), errors.
 """
 
 from __future__ import annotations

@@ -209,13 +209,15 @@ class Clock:
     events: list[TimelineEvent] = field(default_factory=list)
 
     def _append(self, kind: str, start: float, end: float, label: str = "") -> None:
-        last = self.events[-1] if self.events else None
-        # Back-to-back compute of one kind is one event: a step's forward pass reports
-        # hundreds of ops, and a plot needs one bar, not hundreds.
-        if last is not None and last.kind == kind and last.label == label and last.end == start:
-            last.end = end
-        else:
-            self.events.append(TimelineEvent(kind, start, end, label))
+        events = self.events
+        if events:
+            last = events[-1]
+            # Back-to-back compute of one kind is one event: a step's forward pass reports
+            # hundreds of ops, and a plot needs one bar, not hundreds.
+            if last.end == start and last.kind == kind and last.label == label:
+                last.end = end
+                return
+        events.append(TimelineEvent(kind, start, end, label))
 
     def compute(self, seconds: float, kind: str) -> None:
         """Advance by `seconds` of compute of `kind` (forward | backward | optimizer)."""

@@ -205,14 +205,14 @@ class Cluster:
             finally:
                 self.lock.acquire()
 
-    def _wake(self, target, ranks) -> None:
-        """Wake those of `ranks` whose wait was on `target` (it is complete now)."""
+    def _wake(self, target, ranks, waker: int) -> None:
+        """Wake those of `ranks` whose wait was on `target`, done by `waker` (wake_after)."""
         for rank in ranks:
             wait = self._waiting[rank]
             if wait is not None and wait.target is target:
                 self._waiting[rank] = None
                 self._running += 1
-                self._wakeup[rank].notify()
+                self.turns.wake_after(waker, self._wakeup[rank].notify)
 
     def fail(self, error: BaseException, rank: int | None) -> None:
         """Record the first failure and wake every rank so that it aborts."""
@@ -353,7 +353,7 @@ class Cluster:
         rendezvous.results = combine([c.array for c in calls])
         with self.lock:
             rendezvous.done = True
-            self._wake(rendezvous, group.ranks)
+            self._wake(rendezvous, group.ranks, rank)
         return rendezvous
 
     def wait_collective(self, rank: int, rendezvous: Rendezvous) -> None:
@@ -391,7 +391,7 @@ class Cluster:
                 alpha, bandwidth = self.link((src, dst) if src < dst else (dst, src))
                 transfer.start = max(transfer.send_time, transfer.recv_time)
                 transfer.end = transfer.start + alpha + transfer.array.nbytes / bandwidth
-                self._wake(transfer, (src, dst))
+                self._wake(transfer, (src, dst), poster)
             return transfer
 
     def wait_transfer(self, rank: int, transfer: Transfer, side: str) -> None:

@@ -3,6 +3,8 @@
 One `CommRecord` per call and rank. Bytes are those the ring algorithm moves for *this*
 rank (see `collectives.ring_chunk_bytes`), so they add up across ranks to the traffic on
 the wires, and `ring.py`, which really runs the ring on send/recv, books the same figures.
+Each record names the peers its bytes went to, so the summary can split them by link:
+to a GPU of the same node (NVLink) or of another node (the network).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GROUP_KINDS = ("dp", "tp", "pp", "cp", "ep", "other")
+GROUP_KINDS = ("dp", "tp", "pp", "cp", "ep", "other",
+               # sub-groups of the data-parallel group (minipar/distributed/mesh.py): HSDP's
+               # shard and replicate groups, ZeRO++'s secondary partition, qgZ's node levels
+               "dp_shard", "dp_replicate", "dp_secondary", "dp_intra_node", "dp_inter_node")
 # A ledger's by-group totals start with these (and gain "cp" or "ep" when such a group
 # first sends: reports of runs without them keep their shape).
 LEDGER_KINDS = ("dp", "tp", "pp", "other")
@@ -48,9 +53,11 @@ class CommRecord:
 
 
 class CommLedger:
-    """All CommRecords of one rank, with running totals."""
+    """All CommRecords of one rank, with running totals. rank, gpus_per_node: where the
+    rank is (rank // gpus_per_node is its node), to split its sent bytes by link."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, gpus_per_node: int = 8) -> None:
+        self.rank, self.gpus_per_node = rank, gpus_per_node
         self.records: list[CommRecord] = []
         self.sent_bytes = 0
         self.recv_bytes = 0
@@ -80,7 +87,9 @@ class CommLedger:
     def summary(self) -> dict:
         """The report's "comm" entry. by_op and by_group count bytes *sent*; the matching
         received bytes are under recv_by_op and recv_by_group; by_group_phase splits the
-        sent bytes of each group kind by phase (forward | backward | optimizer | other)."""
+        sent bytes of each group kind by phase (forward | backward | optimizer | other);
+        by_link splits the sent bytes by where they went: intra_node (a GPU of my node)
+        or inter_node (another node's)."""
         return {
             "sent_bytes": self.sent_bytes,
             "recv_bytes": self.recv_bytes,
@@ -91,7 +100,18 @@ class CommLedger:
             "recv_by_group": dict(self.recv_by_group),
             "by_group_phase": {kind: dict(phases)
                                for kind, phases in self.sent_by_group_phase.items()},
+            "by_link": self.sent_by_link(),
         }
+
+    def sent_by_link(self) -> dict[str, int]:
+        """{"intra_node": bytes, "inter_node": bytes} this rank sent (summed from the
+        records' peers when asked: the report asks once, the calls never)."""
+        node, per_node = self.rank // self.gpus_per_node, self.gpus_per_node
+        by_link = {"intra_node": 0, "inter_node": 0}
+        for record in self.records:
+            for peer, nbytes in record.sent_to:
+                by_link["intra_node" if peer // per_node == node else "inter_node"] += nbytes
+        return by_link
 
 
 def traffic_matrix(ledgers: list[CommLedger]) -> np.ndarray:

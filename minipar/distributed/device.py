@@ -15,7 +15,7 @@ TraceRecorder) and the memory ledger's history. Off by default, so untraced runs
 
 from __future__ import annotations
 
-from minipar.autograd.tracking import is_recomputing
+from minipar.autograd.tracking import _recomputing
 
 from .clock import COMPUTE_KINDS, Clock, DeviceProfile
 from .comm_log import PHASES, CommLedger
@@ -42,13 +42,16 @@ class Device:
         self.gpus_per_node = gpus_per_node
         self.node = rank // gpus_per_node
         self.profile = profile if profile is not None else DeviceProfile()
+        # Whether compute is priced per kernel (a roofline profile): only then do ops need
+        # to describe their kernels (minipar.autograd.kernels). The profile never changes.
+        self.wants_kernels = self.profile.roofline is not None
         self.memory = MemoryLedger()
         self.memory_host = MemoryLedger()
         self.memory_nvme = MemoryLedger()
         self.transfers = TransferLedger()
         self.clock = Clock()
         self.memory.moment = lambda: (self.clock.now, self._phase)  # when a peak happens
-        self.comm = CommLedger()
+        self.comm = CommLedger(rank, gpus_per_node)
         self._phase = "other"
         # FLOPs of forwards run again inside backward (activation checkpointing); they
         # are also in the clock's "forward" time, where a profiler would show them.
@@ -62,27 +65,36 @@ class Device:
         self._pending_works: dict[int, object] = {}  # isend/irecv not yet waited, by id
 
     # --- the autograd device protocol --------------------------------------------------
-    @property
-    def wants_kernels(self) -> bool:
-        """Whether compute is priced per kernel (a roofline profile): only then do ops
-        need to describe their kernels (minipar.autograd.kernels)."""
-        return self.profile.roofline is not None
-
     def compute(self, flops: float, kind: str, kernels=None, op: str = "") -> None:
         """Advance this rank's clock by `flops` of work of `kind` (forward|backward|optimizer),
         run as `kernels` (priced on the profile's roofline, if it has one); `op` names the
         operation (e.g. "Linear") for the trace."""
-        if self._cluster is not None and self._cluster.failure is not None:
+        cluster = self._cluster
+        if cluster is not None and cluster.failure is not None:
             raise RankAborted  # another rank failed: stop here rather than compute on
         if kind not in COMPUTE_KINDS:
             raise ValueError(f"compute kind {kind!r} is not one of {COMPUTE_KINDS}")
-        if is_recomputing():
+        if _recomputing.get():  # (tracking.is_recomputing, without the call)
             self.recompute_flops += flops
-        start = self.clock.now
-        self.clock.compute(self.profile.compute_seconds(flops, kernels), kind)
-        if self.trace is not None and self.clock.now > start:
-            self.trace.kernel(kind, op or kind, self.clock.compute_label, start,
-                              self.clock.now, flops)
+        clock = self.clock
+        start = clock.now
+        clock.compute(self.profile.compute_seconds(flops, kernels), kind)
+        if self.trace is not None and clock.now > start:
+            self.trace.kernel(kind, op or kind, clock.compute_label, start, clock.now, flops)
+
+    def lend_turn(self, flops: float) -> bool:
+        """Let another rank run while this one spends `flops` in one NumPy call that
+        releases the GIL (minipar.autograd.tracking.long_call; turns.py); True if lent."""
+        cluster = self._cluster
+        turns = getattr(cluster, "turns", None)  # (ranks of the thread engine only)
+        if turns is None:
+            return False
+        with cluster.lock:
+            return turns.lend(self.rank)
+
+    def take_turn(self) -> None:
+        """Take the turn again after a call it was lent for."""
+        self._cluster.turns.take(self.rank)
 
     def start_trace(self) -> None:
         """Record every compute span and the memory history from now on (see trace.py)."""

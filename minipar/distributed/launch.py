@@ -54,12 +54,14 @@ from threadpoolctl import threadpool_limits
 
 from minipar.autograd.tracking import device_phase, use_device
 
+from .allocator import keep_freed_memory
 from .clock import COMPUTE_KINDS, DeviceProfile
 from .cluster import Call, Cluster
 from .comm_log import PHASES
 from .context import _rank_context, get_device
 from .errors import DistError, LaunchCancelled, LaunchTimeoutError, RankAborted
 from .p2p import finish_pending
+from .turns import SpareCore
 
 DEFAULT_TIMEOUT = 600.0  # seconds; torch.distributed's default for NCCL process groups
 TIMEOUT_ENV = "MINIPAR_LAUNCH_TIMEOUT"
@@ -183,7 +185,7 @@ def _run_rank(cluster: Cluster, rank: int, fn, args, kwargs, results: list) -> N
     finally:
         with cluster.lock:
             cluster.rank_returned(rank)
-        cluster.turns.give_back(rank)
+            cluster.turns.give_back(rank)  # (with the lock: it may wake a queued rank)
 
 
 def launch(
@@ -215,6 +217,7 @@ def launch(
             "GPU, it cannot start a cluster of its own. Call launch once, from the main "
             "program, and use process groups (dist.new_group, DeviceMesh) inside it")
     timeout = resolve_timeout(timeout)
+    keep_freed_memory()  # the next micro-batch's arrays reuse this one's (allocator.py)
     cluster = Cluster(world_size, gpus_per_node, device)
     if trace:
         for rank_device in cluster.devices:
@@ -258,6 +261,7 @@ def launch(
 def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
     """Wait for the ranks; on a failure stop them; on a stall raise the timeout error."""
     last_progress, last_change = -1, time.monotonic()
+    spare = SpareCore()
     while True:
         alive = [t for t in threads if t.is_alive()]
         if not alive:
@@ -276,6 +280,8 @@ def _watch(cluster: Cluster, threads: list, timeout: float) -> None:
         if progress != last_progress:
             last_progress, last_change = progress, now
         with cluster.lock:
+            cluster.turns.wake_queued()  # ranks queued behind a holder that keeps the turn
+            cluster.turns.lending = spare.look()  # lend it during GEMMs on a spare core
             oldest = cluster.oldest_wait()
             waited = oldest is not None and now - oldest.since > timeout
             if cluster.failure is None and (waited or now - last_change > timeout):

@@ -71,12 +71,13 @@ class MemoryLedger:
 
     def hold(self, array: np.ndarray, category: str) -> None:
         """Start counting `array` (its root buffer) under `category`."""
-        root = root_array(array)
+        root = array if array.base is None else root_array(array)
         entry = self._held.get(id(root))
         if entry is not None:
             entry[2] += 1
             return
-        check_category(category)
+        if category not in CATEGORIES:
+            check_category(category)
         nbytes = root.nbytes
         self._held[id(root)] = [root, category, 1]
         current = self.current[category] = self.current[category] + nbytes
@@ -93,7 +94,7 @@ class MemoryLedger:
 
     def release(self, array: np.ndarray) -> None:
         """Drop one hold of `array`'s root buffer; its bytes leave at the last release."""
-        key = id(root_array(array))
+        key = id(array if array.base is None else root_array(array))
         entry = self._held.get(key)
         if entry is None:
             raise ValueError(

@@ -24,6 +24,21 @@ is ep consecutive dp indices (they hold different experts and exchange tokens by
 all-to-all) and the *expert-data-parallel group* is the dp / ep ranks with the same
 ep_index (they hold the same experts and reduce their gradients).
 
+Sharding across nodes cuts the data-parallel group (dp, or dp x cp) into sub-groups, made
+only when asked for (each its own kind, so the byte ledger shows their traffic apart):
+
+    dp_shard=K      HSDP / MiCS (PyTorch FSDP2's 2-D mesh (replicate, shard), DeepSpeed's
+                    `mics_shard_size`): "dp_shard" groups of K consecutive members shard
+                    the model; "dp_replicate" groups, the members at the same place of
+                    every shard group, hold the same shard
+    dp_secondary=K  ZeRO++ hpZ's secondary partition (DeepSpeed's
+                    `_create_zero_param_parallel_group`: K consecutive ranks) and FSDP2's
+                    `reshard_after_forward=K`: "dp_secondary" groups of K consecutive
+                    members of the sharding group (the shard group with HSDP)
+    dp_node_groups  ZeRO++ qgZ's two levels (DeepSpeed's `local_{i}` and `global_{j}`
+                    all-to-all groups): "dp_intra_node", the members on my node, and
+                    "dp_inter_node", the members at my place on every node
+
 Example, dp=2, pp=2, tp=2 (8 ranks):
     tp groups [0,1] [2,3] [4,5] [6,7];  pp groups [0,2] [1,3] [4,6] [5,7];
     dp groups [0,4] [1,5] [2,6] [3,7]
@@ -44,6 +59,8 @@ AXES = ("dp", "pp", "cp", "tp")
 # Parameters are replicated over CP, so their gradients are averaged over DP x CP: that
 # traffic is data-parallel traffic.
 COMBINED = {"dp-cp": (("dp", "cp"), "dp")}
+# The sub-groups of the data-parallel group (the module docstring), each its own kind.
+DP_SUBGROUPS = ("dp_shard", "dp_replicate", "dp_secondary", "dp_intra_node", "dp_inter_node")
 
 
 class DeviceMesh:
@@ -63,6 +80,9 @@ class DeviceMesh:
         world_size: int | None = None,
         gpus_per_node: int | None = None,
         ep: int = 1,
+        dp_shard: int | None = None,
+        dp_secondary: int | None = None,
+        dp_node_groups: bool = False,
     ) -> None:
         for axis, size in zip(AXES, (dp, pp, cp, tp), strict=True):
             if not isinstance(size, int) or size < 1:
@@ -86,7 +106,22 @@ class DeviceMesh:
             raise ValueError(f"DeviceMesh ep={ep!r}: expert parallelism splits the "
                              f"data-parallel group, so ep must divide dp={dp}")
         self.ep = ep
+        replicas = dp * cp
+        for name, n, within in (("dp_shard", dp_shard, replicas),
+                                ("dp_secondary", dp_secondary, dp_shard or replicas)):
+            if n is not None and (not isinstance(n, int) or n < 1 or within % n):
+                raise ValueError(f"DeviceMesh {name}={n!r}: must divide the {within} ranks "
+                                 "it cuts into groups")
+        self.dp_shard, self.dp_secondary = dp_shard, dp_secondary
+        self.dp_node_groups = dp_node_groups
         self._groups: dict[tuple[str, int], ProcessGroup] = {}
+        if dp_node_groups:
+            per_node = {len(ranks) for r in range(size)
+                        for ranks in self.data_parallel_ranks_by_node(r)}
+            if len(per_node) > 1:
+                raise ValueError(f"DeviceMesh dp_node_groups: the data-parallel groups have "
+                                 f"{sorted(per_node)} members on different nodes; the two "
+                                 "levels need the same number on every node")
         if context is not None:  # on engines whose every process creates every group
             context[0].create_groups(self.every_group)
 
@@ -201,10 +236,54 @@ class DeviceMesh:
             self._groups[key] = make_group(members, kind, self.world_size)
         return self._groups[key]
 
+    # --- sharding across nodes: sub-groups of the data-parallel group -----------------------
+    def data_parallel_group(self, rank: int | None = None) -> ProcessGroup:
+        """The ranks holding the same parameters: DP, or DP x CP with context parallelism."""
+        return self.group("dp-cp" if self.cp > 1 else "dp", rank)
+
+    def data_parallel_ranks_by_node(self, rank: int | None = None) -> list[list[int]]:
+        """The members of my data-parallel group, node by node (nodes in order)."""
+        by_node: dict[int, list[int]] = {}
+        for member in self.data_parallel_group(rank).ranks:
+            by_node.setdefault(member // self.gpus_per_node, []).append(member)
+        return list(by_node.values())
+
+    def dp_subgroup(self, kind: str, rank: int | None = None) -> ProcessGroup:
+        """My group of one of the DP_SUBGROUPS kinds (the module docstring); the mesh must
+        have been built with its size (dp_shard, dp_secondary) or dp_node_groups."""
+        if kind not in DP_SUBGROUPS:
+            raise ValueError(f"{kind!r} is not one of {DP_SUBGROUPS}")
+        needs = {"dp_shard": self.dp_shard, "dp_replicate": self.dp_shard,
+                 "dp_secondary": self.dp_secondary, "dp_intra_node": self.dp_node_groups,
+                 "dp_inter_node": self.dp_node_groups}[kind]
+        if not needs:
+            raise ValueError(f"DeviceMesh: no {kind} groups: build the mesh with "
+                             + ("dp_node_groups=True" if "node" in kind else
+                                "dp_secondary=K" if kind == "dp_secondary" else "dp_shard=K"))
+        me = self._rank(rank)
+        members = list(self.data_parallel_group(me).ranks)
+        if kind in ("dp_shard", "dp_replicate", "dp_secondary"):
+            if kind == "dp_secondary" and self.dp_shard:
+                members = list(self.dp_subgroup("dp_shard", me).ranks)
+            size = self.dp_secondary if kind == "dp_secondary" else self.dp_shard
+            i = members.index(me)
+            chosen = members[i % size::size] if kind == "dp_replicate" else \
+                members[i - i % size:i - i % size + size]
+        else:
+            by_node = self.data_parallel_ranks_by_node(me)
+            mine = next(ranks for ranks in by_node if me in ranks)
+            chosen = mine if kind == "dp_intra_node" else \
+                [ranks[mine.index(me)] for ranks in by_node]
+        key = (kind, min(chosen))
+        if key not in self._groups:
+            self._groups[key] = make_group(chosen, kind, self.world_size)
+        return self._groups[key]
+
     def every_group(self) -> list[ProcessGroup]:
         """Every group of the mesh, in an order every rank agrees on: each axis's, the
-        DP x CP ones, the expert groups, and the embedding groups (the first and last rank
-        of each pipeline group, which hold a tied embedding's two copies): what Megatron's
+        DP x CP ones, the expert groups, the embedding groups (the first and last rank
+        of each pipeline group, which hold a tied embedding's two copies), and the DP
+        sub-groups the mesh was built with: what Megatron's
         `parallel_state.initialize_model_parallel` creates on every rank up front, as
         torch.distributed's new_group asks."""
         groups = [g for axis in AXES + tuple(COMBINED) for g in self.all_groups(axis)]
@@ -213,7 +292,17 @@ class DeviceMesh:
                              key=lambda g: g.ranks)
         groups += [make_group((g.ranks[0], g.ranks[-1]), "pp", self.world_size)
                    for g in self.all_groups("pp") if g.size > 2]
+        for kind in self.dp_subgroup_kinds:
+            groups += sorted({self.dp_subgroup(kind, r) for r in range(self.world_size)},
+                             key=lambda g: g.ranks)
         return groups
+
+    @property
+    def dp_subgroup_kinds(self) -> tuple[str, ...]:
+        """The DP sub-group kinds this mesh was built with."""
+        return (("dp_shard", "dp_replicate") * bool(self.dp_shard)
+                + ("dp_secondary",) * bool(self.dp_secondary)
+                + ("dp_intra_node", "dp_inter_node") * self.dp_node_groups)
 
     def all_groups(self, axis: str) -> list[ProcessGroup]:
         """Every group along `axis`, ordered by first member."""

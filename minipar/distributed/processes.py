@@ -41,6 +41,7 @@ from threadpoolctl import threadpool_limits
 
 from minipar.autograd.tracking import use_device
 
+from .allocator import keep_freed_memory
 from .clock import DeviceProfile
 from .context import _rank_context
 from .errors import DistError, LaunchTimeoutError, PeerLostError
@@ -73,6 +74,7 @@ def run_rank(world, job: dict, state: dict | None = None):
 
     profile = job["device"] if job["device"] is not None else DeviceProfile()
     gpus_per_node = job["gpus_per_node"]
+    keep_freed_memory()  # as launch.py's ranks (allocator.py)
     tdist.barrier()  # a common start: every rank's epoch is this moment, within the skew
     cluster = TorchCluster(world, gpus_per_node, profile, job["timeout"])
     device = cluster.device = MeasuredDevice(world.rank, world.world_size, gpus_per_node,

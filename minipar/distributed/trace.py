@@ -49,7 +49,9 @@ HOST_TID = 1  # the rank's Python thread (its host)
 COMPUTE_STREAM = 7
 # One stream per group kind, as each NCCL communicator has its own; a second transfer of a
 # kind that overlaps the first (an isend while an irecv runs) takes the next stream.
-COMM_STREAMS = {"tp": 20, "dp": 30, "pp": 40, "other": 50, "cp": 60, "ep": 70}
+COMM_STREAMS = {"tp": 20, "dp": 30, "pp": 40, "other": 50, "cp": 60, "ep": 70,
+                "dp_shard": 80, "dp_replicate": 90, "dp_secondary": 100, "dp_intra_node": 110,
+                "dp_inter_node": 120}
 # NCCL has no all-to-all kernel: torch.distributed.all_to_all runs grouped send/recv
 # pairs, whose kernel is ncclDevKernel_SendRecv (what a real MoE trace shows).
 NCCL_NAMES = {"all_reduce": "AllReduce", "all_gather": "AllGather",

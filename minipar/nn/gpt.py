@@ -10,6 +10,12 @@ the layers, runs its share.
 Attention reads its number of heads off the width of its `c_attn` output, so a
 column-parallel `c_attn` that holds a subset of heads works unchanged.
 
+Llama's shape choices (Touvron et al. 2023) are settings of the same model: grouped-query
+attention (n_kv_head), the MLP's width (d_ff) and SwiGLU (mlp="swiglu"), an untied head
+(tie_embeddings=False); minipar keeps GPT-2's LayerNorm, biases and learned positions.
+This module is long because it is the whole model a student reads in one place: its
+config, initialisation, attention, MLP, block, head and the stage-able GPT.
+
 Initialisation is a pure function of (parameter name, seed): `init_parameter` draws each
 parameter from its own generator seeded with (seed, crc32(name)). The same seed gives
 the same full weights whatever is built, in whatever order: a pipeline stage that builds
@@ -43,6 +49,8 @@ from minipar.nn.module import Module, ModuleList, Parameter, hook_point
 from minipar.nn.moe import MoE, attach_aux_loss
 from minipar.nn.recompute import Recompute, run_blocks
 
+MLP_KINDS = ("gelu", "swiglu")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -55,6 +63,12 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # Llama's shape (Touvron et al. 2023): grouped-query attention with n_kv_head key/value
+    # heads (None: n_head, multi-head attention), an MLP of width d_ff (None: 4 d_model),
+    # GELU (GPT-2) or SwiGLU (three matrices: gate, up, down)
+    n_kv_head: int | None = None
+    d_ff: int | None = None
+    mlp: str = "gelu"
     # Mixture of experts (minipar/nn/moe.py; Megatron's --num-experts, --moe-router-topk,
     # --moe-expert-capacity-factor, --moe-aux-loss-coeff, --moe-layer-freq): 0 experts is
     # the dense GPT-2; otherwise block i's MLP is an MoE when i % moe_layer_freq == 0.
@@ -77,12 +91,43 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("n_kv_head", "d_ff"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer))
+                                      or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"GPTConfig.{name} must be a positive integer (or None), "
+                                 f"got {value!r}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"GPTConfig: n_head={self.n_head} is not a multiple of "
+                             f"n_kv_head={self.kv_heads}: each key/value head serves a group "
+                             "of query heads")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
         if self.moe_num_experts:
             check_moe_settings(self)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head (multi-head attention)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def grouped_query(self) -> bool:
+        return self.kv_heads != self.n_head
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width f: d_ff, or GPT-2's 4 d_model."""
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @property
+    def mlp_in_width(self) -> int:
+        """c_fc's output width: f, or SwiGLU's gate and up projections fused, 2f."""
+        return (2 if self.mlp == "swiglu" else 1) * self.ffn
 
     def is_moe_layer(self, i: int) -> bool:
         """Block i's MLP is a mixture of experts (Megatron's moe_layer_freq pattern)."""
@@ -105,17 +150,22 @@ def check_moe_settings(config: GPTConfig) -> None:
     if not config.moe_aux_loss_coeff >= 0:
         raise ValueError("GPTConfig.moe_aux_loss_coeff must be >= 0, got "
                          f"{config.moe_aux_loss_coeff!r}")
+    if config.mlp != "gelu" or config.d_ff is not None:
+        raise ValueError("GPTConfig: minipar's experts are GPT-2 MLPs (GELU, 4 d_model): "
+                         "mlp='swiglu' or d_ff with moe_num_experts is not implemented")
 
 
 def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's HF GPT-2 name and full shape, in `named_parameters()` order."""
-    d, v = config.d_model, config.vocab_size
+    """Every parameter's HF GPT-2 name and full shape, in `named_parameters()` order
+    (grouped-query attention: c_attn of width d + 2 n_kv_head hd; SwiGLU: c_fc of 2f)."""
+    d, v, f = config.d_model, config.vocab_size, config.ffn
+    qkv = d + 2 * config.kv_heads * config.head_dim
     shapes = {"wte.weight": (v, d), "wpe.weight": (config.seq_len, d)}
     for i in range(config.n_layer):
         p = f"h.{i}."
         shapes.update({
             p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
-            p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
+            p + "attn.c_attn.weight": (d, qkv), p + "attn.c_attn.bias": (qkv,),
             p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
             p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
         })
@@ -125,8 +175,9 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
             mlps = [f"{p}mlp.experts.{e}." for e in range(config.moe_num_experts)]
         for m in mlps:
             shapes.update({
-                m + "c_fc.weight": (d, 4 * d), m + "c_fc.bias": (4 * d,),
-                m + "c_proj.weight": (4 * d, d), m + "c_proj.bias": (d,),
+                m + "c_fc.weight": (d, config.mlp_in_width),
+                m + "c_fc.bias": (config.mlp_in_width,),
+                m + "c_proj.weight": (f, d), m + "c_proj.bias": (d,),
             })
     shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
     if not config.tie_embeddings:
@@ -172,6 +223,11 @@ def initialize_parameters(module: Module, config: GPTConfig, seed: int,
 class CausalSelfAttention(Module):
     """Multi-head causal self-attention: c_attn (d, 3d) -> fused attention -> c_proj.
 
+    With n_kv_head < n_head, grouped-query attention (Ainslie et al. 2023; Llama-2 70B,
+    Mistral): c_attn (d, d + 2 n_kv_head hd) in Megatron-LM's layout, per key/value
+    head its group's query heads then its k and v (F.grouped_query_attention), so that
+    tensor parallelism hands each rank whole groups.
+
     checkpoint_core_attention: keep only qkv for backward and recompute softmax(QK^T)V
     there (selective recomputation, Korthikanti et al. 2022 section 5; Megatron-LM's
     `checkpoint_core_attention` in megatron/core/transformer/attention.py).
@@ -182,16 +238,21 @@ class CausalSelfAttention(Module):
         super().__init__()
         d = config.d_model
         self.head_dim = config.head_dim
+        self.group = config.n_head // config.kv_heads  # query heads per key/value head
         self.dropout_p = config.dropout
         self.generator = generator
         self.checkpoint_core_attention = checkpoint_core_attention
-        self.c_attn = Linear(d, 3 * d, dtype=dtype)
+        self.c_attn = Linear(d, d + 2 * config.kv_heads * config.head_dim, dtype=dtype)
         self.c_proj = Linear(d, d, dtype=dtype)
         self.resid_dropout = Dropout(config.dropout, generator)
 
     def core_attention(self, qkv):
-        """softmax(causal(QK^T / sqrt(head_dim))) V of my heads: (B, T, 3hd) -> (B, T, hd)."""
+        """softmax(causal(QK^T / sqrt(head_dim))) V of my heads: (B, T, 3hd) -> (B, T, hd)
+        (grouped-query: (B, T, KV (group + 2) hd) -> (B, T, KV group hd))."""
         p = self.dropout_p if self.training else 0.0
+        if self.group > 1:
+            return F.grouped_query_attention(qkv, self.head_dim, self.group, p,
+                                             self.generator)
         return F.causal_self_attention(qkv, self.head_dim, p, self.generator)
 
     def forward(self, x):
@@ -205,17 +266,21 @@ class CausalSelfAttention(Module):
 
 
 class MLP(Module):
-    """c_fc (d, 4d) -> GELU (tanh) -> c_proj (4d, d)."""
+    """c_fc (d, f) -> GELU (tanh) -> c_proj (f, d), f = 4d for GPT-2; or Llama's SwiGLU
+    (Shazeer 2020): c_fc (d, 2f) gives the gate and up projections fused (Megatron-LM's
+    linear_fc1 with --swiglu), silu(gate) * up, c_proj (f, d)."""
 
     def __init__(self, config: GPTConfig, *, dtype=np.float64, generator=None):
         super().__init__()
         d = config.d_model
-        self.c_fc = Linear(d, 4 * d, dtype=dtype)
-        self.c_proj = Linear(4 * d, d, dtype=dtype)
+        self.gated = config.mlp == "swiglu"
+        self.c_fc = Linear(d, config.mlp_in_width, dtype=dtype)
+        self.c_proj = Linear(config.ffn, d, dtype=dtype)
         self.dropout = Dropout(config.dropout, generator)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        h = self.c_fc(x)
+        return self.dropout(self.c_proj(F.swiglu(h) if self.gated else F.gelu(h)))
 
 
 class Block(Module):

@@ -37,9 +37,12 @@ class Parameter(Tensor):
     `Replicate()`, except for a sequence-parallel parameter whose gradient holds only my
     tokens' summand, `Partial()`, until the step's all-reduce sums it
     (minipar/parallel/tensor/sequence_grads.py); the optimizers refuse it until then.
+    `grad_dtype` is the dtype its `.grad` accumulates in, None for its own (a bf16
+    weight's fp32 main_grad: minipar.parallel.data.ddp.accumulate_gradients_in).
     """
 
-    __slots__ = ("placement", "placement_group", "grad_category", "grad_placement")
+    __slots__ = ("placement", "placement_group", "grad_category", "grad_placement",
+                 "grad_dtype")
 
     def __init__(self, data, requires_grad: bool = True, placement=None, placement_group=None):
         super().__init__(data, requires_grad=requires_grad)
@@ -48,6 +51,7 @@ class Parameter(Tensor):
         # The ledger category of the .grad that backward creates (ZeRO-2/3: "buffers").
         self.grad_category = "grads"
         self.grad_placement = Replicate()
+        self.grad_dtype = None
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.shape}, dtype={self.dtype})"

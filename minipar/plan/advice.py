@@ -84,7 +84,8 @@ def explain(advice: Advice) -> str:
         "",
         f"- The model state (parameters, gradients, optimizer) is "
         f"{human_bytes(replica)} in {c.precision} ({c.bytes.param} + {c.bytes.grad} + "
-        f"{c.bytes.optimizer} bytes per parameter, the ZeRO paper's count): "
+        f"{c.bytes.optimizer} bytes per parameter: the ZeRO paper's count with "
+        f"{c.grad_dtype} gradient buffers): "
         + (f"more than one GPU's {human_bytes(cluster.usable_memory)}, so it has to be "
            f"split; this layout leaves {human_bytes(state)} of it per GPU."
            if split else f"it fits on one GPU, so splitting it is optional ("
@@ -199,8 +200,7 @@ def explain(advice: Advice) -> str:
             f"ZeRO-{r.zero} micro-batch "
             f"{r.micro_batch_size}"
             f"{'' if not r.recomputes else ' with ' + r.recompute.label + ' recomputation'}"
-            f", step {human_seconds(runner_up.step_time)} "
-            f"(+{runner_up.step_time / est.step_time - 1:.1%}).")
+            f", step {human_seconds(runner_up.step_time)} ({_against(runner_up, est)}).")
     return "\n".join(lines)
 
 
@@ -262,3 +262,14 @@ def format_ranking(advice: Advice, top: int = 5) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _against(runner_up: Estimate, best: Estimate) -> str:
+    """The runner-up's step against the best's: slower, or faster by less than the tie
+    the advisor allows (advisor.rank_by_time_then_headroom), where more headroom wins."""
+    change = runner_up.step_time / best.step_time - 1
+    if change >= 0:
+        return f"+{change:.1%}"
+    return (f"{-change:.1%} faster: a tie, and the layout above leaves "
+            f"{human_bytes(runner_up.memory['peak_total'] - best.memory['peak_total'])} "
+            "more memory free")

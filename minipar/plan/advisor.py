@@ -10,7 +10,9 @@ guesses, and lets the estimate decide between what remains:
 - pipeline and data parallelism across nodes, pp dividing the GPUs left, at most one
   stage per layer;
 - ZeRO 0-3 inside the data-parallel group; with pp > 1 only ZeRO 0-1 (DeepSpeed's
-  pipeline engine and Megatron's distributed optimizer stop there);
+  pipeline engine and Megatron's distributed optimizer stop there); ZeRO-2 reduces
+  through DeepSpeed's reduce_bucket_size buckets (5e8 elements), not one flat copy of
+  every gradient;
 - micro-batch sizes 1, 2, 4, 8 that split the global batch; interleaving with 2 chunks
   per rank when the layers and micro-batches allow it;
 - sequence parallelism whenever tp > 1 (same traffic as plain TP, less activation
@@ -39,6 +41,7 @@ import itertools
 
 from minipar.errors import ConfigError, ScheduleError
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
+from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.advice import Advice
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
@@ -81,7 +84,8 @@ def context_parallel_sizes(shape: ModelShape, gpus: int) -> list[int]:
 
 def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                       global_batch_size: int, precision: str = "bf16-mixed",
-                      flash_attention: bool = True, lr: float | None = None):
+                      flash_attention: bool = True, lr: float | None = None,
+                      grad_accum_dtype: str | None = None, memory_accounting: str = "paper"):
     """Every layout of `gpus` GPUs the search considers (see the module docstring)."""
     layouts = []
     for tp in divisors(min(gpus_per_node, gpus)):
@@ -105,8 +109,9 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                          and (v == 1 or shape.n_layer % (pp * v) == 0)]
             expert_parallel = [ep for ep in divisors(dp) if shape.is_moe
                                and shape.moe_num_experts % ep == 0] or [1]
-            for zero, ep in itertools.product((0, 1) if pp > 1 else (0, 1, 2, 3),
-                                              expert_parallel):
+            # Megatron-LM's own ZeRO is its distributed optimizer: stages 0-1
+            stages = (0, 1) if pp > 1 or memory_accounting == "megatron" else (0, 1, 2, 3)
+            for zero, ep in itertools.product(stages, expert_parallel):
                 for schedule, v in schedules:
                     for recompute in RECOMPUTE_OPTIONS:
                         try:
@@ -114,8 +119,9 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                                 dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
                                 virtual_stages=v, sequence_parallel=tp > 1,
                                 micro_batch_size=micro, global_batch_size=global_batch_size,
-                                precision=precision, flash_attention=flash_attention,
-                                lr=lr, cp=cp, ep=ep, **recompute)
+                                precision=precision, grad_accum_dtype=grad_accum_dtype,
+                                flash_attention=flash_attention, lr=lr, cp=cp, ep=ep,
+                                memory_accounting=memory_accounting, **recompute)
                             check_model_fits_layout(shape, config)
                         except ConfigError:
                             continue
@@ -125,10 +131,14 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
 def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
            precision: str = "bf16-mixed", flash_attention: bool = True,
            lr: float | None = None, overlap_grad_reduce: bool = True,
-           zero3_prefetch: bool = True) -> Advice:
+           zero3_prefetch: bool = True, grad_accum_dtype: str | None = None,
+           memory_accounting: str = "paper", tp_comm_overlap: bool = False,
+           overlap_param_gather: bool = False) -> Advice:
     """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
-    (plan/overlap.py); both False ranks the runs that wait for every reduction and gather."""
+    (plan/overlap.py); both False ranks the runs that wait for every reduction and gather.
+    tp_comm_overlap, overlap_param_gather: Megatron-LM's, for the candidates they apply to
+    (sequence parallelism; ZeRO-1)."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
@@ -136,9 +146,12 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
                         f"{cluster.gpus_per_node}-GPU nodes")
     fitting, not_fitting, searched = [], [], 0
     for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
-                                    precision, flash_attention, lr):
-        config = config.replace(overlap_grad_reduce=overlap_grad_reduce,
-                                zero3_prefetch=zero3_prefetch)
+                                    precision, flash_attention, lr, grad_accum_dtype,
+                                    memory_accounting):
+        config = with_deepspeed_buckets(config.replace(
+            overlap_grad_reduce=overlap_grad_reduce, zero3_prefetch=zero3_prefetch,
+            tp_comm_overlap=tp_comm_overlap and config.sequence_parallel,
+            overlap_param_gather=overlap_param_gather and config.zero == 1))
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)
@@ -155,9 +168,24 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
         raise ConfigError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
                         f"of {global_batch_size} into micro-batches of "
                         f"{MICRO_BATCH_SIZES}: use a multiple of {gpus}")
-    fitting.sort(key=lambda e: (e.step_time, e.memory["peak_total"]))
+    fitting = rank_by_time_then_headroom(fitting)
     not_fitting.sort(key=lambda e: e.memory["peak_total"])
     return Advice(shape, cluster, gpus, global_batch_size, fitting, searched, not_fitting)
+
+
+TIE = 0.01  # step times within 1% of the fastest are a tie (the model's own error is more)
+
+
+def rank_by_time_then_headroom(estimates: list) -> list:
+    """Fastest first; the layouts within TIE of the fastest step time first of all, the
+    one with the most memory to spare leading (a 1% faster step is inside the time
+    model's error; a rank at 99% of memory is one allocator fragment from running out)."""
+    ranked = sorted(estimates, key=lambda e: (e.step_time, e.memory["peak_total"]))
+    if not ranked:
+        return ranked
+    tied = [e for e in ranked if e.step_time <= ranked[0].step_time * (1 + TIE)]
+    rest = ranked[len(tied):]
+    return sorted(tied, key=lambda e: (e.memory["peak_total"], e.step_time)) + rest
 
 
 def offload_candidates(configs):

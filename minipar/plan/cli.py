@@ -23,7 +23,8 @@ import sys
 from dataclasses import fields, replace
 
 from minipar.errors import ConfigError
-from minipar.plan import presets, published
+from minipar.plan import presets, published, published_h100
+from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
 from minipar.plan.estimate import estimate
@@ -43,11 +44,13 @@ CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # these from the user and chooses (advisor.candidate_configs) or prices one way (one
 # gradient bucket) every other one: given with a search, it would be ignored.
 LAYOUT_SETTINGS = tuple(f.name for f in fields(Layout))
-SEARCH_TAKES = ("dp", "tp", "pp", "global_batch_size", "precision", "overlap_grad_reduce",
-                "zero3_prefetch")
+SEARCH_TAKES = ("dp", "tp", "pp", "global_batch_size", "precision", "grad_accum_dtype",
+                "overlap_grad_reduce", "zero3_prefetch")
 SEARCHED_FLAGS = (*(n for n in LAYOUT_SETTINGS if n not in SEARCH_TAKES), "layer_split")
 PLANNER_NOTES = {"global_batch_size": "default: the preset's published one",
-                 "bucket_size_mb": "default 0: one bucket"}
+                 "bucket_size_mb": "default 0: one bucket",
+                 "grad_accum_dtype": "the planner's default under bf16-mixed: fp32, what "
+                                     "Megatron-LM and DeepSpeed allocate"}
 MOE_FLAGS = {"moe_num_experts": int, "moe_top_k": int, "moe_capacity_factor": float,
              "moe_layer_freq": int}
 
@@ -69,6 +72,11 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                             ("vocab_size", "vocabulary (custom model)"),
                             ("seq_len", "sequence length (overrides the preset's)")):
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help=help_text)
+    model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction,
+                       dest="tie_embeddings", default=None,
+                       help=ModelSettings.__dataclass_fields__["tie_embeddings"].metadata[
+                           "help"] + " (default: the preset's; --no-tie-embeddings as in "
+                                     "minipar train)")
     for name, kind in MOE_FLAGS.items():  # the trainer's flags (a preset's by default)
         model.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
                            help=ModelSettings.__dataclass_fields__[name].metadata["help"])
@@ -92,6 +100,26 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="attention that does not keep the (s x s) probabilities "
                              "(default: on for model presets, off for a custom shape, "
                              "as minipar's own attention)")
+    layout.add_argument("--memory-accounting", dest="memory_accounting", default=None,
+                        choices=ACCOUNTINGS,
+                        help="whose bytes: paper (minipar's emulator: the ZeRO paper's model "
+                             "states, Korthikanti's activations; default), megatron "
+                             "(Megatron-LM: fp32 logits in the loss, in-place gradient "
+                             "buffers, its estimate's 5%% for temporaries) or deepspeed "
+                             "(bf16 gradients + an fp32 partition, reduce_bucket_size "
+                             "buckets, ZeRO-3's largest module gathered); the plan names "
+                             "each term it adds (plan/accounting.py)")
+    layout.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction,
+                        dest="tp_comm_overlap", default=None,
+                        help="Megatron-LM's --tp-comm-overlap: Transformer Engine pipelines "
+                             "the sequence-parallel all-gathers and reduce-scatters with "
+                             "the GEMMs beside them (needs --sequence-parallel; a search "
+                             "applies it to every layout with tp > 1)")
+    layout.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
+                        dest="overlap_param_gather", default=None,
+                        help="Megatron-LM's --overlap-param-gather: the distributed "
+                             "optimizer's (ZeRO-1's) parameter all-gather under the next "
+                             "step's forward")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -110,8 +138,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="list every pipeline rank (default: first, second, last)")
     output.add_argument("--compare-published", action="store_true", dest="compare_published",
                         help="print the time model against Narayanan et al. 2021, Table 1 "
-                             "(published vs predicted TFLOP/s per A100, error per row, the "
-                             "assumptions)")
+                             "(A100) and published H100 runs (Megatron-LM's README, Llama 3 "
+                             "Table 4): published vs predicted TFLOP/s per GPU, error per "
+                             "row, fitted or held out, the assumptions")
     return plan
 
 
@@ -151,6 +180,8 @@ def _shape(args) -> ModelShape:
             shape = shape.with_seq_len(args.seq_len)
         except ValueError as err:
             raise ConfigError("seq_len", str(err).replace("ModelShape.seq_len ", "")) from None
+    if args.tie_embeddings is not None:
+        shape = replace(shape, tie_embeddings=args.tie_embeddings)
     moe = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name) is not None}
     if moe:
         try:
@@ -203,7 +234,10 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                                             for name in LAYOUT_SETTINGS
                                             if getattr(args, name) is not None})
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
-    values.update(flash_attention=args.flash_attention, lr=args.lr)
+    values.update(flash_attention=args.flash_attention, lr=args.lr,
+                  memory_accounting=args.memory_accounting or "paper",
+                  tp_comm_overlap=bool(args.tp_comm_overlap),
+                  overlap_param_gather=bool(args.overlap_param_gather))
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
@@ -317,6 +351,10 @@ def _run(args) -> int:
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
                         precision=_setting(args, "precision"),
+                        grad_accum_dtype=args.grad_accum_dtype,
+                        memory_accounting=args.memory_accounting or "paper",
+                        tp_comm_overlap=bool(args.tp_comm_overlap),
+                        overlap_param_gather=bool(args.overlap_param_gather),
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"))
@@ -362,13 +400,21 @@ def _compare_published(args) -> int:
     args.cluster = "a100-80gb"
     cluster = _cluster(args)
     rows = published.compare(cluster)
+    h100 = "h100-80gb"
+    h100_rows = published_h100.compare(presets.cluster(h100) if args.efficiency is None
+                                       else presets.cluster(h100).uniform(args.efficiency))
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
                           "source": "Narayanan et al. 2021, Table 1", "rows": rows,
                           "tolerance": published.TOLERANCE,
-                          "assumptions": published.assumptions(cluster)})
+                          "assumptions": published.assumptions(cluster),
+                          "h100": {"sources": [published_h100.README, published_h100.LLAMA3],
+                                   "rows": h100_rows,
+                                   "tolerance": published_h100.TOLERANCE}})
     else:
         print(published.format_comparison(rows, cluster))
+        print()
+        print(published_h100.format_comparison(h100_rows))
     return 0
 
 

@@ -32,6 +32,7 @@ from minipar.distributed.clock import DeviceProfile, collective_time
 from minipar.distributed.roofline import Roofline
 
 GIB = 2**30
+EMULATOR_CALIBRATION = "minipar's emulator, which it matches (tests/plan/test_estimate.py)"
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class ClusterSpec:
     host_flops: float = DeviceProfile.host_flops
     host_memory_bytes: float = 256 * GIB
     nvme_bytes: float = 3.84e12
+    # the published runs this profile's time model was fitted on and held against (None:
+    # none; a plan on it says its times are uncalibrated)
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -123,8 +127,9 @@ class ClusterSpec:
         return replace(self, memory_bytes=memory_bytes)
 
     def uniform(self, efficiency: float | None = None) -> ClusterSpec:
-        """This cluster without its roofline: every FLOP at peak x efficiency."""
-        return replace(self, roofline=None,
+        """This cluster without its roofline: every FLOP at peak x efficiency (a time
+        model no published run calibrates)."""
+        return replace(self, roofline=None, calibration=None,
                        efficiency=self.efficiency if efficiency is None else efficiency)
 
     @classmethod
@@ -146,7 +151,8 @@ class ClusterSpec:
                    pcie_latency=profile.pcie_latency,
                    nvme_read_bandwidth=profile.nvme_read_bandwidth,
                    nvme_write_bandwidth=profile.nvme_write_bandwidth,
-                   nvme_latency=profile.nvme_latency, host_flops=profile.host_flops)
+                   nvme_latency=profile.nvme_latency, host_flops=profile.host_flops,
+                   calibration=EMULATOR_CALIBRATION)
 
 
 # ---------------------------------------------------------------------- bytes per rank

@@ -16,6 +16,9 @@ balancing rank r computes r + 1 pairs of (s/N)^2 (steps 0..r of the ring), so th
 slowest rank does 2N/(N+1) times the mean; with it every rank computes 2N+1 pairs of
 (s/2N)^2, 3 at step 0 (its own chunks) and 2 at every later step (Megatron-LM's zigzag
 chunks, megatron/core/utils.py; TE's `AttnFuncWithCPAndKVP2P` splits steps the same way).
+A causal FlashAttention kernel skips the upper half of each diagonal pair, so on the
+clusters priced with FlashAttention a rank's step 0 costs about 2 pairs, not 3: CP then
+splits the half of the scores that attention without CP computes too.
 
 Time: `ring_times` walks the ring as the emulator does: at each step a rank posts the
 next block's send and receive, computes its pairs, then waits for the block (so a
@@ -26,7 +29,7 @@ emulator).
 
 from __future__ import annotations
 
-from minipar.autograd.kernels import ring_attention_block_kernels
+from minipar.autograd.kernels import flash_causal_share, ring_attention_block_kernels
 from minipar.plan.shapes import SOFTMAX_FLOPS, ModelShape
 
 
@@ -43,17 +46,27 @@ def chunk_tokens(s: int, cp: int, load_balance: bool) -> int:
     return s // (2 * cp if load_balance else cp)
 
 
-def pairs_per_step(cp: int, load_balance: bool, count_masked: bool = False
-                   ) -> list[list[int]]:
+def pairs_per_step(cp: int, load_balance: bool, count_masked: bool = False,
+                   diagonal: float = 1) -> list[list[float]]:
     """[rank][step]: chunk pairs rank r computes at ring step i (it holds the K/V of
-    rank (r - i) mod N). count_masked: price every pair, masked or not (the planner's
-    FlashAttention convention, which counts all s^2 scores of causal attention: under it
-    CP splits the same work evenly, so CP and no CP compare like for like)."""
+    rank (r - i) mod N). count_masked: count every pair, masked or not (the FLOP count's
+    convention with FlashAttention, which counts all s^2 scores of causal attention, as
+    the model's count without CP does). diagonal: the share of a pair on the diagonal (a
+    chunk against its own keys, at step 0) computed: 1 in minipar's ring, which masks
+    it; `diagonal_share` for a causal FlashAttention kernel, which skips its upper half."""
     if count_masked:
         return [[4 if load_balance else 1] * cp for _ in range(cp)]
-    if load_balance:
-        return [[3 if i == 0 else 2 for i in range(cp)] for _ in range(cp)]
-    return [[1 if i <= r else 0 for i in range(cp)] for r in range(cp)]
+    if load_balance:  # step 0: two diagonal pairs and one whole; later steps: two whole
+        return [[1 + 2 * diagonal if i == 0 else 2 for i in range(cp)] for _ in range(cp)]
+    return [[diagonal if i == 0 else 1 if i <= r else 0 for i in range(cp)]
+            for r in range(cp)]
+
+
+def diagonal_share(chunk: int, flash_attention: bool) -> float:
+    """The share of a diagonal chunk pair the kernel computes: FlashAttention's causal
+    kernel skips the key blocks above the diagonal (TE's `AttnFuncWithCPAndKVP2P` runs
+    the step-0 blocks causal); minipar's blocks compute it whole and mask it."""
+    return flash_causal_share(chunk) if flash_attention else 1
 
 
 def attention_imbalance(cp: int, load_balance: bool) -> float:
@@ -129,9 +142,11 @@ def local_shape(shape: ModelShape, cp: int) -> ModelShape:
     return shape if cp == 1 else shape.with_seq_len(shape.seq_len // cp)
 
 
-def busiest_pairs(cp: int, load_balance: bool, count_masked: bool = False) -> int:
+def busiest_pairs(cp: int, load_balance: bool, count_masked: bool = False,
+                  diagonal: float = 1) -> float:
     """Chunk pairs the busiest rank computes per layer (the one everyone waits for)."""
-    return max(sum(steps) for steps in pairs_per_step(cp, load_balance, count_masked))
+    return max(sum(steps) for steps in pairs_per_step(cp, load_balance, count_masked,
+                                                       diagonal))
 
 
 def attention_flops_correction(shape: ModelShape, b: int, tp: int, cp: int,
@@ -152,14 +167,14 @@ def attention_flops_correction(shape: ModelShape, b: int, tp: int, cp: int,
 
 
 def exposed_ring_seconds(pair_seconds: tuple[float, float], cp: int, load_balance: bool,
-                         kv_hop: float, dkv_hop: float, count_masked: bool = False
+                         kv_hop: float, dkv_hop: float, diagonal: float = 1
                          ) -> tuple[float, float]:
     """(forward, backward) seconds per layer that the ring's transfers add to the busiest
     rank's attention compute (`ring_times` minus the compute it overlaps). Exact with
     load balancing (every rank alike); without it, the last rank's path."""
     if cp == 1:
         return 0.0, 0.0
-    pairs = pairs_per_step(cp, load_balance, count_masked)
+    pairs = pairs_per_step(cp, load_balance, diagonal=diagonal)
     forward = [[p * pair_seconds[0] for p in steps] for steps in pairs]
     backward = [[p * pair_seconds[1] for p in steps] for steps in pairs]
     forward_end = ring_times(forward, kv_hop)
@@ -177,6 +192,7 @@ __all__ = [
     "local_shape",
     "attention_imbalance",
     "chunk_tokens",
+    "diagonal_share",
     "pair_flops",
     "pairs_per_step",
     "ring_attention_bytes",

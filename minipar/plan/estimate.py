@@ -146,6 +146,9 @@ class Estimate:
             "world_size": self.config.world_size,
             "fits": self.fits,
             "memory": self.memory,
+            "memory_accounting": {"name": self.config.memory_accounting, "terms": [
+                {"name": t.name, "category": t.category, "bytes": t.nbytes}
+                for t in self.worst_stage.memory["detail"]["accounting"]]},
             "memory_host": self.memory_host,
             "memory_nvme": self.memory_nvme,
             "traffic": self.traffic,
@@ -183,7 +186,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     plans = stage_plans(shape, config, all_ranks=all_stages)
     stages = []
     for plan in plans:
-        transfers = stage_traffic(shape, config, plan)
+        transfers = stage_traffic(shape, config, plan, cluster.gpus_per_node)
         tiers = tier_memory(shape, config, plan)
         stages.append(StageEstimate(
             rank=plan.rank, layers=plan.layers, in_flight=plan.in_flight,
@@ -205,8 +208,11 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
 
 
 def report_groups(config: ParallelConfig) -> tuple[str, ...]:
+    across = (("dp_shard", "dp_replicate") if config.hsdp_shard_size else ()) + (
+        ("dp_secondary",) if config.secondary_partition else ()) + (
+        ("dp_intra_node", "dp_inter_node") if config.zero_quantized_gradients else ())
     return (("dp", "tp", "pp") + (("cp",) if config.cp > 1 else ())
-            + (("ep",) if config.ep > 1 else ()))
+            + (("ep",) if config.ep > 1 else ()) + across)
 
 
 # ------------------------------------------------------------------ text
@@ -226,10 +232,12 @@ def human_seconds(s: float) -> str:
 
 
 def compute_model(cluster: ClusterSpec) -> str:
-    """How the cluster prices compute, in a few words."""
-    if cluster.roofline is None:
-        return f"at {cluster.efficiency:.0%} kernel efficiency"
-    return f"on the {cluster.roofline.name} roofline"
+    """How the cluster prices compute, in a few words, and what calibrates it."""
+    how = (f"at {cluster.efficiency:.0%} kernel efficiency" if cluster.roofline is None
+           else f"on the {cluster.roofline.name} roofline")
+    if cluster.calibration is None:
+        return how + " (uncalibrated: no published run fitted or checked on this profile)"
+    return how + f" (calibrated on {cluster.calibration})"
 
 
 def moe_line(est: Estimate) -> str:
@@ -249,6 +257,13 @@ def moe_line(est: Estimate) -> str:
         line += (f", 4 all-to-alls per MoE layer and micro-batch over ep={c.ep}"
                  + (" (crosses nodes)" if est.links["ep"] else " (inside a node)"))
     return line
+
+
+def accounting_lines(est: Estimate) -> list[str]:
+    """What the chosen memory accounting counts beyond the paper's, on the fullest rank."""
+    terms = est.worst_stage.memory["detail"]["accounting"]
+    return [f"  {'+' if t.nbytes >= 0 else '-'} {human_bytes(abs(t.nbytes))} {t.category}: "
+            f"{t.name}" for t in terms if t.nbytes]
 
 
 def format_estimate(est: Estimate) -> str:
@@ -293,7 +308,10 @@ def format_estimate(est: Estimate) -> str:
     lines += [
         "",
         f"memory: {human_bytes(est.memory['peak_total'])} of {human_bytes(usable)} usable "
-        f"per GPU -> {'fits' if est.fits else 'DOES NOT FIT'}",
+        f"per GPU -> {'fits' if est.fits else 'DOES NOT FIT'}"
+        + (f" ({c.memory_accounting}'s accounting)" if c.memory_accounting != "paper"
+           else ""),
+        *accounting_lines(est),
         f"step: {human_seconds(t['step_s'])} (pipeline {human_seconds(t['pipeline_s'])}, "
         f"after the last backward {human_seconds(t['tail_s'])}), bubble "
         f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} {compute_model(est.cluster)}, "

@@ -62,8 +62,25 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
             zero[key] = {"device": device, "pin_memory": True}
             if device == "nvme":
                 zero[key]["nvme_path"] = NVME_PATH
+    # ZeRO-3 across nodes: MiCS (runtime/zero/mics.py) and ZeRO++ (runtime/zero/config.py:
+    # zero_hpz_partition_size, zero_quantized_weights, zero_quantized_gradients); FSDP2's
+    # reshard_after_forward=K is DeepSpeed's hpZ, =False has no DeepSpeed key
+    if config.hsdp_shard_size:
+        zero["mics_shard_size"] = config.hsdp_shard_size
+        zero["mics_hierarchical_params_gather"] = False
+    if config.secondary_partition:
+        zero["zero_hpz_partition_size"] = config.secondary_partition
+    if config.zero_quantized_weights:
+        zero["zero_quantized_weights"] = True
+    if config.zero_quantized_gradients:
+        zero["zero_quantized_gradients"] = True
     if config.precision == "bf16-mixed":
         ds["bf16"] = {"enabled": True}
+        if config.zero <= 1:
+            # the plan's gradient buffers (engine.get_data_types): fp32 is DeepSpeed's
+            # BF16_Optimizer; its ZeRO-2/3 optimizer accumulates in bf16 whatever this
+            # says, plus an fp32 copy of the partition (--memory-accounting deepspeed)
+            ds["data_types"] = {"grad_accum_dtype": config.grad_dtype}
     if config.recompute.full:  # DeepSpeed checkpoints whole layers; it has no selective
         ds["activation_checkpointing"] = {"partition_activations": config.tp > 1,
                                           "contiguous_memory_optimization": False,
@@ -155,6 +172,12 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
         args.append("--use-flash-attn")
     if config.precision == "bf16-mixed":
         args.append("--bf16")
+        if config.grad_dtype == "bf16":  # else Megatron's default: fp32 main_grad buffers
+            args.append("--grad-reduce-in-bf16")
+    # Megatron's defaults are 0.1: say the plan's (a preset planned without dropout keeps
+    # no masks, and the plan counts none)
+    args += ["--attention-dropout", f"{shape.dropout:g}", "--hidden-dropout",
+             f"{shape.dropout:g}"]
     if deepspeed:
         args += ["--zero-stage", str(config.zero)]
         if config.layer_split is not None:

@@ -32,15 +32,18 @@ counts exactly (the attention dropout's FLOPs are counted in the softmax's, as t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minipar.autograd.kernels import (
     Kernel,
     attention_kernels,
+    flash_causal_share,
     gemm_kernel,
     linear_backward_kernels,
     linear_kernels,
     ring_attention_block_kernels,
 )
-from minipar.plan.context import busiest_pairs, chunk_tokens, local_shape
+from minipar.plan.context import busiest_pairs, chunk_tokens, diagonal_share, local_shape
 from minipar.plan.experts import dispatch_rows, recomputed_layers
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import sharded_numel, stage_parameters
@@ -168,6 +171,11 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
         block_f, block_b = ring_attention_block_kernels(b * shape.n_head // tp, chunk,
                                                         shape.head_dim, itemsize,
                                                         flash_attention)
+        if flash_attention:  # one fused kernel per pair; `pairs` counts a causal pair's share
+            return ((replace(block_f[0], flops=pairs * block_f[0].flops,
+                             nbytes=pairs * block_f[0].nbytes),),
+                    (replace(block_b[0], flops=pairs * block_b[0].flops,
+                             nbytes=pairs * block_b[0].nbytes),))
         return block_f * pairs, block_b * pairs
     h, s, e = shape.d_model, shape.seq_len, itemsize
     tokens = b * s
@@ -175,7 +183,8 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
     d = shape.head_dim
     scores = heads * s * s
     if flash_attention:  # one kernel: reads q, k, v, writes o (and dO, dq, dk, dv back)
-        attention = 4 * heads * s * s * d
+        # causal: the kernel skips the key blocks above the diagonal
+        attention = 4 * heads * s * s * d * flash_causal_share(s)
         q_k_v_o = e * tokens * (shape.qkv_width // tp + h // tp)
         return ((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s)),),
                 (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
@@ -235,8 +244,9 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     full, shape = shape, local_shape(shape, config.cp)  # my s/cp tokens of each sequence
     ring = None
     if config.cp > 1:
-        ring = (chunk_tokens(full.seq_len, config.cp, config.cp_load_balance),
-                busiest_pairs(config.cp, config.cp_load_balance, config.flash_attention))
+        chunk = chunk_tokens(full.seq_len, config.cp, config.cp_load_balance)
+        ring = (chunk, busiest_pairs(config.cp, config.cp_load_balance,
+                                     diagonal=diagonal_share(chunk, config.flash_attention)))
     layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring)
     recompute = config.recompute
     dense, moe = stage.layers - stage.moe_layers, stage.moe_layers

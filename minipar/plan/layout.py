@@ -18,13 +18,14 @@ GPipe, min(p - r, m) for 1F1B), which the tests check against its action lists.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.context.layout import SELECTIVE_WITH_CP
 from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
+from minipar.plan.accounting import check_accounting
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import check_experts_split
 from minipar.train.layout import Layout
@@ -43,6 +44,7 @@ class Precision:
     compute: int
 
 
+DTYPE_BYTES = {"bf16": 2, "fp32": 4, "fp64": 8}
 PRECISION_BYTES = {
     "fp64": Precision(param=8, grad=8, optimizer=16, activation=8, compute=8),
     "fp32": Precision(param=4, grad=4, optimizer=8, activation=4, compute=4),
@@ -53,10 +55,12 @@ PRECISION_BYTES = {
 @dataclass(frozen=True)
 class ParallelConfig(Layout):
     """A Layout as the planner sees it. Its defaults are a production run's rather than
-    the emulator's toy: one sequence per micro-batch, bf16 mixed precision, one gradient
-    bucket (the fields themselves are Layout's). The schedule's rules are checked here,
-    when it is built (the trainer's check_layout checks them, with the rules that need
-    the model)."""
+    the emulator's toy: one sequence per micro-batch, bf16 mixed precision with fp32
+    gradient accumulation (Megatron-LM's main_grad, its default for --bf16, and
+    DeepSpeed's bf16 optimizer: what a real job allocates; the emulator's default is the
+    ZeRO paper's bf16 gradients), one gradient bucket (the fields themselves are
+    Layout's). The schedule's rules are checked here, when it is built (the trainer's
+    check_layout checks them, with the rules that need the model)."""
 
     micro_batch_size: int = 1
     precision: str = "bf16-mixed"
@@ -64,16 +68,45 @@ class ParallelConfig(Layout):
     flash_attention: bool = False
     layer_split: tuple[int, ...] | None = None
     lr: float | None = None
+    # whose bytes the memory estimate counts: minipar's (the papers'), Megatron-LM's or
+    # DeepSpeed's (plan/accounting.py)
+    memory_accounting: str = "paper"
+    # what a real framework overlaps that minipar's emulator runs in turn (timing.py):
+    # Megatron-LM's --tp-comm-overlap (Transformer Engine's userbuffers: the sequence-
+    # parallel all-gathers and reduce-scatters pipelined with the GEMMs beside them) and
+    # --overlap-param-gather (the distributed optimizer's parameter all-gather under the
+    # next step's forward)
+    tp_comm_overlap: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         self.validate_layout()
+        check_accounting(self.memory_accounting, self.zero)
+        if self.tp_comm_overlap and self.tp > 1 and not self.sequence_parallel:
+            raise ConfigError("tp_comm_overlap", "Megatron-LM overlaps tensor-parallel "
+                              "communication with GEMMs only under sequence parallelism "
+                              "(its all-gathers and reduce-scatters): add "
+                              "--sequence-parallel")
+        if self.overlap_param_gather and self.zero != 1:
+            raise ConfigError("overlap_param_gather", "overlaps Megatron-LM's distributed "
+                              f"optimizer's parameter all-gather (ZeRO-1), not ZeRO-"
+                              f"{self.zero}'s: use --zero 1, or drop it")
         check_schedule_settings(self.schedule, self.pp, self.micro_batches,
                                 self.virtual_stages, ConfigError)
 
     # ------------------------------------------------------------------ views
     @property
+    def grad_dtype(self) -> str:
+        """The gradient buffers' dtype: grad_accum_dtype, or under bf16-mixed fp32 (what
+        Megatron-LM and DeepSpeed allocate by default), else the parameters'."""
+        if self.grad_accum_dtype is None and self.precision == "bf16-mixed":
+            return "fp32"
+        return super().grad_dtype
+
+    @property
     def bytes(self) -> Precision:
-        return PRECISION_BYTES[self.precision]
+        """Bytes per element of each kind of state; gradients in the buffers' dtype."""
+        return replace(PRECISION_BYTES[self.precision], grad=DTYPE_BYTES[self.grad_dtype])
 
     def with_recompute(self, recompute: Recompute) -> ParallelConfig:
         """A copy with another recomputation policy (e.g. Recompute("selective"))."""
@@ -96,6 +129,8 @@ class ParallelConfig(Layout):
     def from_train_config(cls, config) -> ParallelConfig:
         """The layout of a minipar TrainConfig (and its learning rate, for exports)."""
         layout = {f.name: getattr(config, f.name) for f in dataclasses.fields(Layout)}
+        if config.precision == "bf16-mixed":  # the trainer's buffers, named (not ours)
+            layout["grad_accum_dtype"] = config.grad_dtype
         return cls(**layout, lr=config.lr)
 
 

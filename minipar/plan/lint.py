@@ -15,7 +15,8 @@ saying what is wrong with the numbers that show it, and a `fix`. The checks are 
     PIPELINE_UNBALANCED      one pipeline stage is much slower than the average
     TOO_FEW_MICRO_BATCHES    the pipeline bubble eats the step (m < p, or a large bubble)
     ZERO_COMM_DOMINATES      the ZeRO stage's traffic is a large share of the step and a
-                             lower stage would fit
+                             lower stage would fit, or (ZeRO-3 across nodes) HSDP, ZeRO++
+                             or FSDP2's reshard_after_forward would keep it in the node
     UNNEEDED_CHECKPOINTING   recomputation (any granularity) on although activations fit
     RECOMPUTES_TOO_MUCH      full recomputation where less fits with 10% to spare:
                              selective, or full for fewer layers (--recompute-method
@@ -35,9 +36,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
@@ -49,7 +51,7 @@ from minipar.plan.layout import (
 from minipar.plan.lint_experts import check_expert_parallel
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import stage_time, transfer_time
-from minipar.plan.traffic import stage_traffic
+from minipar.plan.traffic import data_parallel_nodes, stage_traffic
 from minipar.train.layout import check_positive_integers
 
 SEVERITIES = ("error", "warning", "info")
@@ -195,7 +197,8 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
         return []
     findings = []
     plans = stage_plans(shape, config, all_ranks=True)
-    times = [stage_time(shape, config, cluster, plan, stage_traffic(shape, config, plan))
+    gpn = cluster.gpus_per_node
+    times = [stage_time(shape, config, cluster, plan, stage_traffic(shape, config, plan, gpn))
              ["micro_batch_s"] for plan in plans]
     mean = sum(times) / p
     slowest = max(range(p), key=times.__getitem__)
@@ -204,7 +207,7 @@ def _check_pipeline(shape, config, cluster, tolerance, bubble_limit) -> list[Fin
             shape.n_layer, p, config.layer_split) and config.virtual_stages == 1:
         balanced = config.replace(layer_split=tuple(suggestion))
         new_times = [stage_time(shape, balanced, cluster, plan,
-                                stage_traffic(shape, balanced, plan))["micro_batch_s"]
+                                stage_traffic(shape, balanced, plan, gpn))["micro_batch_s"]
                      for plan in stage_plans(shape, balanced, all_ranks=True)]
         if max(new_times) < 0.97 * times[slowest]:
             plan = plans[slowest]
@@ -279,13 +282,13 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
                                    Recompute("full", "uniform", 1))):
                 if policy == config.recompute:
                     continue
-                ck = estimate(shape, config.with_recompute(policy), cluster)
-                if ck.fits:
+                ck = _estimate_if_valid(shape, config.with_recompute(policy), cluster)
+                if ck is not None and ck.fits:
                     options.append(f"{flags} ({human_bytes(ck.memory['peak_total'])})")
                     break
         for stage in range(config.zero + 1, 2 if config.pp > 1 else 3 if shape.is_moe else 4):
-            z = estimate(shape, _with_stage(config, stage), cluster)
-            if z.fits:
+            z = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
+            if z is not None and z.fits:
                 options.append(f"--zero {stage} ({human_bytes(z.memory['peak_total'])})")
                 break
         options.append(("expert parallelism (--ep: see EXPERTS_NEED_EP), "
@@ -303,6 +306,15 @@ def _check_memory(shape, config, cluster, est: Estimate) -> list[Finding]:
         if finding is not None:
             findings.append(finding)
     return findings
+
+
+def _estimate_if_valid(shape, config, cluster) -> Estimate | None:
+    """The estimate of an alternative the lint weighs, or None if the layout refuses it
+    (selective recomputation under context parallelism, for one)."""
+    try:
+        return estimate(shape, config, cluster)
+    except ConfigError:
+        return None
 
 
 CHEAPER_RECOMPUTE_HEADROOM = 0.9  # advise less recomputation only below 90% of memory
@@ -340,8 +352,9 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
     # an estimate (within 10% of the emulator's, tests/plan/test_estimate.py), and a
     # layout at 99% of memory is one allocator fragment away from running out.
     roomy = CHEAPER_RECOMPUTE_HEADROOM * usable
-    selective = estimate(shape, config.with_recompute(Recompute("selective")), cluster)
-    if selective.memory["peak_total"] <= roomy:
+    selective = _estimate_if_valid(shape, config.with_recompute(Recompute("selective")),
+                                   cluster)
+    if selective is not None and selective.memory["peak_total"] <= roomy:
         return Finding(
             "RECOMPUTES_TOO_MUCH", "info",
             f"{what} recomputes whole layers, but recomputing only the attention core fits "
@@ -367,44 +380,96 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
 
 
 def _with_stage(config, stage: int):
-    """`config` at another ZeRO stage, keeping the offload that stage allows."""
+    """`config` at another ZeRO stage, keeping the offload (and ZeRO-3's sharding across
+    nodes) that stage allows (and, for a stage Megatron-LM does not run, DeepSpeed's
+    memory accounting instead of its)."""
     optimizer = "none" if stage == 0 or (stage < 3 and config.offload_optimizer == "nvme") \
         else config.offload_optimizer
     param = config.offload_param if stage == 3 else "none"
-    return config.replace(zero=stage, offload_optimizer=optimizer, offload_param=param)
+    across = {} if stage == 3 else {
+        "hsdp_shard_size": None, "zero_hpz_partition_size": 1, "reshard_after_forward": True,
+        "zero_quantized_weights": False, "zero_quantized_gradients": False}
+    accounting = ("deepspeed" if config.memory_accounting == "megatron" and stage > 1
+                  else config.memory_accounting)
+    return with_deepspeed_buckets(config.replace(
+        zero=stage, offload_optimizer=optimizer, offload_param=param,
+        memory_accounting=accounting,
+        overlap_param_gather=config.overlap_param_gather and stage == 1, **across))
 
 
 def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> list[Finding]:
     if config.zero == 0 or config.dp == 1:
         return []
     dp_seconds = max(sum(tr.count * transfer_time(tr, cluster, est.links[tr.link])
-                         for tr in stage.transfers if tr.group == "dp")
+                         for tr in stage.transfers if tr.group.startswith("dp"))
                      for stage in est.stages)
     baseline = estimate(shape, _with_stage(config, 0), cluster)
     base_seconds = baseline.comm_time_by_group()["dp"]
     extra = dp_seconds - base_seconds
     if extra <= share * est.step_time:
         return []
+    # a lower stage that fits and is faster by this plan's own figures (its traffic may
+    # be less exposed, or its memory buy no time: recommend it only when the step wins)
     lower = None
     for stage in range(config.zero - 1, -1, -1):
-        candidate = estimate(shape, _with_stage(config, stage), cluster)
-        if candidate.fits:
+        candidate = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
+        if candidate is not None and candidate.fits and candidate.step_time < est.step_time:
             lower = candidate
             break
     why = {1: "", 2: f" (the gradients are reduce-scattered on every one of the "
                      f"{config.micro_batches} micro-batches)",
            3: f" (parameters are all-gathered before every forward and backward of every "
               f"one of the {config.micro_batches} micro-batches)"}[config.zero]
+    if config.sharding_across_nodes():
+        why = " (with " + ", ".join(flag(name) for name in config.sharding_across_nodes()) + ")"
     message = (f"ZeRO-{config.zero}'s data-parallel traffic takes {human_seconds(dp_seconds)} "
                f"of the {human_seconds(est.step_time)} step ({dp_seconds / est.step_time:.0%}"
                f"), {human_seconds(extra)} more than plain data parallelism{why}.")
+    across = _across_nodes_options(shape, config, cluster, est)
+    if across:  # ZeRO-3's data-parallel group crosses nodes: keep ZeRO-3, move its traffic
+        flags, best = across[0]
+        others = "; ".join(f"{f}: {human_seconds(e.step_time)}" for f, e in across[1:])
+        message += (f" Its group crosses nodes: {flags} keeps the gathers inside the node "
+                    f"({human_bytes(best.memory['peak_total'])}, "
+                    f"{human_seconds(best.step_time)} per step)"
+                    + (f"; also {others}" if others else "") + ".")
     if lower is None:
-        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits.",
+        if across:
+            return [Finding("ZERO_COMM_DOMINATES", "warning", message + " No lower stage fits "
+                            "and runs faster.", f"add {across[0][0]}")]
+        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits "
+                        "and runs faster.",
                         "accept it, or reduce accumulation steps / use more GPUs per "
                         "replica (tp, pp) so a lower ZeRO stage fits")]
     return [Finding(
         "ZERO_COMM_DOMINATES", "warning",
         message + f" ZeRO-{lower.config.zero} fits ({human_bytes(lower.memory['peak_total'])}"
         f") and takes {human_seconds(lower.step_time)} per step.",
-        f"use --zero {lower.config.zero}")]
+        f"use --zero {lower.config.zero}" + (f", or add {across[0][0]}" if across else ""))]
 
+def _across_nodes_options(shape, config, cluster, est: Estimate) -> list[tuple[str, Estimate]]:
+    """ZeRO-3 across nodes (HSDP / MiCS, ZeRO++ hpZ with qwZ and qgZ, FSDP2's
+    reshard_after_forward=False) for a ZeRO-3 layout whose data-parallel group crosses
+    nodes: (the flags, the estimate) of those that fit and are faster, fastest first."""
+    if (config.zero != 3 or config.sharding_across_nodes() or not est.links["dp"]
+            or shape.is_moe or config.offload_optimizer != "none"
+            or config.offload_param != "none"):
+        return []
+    node = config.replicas // data_parallel_nodes(config, cluster.gpus_per_node)
+    options = [("--reshard-after-forward false", {"reshard_after_forward": False})]
+    if 1 < node < config.replicas:
+        options = [(f"--hsdp-shard-size {node}", {"hsdp_shard_size": node}),
+                   (f"--zero-hpz-partition-size {node}", {"zero_hpz_partition_size": node}),
+                   (f"--zero-hpz-partition-size {node} --zero-quantized-weights "
+                    "--zero-quantized-gradients",
+                    {"zero_hpz_partition_size": node, "zero_quantized_weights": True,
+                     "zero_quantized_gradients": True})] + options
+    found = []
+    for flags, changes in options:
+        try:
+            candidate = estimate(shape, config.replace(**changes), cluster)
+        except ConfigError:
+            continue
+        if candidate.fits and candidate.step_time < est.step_time:
+            found.append((flags, candidate))
+    return sorted(found, key=lambda pair: pair[1].step_time)

@@ -36,6 +36,10 @@ i.e. with gradient accumulation; an upper bound for one micro-batch); and a pipe
 rank's received activation is a buffer, so it is not counted again as the first
 checkpointed layer's input.
 
+What a real framework counts differently (Megatron-LM's, DeepSpeed's) is
+plan/accounting.py's, applied to the ingredients computed here.
+This module is long because the peak is one sum of many parts, each checked by the emulator.
+
 Predictions for params, grads and optimizer are exact for minipar's layouts; activations
 are exact for one pipeline stage, GPipe and 1F1B; buffers and the total are an estimate:
 the total adds the persistent state to the larger of the activation peak and the
@@ -49,9 +53,11 @@ import math
 from dataclasses import dataclass
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan.accounting import Ingredients, account
 from minipar.plan.context import local_shape
 from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
 from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
 from minipar.plan.shapes import ModelShape
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -70,6 +76,7 @@ class StageParameters:
     embedding_unit: int  # elements of the embedding unit (0 if not on this rank)
     tied_unit: int  # elements of the tied copy (last rank, pp > 1)
     expert_numel: int = 0  # of numel, the MoE layers' experts (reduced over dp / ep)
+    tensors: tuple[int, ...] = ()  # each parameter's elements, in registration order
 
 
 def flat_buffers(params: StageParameters, config: ParallelConfig) -> list[tuple[int, int]]:
@@ -98,8 +105,14 @@ def stage_parameters(shape: ModelShape, config: ParallelConfig,
     units += [layer] * (stage.layers - stage.moe_layers) + [moe_layer] * stage.moe_layers
     if stage.last:
         units.append(sum(shape.head_params(t)))
+    tensors = ((embedding_tensors(shape, t) if embedding else ())
+               + layer_tensors(shape, t) * (stage.layers - stage.moe_layers)
+               + ((moe_layer,) * stage.moe_layers)
+               + (head_tensors(shape, t, stage.tied_copy)[0] if stage.last else
+                  (tied,) if tied else ()))
     return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
-                           tied_unit=tied, expert_numel=stage.moe_layers * expert)
+                           tied_unit=tied, expert_numel=stage.moe_layers * expert,
+                           tensors=tensors)
 
 
 def shard(numel: int, n: int) -> int:
@@ -110,9 +123,8 @@ def shard(numel: int, n: int) -> int:
 def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
     """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer per engine; 3: per
     unit)."""
-    n = config.replicas
-    if config.zero == 3:
-        return sum(shard(u, n) for u in params.units)
+    if config.zero == 3:  # over HSDP's shard group, when it has one
+        return sum(shard(u, config.sharding_group) for u in params.units)
     return sum(shard(numel, ranks) for numel, ranks in flat_buffers(params, config))
 
 
@@ -134,6 +146,12 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         optimizer_elements = sharded
     else:
         param_elements = grad_elements = optimizer_elements = sharded
+        if config.secondary_partition:  # ZeRO++ hpZ, FSDP2's reshard_after_forward=K:
+            # every unit's 1/K piece of its padded flat parameters, alive at the end of
+            # forward (minipar/parallel/zero/reshard.py)
+            n_shard = config.sharding_group
+            param_elements += sum(shard(u, n_shard) * n_shard // config.secondary_partition
+                                  for u in params.units)
 
     # Offload (plan/offload.py has the host and NVMe side): the optimizer state leaves
     # the GPU; so does ZeRO-3's parameter shard. ZeRO-2/3's gradient shard is a GPU array
@@ -157,45 +175,61 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     layer_input = local_shape(shape, config.cp).layer_input_bytes(b, t, sp,
                                                                   nbytes.activation)
     grads = grad_elements * nbytes.grad
+    if zero == 3 and config.hsdp_shard_size and config.replicas > config.sharding_group:
+        # HSDP's all-reduce of a unit's gradient shard returns a new array while the old
+        # one lives (minipar/parallel/zero/hybrid.py): one more shard, at most the largest
+        grads += max(shard(u, config.sharding_group) for u in params.units) * nbytes.grad
     recompute = config.recompute
     if recompute.full and stage.layers:
         grads += layer_input  # the recomputed layer's input gradient (see above)
     elif recompute.selective and stage.layers:  # the recomputed attention core's input
         grads += shape.qkv_bytes(b, t, nbytes.activation)
 
-    activations, forward_buffers = _activations(shape, config, stage, layer_input)
-    sync_buffers = _sync_buffers(config, params, sharded)
-    state = param_elements * nbytes.param + optimizer_elements * optimizer_bytes
-    buffers = max(forward_buffers, sync_buffers)
+    activations, forward_buffers, gathered = _activations(shape, config, stage, layer_input)
+    # the gradient synchronisation's peak: the DP engines', or after it sequence
+    # parallelism's coalesced all-reduce (its flat input and the summed output)
+    sync_buffers = max(_sync_buffers(config, params, sharded),
+                       2 * sequence_parallel_gradient_elements(shape, config, stage)
+                       * nbytes.grad)
+    paper = Ingredients(params=param_elements * nbytes.param, grads=grads,
+                        optimizer=optimizer_elements * optimizer_bytes,
+                        activations=activations, forward_buffers=forward_buffers,
+                        sync_buffers=sync_buffers, gathered=gathered)
+    # what the system that runs the job counts differently (plan/accounting.py)
+    parts, terms = account(shape, config, stage, paper, local, sharded)
+    state = parts.params + parts.optimizer
+    forward_peak = parts.activations + parts.forward_buffers
     if config.offload_optimizer != "none" and zero >= 2:
         # the GPU keeps only the running sums between micro-batches; the piece being
         # added and sent to the host is transient, after the synchronisation's peak
         persistent = sharded * nbytes.grad if config.micro_batches > 1 else 0
-        total = state + persistent + max(activations + forward_buffers, sync_buffers)
+        total = state + persistent + max(forward_peak, parts.sync_buffers)
     elif config.micro_batches == 1:
         # zero_grad frees the gradients after each step (set_to_none; every stage,
         # ZeRO-2/3's shard too, as DeepSpeed frees its partitioned gradients), so with
         # one micro-batch they are born in backward as the activations die: the peak is
         # the larger of the forward's end and the gradient synchronisation.
-        total = state + max(activations + forward_buffers, grads + sync_buffers)
+        total = state + max(forward_peak, parts.grads + parts.sync_buffers)
     else:  # the gradients stay from the first micro-batch's backward to the step
-        total = state + grads + max(activations + forward_buffers, sync_buffers)
+        total = state + parts.grads + max(forward_peak, parts.sync_buffers)
     return {
-        "params": param_elements * nbytes.param,
-        "grads": grads,
-        "optimizer": optimizer_elements * optimizer_bytes,
-        "activations": activations,
-        "buffers": buffers,
+        "params": parts.params,
+        "grads": parts.grads,
+        "optimizer": parts.optimizer,
+        "activations": parts.activations,
+        "buffers": max(parts.forward_buffers, parts.sync_buffers),
         "peak_total": total,
         "detail": {"parameters": local, "expert_parameters": params.expert_numel,
                    "shard": sharded, "layer_input": layer_input,
-                   "forward_buffers": forward_buffers, "sync_buffers": sync_buffers},
+                   "forward_buffers": parts.forward_buffers,
+                   "sync_buffers": parts.sync_buffers, "accounting": terms},
     }
 
 
 def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
-                 layer_input: int) -> tuple[int, int]:
-    """(activation bytes, buffers held alongside them) of one rank at its forward peak."""
+                 layer_input: int) -> tuple[int, int, int]:
+    """(activation bytes, buffers held alongside them, of those ZeRO-3's gathered
+    parameters) of one rank at its forward peak."""
     nbytes = config.bytes
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     a, c = nbytes.activation, nbytes.compute
@@ -252,6 +286,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     if config.cp > 1 and stage.layers:
         # ring attention's received K/V block (one at a time: used, then released)
         forward_buffers += 2 * b * shape.seq_len * shape.d_model // t * a
+    gathered = 0
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head
         # uses), held while the unit computes
@@ -262,10 +297,14 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # (minipar/parallel/zero/stage3.py) but fetched to the GPU to be gathered
         offloaded = config.offload_param != "none"
         in_flight = 2 if config.zero3_prefetch and not offloaded else 1
-        forward_buffers += in_flight * largest * nbytes.param
+        held = in_flight * largest
+        if config.reshard_after_forward is False:  # FSDP2: every unit stays gathered from
+            held = max(held, sum(params.units))  # its forward to its backward
+        gathered = held * nbytes.param
         if offloaded:
-            forward_buffers += shard(largest, config.dp) * nbytes.param
-    return activations, forward_buffers
+            gathered += shard(largest, config.dp) * nbytes.param
+        forward_buffers += gathered
+    return activations, forward_buffers, gathered
 
 
 def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, layer: int,
@@ -300,6 +339,46 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
     return saved, max(0, peak - saved - head)
 
 
+def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int]:
+    """Elements of each gradient bucket of a rank, in the order backward fills them
+    (minipar.parallel.data.buckets.build_buckets: reverse registration order, at most
+    bucket_size_mb of parameters, a larger tensor alone)."""
+    cap, itemsize = config.bucket_size_mb * 2**20, config.bytes.param
+    buckets, size = [0], 0
+    for numel in reversed(params.tensors):
+        if buckets[-1] and size + numel * itemsize > cap:
+            buckets.append(0)
+            size = 0
+        buckets[-1] += numel
+        size += numel * itemsize
+    return buckets
+
+
+def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:
+    """The (h,) parameters of one rank whose gradients sequence parallelism leaves partial
+    over TP: each layer's norm weights (and biases) and row-parallel biases, and ln_f's
+    on the last stage (an MoE layer's experts keep their row-parallel biases whole)."""
+    norms = 2 * (2 if shape.norm == "layernorm" else 1)
+    small = norms + (2 if shape.bias else 0)
+    return (small * stage.layers - (stage.moe_layers if shape.bias else 0)
+            + (norms // 2 if stage.last else 0))
+
+
+def sequence_parallel_gradient_elements(shape: ModelShape, config: ParallelConfig,
+                                        stage: StagePlan) -> int:
+    """Elements of the flat buffer sequence parallelism all-reduces over TP once per step
+    (minipar/parallel/tensor/sequence_grads.py; Megatron's finalize_model_grads): the
+    vectors' gradients the optimizer reads, under ZeRO my shard's (about 1/N of them: the
+    exact share depends on where the vectors fall in the flat buckets); 0 without it, or
+    with an offloaded optimizer (f all-reduces each in backward)."""
+    if not config.sequence_parallel or config.tp == 1 or config.offload_optimizer != "none":
+        return 0
+    elements = sequence_parallel_vectors(shape, stage) * shape.d_model
+    if config.zero and config.replicas > 1:
+        elements = shard(elements, config.replicas)
+    return elements
+
+
 def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int) -> int:
     """Peak transient bytes of gradient synchronisation over the DP group.
 
@@ -328,6 +407,11 @@ def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int)
                 peaks.append(int(numel * g + min(bucket, numel) * g))
             elif config.zero == 1:
                 peaks.append(numel * g + shard(numel, n) * g)
+            elif config.zero == 2 and len(buffers) == 1 and config.bucket_size_mb > 0:
+                # DeepSpeed's reduce buckets (and minipar's): bucket i's gradients, their
+                # flat copy and the previous bucket's still in flight (at most two)
+                sizes = [0, *bucket_elements(params, config)]
+                peaks.append(max(2 * b + a for a, b in zip(sizes[:-1], sizes[1:], strict=True)) * g)
             elif config.zero == 2:
                 peaks.append(2 * numel * g)
         return max(peaks)

@@ -235,10 +235,12 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
 
 
 # ------------------------------------------------------------------ one rank's step
-def data_parallel_time(modules: list[Module], config: ParallelConfig, collective) -> dict:
+def data_parallel_time(modules: list[Module], config: ParallelConfig, collective,
+                       tied_head: bool = True) -> dict:
     """Seconds of a rank's data-parallel gradient reduction and parameter gathers per
     step, for a chunk of `modules` (forward order) and `collective(op, nbytes)` -> the
-    group's alpha-beta time. Returns
+    group's alpha-beta time; tied_head: the head reads the embedding's weight (ZeRO-3
+    gathers that unit again for it). Returns
 
       per_micro_batch_s  ZeRO-2/3: what every micro-batch's forward and backward wait
                          for (exposed), beyond their compute
@@ -264,8 +266,8 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
         gather_s = [collective("all_gather", u * b.param) for u in forward_units]
         reduce_s = [collective("reduce_scatter", u * b.grad) for u in forward_units]
         seconds, comm = zero3_micro_batch(modules, gather_s, reduce_s, config.zero3_prefetch,
-                                          overlap, tied_head=any(mod.name == "head"
-                                                                 for mod in modules))
+                                          overlap, tied_head=tied_head and any(
+                                              mod.name == "head" for mod in modules))
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
         out["comm_s"] = m * comm
         return out
@@ -283,8 +285,23 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     if zero in (1, 2):
         gathers = [collective("all_gather", bucket.numel * b.param) for bucket in buckets]
         out["after_step_s"] = sum(gathers)
+        if config.overlap_param_gather:
+            out["after_step_s"] = param_gather_exposed(gathers, modules)
         out["comm_s"] += sum(gathers)
     return out
+
+
+def param_gather_exposed(gathers: list[float], modules: list[Module]) -> float:
+    """Seconds of the distributed optimizer's parameter all-gathers the next step waits
+    for with Megatron-LM's --overlap-param-gather (megatron/core/distributed/
+    param_and_grad_buffer.py: each bucket's all-gather is launched after the step and
+    waited for by a forward pre-hook of its first module): the first bucket's gather
+    (forward order: the last one backward reduced) before the first forward can start,
+    and what of the rest outlasts one micro-batch's forward."""
+    if not gathers:
+        return 0.0
+    forward = sum(mod.forward_s for mod in modules)
+    return max(gathers[-1], sum(gathers) - forward)
 
 
 def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: ParallelConfig,

@@ -44,6 +44,7 @@ from minipar.plan.timing import (
     ring_seconds,
     stage_modules,
     stage_seconds,
+    tp_overlap_hidden,
     transfer_time,
 )
 from minipar.plan.traffic import (
@@ -77,12 +78,14 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
             seconds["forward"] += ring[0]
             seconds["backward"] += ring[1]
-            for transfer in stage_traffic(shape, config, chunk):
+            for transfer in stage_traffic(shape, config, chunk, cluster.gpus_per_node):
                 if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
                         and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                     seconds[transfer.phase] += (transfer.count / m * transfer_time(
                         transfer, cluster, links[transfer.link]))
-            forward[r][c], backward[r][c] = seconds["forward"], seconds["backward"]
+            hidden = tp_overlap_hidden(shape, config, cluster, chunk)  # --tp-comm-overlap
+            forward[r][c] = seconds["forward"] - hidden["forward"]
+            backward[r][c] = seconds["backward"] - hidden["backward"]
     return forward, backward
 
 
@@ -168,8 +171,8 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
     tails, data_parallel, tensor_parallel = [], [], []
     for r in range(p):
         plan = stage_plan(shape, config, r)
-        transfers = [t for t in stage_traffic(shape, config, plan)
-                     if not overlap_priced(t, shape)]
+        transfers = [t for t in stage_traffic(shape, config, plan, cluster.gpus_per_node)
+                     if not overlap_priced(t, shape, config)]
         data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
 
         def seconds(selected) -> float:
@@ -195,7 +198,9 @@ def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: Clus
                       optimizer, gather))
         tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
                                        and t.phase in ("forward", "backward")
-                                       and t.label != SEQUENCE_PARALLEL_GRADIENTS))
+                                       and t.label != SEQUENCE_PARALLEL_GRADIENTS)
+                               - config.micro_batches * sum(tp_overlap_hidden(
+                                   shape, config, cluster, plan).values()))
     # Each rank's communication spans; HTA's exposed communication is their union less
     # its compute (timeline.comm_overlap, what the emulator's report measures): the
     # messages it receives (it waits for them), the ones it sends (they move when the

@@ -94,12 +94,15 @@ CLUSTERS: dict[str, ClusterSpec] = {
         intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=A100_SXM_80GB,
         # DGX A100: PCIe Gen4 x16 (~25 GB/s measured per direction); Gen4 U.2 drives
         # (Samsung PM1733 datasheet: 7.0 GB/s read, 3.8 GB/s write)
-        pcie_bandwidth=25e9, nvme_read_bandwidth=7.0e9, nvme_write_bandwidth=3.8e9),
+        pcie_bandwidth=25e9, nvme_read_bandwidth=7.0e9, nvme_write_bandwidth=3.8e9,
+        calibration="Narayanan et al. 2021, Table 1 (minipar plan --compare-published)"),
     "h100-80gb": ClusterSpec(
         name="8x H100-SXM5-80GB, NVLink 4, 400 Gb/s NDR IB per GPU", gpus_per_node=8,
         memory_bytes=80 * GIB, peak_flops=989e12, efficiency=0.5,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
-        intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=H100_SXM_80GB),
+        intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=H100_SXM_80GB,
+        calibration="5 of the Megatron-LM README's H100 runs, held out on 4 more and the "
+                    "Llama 3 paper's Table 4 (minipar plan --compare-published)"),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),

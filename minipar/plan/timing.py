@@ -1,5 +1,8 @@
 """Predicted time of one optimizer step, its pipeline bubble and MFU.
 
+Long because one rank's micro-batch is priced here whole: compute, TP, CP and ZeRO-3
+collectives (across nodes too), the data-parallel tail, the bubble; each is a few lines.
+
 One micro-batch on pipeline rank r costs t_r = its compute (stage_seconds: each kernel of
 plan/kernels.py on the cluster's roofline, or FLOPs / sustained FLOP/s on a uniform
 cluster), plus the tensor-parallel collectives and ZeRO-3 gathers it waits for (minipar's
@@ -44,11 +47,13 @@ x peak FLOP/s).
 from __future__ import annotations
 
 from minipar.autograd.kernels import ring_attention_block_kernels
+from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
     attention_flops_correction,
     chunk_tokens,
+    diagonal_share,
     exposed_ring_seconds,
     local_shape,
     pair_flops,
@@ -86,7 +91,7 @@ def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]
     world, gpn = config.world_size, cluster.gpus_per_node
     tp, cp = config.tp, config.cp
     dp_stride = tp * cp * config.pp
-    return {
+    return {**data_parallel_subgroup_links(config, gpn),
         "ep": group_crosses_nodes(config.ep, dp_stride, world, gpn),
         "edp": group_crosses_nodes(config.expert_data_parallel, config.ep * dp_stride,
                                    world, gpn),
@@ -96,6 +101,26 @@ def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]
         "dp": (group_crosses_nodes(config.dp, tp * cp * config.pp, world, gpn)
                or group_crosses_nodes(cp, tp, world, gpn)),
     }
+
+
+def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
+                                  ) -> dict[str, bool]:
+    """Whether the data-parallel sub-groups of ZeRO-3 across nodes cross nodes (those the
+    layout has: minipar.distributed.mesh's dp_subgroup, rank 0's group of each kind,
+    which the others mirror)."""
+    kinds = {"dp_shard": config.hsdp_shard_size, "dp_replicate": config.hsdp_shard_size,
+             "dp_secondary": config.secondary_partition}
+    if not any(kinds.values()) and not config.zero_quantized_gradients:
+        return {}
+    mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                      world_size=config.world_size, gpus_per_node=gpus_per_node,
+                      dp_shard=config.hsdp_shard_size, dp_secondary=config.secondary_partition)
+    links = {kind: len({r // gpus_per_node for r in mesh.dp_subgroup(kind, 0).ranks}) > 1
+             for kind, size in kinds.items() if size}
+    if config.zero_quantized_gradients:  # qgZ's levels: by definition
+        links |= {"dp_intra_node": False,
+                  "dp_inter_node": len(mesh.data_parallel_ranks_by_node(0)) > 1}
+    return links
 
 
 def transfer_time(transfer: Transfer, cluster: ClusterSpec, crosses_nodes: bool) -> float:
@@ -161,6 +186,34 @@ def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             for kind, groups in stage_kernels(shape, config, stage).items()}
 
 
+def tp_overlap_hidden(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                      stage: StagePlan) -> dict[str, float]:
+    """Seconds of one micro-batch's tensor-parallel collectives that --tp-comm-overlap
+    hides, forward and backward (Megatron-LM with Transformer Engine's userbuffers,
+    Wang et al. 2022 / TE's `ub_overlap_ag` and `ub_overlap_rs`: each sequence-parallel
+    all-gather is pipelined with the GEMM that reads its output, each reduce-scatter with
+    the GEMM that writes its input, chunk by chunk): as much of the phase's TP time as the
+    phase's GEMMs last. What outlasts them stays exposed."""
+    if not config.tp_comm_overlap or config.tp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    links, m = group_links(config, cluster), config.micro_batches
+    comm = {"forward": 0.0, "backward": 0.0}
+    for transfer in stage_traffic(shape, config, stage):
+        if (transfer.group == "tp" and transfer.phase in comm
+                and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):
+            comm[transfer.phase] += transfer.count / m * transfer_time(transfer, cluster,
+                                                                       links["tp"])
+    gemm = {"forward": 0.0, "backward": 0.0}
+    for kind, groups in stage_kernels(shape, config, stage).items():
+        if kind in gemm:
+            gemms = [[k for k in kernels if k.gemm is not None] for _, kernels in groups]
+            gemm[kind] = sum(times * (cluster.roofline.total_seconds(kernels)
+                                      if cluster.roofline is not None else
+                                      sum(k.flops for k in kernels) / cluster.sustained_flops)
+                             for (times, _), kernels in zip(groups, gemms, strict=True))
+    return {kind: min(comm[kind], gemm[kind]) for kind in comm}
+
+
 def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                  chunk_layers: tuple[int, ...], split: bool = False):
     """Seconds per micro-batch that the ring attention exchanges of a rank's layers
@@ -183,7 +236,7 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
                                              alpha + kv * e.activation / bandwidth,
                                              alpha + kv * e.compute / bandwidth,
-                                             config.flash_attention)
+                                             diagonal_share(c, config.flash_attention))
     recomputed = sum(config.recompute.recomputed_layers(n) for n in chunk_layers)
     forward, backward = layers * forward, layers * backward + recomputed * forward
     return (forward, backward) if split else forward + backward
@@ -195,7 +248,8 @@ def overlap_needs_times(config: ParallelConfig) -> bool:
     at the end of backward: all of it is exposed) unless ZeRO-3 prefetches."""
     if config.zero == 3:
         return config.zero3_prefetch or config.overlap_grad_reduce
-    return config.overlap_grad_reduce and config.bucket_size_mb > 0
+    return (config.overlap_grad_reduce and config.bucket_size_mb > 0
+            or config.overlap_param_gather)
 
 
 def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -216,12 +270,16 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
         backward_comm = 0.0
-        for transfer in stage_traffic(shape, config, part):
+        for transfer in stage_traffic(shape, config, part, cluster.gpus_per_node):
             if (transfer.group == "tp" and transfer.phase in out
                     and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                 spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
                 out[transfer.phase] += spent
                 backward_comm += spent if transfer.phase == "backward" else 0.0
+        hidden = tp_overlap_hidden(shape, config, cluster, part)
+        for phase in out:
+            out[phase] -= hidden[phase]
+        backward_comm -= hidden["backward"]
         comm_share = backward_comm / out["backward"] if out["backward"] > 0 else 0.0
         return out["forward"] * share, out["backward"] * share, comm_share
 
@@ -263,15 +321,18 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
     modules = (stage_modules(shape, config, cluster, stage)
-               if config.replicas > 1 and not shape.is_moe else [])
-    return data_parallel_time(modules, config, collective)
+               if config.replicas > 1 and not shape.is_moe
+               and not config.sharding_across_nodes() else [])
+    return data_parallel_time(modules, config, collective, shape.tie_embeddings)
 
 
-def overlap_priced(transfer: Transfer, shape: ModelShape) -> bool:
+def overlap_priced(transfer: Transfer, shape: ModelShape, config: ParallelConfig) -> bool:
     """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
-    model's two engines (dense over DP, experts over dp / ep) are not in overlap.py's
-    model: their transfers are priced as they block (traffic.py), an upper bound."""
-    return transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
+    model's two engines (dense over DP, experts over dp / ep) and ZeRO-3 across nodes
+    (HSDP, ZeRO++, FSDP2's reshard choices) are not in overlap.py's model: their
+    transfers are priced as they block (traffic.py), an upper bound."""
+    return (transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
+            and not config.sharding_across_nodes())
 
 
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -290,7 +351,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                   + data_parallel["after_step_s"])
     for transfer in transfers:
         seconds = transfer_time(transfer, cluster, links[transfer.link])
-        if transfer.group == "cp" or overlap_priced(transfer, shape):  # counted above
+        if transfer.group == "cp" or overlap_priced(transfer, shape, config):  # counted above
             continue
         if transfer.op == "send":
             p2p = max(p2p, seconds)
@@ -298,6 +359,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
             step_comm += transfer.count * seconds
         else:
             per_micro_comm += transfer.count * seconds / m
+    per_micro_comm -= sum(tp_overlap_hidden(shape, config, cluster, stage).values())
     compute = compute_s["forward"] + compute_s["backward"]
     offload = offload_time(shape, config, cluster, stage)
     return {
@@ -312,7 +374,8 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         "exposed_comm_s": m * per_micro_comm + step_comm,
         "dp_comm_s": data_parallel["comm_s"] + sum(
             t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
-            if t.group == "dp" and t.label != GRADIENT_NORM and shape.is_moe),
+            if t.group == "dp" and t.label != GRADIENT_NORM
+            and (shape.is_moe or config.sharding_across_nodes())),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
         "host_optimizer_s": offload["host_optimizer_s"],

@@ -46,12 +46,26 @@ counts (TP replicas on TP rank 0, a tied embedding on the first stage), then all
 that fp64 number over DP (ZeRO-1..3 only: DDP's gradients are already replicated), over
 TP and over PP, in that order (minipar.parallel.data.ddp.sum_over_groups; Megatron-LM's
 clip_grad_norm_fp32 all-reduces over its model-parallel group).
+ZeRO-3 across nodes (docs/data-parallel-and-zero.md; the emulator's zero/hybrid.py,
+reshard.py, quantized.py), booked under the emulator's data-parallel sub-group kinds:
+HSDP shards over its "dp_shard" group of K and all-reduces my gradient shard over the
+"dp_replicate" group once per step; FSDP2's reshard_after_forward=False gathers each
+unit once per micro-batch (the backward and a tied head reuse it); K (and ZeRO++'s hpZ)
+gathers over all N ranks for a unit's first use, then its 1/K piece over the
+"dp_secondary" group of K (FSDP2: the first use of every micro-batch; hpZ keeps the
+piece until the step: of the first micro-batch only); qwZ sends every gather as int8
+values and fp32 block scales (two all-gathers); qgZ replaces the reduce-scatter by an
+int4 all-to-all inside each node ("dp_intra_node") and one across nodes
+("dp_inter_node"), blocks and scales together. Long because it holds every group's
+collectives, one section each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minipar.distributed.mesh import DeviceMesh
+from minipar.parallel.zero.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, quantized_nbytes
 from minipar.plan.cluster import (
     all_gather_sent,
     all_reduce_sent,
@@ -61,7 +75,13 @@ from minipar.plan.cluster import (
 from minipar.plan.context import local_shape, ring_attention_bytes
 from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
 from minipar.plan.layout import ParallelConfig, StagePlan
-from minipar.plan.memory import flat_buffers, shard, stage_parameters
+from minipar.plan.memory import (
+    flat_buffers,
+    sequence_parallel_gradient_elements,
+    sequence_parallel_vectors,
+    shard,
+    stage_parameters,
+)
 from minipar.plan.shapes import ModelShape, padded_vocab
 
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
@@ -105,23 +125,35 @@ class Transfer:
         return self.count * self.sent
 
 
-def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> list[Transfer]:
-    """Every transfer of the first rank (dp 0, tp 0) of pipeline stage `stage`."""
+def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
+                  gpus_per_node: int = 8) -> list[Transfer]:
+    """Every transfer of the first rank (dp 0, tp 0) of pipeline stage `stage`
+    (gpus_per_node: the cluster's, which places qgZ's two levels)."""
     local = local_shape(shape, config.cp)  # activations: my s/cp tokens
-    return (_data_parallel(shape, config, stage) + _tensor_parallel(local, config, stage)
+    return (_data_parallel(shape, config, stage, gpus_per_node)
+            + _tensor_parallel(local, config, stage)
             + _pipeline(local, config, stage) + _context_parallel(shape, config, stage)
             + _expert_parallel(local, config, stage))
 
 
 def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
+    """Bytes sent per step by group kind (the data-parallel sub-groups of ZeRO-3 across
+    nodes, minipar.distributed.mesh.DP_SUBGROUPS, only when the layout has them)."""
     totals = {"dp": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0}
     for transfer in transfers:
-        totals[transfer.group] += transfer.sent_per_step
+        totals[transfer.group] = totals.get(transfer.group, 0) + transfer.sent_per_step
     return totals
 
 
 # ------------------------------------------------------------------ data parallel
-def _data_parallel(shape, config, stage) -> list[Transfer]:
+def data_parallel_nodes(config, gpus_per_node: int) -> int:
+    """Nodes the data-parallel group of rank 0 spans (the mesh's rank order)."""
+    mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                      world_size=config.world_size, gpus_per_node=gpus_per_node)
+    return len(mesh.data_parallel_ranks_by_node(0))
+
+
+def _data_parallel(shape, config, stage, gpus_per_node) -> list[Transfer]:
     m, zero = config.micro_batches, config.zero
     nbytes = config.bytes
     g, p = nbytes.grad, nbytes.param
@@ -137,7 +169,7 @@ def _data_parallel(shape, config, stage) -> list[Transfer]:
                                           all_reduce_sent(1, NORM_BYTES, size, position),
                                           "step", GRADIENT_NORM))
     if zero == 3:
-        return _zero3(shape, config, stage, params)
+        return _zero3(shape, config, stage, params, gpus_per_node)
     for i, (numel, n) in enumerate(flat_buffers(params, config)):
         if n == 1:
             continue
@@ -161,28 +193,81 @@ def _data_parallel(shape, config, stage) -> list[Transfer]:
     return transfers
 
 
-def _zero3(shape, config, stage, params) -> list[Transfer]:
-    n, m = config.replicas, config.micro_batches
-    if n == 1:
+def _zero3(shape, config, stage, params, gpus_per_node) -> list[Transfer]:
+    """ZeRO-3's transfers, and those of its variants across nodes (the module docstring's
+    last paragraph)."""
+    if config.replicas == 1:
         return []
-    nbytes = config.bytes
-    g, p = nbytes.grad, nbytes.param
-    norm = Transfer("all_reduce", "dp", n, NORM_BYTES, 1, all_reduce_sent(1, NORM_BYTES, n),
-                    "step", GRADIENT_NORM)
+    n, m = config.sharding_group, config.micro_batches
+    g, p = config.bytes.grad, config.bytes.param
+    kind = "dp_shard" if config.hsdp_shard_size else "dp"
+    secondary = config.secondary_partition
+    keep = config.reshard_after_forward is not False  # False: kept from forward to backward
     transfers = []
+
+    def gather(group, size, piece, count, phase, label):
+        if size > 1 and count:
+            if config.zero_quantized_weights:  # qwZ: int8 blocks and their fp32 scales
+                scales = quantized_nbytes(piece, 8, WEIGHT_BLOCK) - piece
+                for part, nbytes in (("int8", piece), ("scales", scales)):
+                    transfers.append(Transfer("all_gather", group, size, nbytes * size, count,
+                                              all_gather_sent(nbytes, 1, size), phase,
+                                              f"{label} (qwZ {part})"))
+            else:
+                transfers.append(Transfer("all_gather", group, size, piece * size * p, count,
+                                          all_gather_sent(piece, p, size), phase, label))
+
     tied_head = shape.tie_embeddings and stage.first and stage.last
     for i, unit in enumerate(params.units):
         piece = shard(unit, n)
-        is_embedding = stage.first and i == 0
-        gathers = 2 + (1 if is_embedding and tied_head else 0)
-        transfers.append(Transfer("all_gather", "dp", n, piece * n * p, gathers * m,
-                                  all_gather_sent(piece, p, n), "forward",
-                                  "ZeRO-3 parameter all-gather"))
-        transfers.append(Transfer("reduce_scatter", "dp", n, piece * n * g, m,
-                                  reduce_scatter_sent(piece * n, g, n), "backward",
-                                  "ZeRO-3 gradient reduce-scatter"))
-    transfers.append(norm)
+        again = 1 if stage.first and i == 0 and tied_head else 0  # the head's use of wte
+        if secondary is None:  # True: forward, backward (and the head) gather over n
+            gather(kind, n, piece, (2 + again) * m if keep else m, "forward",
+                   "ZeRO-3 parameter all-gather")
+        else:  # the first use gathers over n, the others my 1/K piece over K
+            piece_k = piece * n // secondary
+            until_step = config.zero_hpz_partition_size > 1  # hpZ keeps it until the step
+            firsts = 1 if until_step else m
+            gather(kind, n, piece, firsts, "forward", "ZeRO-3 parameter all-gather")
+            gather("dp_secondary", secondary, piece_k, m - firsts + again * m, "forward",
+                   "secondary partition all-gather")
+            gather("dp_secondary", secondary, piece_k, m, "backward",
+                   "secondary partition all-gather")
+        transfers += _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node)
+        replicas = config.replicas // n  # HSDP: each unit's gradient shard averaged over
+        if config.hsdp_shard_size and replicas > 1:  # its replicas, once per step
+            transfers.append(Transfer("all_reduce", "dp_replicate", replicas, piece * g, 1,
+                                      all_reduce_sent(piece, g, replicas), "step",
+                                      "HSDP gradient all-reduce over the replicas"))
+    if n > 1:
+        transfers.append(Transfer("all_reduce", kind, n, NORM_BYTES, 1,
+                                  all_reduce_sent(1, NORM_BYTES, n), "step", GRADIENT_NORM))
     return _merge(transfers)
+
+
+def _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node) -> list[Transfer]:
+    """One unit's gradient reduce-scatter per micro-batch: a ring over the n ranks, or
+    qgZ's int4 all-to-all inside each node (L ranks), then across the Q nodes."""
+    m, g = config.micro_batches, config.bytes.grad
+    nodes = data_parallel_nodes(config, gpus_per_node) if config.zero_quantized_gradients else 1
+    if not config.zero_quantized_gradients or nodes == 1:
+        if n == 1:
+            return []
+        return [Transfer("reduce_scatter", kind, n, piece * n * g, m,
+                         reduce_scatter_sent(piece * n, g, n), "backward",
+                         "ZeRO-3 gradient reduce-scatter")]
+    local = n // nodes
+    values = quantized_nbytes(piece, 4, GRADIENT_BLOCK) - 4 * -(-piece // GRADIENT_BLOCK)
+    transfers = []
+    for part, nbytes in (("int4", values), ("scales", quantized_nbytes(piece, 4,
+                                                                        GRADIENT_BLOCK) - values)):
+        transfers += [Transfer("all_to_all", "dp_intra_node", local, local * nodes * nbytes, m,
+                               (local - 1) * nodes * nbytes, "backward",
+                               f"qgZ gradient all-to-all inside the node ({part})"),
+                      Transfer("all_to_all", "dp_inter_node", nodes, nodes * nbytes, m,
+                               (nodes - 1) * nbytes, "backward",
+                               f"qgZ gradient all-to-all across nodes ({part})")]
+    return transfers
 
 
 # ------------------------------------------------------------------ tensor parallel
@@ -231,8 +316,6 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             add("all_reduce", 1, numel * a, full, "backward", "logits input gradient")
     else:
         gather, scatter = all_gather_sent(piece, a, t), reduce_scatter_sent(numel, a, t)
-        norms = 2 * (2 if shape.norm == "layernorm" else 1)
-        small = norms + (2 if shape.bias else 0)  # norm weights/biases, row-parallel biases
         add("all_gather", 2 * (layers + recomputed), numel * a, gather, "forward",
             "sequence-parallel all-gather (g)")
         add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
@@ -241,23 +324,18 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             "input re-gather and gradient all-gather")
         add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")
-        # (an MoE layer's experts hold their row-parallel biases whole: no all-reduce)
-        vectors = (small * layers - (moe if shape.bias else 0)
-                   + (norms // 2 if stage.last else 0))  # + ln_f's
+        vectors = sequence_parallel_vectors(shape, stage)
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
-            # finalize_model_grads; minipar/parallel/tensor/sequence.py), of the elements the
-            # optimizer reads: under ZeRO my shard's (about 1/N of them: the exact share
-            # depends on where the vectors fall in the flat buckets)
-            elements = vectors * h
-            if config.zero and config.replicas > 1:
-                elements = shard(elements, config.replicas)
+            # finalize_model_grads; minipar/parallel/tensor/sequence.py)
+            elements = sequence_parallel_gradient_elements(shape, config, stage)
             transfers.append(Transfer(
                 "all_reduce", "tp", t, elements * nbytes.grad, 1,
                 all_reduce_sent(elements, nbytes.grad, t), "backward",
                 SEQUENCE_PARALLEL_GRADIENTS))
-        else:  # (an offloaded optimizer keeps f's all-reduce per vector and micro-batch)
-            add("all_reduce", vectors, h * nbytes.grad, all_reduce_sent(h, nbytes.grad, t),
+        else:  # (an offloaded optimizer keeps f's all-reduce per vector and micro-batch,
+            # of the micro-batch's gradient: in the parameters' dtype, before accumulation)
+            add("all_reduce", vectors, h * nbytes.param, all_reduce_sent(h, nbytes.param, t),
                 "backward", "norm and bias gradient all-reduce")
         if stage.first:
             add("all_reduce", 1, numel * a, all_reduce_sent(numel, a, t), "forward",

@@ -30,9 +30,11 @@ import numpy as np
 
 from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
+from minipar.autograd.precision import bfloat16, float32, float64
 from minipar.nn import GPT
 from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context.model import parallelize_context
+from minipar.parallel.data.ddp import accumulate_gradients_in
 from minipar.parallel.expert.dispatch import parallelize_experts
 from minipar.parallel.pipeline.executor import Pipeline
 from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
@@ -41,7 +43,24 @@ from minipar.parallel.tensor.sequence_grads import (
     defer_gradient_reduction,
 )
 from minipar.train.config import TrainConfig, gpt_config
-from minipar.train.engines import data_parallel_engine, expert_data_parallel_engine
+from minipar.train.engines import (
+    data_parallel_engine,
+    expert_data_parallel_engine,
+    zero3_across_nodes,
+)
+
+
+def device_mesh(config: TrainConfig, **outside_a_launch) -> dist.DeviceMesh:
+    """The run's device mesh, with the data-parallel sub-groups its sharding across nodes
+    needs (HSDP's, the secondary partition's, qgZ's node levels: made up front on every
+    rank, as torch.distributed asks). outside_a_launch: world_size and gpus_per_node."""
+    return dist.DeviceMesh(
+        dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp, ep=config.ep,
+        dp_shard=config.hsdp_shard_size,
+        dp_secondary=config.secondary_partition,
+        dp_node_groups=config.zero_quantized_gradients, **outside_a_launch)
+
+GRAD_DTYPES = {"bf16": bfloat16, "fp32": float32, "fp64": float64}
 
 
 # ------------------------------------------------------------------ one rank's model
@@ -71,6 +90,7 @@ class RankModel:
     pipeline: Pipeline | None = None
     overlap_grad_reduce: bool = True
     sequence_parallel_params: list = field(default_factory=list)  # deferred TP sums
+    _moe_layers: list | None = field(default=None, init=False, repr=False)
 
     def finalize_model_grads(self) -> None:
         """Megatron's finalize_model_grads after the DP sync: SP's one TP all-reduce."""
@@ -83,8 +103,9 @@ class RankModel:
         gradients averaged over DP, then `finalize_model_grads`; returns the mean (LM) loss."""
         engine = self.engine
         # Each loss is seeded 1/m, so MoE aux losses weigh 1/m too (Megatron's set_loss_scale)
-        for part in self.parts():
-            set_aux_loss_scale(part, 1.0 / len(micro_batches))
+        if self.moe_layers():
+            for part in self.parts():
+                set_aux_loss_scale(part, 1.0 / len(micro_batches))
         if self.pipeline is not None:
             # The schedule runs every backward. With overlap, the engine's hooks reduce
             # each chunk's buckets during its last backward (Megatron's
@@ -123,9 +144,13 @@ class RankModel:
         return [self.model] if self.pipeline is None else list(self.pipeline.chunks)
 
     def moe_layers(self) -> list[tuple[str, MoE]]:
-        """(global name such as "h.2.mlp", MoE) of the MoE layers this rank holds."""
-        return [(name, m) for part in self.parts() for name, m in part.named_modules()
-                if isinstance(m, MoE)]
+        """(global name such as "h.2.mlp", MoE) of the MoE layers this rank holds (looked
+        up once: what a rank runs does not change after it is built, and the training
+        loop asks at every step)."""
+        if self._moe_layers is None:
+            self._moe_layers = [(name, m) for part in self.parts()
+                                for name, m in part.named_modules() if isinstance(m, MoE)]
+        return self._moe_layers
 
     def routing(self) -> list[dict]:
         """Each MoE layer's routing totals on this rank (minipar/nn/moe.py), by name."""
@@ -161,6 +186,7 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                             virtual_stages=config.virtual_stages,
                             build_chunk=functools.partial(build_model, config, mesh))
     named = list((model if pipeline is None else pipeline).named_parameters())
+    accumulate_gradients_in((p for _, p in named), GRAD_DTYPES[config.grad_dtype])
     if start is not None:
         load_local_state(named, start.tensors["param"], mesh)
     tp_rank = mesh.tp_rank
@@ -174,8 +200,9 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
     adamw = {"lr": config.lr, "betas": (config.beta1, config.beta2),
              "weight_decay": config.weight_decay}
     # Parameters are replicated over CP too: average their gradients (and shard ZeRO's
-    # states) over DP x CP, Megatron's data-parallel group with context parallelism.
-    replicas = mesh.dp_cp_group() if config.cp > 1 else mesh.dp_group()
+    # states) over DP x CP, Megatron's data-parallel group with context parallelism;
+    # ZeRO-3 across nodes may shard over a part of it (HSDP).
+    replicas, across_nodes = zero3_across_nodes(config, mesh)
     if config.ep > 1:  # (MoE with cp > 1, zero >= 2 or offload: refused by mixes.check_layout)
         engine = expert_data_parallel_engine(config, model, named, mesh, adamw,
                                              counts_in_norm)
@@ -187,7 +214,8 @@ def build_rank_model(config: TrainConfig, mesh: dist.DeviceMesh, start=None) -> 
                                       overlap_comm=config.overlap_grad_reduce,
                                       zero3_prefetch=config.zero3_prefetch,
                                       offload_optimizer=config.offload_optimizer,
-                                      offload_param=config.offload_param)
+                                      offload_param=config.offload_param,
+                                      across_nodes=across_nodes)
     if pipeline is not None:  # a tied wte's gradient is final only after its copies sum
         # (or, in a V, after both of rank 0's chunks added into the one they share)
         engine.defer_reduction(pipeline.late_reduced_parameters())

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError
-from minipar.nn.gpt import GPTConfig
-from minipar.train.layout import Layout, check_positive_integers, choice, setting
+from minipar.nn.gpt import MLP_KINDS, GPTConfig
+from minipar.train.layout import Layout, check_positive_integers, choice, divisors, setting
 
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 # The deepest and widest models minipar takes (the trainer's and the planner's): far past
@@ -55,6 +55,12 @@ class ModelSettings:
     dropout: float = setting(0.0, "dropout probability (0 = off)")
     tie_embeddings: bool = setting(True, "share the LM head with the token embedding (GPT-2 "
                                          "does)")
+    # Llama's shape: grouped-query attention, the MLP's width and its gated unit
+    n_kv_head: int | None = setting(None, "key/value heads (grouped-query attention; default "
+                                          "n_head: multi-head attention)")
+    d_ff: int | None = setting(None, "MLP hidden width (default 4 x d_model)")
+    mlp: str = setting("gelu", "MLP activation: gelu (GPT-2) or swiglu (Llama: gate, up and "
+                               "down matrices)")
     # Megatron-LM's names of the MoE flags in brackets
     moe_num_experts: int = setting(0, "experts per MoE layer (0 = dense MLP; Megatron's "
                                       "--num-experts)")
@@ -75,13 +81,25 @@ class ModelSettings:
         if self.d_model % self.n_head:
             raise ConfigError("n_head", f"d_model={self.d_model} is not divisible by "
                               f"n_head={self.n_head}; pick n_head among "
-                              f"{_divisors(self.d_model)}")
+                              f"{divisors(self.d_model)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
         _finite("dropout", self.dropout)
+        for name in ("n_kv_head", "d_ff"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 1)
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ConfigError("n_kv_head", f"n_head={self.n_head} is not a multiple of "
+                              f"{self.n_kv_head}: each key/value head serves a group of query "
+                              f"heads; pick one of {divisors(self.n_head)}")
+        choice("mlp", self.mlp, MLP_KINDS)
         _integer("moe_num_experts", self.moe_num_experts, 0)
         check_model_size(self)
         if self.moe_num_experts:  # GPTConfig's rules, as flags
+            if self.mlp != "gelu" or self.d_ff is not None:
+                flag = "mlp" if self.mlp != "gelu" else "d_ff"
+                raise ConfigError(flag, "minipar's experts are GPT-2 MLPs (GELU, 4 x "
+                                  "d_model): drop it, or --moe-num-experts")
             _integer("moe_top_k", self.moe_top_k, 1)
             _integer("moe_layer_freq", self.moe_layer_freq, 1)
             for name in ("moe_capacity_factor", "moe_aux_loss_coeff"):
@@ -239,10 +257,6 @@ def _integer(name: str, value, low: int, high: int | None = None) -> None:
             (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ConfigError(name, f"must be an integer {bound}, got {value!r}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def gpt_config(config: TrainConfig, vocab_size: int | None = None) -> GPTConfig:

@@ -14,7 +14,7 @@ How a global batch of G = micro_batch_size x grad_accum_steps x dp sequences is 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,11 +50,24 @@ class TokenStream:
     tokens: np.ndarray  # (N,) int64
     vocab_size: int
     name: str
+    # The last global batches drawn: every rank of a launch asks for the same one, and
+    # drawing it is O(world) work per rank (read-only arrays; micro_batch copies rows)
+    _drawn: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def global_batch(self, step: int, size: int, seq_len: int, seed: int):
-        """The global batch of `step`: (inputs, targets), each int64 of shape (size, seq_len).
+        """The global batch of `step`: (inputs, targets), each int64 of shape (size, seq_len),
+        read-only.
 
         Window starts are drawn from a generator seeded by (seed, step) only."""
+        key = (step, size, seq_len, seed)
+        batch = self._drawn.get(key)
+        if batch is None:
+            batch = self._draw(step, size, seq_len, seed)
+            last = list(self._drawn.items())[-1:]  # ranks are at most a step apart
+            self._drawn = {**dict(last), key: batch}
+        return batch
+
+    def _draw(self, step: int, size: int, seq_len: int, seed: int):
         limit = len(self.tokens) - seq_len - 1
         if limit < 1:
             raise ConfigError("seq_len", f"{seq_len} is too long for the {self.name} data "
@@ -63,6 +76,7 @@ class TokenStream:
         starts = rng.integers(0, limit, size=size)
         window = starts[:, None] + np.arange(seq_len + 1)[None, :]
         chunk = self.tokens[window]
+        chunk.flags.writeable = False
         return chunk[:, :-1], chunk[:, 1:]
 
 

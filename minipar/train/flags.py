@@ -14,18 +14,21 @@ import types
 import typing
 
 from minipar.errors import flag
+from minipar.nn.gpt import MLP_KINDS
 from minipar.nn.recompute import GRANULARITIES, METHODS
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, schedule_names
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES
 from minipar.train.config import DATASETS
-from minipar.train.layout import PRECISIONS
+from minipar.train.layout import GRAD_ACCUM_DTYPES, PRECISIONS
 
 
 def choices() -> dict[str, tuple]:
     """The settings whose values are a fixed set (the schedules: the registry's now)."""
-    return {"precision": PRECISIONS, "schedule": schedule_names(), "data": DATASETS,
+    return {"precision": PRECISIONS, "grad_accum_dtype": GRAD_ACCUM_DTYPES,
+            "schedule": schedule_names(), "data": DATASETS,
             "recompute_granularity": GRANULARITIES, "recompute_method": METHODS,
-            "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES}
+            "offload_optimizer": OFFLOAD_DEVICES, "offload_param": OFFLOAD_DEVICES,
+            "mlp": MLP_KINDS}
 
 
 def add_setting_flags(parser, settings: type, defaults: dict | None = None,
@@ -44,7 +47,11 @@ def add_setting_flags(parser, settings: type, defaults: dict | None = None,
                                           for spec in SCHEDULES.values())
         if f.name in notes:
             help_text += f" ({notes[f.name]})"
-        if kind is bool:
+        if "parse" in f.metadata:  # e.g. true, false or K: the field's own reader
+            parser.add_argument(flag(f.name), dest=f.name, type=f.metadata["parse"],
+                                default=default, help=help_text,
+                                metavar=f.metadata["metavar"])
+        elif kind is bool:
             parser.add_argument(flag(f.name), dest=f.name, default=default, help=help_text,
                                 action=argparse.BooleanOptionalAction)
         else:

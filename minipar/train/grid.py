@@ -12,6 +12,7 @@ refused, with the reason, and counts as expected when the case says so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from minipar.errors import ConfigError
@@ -106,6 +107,25 @@ GRID = [
          dict(cp=2, moe_num_experts=4), refused=True),
     Case("moe dp2 zero2 (experts' ZeRO-2 buckets: not built)",
          dict(dp=2, zero=2, moe_num_experts=4), refused=True),
+    # ZeRO-3 across nodes (2 nodes): hybrid sharding, FSDP2's reshard choice, ZeRO++
+    Case("dp8 zero3 hsdp4 accum2 (HSDP / MiCS, 2 nodes)",
+         dict(dp=8, zero=3, hsdp_shard_size=4, gpus_per_node=4, grad_accum_steps=2)),
+    Case("dp4 tp2 zero3 reshard_after_forward false", dict(dp=4, tp=2, zero=3,
+                                                           reshard_after_forward=False)),
+    Case("dp8 zero3 hsdp4 reshard_after_forward 2",
+         dict(dp=8, zero=3, hsdp_shard_size=4, reshard_after_forward=2, gpus_per_node=4)),
+    Case("dp8 zero3 hpz4 accum2 (ZeRO++ hpZ, 2 nodes)",
+         dict(dp=8, zero=3, zero_hpz_partition_size=4, gpus_per_node=4, grad_accum_steps=2)),
+    Case("dp4 zero3 qwZ (int8 weights: quantisation tolerance)",
+         dict(dp=4, zero=3, zero_quantized_weights=True, gpus_per_node=2)),
+    Case("dp4 tp2 zero3 qgZ (int4 gradients, 2 nodes: quantisation tolerance)",
+         dict(dp=4, tp=2, zero=3, zero_quantized_gradients=True, gpus_per_node=4)),
+    Case("dp8 zero3 hpz4 + qwZ + qgZ (ZeRO++: quantisation tolerance)",
+         dict(dp=8, zero=3, zero_hpz_partition_size=4, zero_quantized_weights=True,
+              zero_quantized_gradients=True, gpus_per_node=4)),
+    Case("dp8 zero3 hsdp4 + qgZ (MiCS and ZeRO++ apart: not built)",
+         dict(dp=8, zero=3, hsdp_shard_size=4, zero_quantized_gradients=True),
+         refused=True),
     Case("dp2 pp2 zero2 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=2, grad_accum_steps=2),
          refused=True),
     Case("dp2 pp2 zero3 (DeepSpeed refuses)", dict(dp=2, pp=2, zero=3, grad_accum_steps=2),
@@ -137,11 +157,12 @@ def run_case(case: Case, references: dict | None = None, **overrides) -> GridRes
     """Train one case with its check; `references` keeps the reference runs for the
     cases after it (`train`'s `references`). A refused layout is refused before its
     reference trains."""
-    config = case.config(**overrides)
-    try:
+    try:  # refused by the settings' own rules (the config) or by the trainer's mixes
+        config = case.config(**overrides)
         report = train(config, references=references)
     except ConfigError as err:
-        return GridResult(case, config.world_size, refusal=str(err))
+        world = math.prod(case.settings.get(axis, 1) for axis in ("dp", "tp", "pp", "cp"))
+        return GridResult(case, world, refusal=str(err))
     return GridResult(case, config.world_size, report.equivalence,
                       warnings=tuple(report.warnings))
 

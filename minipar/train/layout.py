@@ -16,7 +16,8 @@ Two configs build on this one definition, as Megatron-LM's `TransformerConfig` b
 inherits the parallel fields): minipar.train.config.TrainConfig (the model, the layout,
 the optimizer and the run) and minipar.plan.layout.ParallelConfig (the layout and what a
 real cluster adds). A field added here is a flag of `minipar train` and a setting of the
-planner at once.
+planner at once. Long because every layout setting's field, help line and rule live here
+and nowhere else.
 
 The rules below need nothing but the layout and run when it is built. The rules that need
 the model (heads that split over tp, layers enough for the stages, a sequence that cuts
@@ -30,21 +31,37 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name
 from minipar.parallel.zero.offload import DEVICES as OFFLOAD_DEVICES  # DeepSpeed's offload devices
 
 PRECISIONS = ("fp64", "fp32", "bf16-mixed")
+GRAD_ACCUM_DTYPES = ("bf16", "fp32")
 # Micro-batches per optimizer step: the trainer runs each one and the planner simulates
 # each one of the schedule; --grad-accum-steps 10**12 hung the planner and asked the
 # trainer for 29 TiB of token ids. Published runs use hundreds to a few thousand.
 MAX_MICRO_BATCHES = 65536
 
 
-def setting(default, help: str):
-    """A field of a settings dataclass: its default and the one line of its CLI flag."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def setting(default, help: str, parse=None, metavar: str | None = None):
+    """A field of a settings dataclass: its default and the one line of its CLI flag
+    (parse, metavar: how the flag reads its text and names it, when the field's type
+    alone cannot say)."""
+    metadata = {"help": help} if parse is None else {"help": help, "parse": parse,
+                                                     "metavar": metavar}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def bool_or_int(text: str) -> bool | int:
+    """true, false or a positive integer K (FSDP2's reshard_after_forward)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError("reshard_after_forward",
+                          f"must be true, false or a number of ranks K, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,26 @@ class Layout:
                                               "micro-batch backward)")
     zero3_prefetch: bool = setting(True, "ZeRO-3: all-gather the next module's parameters "
                                          "while the current one computes")
+    # sharding across nodes (docs/data-parallel-and-zero.md), each with --zero 3: hybrid
+    # sharding (FSDP2's HSDP, DeepSpeed's MiCS: zero/hybrid.py); ZeRO++'s hpZ, qwZ, qgZ
+    # (DeepSpeed's zero_hpz_partition_size, zero_quantized_weights and _gradients:
+    # zero/reshard.py, zero/quantized.py); FSDP2's reshard_after_forward (zero/reshard.py)
+    hsdp_shard_size: int | None = setting(
+        None, "HSDP / MiCS (--zero 3): shard within groups of K data-parallel ranks (a "
+              "node's), replicate across them, all-reducing the gradient shards once per "
+              "step")
+    zero_hpz_partition_size: int = setting(
+        1, "ZeRO++ hpZ (--zero 3): after forward keep a secondary copy of the parameters "
+           "sharded over K ranks (a node's), so backward all-gathers there (1 = off)")
+    zero_quantized_weights: bool = setting(
+        False, "ZeRO++ qwZ (--zero 3): the parameter all-gathers carry int8 blocks")
+    zero_quantized_gradients: bool = setting(
+        False, "ZeRO++ qgZ (--zero 3): the gradient reduce-scatter is an int4 all-to-all "
+               "inside each node, then across nodes")
+    reshard_after_forward: bool | int = setting(
+        True, "FSDP2 (--zero 3): true frees a module's parameters after its forward, false "
+              "keeps them for its backward, K keeps a 1/K piece (backward gathers over K "
+              "ranks)", parse=bool_or_int, metavar="true|false|K")
     # the batch: global_batch_size = micro_batch_size x grad_accum_steps x dp
     micro_batch_size: int = setting(4, "sequences per micro-batch on one data-parallel rank")
     grad_accum_steps: int | None = setting(None, "micro-batches per optimizer step (or give "
@@ -101,6 +138,14 @@ class Layout:
     # numerics and memory: the dtype policy; recomputation (Megatron-LM's flags,
     # minipar.nn.recompute)
     precision: str = setting("fp32", "numerics: fp64 (exact checks), fp32, bf16-mixed")
+    # the dtype gradients are accumulated and reduced in: with bf16-mixed, the ZeRO
+    # paper's 2 bytes (bf16, the parameters' dtype) or Megatron-LM's fp32 main_grad
+    # buffers (--accumulate-allreduce-grads-in-fp32, its default for --bf16), into which
+    # each micro-batch's bf16 gradient is summed; None: the parameters' dtype
+    grad_accum_dtype: str | None = setting(
+        None, "dtype gradients are accumulated and reduced in under bf16-mixed: bf16 (the "
+              "ZeRO paper's 2 bytes per parameter) or fp32 (Megatron-LM's main_grad, "
+              "4 bytes); default: the parameters' dtype")
     recompute_granularity: str | None = setting(
         None, "recompute in backward: selective (the attention core only) or full (whole "
               "blocks, every one without --recompute-method; Megatron-LM's flag)")
@@ -123,6 +168,7 @@ class Layout:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
         choice("precision", self.precision, PRECISIONS)
+        check_grad_accum_dtype(self.grad_accum_dtype, self.precision)
         check_schedule_name(self.schedule, ConfigError)
         bucket = self.bucket_size_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or \
@@ -130,6 +176,7 @@ class Layout:
             raise ConfigError("bucket_size_mb", "must be a finite number >= 0 (0 = one "
                               f"bucket), got {bucket!r}")
         check_offload_settings(self.offload_optimizer, self.offload_param, self.zero)
+        check_sharding_across_nodes(self)
         if self.dp % self.ep:
             raise ConfigError("ep", f"--ep {self.ep} must divide --dp {self.dp}: the experts "
                               "are split inside the data-parallel group")
@@ -157,6 +204,30 @@ class Layout:
         shards: dp x cp (parameters are replicated over context parallelism)."""
         return self.dp * self.cp
 
+    def sharding_across_nodes(self) -> list[str]:
+        """The settings of ZeRO-3 across nodes this layout turns on (HSDP, ZeRO++,
+        FSDP2's reshard_after_forward), in the order of the fields."""
+        return [name for name, on in (
+            ("hsdp_shard_size", self.hsdp_shard_size is not None),
+            ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1),
+            ("zero_quantized_weights", self.zero_quantized_weights),
+            ("zero_quantized_gradients", self.zero_quantized_gradients),
+            ("reshard_after_forward", self.reshard_after_forward is not True)) if on]
+
+    @property
+    def sharding_group(self) -> int:
+        """Ranks ZeRO-3 shards over: HSDP's shard group, or all the replicas."""
+        return self.hsdp_shard_size or self.replicas
+
+    @property
+    def secondary_partition(self) -> int | None:
+        """Ranks of the secondary partition a unit keeps after its forward (ZeRO++ hpZ,
+        FSDP2's reshard_after_forward=K), or None."""
+        if self.zero_hpz_partition_size > 1:
+            return self.zero_hpz_partition_size
+        reshard = self.reshard_after_forward
+        return None if isinstance(reshard, bool) else reshard
+
     @property
     def expert_data_parallel(self) -> int:
         """Ranks holding the same experts, over which expert gradients are reduced and
@@ -168,6 +239,14 @@ class Layout:
         """Micro-batches per optimizer step on each DP rank (= grad_accum_steps; the
         pipeline's m)."""
         return self.grad_accum_steps
+
+    @property
+    def grad_dtype(self) -> str:
+        """The dtype gradients are accumulated and reduced in: grad_accum_dtype, or the
+        parameters' (bf16 under bf16-mixed)."""
+        if self.grad_accum_dtype is not None:
+            return self.grad_accum_dtype
+        return "bf16" if self.precision == "bf16-mixed" else self.precision
 
     @property
     def recompute(self) -> Recompute:
@@ -203,6 +282,58 @@ class Layout:
 
 
 # ------------------------------------------------------------------ the rules
+def check_sharding_across_nodes(layout: Layout) -> None:
+    """HSDP, ZeRO++ and FSDP2's reshard_after_forward: ZeRO-3's, each a divisor of the
+    group it cuts (FSDP2's and DeepSpeed's rules). The mixes the trainer does not build
+    are minipar.train.mixes.check_layout's."""
+    hsdp, hpz = layout.hsdp_shard_size, layout.zero_hpz_partition_size
+    reshard = layout.reshard_after_forward
+    if hsdp is not None:
+        check_positive_integers(layout, ("hsdp_shard_size",))
+    check_positive_integers(layout, ("zero_hpz_partition_size",))
+    if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool) and reshard < 1):
+        raise ConfigError("reshard_after_forward", f"must be true, false or a positive number "
+                          f"of ranks K, got {reshard!r}")
+    asked = layout.sharding_across_nodes()
+    if asked and layout.zero != 3:
+        raise ConfigError(asked[0], f"{flag(asked[0])} shards ZeRO-3's parameters or changes "
+                          f"its collectives: it needs --zero 3 (got --zero {layout.zero})")
+    replicas = layout.replicas
+    if hsdp is not None and replicas % hsdp:
+        raise ConfigError("hsdp_shard_size", f"{hsdp} must divide the {replicas} "
+                          f"data-parallel ranks (dp x cp): one of {divisors(replicas)}")
+    sharding = hsdp or replicas  # the group ZeRO-3 shards over
+    if hpz > 1:
+        if reshard is not True and reshard != hpz:
+            raise ConfigError("reshard_after_forward", f"--zero-hpz-partition-size {hpz} is "
+                              f"ZeRO++'s reshard_after_forward={hpz} (DeepSpeed's name for "
+                              f"FSDP2's idea), not {str(reshard).lower()}: give one of the two")
+        _secondary_size("zero_hpz_partition_size", hpz, sharding)
+    if not isinstance(reshard, bool):
+        if reshard == 1:
+            raise ConfigError("reshard_after_forward", "1 means false (FSDP2 warns and keeps "
+                              "the full parameters): write --reshard-after-forward false")
+        if reshard == sharding:
+            raise ConfigError("reshard_after_forward", f"{reshard} is the whole sharding group "
+                              "(FSDP2 treats it as true): write --reshard-after-forward true")
+        _secondary_size("reshard_after_forward", reshard, sharding)
+
+
+def _secondary_size(name: str, size: int, sharding: int) -> None:
+    """A secondary partition of `size` ranks: a divisor of the sharding group, smaller."""
+    if sharding % size or size >= sharding:
+        sizes = divisors(sharding)[1:-1]
+        raise ConfigError(name, f"{size} must be a divisor of the {sharding} ranks ZeRO-3 "
+                          "shards over, smaller than it: "
+                          + (f"one of {sizes}" if sizes else "there is none, use more "
+                             "data-parallel ranks"))
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, in order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_offload_settings(optimizer: str, param: str, zero: int) -> None:
     """ZeRO-Offload / ZeRO-Infinity's devices and the stages DeepSpeed runs them with
     (deepspeed/runtime/zero/offload_config.py; minipar/parallel/zero/offload.py)."""
@@ -227,6 +358,21 @@ def check_offload_settings(optimizer: str, param: str, zero: int) -> None:
             f"{zero}): DeepSpeed's stage 1/2 optimizer has no NVMe swapper (stage_1_and_2.py "
             "keeps the state in CPU memory for any offload device); ZeRO-Infinity's NVMe "
             "swapping is stage 3's. Use --offload-optimizer cpu or --zero 3")
+
+
+def check_grad_accum_dtype(grad_accum_dtype: str | None, precision: str) -> None:
+    """--grad-accum-dtype names a dtype, one no narrower than the parameters' own: bf16
+    only under bf16-mixed (fp32 and fp64 parameters keep their gradients in their own
+    dtype), fp32 under bf16-mixed or fp32."""
+    if grad_accum_dtype is None:
+        return
+    choice("grad_accum_dtype", grad_accum_dtype, GRAD_ACCUM_DTYPES)
+    if precision == "fp64" or (grad_accum_dtype == "bf16" and precision != "bf16-mixed"):
+        raise ConfigError(
+            "grad_accum_dtype", f"--grad-accum-dtype {grad_accum_dtype} with --precision "
+            f"{precision}: {precision} parameters accumulate their gradients in {precision} "
+            "(a narrower buffer would round every micro-batch's sum); it chooses between "
+            "bf16 and fp32 under --precision bf16-mixed: drop it, or use bf16-mixed")
 
 
 def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,

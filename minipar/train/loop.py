@@ -45,7 +45,7 @@ from minipar.nn import lr_schedule
 from minipar.parallel.context import layout as context
 from minipar.parallel.state import describe, parameter_pieces, state_pieces
 from minipar.train import checkpoint, checkpoint_dirs, equivalence
-from minipar.train.build import build_rank_model
+from minipar.train.build import build_rank_model, device_mesh
 from minipar.train.config import TrainConfig
 from minipar.train.data import TokenStream, make_stream, micro_batch
 from minipar.train.divergence import check_finite
@@ -90,18 +90,18 @@ class RunOptions:
 # ------------------------------------------------------------------ the rank program
 def _rank_program(config: TrainConfig, options: RunOptions) -> dict:
     """What every rank runs (SPMD): build my share of the model and its engine, train."""
-    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp,
-                           ep=config.ep)
+    mesh = device_mesh(config)
     rank = dist.get_rank()
     rank_model = build_rank_model(config, mesh, options.start)
     engine = rank_model.engine
     start_step = 0 if options.start is None else options.start.step
     checker = None
     if options.reference_states is not None:
+        judging = equivalence.judging(config)
         checker = equivalence.StepChecker(
-            options.reference_states, equivalence.TOLERANCES[config.precision], rank,
+            options.reference_states, judging.tolerance, rank,
             mesh.coords(), dict(zip(mesh.axes, mesh.shape, strict=True)),
-            scale=equivalence.SCALES[config.precision])
+            scale=judging.scale)
     history, states, step_ends, wall_ends = [], {}, [], []
     clock = dist.get_device().clock
     loop_start, wall_start = clock.now, time.perf_counter()
@@ -355,10 +355,11 @@ def train_prepared(prepared: PreparedRun, *, progress=None, save_dir=None,
         return None
     if reference is not None:
         report.reference = reference.report
+        judging = equivalence.judging(config)
         report.equivalence = equivalence.compare_runs(
             report.steps, reference.report.steps, report.state_dict,
             reference.report.state_dict, [r["check"] for r in results],
-            equivalence.TOLERANCES[config.precision], equivalence.SCALES[config.precision])
+            judging.tolerance, judging.scale, judging.quantized)
     if options.save_failures:  # the run is done: say what was not written, keep the rest
         _, directory, error = options.save_failures[0]
         raise OutputError("save_dir", f"{directory}: the checkpoint could not be written "

@@ -23,7 +23,7 @@ pipeline has flushed and the tied embedding's two copies have summed their gradi
 from __future__ import annotations
 
 from minipar import distributed as dist
-from minipar.errors import ConfigError, PipelineError
+from minipar.errors import ConfigError, PipelineError, flag
 from minipar.parallel.context.layout import SELECTIVE_WITH_CP, validate_context_parallel
 from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
@@ -78,7 +78,7 @@ def check_layout(config: TrainConfig) -> list[str]:
         raise ConfigError("check", f"with --dropout {config.dropout} every rank (and "
                           "pipeline stage) draws its own dropout masks, which cannot equal "
                           "the single device's; check equivalence with --dropout 0")
-    warnings = []
+    warnings = sharding_across_nodes(config)
     crossing = tp_groups_across_nodes(config)
     if crossing:
         warnings.append(
@@ -93,6 +93,59 @@ def check_layout(config: TrainConfig) -> list[str]:
             f"stages, so it never fills: with uniform stages and free communication "
             f"{spec.bubble_formula} = {spec.uniform_bubble(pp, m, v):.0%} of rank-time "
             f"idle; use --grad-accum-steps {pp} or more")
+    return warnings
+
+
+def sharding_across_nodes(config: TrainConfig) -> list[str]:
+    """ZeRO-3 across nodes: the mixes not built (with --ep, offload; HSDP with ZeRO++);
+    qgZ's two levels need the data-parallel group spread evenly over its nodes
+    (--gpus-per-node); warnings when a group meant to stay inside a node does not
+    (HSDP's shard group, the secondary partition's), or when qgZ has one node and so,
+    as DeepSpeed, reduce-scatters."""
+    asked = config.sharding_across_nodes()
+    if not asked:
+        return []
+    name = asked[0]
+    if config.ep > 1:
+        raise ConfigError(name, f"{flag(name)} with --ep {config.ep} is not built (the expert "
+                          "engines shard over the expert-data-parallel group); use --ep 1")
+    if config.offload_optimizer != "none" or config.offload_param != "none":
+        raise ConfigError(name, f"{flag(name)} with offloading is not built (DeepSpeed's "
+                          "MiCS: \"Local sharding has no support for CPU offloading\"); drop "
+                          "--offload-optimizer / --offload-param")
+    zeropp = [n for n in asked if n.startswith("zero_")]
+    if config.hsdp_shard_size is not None and zeropp:
+        raise ConfigError(zeropp[0], f"{flag(zeropp[0])} with --hsdp-shard-size is not built: "
+                          "hybrid sharding already keeps ZeRO-3's gathers inside the shard "
+                          "group (DeepSpeed runs MiCS and ZeRO++ apart); use one")
+    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
+                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
+    by_node = mesh.data_parallel_ranks_by_node(0)
+    per_node = {len(ranks) for ranks in by_node}
+    warnings = []
+    if config.zero_quantized_gradients:
+        if len(per_node) > 1:
+            raise ConfigError("zero_quantized_gradients", f"qgZ's all-to-all inside each node "
+                              f"then across nodes needs the same number of data-parallel "
+                              f"ranks on every node; --gpus-per-node {config.gpus_per_node} "
+                              f"puts {[len(r) for r in by_node]} on the nodes: choose "
+                              "--gpus-per-node to divide the world evenly")
+        if len(by_node) == 1:
+            warnings.append("--zero-quantized-gradients with the data-parallel group on one "
+                            "node: qgZ reduce-scatters as ZeRO-3 does (DeepSpeed's stage3.py "
+                            "uses its all-to-all only when num_nodes > 1); give it 2 nodes "
+                            "or more (--gpus-per-node)")
+    node_size = min(per_node)
+    hpz, reshard = config.zero_hpz_partition_size, config.reshard_after_forward
+    for name, size, role in (
+            ("hsdp_shard_size", config.hsdp_shard_size, "shard group"),
+            ("zero_hpz_partition_size", hpz if hpz > 1 else None, "secondary partition"),
+            ("reshard_after_forward", None if isinstance(reshard, bool) else reshard,
+             "secondary partition")):
+        if size is not None and node_size % size:
+            warnings.append(f"{flag(name)} {size}: some {role}s span nodes (a node holds "
+                            f"{node_size} data-parallel ranks), so their all-gathers cross "
+                            f"the inter-node network; choose a divisor of {node_size}")
     return warnings
 
 

@@ -41,6 +41,7 @@ from minipar.parallel.pipeline.schedules.registry import (
 )
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.train import checkpoint
+from minipar.train.build import device_mesh
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.schema import validate_report
 
@@ -265,12 +266,16 @@ def _flops(device) -> dict[str, float]:
 
 
 def _layout(config: TrainConfig) -> dict:
-    """Where the ranks are: the mesh, the nodes, every group, and whether a TP group
+    """Where the ranks are: the mesh, the nodes, every group (with the data-parallel
+    sub-groups of ZeRO-3 across nodes, when the run has them), and whether a TP group
     spans nodes (its all-reduces then cross the slow inter-node network)."""
-    mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
-                           world_size=config.world_size, gpus_per_node=config.gpus_per_node)
+    mesh = device_mesh(config, world_size=config.world_size,
+                       gpus_per_node=config.gpus_per_node)
     per_node = config.gpus_per_node
     groups = {axis: [list(g.ranks) for g in mesh.all_groups(axis)] for axis in mesh.axes}
+    for kind in mesh.dp_subgroup_kinds:
+        groups[kind] = [list(ranks) for ranks in sorted(
+            {mesh.dp_subgroup(kind, r).ranks for r in range(config.world_size)})]
     return {"mesh": dict(zip(mesh.axes, mesh.shape, strict=True)),
             "gpus_per_node": per_node, "nodes": -(-config.world_size // per_node),
             "groups": groups,

@@ -45,7 +45,9 @@ FORMATS = {"train": 3, "pipeline": 2, "sharding": 2}
 # explorer's among them (its other settings are views of the same run).
 TRAIN_SETTINGS = ("dp", "tp", "pp", "zero", "precision", "micro_batch_size",
                   "grad_accum_steps", "recompute_granularity", "offload_optimizer",
-                  "offload_param")
+                  "offload_param", "gpus_per_node", "hsdp_shard_size",
+                  "zero_hpz_partition_size", "zero_quantized_weights",
+                  "zero_quantized_gradients", "reshard_after_forward")
 
 
 def key_text(values: dict) -> str:
@@ -100,8 +102,10 @@ class Measurements:
         self.store = result_store() if self.stores_results() else None
         data = shipped(self.name)
         model = None if config is None else config.to_dict()
-        # the shipped results (as JSON text), if they were measured for this model
-        self.shipped: dict[str, str] = data[1] if data and data[0] == model else {}
+        # the shipped results (as JSON text), if they were measured for this model (a
+        # setting newer than the file reads as its default, which is what was measured)
+        measured_for = None if not data or data[0] is None else TrainConfig(**data[0]).to_dict()
+        self.shipped: dict[str, str] = data[1] if data and measured_for == model else {}
 
     def stores_results(self) -> bool:
         """Keep results on disk? Only minipar's own measurements, whose code the store's

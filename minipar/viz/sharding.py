@@ -34,7 +34,7 @@ from minipar import distributed as dist
 from minipar.autograd.placement import Replicate, shard
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.state import holdings as engine_holdings
-from minipar.train.build import build_rank_model
+from minipar.train.build import build_rank_model, device_mesh
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
 from minipar.train.mixes import check_layout
@@ -93,7 +93,7 @@ def _rank_state(config: TrainConfig):
     does (minipar.train.build); return what I hold of each kind of state. The gradient
     is the one the engine keeps for the optimizer: ZeRO-2/3 their shard, DP and ZeRO-1
     the full local gradient backward creates (ZeRO-1 reduce-scatters it after)."""
-    mesh = dist.DeviceMesh(dp=config.dp, pp=config.pp, tp=config.tp, cp=config.cp)
+    mesh = device_mesh(config)
     held = engine_holdings(build_rank_model(config, mesh).engine)
     return mesh.coords(), mesh.tp_rank, {
         kind: [h for h in held if h.kind in HOLDING_KINDS[kind]] for kind in KINDS}
@@ -108,12 +108,14 @@ def _full_positions(piece, full_shape, tp_rank: int, tp: int) -> np.ndarray:
 
 
 def holdings(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, *,
+             hsdp_shard_size: int | None = None,
              config: TrainConfig = DEFAULT_CONFIG) -> Holdings:
     """Launch dp x pp x tp virtual ranks, build each one's state as `train` would for
-    `config` with these sizes, and map what it holds onto the full tensors (see the
-    module docstring). A layout training refuses raises the same ConfigError.
-    Takes ~0.1 s for 8 ranks of the default model."""
-    config = config.replace(dp=dp, tp=tp, pp=pp, zero=zero)
+    `config` with these sizes (and, with ZeRO-3, HSDP's shard groups of hsdp_shard_size
+    ranks), and map what it holds onto the full tensors (see the module docstring). A
+    layout training refuses raises the same ConfigError. Takes ~0.1 s for 8 ranks of the
+    default model."""
+    config = config.replace(dp=dp, tp=tp, pp=pp, zero=zero, hsdp_shard_size=hsdp_shard_size)
     if config.vocab_size is None:
         config = config.replace(vocab_size=make_stream(config.data).vocab_size)
     check_layout(config)

@@ -184,7 +184,8 @@ def grid_table(results: list[GridResult]) -> str:
         where = "-" if first is None else (
             f"step {first['step']}, {first['tensor']}"
             + ("" if first["rank"] is None else f", rank {first['rank']}"))
-        verdict = "pass" if r.passed else "FAIL"
+        verdict = "FAIL" if not r.passed else \
+            "pass (quantised)" if e.get("quantized") else "pass"
         rows.append([r.case.name, r.world_size, f"{e['max_abs_loss_diff']:.1e}",
                      f"{e['max_rel_param_diff_per_step']:.1e}", verdict, where])
     return format_table(["config", "ranks", "max |loss diff|", "max rel param diff",

@@ -38,12 +38,21 @@ LABEL_PITCH_IN = 0.15
 BAR_LABELS_MOST = 16  # rank labels under the bars of bytes sent, at most ("r10 / 0/1/0")
 GROUP_TITLES = {"tp": "tensor parallel (tp)", "cp": "context parallel (cp)",
                 "pp": "pipeline (pp)", "dp": "data parallel / ZeRO (dp)",
-                "ep": "expert parallel (ep)", "other": "other"}
+                "ep": "expert parallel (ep)", "other": "other",
+                # ZeRO-3 across nodes (minipar/distributed/mesh.py's DP sub-groups)
+                "dp_shard": "HSDP shard group (dp_shard)",
+                "dp_replicate": "HSDP replicas (dp_replicate)",
+                "dp_secondary": "hpZ / reshard K: secondary (dp_secondary)",
+                "dp_intra_node": "qgZ inside a node (dp_intra_node)",
+                "dp_inter_node": "qgZ across nodes (dp_inter_node)"}
 
-GROUP_COLORS = {"dp": "#3b75af", "tp": "#c03d3e", "pp": "#e1812c", "other": "#9a9a9a"}
+GROUP_COLORS = {"dp": "#3b75af", "tp": "#c03d3e", "pp": "#e1812c", "other": "#9a9a9a",
+                "dp_shard": "#7fa6cf", "dp_replicate": "#1f3f66", "dp_secondary": "#6baed6",
+                "dp_intra_node": "#9ecae1", "dp_inter_node": "#08306b"}
 OP_COLORS = {"all_reduce": "#3b75af", "reduce_scatter": "#e1812c", "all_gather": "#3a923a",
              "send": "#c03d3e", "broadcast": "#8e6bb8", "reduce": "#8c564b",
-             "barrier": "#9a9a9a", "recv": "#cccccc"}
+             "barrier": "#9a9a9a", "recv": "#cccccc", "all_to_all": "#17becf"}
+LINK_COLORS = {"intra_node": "#3a923a", "inter_node": "#c03d3e"}  # NVLink, the network
 
 
 def traffic_matrices(report, per_step: bool = True) -> dict[str, np.ndarray]:
@@ -233,20 +242,31 @@ def traffic_of(report: Report) -> np.ndarray:
     return np.asarray(report.traffic["matrix"], dtype=np.int64)
 
 
-def sent_picture(report: Report, *, by: str = "group") -> dict:
+def sent_picture(report: Report, *, by: str = "group", gpus_per_node: int | None = None
+                 ) -> dict:
     """What the bars of bytes sent show, as data (JSON): per group kind (by="group": dp /
-    tp / pp) or collective (by="op") each rank's bytes sent per optimizer step, from the
-    report's ranks[i]["comm"], with the axis unit and the rank labels."""
-    if by not in ("group", "op"):
-        raise ValueError(f"plot_sent_bytes: by must be 'group' or 'op', got {by!r}")
+    tp / pp ...), collective (by="op") or link (by="link": to a GPU of the same node or of
+    another, for nodes of `gpus_per_node` ranks, default the run's) each rank's bytes sent
+    per optimizer step, from the report's ranks[i]["comm"] (the links from the traffic
+    matrix, as the report's `by_link` counts them), with the axis unit and rank labels."""
+    if by not in ("group", "op", "link"):
+        raise ValueError(f"plot_sent_bytes: by must be 'group', 'op' or 'link', got {by!r}")
     steps = max(1, len(report.steps))
-    key, colors = ("by_group", GROUP_COLORS) if by == "group" else ("by_op", OP_COLORS)
-    names = sorted({name for r in report.ranks for name, b in r["comm"][key].items() if b},
+    if by == "link":
+        per_node = gpus_per_node or (report.layout or {}).get("gpus_per_node",
+                                                              report.world_size)
+        by_rank = [sent_by_link(traffic_of(report), per_node, r) for r in range(
+            report.world_size)]
+        key, colors = "by_link", LINK_COLORS
+    else:
+        key, colors = ("by_group", GROUP_COLORS) if by == "group" else ("by_op", OP_COLORS)
+        by_rank = [r["comm"][key] for r in report.ranks]
+    names = sorted({name for counts in by_rank for name, b in counts.items() if b},
                    key=lambda name: list(colors).index(name) if name in colors else 99)
     n = len(report.ranks)
     unit, scale = byte_unit(max(max(r["comm"]["sent_bytes"] for r in report.ranks), 1)
                              / steps)
-    sent = {name: np.array([r["comm"][key].get(name, 0) for r in report.ranks])
+    sent = {name: np.array([counts.get(name, 0) for counts in by_rank])
             for name in names}  # bytes per rank, over all steps
     total = sum(per_rank.sum() for per_rank in sent.values())
     # An op of a few bytes (the loss's all-reduce: 16 B beside 700 KiB) has a legend
@@ -267,8 +287,9 @@ def sent_picture(report: Report, *, by: str = "group") -> dict:
 def plot_sent_bytes(report: Report, *, by: str = "group",
                     width: float = FIGURE_WIDTH) -> Figure:
     """Each rank's bytes sent per optimizer step, stacked by group kind (by="group":
-    dp / tp / pp) or by collective (by="op"), from the report's ranks[i]["comm"]:
-    `sent_picture` drawn by `draw_sent_bytes`."""
+    dp / tp / pp ...), by collective (by="op") or by link (by="link": inside the node or
+    across nodes), from the report's ranks[i]["comm"]: `sent_picture` drawn by
+    `draw_sent_bytes`."""
     return draw_sent_bytes(sent_picture(report, by=by), width)
 
 
@@ -295,6 +316,14 @@ def draw_sent_bytes(picture: dict, width: float = FIGURE_WIDTH) -> Figure:
     ax.set_title(panel["title"], fontsize=9, y=1.0)
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+def sent_by_link(matrix: np.ndarray, gpus_per_node: int, rank: int) -> dict[str, int]:
+    """{"intra_node", "inter_node"}: the bytes `rank` sent to its own node and to others
+    (row `rank` of the traffic matrix; the report's ranks[i].comm.by_link)."""
+    node = np.arange(matrix.shape[0]) // gpus_per_node
+    inter = int(matrix[rank, node != node[rank]].sum())
+    return {"intra_node": int(matrix[rank].sum()) - inter, "inter_node": inter}
 
 
 def cross_node_bytes(matrix: np.ndarray, gpus_per_node: int) -> int:

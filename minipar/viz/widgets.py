@@ -127,6 +127,9 @@ class ShardingExplorer(Explorer):
             "tp": make_control("dropdown", "tp", [1, 2, 4], 2, "110px"),
             "pp": make_control("dropdown", "pp", [1, 2, 4], 2, "110px"),
             "zero": make_control("dropdown", "ZeRO", [0, 1, 2, 3], 1, "120px"),
+            # HSDP / MiCS (ZeRO-3): shard within groups of 2, replicate across them
+            "hsdp_shard_size": make_control("dropdown", "HSDP shard",
+                                            [("off", None), ("2 ranks", 2)], None, "170px"),
             "kind": make_control("dropdown", "state", list(KINDS), "optimizer", "170px"),
             # A tensor that a ZeRO cut of the default layout splits (with attn.c_attn,
             # three of four panels were empty: whole tensors sit on one DP rank).
@@ -136,16 +139,16 @@ class ShardingExplorer(Explorer):
         super().__init__(controls, cache, prefetch, initial)
 
     def measured(self, values: dict) -> dict:
-        return {name: values[name] for name in ("dp", "tp", "pp", "zero")}
+        return {name: values[name] for name in ("dp", "tp", "pp", "zero", "hsdp_shard_size")}
 
-    def holdings(self, dp, tp, pp, zero):
+    def holdings(self, dp, tp, pp, zero, hsdp_shard_size=None):
         """The Holdings of a layout (its masks made again from the measured rectangles)."""
-        return holdings_from_summary(self.measurements.get(dict(dp=dp, tp=tp, pp=pp,
-                                                                zero=zero)), self.config)
+        return holdings_from_summary(self.measurements.get(dict(
+            dp=dp, tp=tp, pp=pp, zero=zero, hsdp_shard_size=hsdp_shard_size)), self.config)
 
     def lattice(self) -> list[dict]:
         kept = []
-        for layout in _layouts(self, 16):
+        for layout in _layouts(self, 16, ("dp", "tp", "pp", "zero", "hsdp_shard_size")):
             try:
                 self.check(layout)
                 check_training_layout(self.config.replace(**layout))
@@ -171,10 +174,14 @@ class ShardingExplorer(Explorer):
         world = len(result["rects"])
         who = "1 rank holds" if world == 1 else f"{world} ranks; each holds"
         # what is shown, last: a change that moves no share still changes the line
+        hsdp = values["hsdp_shard_size"]
+        hybrid = "" if hsdp is None else (
+            f" HSDP: ZeRO-3 within groups of {hsdp} data-parallel ranks, each group holding "
+            "the same shards as the others,")
         message = (f"{who} {span(shares(result, self.shapes, kind), '{:.1%}'.format)} of "
                    f"the model's {kind} ({span([b[kind] for b in result['nbytes']])}); one "
-                   f"device would hold 100% (dp={dp} tp={values['tp']} pp={pp} ZeRO-{zero}, "
-                   f"{tensor} below).")
+                   f"device would hold 100% (dp={dp} tp={values['tp']} pp={pp} ZeRO-{zero},"
+                   f"{hybrid} {tensor} below).")
         empty = [r for r, rank in enumerate(result["rects"]) if not rank[kind].get(tensor)]
         if empty:
             why = []
@@ -182,8 +189,9 @@ class ShardingExplorer(Explorer):
                 why.append("a pipeline stage holds only its own layers")
             if dp > 1 and (zero >= 1 if kind == "optimizer" else
                            zero >= 2 if kind == "grads" else zero >= 3):
+                cuts, whose = (dp, "DP rank") if hsdp is None else (hsdp, "rank of a group")
                 why.append(f"ZeRO-{zero} cuts the {kind} of a stage, laid end to end in "
-                           f"one flat buffer, into {dp} contiguous ranges, one per DP rank, "
+                           f"one flat buffer, into {cuts} contiguous ranges, one per {whose}, "
                            "so a tensor sits wholly on the rank whose range covers it "
                            "unless a cut falls inside it")
             message += (f"<br>{len(empty)} of {world} panels are empty: "
@@ -382,6 +390,27 @@ class PipelineExplorer(Explorer):
 
 
 # ------------------------------------------------------------------ traffic
+# ZeRO-3 across nodes, the traffic explorer's choices (docs/data-parallel-and-zero.md)
+ACROSS = {"none": "none", "HSDP: shard inside a node": "hsdp",
+          "hpZ: backward inside a node": "hpz",
+          "reshard_after_forward=False": "keep", "hpZ + qwZ + qgZ (ZeRO++)": "zeropp"}
+ACROSS_SAID = {"hsdp": "HSDP", "hpz": "hpZ", "keep": "reshard_after_forward=False",
+               "zeropp": "hpZ + qwZ + qgZ"}
+
+
+def across_nodes(choice: str, values: dict) -> dict:
+    """The settings of a ZeRO-3-across-nodes choice for a layout: HSDP's shard group and
+    hpZ's secondary partition are the data-parallel ranks of one node."""
+    ranks = values["gpus_per_node"] // (values["tp"] * values["pp"])
+    per_node = max(1, min(values["dp"], ranks))
+    return {"hsdp": {"hsdp_shard_size": per_node},
+            "hpz": {"zero_hpz_partition_size": per_node},
+            "keep": {"reshard_after_forward": False},
+            "zeropp": {"zero_hpz_partition_size": per_node, "zero_quantized_weights": True,
+                       "zero_quantized_gradients": True}}[choice] | {
+        "gpus_per_node": values["gpus_per_node"]}
+
+
 class TrafficExplorer(Explorer):
     """A layout -> who sends how many bytes to whom, and in which group."""
 
@@ -401,7 +430,12 @@ class TrafficExplorer(Explorer):
             "precision": make_control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
                                   "fp32", "190px"),
             "gpus_per_node": make_control("dropdown", "GPUs per node", [2, 4, 8], 4, "170px"),
-            "by": make_control("dropdown", "bars by", ["group", "op"], "group", "150px"),
+            # ZeRO-3 across nodes (docs/data-parallel-and-zero.md): each with the groups
+            # of a node (K = the data-parallel ranks one node holds)
+            "across": make_control("dropdown", "ZeRO-3 across nodes", list(ACROSS.items()),
+                                   "none", "300px"),
+            "by": make_control("dropdown", "bars by", ["group", "op", "link"], "group",
+                               "150px"),
         }
         super().__init__(controls, cache, prefetch, initial)
 
@@ -409,10 +443,16 @@ class TrafficExplorer(Explorer):
         """The training step of a layout, shared by its gpus_per_node and "bars by"
         settings: where a node ends changes the simulated clock, never which bytes go to
         which rank (same collectives, same arrays; tests/viz/test_widgets.py measures
-        both); the pictures draw the node boundaries of the setting shown. The step's
-        other settings are the model's (so the memory explorer's runs serve too)."""
-        return train_settings(self.config, {name: values[name] for name in values
-                                            if name not in ("gpus_per_node", "by")})
+        both); the pictures draw the node boundaries of the setting shown. ZeRO-3 across
+        nodes builds its groups from the nodes, so its steps are measured per
+        gpus_per_node. The step's other settings are the model's (so the memory
+        explorer's runs serve too)."""
+        settings = {name: values[name] for name in values
+                    if name not in ("gpus_per_node", "by", "across")}
+        across = values.get("across", "none")
+        if across != "none":
+            settings |= across_nodes(across, values)
+        return train_settings(self.config, settings)
 
     def run(self, **settings):
         """The Report (the fields the pictures read) of a layout's training step."""
@@ -423,14 +463,21 @@ class TrafficExplorer(Explorer):
     def lattice(self) -> list[dict]:
         """Every layout (and precision) up to LATTICE_MAX_RANKS ranks with each number of
         micro-batches (the GPUs per node and the bars are views of the same run)."""
-        return _runs(self, (self.measured({**layout, "grad_accum_steps": n})
-                            for layout in _layouts(self, LATTICE_MAX_RANKS,
-                                                   ("dp", "tp", "pp", "zero", "precision"))
-                            for n in _options(self, "grad_accum_steps")))
+        plain = (self.measured({**layout, "grad_accum_steps": n})
+                 for layout in _layouts(self, LATTICE_MAX_RANKS,
+                                        ("dp", "tp", "pp", "zero", "precision"))
+                 for n in _options(self, "grad_accum_steps"))
+        # and ZeRO-3 across nodes, for the data-parallel layouts of 4 and 8 ranks with
+        # the other controls as they start
+        start = {name: control.value for name, control in self.controls.items()}
+        across = (self.measured({**start, "dp": dp, "tp": 1, "pp": 1, "zero": 3,
+                                 "gpus_per_node": g, "across": a})
+                  for dp in (4, 8) for g in (2, 4) for a in ACROSS.values() if a != "none")
+        return _runs(self, itertools.chain(plain, across))
 
     def check(self, values: dict) -> None:
         check_training_layout(self.config.replace(
-            **{k: v for k, v in values.items() if k != "by"}))
+            **{**self.measured(values), "gpus_per_node": values["gpus_per_node"]}))
         if values["dp"] * values["tp"] * values["pp"] == 1:
             raise NothingToShow("one device sends no bytes to anyone: set dp, tp or pp "
                                 "above 1 to see who sends what to whom")
@@ -445,14 +492,18 @@ class TrafficExplorer(Explorer):
         matrix = traffic_of(report)
         pictures = [traffic_picture(report, annotate=False, width=FIGURE_WIDTH,
                                     gpus_per_node=per_node),
-                    sent_picture(report, by=values["by"])]
+                    sent_picture(report, by=values["by"], gpus_per_node=per_node)]
         crossing = cross_node_bytes(matrix, per_node)
         total = int(matrix.sum())
+        kinds = {kind for r in report.ranks for kind, b in r["comm"]["by_group"].items() if b}
         groups = {kind: sum(r["comm"]["by_group"].get(kind, 0) for r in report.ranks)
-                  for kind in ("dp", "tp", "pp")}
+                  for kind in ("dp", "tp", "pp", *sorted(kinds - {"dp", "tp", "pp"}))}
+        across = settings.get("across", "none")
         # The layout first: ZeRO-1 and -2 move what plain DP moves; a change must show.
         message = (f"dp={settings['dp']} tp={settings['tp']} pp={settings['pp']} ZeRO-"
-                   f"{settings['zero']}, micro-batches {settings['grad_accum_steps']}, "
+                   f"{settings['zero']}"
+                   + ("" if across == "none" else f" + {ACROSS_SAID[across]}")
+                   + f", micro-batches {settings['grad_accum_steps']}, "
                    f"{settings['precision']}, "
                    f"{per_node} GPUs per node, bars by {values['by']}: one step moved "
                    f"{human_bytes(total)} in all; "

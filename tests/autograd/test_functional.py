@@ -214,3 +214,32 @@ def test_no_grad_records_nothing():
     with no_grad():
         y = F.gelu(x) * 2.0
     assert not y.requires_grad and y._ctx is None
+
+
+@pytest.mark.parametrize("n_heads, kv_heads", [(4, 2), (4, 1), (6, 3)])
+def test_grouped_query_attention_is_attention_with_shared_key_value_heads(n_heads, kv_heads):
+    batch, length, head_dim = 2, 5, 3
+    group = n_heads // kv_heads
+    qkv = randn(batch, length, kv_heads * (group + 2) * head_dim)  # Megatron's layout
+    heads = qkv.reshape(batch, length, kv_heads, group + 2, head_dim)
+    q = heads[:, :, :, :group].reshape(batch, length, n_heads * head_dim)
+    # query head h reads key/value head h // group: repeat them and run MHA
+    k, v = (np.repeat(heads[:, :, :, i], group, axis=2).reshape(batch, length, -1)
+            for i in (group, group + 1))
+    expected = reference_attention(np.concatenate([q, k, v], axis=-1), head_dim)
+    out = F.grouped_query_attention(Tensor(qkv), head_dim, group).data
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-14)
+    assert gradcheck(lambda t: F.grouped_query_attention(t, head_dim, group), [qkv])
+    dropped = lambda t: F.grouped_query_attention(t, head_dim, group, 0.3,  # noqa: E731
+                                                  np.random.default_rng(5))
+    assert gradcheck(dropped, [qkv])
+
+
+def test_swiglu_matches_its_formula_and_finite_differences():
+    x = randn(2, 3, 8)
+    a, b = x[..., :4], x[..., 4:]
+    expected = a / (1 + np.exp(-a)) * b
+    np.testing.assert_allclose(F.swiglu(Tensor(x)).data, expected, rtol=1e-14)
+    assert gradcheck(F.swiglu, [x])
+    out = F.swiglu(Tensor(x.astype(bfloat16), requires_grad=True))
+    assert out.dtype == bfloat16 and out.shape == (2, 3, 4)

@@ -70,3 +70,30 @@ def test_cp_axis_sits_between_pp_and_tp_and_dp_cp_group_averages_gradients():
     for rank in range(8):
         assert mesh.rank_at(**mesh.coords(rank)) == rank
     assert dist.DeviceMesh(dp=2, world_size=2).coords(1) == {"dp": 1, "pp": 0, "tp": 0}
+
+
+def test_data_parallel_sub_groups_for_sharding_across_nodes():
+    """HSDP's shard / replicate groups, the secondary partition's, qgZ's node levels: each
+    its own kind, made only when asked for, and in every_group (the torch engine's list)."""
+    mesh = dist.DeviceMesh(dp=4, tp=2, world_size=8, gpus_per_node=4, dp_shard=2,
+                           dp_secondary=1, dp_node_groups=True)
+
+    def groups(kind):
+        return sorted({mesh.dp_subgroup(kind, r).ranks for r in range(8)})
+
+    assert groups("dp_shard") == [(0, 2), (1, 3), (4, 6), (5, 7)]  # inside the dp groups
+    assert groups("dp_replicate") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert groups("dp_intra_node") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert groups("dp_inter_node") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert mesh.dp_subgroup("dp_inter_node", 6).kind == "dp_inter_node"
+    kinds = [g.kind for g in mesh.every_group()]
+    assert kinds.count("dp_shard") == 4 and kinds.count("dp_secondary") == 8
+    plain = dist.DeviceMesh(dp=4, tp=2, world_size=8, gpus_per_node=4)
+    assert plain.dp_subgroup_kinds == () and len(plain.every_group()) == len(
+        [g for g in mesh.every_group() if not g.kind.startswith("dp_")])
+    with pytest.raises(ValueError, match="no dp_shard groups: build the mesh with dp_shard=K"):
+        plain.dp_subgroup("dp_shard", 0)
+    with pytest.raises(ValueError, match="dp_shard=3: must divide the 4 ranks"):
+        dist.DeviceMesh(dp=4, world_size=4, dp_shard=3)
+    with pytest.raises(ValueError, match=r"\[2, 4\] members on different nodes"):
+        dist.DeviceMesh(dp=6, world_size=6, gpus_per_node=4, dp_node_groups=True)

@@ -156,3 +156,130 @@ def test_a_rank_that_keeps_the_turn_through_a_long_call_slows_nobody():
 
     assert dist.launch(program, 3) == [100.0, 99.0, True]
     assert exchanged_during_the_call == [True]
+
+
+def test_a_rank_whose_wait_the_holder_ends_is_woken_when_the_turn_is_given_back(monkeypatch):
+    ranks = Turns(3)
+    woken = []
+    ranks.wake_after(1, lambda: woken.append("by a rank without the turn"))
+    assert woken == ["by a rank without the turn"]  # at once
+    ranks.take(0)
+    ranks.wake_after(0, lambda: woken.append(1))
+    ranks.wake_after(0, lambda: woken.append(2))
+    assert woken == ["by a rank without the turn"]  # not while rank 0 holds the turn
+    ranks.give_back(0)
+    assert woken[1:] == [1]  # one at a time, in the order their waits ended
+    ranks.take(1)
+    ranks.give_back(1)
+    assert woken[1:] == [1, 2]
+    ranks.take(0)
+    ranks.wake_after(0, lambda: woken.append(3))
+    ranks.wake_queued()
+    assert woken[1:] == [1, 2]  # the turn changed hands just now
+    monkeypatch.setattr(turns.time, "monotonic", lambda: ranks._handed_over_at
+                        + 2 * turns.PATIENCE_S)
+    ranks.wake_queued()  # the watchdog: the holder kept the turn PATIENCE_S
+    assert woken[1:] == [1, 2, 3]
+
+
+def test_the_turn_is_lent_only_to_a_rank_that_wants_it_and_only_on_a_spare_core():
+    ranks = Turns(2)
+    ranks.take(0)
+    assert not ranks.lend(0)  # lending off (no spare core measured yet)
+    ranks.lending = True
+    assert not ranks.lend(0)  # nobody waits for it
+    ranks._taking = 1  # rank 1 waits in take()
+    assert not ranks.lend(1)  # rank 1 does not hold it
+    assert ranks.lend(0) and ranks._has_turn == [False, False]
+    ranks.take(0)  # after its long call the lender takes it again
+    assert ranks._has_turn == [True, False]
+
+
+def test_a_rank_runs_while_another_computes_a_lent_gemm():
+    """Rank 0 holds the turn and enters a long GEMM (`long_call`) while rank 1 waits for
+    the turn: with a spare core the turn is lent and rank 1 runs during the GEMM; rank 0
+    takes the turn back after it. Without one, rank 1 waits."""
+    from minipar.autograd.tracking import long_call, use_device
+    from minipar.distributed.cluster import Cluster
+
+    for lending in (True, False):
+        cluster = Cluster(2)
+        ranks = cluster.turns
+        ranks.lending = lending
+        ranks.take(0)
+        took = threading.Event()
+
+        def rank_1(ranks=ranks, took=took):
+            ranks.take(1)
+            took.set()
+            ranks.give_back(1)
+
+        thread = threading.Thread(target=rank_1)
+        thread.start()
+        while not ranks._taking:  # rank 1 is in take()
+            time.sleep(0.001)
+        with use_device(cluster.devices[0]), long_call(1e9):  # as rank 0
+            ran_during_the_call = took.wait(turns.PATIENCE_S / 2)
+        thread.join()
+        assert ran_during_the_call == lending
+        assert ranks._has_turn[0]  # taken back after the call, or never lent
+        ranks.give_back(0)
+
+
+def test_a_spare_core_is_what_the_other_processes_leave(monkeypatch):
+    """SpareCore counts the machine's busy time minus this process's own CPU time."""
+    spare = turns.SpareCore()
+    spare._cores = 2
+    samples = iter([(1.0, 100.0, 10.0), (1.5, 100.5, 10.45)])  # others: 0.1 core busy
+    monkeypatch.setattr(spare, "_sample", lambda: next(samples))
+    spare._last = spare._sample()
+    assert spare.look()  # 1.9 cores spare
+    samples = iter([(2.0, 101.4, 10.5)])  # others: 1.6 cores busy over the last 0.5 s
+    monkeypatch.setattr(spare, "_sample", lambda: next(samples))
+    assert not spare.look()
+
+
+def _run_digest(config) -> tuple[str, ...]:
+    """Every figure of a run, as bytes: the report's JSON, the timelines and transfers,
+    and the trained weights."""
+    from minipar.train import train
+
+    report = train(config)
+    weights = b"".join(name.encode() + value.tobytes()
+                       for name, value in sorted(report.state_dict.items()))
+    return report.to_json(), repr(report.timelines), repr(report.transfers), weights
+
+
+def test_lending_the_turn_changes_the_timing_never_a_figure(monkeypatch):
+    """Whether a turn is lent depends on /proc/stat (SpareCore: what other processes do
+    on the machine), so it must change when ranks run, never what they compute: a 3D
+    run reports the same bytes with lending never, always, at random (as a busy machine
+    would switch it), and twice at random. Every GEMM is long here, so lending happens."""
+    from minipar.autograd import tracking
+    from minipar.train import TrainConfig
+
+    config = TrainConfig(steps=2, seq_len=16, n_layer=2, d_model=32, n_head=4,
+                         micro_batch_size=2, grad_accum_steps=2, dp=2, tp=2, pp=2,
+                         zero=1, sequence_parallel=True, precision="bf16-mixed")
+    monkeypatch.setattr(tracking, "LONG_CALL_FLOPS", 0)
+    lend, lent = Turns.lend, []
+
+    def run(decide):
+        def lend_as_decided(self, rank):
+            self.lending = decide()  # in place of SpareCore's answer
+            given = lend(self, rank)
+            lent.append(given)
+            return given
+
+        monkeypatch.setattr(Turns, "lend", lend_as_decided)
+        lent.clear()
+        digest = _run_digest(config)
+        return digest, sum(lent)
+
+    never, lent_never = run(lambda: False)
+    rng = np.random.default_rng()
+    always, lent_always = run(lambda: True)
+    randomly, _ = run(lambda: rng.random() < 0.5)
+    again, _ = run(lambda: rng.random() < 0.5)
+    assert lent_never == 0 and lent_always > 0  # the runs did differ in their timing
+    assert never == always == randomly == again

@@ -280,3 +280,81 @@ def test_a_stage_is_a_gpt_over_its_layers_with_the_single_device_names_and_value
     idx, targets = batch(config)
     loss = last(middle(first(idx)), targets)
     assert float(loss.data) == float(whole(idx, targets).data)
+
+
+# ------------------------------------------------------------ Llama's shapes in the model
+LLAMA_LIKE = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=8, n_kv_head=2,
+                       d_model=32, d_ff=88, mlp="swiglu", tie_embeddings=False)
+
+
+def test_swiglu_and_grouped_query_attention_shapes_are_the_planners():
+    from minipar.plan.shapes import ModelShape
+
+    model = GPT(LLAMA_LIKE)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    kv = 2 * 2 * 4  # 2 key/value heads of head_dim 4, k and v
+    assert shapes["h.0.attn.c_attn.weight"] == (32, 32 + kv)
+    assert shapes["h.0.mlp.c_fc.weight"] == (32, 2 * 88)  # gate and up
+    assert shapes["h.0.mlp.c_proj.weight"] == (88, 32)
+    assert "lm_head.weight" in shapes
+    shape = ModelShape(n_layer=2, d_model=32, n_head=8, n_kv_head=2, d_ff=88, mlp="swiglu",
+                       vocab_size=64, seq_len=16, tie_embeddings=False)
+    assert sum(p.size for p in model.parameters()) == shape.n_params
+    assert list(shapes) == list(GPT.initial_state_dict(LLAMA_LIKE))
+
+
+def test_grouped_query_attention_is_mha_with_each_kv_head_repeated():
+    # a GQA model equals the MHA model whose k and v columns repeat each group's head
+    gqa = GPT(LLAMA_LIKE)
+    mha_config = GPTConfig(**{**LLAMA_LIKE.__dict__, "n_kv_head": None})
+    mha = GPT(mha_config)
+    state = {name: p.data.copy() for name, p in gqa.named_parameters()}
+    hd, groups, group = 4, 2, 4
+    for name in list(state):
+        if ".attn.c_attn." in name:  # Megatron's layout -> GPT-2's [q | k | v]
+            w = state[name]
+            heads = w.reshape(*w.shape[:-1], groups, group + 2, hd)
+            q = heads[..., :group, :].reshape(*w.shape[:-1], -1)
+            k, v = (np.repeat(heads[..., i:i + 1, :], group, axis=-2).reshape(
+                *w.shape[:-1], -1) for i in (group, group + 1))
+            state[name] = np.concatenate([q, k, v], axis=-1)
+    for name, p in mha.named_parameters():
+        p.data[...] = state[name]
+    idx, targets = batch(LLAMA_LIKE)
+    np.testing.assert_allclose(gqa(idx, targets).item(), mha(idx, targets).item(), rtol=1e-13)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sequence_parallel=True),
+                                    dict(pp=2, n_layer=4), dict(dp=2, zero=3),
+                                    dict(dp=2, tp=2, zero=1,
+                                         recompute_granularity="selective")])
+def test_llama_shapes_train_like_one_device_in_fp64(layout):
+    from minipar.train import train
+
+    settings = dict(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=40, mlp="swiglu",
+                    tie_embeddings=False, seq_len=16, steps=2, precision="fp64",
+                    data="synthetic", micro_batch_size=2, grad_accum_steps=2, check=True)
+    report = train(**{**settings, **layout})
+    assert report.equivalence["passed"]
+    assert report.equivalence["max_rel_param_diff"] < 1e-10
+
+
+def test_llama_shapes_refuse_what_does_not_split():
+    from minipar.errors import ConfigError
+    from minipar.train import TrainConfig, train
+
+    with pytest.raises(ValueError, match="n_kv_head"):
+        GPTConfig(n_head=4, n_kv_head=3, d_model=32)
+    with pytest.raises(ValueError, match="mlp"):
+        GPTConfig(mlp="relu")
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(n_head=4, n_kv_head=3)
+    assert refused.value.setting == "n_kv_head"
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(moe_num_experts=4, mlp="swiglu")
+    assert refused.value.setting == "mlp"
+    base = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, steps=1, data="synthetic")
+    with pytest.raises(ConfigError, match="whole key/value heads"):
+        train(**base, n_kv_head=1, tp=2)
+    with pytest.raises(ConfigError, match="--n-kv-head 2 with --cp 2"):
+        train(**base, n_kv_head=2, cp=2)

@@ -57,6 +57,9 @@ STEPS = 2
 TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=STEPS)
 EMULATED = ClusterSpec.from_device_profile(gpus_per_node=8)
 
+LLAMA = dict(n_kv_head=2, mlp="swiglu", d_ff=40, tie_embeddings=False)
+
+
 def case(name, marks=(), **settings):
     return pytest.param(settings, id=name, marks=marks)
 
@@ -73,7 +76,13 @@ GRID = [
          recompute_granularity="full"),
     case("dp2 zero3", dp=2, zero=3, micro_batch_size=2, grad_accum_steps=2),
     case("dp3 zero2 padded", dp=3, zero=2, micro_batch_size=2, grad_accum_steps=2),
+    # ZeRO-2 reducing bucket by bucket (DeepSpeed's reduce_bucket_size): not one flat copy
+    case("dp2 zero2 buckets", dp=2, zero=2, bucket_size_mb=0.05, micro_batch_size=2,
+         grad_accum_steps=2),
     case("dp4 zero3 bf16", dp=4, zero=3, precision="bf16-mixed", micro_batch_size=2),
+    # an untied head is its own ZeRO-3 unit: its call gathers no embedding
+    case("dp2 zero3 untied", dp=2, zero=3, tie_embeddings=False, micro_batch_size=2,
+         grad_accum_steps=2),
     case("dp2 zero1 bf16 untied", dp=2, zero=1, precision="bf16-mixed",
          tie_embeddings=False, micro_batch_size=2, grad_accum_steps=3),
     # A one-row micro-batch must be a copy, not a view that keeps the global batch alive.
@@ -107,6 +116,28 @@ GRID = [
     case("dp2 zero2 uniform 2", dp=2, zero=2, n_layer=4, recompute_granularity="full",
          recompute_method="uniform", recompute_num_layers=2, micro_batch_size=2,
          grad_accum_steps=2),
+    # fp32 gradient buffers under bf16 (Megatron's main_grad): 4-byte grads, reductions
+    # in fp32, the parameter all-gathers still bf16
+    case("dp2 zero1 bf16 fp32 grads", dp=2, zero=1, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=3),
+    case("dp2 zero0 bf16 fp32 grads", dp=2, precision="bf16-mixed", grad_accum_dtype="fp32",
+         micro_batch_size=2, grad_accum_steps=2),
+    case("dp3 zero2 bf16 fp32 grads", dp=3, zero=2, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=2),
+    case("dp2 zero3 bf16 fp32 grads", dp=2, zero=3, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=2),
+    case("tp2 sp bf16 fp32 grads", tp=2, sequence_parallel=True, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=2),
+    case("pp2 1f1b bf16 fp32 grads", pp=2, n_layer=4, precision="bf16-mixed",
+         grad_accum_dtype="fp32", micro_batch_size=2, grad_accum_steps=4),
+    # Llama's shapes: grouped-query attention, SwiGLU of width d_ff, untied head
+    case("llama single", **LLAMA, micro_batch_size=2, grad_accum_steps=2),
+    case("llama tp2 sp selective", **LLAMA, tp=2, sequence_parallel=True,
+         recompute_granularity="selective", micro_batch_size=2, grad_accum_steps=2),
+    case("llama dp2 zero3 bf16", **LLAMA, dp=2, zero=3, precision="bf16-mixed",
+         micro_batch_size=2, grad_accum_steps=2),
+    case("llama pp2 full", **{**LLAMA, "n_layer": 4}, pp=2, recompute_granularity="full",
+         micro_batch_size=2, grad_accum_steps=4),
 ]
 
 

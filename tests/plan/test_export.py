@@ -161,3 +161,24 @@ def test_mixtral_exports_its_experts_and_expert_parallelism():
         megatron_args(capped, config))
     fork = " ".join(megatron_args(capped, config, flavor="megatron-deepspeed"))
     assert "--moe-expert-parallel-size 8" in fork and "--moe-train-capacity-factor 1.25" in fork
+
+
+@pytest.mark.parametrize("grad_accum_dtype", [None, "fp32", "bf16"])
+def test_the_export_describes_the_planned_gradient_buffers(grad_accum_dtype):
+    # Megatron-LM with --bf16 keeps fp32 main_grad buffers unless --grad-reduce-in-bf16:
+    # the flag is there exactly when the plan counted bf16 ones
+    shape = presets.model("llama2-13b")
+    config = ParallelConfig(dp=16, zero=1, micro_batch_size=1, global_batch_size=1024,
+                            flash_attention=True, grad_accum_dtype=grad_accum_dtype)
+    args = parse_flags(" ".join(megatron_args(shape, config)))
+    assert ("--grad-reduce-in-bf16" in args) == (config.grad_dtype == "bf16")
+    assert config.bytes.grad == (2 if "--grad-reduce-in-bf16" in args else 4)
+    ds = deepspeed_config(shape, config)
+    assert ds["data_types"]["grad_accum_dtype"] == config.grad_dtype
+
+
+def test_the_export_sets_the_planned_dropout():
+    # Megatron's defaults are 0.1; a preset planned without dropout says 0
+    for shape in (presets.model("llama2-7b"), replace(presets.model("gpt2"), dropout=0.1)):
+        args = parse_flags(" ".join(megatron_args(shape, ParallelConfig(dp=8))))
+        assert args["--attention-dropout"] == args["--hidden-dropout"] == f"{shape.dropout:g}"

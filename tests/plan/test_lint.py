@@ -7,6 +7,7 @@ import pytest
 
 from minipar.plan import presets
 from minipar.plan.advisor import advise
+from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.lint import SEVERITIES, lint
 
@@ -106,7 +107,7 @@ def test_checkpointing_when_memory_was_not_short():
 def test_memory_that_does_not_fit_names_the_way_out():
     shape = presets.model("llama2-13b")
     config = ParallelConfig(dp=8, micro_batch_size=1, grad_accum_steps=4,
-                            flash_attention=True)
+                            flash_attention=True, grad_accum_dtype="bf16")
     (finding,) = [f for f in lint(shape, config, A100) if f.code == "DOES_NOT_FIT"]
     assert finding.severity == "error" and "--zero" in finding.fix
 
@@ -149,6 +150,28 @@ def test_full_recomputation_where_selective_fits_is_too_much():
     (finding,) = [f for f in lint(shape, config, cluster) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-granularity selective" in finding.fix
     assert "UNNEEDED_CHECKPOINTING" not in codes(lint(shape, config, cluster))  # it was short
-    # and on BLOOM (which trained before selective recomputation) a block of 3 would do
-    (bloom,) = [f for f in lint(*presets.bloom_example()) if f.code == "RECOMPUTES_TOO_MUCH"]
+    # and on BLOOM (which trained before selective recomputation) a block of 3 would do,
+    # with the ZeRO paper's bf16 gradients
+    shape, bloom_config, a100 = presets.bloom_example()
+    paper = bloom_config.replace(grad_accum_dtype="bf16")
+    (bloom,) = [f for f in lint(shape, paper, a100) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-method block --recompute-num-layers 3" in bloom.fix
+    # a block of 4 with fp32 gradient buffers (BLOOM's DeepSpeed bf16 optimizer kept them;
+    # the planner's default)
+    (bloom,) = [f for f in lint(shape, bloom_config, a100) if f.code == "RECOMPUTES_TOO_MUCH"]
+    assert "--recompute-method block --recompute-num-layers 4" in bloom.fix
+
+
+def test_zero_traffic_advice_never_recommends_a_slower_stage():
+    # Llama-2 70B on 1024 H100s (bf16 gradients): ZeRO-3's traffic is most of the step,
+    # and ZeRO-2 fits, but the planner's own figures price ZeRO-2 slower (4.77 s against
+    # 3.78 s): no "use --zero 2"
+    shape, h100 = presets.model("llama2-70b"), presets.cluster("h100")
+    config = ParallelConfig(dp=128, tp=8, zero=3, sequence_parallel=True, micro_batch_size=4,
+                            global_batch_size=1024, flash_attention=True,
+                            grad_accum_dtype="bf16")
+    est = estimate(shape, config, h100)
+    (finding,) = [f for f in lint(shape, config, h100) if f.code == "ZERO_COMM_DOMINATES"]
+    zero2 = estimate(shape, config.replace(zero=2, bucket_size_mb=5e8 * 2 / 2**20), h100)
+    assert zero2.fits and zero2.step_time > est.step_time
+    assert "--zero 2" not in finding.fix and finding.severity == "info"

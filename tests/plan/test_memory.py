@@ -22,7 +22,8 @@ def model_state(memory):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_model_state_follows_zero_figure_1(zero):
     shape = presets.model("llama2-7b")  # 6.74B parameters: the figure's regime
-    config = ParallelConfig(dp=N, zero=zero, precision="bf16-mixed")
+    # the paper's 2 + 2 + 12: bf16 gradients (the planner's default is Megatron's fp32)
+    config = ParallelConfig(dp=N, zero=zero, precision="bf16-mixed", grad_accum_dtype="bf16")
     (plan,) = stage_plans(shape, config)
     psi = stage_parameters(shape, config, plan).numel
     expected = FIGURE_1[zero] * psi / PSI
@@ -83,3 +84,20 @@ def test_full_recomputation_keeps_layer_inputs_and_one_layer():
                   shape.head_activation_bytes(2, 1, False, 2, 4))
     assert memory["activations"] == (inputs + working
                                      + shape.embedding_activation_bytes(2, 1))
+
+
+@pytest.mark.parametrize("zero, per_parameter", [(0, 2 + 4 + K), (1, 2 + 4 + K / N)])
+def test_planner_defaults_to_megatrons_fp32_gradient_buffers(zero, per_parameter):
+    # bf16 parameters, fp32 main_grad buffers: Megatron-LM's 18 bytes per parameter, or
+    # 6 + 12/N with its distributed optimizer (megatron/training/theoretical_memory_usage.py)
+    shape = presets.model("llama2-7b")
+    config = ParallelConfig(dp=N, zero=zero)
+    assert config.precision == "bf16-mixed" and config.grad_dtype == "fp32"
+    assert config.bytes.grad == 4 and config.bytes.param == 2
+    (plan,) = stage_plans(shape, config)
+    psi = stage_parameters(shape, config, plan).numel
+    assert model_state(stage_memory(shape, config, plan)) == pytest.approx(
+        per_parameter * psi, abs=(2 + 4 + K) * N)
+    paper = config.replace(grad_accum_dtype="bf16")
+    assert model_state(stage_memory(shape, paper, plan)) == pytest.approx(
+        (per_parameter - 2) * psi, abs=(2 + 4 + K) * N)

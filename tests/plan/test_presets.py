@@ -43,9 +43,15 @@ def test_bloom_memory_fits_on_a100_80gb():
     # every rank: bf16 weights and grads of ~1/48 of 176B (TP 4 x PP 12), ZeRO-1 shards
     # the 12-byte optimizer state over DP 8
     share = shape.n_params / (4 * 12)
-    for stage in est.stages:
+    paper = estimate(shape, config.replace(grad_accum_dtype="bf16"), cluster, all_stages=True)
+    for stage in paper.stages:
         state = stage.memory["params"] + stage.memory["grads"] + stage.memory["optimizer"]
         assert state == pytest.approx((2 + 2 + 12 / 8) * share, rel=0.15)
+    # and fp32 gradient buffers, the planner's default (DeepSpeed's bf16 optimizer
+    # accumulates in fp32)
+    for stage in est.stages:
+        state = stage.memory["params"] + stage.memory["grads"] + stage.memory["optimizer"]
+        assert state == pytest.approx((2 + 4 + 12 / 8) * share, rel=0.15)
     # Without activation checkpointing it would not (the reason BLOOM used it).
     assert not estimate(shape, config.replace(recompute_granularity=None), cluster).fits
 

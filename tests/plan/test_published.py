@@ -8,12 +8,16 @@ misses both, which is why the roofline exists.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from minipar.cli import main
+from minipar.errors import ConfigError
 from minipar.plan import presets
+from minipar.plan.estimate import estimate
+from minipar.plan.layout import ParallelConfig
 from minipar.plan.published import TABLE_1, compare, paper_flops
 
 # (params, heads, h, layers, t, p, GPUs, global batch, achieved TFLOP/s per GPU)
@@ -113,3 +117,89 @@ def test_cli_compare_published_refuses_a_layout(capsys):
     assert main(["plan", "--compare-published", "--model", "gpt2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--compare-published" in err
+
+
+# ------------------------------------------------------------------ H100 (published_h100.py)
+def test_h100_runs_of_megatrons_readme_within_ten_percent_fitted_and_held_out():
+    from minipar.plan import published_h100
+
+    rows = [r for r in published_h100.compare() if r["source"] == published_h100.README]
+    assert len(rows) == 9 and sum(r["fitted"] for r in rows) == 5
+    for r in rows:
+        assert abs(r["error"]) <= published_h100.TOLERANCE, r
+
+
+def test_llama3_table_4_is_held_out_and_within_twenty_percent():
+    # the 10% goal is not met on these three (published_h100.py and docs/planner.md say
+    # why: the interleaving depth, Meta's FLOP count and its all-gather context
+    # parallelism are not published); this pins what the planner predicts today
+    from minipar.plan import published_h100
+
+    rows = [r for r in published_h100.compare() if r["source"] == published_h100.LLAMA3]
+    assert [r["published"] for r in rows] == [430, 400, 380]
+    assert not any(r["fitted"] for r in rows)
+    assert all(abs(r["error"]) <= 0.20 for r in rows), rows
+
+
+def test_the_h100_runs_micro_batch_rule():
+    # micro-batch 2 where it fits the GPU and leaves m >= pp, else 1: one rule, every row
+    from minipar.plan import published_h100
+
+    h100 = presets.cluster("h100")
+    for run in published_h100.RUNS:
+        try:
+            two = run.config.replace(micro_batch_size=2,
+                                     global_batch_size=run.config.global_batch_size)
+            fits = two.micro_batches >= two.pp and estimate(run.shape, two, h100).fits
+        except ConfigError:  # (the interleaved schedule's multiple of pp)
+            fits = False
+        assert run.config.micro_batch_size == (2 if fits else 1), run.row
+
+
+def test_tp_comm_overlap_hides_the_sequence_parallel_collectives_behind_gemms():
+    shape, h100 = presets.model("llama2-70b"), presets.cluster("h100")
+    config = ParallelConfig(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True,
+                            micro_batch_size=1, global_batch_size=1024, flash_attention=True)
+    plain, overlapped = (estimate(shape, config.replace(tp_comm_overlap=on), h100)
+                         for on in (False, True))
+    tp = plain.comm_time_by_group()["tp"]
+    assert overlapped.step_time < plain.step_time
+    # at most all of it, on the pipeline's critical path of m + p - 1 micro-batch slots
+    m, pp = config.micro_batches, config.pp
+    assert plain.step_time - overlapped.step_time <= tp * (m + pp - 1) / m * 1.001
+    assert overlapped.time["exposed_comm_s"] < plain.time["exposed_comm_s"] - 0.5 * tp
+    with pytest.raises(ConfigError):
+        config.replace(sequence_parallel=False, tp_comm_overlap=True)
+
+
+def test_overlap_param_gather_hides_the_distributed_optimizers_all_gather():
+    shape, h100 = presets.model("llama2-13b"), presets.cluster("h100")
+    config = ParallelConfig(dp=32, tp=2, zero=1, sequence_parallel=True, micro_batch_size=1,
+                            global_batch_size=1024, flash_attention=True, bucket_size_mb=80)
+    plain, overlapped = (estimate(shape, config.replace(overlap_param_gather=on), h100)
+                         for on in (False, True))
+    assert overlapped.time["tail_s"] < plain.time["tail_s"]
+    with pytest.raises(ConfigError):
+        config.replace(zero=2, overlap_param_gather=True)
+
+
+def test_a_time_says_whether_published_runs_calibrate_its_profile():
+    shape, config = presets.model("gpt2"), ParallelConfig(dp=8, micro_batch_size=8,
+                                                          global_batch_size=512)
+    for name in ("h100", "a100", "emulated"):
+        text = estimate(shape, config, presets.cluster(name)).table()
+        assert "calibrated on" in text
+    text = estimate(shape, config, presets.cluster("h100").uniform(0.5)).table()
+    assert "uncalibrated" in text
+
+
+def test_plan_unties_the_embeddings_as_train_does(capsys):
+    from minipar.plan.cli import main
+
+    assert main(["plan", "--model", "gpt2", "--dp", "8", "--no-tie-embeddings",
+                 "--json"]) == 0
+    untied = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "gpt2", "--dp", "8", "--json"]) == 0
+    tied = json.loads(capsys.readouterr().out)
+    assert untied["model"]["tie_embeddings"] is False and tied["model"]["tie_embeddings"]
+    assert untied["model"]["n_params"] - tied["model"]["n_params"] == 50257 * 768

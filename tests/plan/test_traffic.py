@@ -1,6 +1,8 @@
 """Bytes per rank and step against the papers' communication volumes (ZeRO section 7,
 Shoeybi et al. 2019 section 3, Korthikanti et al. 2022 section 4.2.2, Narayanan et al.
-2021 section 2.2). The emulator-backed checks are in test_estimate.py."""
+2021 section 2.2), which count 16-bit gradients: the layouts here say so
+(grad_accum_dtype="bf16"; the planner's default is fp32 buffers, Megatron-LM's). The
+emulator-backed checks are in test_estimate.py."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def sent(shape, config, group, rank=0):
 def test_zero_1_and_2_move_what_data_parallelism_moves(n):
     # ZeRO section 7.2.1: reduce-scatter + all-gather = one all-reduce, 2 Psi (n-1)/n x 2
     # bytes; plus one fp64 number for the gradient norm.
-    config = ParallelConfig(dp=n, precision="bf16-mixed")
+    config = ParallelConfig(dp=n, precision="bf16-mixed", grad_accum_dtype="bf16")
     psi = UNTIED.n_params
     dp = sent(UNTIED, config, "dp")
     assert dp == pytest.approx(2 * (n - 1) / n * 2 * psi, abs=2)
@@ -42,7 +44,7 @@ def test_zero_1_and_2_move_what_data_parallelism_moves(n):
 def test_zero_3_moves_one_and_a_half_times_data_parallelism(n):
     # ZeRO section 7.2.2: parameters all-gathered for forward and for backward, gradients
     # reduce-scattered: 3 Psi (n-1)/n against DP's 2 Psi (n-1)/n.
-    config = ParallelConfig(dp=n, precision="bf16-mixed")
+    config = ParallelConfig(dp=n, precision="bf16-mixed", grad_accum_dtype="bf16")
     dp = sent(UNTIED, config, "dp")
     zero3 = sent(UNTIED, config.replace(zero=3), "dp")
     assert zero3 / dp == pytest.approx(1.5, rel=1e-3)
@@ -50,7 +52,8 @@ def test_zero_3_moves_one_and_a_half_times_data_parallelism(n):
 
 def test_zero_2_reduces_every_micro_batch_zero_1_once():
     m, n = 4, 4
-    config = ParallelConfig(dp=n, zero=1, grad_accum_steps=m, precision="bf16-mixed")
+    config = ParallelConfig(dp=n, zero=1, grad_accum_steps=m, precision="bf16-mixed",
+                            grad_accum_dtype="bf16")
     one = sent(UNTIED, config, "dp")
     two = sent(UNTIED, config.replace(zero=2), "dp")
     (plan,) = stage_plans(UNTIED, config)
@@ -79,7 +82,7 @@ def test_sequence_parallel_layer_adds_only_the_backward_regathers():
     # their input again in backward (2 more all-gathers), and the norms' and row-parallel
     # biases' gradients are all-reduced (6 vectors of h for a GPT layer).
     t, b = 4, 2
-    config = ParallelConfig(tp=t, micro_batch_size=b)
+    config = ParallelConfig(tp=t, micro_batch_size=b, grad_accum_dtype="bf16")
     deeper = ModelShape(**{**UNTIED.__dict__, "n_layer": UNTIED.n_layer + 1})
     tp_layer = sent(deeper, config, "tp") - sent(UNTIED, config, "tp")
     sp = config.replace(sequence_parallel=True)

@@ -21,7 +21,8 @@ from minipar.train.layout import Layout
 
 SECTIONS = (ModelSettings, Layout, OptimizerSettings, RunSettings)
 # The planner's own settings beside the layout, and the defaults it sets to a real run's.
-PLANNER_ONLY = {"flash_attention", "layer_split", "lr"}
+PLANNER_ONLY = {"flash_attention", "layer_split", "lr", "memory_accounting", "tp_comm_overlap",
+                "overlap_param_gather"}
 PLANNER_DEFAULTS = {"micro_batch_size": 1, "precision": "bf16-mixed", "bucket_size_mb": 0.0}
 
 # A TrainConfig whose every layout setting differs from its default (built, not run:
@@ -30,9 +31,10 @@ EVERY_LAYOUT_SETTING = dict(
     dp=4, tp=2, pp=2, cp=2, cp_load_balance=False, ep=2, zero=3, offload_optimizer="cpu",
     offload_param="cpu", schedule="interleaved", virtual_stages=2, sequence_parallel=True,
     bucket_size_mb=1.0, overlap_grad_reduce=False, zero3_prefetch=False, micro_batch_size=2,
-    grad_accum_steps=2, global_batch_size=16, precision="bf16-mixed",
+    grad_accum_steps=2, global_batch_size=16, precision="bf16-mixed", grad_accum_dtype="fp32",
     recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
-    n_layer=4, moe_num_experts=4)
+    hsdp_shard_size=4, zero_hpz_partition_size=2, zero_quantized_weights=True,
+    zero_quantized_gradients=True, reshard_after_forward=2, n_layer=4, moe_num_experts=4)
 
 
 def names(cls) -> list[str]:

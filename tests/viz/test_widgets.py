@@ -279,10 +279,15 @@ def test_a_traffic_run_serves_every_gpus_per_node_and_draws_that_settings_nodes(
     from minipar.train import train
 
     layout = dict(dp=2, tp=2, pp=1, zero=1, grad_accum_steps=1)
-    # the premise, measured: where a node ends changes no byte sent to any rank
+    # the premise, measured: where a node ends changes no byte sent to any rank (only
+    # by_link, which splits the same bytes at the node boundary)
     on_two, on_four = (train(SMALL.replace(**layout, gpus_per_node=g)) for g in (2, 4))
     assert on_two.traffic == on_four.traffic
-    assert [r["comm"] for r in on_two.ranks] == [r["comm"] for r in on_four.ranks]
+
+    def sent(report):
+        return [{k: v for k, v in r["comm"].items() if k != "by_link"} for r in report.ranks]
+
+    assert sent(on_two) == sent(on_four)
     explorer = TrafficExplorer(SMALL, **layout, gpus_per_node=4)
     runs = len(counted_runs)
     explorer.controls["gpus_per_node"].value = 2
@@ -409,3 +414,27 @@ def test_a_setting_an_explorer_does_not_offer_is_refused_naming_the_control_and_
     with pytest.raises(ValueError, match="is one of"):
         explorer.set(pp=3)
     assert explorer.values()["pp"] == 4  # nothing changed
+
+
+def test_traffic_explorer_shows_zero3_across_nodes_and_the_bytes_by_link():
+    """The ZeRO-3-across-nodes choices build their groups from the nodes of the setting;
+    the bars by link are each rank's ranks[i].comm.by_link of the same run."""
+    from minipar.train import train
+
+    layout = dict(dp=8, tp=1, pp=1, zero=3, grad_accum_steps=1, gpus_per_node=4)
+    explorer = TrafficExplorer(SMALL, **layout, across="zeropp", by="link", prefetch=False)
+    assert explorer.error is None and "ZeRO-3 + hpZ + qwZ + qgZ" in explorer.status.value
+    report = train(SMALL.replace(**layout, zero_hpz_partition_size=4,
+                                 zero_quantized_weights=True, zero_quantized_gradients=True))
+    (panel,) = explorer.pictures[1]["panels"]
+    bars = {s["name"]: s["values"] for s in panel["series"]}
+    assert bars["inter_node"] == [r["comm"]["by_link"]["inter_node"] for r in report.ranks]
+    crossing = {}
+    for across in ("none", "hsdp", "hpz", "zeropp"):
+        explorer.controls["across"].value = across
+        crossing[across] = float(explorer.status.value.split("% of it crosses")[0]
+                                 .rsplit(" ", 1)[1])
+    assert crossing["zeropp"] < crossing["hpz"] < crossing["none"]
+    assert crossing["hsdp"] < crossing["none"]
+    explorer.controls["zero"].value = 1
+    assert explorer.error is not None and "--zero 3" in explorer.error

@@ -63,6 +63,10 @@ def validate_context_parallel(config: GPTConfig, cp: int, load_balance: bool,
         raise ValueError(f"--sequence-parallel with --cp {cp}: each CP rank's "
                          f"{config.seq_len // cp} tokens do not split over --tp {tp}; "
                          f"choose --seq-len a multiple of {cp * tp}")
+    if config.grouped_query:
+        raise ValueError(f"--n-kv-head {config.kv_heads} with --cp {cp}: ring attention "
+                         "over shared key/value heads is not implemented; drop --n-kv-head "
+                         "or --cp")
     if config.dropout > 0:
         raise ValueError(f"--dropout {config.dropout} with --cp {cp}: attention dropout "
                          "inside ring attention (and masks that follow the sequence "

@@ -198,6 +198,19 @@ class DataParallel:
         self.optimizer.load_state_dict(flat)
 
 
+def accumulate_gradients_in(params, dtype) -> None:
+    """Give every parameter of `params` a gradient buffer of `dtype` (None: its own
+    dtype): each backward's gradient, computed in the parameter's dtype, is summed into
+    it (minipar/autograd/engine.py), and the engines reduce and step from it. A bf16
+    model with fp32 buffers is Megatron-LM's `main_grad` (megatron/core/distributed/
+    param_and_grad_buffer.py: the grad buffer in fp32 when
+    `--accumulate-allreduce-grads-in-fp32`, its default with --bf16); bf16 buffers are
+    the ZeRO paper's 2 bytes per parameter (`--grad-reduce-in-bf16`)."""
+    for p in params:
+        p.grad_dtype = None if dtype is None or np.dtype(dtype) == p.data.dtype \
+            else np.dtype(dtype)
+
+
 def _always(param) -> bool:
     return True
 

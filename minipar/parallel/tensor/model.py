@@ -1,6 +1,11 @@
 """Megatron tensor parallelism (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
 Parameter Language Models Using Model Parallelism"): a GPT cut over a TP group.
 
+Llama's shapes cut the same way: grouped-query attention's c_attn holds, per key/value
+head, its group's query heads and its k and v (Megatron's layout), so rank i keeps
+n_kv_head/t whole groups (a plain column cut); SwiGLU's c_fc ([gate | up], stride 2)
+so that rank i holds gate_i and up_i.
+
 `parallelize_tensor` converts a built GPT (whole, or a pipeline stage's layers) in place,
 swapping its modules for the tensor-parallel ones and keeping this rank's slices of their
 full weights. The MLP's c_fc (d, 4d) is column-parallel, GELU runs on rank i's 4d/t
@@ -48,15 +53,19 @@ def parallelize_tensor(model: GPT, config: GPTConfig, tp_group, *,
     sp = sequence_parallel
     column = sequence.SequenceParallelColumnLinear if sp else ColumnParallelLinear
     row = sequence.SequenceParallelRowLinear if sp else RowParallelLinear
+    gated = 2 if config.mlp == "swiglu" else 1  # SwiGLU's c_fc: [gate | up], each cut
     for i, block in zip(model.layers, model.h, strict=True):
         name = f"h.{i}"  # names the layers in placement errors
-        block.attn.c_attn = column.from_linear(block.attn.c_attn, tp_group, stride=3)
+        # [q | k | v] cut by heads in each block; grouped-query attention's groups are
+        # contiguous (Megatron's layout): whole groups by plain columns
+        block.attn.c_attn = column.from_linear(block.attn.c_attn, tp_group,
+                                               stride=1 if config.grouped_query else 3)
         block.attn.c_proj = row.from_linear(block.attn.c_proj, tp_group,
                                             name=f"{name}.attn.c_proj")
         if isinstance(block.mlp, MoE):
             tensor_parallel_experts(block.mlp, tp_group, sp, f"{name}.mlp")
         else:
-            block.mlp.c_fc = column.from_linear(block.mlp.c_fc, tp_group)
+            block.mlp.c_fc = column.from_linear(block.mlp.c_fc, tp_group, stride=gated)
             block.mlp.c_proj = row.from_linear(block.mlp.c_proj, tp_group,
                                                name=f"{name}.mlp.c_proj")
         if sp:
@@ -119,9 +128,14 @@ def validate_tensor_parallel(config: GPTConfig, tp: int, sequence_parallel: bool
         raise ValueError(f"--tp {tp}: n_head={config.n_head} is not divisible by tp, and "
                          f"each rank must hold whole attention heads; choose --tp among "
                          f"{options} or --n-head a multiple of {tp}")
-    if 4 * config.d_model % tp:  # implied by the heads check for a GPTConfig
-        raise ValueError(f"--tp {tp}: the MLP width 4*d_model={4 * config.d_model} is not "
-                         "divisible by tp; choose --d-model so that it is")
+    if config.kv_heads % tp:
+        options = [t for t in range(1, config.kv_heads + 1) if config.kv_heads % t == 0]
+        raise ValueError(f"--tp {tp}: n_kv_head={config.kv_heads} is not divisible by tp, and "
+                         f"each rank must hold whole key/value heads (Megatron's rule); "
+                         f"choose --tp among {options}")
+    if config.ffn % tp:
+        raise ValueError(f"--tp {tp}: the MLP width {config.ffn} is not divisible by tp; "
+                         "choose --d-ff (or --d-model) so that it is")
     if config.vocab_size % tp:
         raise ValueError(f"--tp {tp}: vocab_size={config.vocab_size} is not divisible by tp, "
                          "so the vocabulary-parallel embedding cannot split it; pad it as "

@@ -71,7 +71,7 @@ def sequence_parallel_parameter(param: Parameter, name: str) -> SequenceParallel
     marked = SequenceParallelParameter(param.data, requires_grad=param.requires_grad,
                                        placement=param.placement,
                                        placement_group=param.placement_group)
-    marked.grad_category = param.grad_category
+    marked.grad_category, marked.grad_dtype = param.grad_category, param.grad_dtype
     marked.name, marked.reduced, marked.deferred = name, False, False
     marked.register_post_accumulate_grad_hook(_on_gradient_accumulated)
     return marked

@@ -23,6 +23,9 @@ class ShardedBucket:
     gathered     stage 3: the all-gathered flat parameters (padded_numel,) while a
                  module needs them; prefetched: the same, its all-gather still running
                  (`prefetch_work`)
+    secondary    stage 3 resharded to K ranks after forward (reshard.py: FSDP2's
+                 reshard_after_forward=K, ZeRO++ hpZ): my (padded_numel / K,) piece of
+                 the full parameters, which backward all-gathers over K ranks
     placeholders stage 3: the empty arrays p.data are between uses
     master       fp32 master weights (mixed precision only); exp_avg, exp_avg_sq: Adam
     grad_shard   my piece of the averaged gradient, None between steps (set-to-none):
@@ -38,6 +41,7 @@ class ShardedBucket:
     param_shard = Held("params")
     gathered = Held("buffers")
     prefetched = Held("buffers")
+    secondary = Held("params")
     master = Held("optimizer")
     exp_avg = Held("optimizer")
     exp_avg_sq = Held("optimizer")

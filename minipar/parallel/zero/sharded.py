@@ -64,8 +64,12 @@ class ZeroEngine:
     partition_gradients: bool  # keep only my shard of the gradient (stages 2 and 3)
 
     def __init__(self, named_params, group, buckets: list[Bucket], *, adamw: dict,
-                 norm_groups=(), counts_in_norm=None, overlap_comm: bool = True):
+                 norm_groups=(), counts_in_norm=None, overlap_comm: bool = True,
+                 reduce_scatter=None):
         self.group = group
+        # The collective that reduces a bucket (reduce_scatter's signature): ZeRO++'s qgZ
+        # passes its quantized one (zero/quantized.py).
+        self.reduce_scatter = dist.reduce_scatter if reduce_scatter is None else reduce_scatter
         # DeepSpeed's `overlap_comm`: reduce buckets asynchronously while backward goes
         # on (False: wait for each reduce-scatter as soon as it starts).
         self.overlap_comm = overlap_comm
@@ -145,7 +149,7 @@ class ZeroEngine:
             self._complete(*self._pending.pop(0))
         flat = sb.bucket.flatten_grads()
         self._gradients_flattened(sb)
-        work = dist.reduce_scatter(flat, op="avg", group=self.group, async_op=True)
+        work = self.reduce_scatter(flat, op="avg", group=self.group, async_op=True)
         if self.overlap_comm:
             self._pending.append((sb, flat, work))
         else:

@@ -38,6 +38,13 @@ parameters can be alive at once. The order is the order the hooks were registere
 (`gpt_units`' sites, the forward order), a static order where DeepSpeed records the
 order of the first step.
 
+Across nodes (docs/data-parallel-and-zero.md, "Sharding across nodes"): what a unit keeps
+between its forward and its backward is a policy, FSDP2's `reshard_after_forward` (True,
+the default: free; False: keep; K: keep a 1/K piece, ZeRO++'s hpZ; reshard.py); the
+collectives can be swapped for ones with the same signature (`all_gather=`,
+`reduce_scatter=`: ZeRO++'s quantized qwZ and qgZ, quantized.py); hybrid.py shards within
+a group of K ranks and replicates across groups (HSDP, MiCS).
+
 Where minipar differs: parameters are released right after each use and fetched again
 for backward (no persistence threshold, the root module's parameters are not kept from
 forward to backward). GPT's embed and head are hook points of the GPT module
@@ -53,6 +60,7 @@ from minipar.autograd.function import Function
 from minipar.autograd.tensor import Tensor
 from minipar.parallel.data.buckets import Bucket
 from minipar.parallel.zero.partition import ShardedBucket
+from minipar.parallel.zero.reshard import ReshardAfterForward
 from minipar.parallel.zero.sharded import ZeroEngine
 
 
@@ -62,7 +70,10 @@ class Zero3Optimizer(ZeroEngine):
     named_params: this rank's (name, Parameter) pairs; group: the DP ProcessGroup; units:
     the gather units, [(unit name, [(name, Parameter), ...]), ...] in forward order (see
     `gpt_units`); adamw, norm_groups, counts_in_norm: as for `ZeroOptimizer`; prefetch:
-    gather the next unit while the current one computes.
+    gather the next unit while the current one computes; reshard: what a unit keeps
+    after its forward (reshard.py; default: nothing, FSDP2's True); all_gather,
+    reduce_scatter: the parameter and gradient collectives (default: minipar's, the
+    ring's; ZeRO++'s quantized ones in quantized.py).
     After construction every p.data is an empty placeholder; `register_hooks` makes a
     module gather its units around its calls.
     """
@@ -71,7 +82,9 @@ class Zero3Optimizer(ZeroEngine):
     partition_gradients = True
 
     def __init__(self, named_params, group, *, units=None, adamw: dict, norm_groups=(),
-                 counts_in_norm=None, overlap_comm: bool = True, prefetch: bool = True):
+                 counts_in_norm=None, overlap_comm: bool = True, prefetch: bool = True,
+                 reshard: ReshardAfterForward | None = None, all_gather=None,
+                 reduce_scatter=None):
         if units is None:
             raise ValueError("Zero3Optimizer: stage 3 needs `units` (which parameters "
                              "each module gathers); see gpt_units()")
@@ -80,7 +93,10 @@ class Zero3Optimizer(ZeroEngine):
         self.unit_names = [name for name, _ in units]
         buckets = [Bucket(i, params, group.size) for i, (_, params) in enumerate(units)]
         super().__init__(named_params, group, buckets, adamw=adamw, norm_groups=norm_groups,
-                         counts_in_norm=counts_in_norm, overlap_comm=overlap_comm)
+                         counts_in_norm=counts_in_norm, overlap_comm=overlap_comm,
+                         reduce_scatter=reduce_scatter)
+        self.reshard = ReshardAfterForward() if reshard is None else reshard
+        self.all_gather = dist.all_gather if all_gather is None else all_gather
         self._in_backward = False  # keep gathered parameters for the backward
         self.prefetch_enabled = prefetch
         self._sites: list[list[ShardedBucket]] = []  # hooked calls, in forward order
@@ -112,8 +128,10 @@ class Zero3Optimizer(ZeroEngine):
                 p.data = sb.bucket.view(sb.gathered, i)
 
     def _all_gather(self, sb: ShardedBucket) -> None:
-        """sb.gathered = my shard all-gathered over the DP group."""
-        sb.gathered = dist.all_gather(sb.param_shard, group=self.group)
+        """sb.gathered = my shard all-gathered over the DP group (or, resharded to K
+        ranks after forward, my piece over my K-rank group)."""
+        shard, group = self.reshard.source(sb, self.group)
+        sb.gathered = self.all_gather(shard, group=group)
 
     def prefetch(self, shards: list[ShardedBucket]) -> None:
         """Launch the all-gather of these units asynchronously (those neither gathered
@@ -123,8 +141,9 @@ class Zero3Optimizer(ZeroEngine):
             if sb.gathered is not None or sb.prefetched is not None:
                 continue
             sb.prefetched = np.empty(sb.bucket.padded_numel, self.param_dtype)
-            sb.prefetch_work = dist.all_gather(sb.param_shard, group=self.group,
-                                               async_op=True, out=sb.prefetched)
+            shard, group = self.reshard.source(sb, self.group)
+            sb.prefetch_work = self.all_gather(shard, group=group, async_op=True,
+                                               out=sb.prefetched)
 
     def free(self, shards: list[ShardedBucket]) -> None:
         """Drop gathered full parameters: each p.data is its empty placeholder again."""
@@ -159,7 +178,7 @@ class Zero3Optimizer(ZeroEngine):
             if isinstance(out, Tensor) and out.requires_grad:  # pre-backward
                 out = GatherBeforeBackward.apply(out, lambda: self._pre_backward(site))
             if not self._in_backward:  # post-forward (a recomputation in backward keeps them)
-                self.free(shards)
+                self.reshard.after_forward(self, shards)
             return out
 
         module.register_forward_pre_hook(pre_forward, method=method)
@@ -182,6 +201,11 @@ class Zero3Optimizer(ZeroEngine):
     def _gradients_flattened(self, sb: ShardedBucket) -> None:
         super()._gradients_flattened(sb)  # the full gradients go
         self.free([sb])  # this module's backward is over: its parameters go too
+        self.reshard.after_backward(sb)
+
+    def step(self, lr: float) -> None:
+        super().step(lr)
+        self.reshard.after_step(self.shards)  # no copy of the old parameters survives
 
     def finish_gradient_synchronization(self) -> None:
         super().finish_gradient_synchronization()
