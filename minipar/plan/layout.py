@@ -27,7 +27,7 @@ from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import check_experts_split
-from minipar.train.layout import Layout
+from minipar.train.layout import Layout, check_booleans
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class ParallelConfig(Layout):
 
     def __post_init__(self) -> None:
         self.validate_layout()
+        check_booleans(self, ("flash_attention",))
         check_schedule_settings(self.schedule, self.pp, self.micro_batches,
                                 self.virtual_stages, ConfigError)
 

@@ -30,6 +30,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from minipar.errors import ConfigError
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name
@@ -114,12 +116,16 @@ class Layout:
         self.validate_layout()
 
     def validate_layout(self, n_layer: int | None = None) -> None:
-        """The layout's rules, each once (the sizes, the ZeRO stage and its offload, the
-        precision, the schedule's name, the buckets, --ep inside --dp, the batch, the
-        recomputation flags); the batch is derived. n_layer: the model's layers, when it
-        is known (a TrainConfig), which bound --recompute-num-layers by a chunk's."""
+        """The layout's rules, each once (the sizes, the switches, the ZeRO stage and its
+        offload, the precision, the schedule's name, the buckets, --ep inside --dp, the
+        batch, the recomputation flags); the batch is derived. n_layer: the model's
+        layers, when it is known (a TrainConfig), which bound --recompute-num-layers by a
+        chunk's. NumPy values are taken as the Python values they hold (plain_scalars)."""
+        plain_scalars(self)
         check_positive_integers(self, ("dp", "tp", "pp", "cp", "ep", "virtual_stages",
                                        "micro_batch_size"))
+        check_booleans(self, ("cp_load_balance", "sequence_parallel", "overlap_grad_reduce",
+                              "zero3_prefetch"))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
         choice("precision", self.precision, PRECISIONS)
@@ -268,12 +274,35 @@ def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
     return derived, global_batch
 
 
+def plain_scalars(settings) -> None:
+    """Replace the NumPy scalars among the fields of `settings` (a frozen dataclass) by
+    the Python values they hold (np.int64(2) -> 2, np.True_ -> True): a setting taken from
+    an array or a sweep is then checked by the same rules as one typed in, and the
+    config's JSON and comparisons are the same either way."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, np.generic):
+            object.__setattr__(settings, field.name, value.item())
+
+
 def check_positive_integers(settings, names) -> None:
     """Each setting in `names` (attributes of `settings`) is an int >= 1."""
     for name in names:
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def check_booleans(settings, names, error=ConfigError) -> None:
+    """Each setting in `names` (attributes of `settings`) is True or False. Anything else
+    is refused rather than given to Python's truth test, for which the string 'False' is
+    true (TrainConfig(sequence_parallel='False') ran sequence parallelism) and 0 or None
+    would be a silent False. error(name, message) makes the exception (the planner's
+    ModelShape raises ValueError)."""
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, bool):
+            raise error(name, f"must be True or False, got {value!r}")
 
 
 def choice(name: str, value, options) -> None:
