@@ -422,11 +422,14 @@ def cmd_consolidate(args) -> int:
     state_dict = consolidate(source)
     save_state_dict(args.output, state_dict)
     n = sum(a.size for a in state_dict.values())
-    run = manifest["run"] + ("" if manifest["origin"] == manifest["run"] else
-                             f", continuing run {manifest['origin']}")
+    if "run" in manifest:
+        run = "run " + manifest["run"] + ("" if manifest["origin"] == manifest["run"] else
+                                          f", continuing run {manifest['origin']}")
+    else:  # a checkpoint saved before run ids (its warning said so)
+        run = f"{manifest['format']}, no run id"
     print(f"{args.output}: {len(state_dict)} tensors, {n:,} parameters "
           f"(single-device names, {next(iter(state_dict.values())).dtype}), from {source} "
-          f"(run {run}; step {manifest['step']})")
+          f"({run}; step {manifest['step']})")
     return 0
 
 

@@ -189,6 +189,9 @@ class Layout:
 
     @classmethod
     def from_dict(cls, values: dict):
+        """The settings of a dict: a config saved in a checkpoint, a report or a trace,
+        written by this minipar or an earlier one (saved_settings), or `replace`'s."""
+        values = saved_settings(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -206,6 +209,30 @@ class Layout:
         if "grad_accum_steps" not in changes and "global_batch_size" in changes:
             values["grad_accum_steps"] = None
         return type(self).from_dict({**values, **changes})
+
+
+# ------------------------------------------------------------------ saved configs
+def saved_settings(values: dict) -> dict:
+    """A saved config's settings in today's terms. Configs saved before the setting
+    `activation_checkpointing` was removed carry it: true is `recompute_granularity`
+    "full" without a method (every block recomputed, what it meant), false is the
+    default, so it is dropped. Its old rule refused it with a granularity, and so does
+    this one. Nothing is rewritten on disk: the file keeps what it says."""
+    if "activation_checkpointing" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("activation_checkpointing")
+    if old is False:
+        return values
+    if old is not True:
+        raise ConfigError("activation_checkpointing", f"(a saved config's) must be true or "
+                          f"false, got {old!r}")
+    if values.get("recompute_granularity") is not None:
+        raise ConfigError("activation_checkpointing", "true (a saved config's) with "
+                          f"recompute_granularity={values['recompute_granularity']!r}: "
+                          "the two were never allowed together")
+    values["recompute_granularity"] = "full"
+    return values
 
 
 # ------------------------------------------------------------------ the rules
