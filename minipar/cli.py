@@ -177,7 +177,9 @@ def cmd_train(args) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    late = None  # an output that failed after the run: said last, the results kept
+    # Outputs that failed after the run (a full disk): said last, in one line, with the
+    # results kept (printed, and the outputs that could be written, written).
+    late: OutputError | None = None
     with profile_cli.trace_folder(args) as trace:  # checked before the work
         try:
             report = train_prepared(prepared, progress=progress, save_dir=args.save,
@@ -187,23 +189,30 @@ def cmd_train(args) -> int:
         except OutputError as err:
             if err.report is None:
                 raise
-            report, late = err.report, OutputError("save", err.detail)  # its flag is --save
+            # the flags: train()'s save_dir is --save; --profile alone traces for itself
+            flags = {"save_dir": "save", "trace": "trace" if args.trace else "profile"}
+            report, late = err.report, OutputError(
+                flags[err.setting], err.detail, outputs=[flags[o] for o in err.outputs])
         finally:
             if bar is not None:
                 bar.close()
         if report is None:  # a rank of a torchrun job other than 0: rank 0 reports
             return 0
-        profile = profile_cli.profile_folder(trace) if args.profile else None
+        traced = late is None or not {"trace", "profile"} & set(late.outputs)
+        profile = profile_cli.profile_folder(trace) if args.profile and traced else None
         if profile is not None:
             report.profile = profile.to_dict()
     if args.json:
         try:
             report.to_json(args.json)
         except OSError as err:
-            late = OutputError("json", f"{args.json}: the report could not be written "
-                               f"({err.strerror or err}); it is printed above instead")
+            failed = (f"{args.json}: the report could not be written ({err.strerror or err});"
+                      " it is printed above instead")
+            late = OutputError("json", failed) if late is None else OutputError(
+                late.setting, f"{late.detail}; --json: {failed}",
+                outputs=[*late.outputs, "json"])
             print(report.to_json())
-    print_summary(report, config, args, late, profile)
+    print_summary(report, config, args, () if late is None else late.outputs, profile)
     if late is not None:
         raise late
     check = report.equivalence
@@ -214,8 +223,9 @@ def cmd_train(args) -> int:
     return 0
 
 
-def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
-    """What `minipar train` prints after the run (nothing with --quiet; profile: --profile)."""
+def print_summary(report, config: TrainConfig, args, failed=(), profile=None) -> None:
+    """What `minipar train` prints after the run (nothing with --quiet; profile: --profile;
+    failed: the outputs that could not be written, not said to be)."""
     from minipar.viz import tables
     from minipar.viz.measured import engine_text
 
@@ -246,13 +256,13 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
             print(f"warning: {warning}")
         if check is not None:
             print(f"\n{equivalence_line(check)}")
-        if args.save and not (late is not None and late.setting == "save"):
+        if args.save and "save" not in failed:
             print(f"checkpoints written to {args.save}")
-        if args.trace:  # rank<N>.json, and merged/all_ranks.json for Perfetto
+        if args.trace and "trace" not in failed:  # rank<N>.json, merged/all_ranks.json
             print(f"\ntraces written to {args.trace}/ (`minipar profile {args.trace}`)")
         if profile is not None:
             print(f"\n{profile.text()}")
-        if args.json and not (late is not None and late.setting == "json"):
+        if args.json and "json" not in failed:
             print(f"\nreport written to {args.json}")
 
 
@@ -352,6 +362,7 @@ def cmd_check_torch(args) -> int:
 
 def cmd_timeline(args) -> int:
     from minipar.train.loop import prepare_run, train_prepared
+    from minipar.viz.save import save_figure
     from minipar.viz.timeline import plot_timeline
 
     config = config_from_args(args)
@@ -375,7 +386,7 @@ def cmd_timeline(args) -> int:
         what = f"step {args.step % config.steps}"
     fig = plot_timeline(report.timelines, start=start, end=end)
     try:
-        fig.savefig(args.out, dpi=110)
+        save_figure(fig, args.out)
     except OSError as err:
         raise OutputError("out", f"{args.out}: the figure could not be written "
                           f"({err.strerror or err})") from None
@@ -420,7 +431,11 @@ def cmd_consolidate(args) -> int:
     source = resolve(args.checkpoint)  # a save directory: its latest, if of one run
     manifest = read_manifest(source)
     state_dict = consolidate(source)
-    save_state_dict(args.output, state_dict)
+    try:
+        save_state_dict(args.output, state_dict)
+    except OSError as err:  # a full disk: whole or not at all, an earlier file kept
+        raise OutputError("OUT.npz", f"{args.output}: the state dict could not be written "
+                          f"({err.strerror or err})") from None
     n = sum(a.size for a in state_dict.values())
     if "run" in manifest:
         run = "run " + manifest["run"] + ("" if manifest["origin"] == manifest["run"] else

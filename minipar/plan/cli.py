@@ -22,7 +22,8 @@ import json
 import sys
 from dataclasses import fields, replace
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, OutputError
+from minipar.files import atomic_write
 from minipar.plan import presets, published
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
@@ -223,12 +224,19 @@ def _setting(args, name: str):
 
 
 def _emit_json(args, payload: dict) -> None:
+    """The JSON to stdout (--json) or to PATH, whole or not at all (an earlier file there
+    survives a full disk; the answer is then printed, and one line says why)."""
     text = json.dumps(payload, indent=2, default=str)
     if args.json == "-":
         print(text)
-    else:
-        with open(args.json, "w", encoding="utf-8") as f:
+        return
+    try:
+        with atomic_write(args.json, "w") as f:
             f.write(text + "\n")
+    except OSError as err:
+        print(text)
+        raise OutputError("json", f"{args.json}: the answer could not be written "
+                          f"({err.strerror or err}); it is printed above instead") from None
 
 
 # ------------------------------------------------------------------ the command
@@ -341,7 +349,11 @@ def _run(args) -> int:
             return 1
         chosen = advice.best.config
     if args.export:
-        files = write_export(args.export, shape, chosen, cluster)
+        try:
+            files = write_export(args.export, shape, chosen, cluster)
+        except OSError as err:  # each file whole or not at all: earlier ones kept
+            raise OutputError("export", f"{args.export}: the layout's files could not be "
+                              f"written ({err.strerror or err})") from None
         if not args.json or args.json != "-":
             print("\nexported: " + ", ".join(str(p) for p in files.values()))
     return 0

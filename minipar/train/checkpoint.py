@@ -47,15 +47,7 @@ from minipar.errors import CheckpointError, InputFileError
 from minipar.files import DirectoryLock, atomic_write, loads_json, open_regular
 from minipar.parallel.state import Piece
 from minipar.train import checkpoint_dirs as dirs
-from minipar.train.manifest import (
-    FORMAT,
-    FORMAT_2,
-    MANIFEST,
-    SEAL,
-    check_manifest,
-    rank_file,
-    seal,
-)
+from minipar.train.manifest import FORMAT, FORMAT_2, MANIFEST, SEAL, check_manifest, rank_file, seal
 
 __all__ = ["CheckpointError", "TrainingState", "consolidate", "load_checkpoint",
            "read_manifest", "save_checkpoint"]
@@ -207,12 +199,9 @@ def read_manifest(directory) -> dict:
 
 
 def load_checkpoint(directory) -> TrainingState:
-    """Verify every file against the manifest and assemble the full tensors.
-
-    A checkpoint of the previous format (FORMAT_2, saved before run ids) loads too, with
-    a warning: its files carry no run id, so nothing proves that they come from one run
-    (two runs saving into one directory could have mixed them); every other check holds,
-    and its seal is the one it was saved with. Nothing on disk is rewritten."""
+    """Verify every file against the manifest and assemble the full tensors. A FORMAT_2
+    checkpoint (saved before run ids) loads with a warning: nothing proves its files come
+    from one run; every other check holds, under its own seal. Nothing is rewritten."""
     directory = dirs.resolve(directory)
     manifest = read_manifest(directory)
     step, run = manifest["step"], manifest.get("run")  # (None: a /2 checkpoint)
