@@ -26,6 +26,7 @@ from pathlib import Path
 from minipar import distributed as dist
 from minipar.distributed.engines import ENGINES, get_engine
 from minipar.errors import ConfigError, MiniparError, OutputError
+from minipar.files import remove_temporaries
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
 from minipar.profile import cli as profile_cli
@@ -467,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minipar {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the ranks are stopped (threads, or processes)
+        # and what was being written is removed, even by a rank that did not stop in time
+        remove_temporaries()
         print(f"minipar {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `minipar plan ... | head`: the reader has what it wanted

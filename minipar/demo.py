@@ -145,8 +145,10 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
     def working(what: str, run):
         progress(f"  ... {what}", end="")
         begun = time.perf_counter()
-        result = run()
-        progress(f" {time.perf_counter() - begun:.1f} s")
+        try:
+            result = run()
+        finally:  # (a failure or a Ctrl-C is said on a line of its own)
+            progress(f" {time.perf_counter() - begun:.1f} s")
         return result
 
     say(f"minipar demo: {layout_name(config)} on {config.world_size} virtual GPUs "
@@ -221,7 +223,6 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
         figures = working("drawing the figures (a first run also builds matplotlib's font "
                           "cache)", lambda: save_figures(report, single, Path(out_dir)))
     except OSError as err:  # (the run is shown all the same; what is missing, said last)
-        progress("")
         figures, failed["figures"] = [], (f"{out_dir}: the figures could not be written "
                                           f"({err.strerror or err})")
     say()
