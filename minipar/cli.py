@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from minipar import distributed as dist
+from minipar.distributed.clock import device_label
 from minipar.distributed.engines import ENGINES, get_engine
 from minipar.errors import ConfigError, MiniparError, OutputError
 from minipar.files import remove_temporaries
@@ -64,16 +65,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           if k not in ROUTING_SETTINGS or v is not None})
 
 
-DEVICES = ("uniform", "h100", "a100", "demo")
+DEVICES = ("demo", "uniform", "h100", "a100")
+# The demo's and the notebooks' GPU: on it a toy model's step splits between compute,
+# communication and bubble as a 7B model's does on H100s (minipar/demo.py says why). On
+# an H100 profile the same model computes a layer in microseconds and every rank shows
+# "compute 0%, comm 100%".
+DEFAULT_DEVICE = "demo"
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=DEVICES, default="uniform",
-                        help="the simulated GPU: uniform (default: an H100 node's links, "
-                             "every FLOP at 400 TFLOP/s; toy models are latency-bound on "
-                             "it), h100 / a100 (each kernel on the GPU's roofline: GEMMs by "
-                             "shape, other ops by bytes moved, the planner's time model) or "
-                             "demo (compute scaled to toy models, see `minipar demo`)")
+    parser.add_argument("--device", choices=DEVICES, default=DEFAULT_DEVICE,
+                        help="the simulated GPU: demo (the default, as in `minipar demo` "
+                             "and the notebooks: an H100 node's link ratios, compute scaled "
+                             "to toy models), uniform (an H100 node's links, every FLOP at "
+                             "400 TFLOP/s: toy models are latency-bound on it), h100 / a100 "
+                             "(each kernel on the GPU's roofline: GEMMs by shape, other ops "
+                             "by bytes moved, the planner's time model)")
 
 
 def device_profile(name: str):
@@ -83,7 +90,7 @@ def device_profile(name: str):
         return DEMO_PROFILE
     if name in ("h100", "a100"):
         return dist.H100 if name == "h100" else dist.A100
-    return None  # the default: minipar.distributed.DeviceProfile(), uniform pricing
+    return None  # uniform: minipar.distributed.DeviceProfile(), train()'s own default
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -236,7 +243,8 @@ def print_summary(report, config: TrainConfig, args, failed=(), profile=None) ->
               f"precision {config.precision}, global batch {config.global_batch_size} "
               f"= micro {config.micro_batch_size} x accum {config.grad_accum_steps} "
               f"x dp {config.dp}, recompute {config.recompute.label}\n"
-              f"simulated GPU: {report.device['name']} (--device {args.device})\n")
+              f"simulated GPU: {device_label(report.device)} (--device {args.device}"
+              f"{', the default' if args.device == DEFAULT_DEVICE else ''})\n")
         if report.engine is not None:
             print(engine_text(report) + "\n")
         print(tables.loss_table(report))
@@ -279,7 +287,7 @@ def moe_line(moe: dict) -> str:
             f"capacity), the busiest expert took {load:.2f}x the mean load")
 
 
-def pipeline_line(pipeline: dict, device: str = "h100") -> str:
+def pipeline_line(pipeline: dict, device: str = DEFAULT_DEVICE) -> str:
     """The measured bubble, and the uniform-stage formula only where it applies."""
     from minipar.distributed.timeline import COMMUNICATION_BOUND_SHARE
 
@@ -391,9 +399,10 @@ def cmd_timeline(args) -> int:
     except OSError as err:
         raise OutputError("out", f"{args.out}: the figure could not be written "
                           f"({err.strerror or err})") from None
-    print(f"{args.out}: timeline of {report.world_size} rank(s), {what}")
+    print(f"{args.out}: timeline of {report.world_size} rank(s), {what}, simulated on "
+          f"{device_label(report.device)} (--device {args.device})")
     if report.pipeline is not None:
-        print(pipeline_line(report.pipeline))
+        print(pipeline_line(report.pipeline, args.device))
     for warning in report.warnings:
         print(f"warning: {warning}")
     return 0
