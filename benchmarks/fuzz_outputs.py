@@ -24,7 +24,7 @@ rather than in the machine's swap). The outcomes:
   data lost        a checkpoint that was complete before the case is gone or broken,
                    or an earlier output file that did not survive
 
-The cases (issue 33's findings and more): a second save into the same step killed
+The cases (what a hostile user tried, and more): a second save into the same step killed
 (SIGKILL) at each fsync and at random moments, interrupted (SIGINT) at each fsync, or
 failing for space after N bytes (simulated by a write that raises ENOSPC, and for real
 on a 600 KiB tmpfs where mounting is allowed); two runs saving into one directory at

@@ -82,7 +82,7 @@ def count_parameters(config) -> int:
     """Ψ, the number of parameters of the full GPT of `config` (a minipar TrainConfig with
     vocab_size V, seq_len T, n_layer L, d_model d, tie_embeddings).
 
-    GPT-2's layout (DESIGN.md): wte (V, d), wpe (T, d); per block ln_1 and ln_2 (weight and
+    GPT-2's layout (docs/design.md): wte (V, d), wpe (T, d); per block ln_1 and ln_2 (weight and
     bias, d each), attn.c_attn (d, 3d) + bias, attn.c_proj (d, d) + bias, mlp.c_fc
     (d, 4d) + bias, mlp.c_proj (4d, d) + bias; ln_f; lm_head (V, d) only when untied.
     """

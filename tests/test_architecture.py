@@ -19,15 +19,20 @@ top-level module that imports only leaf helpers (`minipar/files.py`, the atomic 
 and bounded reader every layer uses, raises `minipar/errors.py`'s InputFileError): what
 its import runs is leaf helpers too.
 
-The KNOWN_* lists are the violations other branches of issue 12 are removing. Each entry
-is an xfail(strict=True) test that asserts the violation is gone: while it is present,
-the test xfails; once a merge removes it, the test XPASSes, which fails the suite until
-the entry is deleted here. So the lists can only shrink.
+4. No module imports a name through a re-export: `from minipar.a.b import name` names
+   the module that defines `name` (a package's `__init__` may gather its public names:
+   `from minipar import distributed as dist`, `from minipar.nn import GPT`).
+
+The KNOWN_* lists are violations being removed while work is under way in parallel.
+Each entry is an xfail(strict=True) test that asserts the violation is gone: while it is
+present, the test xfails; once a merge removes it, the test XPASSes, which fails the
+suite until the entry is deleted here. So the lists can only shrink.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -47,11 +52,11 @@ MAX_LINES = 400
 LONG_MARKER = "long because"
 
 # ---------------------------------------------------------------- known, being removed
-# (importer, imported): upward imports owned by another branch of issue 12.
+# (importer, imported): upward imports being removed elsewhere.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
-# Import cycles (the modules of one cycle) owned by another branch of issue 12.
+# Import cycles (the modules of one cycle) being removed elsewhere.
 KNOWN_CYCLES: dict[frozenset[str], str] = {}
-# Modules over MAX_LINES owned by another branch of issue 12 (split, or say why).
+# Modules over MAX_LINES being split elsewhere (split, or say why).
 KNOWN_LONG: dict[str, str] = {}
 
 
@@ -267,3 +272,86 @@ def test_the_architecture_page_lists_every_module_of_each_layer():
             unknown[layer] = sorted(listed - modules)
     assert not missing and not unknown, (f"not in docs/architecture.md: {missing}; "
                                          f"listed there but not modules: {unknown}")
+
+
+# ---------------------------------------------------------------- no re-exports
+def defined_names(name: str) -> set[str]:
+    """What module `name` defines at its top level (functions, classes, assignments) or
+    takes from outside minipar (a library it imports, e.g. behind a clear ImportError)."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.asname or a.name for a in node.names if not a.name.startswith("minipar")}
+        elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("minipar") \
+                and not node.level:
+            out |= {a.asname or a.name for a in node.names}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.If):  # `if TYPE_CHECKING:` and the like define nothing
+            continue
+    return out
+
+
+def sources_importing_minipar():
+    """(where, source text) of every module of minipar, the tests, the benchmarks, the
+    exercises and every code cell of the notebooks."""
+    for path in [*MODULES.values(), *(p for folder in ("tests", "benchmarks", "exercises")
+                                      for p in sorted((ROOT / folder).rglob("*.py")))]:
+        yield str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "code":
+                yield f"{path.relative_to(ROOT)} cell {i}", "".join(cell["source"])
+
+
+def imports_through_reexports() -> list[str]:
+    """`from minipar.x import name` where minipar.x is a module (not a package) that does
+    not define `name` itself: the name came to it by import, and so through a shim."""
+    found = []
+    for where, text in sources_importing_minipar():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a notebook cell with IPython magics
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            source = node.module
+            if source not in MODULES or is_package(source):
+                continue
+            missing = [a.name for a in node.names if a.name not in defined_names(source)]
+            if missing:
+                found.append(f"{where}:{node.lineno} imports {missing} "
+                             f"from {source}, which does not define them")
+    return found
+
+
+def test_no_module_imports_a_name_through_a_reexport():
+    found = imports_through_reexports()
+    assert not found, ("import each name from the module that defines it:\n"
+                       + "\n".join(found))
+
+
+# ---------------------------------------------------------------- reading one idea
+def test_the_architecture_page_shows_the_reading_paths_as_measured_today():
+    """The table of files a student opens per idea (docs/architecture.md) is what
+    benchmarks/reading_paths.py counts in this tree, and every algorithm file on a path
+    stays under ~300 lines: a file that grows past it, or a table left stale, fails."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("reading_paths",
+                                                  ROOT / "benchmarks" / "reading_paths.py")
+    reading = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reading)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert reading.markdown() in text, (
+        "docs/architecture.md's reading table is stale: paste the output of "
+        "`python benchmarks/reading_paths.py --markdown`")
+    for idea, (files, _) in reading.PATHS.items():
+        first = files[0]
+        assert reading.counts(first)[0] <= 300, f"{idea}'s algorithm file {first} > 300 lines"

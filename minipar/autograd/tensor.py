@@ -31,15 +31,19 @@ The ops themselves are in ops.py (elementary) and functional.py (fused).
 Imports: Tensor's operators make op calls and Function.apply makes Tensors, a cycle. So
 tensor.py imports ops, engine and function at its end, once `Tensor` is defined, and
 function.py imports tensor at its end, once `Function` is: whichever is imported first,
-each class exists before the other module reads it. `Context` and `Function` are
-re-exported here (`from minipar.autograd.tensor import Function, Tensor` keeps working).
+each class exists before the other module reads it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-__all__ = ["Context", "Function", "Tensor"]
+if TYPE_CHECKING:  # function.py imports this module: the name is for annotations only
+    from minipar.autograd.function import Context
+
+__all__ = ["Tensor"]
 
 
 class Tensor:
@@ -302,4 +306,3 @@ def _new_tensor(data: np.ndarray, ctx: Context | None, index: int) -> Tensor:
 
 # Tensor's methods call into these modules and they need Tensor: import them once it exists.
 from minipar.autograd import engine, ops  # noqa: E402
-from minipar.autograd.function import Context, Function  # noqa: E402

@@ -52,7 +52,7 @@ import traceback
 
 from threadpoolctl import threadpool_limits
 
-from minipar.autograd.tracking import use_device
+from minipar.autograd.tracking import device_phase, use_device
 
 from .clock import COMPUTE_KINDS, DeviceProfile
 from .cluster import Call, Cluster
@@ -345,19 +345,12 @@ def _stop(threads: list) -> list[int]:
     return [threads.index(t) for t in threads if t.is_alive()]
 
 
-@contextlib.contextmanager
 def phase(name: str):
-    """Charge the running rank's communication inside the block to phase `name`
+    """Charge the running rank's communication inside the `with` block to phase `name`
     (forward | backward | optimizer | other)."""
     if name not in PHASES:
         raise ValueError(f"phase {name!r} is not one of {PHASES}")
-    device = get_device()
-    previous = device.phase
-    device.phase = name
-    try:
-        yield
-    finally:
-        device.phase = previous
+    return device_phase(get_device(), name)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ The emulator keeps every virtual GPU in this one process, so a run holds the sum
 its ranks hold. `run_bytes` adds up the planner's per-rank peak (memory.py: the ZeRO
 paper's model state, Korthikanti et al.'s activations, the buffers) over every rank,
 plus the single-device reference that `check` trains first, plus one thing only the
-emulator does: every rank starts from the full initial weights (DESIGN.md), so before
+emulator does: every rank starts from the full initial weights (docs/design.md), so before
 training a rank holds at least the full model's parameters. `check_fits` refuses a run
 whose estimate exceeds this machine's physical memory, with the estimate in the message:
 

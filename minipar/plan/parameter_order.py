@@ -1,7 +1,7 @@
 """Which parameters each module of a rank holds, in registration order, and when its
 backward completes each: what plan/overlap.py lays into gradient buckets.
 
-minipar registers a GPT's parameters as Hugging Face GPT-2 names them (DESIGN.md): wte,
+minipar registers a GPT's parameters as Hugging Face GPT-2 names them (docs/design.md): wte,
 wpe, then per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights
 before biases), then ln_f and an untied lm_head; a pipeline's last stage keeps its own
 copy of a tied wte. DDP's buckets follow the reverse of that order (Li et al. 2020,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 from minipar.errors import flag
-from minipar.viz.nearby import changed
 
 try:
     import ipywidgets as widgets
@@ -77,6 +76,31 @@ def in_control_words(controls: dict, aliases: dict, message: str) -> str:
         return label + (match.group(2) or "")
 
     return re.sub(r"(--[a-z][a-z-]*)( ([\w./-]+))?", word, message)
+
+
+def changed(previous: dict | None, values: dict) -> list[str]:
+    """The controls whose value differs between two settings (none without a previous)."""
+    if previous is None:
+        return []
+    return [name for name in values if previous.get(name) != values[name]]
+
+
+def distance(controls: dict, a: dict, b: dict) -> tuple[int, int]:
+    """How far setting b is from a: the controls that differ, then how many options (or
+    slider steps) apart they are in all; a setting's name that is no control counts 1.
+    The order in which an explorer measures its lattice in the background."""
+    steps = 0
+    moved = changed(a, b)
+    for name in moved:
+        control = controls.get(name)
+        options = list(control._options_values) if hasattr(control, "_options_values") else ()
+        if a[name] in options and b[name] in options:
+            steps += abs(options.index(a[name]) - options.index(b[name]))
+        elif isinstance(a[name], int) and isinstance(b[name], int):
+            steps += abs(a[name] - b[name])
+        else:
+            steps += 1
+    return len(moved), steps
 
 
 def the_change(controls: dict, before: dict | None, values: dict) -> str:

@@ -3,6 +3,7 @@
     fig = plot_memory(report)                        # one bar per rank
     fig = plot_memory(report, baselines={"1 GPU": report.reference})
     fig.savefig("memory.png")
+    picture = memory_picture(report)                 # what it draws, as data (JSON)
 
 One stacked bar per rank with the peak bytes of each ledger category (params, grads,
 optimizer, activations, buffers; measured from the arrays the rank held), and a black
@@ -19,7 +20,9 @@ NVMe tier holds would vanish on the GPU's MiB). Under, not beside: side by side,
 panels at the width a notebook shows had no room for their rank labels, and a wider
 figure is shrunk to fit (its 7 pt text then shows at ~7 display px).
 
-Built on `matplotlib.figure.Figure`, never pyplot.
+`memory_picture` gives what the figure shows as data, `draw_memory` draws it: an
+explorer sends the same data to the browser (minipar/viz/pictures.py), so the two never
+disagree. Built on `matplotlib.figure.Figure`, never pyplot.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from minipar.train.report import MEMORY_CATEGORIES
-from minipar.viz.ticks import TICK_COPYING, label_every
+from minipar.viz.ticks import label_every
 
 COLORS = {
     "params": "#3b75af",
@@ -62,56 +65,95 @@ def _rows(report) -> list[tuple[str, dict]]:
     return rows
 
 
+def memory_picture(report, *, baselines: dict | None = None,
+                   title: str | None = None) -> dict:
+    """What the memory bars show, as data (JSON): the bars of the GPU panel and, with
+    offload, of the host / NVMe panel, each bar's bytes per category and its peak_total,
+    the unit of each panel's axis, the labels and the legend. `plot_memory` draws it with
+    matplotlib, an explorer in the browser (minipar/viz/pictures.js): the same numbers.
+
+    report: a Report (or anything with .ranks and .world_size); baselines: {label:
+    Report} drawn first, hatched (their rank 0 only, e.g. {"1 GPU": the single device})."""
+    bars = [(label, b.ranks[0]["memory"], True) for label, b in (baselines or {}).items()]
+    bars += [(label, memory, False) for label, memory in _rows(report)]
+    if not bars:
+        raise ValueError("plot_memory: the report has no ranks")
+    tiers, tiers_per_rank = _tier_bars(report)
+    title = title or ("memory per rank: peak of each category (stacked); black tick = "
+                      "peak of the total")
+    gpu = _panel(bars, title, f"peak bytes {'on the GPU' if tiers else 'held'}",
+                 "rank, dp/pp/tp" if report.world_size > 1 else None)
+    gpu["ticks"] = _ticks(bars)
+    legend = [{"label": c, "color": COLORS[c]} for c in MEMORY_CATEGORIES]
+    legend.append({"label": "peak_total", "color": "black"})
+    panels = [gpu]
+    if tiers:
+        behind = _panel(tiers, "behind each GPU: host memory, NVMe (hatched)",
+                        "peak bytes behind it", None)
+        if tiers_per_rank == 1 or len(tiers) < COMPACT_LABELS_FROM:  # "host / rank 3"
+            behind["ticks"] = _ticks(tiers)
+        else:  # host and NVMe of each rank: the rank under the pair (the legend: hatched)
+            pairs = range(0, len(tiers), tiers_per_rank)
+            every = label_every(len(pairs), LABELLED_RANKS)
+            behind["ticks"] = [[i + (tiers_per_rank - 1) / 2, tiers[i][0].splitlines()[1]]
+                               for i in pairs[::every]]
+        panels.append(behind)
+        legend.append({"label": "NVMe", "color": "white", "hatch": "xx"})
+    return {"kind": "bars", "figure": "memory", "layout": "column", "panels": panels,
+            "legend": legend}
+
+
+def _panel(bars, title: str, ylabel: str, xlabel: str | None) -> dict:
+    """One panel of stacked bars: each category's bytes per bar, the peak ticks, the
+    hatched bars (baselines, NVMe) and the axis unit: its largest unit the tallest bar
+    fills twice."""
+    unit, scale = _unit(bars)
+    return {"title": title, "ylabel": f"{ylabel} ({unit})", "xlabel": xlabel,
+            "unit": unit, "scale": scale, "ymax": 1.05 * _top(bars),
+            "series": [{"name": c, "color": COLORS[c],
+                        "values": [memory[c] for _, memory, _ in bars]}
+                       for c in MEMORY_CATEGORIES],
+            "markers": [memory["peak_total"] for _, memory, _ in bars],
+            "hatched": [bool(hatched) for _, _, hatched in bars]}
+
+
+def _ticks(bars) -> list:
+    """[x, label] of every bar; past LABELLED_RANKS bars only every k-th is labelled."""
+    every = label_every(len(bars), LABELLED_RANKS)
+    return [[i, label if i % every == 0 else ""] for i, (label, _, _) in enumerate(bars)]
+
+
 def plot_memory(report, *, baselines: dict | None = None, title: str | None = None,
                 width: float | None = None) -> Figure:
     """Stacked per-rank peak bytes by category, with each rank's peak_total marked.
 
     report: a Report (or anything with .ranks and .world_size); baselines: {label:
     Report} drawn first (their rank 0 only, e.g. {"1 GPU": single_device_report}).
-    Returns a matplotlib.figure.Figure."""
-    bars = [(label, b.ranks[0]["memory"], True) for label, b in (baselines or {}).items()]
-    bars += [(label, memory, False) for label, memory in _rows(report)]
-    if not bars:
-        raise ValueError("plot_memory: the report has no ranks")
-    tiers, tiers_per_rank = _tier_bars(report)
-    unit, scale = _unit(bars)
+    Returns a matplotlib.figure.Figure: `memory_picture` drawn by `draw_memory`."""
+    return draw_memory(memory_picture(report, baselines=baselines, title=title), width)
 
-    width = width or max(6.0, 1.6 + 0.75 * max(len(bars), len(tiers)))
-    fig = Figure(figsize=(width, TIERS_HEIGHT if tiers else 4.2), layout="constrained")
-    if tiers:  # each tier its own y scale: NVMe's few KiB next to a GPU's MiB would vanish
-        ax, behind = fig.subplots(2, 1, subplot_kw=TICK_COPYING)
-    else:
-        ax = fig.subplots(subplot_kw=TICK_COPYING)
-    _stacked(ax, bars, scale)
-    every = label_every(len(bars), LABELLED_RANKS)
-    ax.set_xticks(range(len(bars)), [label if i % every == 0 else ""
-                                     for i, (label, _, _) in enumerate(bars)], fontsize=8)
-    if report.world_size > 1:
-        ax.set_xlabel("rank, dp/pp/tp", fontsize=8)
-    ax.set_ylabel(f"peak bytes {'on the GPU' if tiers else 'held'} ({unit})")
-    title = title or ("memory per rank: peak of each category (stacked); black tick = "
-                      "peak of the total")
-    ax.set_title(title, fontsize=10, y=1.0)
-    handles = [Patch(facecolor=COLORS[c], label=c) for c in MEMORY_CATEGORIES]
-    handles.append(Patch(facecolor="black", label="peak_total"))
-    if tiers:
-        tier_unit, tier_scale = _unit(tiers)
-        _stacked(behind, tiers, tier_scale, hatch="xx")
-        if tiers_per_rank == 1 or len(tiers) < COMPACT_LABELS_FROM:  # "host / rank 3"
-            every = label_every(len(tiers), LABELLED_RANKS)
-            behind.set_xticks(range(len(tiers)), [label if i % every == 0 else ""
-                                                  for i, (label, _, _) in enumerate(tiers)],
-                              fontsize=8)
-        else:  # host and NVMe of each rank: the rank under the pair (the legend: hatched)
-            pairs = range(0, len(tiers), tiers_per_rank)
-            every = label_every(len(pairs), LABELLED_RANKS)
-            behind.set_xticks([i + (tiers_per_rank - 1) / 2 for i in pairs[::every]],
-                              [tiers[i][0].splitlines()[1] for i in pairs[::every]],
-                              fontsize=8)
-        behind.set_ylabel(f"peak bytes behind it ({tier_unit})")
-        behind.set_title("behind each GPU: host memory, NVMe (hatched)", fontsize=10,
-                         y=1.0)
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="NVMe"))
+
+def draw_memory(picture: dict, width: float | None = None) -> Figure:
+    """The matplotlib figure of a `memory_picture`: one panel of stacked bars, or two
+    (the GPU over the host / NVMe tiers) with each its own y scale."""
+    panels = picture["panels"]
+    count = max(len(p["markers"]) for p in panels)
+    width = width or max(6.0, 1.6 + 0.75 * count)
+    fig = Figure(figsize=(width, TIERS_HEIGHT if len(panels) > 1 else 4.2),
+                 layout="constrained")
+    axes = fig.subplots(len(panels), 1) if len(panels) > 1 else [fig.subplots()]
+    for ax, panel, hatch in zip(axes, panels, ("//", "xx"), strict=False):
+        _stacked(ax, panel, hatch)
+        ax.set_xticks([x for x, _ in panel["ticks"]], [label for _, label in panel["ticks"]],
+                      fontsize=8)
+        if panel["xlabel"]:
+            ax.set_xlabel(panel["xlabel"], fontsize=8)
+        ax.set_ylabel(panel["ylabel"])
+        ax.set_title(panel["title"], fontsize=10, y=1.0)
+    handles = [Patch(facecolor=entry["color"], label=entry["label"],
+                     **({"edgecolor": "black", "hatch": entry["hatch"]}
+                        if "hatch" in entry else {}))
+               for entry in picture["legend"]]
     # Level with the bottom of the bars, not the top: a long title runs past the axes'
     # right edge, and would run under a legend there.
     fig.legend(handles=handles, fontsize=8, loc="outside right lower", frameon=False)
@@ -145,22 +187,23 @@ def _tier_bars(report) -> tuple[list[tuple[str, dict, bool]], int]:
             for name, n, memory, hatched in tiers], per_rank
 
 
-def _stacked(ax, bars, scale: float, hatch: str = "//") -> None:
-    """One stacked bar per (label, memory, hatched), categories bottom-up (hatched ones
-    with `hatch`), and a black tick at peak_total."""
-    for x, (_, memory, hatched) in enumerate(bars):
-        heights = [memory[category] / scale for category in MEMORY_CATEGORIES]
+def _stacked(ax, panel: dict, hatch: str) -> None:
+    """One stacked bar per bar of the panel, categories bottom-up (hatched ones with
+    `hatch`), and a black tick at its peak_total."""
+    scale = panel["scale"]
+    for x, peak in enumerate(panel["markers"]):
+        heights = [series["values"][x] / scale for series in panel["series"]]
         bottoms = [0.0]
         for height in heights[:-1]:
             bottoms.append(bottoms[-1] + height)
         # One call per bar: the same rectangles in the same order as one call per
         # category, with a fifth of the calls (each has a fixed cost).
         ax.bar([x] * len(heights), heights, bottom=bottoms,
-               color=[COLORS[category] for category in MEMORY_CATEGORIES], width=0.7,
-               hatch=hatch if hatched else None, edgecolor="white", linewidth=0.5)
-        ax.plot([x - 0.38, x + 0.38], [memory["peak_total"] / scale] * 2, color="black",
-                linewidth=2)
+               color=[series["color"] for series in panel["series"]], width=0.7,
+               hatch=hatch if panel["hatched"][x] else None, edgecolor="white",
+               linewidth=0.5)
+        ax.plot([x - 0.38, x + 0.38], [peak / scale] * 2, color="black", linewidth=2)
     # Headroom over the tallest bar or tick, as autoscaling gives (5%) unless the top of a
     # stack is an empty category: its rectangle's bottom is a sticky edge there, and the
     # tick sat on the frame (a host tier, whose buffers are empty).
-    ax.set_ylim(0, 1.05 * _top(bars) / scale)
+    ax.set_ylim(0, panel["ymax"] / scale)

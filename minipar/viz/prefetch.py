@@ -1,59 +1,34 @@
-"""The explorers' background worker: while the reader looks at a picture, measure and draw
-the settings one control change away, so that the next change finds its picture ready.
+"""The explorers' background worker: the measurements a reader asks for, and in spare
+time the rest of an explorer's lattice of settings.
 
     worker = shared_worker()
-    png = worker.run_now(lambda: draw(settings))          # urgent: waits for the result
-    png = worker.run_now(job, key, on_wait=say_measuring)  # ... saying so past WAIT_NOTICE_S
+    result = worker.run_now(lambda: measure(settings))      # urgent: waits for the result
+    result = worker.run_now(job, key, on_wait=say_measuring)  # ... saying so past WAIT_NOTICE_S
     future = worker.submit(job, key)                      # urgent, without waiting
     worker.prefetch(owner, [(key, job), ...])             # spare time: replaces owner's list
 
-Why: a new setting of an explorer is a measured run plus its figures. For the traffic
-explorer that is an 8-16-rank training step (the rank threads run one Python op at a
-time under the GIL: ~10 ms per rank and micro-batch of the explorer model) and two
-figures (~150 ms of text rasterised by Agg), 0.3-1 s of CPU per setting on 2 busy cores;
-no re-use of figures brings a 16-rank step under 0.2 s. What is deterministic can be done
-before it is asked for: each setting's picture depends only on its settings, and a reader
-changes one control at a time, after looking at the picture for a few seconds. A browser
-prefetches the links a page is likely to follow for the same reason.
+Why: an explorer answers a setting of its lattice from results measured beforehand
+(minipar/viz/lattice.py). A setting outside it is a measured run, 0.05-2 s of CPU: on
+this thread, so that the kernel reads the reader's next change meanwhile
+(minipar/viz/background.py). An explorer built on a model whose lattice is not shipped
+measures its lattice here in spare time, nearest settings first, so that most changes
+soon find their result ready.
 
-One worker thread per process does *all* the explorers' work, urgent jobs first, so two
+One worker thread per process does *all* the explorers' runs, urgent jobs first, so two
 measured runs never overlap: `minipar.distributed.launch` limits BLAS to one thread for
 its duration, process-wide, and two launches at once would restore each other's limit
 too early. An urgent job that finds a spare one in progress cancels its run (a
 `minipar.distributed.Cancellation`: the ranks stop at their next call into minipar,
-within a millisecond or so) unless that spare job is preparing the very picture asked
-for; it waits only for a spare picture being drawn (matplotlib cannot be interrupted;
-~0.1 s). Spare jobs run only after the process has been idle for `IDLE_SECONDS` and, in
-a Jupyter kernel, never while a cell is executing (IPython's pre/post_run_cell events; a
-cell that starts while a spare job runs cancels its run the same way and waits for the
-rest, and waits for an urgent job in progress, an explorer's answer computed in the
-background (minipar/viz/background.py), saying so, so the cell's own runs never overlap
-the worker's): "Run All" is not slowed by explorers higher up.
-
-The worker also keeps Python's full garbage collections out of the answers. A figure is
-a web of reference cycles (~4.6k objects) and a measured run leaves ~12k more; what
-outlives two young collections only a full one frees, and Python starts that by itself
-once enough has piled up, in whatever code runs then, walking every tracked object of
-the kernel (~145k after the notebooks' explorers: ~0.1-0.18 s). One answer in four to
-seven paid for one. So from the moment an answer has to be computed (`run_now`, outside
-a cell), Python's *full* collections are paused (`gc.set_threshold` with an unreachable
-third threshold; the young ones go on, so garbage that dies young is freed as before),
-and once the process has been quiet for IDLE_SECONDS the worker runs the full collection
-itself, before any spare job, and restores the thresholds. Restoring them as soon as the
-answer is done would not do: the garbage is still there, and the first allocations after
-it (the explorer showing its picture) would start the collection at once. A change that
-comes while that collection runs waits for it (it holds the GIL; at most its length).
-Bounds: a pause never outlasts MAX_PAUSE_SECONDS (answers coming faster than the quiet
-time, a dragged slider: the next one runs with Python's own thresholds, as without the
-worker), a cell's code always runs with them (a cell that starts restores them; inside
-one nothing is paused), and a kernel that turned the collector off keeps it off. Spare
-jobs leave the collections to Python: nobody waits on them. Explorers without a worker
-(prefetch off, outside a kernel) change nothing.
+within a millisecond or so) unless that spare job measures the very setting asked for.
+Spare jobs run only after the process has been idle for `IDLE_SECONDS` and, in a Jupyter
+kernel, never while a cell is executing (IPython's pre/post_run_cell events; a cell that
+starts while a spare job runs cancels its run the same way, and waits for an urgent job
+in progress, an explorer's answer computed in the background, saying so, so the cell's
+own runs never overlap the worker's): "Run All" is not slowed by the explorers above.
 """
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections import deque
@@ -65,10 +40,10 @@ from minipar import distributed as dist
 
 IDLE_SECONDS = 0.3  # quiet time (no urgent job, no cell running) before spare work starts
 CELL_WAIT = 30.0  # seconds a starting cell waits at most for the spare job in progress
-MAX_PAUSE_SECONDS = 2.0  # the longest Python's full collections stay paused (module doc)
 # How long an urgent job runs before its caller is told to say it is working (`run_now`'s
-# on_wait): the explorers' "measuring ..." line. Most answers ready or cheap come back
-# sooner, and then nothing flickers; a reader notices a control that does nothing for
+# on_wait): the explorers' "measuring ..." line, for a cell's own change (a change from
+# the browser says it at once: minipar/viz/explorer.py). A cheap run comes back sooner,
+# and then nothing flickers; a reader notices a control that does nothing for
 # ~0.1 s (Nielsen's limit for a response that feels instantaneous).
 WAIT_NOTICE_S = 0.1
 
@@ -85,12 +60,10 @@ class Worker:
         self.working = False  # a job is running on the thread
         self._spare_running = False  # ... and it is a spare one
         self._urgent_running = False  # ... or an urgent one
-        self._spare_key: Hashable = None  # ... preparing this key
+        self._spare_key: Hashable = None  # ... measuring this key
         self._spare_cancellation = dist.Cancellation()  # ... whose runs this stops
         self.spare_done = 0  # spare jobs finished (for tests and benchmarks)
         self.spare_cancelled = 0  # ... of which cancelled for an urgent job or a cell
-        self._garbage = False  # an urgent job ran since the last collection (module doc)
-        self.collections = 0  # full garbage collections run when idle (for tests)
         self._thread = threading.Thread(target=self._loop, name="minipar-explorer-worker",
                                         daemon=True)
         self._thread.start()
@@ -100,7 +73,7 @@ class Worker:
     def run_now(self, job: Callable, key: Hashable = None,
                 on_wait: Callable[[], None] | None = None):
         """job() on the worker thread, ahead of every spare job; its result (or error).
-        A spare job in progress has its run cancelled, unless it prepares `key` (what
+        A spare job in progress has its run cancelled, unless it measures `key` (what
         this job asks for: then waiting for it is the quickest answer). `on_wait()` is
         called on the caller's thread if the result takes longer than WAIT_NOTICE_S (to
         show that something is happening: on the kernel's thread a widget's change
@@ -127,10 +100,6 @@ class Worker:
         future: Future = Future()
         with self._changed:
             self._urgent.append((job, future))
-            if self._cells_running or FULL_COLLECTIONS.paused_for() > MAX_PAUSE_SECONDS:
-                FULL_COLLECTIONS.resume()  # (the module docstring's bounds)
-            else:
-                FULL_COLLECTIONS.pause()
             self._hold_spare()
             if self._spare_running and (key is None or key != self._spare_key):
                 self._spare_cancellation.cancel()
@@ -147,7 +116,7 @@ class Worker:
         """Replace `owner`'s spare jobs by `jobs` (most wanted first): what the owner
         showed last decides what is worth preparing; older wishes are dropped. The owner
         that asked last is served first: the explorer the reader is using, not one
-        higher up the notebook that still has neighbours to prepare."""
+        higher up the notebook that still has settings to measure."""
         with self._changed:
             self._spare.pop(id(owner), None)
             self._spare[id(owner)] = deque(jobs)  # (last in the dict: `_next` reads it first)
@@ -165,13 +134,10 @@ class Worker:
             return sum(len(jobs) for jobs in self._spare.values())
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Block until no job is waiting or running, the idle garbage collection
-        included unless a cell runs (a benchmark's "reader looks at the picture until
-        everything nearby is ready"); False on timeout."""
+        """Block until no job is waiting or running; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while (self._urgent or self.working or any(self._spare.values())
-                   or (self._garbage and not self._cells_running)):
+            while self._urgent or self.working or any(self._spare.values()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -188,7 +154,6 @@ class Worker:
         said = False
         with self._changed:
             self._cells_running += 1
-            FULL_COLLECTIONS.resume()  # the cell's code runs with Python's own
             if self._spare_running:
                 self._spare_cancellation.cancel()
             while ((self._spare_running or self._urgent or self._urgent_running)
@@ -217,16 +182,13 @@ class Worker:
                 return self._urgent.popleft()
             now = time.monotonic()
             idle = not self._cells_running and now >= self._busy_until
-            if self._garbage and idle:  # first what the last answers left (module doc)
-                self._garbage = False
-                return _COLLECT, None
             spare = next((jobs for jobs in reversed(self._spare.values()) if jobs), None)
             if spare is not None and idle:
                 self._spare_key, job = spare.popleft()
                 return job, None
             # Nothing to wait for but the quiet time: sleep until it ends (a cell's end,
             # an urgent job or a wish notifies).
-            wait = (None if self._cells_running or (spare is None and not self._garbage)
+            wait = (None if self._cells_running or spare is None
                     else max(self._busy_until - now, 0.01))
             self._changed.wait(wait)
 
@@ -234,14 +196,10 @@ class Worker:
         while True:
             with self._changed:
                 job, future = self._next()
-                collecting = job is _COLLECT
-                self.working, self._spare_running = True, future is None and not collecting
+                self.working, self._spare_running = True, future is None
                 self._urgent_running = future is not None
                 if self._spare_running:
                     cancellation = self._spare_cancellation = dist.Cancellation()
-            if collecting:
-                self._collect()
-                continue
             try:
                 if future is None:
                     try:
@@ -266,58 +224,7 @@ class Worker:
                         self.spare_done += 1
                     else:
                         self._hold_spare()
-                        self._garbage = True  # collected once idle (module doc)
                     self._changed.notify_all()
-
-    _collect_garbage = staticmethod(gc.collect)  # (a test puts a recorder here)
-
-    def _collect(self) -> None:
-        """One full garbage collection, with `working` set (wait_idle waits for it); then
-        Python's own collections resume, unless an urgent job came meanwhile."""
-        try:
-            self._collect_garbage()
-        finally:
-            with self._changed:
-                self.working = False
-                self.collections += 1
-                if not self._urgent:
-                    FULL_COLLECTIONS.resume()
-                self._changed.notify_all()
-
-
-_COLLECT = object()  # what `_next` returns for the idle garbage collection
-
-
-class FullCollectionPause:
-    """Python's automatic full garbage collections paused: the third threshold raised
-    out of reach, the young collections left as they are (the module docstring). The
-    thresholds are the process's, so there is one pause, whichever worker asks."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thresholds: tuple | None = None  # while paused: gc.get_threshold() before
-        self._since = 0.0
-
-    def pause(self) -> None:
-        with self._lock:
-            if self._thresholds is None:
-                self._thresholds, self._since = gc.get_threshold(), time.monotonic()
-                young, middle = self._thresholds[:2]
-                gc.set_threshold(young, middle, 2**31 - 1)
-
-    def resume(self) -> None:
-        """Python's thresholds as they were before the pause."""
-        with self._lock:
-            if self._thresholds is not None:
-                gc.set_threshold(*self._thresholds)
-                self._thresholds = None
-
-    def paused_for(self) -> float:
-        with self._lock:
-            return 0.0 if self._thresholds is None else time.monotonic() - self._since
-
-
-FULL_COLLECTIONS = FullCollectionPause()
 
 
 def _watch_cells(worker: Worker) -> None:

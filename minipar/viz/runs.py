@@ -8,15 +8,19 @@
 `minipar.parallel.pipeline.executor.Pipeline` on p virtual ranks of a deliberately slow device
 with free links (PIPELINE_DEVICE), so the timelines look like a big model's: compute
 dominates and the bubble is the grey between the bars.
+
+What an explorer keeps of a run is its summary, JSON: `train_summary(report)` the report
+fields the memory and traffic pictures read (each rank's memory tiers, transfers and
+bytes sent, the traffic matrices), `summary_report` a Report of them again (the pictures
+drawn from it are the full report's: tests/viz/test_lattice.py); `pipeline_summary` the
+timelines, bubble and activations of a pipeline step.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -29,7 +33,7 @@ from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.train.config import TrainConfig
 from minipar.train.data import make_stream
 from minipar.train.mixes import check_layout
-from minipar.train.report import Report
+from minipar.train.report import MEMORY_CATEGORIES, Report
 
 
 class RunCache:
@@ -42,7 +46,6 @@ class RunCache:
         self._runs: dict = {}
         self.hits = 0
         self.misses = 0
-        self._recording = threading.local()  # this thread's `recording()` list, if any
 
     def get(self, key, compute: Callable):
         if key in self._runs:
@@ -51,29 +54,7 @@ class RunCache:
         self.misses += 1
         value = compute()
         self._runs[key] = value
-        made = getattr(self._recording, "keys", None)
-        if made is not None:
-            made.append(key)
         return value
-
-    @contextmanager
-    def recording(self):
-        """`with cache.recording() as made:` -> the keys this thread added meanwhile
-        (a prefetched picture's run, figures and picture, to `discard` together)."""
-        outer = getattr(self._recording, "keys", None)
-        made: list = []
-        self._recording.keys = made
-        try:
-            yield made
-        finally:
-            self._recording.keys = outer
-            if outer is not None:
-                outer.extend(made)
-
-    def discard(self, keys) -> None:
-        """Forget these keys (a later get computes them again)."""
-        for key in keys:
-            self._runs.pop(key, None)
 
     def __contains__(self, key) -> bool:
         return key in self._runs
@@ -149,37 +130,94 @@ def pipeline_step(schedule: str, pp: int, micro_batches: int, virtual_stages: in
     }
 
 
+def pipeline_summary(step: dict) -> dict:
+    """What the pipeline explorer reads of a `pipeline_step`, as JSON: per rank its
+    timeline as [kind, start, end, label] events, the measured bubble and the formula's,
+    the peak forwards in flight and activation bytes per rank."""
+    return {"timelines": [[[e.kind, e.start, e.end, e.label] for e in timeline]
+                          for timeline in step["timelines"]],
+            "bubble": step["bubble"], "formula": step["formula"],
+            "in_flight": [int(n) for n in step["in_flight"]],
+            "activations": [int(n) for n in step["activations"]]}
+
+
 # ------------------------------------------------------------------ training runs
-# Layouts the training explorers prepare unasked (minipar/viz/prefetch.py): up to 32
-# ranks, dearest last. A change that comes meanwhile cancels the run (the ranks stop at
-# their next call into minipar) but waits for figures being drawn, which grow with the
-# ranks: measured while the worker prepared a neighbour (benchmarks/README.md), a change
-# waited at most ~150 ms behind a 16-rank one, 190 ms behind 32 ranks, 290 ms behind 64
-# and 0.5-0.9 s behind 128 (its run's end and its figures cannot be interrupted).
-PREFETCH_MAX_RANKS = 32
+# What the memory and traffic pictures read of a rank's report (minipar/viz/memory.py,
+# traffic.py), kept compact: each memory tier as its bytes per category then its
+# peak_total, a tier or the transfers only when not all zero, the bytes sent by group
+# and by collective only where not zero; not "node", which depends on the GPUs per node
+# the traffic explorer shows any of.
+MEMORY_FIELDS = (*MEMORY_CATEGORIES, "peak_total")
+TIERS = ("memory", "memory_host", "memory_nvme")
+TRANSFER_FIELDS = ("to_host_bytes", "to_device_bytes", "nvme_read_bytes", "nvme_write_bytes")
 
 
-def train_key(config: TrainConfig) -> tuple:
-    """A training run's key in a RunCache: its whole config."""
-    return ("train", tuple(sorted(config.to_dict().items())))
+def train_summary(report: Report) -> dict:
+    """The report fields the memory and traffic explorers draw, compact JSON: per rank its
+    memory tiers, the bytes it moved between them and the bytes it sent; the traffic
+    matrices as [i, j, bytes] of their cells that sent any."""
+    ranks = []
+    for r in report.ranks:
+        rank = {"coords": r["coords"]}
+        for tier in TIERS:
+            if tier in r and (tier == "memory" or any(r[tier].values())):
+                rank[tier] = [r[tier][field] for field in MEMORY_FIELDS]
+        moved = [r.get("transfers", {}).get(field, 0) for field in TRANSFER_FIELDS]
+        if any(moved):
+            rank["transfers"] = moved
+        comm = r["comm"]
+        rank["comm"] = [comm["sent_bytes"], comm["calls"],
+                        {k: v for k, v in comm["by_group"].items() if v},
+                        {k: v for k, v in comm["by_op"].items() if v}]
+        ranks.append(rank)
+    traffic = report.traffic or {}
+    return {"world_size": report.world_size, "n_params": report.n_params,
+            "steps": len(report.steps), "ranks": ranks,
+            "traffic": {"matrix": _cells(traffic.get("matrix")),
+                        "by_group": {k: _cells(m) for k, m in
+                                     traffic.get("by_group", {}).items()}}}
 
 
-def traffic_key(config: TrainConfig) -> tuple:
-    """A traffic run's key: its config but the GPUs per node (TrafficExplorer.run)."""
-    return ("train, any gpus_per_node",
-            tuple(sorted((k, v) for k, v in config.to_dict().items()
-                         if k != "gpus_per_node")))
+def summary_report(summary: dict, config: TrainConfig | dict) -> Report:
+    """A Report of a `train_summary`'s fields (the rest empty), for the pictures; config:
+    the run's, or its `to_dict()` (an explorer keeps its model's and sets the settings)."""
+    world = summary["world_size"]
+    traffic = summary["traffic"]
+    ranks = []
+    for index, r in enumerate(summary["ranks"]):
+        rank = {"rank": index, "coords": r["coords"]}
+        for tier in TIERS:
+            rank[tier] = dict(zip(MEMORY_FIELDS, r.get(tier, [0] * len(MEMORY_FIELDS)),
+                                  strict=True))
+        rank["transfers"] = dict(zip(TRANSFER_FIELDS, r.get("transfers", [0] * 4),
+                                     strict=True))
+        sent, calls, by_group, by_op = r["comm"]
+        rank["comm"] = {"sent_bytes": sent, "calls": calls, "by_group": by_group,
+                        "by_op": by_op}
+        ranks.append(rank)
+    config = config if isinstance(config, dict) else config.to_dict()
+    return Report(config=config, world_size=world, n_params=summary["n_params"],
+                  steps=[{} for _ in range(summary["steps"])], ranks=ranks,
+                  traffic={"matrix": _dense(traffic["matrix"], world),
+                           "by_group": {k: _dense(cells, world)
+                                        for k, cells in traffic["by_group"].items()}})
 
 
-def training_cost(values: dict) -> float | None:
-    """What a measured step of a layout costs on the host, relatively: every rank runs
-    every one of its micro-batches through all the ops of its layers (a TP rank too, on
-    slices), one Python op at a time under the GIL, so ranks x micro-batches
-    (benchmarks/README.md, bench_emulation); None past PREFETCH_MAX_RANKS."""
-    world = values["dp"] * values["tp"] * values["pp"]
-    if world > PREFETCH_MAX_RANKS:
-        return None
-    return world * max(1, values.get("grad_accum_steps") or 1)
+def _cells(matrix) -> list[list[int]]:
+    """[i, j, value] of the non-zero cells of a square matrix (lists or None)."""
+    if matrix is None:
+        return []
+    matrix = np.asarray(matrix, dtype=np.int64)
+    return [[int(i), int(j), int(matrix[i, j])] for i, j in zip(*np.nonzero(matrix),
+                                                                strict=True)]
+
+
+def _dense(cells: list, world: int) -> np.ndarray:
+    matrix = np.zeros((world, world), np.int64)
+    for i, j, value in cells:
+        matrix[i, j] = value
+    return matrix
+
 
 
 @functools.lru_cache(maxsize=8)

@@ -38,7 +38,6 @@ from minipar.train.build import build_rank_model
 from minipar.train.config import TrainConfig, gpt_config
 from minipar.train.data import make_stream
 from minipar.train.mixes import check_layout
-from minipar.viz.ticks import TickCopyingAxes
 
 KINDS = ("params", "grads", "optimizer")
 # The memory categories' colours (the memory explorer uses the same ones).
@@ -137,6 +136,36 @@ def holdings(dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, *,
     return Holdings(dp, tp, pp, zero, shapes, coords, masks, nbytes)
 
 
+def holdings_summary(held: Holdings) -> dict:
+    """What every rank holds, as JSON: per rank and kind of state the rectangles
+    (`rectangles`) of each tensor it holds some of, its coordinates and bytes."""
+    return {"dp": held.dp, "tp": held.tp, "pp": held.pp, "zero": held.zero,
+            "coords": held.coords, "nbytes": held.nbytes,
+            "rects": [{kind: {name: rectangles(mask) for name, mask in masks.items()}
+                       for kind, masks in rank.items()} for rank in held.masks]}
+
+
+def holdings_from_summary(summary: dict, config: TrainConfig = DEFAULT_CONFIG) -> Holdings:
+    """The Holdings a `holdings_summary` describes (`config`: the model it was built for)."""
+    if config.vocab_size is None:
+        config = config.replace(vocab_size=make_stream(config.data).vocab_size)
+    shapes = parameter_shapes(gpt_config(config))
+    masks = []
+    for rank in summary["rects"]:
+        rank_masks = {}
+        for kind, tensors in rank.items():
+            rank_masks[kind] = {}
+            for name, rects in tensors.items():
+                mask = np.zeros(shapes[name], bool)
+                rows = mask.reshape(1, -1) if mask.ndim == 1 else mask
+                for r0, r1, c0, c1 in rects:
+                    rows[r0:r1, c0:c1] = True
+                rank_masks[kind][name] = mask
+        masks.append(rank_masks)
+    return Holdings(summary["dp"], summary["tp"], summary["pp"], summary["zero"], shapes,
+                    summary["coords"], masks, summary["nbytes"])
+
+
 # ------------------------------------------------------------------ the picture
 def _units(shapes: dict) -> list[tuple[str, int, int]]:
     """(label, first flat element, end) of embed / each block / head in the model strip."""
@@ -153,11 +182,90 @@ def _units(shapes: dict) -> list[tuple[str, int, int]]:
     return [(label, lo, hi) for label, (lo, hi) in spans.items()]
 
 
-def _grid(held: Holdings) -> tuple[int, int]:
+def _grid(summary: dict) -> tuple[int, int]:
     """Rows x columns of the per-rank panels: one row per DP replica (up to 4 columns)."""
-    n = held.world_size
-    cols = min(4, n) if held.dp == 1 else min(4, held.tp * held.pp)
+    n = summary["dp"] * summary["tp"] * summary["pp"]
+    cols = min(4, n) if summary["dp"] == 1 else min(4, summary["tp"] * summary["pp"])
     return -(-n // cols), cols
+
+
+def shares(summary: dict, shapes: dict, kind: str) -> list[float]:
+    """Each rank's share of the whole model's `kind` of state, from a `holdings_summary`
+    (the rectangles of one rank never overlap)."""
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    return [sum((r1 - r0) * (c1 - c0) for rects in rank[kind].values()
+                for r0, r1, c0, c1 in rects) / total for rank in summary["rects"]]
+
+
+def _flat(rank: dict, shapes: dict, offsets: dict, total: int) -> np.ndarray:
+    """A rank's mask over the whole model (tensors end to end), from its rectangles."""
+    flat = np.zeros(total, bool)
+    for name, rects in rank.items():
+        shape = shapes[name]
+        rows = flat[offsets[name]:offsets[name] + int(np.prod(shape))].reshape(
+            (1, -1) if len(shape) == 1 else shape)
+        for r0, r1, c0, c1 in rects:
+            rows[r0:r1, c0:c1] = True
+    return flat
+
+
+def sharding_picture(summary: dict, shapes: dict, kind: str = "params",
+                     tensor: str = "h.0.attn.c_attn.weight", *, bins: int = 400) -> dict:
+    """What the sharding picture shows, as data (JSON), from what every rank holds (a
+    `holdings_summary`, of a model whose tensors have `shapes`). Top, a strip: every
+    rank's share of the whole model (tensors end to end, cut into `bins` slices between
+    `edges`), as the elements it holds of each slice ("held"). Below, one panel per rank: the
+    rectangles [row0, row1, col0, col1) of `tensor` (full shape; vectors as one row) it
+    holds, and the share held. `plot_sharding` draws it with matplotlib, an explorer in
+    the browser (minipar/viz/pictures.js)."""
+    if kind not in KINDS:
+        raise ValueError(f"plot_sharding: kind {kind!r} is not one of {KINDS}")
+    if tensor not in shapes:
+        raise ValueError(f"plot_sharding: no tensor {tensor!r}; the model has "
+                         f"{', '.join(shapes)}")
+    sizes = {name: int(np.prod(shape)) for name, shape in shapes.items()}
+    offsets = dict(zip(sizes, np.cumsum([0, *sizes.values()])[:-1].tolist(), strict=True))
+    total = sum(sizes.values())
+    edges = np.linspace(0, total, bins + 1).astype(int)
+    shape = shapes[tensor]
+    ranks = []
+    for r, rank in enumerate(summary["rects"]):
+        held = np.add.reduceat(_flat(rank[kind], shapes, offsets, total), edges[:-1])
+        rects = rank[kind].get(tensor, [])
+        label = _rank_label(r, summary["coords"][r])
+        share = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in rects) / sizes[tensor]
+        ranks.append({"label": label, "held": held.tolist(), "rects": rects,
+                      "title": f"{label}: {share:.0%}"})
+    return {"kind": "sharding", "figure": "sharding", "color": KIND_COLORS[kind],
+            "bins": bins, "total": total, "edges": edges.tolist(),
+            "units": [list(unit) for unit in _units(shapes)],
+            "title": f"{kind} held by each rank: the {total:,} parameters end to end, in "
+                     f"{bins} slices - dp={summary['dp']} tp={summary['tp']} "
+                     f"pp={summary['pp']} ZeRO-{summary['zero']}",
+            "tensor_title": f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
+            "shape": [1, shape[0]] if len(shape) == 1 else list(shape),
+            "grid": list(_grid(summary)), "ranks": ranks}
+
+
+def rectangles(mask: np.ndarray) -> list[list[int]]:
+    """The True elements of a 1- or 2-d mask as rectangles [row0, row1, col0, col1) (a
+    vector is one row): each row's runs, rows with the same runs in a row merged. A TP
+    shard is one rectangle (three for the fused q, k, v), a ZeRO range of it at most
+    three more."""
+    mask = mask.reshape(1, -1) if mask.ndim == 1 else mask
+    rows, cols = mask.shape
+    padded = np.zeros((rows, cols + 2), np.int8)
+    padded[:, 1:-1] = mask
+    changes = np.diff(padded, axis=1)
+    # a new block of rows wherever a row's runs differ from the row above
+    first = np.flatnonzero(np.r_[True, (mask[1:] != mask[:-1]).any(axis=1)])
+    out = []
+    for r0, r1 in zip(first, np.r_[first[1:], rows], strict=True):
+        starts, = np.nonzero(changes[r0] == 1)
+        ends, = np.nonzero(changes[r0] == -1)
+        out += [[int(r0), int(r1), int(c0), int(c1)] for c0, c1 in zip(starts, ends,
+                                                                        strict=True)]
+    return out
 
 
 def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.c_attn.weight",
@@ -165,62 +273,58 @@ def plot_sharding(held: Holdings, kind: str = "params", tensor: str = "h.0.attn.
     """Top: every rank's share of the whole model (tensors end to end, cut into `bins`
     slices; darker = more of that slice held). Bottom: one panel per rank showing which
     elements of `tensor` (full shape; vectors drawn as one row) it holds, with the share
-    held above it.
+    held above it: `sharding_picture` drawn by `draw_sharding`."""
+    return draw_sharding(sharding_picture(holdings_summary(held), held.shapes, kind, tensor,
+                                          bins=bins), width)
+
+
+def draw_sharding(picture: dict, width: float = 10.0) -> Figure:
+    """The matplotlib figure of a `sharding_picture`.
 
     Two axes: `fig.axes[0]` the strip (one image row per rank), `fig.axes[1]` the panels,
     one image per rank in rank order (`fig.axes[1].images[r]`) titled by a text
     "r3 (dp1 pp0 tp1): 50%". Beside the strip, a bar says what its shades mean: the share
     of each slice held (pale: a part, as TP's column shards hold a part of every row;
-    dark: all of it). One axes for all panels and margins of fixed inches instead
-    of a constrained layout: the explorer redraws this on every change, and every extra
-    Axes (ticks, spines) or layout pass costs several milliseconds to build and draw."""
-    if kind not in KINDS:
-        raise ValueError(f"plot_sharding: kind {kind!r} is not one of {KINDS}")
-    if tensor not in held.shapes:
-        raise ValueError(f"plot_sharding: no tensor {tensor!r}; the model has "
-                         f"{', '.join(held.shapes)}")
-    n = held.world_size
-    rows, cols = _grid(held)
-    cmap = LinearSegmentedColormap.from_list(kind, ["#f2f2f2", KIND_COLORS[kind]])
+    dark: all of it). One axes for all panels and margins of fixed inches: one Axes
+    (ticks, spines) per rank would crowd a 16-rank figure."""
+    ranks = picture["ranks"]
+    n = len(ranks)
+    rows, cols = picture["grid"]
+    cmap = LinearSegmentedColormap.from_list("held", ["#f2f2f2", picture["color"]])
     fig = Figure(figsize=(width, 1.2 + 0.28 * n + 1.5 * rows))
     ax, panels, bar_at, title_at = _fixed_axes(fig, n, rows, cols)
 
-    total = sum(int(np.prod(s)) for s in held.shapes.values())
-    edges = np.linspace(0, total, bins + 1).astype(int)
-    strip = np.stack([np.add.reduceat(held.flat_mask(r, kind).astype(float), edges[:-1])
-                      / np.diff(edges) for r in range(n)])
+    total, units = picture["total"], picture["units"]
+    strip = np.array([rank["held"] for rank in ranks], float) / np.diff(picture["edges"])
     shown = ax.imshow(strip, aspect="auto", cmap=cmap, vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, total, n - 0.5, -0.5))
     _shade_bar(fig, bar_at, shown.cmap, n)
-    for _, lo, _ in _units(held.shapes)[1:]:
+    for _, lo, _ in units[1:]:
         ax.axvline(lo, color="black", linewidth=0.6)
-    ax.set_xticks([(lo + hi) / 2 for _, lo, hi in _units(held.shapes)],
-                  [label for label, _, _ in _units(held.shapes)], fontsize=8)
-    ax.set_yticks(range(n), [_rank_label(r, held.coords[r]) for r in range(n)], fontsize=7)
-    ax.set_title(f"{kind} held by each rank: the {total:,} parameters end to end, in {bins} "
-                 f"slices - dp={held.dp} tp={held.tp} pp={held.pp} ZeRO-{held.zero}",
-                 fontsize=9, y=1.0)  # where it goes anyway: saying so spares measuring ticks
+    ax.set_xticks([(lo + hi) / 2 for _, lo, hi in units], [label for label, _, _ in units],
+                  fontsize=8)
+    ax.set_yticks(range(n), [rank["label"] for rank in ranks], fontsize=7)
+    ax.set_title(picture["title"], fontsize=9, y=1.0)
 
     # Panel of rank r: column r % cols, row r // cols, in data units of the panels'
     # axes (x: one unit per column, y: one per row, downwards), a gap for the title.
-    shape = held.shapes[tensor]
-    # The limits first: fixed, so each image's extent and frame need not move them
-    # (imshow would set them again per image, add_patch work out each frame's limits).
+    shape = picture["shape"]
+    # The limits first: fixed, so each image's extent and frame need not move them.
     panels.set_xlim(0, cols)
     panels.set_ylim(rows + 0.02, 0)  # room for the last row's frame
-    for r in range(n):
+    for r, rank in enumerate(ranks):
         row, col = divmod(r, cols)
-        mask = held.masks[r][kind].get(tensor, np.zeros(shape, bool))
-        image = mask.reshape(1, -1) if mask.ndim == 1 else mask
+        image = np.zeros(shape)
+        for r0, r1, c0, c1 in rank["rects"]:
+            image[r0:r1, c0:c1] = 1.0
         x0, x1, y0, y1 = col + 0.02, col + 0.98, row + 0.2, row + 1.0
-        panels.imshow(image.astype(float), aspect="auto", cmap=cmap, vmin=0, vmax=1,
+        panels.imshow(image, aspect="auto", cmap=cmap, vmin=0, vmax=1,
                       interpolation="nearest", extent=(x0, x1, y1, y0))
         panels.add_artist(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False,
                                     edgecolor="black", linewidth=0.8))
-        panels.text((x0 + x1) / 2, y0 - 0.03, f"{_rank_label(r, held.coords[r])}: "
-                    f"{mask.mean():.0%}", ha="center", va="bottom", fontsize=8)
-    fig.text(0.5, title_at, f"{tensor} {tuple(shape)}: the elements each rank holds ({kind})",
-             ha="center", va="center", fontsize=9)
+        panels.text((x0 + x1) / 2, y0 - 0.03, rank["title"], ha="center", va="bottom",
+                    fontsize=8)
+    fig.text(0.5, title_at, picture["tensor_title"], ha="center", va="center", fontsize=9)
     return fig
 
 
@@ -235,8 +339,7 @@ def _fixed_axes(fig: Figure, n: int, rows: int, cols: int):
     strip_top = 1 - 0.3 / height         # below the strip's title
     strip_bottom = strip_top - strip_height / height
     strip = fig.add_axes((left / width, strip_bottom, 1 - (left + right) / width,
-                          strip_height / height),
-                         axes_class=TickCopyingAxes)  # the same ticks, made faster
+                          strip_height / height))
     # Below the strip: its tick labels, the tensor's title, then the panels.
     title_at = strip_top - (strip_height + 0.42) / height
     panels_top = strip_top - (strip_height + 0.5) / height

@@ -1,36 +1,31 @@
-"""The explorers' answers kept on disk, so that a setting answered once on this machine is
-answered again in milliseconds by any later kernel.
+"""The explorers' measurements kept on disk, so that a setting measured once on this
+machine is answered again in milliseconds by any later kernel.
 
-    store = answer_store()             # None when MINIPAR_CACHE_DIR=off
-    store.save(key, pngs, message)     # after an explorer drew a setting
-    store.load(key)                    # -> (pngs, message), or None: draw it
+    store = result_store()             # None when MINIPAR_CACHE_DIR=off
+    store.save(key, result)            # after an explorer measured a setting
+    store.load(key)                    # -> the result (JSON), or None: measure it
     store.stored(keys)                 # the keys it has
 
-Why: a new setting of an explorer is a measured run plus its figures, 0.1-1 s of CPU
-(benchmarks/README.md, bench_widgets); the background worker (prefetch.py) prepares the
-neighbours while the reader looks, but a kernel that restarts (Restart & Run All, the
-next day's session) forgets all of it. What an explorer shows depends only on its
-settings and on the code that measures and draws them: every run is deterministic
-(same seed and config, same numbers, whatever the thread timing), so the picture of a
-setting is a pure function of (settings, minipar's code, the libraries that draw).
+Why: the explorers ship the measurements of their default lattice of settings
+(minipar/viz/lattice.py); a setting outside it, or an explorer built on another model,
+is a measured run, 0.05-2 s of CPU. What an explorer shows depends only on its settings
+and on the code that measures them: every run is deterministic (same seed and config,
+same numbers, whatever the thread timing), so the result of a setting is a pure function
+of (settings, minipar's code, the libraries that compute).
 
 That function is what the directory's name fingerprints (`fingerprint`): the bytes of
-every file of the minipar package (its code and the bundled corpus), the versions of
-Python, NumPy, ml_dtypes and matplotlib, the font matplotlib draws with; and each entry
-records matplotlib's rcParams (a notebook that restyles matplotlib gets fresh pictures,
-kept beside the others). Change any of them and the old answers are never read again
-(the oldest directories are deleted, `KEEP_VERSIONS`). Only minipar's own explorers are
-stored: a subclass drawn by other code is not covered by the fingerprint
-(`Explorer.stores_answers`).
+every file of the minipar package (its code, the bundled corpus and lattices), the
+versions of Python, NumPy and ml_dtypes. Change any of them and the old results are
+never read again (the oldest directories are deleted, `KEEP_VERSIONS`).
 
-An entry is one JSON file per setting (the key's repr, the status line, the PNGs in
-base64), written to a temporary name and renamed, so a reader never sees half a file
-and two kernels can share the directory. Loading never unpickles: a file that does not
-parse, names another key or holds something that is not a PNG is a miss (and is
-overwritten by the next save). A save that fails is tried again with the directory
-made again (the cache may be deleted at any time); a directory that still cannot be
-written pauses saving for a minute (`AnswerStore.error` says why); answering never
-fails because of it. Entries are readable by their owner only (tempfile's 0600).
+An entry is one JSON file per setting (the key's repr and the result: the report fields
+the pictures read, never a picture), written to a temporary name and renamed, so a
+reader never sees half a file and two kernels can share the directory. Loading never
+unpickles: a file that does not parse or names another key is a miss (and is
+overwritten by the next save). A save that fails is tried again with the directory made
+again (the cache may be deleted at any time); a directory that still cannot be written
+pauses saving for a minute (`ResultStore.error` says why); answering never fails
+because of it. Entries are readable by their owner only (tempfile's 0600).
 
 Where: $MINIPAR_CACHE_DIR (`off` turns it off), else $XDG_CACHE_HOME/minipar, else
 ~/.cache/minipar; under it `explorers/<fingerprint>/`. Deleting it is always safe.
@@ -38,7 +33,6 @@ Where: $MINIPAR_CACHE_DIR (`off` turns it off), else $XDG_CACHE_HOME/minipar, el
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import json
@@ -50,17 +44,15 @@ import sys
 import tempfile
 import time
 
-import matplotlib as mpl
 import ml_dtypes
 import numpy as np
 
 CACHE_ENV = "MINIPAR_CACHE_DIR"
 OFF = ("off", "0", "none", "false", "")
-FORMAT = 1  # of an entry file; a new format is a new fingerprint
+FORMAT = 2  # of an entry file; a new format is a new fingerprint
 KEEP_VERSIONS = 3  # fingerprint directories kept (several installs may share the cache)
-MAX_ENTRIES = 2000  # per fingerprint (~40-250 KB each); past it the oldest go
+MAX_ENTRIES = 20000  # per fingerprint (1-30 KB each); past it the oldest go
 RETRY_SECONDS = 60.0  # after a save failed twice, the next try
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def cache_root() -> pathlib.Path | None:
@@ -84,29 +76,19 @@ def package_digest(package: pathlib.Path) -> hashlib._Hash:
 
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> str:
-    """A digest of what every stored picture depends on besides its settings (see the
+    """A digest of what every stored result depends on besides its settings (see the
     module docstring). ~10-20 ms, once per process, when this module is imported: just
     after the rest of minipar, so the files digested are the code that runs. (A kernel
     that edits minipar's files and reloads them, as %autoreload does, should set
     MINIPAR_CACHE_DIR=off.)"""
-    from matplotlib.font_manager import FontProperties, findfont
-
     digest = package_digest(pathlib.Path(__file__).resolve().parent.parent)  # minipar/
-    digest.update(repr((FORMAT, sys.version, np.__version__, ml_dtypes.__version__,
-                        mpl.__version__, findfont(FontProperties()))).encode())
+    digest.update(repr((FORMAT, sys.version, np.__version__,
+                        ml_dtypes.__version__)).encode())
     return digest.hexdigest()[:20]
 
 
-def style_digest() -> str:
-    """matplotlib's current rcParams, digested: the style every picture is drawn in.
-    (Read as stored, without "backend": reading that one makes matplotlib resolve the
-    interactive backend, ~0.2 s, and the explorers always draw with Agg.)"""
-    params = sorted((k, v) for k, v in dict.items(mpl.rcParams) if k != "backend")
-    return hashlib.sha256(repr(params).encode()).hexdigest()[:20]
-
-
-class AnswerStore:
-    """Entries under `directory` (a fingerprint's): `load`, `save`, `has`."""
+class ResultStore:
+    """Entries under `directory` (a fingerprint's): `load`, `save`, `stored`."""
 
     def __init__(self, directory: pathlib.Path) -> None:
         self.directory = directory
@@ -115,45 +97,36 @@ class AnswerStore:
         self._ready = False  # the directory is made (and old versions pruned)
         self._paused_until = 0.0  # monotonic time before which saves are skipped
 
-    def _path(self, key, style: str) -> pathlib.Path:
-        name = hashlib.sha256(repr((key, style)).encode()).hexdigest()[:32]
+    def _path(self, key) -> pathlib.Path:
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
         return self.directory / f"{name}.json"
 
     def stored(self, keys) -> set:
-        """Those of `keys` with an entry in the current style (not read: a file to find)."""
-        style = style_digest()
-        return {key for key in keys if self._path(key, style).is_file()}
+        """Those of `keys` with an entry (not read: a file to find)."""
+        return {key for key in keys if self._path(key).is_file()}
 
-    def load(self, key) -> tuple[list[bytes], str] | None:
-        """(PNGs, status line) stored for `key` in the current style, or None."""
-        style = style_digest()
+    def load(self, key) -> dict | None:
+        """The result stored for `key`, or None."""
         try:
-            entry = json.loads(self._path(key, style).read_text(encoding="utf-8"))
-            if entry["key"] != repr(key) or entry["style"] != style:
-                raise ValueError("another key or style")
-            pngs = [base64.b64decode(text, validate=True) for text in entry["pngs"]]
-            message = entry["message"]
-            if not isinstance(message, str) or not all(p.startswith(PNG_SIGNATURE)
-                                                       for p in pngs):
-                raise ValueError("not a status line and PNGs")
+            entry = json.loads(self._path(key).read_text(encoding="utf-8"))
+            if entry["key"] != repr(key) or not isinstance(entry["result"], dict):
+                raise ValueError("another key, or not a result")
         except (OSError, ValueError, KeyError, TypeError):  # a miss, whatever the cause
             self.misses += 1
             return None
         self.hits += 1
-        return pngs, message
+        return entry["result"]
 
-    def save(self, key, pngs: list[bytes], message: str) -> None:
-        """Keep an answer; never raises. A write that fails is tried once more with the
+    def save(self, key, result: dict) -> None:
+        """Keep a result; never raises. A write that fails is tried once more with the
         directory made again (deleting the cache is allowed at any time); if that fails
         too, saving pauses for RETRY_SECONDS (`error` says why), then is tried again."""
         if time.monotonic() < self._paused_until:
             return
-        style = style_digest()
-        entry = {"format": FORMAT, "key": repr(key), "style": style, "message": message,
-                 "pngs": [base64.b64encode(png).decode("ascii") for png in pngs]}
+        entry = {"format": FORMAT, "key": repr(key), "result": result}
         for last_try in (False, True):
             try:
-                self._write(entry, self._path(key, style))
+                self._write(entry, self._path(key))
                 break
             except OSError as error:
                 self._ready = False  # make the directory again
@@ -207,12 +180,12 @@ class AnswerStore:
             path.unlink(missing_ok=True)
 
 
-_stores: dict[pathlib.Path, AnswerStore] = {}
+_stores: dict[pathlib.Path, ResultStore] = {}
 if cache_root() is not None:
     fingerprint()
 
 
-def answer_store() -> AnswerStore | None:
+def result_store() -> ResultStore | None:
     """The process's store for the cache directory the environment names now (one per
     directory, so its error and counts persist), or None when it is off."""
     root = cache_root()
@@ -220,5 +193,5 @@ def answer_store() -> AnswerStore | None:
         return None
     directory = root / "explorers" / fingerprint()
     if directory not in _stores:
-        _stores[directory] = AnswerStore(directory)
+        _stores[directory] = ResultStore(directory)
     return _stores[directory]

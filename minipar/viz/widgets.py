@@ -5,7 +5,8 @@
     cache = RunCache()                      # share measured runs between explorers
     MemoryExplorer(cache=cache)             # the last expression of a cell displays it
 
-Four explorers, each an `ipywidgets.VBox` of controls, a status line and a picture:
+Four explorers, each an `ipywidgets.VBox` of controls, a status line and pictures drawn
+in the browser (minipar/viz/pictures.py):
 
     ShardingExplorer  dp / tp / pp / ZeRO -> which slice of every weight, gradient and
                       Adam moment each rank holds (minipar.viz.sharding)
@@ -17,25 +18,19 @@ Four explorers, each an `ipywidgets.VBox` of controls, a status line and a pictu
                       bytes by group (dp / tp / pp) or by collective
 
 Every picture comes from a run, never from a formula (formulas appear only as the
-reference they are compared with). Runs (minipar.viz.runs) are cached by their settings
-in a `RunCache`, so going back to a setting is instant and a new one costs one small
-run (benchmarks/README.md, `python benchmarks/bench_widgets.py`); in a Jupyter kernel
-the settings one control change away are measured and drawn in the background while
-the reader looks (`prefetch`, minipar/viz/prefetch.py), so most changes find them ready.
+reference they are compared with). Each explorer's lattice of settings (`lattice`: every
+layout up to LATTICE_MAX_RANKS ranks with the rest of its controls, minipar/viz/
+lattice.py) was measured once and ships with the package, so a change to one of them
+costs a lookup and a few KB of data for the browser; any other setting is measured when
+asked for, the status line saying so at once (minipar/viz/explorer.py).
 
-Pictures are drawn on `matplotlib.figure.Figure` (never pyplot, so nothing is shown
-twice), with axes that copy their first tick (minipar/viz/ticks.py), and shown as PNG
-in an `ipywidgets.Image`, drawn once by Agg with margins fixed in inches (`fixed_margins`,
-minipar/viz/explorer.py; `figure_png`, minipar/viz/agg.py, which keeps the labels'
-measurements and glyphs between pictures). Tests drive the explorers headless: set a
-control's `.value` and the callback runs synchronously; `explorer.figures` holds what
-was drawn, `explorer.status.value` what was said, `explorer.error` any refusal.
+This module is long because it holds the four explorers, a screenful each: their
+controls, their lattice and what their status line says.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from matplotlib.figure import Figure
+import itertools
 
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline.schedules.registry import (
@@ -44,38 +39,75 @@ from minipar.parallel.pipeline.schedules.registry import (
     schedule_names,
 )
 from minipar.train.config import TrainConfig, gpt_config
-from minipar.train.report import Report
-from minipar.viz.agg import FIGURE_WIDTH, figure_png, fixed_margins
 from minipar.viz.controls import make_control
 from minipar.viz.explorer import REFUSALS, Explorer
-from minipar.viz.memory import plot_memory
+from minipar.viz.lattice import TRAIN_SETTINGS, PipelineSteps, ShardingLayouts, TrainRuns
+from minipar.viz.margins import FIGURE_WIDTH
+from minipar.viz.memory import memory_picture
 from minipar.viz.runs import (
     RunCache,
     check_training_layout,
-    pipeline_step,
-    traffic_key,
-    train_key,
-    train_report,
-    training_cost,
+    summary_report,
     vocab_size,
 )
-from minipar.viz.sharding import DEFAULT_CONFIG, KINDS, holdings, plot_sharding
-from minipar.viz.tables import byte_unit, human_bytes, span
-from minipar.viz.ticks import TICK_COPYING
-from minipar.viz.timeline import plot_timeline
-from minipar.viz.traffic import cross_node_bytes, plot_sent_bytes, plot_traffic, traffic_of
+from minipar.viz.sharding import (
+    DEFAULT_CONFIG,
+    KINDS,
+    holdings_from_summary,
+    sharding_picture,
+    shares,
+)
+from minipar.viz.stages import stages_picture
+from minipar.viz.tables import human_bytes, span
+from minipar.viz.timeline import timeline_picture
+from minipar.viz.traffic import cross_node_bytes, sent_picture, traffic_of, traffic_picture
 
 __all__ = ["REFUSALS", "Explorer", "MemoryExplorer", "PipelineExplorer", "RunCache",
-           "ShardingExplorer", "TrafficExplorer", "cross_node_bytes", "figure_png",
-           "fixed_margins", "plot_sent_bytes", "traffic_of"]
+           "ShardingExplorer", "TrafficExplorer", "cross_node_bytes", "traffic_of"]
 
 # What the explorers train: the default model with 4 layers (so pp can be 4), one step.
 EXPLORER_CONFIG = TrainConfig(n_layer=4, steps=1)
+# The lattice's layouts: up to 32 ranks. A 64- or 128-rank step costs 1-3 s of CPU each,
+# and a reader seldom asks for one: measured when asked.
+LATTICE_MAX_RANKS = 32
 
 
 class NothingToShow(ValueError):
     """A setting that runs, but whose picture would be empty: said, not drawn."""
     said_as = "nothing to show"
+
+
+def train_settings(config: TrainConfig, values: dict) -> dict:
+    """A training step's settings (TRAIN_SETTINGS): `values`, the rest `config`'s."""
+    return {name: values.get(name, getattr(config, name)) for name in TRAIN_SETTINGS}
+
+
+def _options(explorer: Explorer, name: str) -> list:
+    return list(explorer.controls[name]._options_values)
+
+
+def _layouts(explorer: Explorer, most: int, names=("dp", "tp", "pp", "zero")):
+    """Every combination of the controls `names` with at most `most` ranks."""
+    for values in itertools.product(*(_options(explorer, name) for name in names)):
+        layout = dict(zip(names, values, strict=True))
+        if layout["dp"] * layout["tp"] * layout["pp"] <= most:
+            yield layout
+
+
+def _runs(explorer: Explorer, settings) -> list[dict]:
+    """Those of `settings` the rules let run, each once, in order."""
+    kept, seen = [], set()
+    for values in settings:
+        key = tuple(sorted(values.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            check_training_layout(explorer.config.replace(**values))
+        except REFUSALS:
+            continue
+        kept.append(values)
+    return kept
 
 
 # ------------------------------------------------------------------ sharding
@@ -85,7 +117,10 @@ class ShardingExplorer(Explorer):
     def __init__(self, config: TrainConfig = DEFAULT_CONFIG, cache: RunCache | None = None,
                  prefetch: bool | None = None, **initial):
         self.config = config
-        names = list(_tensor_names(config))
+        self.measurements = ShardingLayouts(config, cache)
+        self.shapes = parameter_shapes(gpt_config(config, config.vocab_size
+                                                  or vocab_size(config.data)))
+        names = list(self.shapes)
         controls = {
             "dp": make_control("dropdown", "dp", [1, 2, 4], 2, "110px"),
             "tp": make_control("dropdown", "tp", [1, 2, 4], 2, "110px"),
@@ -99,13 +134,28 @@ class ShardingExplorer(Explorer):
         }
         super().__init__(controls, cache, prefetch, initial)
 
+    def measured(self, values: dict) -> dict:
+        return {name: values[name] for name in ("dp", "tp", "pp", "zero")}
+
     def holdings(self, dp, tp, pp, zero):
-        return self.cache.get(("sharding", repr(self.config), dp, tp, pp, zero),
-                              lambda: holdings(dp, tp, pp, zero, config=self.config))
+        """The Holdings of a layout (its masks made again from the measured rectangles)."""
+        return holdings_from_summary(self.measurements.get(dict(dp=dp, tp=tp, pp=pp,
+                                                                zero=zero)), self.config)
+
+    def lattice(self) -> list[dict]:
+        kept = []
+        for layout in _layouts(self, 16):
+            try:
+                self.check(layout)
+                check_training_layout(self.config.replace(**layout))
+            except REFUSALS:
+                continue
+            kept.append(layout)
+        return kept
 
     def pending_status(self, values: dict) -> str:
         world = values["dp"] * values["tp"] * values["pp"]
-        return f"building the {values['kind']} of {world} ranks and drawing them ..."
+        return f"building the {values['kind']} of {world} ranks ..."
 
     def check(self, values: dict) -> None:
         ranks = values["dp"] * values["tp"] * values["pp"]
@@ -113,16 +163,18 @@ class ShardingExplorer(Explorer):
             raise ValueError(f"dp x tp x pp = {ranks} ranks; this explorer draws one panel "
                              "per rank, so keep it at 16 or fewer")
 
-    def draw(self, dp, tp, pp, zero, kind, tensor):
-        self.check(dict(dp=dp, tp=tp, pp=pp))
-        held = self.holdings(dp, tp, pp, zero)
-        fig = plot_sharding(held, kind, tensor, width=FIGURE_WIDTH)
-        shares = [held.fraction(r, kind) for r in range(held.world_size)]
-        who = "1 rank holds" if held.world_size == 1 else f"{held.world_size} ranks; each holds"
-        message = (f"{who} {span(shares, '{:.1%}'.format)} of the model's {kind} "
-                   f"({span([b[kind] for b in held.nbytes])}); one device would hold 100%.")
-        empty = [r for r in range(held.world_size)
-                 if not held.masks[r][kind].get(tensor, np.zeros(1, bool)).any()]
+    def answer(self, values: dict, result: dict):
+        dp, pp, zero, kind, tensor = (values[k] for k in ("dp", "pp", "zero", "kind",
+                                                          "tensor"))
+        picture = sharding_picture(result, self.shapes, kind, tensor)
+        world = len(result["rects"])
+        who = "1 rank holds" if world == 1 else f"{world} ranks; each holds"
+        # what is shown, last: a change that moves no share still changes the line
+        message = (f"{who} {span(shares(result, self.shapes, kind), '{:.1%}'.format)} of "
+                   f"the model's {kind} ({span([b[kind] for b in result['nbytes']])}); one "
+                   f"device would hold 100% (dp={dp} tp={values['tp']} pp={pp} ZeRO-{zero}, "
+                   f"{tensor} below).")
+        empty = [r for r, rank in enumerate(result["rects"]) if not rank[kind].get(tensor)]
         if empty:
             why = []
             if pp > 1:
@@ -133,22 +185,15 @@ class ShardingExplorer(Explorer):
                            f"one flat buffer, into {dp} contiguous ranges, one per DP rank, "
                            "so a tensor sits wholly on the rank whose range covers it "
                            "unless a cut falls inside it")
-            message += (f"<br>{len(empty)} of {held.world_size} panels are empty: "
+            message += (f"<br>{len(empty)} of {world} panels are empty: "
                         + "; ".join(why or ["those ranks hold none of it"])
                         + " (the strip above shows where the cuts are).")
-        return [fig], message
-
-
-def _tensor_names(config: TrainConfig):
-    return parameter_shapes(gpt_config(config, config.vocab_size
-                                       or vocab_size(config.data))).keys()
+        return [picture], message
 
 
 # ------------------------------------------------------------------ memory
-def step_status(measured: bool, values: dict) -> str:
-    """The training explorers' status while a setting is answered (Explorer.pending_status)."""
-    if measured:
-        return "drawing the pictures of this step ..."
+def step_status(values: dict) -> str:
+    """The training explorers' status while a step is measured (Explorer.pending_status)."""
     world = values["dp"] * values["tp"] * values["pp"]
     micro = values.get("grad_accum_steps") or 1
     return (f"measuring one training step on {world} virtual rank{'s' * (world > 1)}"
@@ -158,9 +203,18 @@ def step_status(measured: bool, values: dict) -> str:
 class MemoryExplorer(Explorer):
     """A layout and precision -> the measured peak bytes per rank, by category."""
 
+    # The step's settings besides the layout, as the controls start: the lattice holds
+    # every layout with each of these changed alone (and every micro-batch count).
+    STEP_DEFAULTS = {"micro_batch_size": 4, "grad_accum_steps": 1,
+                     "recompute_granularity": None, "offload_optimizer": "none",
+                     "offload_param": "none"}
+
     def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
                  prefetch: bool | None = None, **initial):
         self.config = config
+        self.model = config.to_dict()  # (the settings of each step replace their own)
+        self.measurements = TrainRuns(config, cache)
+        step = self.STEP_DEFAULTS
         controls = {
             "dp": make_control("dropdown", "dp", [1, 2, 4, 8], 4, "110px"),
             "tp": make_control("dropdown", "tp", [1, 2, 4], 1, "110px"),
@@ -169,38 +223,59 @@ class MemoryExplorer(Explorer):
             "precision": make_control("dropdown", "precision", ["fp32", "bf16-mixed", "fp64"],
                                   "bf16-mixed", "190px"),
             "micro_batch_size": make_control("dropdown", "micro-batch size", [1, 2, 4, 8, 16],
-                                         4, "190px"),
+                                         step["micro_batch_size"], "190px"),
             # a pipeline's memory depends on how many micro-batches it holds (notebook 05)
-            "grad_accum_steps": make_control("dropdown", "micro-batches", [1, 2, 4, 8], 1,
-                                         "160px"),
+            "grad_accum_steps": make_control("dropdown", "micro-batches", [1, 2, 4, 8],
+                                         step["grad_accum_steps"], "160px"),
             "recompute_granularity": make_control(
                 "dropdown", "recompute", [("none", None), ("selective", "selective"),
-                                          ("full", "full")], None, "160px"),
+                                          ("full", "full")],
+                step["recompute_granularity"], "160px"),
             # ZeRO-Offload / ZeRO-Infinity: a second panel, below, shows host and NVMe tiers
             "offload_optimizer": make_control("dropdown", "offload optimizer",
-                                          ["none", "cpu", "nvme"], "none", "210px"),
+                                          ["none", "cpu", "nvme"], step["offload_optimizer"],
+                                          "210px"),
             "offload_param": make_control("dropdown", "offload params", ["none", "cpu", "nvme"],
-                                      "none", "200px"),
+                                      step["offload_param"], "200px"),
         }
         super().__init__(controls, cache, prefetch, initial)
 
-    def run(self, **settings) -> Report:
-        config = self.config.replace(**settings)
-        return self.cache.get(train_key(config), lambda: train_report(config))
+    def measured(self, values: dict) -> dict:
+        return train_settings(self.config, values)
 
-    def prefetch_cost(self, values: dict) -> float | None:
-        if train_key(self.config.replace(**values)) in self.cache:
-            return 0.0  # measured already: only the picture is left to draw
-        return training_cost(values)
+    def run(self, **settings):
+        """The Report (the fields the pictures read) of a setting's training step."""
+        measured = self.measured(settings)
+        return summary_report(self.measurements.get(measured),
+                              {**self.model, **measured})
+
+    def lattice(self) -> list[dict]:
+        """Every layout (and precision) up to LATTICE_MAX_RANKS ranks with each number of
+        micro-batches; and with one micro-batch, each with one other step setting changed
+        (micro-batch size, recomputation, offload)."""
+        settings = []
+        for layout in _layouts(self, LATTICE_MAX_RANKS, ("dp", "tp", "pp", "zero",
+                                                          "precision")):
+            base = {**layout, **self.STEP_DEFAULTS}
+            settings += [{**base, "grad_accum_steps": n}
+                         for n in _options(self, "grad_accum_steps")]
+            settings += [{**base, "micro_batch_size": n}
+                         for n in _options(self, "micro_batch_size")]
+            settings += [{**base, "recompute_granularity": g}
+                         for g in _options(self, "recompute_granularity") if g is not None]
+            settings += [{**base, "offload_optimizer": o, "offload_param": p}
+                         for o in _options(self, "offload_optimizer")
+                         for p in _options(self, "offload_param")]
+        return _runs(self, settings)
 
     def check(self, values: dict) -> None:
         check_training_layout(self.config.replace(**values))
 
     def pending_status(self, values: dict) -> str:
-        return step_status(train_key(self.config.replace(**values)) in self.cache, values)
+        return step_status(values)
 
-    def draw(self, **settings):
-        report = self.run(**settings)
+    def answer(self, values: dict, result: dict):
+        report = summary_report(result, {**self.model, **self.measured(values)})
         c = report.config
         recompute = c["recompute_granularity"]
         extras = ([f"recompute {recompute}"] * (recompute is not None)
@@ -213,14 +288,13 @@ class MemoryExplorer(Explorer):
                  f"ZeRO-{c['zero']} {c['precision']}"
                  + (f", {c['grad_accum_steps']} micro-batches" * (c["grad_accum_steps"] > 1))
                  + ("\n+ " + ", ".join(extras) if extras else ""))
-        fig = plot_memory(report, width=FIGURE_WIDTH, title=title)
-        fixed_margins(fig, left=0.8, right=1.3, bottom=0.75, top=0.55 if extras else 0.35,
-                      row_gap=1.0)
-        for legend in fig.legends:  # level with the bars' bottom, clear of a long title
-            legend.set_bbox_to_anchor((1.0, 0.75 / fig.get_size_inches()[1]),
-                                      transform=fig.transFigure)
+        picture = memory_picture(report, title=title)
         peaks = [r["memory"]["peak_total"] for r in report.ranks]
-        message = (f"{report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
+        # The setting first, as the title says it (and the micro-batch size): a change that
+        # moves no bar still changes the line.
+        setting = (title.removeprefix("peak bytes per rank, measured: ").replace("\n+", ",")
+                   + f", micro-batch size {c['micro_batch_size']}")
+        message = (f"{setting}: {report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
                    f"{report.n_params:,} parameters; "
                    f"peak per rank {span(peaks)} "
                    f"(bars: each category's own peak; black tick: the peak of their sum)")
@@ -232,7 +306,7 @@ class MemoryExplorer(Explorer):
                         f"{human_bytes(nvme)} on NVMe; rank 0 copied "
                         f"{human_bytes(moved['to_host_bytes'])} down and "
                         f"{human_bytes(moved['to_device_bytes'])} up over PCIe")
-        return [fig], message
+        return [picture], message
 
 
 # ------------------------------------------------------------------ pipeline
@@ -242,6 +316,7 @@ class PipelineExplorer(Explorer):
 
     def __init__(self, cache: RunCache | None = None, prefetch: bool | None = None,
                  **initial):
+        self.measurements = PipelineSteps(cache)
         controls = {
             "schedule": make_control("dropdown", "schedule", list(schedule_names()), "1f1b",
                                  "190px"),
@@ -252,13 +327,24 @@ class PipelineExplorer(Explorer):
         super().__init__(controls, cache, prefetch, initial)
 
     def run(self, schedule, pp, micro_batches, virtual_stages):
-        key = ("pipeline", schedule, pp, micro_batches, virtual_stages)
-        return self.cache.get(key, lambda: pipeline_step(schedule, pp, micro_batches,
-                                                         virtual_stages))
+        """The measured pipeline step (`pipeline_summary`) of a setting."""
+        return self.measurements.get(dict(schedule=schedule, pp=pp,
+                                          micro_batches=micro_batches,
+                                          virtual_stages=virtual_stages))
 
-    def prefetch_cost(self, values: dict) -> float:
-        """Every stage runs every micro-batch through each of its chunks."""
-        return values["pp"] * values["micro_batches"] * values["virtual_stages"]
+    def lattice(self) -> list[dict]:
+        slider = self.controls["micro_batches"]
+        settings = []
+        for schedule, pp, m, v in itertools.product(
+                _options(self, "schedule"), _options(self, "pp"),
+                range(slider.min, slider.max + 1), _options(self, "virtual_stages")):
+            values = dict(schedule=schedule, pp=pp, micro_batches=m, virtual_stages=v)
+            try:
+                self.check(values)
+            except REFUSALS:
+                continue
+            settings.append(values)
+        return settings
 
     def check(self, values: dict) -> None:
         check_schedule_settings(values["schedule"], values["pp"], values["micro_batches"],
@@ -268,33 +354,19 @@ class PipelineExplorer(Explorer):
         return (f"measuring one {values['schedule']} step on {values['pp']} stages, "
                 f"{values['micro_batches']} micro-batches ...")
 
-    def draw(self, schedule, pp, micro_batches, virtual_stages):
-        check_schedule_settings(schedule, pp, micro_batches, virtual_stages)
-        result = self.run(schedule, pp, micro_batches, virtual_stages)
+    def answer(self, values: dict, result: dict):
+        schedule, pp, micro_batches, virtual_stages = (
+            values[k] for k in ("schedule", "pp", "micro_batches", "virtual_stages"))
         setting = (f"{schedule}, p={pp}, m={micro_batches}"
                    + (f", v={virtual_stages}" if virtual_stages > 1 else ""))
-        timeline = plot_timeline(
-            result["timelines"], width=FIGURE_WIDTH,
-            show_labels=micro_batches * virtual_stages <= 8,
+        timeline = timeline_picture(
+            result["timelines"], show_labels=micro_batches * virtual_stages <= 8,
             title=(f"{setting}: bubble {result['bubble']:.1%} measured, "
                    f"{result['formula']:.1%} by the formula"))
-        fixed_margins(timeline, left=0.75, right=0.2, bottom=0.8, top=0.35)
-        fig = Figure(figsize=(FIGURE_WIDTH, 2.4))
-        left, right = fig.subplots(1, 2, subplot_kw=TICK_COPYING)
-        fixed_margins(fig, left=0.45, right=0.2, bottom=0.35, top=0.5)
-        ranks = range(pp)  # 8 "stage 7" labels run into each other in half the width
-        # with v chunks a rank holds v stages (interleaved: r, r+p, ...; V: r and 2p-1-r)
-        word, short = ("stage", "S") if virtual_stages == 1 else ("rank", "r")
-        names = [f"{word} {r}" if pp <= 4 else f"{short}{r}" for r in ranks]
-        left.bar(ranks, result["in_flight"], color="#8e6bb8")
-        left.set_title(("micro-batch x chunk forwards" if virtual_stages > 1 else "forwards")
-                       + " awaiting their backward\n(peak, from the schedule)", fontsize=8, y=1.0)
-        left.set_xticks(list(ranks), names, fontsize=7)
-        unit, scale = byte_unit(max(result["activations"]))
-        right.bar(ranks, np.array(result["activations"]) / scale, color="#8e6bb8")
-        right.set_title(f"peak activations held\n({unit}, measured)", fontsize=8, y=1.0)
-        right.set_xticks(list(ranks), names, fontsize=7)
+        stages = stages_picture(result["in_flight"], result["activations"], virtual_stages)
         formula = SCHEDULES[schedule].bubble_formula
+        # with v chunks a rank holds v stages (interleaved: r, r+p, ...; V: r and 2p-1-r)
+        word = "stage" if virtual_stages == 1 else "rank"
         # The setting first, as the other explorers' status lines begin with their layout:
         # gpipe's and 1f1b's bubbles are the same number.
         message = (f"{setting}: bubble {result['bubble']:.3f} measured on the simulated "
@@ -304,7 +376,7 @@ class PipelineExplorer(Explorer):
                    f"{word} 0 holds the activations of {result['in_flight'][0]} "
                    + ("micro-batch x chunk forwards (one chunk's layers each)"
                       if virtual_stages > 1 else "micro-batches") + " at once")
-        return [timeline, fig], message
+        return [timeline, stages], message
 
 
 # ------------------------------------------------------------------ traffic
@@ -314,6 +386,8 @@ class TrafficExplorer(Explorer):
     def __init__(self, config: TrainConfig = EXPLORER_CONFIG, cache: RunCache | None = None,
                  prefetch: bool | None = None, **initial):
         self.config = config
+        self.model = config.to_dict()  # (the settings of each step replace their own)
+        self.measurements = TrainRuns(config, cache)
         controls = {
             "dp": make_control("dropdown", "dp", [1, 2, 4, 8], 2, "110px"),
             "tp": make_control("dropdown", "tp", [1, 2, 4], 2, "110px"),
@@ -329,19 +403,28 @@ class TrafficExplorer(Explorer):
         }
         super().__init__(controls, cache, prefetch, initial)
 
-    def run(self, **settings) -> Report:
-        """The measured run of a layout, shared by its gpus_per_node settings: where a
-        node ends changes the simulated clock, never which bytes go to which rank (same
-        collectives, same arrays; tests/viz/test_widgets.py measures both); the pictures
-        draw the node boundaries of the setting shown."""
-        config = self.config.replace(**settings)
-        return self.cache.get(traffic_key(config), lambda: train_report(config))
+    def measured(self, values: dict) -> dict:
+        """The training step of a layout, shared by its gpus_per_node and "bars by"
+        settings: where a node ends changes the simulated clock, never which bytes go to
+        which rank (same collectives, same arrays; tests/viz/test_widgets.py measures
+        both); the pictures draw the node boundaries of the setting shown. The step's
+        other settings are the model's (so the memory explorer's runs serve too)."""
+        return train_settings(self.config, {name: values[name] for name in values
+                                            if name not in ("gpus_per_node", "by")})
 
-    def prefetch_cost(self, values: dict) -> float | None:
-        settings = {k: v for k, v in values.items() if k != "by"}
-        if traffic_key(self.config.replace(**settings)) in self.cache:
-            return 0.0  # measured already: only the pictures are left to draw
-        return training_cost(values)
+    def run(self, **settings):
+        """The Report (the fields the pictures read) of a layout's training step."""
+        measured = self.measured(settings)
+        return summary_report(self.measurements.get(measured),
+                              {**self.model, **measured})
+
+    def lattice(self) -> list[dict]:
+        """Every layout (and precision) up to LATTICE_MAX_RANKS ranks with each number of
+        micro-batches (the GPUs per node and the bars are views of the same run)."""
+        return _runs(self, (self.measured({**layout, "grad_accum_steps": n})
+                            for layout in _layouts(self, LATTICE_MAX_RANKS,
+                                                   ("dp", "tp", "pp", "zero", "precision"))
+                            for n in _options(self, "grad_accum_steps")))
 
     def check(self, values: dict) -> None:
         check_training_layout(self.config.replace(
@@ -351,20 +434,16 @@ class TrafficExplorer(Explorer):
                                 "above 1 to see who sends what to whom")
 
     def pending_status(self, values: dict) -> str:
-        settings = {k: v for k, v in values.items() if k != "by"}
-        return step_status(traffic_key(self.config.replace(**settings)) in self.cache,
-                           values)
+        return step_status(values)
 
-    def draw(self, by, **settings):
-        report = self.run(**settings)
+    def answer(self, values: dict, result: dict):
+        settings = {k: v for k, v in values.items() if k != "by"}
+        report = summary_report(result, {**self.model, **self.measured(values)})
         per_node = settings["gpus_per_node"]
         matrix = traffic_of(report)
-        # The matrices do not depend on `by`: switching the bars redraws only the bars.
-        heatmaps = self.cached_figure((repr(self.config), *sorted(settings.items())),
-                                      lambda: plot_traffic(report, annotate=False,
-                                                           width=FIGURE_WIDTH,
-                                                           gpus_per_node=per_node))
-        figures = [heatmaps, plot_sent_bytes(report, by=by)]
+        pictures = [traffic_picture(report, annotate=False, width=FIGURE_WIDTH,
+                                    gpus_per_node=per_node),
+                    sent_picture(report, by=values["by"])]
         crossing = cross_node_bytes(matrix, per_node)
         total = int(matrix.sum())
         groups = {kind: sum(r["comm"]["by_group"].get(kind, 0) for r in report.ranks)
@@ -373,8 +452,9 @@ class TrafficExplorer(Explorer):
         message = (f"dp={settings['dp']} tp={settings['tp']} pp={settings['pp']} ZeRO-"
                    f"{settings['zero']}, micro-batches {settings['grad_accum_steps']}, "
                    f"{settings['precision']}, "
-                   f"{per_node} GPUs per node: one step moved {human_bytes(total)} in all; "
+                   f"{per_node} GPUs per node, bars by {values['by']}: one step moved "
+                   f"{human_bytes(total)} in all; "
                    + ", ".join(f"{k} {human_bytes(v)}" for k, v in groups.items())
                    + f"; {crossing / max(total, 1):.0%} of it crosses a node boundary "
                      f"(InfiniBand instead of NVLink)")
-        return figures, message
+        return pictures, message

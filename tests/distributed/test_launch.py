@@ -62,8 +62,8 @@ def test_each_rank_multiplies_on_one_blas_thread():
 
 
 def test_nested_launch_inside_a_rank_is_refused():
-    """Issue 13: a launch inside a rank used to run silently (a cluster inside one GPU,
-    whose traffic and memory no report would show); it is a mistake, said at once."""
+    """A launch inside a rank would run a cluster inside one GPU, whose traffic and memory
+    no report would show: it is a mistake, said at once."""
     import pytest
 
     def inner():

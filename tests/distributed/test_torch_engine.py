@@ -143,7 +143,7 @@ def test_two_ranks_train_bit_identically_and_report_what_was_measured(engine, la
     from minipar.train import train
     from minipar.train.config import TrainConfig
     from minipar.train.crosscheck import compare
-    from minipar.train.report import validate_report
+    from minipar.train.schema import validate_report
 
     config = TrainConfig(**SMALL, **layout)
     steps = []

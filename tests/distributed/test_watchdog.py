@@ -1,6 +1,6 @@
 """The launch watchdog: nothing hangs. A rank stuck in its own code, a rank that swallows
 the abort, a cycle of waits among some ranks while the others still run: each ends the
-launch with an error that names the ranks, what they were doing and where (issue 13)."""
+launch with an error that names the ranks, what they were doing and where."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--model", "gpt2", "--dp", "8", "--moe-top-k", "1"], "--moe-top-k"),  # dense: not
     (["--model", "mixtral-8x7b", "--dp", "8", "--moe-num-experts", "0",  # silently ignored
       "--moe-layer-freq", "2"], "--moe-layer-freq"),
-    # a new user's bad input (issue 19): tracebacks, ignored flags, the wrong flag blamed
+    # a new user's bad input: tracebacks, ignored flags, the wrong flag blamed
     (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "0"], "--gpu-mem"),
     (["--model", "gpt2", "--gpus", "8", "--seq-len", "0"], "--seq-len"),
     (["--model", "gpt2", "--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node"),

@@ -15,7 +15,7 @@ from minipar.plan.timing import step_time
 CLUSTER = presets.cluster("a100")
 # The uniform model's identities (time = FLOPs / one rate, MFU = efficiency x model /
 # executed FLOPs) hold on a cluster without a roofline; the a100 preset prices kernels by
-# shape and bytes since issue 20, so these tests switch its roofline off.
+# shape and bytes, so these tests switch its roofline off.
 UNIFORM = CLUSTER.uniform()
 
 

@@ -71,7 +71,7 @@ def test_unknown_setting_is_refused():
         TrainConfig.from_dict({"n_layers": 3})
 
 
-# ------------------------------------------------------------------ absurd numbers (issue 13)
+# ------------------------------------------------------------------ absurd numbers
 NON_FINITE = [
     ("lr", float("inf")), ("lr", float("nan")), ("lr", 1e308), ("lr", 2.0),
     ("min_lr", float("nan")),

@@ -18,7 +18,7 @@ def test_the_grid_covers_every_axis_and_the_required_layouts():
     assert {"dp2 tp2 pp2 zero1 (8 ranks)", "dp3 tp1 pp2 zero1 (odd, 6 ranks)"} <= names
     configs = [case.config() for case in GRID]
     assert {c.zero for c in configs} == {0, 1, 2, 3}
-    # every registered schedule (the zero-bubble ones of issue 17 too) is trained
+    # every registered schedule is trained
     assert {c.schedule for c in configs if c.pp > 1} == set(schedule_names())
     assert any(c.sequence_parallel for c in configs)
     assert any(c.recompute.label == "full" for c in configs)  # every layer recomputed

@@ -194,7 +194,7 @@ def test_stage_times_are_one_micro_batch_s_f_b_w_per_virtual_stage(schedule, v):
 
 def test_an_offloaded_run_reports_its_tiers_and_transfers_in_the_schema():
     """ranks[i].memory_host / memory_nvme (the GPU ledger's keys) and ranks[i].transfers
-    (four totals), as DESIGN.md names them; `memory` stays the GPU's."""
+    (four totals), as docs/design.md names them; `memory` stays the GPU's."""
     report = train(TrainConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, steps=1,
                                data="synthetic", dp=2, zero=3, offload_optimizer="nvme",
                                offload_param="cpu"))

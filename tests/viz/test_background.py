@@ -10,43 +10,57 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from matplotlib.figure import Figure  # noqa: E402
-
 from minipar import distributed as dist  # noqa: E402
 from minipar.viz import explorer as explorer_module  # noqa: E402
 from minipar.viz.background import LatestAnswer  # noqa: E402
 from minipar.viz.controls import make_control  # noqa: E402
 from minipar.viz.explorer import Explorer  # noqa: E402
+from minipar.viz.lattice import Measurements  # noqa: E402
 from minipar.viz.prefetch import Worker  # noqa: E402
+from minipar.viz.stages import stages_picture  # noqa: E402
+
+
+class GatedRuns(Measurements):
+    name = "gated (tests)"
+
+    def __init__(self, explorer):
+        super().__init__(None)
+        self.explorer = explorer
+
+    def measure(self, values):
+        return self.explorer.measure(**values)
 
 
 class Gated(Explorer):
-    """n bars, answered in the background; a draw of n waits for `gates[n]` (open for n
-    = 2, the first picture); n = 4 is refused by draw (check lets it through), n = 5 a
-    bug. Nothing is prepared unasked: every draw is one a change asked for."""
+    """n bars, answered in the background; a measurement of n waits for `gates[n]` (open
+    for n = 2, the first picture); n = 4 is refused by the measurement (check lets it
+    through), n = 5 a bug. Nothing is measured unasked (no lattice): every measurement
+    is one a change asked for."""
+
+    RUNS = GatedRuns
 
     def __init__(self):
         self.drawn: list[tuple[int, bool]] = []
         self.gates = {n: threading.Event() for n in range(1, 6)}
         self.gates[2].set()
+        self.measurements = self.RUNS(self)
         controls = {"n": make_control("dropdown", "n", [1, 2, 3, 4, 5], 2),
                     "wide": make_control("check", "wide", value=False)}
         super().__init__(controls, prefetch=True)
         self.background = True
 
-    def prefetch_cost(self, values):
-        return None
-
-    def draw(self, n, wide):
+    def measure(self, n, wide):
         assert self.gates[n].wait(10)
         self.drawn.append((n, wide))
         if n == 4:
             raise ValueError("four bars are refused")
         if n == 5:
             raise ZeroDivisionError("a bug in the drawing")
-        fig = Figure(figsize=(2, 1))
-        fig.subplots().bar(range(n), range(1, n + 1))
-        return [fig], f"n={n} wide={wide}"
+        return {"n": n, "wide": wide}
+
+    def answer(self, values, result):
+        n = result["n"]
+        return [stages_picture([1] * n, [n] * n, 1)], f"n={n} wide={result['wide']}"
 
 
 def _settle(explorer, timeout: float = 10.0) -> None:
@@ -73,7 +87,7 @@ def test_a_change_returns_at_once_says_what_it_measures_and_shows_the_answer_whe
     _settle(explorer)
     assert explorer.draws == 2 and explorer.status.value == "n=3 wide=False"
     assert explorer.error is None and explorer._shown_values == {"n": 3, "wide": False}
-    assert len(explorer.images[0].value) > 0
+    assert explorer.view.pictures == explorer.pictures and explorer.pictures
 
 
 def test_changes_in_a_row_compute_the_answer_in_progress_and_the_last_one_only():
@@ -87,7 +101,7 @@ def test_changes_in_a_row_compute_the_answer_in_progress_and_the_last_one_only()
     assert explorer.drawn == [(2, False), (1, False), (3, True)]
     assert explorer.status.value == "n=3 wide=True" and explorer.draws == 2  # shown once
     # what the superseded answer finished is kept: going back to it is instant
-    assert explorer.picture_key({"n": 1, "wide": False}) in explorer.cache
+    assert explorer.measurements.key({"n": 1, "wide": False}) in explorer.cache
     explorer.set(n=1, wide=False)
     assert explorer.status.value == "n=1 wide=False" and explorer.draws == 3
 
@@ -109,7 +123,7 @@ def test_a_refusal_or_a_bug_found_on_the_worker_is_said_in_the_status_line():
     _settle(explorer)
     assert explorer.error == "four bars are refused"
     assert "cannot run this layout" in explorer.status.value
-    assert explorer._pictures.layout.visibility == "hidden"
+    assert not explorer.view.visible
     explorer.gates[5].set()
     explorer.controls["n"].value = 5  # raised on the worker thread: nobody to raise it to
     _settle(explorer)
@@ -125,7 +139,7 @@ class Measured(Gated):
         self.release, self.runs = threading.Event(), 0
         super().__init__()
 
-    def draw(self, n, wide):
+    def measure(self, n, wide):
         if n == 1:
             self.run_started, self.runs = threading.Event(), self.runs + 1
             released = self.release.is_set()
@@ -137,7 +151,7 @@ class Measured(Gated):
                     dist.barrier()
 
             dist.launch(rank, 2)
-        return super().draw(n, wide)
+        return super().measure(n, wide)
 
 
 def test_a_later_change_cancels_the_run_in_progress():
@@ -152,7 +166,7 @@ def test_a_later_change_cancels_the_run_in_progress():
     _settle(explorer)
     assert explorer.status.value == "n=3 wide=False"
     assert (1, False) not in explorer.drawn  # stopped inside its run, before its figures
-    assert explorer.picture_key({"n": 1, "wide": False}) not in explorer.cache
+    assert explorer.measurements.key({"n": 1, "wide": False}) not in explorer.cache
 
 
 def test_by_default_only_a_change_from_the_browser_is_answered_in_the_background(
@@ -239,9 +253,12 @@ def test_a_setting_kept_on_disk_is_shown_at_once_not_announced_as_measuring(
 
     monkeypatch.setenv(store.CACHE_ENV, str(tmp_path / "cache"))  # the store on
 
-    class Stored(Gated):
-        def stores_answers(self) -> bool:  # the test's code stands in for minipar's
+    class StoredRuns(GatedRuns):
+        def stores_results(self) -> bool:  # the test's code stands in for minipar's
             return True
+
+    class Stored(Gated):
+        RUNS = StoredRuns
 
     first = Stored()
     first.gates[3].set()
@@ -250,30 +267,36 @@ def test_a_setting_kept_on_disk_is_shown_at_once_not_announced_as_measuring(
     later = Stored()  # a new kernel: its own RunCache, the same disk
     later.controls["n"].value = 3
     assert later.status.value == "n=3 wide=False"  # a file read: no "measuring" flash
-    assert later.drawn == [] and later.store.hits == 2  # both settings from the disk
+    assert later.drawn == [] and later.measurements.store.hits == 2  # both from the disk
 
 
 # ------------------------------------------------------------------ in a real kernel
 KERNEL_CELL = '''
 import time
-from matplotlib.figure import Figure
 from minipar.viz.controls import make_control
 from minipar.viz.explorer import Explorer
+from minipar.viz.lattice import Measurements
+from minipar.viz.stages import stages_picture
+
+drawn = []
+
+class SlowRuns(Measurements):
+    name = "slow (tests)"
+    def measure(self, values):
+        drawn.append(values["n"])
+        if values["n"] == 1:
+            time.sleep(1.0)
+        return values
 
 class Slow(Explorer):
-    """n bars; n = 1 takes a second to draw, and cannot be stopped (no run to cancel)."""
+    """n bars; n = 1 takes a second to measure, and cannot be stopped (no run to cancel)."""
     def __init__(self):
-        self.drawn = []
+        self.drawn = drawn
+        self.measurements = SlowRuns(None)
         super().__init__({"n": make_control("dropdown", "n", [1, 2, 3], 2)})
-    def prefetch_cost(self, values):
-        return None  # nothing prepared unasked
-    def draw(self, n):
-        self.drawn.append(n)
-        if n == 1:
-            time.sleep(1.0)
-        fig = Figure(figsize=(2, 1))
-        fig.subplots().bar(range(n), range(1, n + 1))
-        return [fig], f"n={n}"
+    def answer(self, values, result):
+        n = result["n"]
+        return [stages_picture([1] * n, [n] * n, 1)], f"n={n}"
 
 explorer = Slow()
 print(explorer.controls["n"].model_id, explorer.status.model_id)

@@ -142,10 +142,8 @@ def cache():
 def test_each_explorers_default_view_is_legible_in_jupyterlab(name, cache):
     explorer = EXPLORERS[name](cache)
     assert explorer.error is None
-    for fig in explorer.figures:
+    for fig in explorer.figures:  # (the browser draws SVG: sharp at any width)
         assert problems(fig, DISPLAY_WIDTH) == []
-        # and sharp: at least as many pixels as the output area shows
-        assert fig.get_size_inches()[0] * explorer.dpi >= DISPLAY_WIDTH
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -1,5 +1,6 @@
 """The explorers' background worker: urgent jobs first, spare jobs only when nothing else
-runs, and what it prepares is exactly what a direct draw shows."""
+runs; an explorer's lattice measured there, nearest settings first, is exactly what a
+direct measurement gives."""
 
 from __future__ import annotations
 
@@ -10,35 +11,53 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from matplotlib.figure import Figure  # noqa: E402
-
 from minipar import distributed as dist  # noqa: E402
 from minipar.viz import prefetch  # noqa: E402
 from minipar.viz.controls import make_control  # noqa: E402
 from minipar.viz.explorer import Explorer  # noqa: E402
+from minipar.viz.lattice import Measurements  # noqa: E402
 from minipar.viz.prefetch import Worker  # noqa: E402
+from minipar.viz.stages import stages_picture  # noqa: E402
+
+
+class BarRuns(Measurements):
+    """A cheap measurement: n bars, recorded with the thread that measured them; n = 4
+    is refused."""
+
+    name = "bars (tests)"
+
+    def __init__(self, explorer):
+        super().__init__(None)
+        self.explorer = explorer
+
+    def measure(self, values):
+        return self.explorer.measure(**values)
 
 
 class Bars(Explorer):
-    """A cheap explorer: n bars; n = 4 is refused; records where each draw ran."""
+    """A cheap explorer: n bars, wide or not; its lattice is every setting."""
 
     def __init__(self, prefetch: bool = False, **initial):
         self.drawn: list[tuple[tuple, str]] = []
+        self.measurements = BarRuns(self)
         controls = {"n": make_control("dropdown", "n", [1, 2, 3, 4], 2),
                     "wide": make_control("check", "wide", value=False)}
         for name, value in initial.items():
             controls[name].value = value
         super().__init__(controls, prefetch=prefetch)
 
-    def draw(self, n, wide):
+    def measure(self, n, wide):
         self.drawn.append(((n, wide), threading.current_thread().name))
         if n == 4:
             raise ValueError("four bars are refused")
-        fig = Figure(figsize=(3 if wide else 2, 1))
-        ax = fig.subplots()
-        ax.bar(range(n), range(1, n + 1))
-        ax.set_title(f"{n} bars", fontsize=7)
-        return [fig], f"n={n}"
+        return {"n": n, "wide": wide}
+
+    def answer(self, values, result):
+        n = result["n"]
+        return [stages_picture([1] * n, [n] * n, 1)], f"n={n}"
+
+    def lattice(self):
+        return [{"n": n, "wide": wide} for n in (1, 2, 3, 4) for wide in (False, True)]
 
 
 def test_prefetch_is_off_outside_a_jupyter_kernel_unless_asked_for():
@@ -49,72 +68,45 @@ def test_prefetch_is_off_outside_a_jupyter_kernel_unless_asked_for():
     asked.worker.cancel(asked)
 
 
-def test_neighbours_are_one_control_change_away_nearest_option_first():
-    explorer = Bars(n=2)
-    assert explorer.neighbours(explorer.values()) == [
-        {"n": 1, "wide": False}, {"n": 3, "wide": False},  # the adjacent options
-        {"n": 2, "wide": True},                            # the check box toggled
-        {"n": 4, "wide": False}]                           # two options away
-
-
-def test_neighbours_are_queued_cheapest_first_and_unwanted_ones_left_out():
-    class Priced(Bars):
-        def prefetch_cost(self, values):
-            return None if values["wide"] else {1: 5.0, 3: 0.0, 4: 1.0}[values["n"]]
-
-    class Recorder:
-        def prefetch(self, owner, jobs):
-            self.keys = [key for key, _ in jobs]
-
-    explorer = Priced(n=2)
-    explorer.worker = recorder = Recorder()
-    explorer._prefetch_neighbours(explorer.values())
-    assert recorder.keys == [explorer.picture_key({"n": n, "wide": False}) for n in (3, 4, 1)]
-
-
-def test_a_sweep_of_one_control_prepares_its_next_step_first_however_costly():
-    class Priced(Bars):
-        def prefetch_cost(self, values):
-            return {1: 0.0, 2: 1.0, 3: 9.0, 4: 0.5}[values["n"]] + values["wide"]
-
-    class Recorder:
-        def prefetch(self, owner, jobs):
-            self.keys = [key for key, _ in jobs]
-
-        def run_now(self, job, key=None, on_wait=None):
-            return job()
-
-    explorer = Priced(n=1)
-    explorer.worker = recorder = Recorder()
-    explorer.controls["n"].value = 2  # 1 -> 2: the reader sweeps n upwards ...
-    key = explorer.picture_key
-    # ... so 3 first, then the cheapest (n=1 was shown: it is cached already)
-    assert recorder.keys == [key({"n": 3, "wide": False}), key({"n": 4, "wide": False}),
-                             key({"n": 2, "wide": True})]
-    explorer.controls["wide"].value = True  # a check box: no sweep, cheapest first
-    assert recorder.keys[:2] == [key({"n": 1, "wide": True}), key({"n": 4, "wide": True})]
-    assert explorer.ahead({"n": 1, "wide": False}, {"n": 2, "wide": True}) is None  # 2 moved
-    assert explorer.ahead({"n": 3, "wide": False}, {"n": 4, "wide": False}) is None  # the end
-    assert explorer.ahead({"n": 3, "wide": False}, {"n": 2, "wide": False}) == {
-        "n": 1, "wide": False}  # downwards
-
-
-def test_prefetched_pictures_are_the_direct_draws_and_a_change_then_draws_nothing():
+def test_the_lattice_is_measured_in_the_background_nearest_first():
     explorer = Bars(prefetch=True, n=2)
     assert explorer.worker is prefetch.shared_worker()
     assert explorer.worker.wait_idle(30)
-    # every neighbour was drawn on the worker thread; the refused one is remembered
-    assert {values for values, _ in explorer.drawn} == {(2, False), (1, False), (3, False),
-                                                        (2, True), (4, False)}
-    assert {thread for _, thread in explorer.drawn} == {"minipar-explorer-worker"}
-    assert explorer._refused == {explorer.picture_key({"n": 4, "wide": False})}
+    # every setting was measured on the worker thread, the nearest to n=2 first: one
+    # control one option away, then two options away, then two controls
+    measured = [values for values, _ in explorer.drawn]
+    assert measured[0] == (2, False)  # the first picture, asked for
+    assert set(measured[1:4]) == {(1, False), (3, False), (2, True)}
+    assert set(measured[4:7]) == {(4, False), (1, True), (3, True)}
+    assert measured[7:] == [(4, True)]
+    assert {thread for _, thread in explorer.drawn[1:]} == {"minipar-explorer-worker"}
+    assert explorer.progress.value == ""  # done: nothing left to say
+
+
+def test_measured_settings_are_the_direct_answers_and_a_change_then_measures_nothing():
+    explorer = Bars(prefetch=True, n=2)
+    assert explorer.worker.wait_idle(30)
     drawn = len(explorer.drawn)
-    explorer.controls["n"].value = 3  # ready: shown without drawing
+    explorer.controls["n"].value = 3  # ready: shown without measuring
     assert len(explorer.drawn) == drawn and explorer.status.value == "n=3"
-    assert bytes(explorer.images[0].value) == bytes(Bars(n=3).images[0].value)
-    explorer.controls["n"].value = 4  # the refusal is computed again and shown
+    assert explorer.pictures == Bars(n=3).pictures
+    explorer.controls["n"].value = 4  # the refusal is found again and shown
     assert explorer.error == "four bars are refused"
     explorer.worker.cancel(explorer)
+
+
+def test_while_the_lattice_is_measured_the_explorer_says_how_far_it_got():
+    class Slow(Bars):
+        def measure(self, n, wide):
+            time.sleep(0.05)
+            return super().measure(n, wide)
+
+    explorer = Slow(prefetch=True, n=1)
+    said: list[str] = []
+    explorer.progress.observe(lambda change: said.append(change["new"]), names="value")
+    assert explorer.worker.wait_idle(30)
+    assert "8 settings in the background" in said[0] and said[-1] == ""
+    assert any("ready" in line for line in said[:-1])
 
 
 def _blocked_worker():
@@ -180,25 +172,6 @@ def test_a_cell_that_starts_during_a_spare_job_waits_for_it():
     worker.cell_finished()
 
 
-def test_prepared_pictures_never_shown_are_forgotten_once_the_reader_moves_on():
-    class Forgetful(Bars):
-        KEEP_UNSHOWN = 0
-
-    explorer = Forgetful(prefetch=True, n=1)
-    assert explorer.worker.wait_idle(30)
-    near_one = {explorer.picture_key({"n": 2, "wide": False}),
-                explorer.picture_key({"n": 1, "wide": True})}
-    assert near_one <= set(explorer._unshown) and all(k in explorer.cache for k in near_one)
-    explorer.controls["n"].value = 2  # shown: kept; n=1 wide is no neighbour of n=2 ...
-    assert explorer.worker.wait_idle(30)
-    shown, left = explorer.picture_key({"n": 2, "wide": False}), \
-        explorer.picture_key({"n": 1, "wide": True})
-    assert shown in explorer.cache and shown not in explorer._unshown
-    assert left not in explorer.cache  # ... so it was discarded
-    assert explorer.picture_key({"n": 2, "wide": True}) in explorer.cache  # a neighbour
-    explorer.worker.cancel(explorer)
-
-
 def _spare_run(worker, key, rounds=10**6):
     """Queue a spare job whose measured run (2 ranks exchanging barriers) lasts `rounds`
     barriers; returns (ranks started, what the job returned)."""
@@ -244,16 +217,16 @@ def test_a_cell_that_starts_during_a_spare_run_cancels_it():
 
 
 class SlowThree(Bars):
-    """n = 3 is a measured run that lasts until `release` is set; it is prepared first."""
+    """n = 3 is a measured run that lasts until `release` is set; the lattice has it first."""
 
     def __init__(self, **initial):
         self.started, self.release = threading.Event(), threading.Event()
         super().__init__(prefetch=True, **initial)
 
-    def prefetch_cost(self, values):
-        return 0.0 if values == {"n": 3, "wide": False} else 1.0
+    def lattice(self):
+        return [{"n": 3, "wide": False}, *super().lattice()]
 
-    def draw(self, n, wide):
+    def measure(self, n, wide):
         if n == 3:
             def rank():
                 self.started.set()
@@ -261,11 +234,11 @@ class SlowThree(Bars):
                     dist.barrier()
 
             dist.launch(rank, 2)
-        return super().draw(n, wide)
+        return super().measure(n, wide)
 
 
 @pytest.mark.parametrize("asked, cancelled", [(3, 0), (1, 1)])
-def test_a_change_cancels_the_neighbour_being_measured_unless_it_asks_for_it(asked, cancelled):
+def test_a_change_cancels_the_setting_being_measured_unless_it_asks_for_it(asked, cancelled):
     explorer = SlowThree(n=2)
     assert explorer.started.wait(10)  # the worker is measuring n = 3
     before = explorer.worker.spare_cancelled
@@ -281,97 +254,11 @@ def test_a_change_cancels_the_neighbour_being_measured_unless_it_asks_for_it(ask
     assert explorer.worker.wait_idle(30)
 
 
-def _full_collections_paused() -> bool:
-    import gc
-
-    return gc.get_threshold()[2] == 2**31 - 1
-
-
-def test_once_quiet_after_an_answer_the_worker_collects_the_garbage_before_spare_work():
-    """The figures an answer leaves are reference cycles only a full collection frees:
-    from the moment an answer is asked for, Python's full collections are paused (the
-    young ones go on); once the process is quiet the worker collects, before the spare
-    jobs, and restores Python's thresholds (prefetch.py's docstring)."""
-    import gc
-
-    before = gc.get_threshold()
-    order: list[str] = []
-    worker = Worker()
-    worker._collect_garbage = lambda: order.append("collect")
-    assert worker.run_now(lambda: order.append("answer") or _full_collections_paused())
-    worker.prefetch("explorer", [("a", lambda: order.append("a"))])
-    assert _full_collections_paused()  # the answer's garbage waits for the quiet time
-    assert worker.wait_idle(10)
-    assert order == ["answer", "collect", "a"] and worker.collections == 1
-    assert gc.get_threshold() == before and gc.isenabled()
-    worker.prefetch("explorer", [("b", lambda: order.append("b"))])
-    assert worker.wait_idle(10)
-    assert order[-1] == "b" and worker.collections == 1  # spare jobs alone: Python's own
-
-
-def test_a_pause_never_outlasts_max_pause_seconds(monkeypatch):
-    """Answers that come faster than the quiet time (a dragged slider) would keep the
-    full collections paused for good: past MAX_PAUSE_SECONDS the next answer runs with
-    Python's own thresholds, and the one after it starts a new pause."""
-    import gc
-
-    monkeypatch.setattr(prefetch, "MAX_PAUSE_SECONDS", 0.2)
-    # Quiet time far above the answers' spacing: a loaded machine that stalls this loop
-    # for a few tenths of a second must not let the idle collection end the pause.
-    monkeypatch.setattr(prefetch, "IDLE_SECONDS", 1.0)
-    before = gc.get_threshold()
-    worker = Worker()
-    worker._collect_garbage = lambda: None
-    paused = [worker.run_now(_full_collections_paused)]
-    deadline = time.monotonic() + 10
-    while (False not in paused[:-1]) and time.monotonic() < deadline:
-        paused.append(worker.run_now(_full_collections_paused))  # an answer every 0.05 s
-        time.sleep(0.05)
-    assert paused[0] and not all(paused)
-    assert paused[paused.index(False) + 1]  # and then a new pause
-    assert worker.wait_idle(10) and gc.get_threshold() == before
-
-
-def test_inside_a_cell_an_answer_keeps_pythons_collections_and_the_worker_waits():
-    order: list[str] = []
-    worker = Worker()
-    worker._collect_garbage = lambda: order.append("collect")
-    worker.cell_started()  # "Run All", or explorer.set(...) in a cell
-    assert worker.run_now(_full_collections_paused) is False
-    time.sleep(2 * prefetch.IDLE_SECONDS)
-    assert order == []  # no collection while the cell runs
-    worker.cell_finished()
-    assert worker.wait_idle(10)
-    assert order == ["collect"] and not _full_collections_paused()
-
-
-def test_a_cell_that_starts_restores_pythons_collections_and_a_kernel_without_keeps_it_off():
-    import gc
-
-    before = gc.get_threshold()
-    worker = Worker()
-    worker._collect_garbage = lambda: None
-    worker.run_now(lambda: None)
-    assert _full_collections_paused()
-    worker.cell_started()  # before the quiet time: the cell runs with Python's own
-    assert gc.get_threshold() == before
-    worker.cell_finished()
-    assert worker.wait_idle(10)
-    gc.disable()  # a kernel that turned the collector off
-    try:
-        with pytest.raises(ZeroDivisionError):
-            worker.run_now(lambda: 1 / 0)
-        assert worker.wait_idle(10) and worker.collections == 2
-        assert not gc.isenabled() and gc.get_threshold() == before
-    finally:
-        gc.enable()
-
-
 def test_a_worker_made_by_a_running_cell_counts_that_cell(monkeypatch):
     """The first explorer's cell makes the worker after its pre_run_cell has passed: the
     worker still counts it as running until its post_run_cell (IPython sets
-    `displayhook.exec_result` while a cell's code runs), so no spare work starts and
-    no collection is paused during the rest of that cell."""
+    `displayhook.exec_result` while a cell's code runs), so no spare work starts during
+    the rest of that cell."""
     IPython = pytest.importorskip("IPython")
 
     class Events:
@@ -435,18 +322,18 @@ class SlowOne(Bars):
         self.release, self.fail = threading.Event(), False
         super().__init__(prefetch=True, **initial)
 
-    def prefetch_cost(self, values):
-        return None  # nothing prepared unasked: every change is answered when asked
+    def lattice(self):
+        return []  # nothing measured unasked: every change is answered when asked
 
     def pending_status(self, values):
         return f"measuring n={values['n']} ..."
 
-    def draw(self, n, wide):
+    def measure(self, n, wide):
         if n == 1:
             assert self.release.wait(10)
             if self.fail:
                 raise RuntimeError("a bug in the drawing code")
-        return super().draw(n, wide)
+        return super().measure(n, wide)
 
 
 def test_a_slow_answer_shows_what_it_measures_until_the_pictures_come():
@@ -455,8 +342,10 @@ def test_a_slow_answer_shows_what_it_measures_until_the_pictures_come():
     explorer.status.observe(lambda change: said.append(change["new"]), names="value")
     threading.Timer(3 * prefetch.WAIT_NOTICE_S, explorer.release.set).start()
     explorer.controls["n"].value = 1
-    assert len(said) == 2 and "measuring n=1 ..." in said[0]
-    assert "still of the last setting" in said[0] and said[1] == "n=1"
+    # said until the answer came, counting the time so far
+    assert len(said) >= 2 and said[-1] == "n=1"
+    assert all("measuring n=1 ..." in line and "ms so far" in line for line in said[:-1])
+    assert "still of the last setting" in said[0]
     explorer.worker.cancel(explorer)
 
 
@@ -469,7 +358,7 @@ def test_an_answer_that_fails_says_so_instead_of_measuring_forever():
     assert "could not be drawn: RuntimeError: a bug in the drawing code" in (
         explorer.status.value)
     assert explorer.error is not None  # and n = 2's pictures are not shown under n = 1
-    assert explorer._pictures.layout.visibility == "hidden"
+    assert not explorer.view.visible
     explorer.worker.cancel(explorer)
 
 

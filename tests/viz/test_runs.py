@@ -23,17 +23,6 @@ def test_run_cache_computes_each_key_once():
     assert cache.get("a", compute) == 3
 
 
-def test_run_cache_records_what_a_thread_added_so_it_can_be_discarded_together():
-    cache = RunCache()
-    cache.get("shared", lambda: 0)
-    with cache.recording() as made:
-        cache.get("shared", lambda: 1)  # a hit adds nothing
-        cache.get("picture", lambda: cache.get("run", lambda: 2) + 1)
-    assert made == ["run", "picture"]
-    cache.discard(made)
-    assert "shared" in cache and "run" not in cache and "picture" not in cache
-
-
 def test_a_failing_run_is_not_cached():
     cache = RunCache()
 

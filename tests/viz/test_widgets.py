@@ -8,6 +8,7 @@ import html
 
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 pytest.importorskip("ipywidgets")
 
@@ -15,13 +16,11 @@ from minipar.nn.gpt import parameter_shapes  # noqa: E402
 from minipar.train import TrainConfig  # noqa: E402
 from minipar.train.data import make_stream  # noqa: E402
 from minipar.train.report import MEMORY_CATEGORIES  # noqa: E402
-from minipar.viz import widgets  # noqa: E402
-from minipar.viz.explorer import REFUSALS
+from minipar.viz import lattice, widgets  # noqa: E402
 from minipar.viz.runs import RunCache
 from minipar.viz.widgets import MemoryExplorer, PipelineExplorer, ShardingExplorer, TrafficExplorer
 
 SMALL = TrainConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, micro_batch_size=2, steps=1)
-PNG = b"\x89PNG"
 
 
 def psi(config: TrainConfig) -> int:
@@ -49,13 +48,13 @@ def byte_scale(ax) -> int:
 def counted_runs(monkeypatch):
     """Count the training runs the explorers start."""
     calls = []
-    real = widgets.train_report
+    real = lattice.train_report
 
     def counting(config, device=None):
         calls.append(config)
         return real(config, device)
 
-    monkeypatch.setattr(widgets, "train_report", counting)
+    monkeypatch.setattr(lattice, "train_report", counting)
     return calls
 
 
@@ -63,7 +62,7 @@ def counted_runs(monkeypatch):
 def test_memory_explorer_bars_are_the_measured_bytes_per_parameter(counted_runs):
     explorer = MemoryExplorer(SMALL, dp=2, zero=0, precision="fp32")
     assert explorer.error is None and explorer.draws == 1
-    assert bytes(explorer.images[0].value).startswith(PNG)
+    assert explorer.view.pictures == explorer.pictures  # the data the browser draws
     (ax, *_) = explorer.figure.axes
     n_params = psi(SMALL)
     # fp32 data parallelism: 4 bytes of weights per parameter on every replica, 8 of
@@ -83,11 +82,11 @@ def test_memory_explorer_bars_are_the_measured_bytes_per_parameter(counted_runs)
 def test_memory_explorer_caches_runs_and_pictures(counted_runs):
     cache = RunCache()
     explorer = MemoryExplorer(SMALL, cache=cache, dp=2)
-    first = explorer.images[0].value
+    first = explorer.view.pictures
     explorer.controls["zero"].value = 2
     explorer.controls["zero"].value = 0  # back: no new run, the same picture
     assert len(counted_runs) == 2
-    assert bytes(explorer.images[0].value) == bytes(first)
+    assert explorer.view.pictures == first
     # another explorer on the same cache reuses the runs
     MemoryExplorer(SMALL, cache=cache, dp=2)
     assert len(counted_runs) == 2
@@ -104,11 +103,11 @@ def test_set_changes_several_controls_with_one_redraw(counted_runs):
 
 def test_a_layout_that_cannot_run_is_reported_not_raised():
     explorer = MemoryExplorer(SMALL.replace(n_head=2), dp=1)
-    drawn = explorer.figures
+    drawn = explorer.pictures
     explorer.controls["tp"].value = 4  # 2 heads cannot split over 4 ranks
     assert explorer.error is not None and "tp" in explorer.error
     assert "cannot run" in explorer.status.value
-    assert explorer.figures is drawn  # the last good picture stays
+    assert explorer.pictures is drawn  # the last good picture stays
 
 
 # ------------------------------------------------------------------ sharding
@@ -142,9 +141,9 @@ def test_sharding_explorer_refuses_more_than_16_ranks():
     assert explorer.error is not None and "16" in explorer.error
     assert explorer.draws == draws
     # the last picture is another layout's: hidden while the controls say pp=2 ...
-    assert explorer._pictures.layout.visibility == "hidden"
+    assert not explorer.view.visible
     explorer.controls["pp"].value = 1  # ... and shown again with a layout that runs
-    assert explorer.error is None and explorer._pictures.layout.visibility == "visible"
+    assert explorer.error is None and explorer.view.visible
 
 
 # ------------------------------------------------------------------ pipeline
@@ -196,7 +195,7 @@ def test_one_device_has_no_traffic_to_show_and_says_so_in_the_readers_words():
     assert explorer.status.value.startswith(
         "<span style='color:#b00020'>nothing to show with &quot;dp&quot; = 1: one device")
     assert "plot_traffic" not in explorer.status.value
-    assert explorer._pictures.layout.visibility == "hidden"
+    assert not explorer.view.visible
     explorer.set(dp=2)
     assert explorer.error is None
 
@@ -239,17 +238,6 @@ def test_only_the_data_parallel_bytes_cross_nodes_when_tp_fits_in_a_node():
 
 
 # ------------------------------------------------------------------ drawing
-def test_figure_png_is_a_png_of_the_figure_size_at_the_given_dpi():
-    from matplotlib.figure import Figure
-
-    png = widgets.figure_png(Figure(figsize=(4, 2)), dpi=50)
-    assert png.startswith(PNG)
-    # PNG spec: the IHDR chunk follows the 8-byte signature; width and height are its
-    # first two big-endian 4-byte fields (bytes 16-24 of the file)
-    assert int.from_bytes(png[16:20], "big") == 4 * 50
-    assert int.from_bytes(png[20:24], "big") == 2 * 50
-
-
 @pytest.mark.parametrize("make", [
     lambda: MemoryExplorer(SMALL, dp=2, tp=2, pp=2, zero=1),
     lambda: MemoryExplorer(SMALL, dp=8, zero=3, recompute_granularity="full"),  # long title
@@ -257,12 +245,13 @@ def test_figure_png_is_a_png_of_the_figure_size_at_the_given_dpi():
     lambda: TrafficExplorer(SMALL, dp=2, tp=2, pp=2, zero=1),
     lambda: ShardingExplorer(dp=4, tp=4, pp=1),
 ], ids=["memory", "memory-long-title", "pipeline", "traffic", "sharding"])
-def test_fixed_margins_keep_every_label_inside_the_picture(make):
-    # The explorers place their axes with margins of fixed inches instead of a
-    # constrained layout (faster); nothing drawn may fall outside the figure.
+def test_every_label_stays_inside_the_picture(make):
+    # The explorers' figures place their axes with margins of fixed inches or a
+    # constrained layout; nothing drawn may fall outside the figure.
     explorer = make()
     assert explorer.error is None
     for fig in explorer.figures:
+        FigureCanvasAgg(fig).draw()  # (a constrained layout places its axes as it draws)
         renderer = fig.canvas.get_renderer()
         drawn = fig.get_tightbbox(renderer)  # inches, everything that was drawn
         width, height = fig.get_size_inches()
@@ -300,66 +289,36 @@ def test_a_traffic_run_serves_every_gpus_per_node_and_draws_that_settings_nodes(
     assert len(counted_runs) == runs  # the same measured run
     fresh = TrafficExplorer(SMALL, **layout, gpus_per_node=2)  # its own run on 2 per node
     assert len(counted_runs) == runs + 1
-    for shown, direct in zip(explorer.images, fresh.images, strict=True):
-        assert bytes(shown.value) == bytes(direct.value)
+    assert explorer.pictures == fresh.pictures
     assert explorer.status.value == fresh.status.value
 
 
-def test_a_prefetched_traffic_picture_is_the_one_a_direct_draw_gives(counted_runs):
-    class ZeroNeighbour(TrafficExplorer):  # prepare one neighbour only, to stay quick
-        def neighbours(self, values):
-            return [{**values, "zero": 0}]
+def test_a_traffic_setting_measured_in_the_background_is_the_one_a_direct_run_gives(
+        counted_runs):
+    class TwoSettings(TrafficExplorer):  # a lattice of two settings, to stay quick
+        def lattice(self):
+            return [self.measured({**self.values(), "zero": zero}) for zero in (0, 2)]
 
     layout = dict(dp=2, tp=1, pp=2, grad_accum_steps=2, gpus_per_node=2)
-    explorer = ZeroNeighbour(SMALL, prefetch=True, **layout, zero=1)
+    explorer = TwoSettings(SMALL, prefetch=True, **layout, zero=1)
     assert explorer.worker.wait_idle(60)
     runs = len(counted_runs)
     explorer.controls["zero"].value = 0
     assert len(counted_runs) == runs  # measured while the reader looked
     fresh = TrafficExplorer(SMALL, **layout, zero=0)
-    for shown, direct in zip(explorer.images, fresh.images, strict=True):
-        assert bytes(shown.value) == bytes(direct.value)
+    assert explorer.pictures == fresh.pictures
     explorer.worker.cancel(explorer)
 
 
-def test_a_neighbour_the_rules_refuse_is_queued_as_cheap_not_raised():
-    class Recorder:
-        def prefetch(self, owner, jobs):
-            self.keys = [key for key, _ in jobs]
-
-    explorer = MemoryExplorer(SMALL, dp=1, zero=0)
-    explorer.worker = recorder = Recorder()
-    explorer._prefetch_neighbours(explorer.values())  # offloading needs ZeRO >= 1
-    refused = explorer.picture_key({**explorer.values(), "offload_optimizer": "cpu"})
-    assert refused in recorder.keys[:3]  # cost 0: its refusal is found without a run
-    eight = explorer.picture_key({**explorer.values(), "dp": 8})
-    assert recorder.keys.index(eight) > recorder.keys.index(
-        explorer.picture_key({**explorer.values(), "dp": 2}))  # cheaper runs first
-
-
 @pytest.mark.parametrize("explorer_class", [MemoryExplorer, TrafficExplorer])
-def test_layouts_up_to_32_ranks_are_prepared_cheapest_first(explorer_class):
-    class Recorder:
-        def prefetch(self, owner, jobs):
-            self.keys = [key for key, _ in jobs]
-
+def test_the_lattice_holds_layouts_up_to_32_ranks_that_the_rules_let_run(explorer_class):
     explorer = explorer_class(SMALL, dp=1, tp=1, pp=1)
-    explorer.worker = recorder = Recorder()
-    values = {**explorer.values(), "dp": 8, "tp": 2, "pp": 1}  # 16 ranks
-    explorer._prefetch_neighbours(values)
-    largest = {**values, "tp": 4}  # 32 ranks
-    assert explorer.picture_key(largest) in recorder.keys
-    assert explorer.picture_key({**values, "pp": 4}) not in recorder.keys  # 64: not
-    assert explorer.picture_key({**values, "dp": 4}) in recorder.keys  # 8
-    def cost_of(setting):
-        try:
-            return explorer.prefetch_cost(setting)
-        except REFUSALS:  # queued first: its refusal is found without a run
-            return 0.0
-
-    cost = {explorer.picture_key(s): cost_of(s) for s in explorer.neighbours(values)}
-    queued = [cost[key] for key in recorder.keys]
-    assert queued == sorted(queued)  # cheapest first: ranks x micro-batches
+    settings = explorer.lattice()
+    worlds = {s["dp"] * s["tp"] * s["pp"] for s in settings}
+    assert max(worlds) == 32 and 1 in worlds
+    assert not any(s["zero"] >= 2 and s["pp"] > 1 for s in settings)  # refused: not in it
+    layouts = {(s["dp"], s["tp"], s["pp"], s["zero"], s["precision"]) for s in settings}
+    assert (8, 4, 1, 1, "bf16-mixed") in layouts and (8, 2, 2, 0, "fp32") in layouts
 
 
 def test_a_refusal_speaks_of_the_controls_not_of_command_line_flags():
@@ -388,8 +347,8 @@ def test_the_status_while_measuring_says_how_many_ranks_run_and_drawing_once_mea
     shown = explorer.values()
     assert explorer.pending_status({**shown, "tp": 2, "grad_accum_steps": 4}) == (
         "measuring one training step on 4 virtual ranks, 4 micro-batches each ...")
-    # measured already (another node size, the same run): only its pictures to draw
-    assert explorer.pending_status({**shown, "gpus_per_node": 2}).startswith("drawing")
+    # measured already (another node size, the same run): nothing to measure
+    assert explorer.measurements.known(explorer.measured({**shown, "gpus_per_node": 2}))
     pipeline = PipelineExplorer(schedule="gpipe", pp=2, micro_batches=2)
     assert "gpipe step on 2 stages, 2 micro-batches" in pipeline.pending_status(
         pipeline.values())
