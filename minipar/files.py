@@ -119,17 +119,27 @@ def untrack_temporary(path) -> None:
 def remove_temporaries() -> list[Path]:
     """Delete every temporary still listed (a symlink itself, never what it points
     to); returns them. For a process that is ending (Ctrl-C): their writers are gone
-    or will die with it."""
-    with _TEMPORARIES_LOCK:
-        left = sorted(_TEMPORARIES)
-        _TEMPORARIES.clear()
-    for path in left:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
-    return left
+    or will die with it. A rank that has not stopped yet may still add a file to a
+    staging directory while it is removed (rmtree then leaves the directory): what is
+    still there, or listed meanwhile, is removed again, for at most ~1 s."""
+    removed: list[Path] = []
+    pending: list[Path] = []
+    for _ in range(50):
+        with _TEMPORARIES_LOCK:
+            left = sorted(_TEMPORARIES | set(pending))
+            _TEMPORARIES.clear()
+        for path in left:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+        removed += [p for p in left if p not in removed]
+        pending = [p for p in left if p.exists() or p.is_symlink()]
+        if not pending and not _TEMPORARIES:
+            break
+        time.sleep(0.02)
+    return removed
 
 
 def fsync_directory(directory) -> None:

@@ -145,3 +145,20 @@ def test_demo_interrupted_says_so_on_a_line_of_its_own(tmp_path):
     assert result.stderr.endswith("\nminipar demo: interrupted\n"), result.stderr
     assert temporaries(tmp_path) == []
 
+
+
+def test_a_staging_directory_another_rank_writes_into_stays_listed(tmp_path, monkeypatch):
+    """Rank 0's own cleanup of a failed save can race a rank still writing its file into
+    the staging directory (rmtree then leaves it): the directory stays listed, and the
+    CLI's cleanup at Ctrl-C removes it."""
+    from minipar import files
+    from minipar.train import checkpoint_dirs
+
+    lock = files.DirectoryLock(tmp_path / "save")
+    staging = checkpoint_dirs.begin(tmp_path / "save" / "step-000001", "0123abcd", lock)
+    (staging / "rank-00001.npz").write_bytes(b"written by a rank that did not stop")
+    monkeypatch.setattr(checkpoint_dirs, "remove", lambda path: None)  # rmtree lost the race
+    checkpoint_dirs.discard(staging, lock)
+    assert staging.exists()
+    assert staging in files.remove_temporaries()
+    assert temporaries(tmp_path) == []

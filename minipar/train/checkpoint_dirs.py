@@ -116,7 +116,8 @@ def discard(staging: Path, lock: DirectoryLock) -> None:
     there (the save failed or was interrupted), then let go of its lock."""
     try:
         remove(staging)
-        untrack_temporary(staging)
+        if not (staging.exists() or staging.is_symlink()):  # (another rank may still be
+            untrack_temporary(staging)  # writing into it: then the CLI's cleanup retries)
     finally:
         lock.release()
 
