@@ -171,14 +171,19 @@ def _zero3(shape, config, stage, params) -> list[Transfer]:
                     "step", GRADIENT_NORM)
     transfers = []
     tied_head = shape.tie_embeddings and stage.first and stage.last
+    # Alike units counted once (a deep model's layers): the same transfers, in the same
+    # order, as one pair per unit merged (_merge), without making 2 x 4096 of them.
+    units: dict[tuple[int, int], int] = {}  # (elements, gathers per micro-batch) -> units
     for i, unit in enumerate(params.units):
-        piece = shard(unit, n)
         is_embedding = stage.first and i == 0
         gathers = 2 + (1 if is_embedding and tied_head else 0)
-        transfers.append(Transfer("all_gather", "dp", n, piece * n * p, gathers * m,
+        units[unit, gathers] = units.get((unit, gathers), 0) + 1
+    for (unit, gathers), alike in units.items():
+        piece = shard(unit, n)
+        transfers.append(Transfer("all_gather", "dp", n, piece * n * p, gathers * m * alike,
                                   all_gather_sent(piece, p, n), "forward",
                                   "ZeRO-3 parameter all-gather"))
-        transfers.append(Transfer("reduce_scatter", "dp", n, piece * n * g, m,
+        transfers.append(Transfer("reduce_scatter", "dp", n, piece * n * g, m * alike,
                                   reduce_scatter_sent(piece * n, g, n), "backward",
                                   "ZeRO-3 gradient reduce-scatter"))
     transfers.append(norm)
