@@ -121,3 +121,25 @@ def test_a_rank_s_peak_falls_as_block_recomputation_covers_more_layers(config):
                       UNIFORM).memory["peak_total"] for k in range(1, chunk + 1)]
     assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:], strict=False))
     assert peaks[-1] < peaks[0]
+
+
+def test_a_progress_line_is_printed_past_the_delay_only(capsys):
+    import time
+
+    from minipar.plan.cli import said_after
+
+    with said_after(0.05, "working ..."):
+        time.sleep(0.3)
+    with said_after(5.0, "never said"):
+        pass
+    assert capsys.readouterr().err == "working ...\n"
+
+
+def test_the_plan_says_when_its_pipeline_was_extrapolated(capsys):
+    from minipar.cli import main
+
+    assert main(["plan", "--model", "gpt2", "--pp", "4", "--grad-accum-steps", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert "were walked at m = " in out and "extrapolated to m = 65,536" in out
+    assert main(["plan", "--model", "gpt2", "--pp", "4", "--grad-accum-steps", "8"]) == 0
+    assert "walked at" not in capsys.readouterr().out
