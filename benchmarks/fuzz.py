@@ -63,6 +63,8 @@ def full_disk(folder: Path, argv: list, earlier: Path | None = None,
     outcome = fuzz_outputs.refusal(result)
     if outcome[0] != CLEAN:
         return outcome
+    if "No space left" not in outcome[1]:
+        return SILENT, f"refused for another reason: {outcome[1]}"
     if earlier is not None and earlier.read_text() != EARLIER:
         return LOST, f"{earlier.name}, written before, was changed"
     if left := temporaries(folder):
@@ -92,7 +94,7 @@ def full_disk_cases(work: Path) -> list:
         "plan --export": lambda d: full_disk(
             d, ["plan", "--model", "gpt2", "--dp", "2", "--export", d / "export"]),
         "timeline --out": lambda d: full_disk(
-            d, ["timeline", *MODEL[:-1], "--pp", "2", "--grad-accum-steps", "2",
+            d, ["timeline", *MODEL[:-1], "--dp", "2",
                 "--out", d / "t.png"], earlier=d / "t.png"),
     }
     made_folders = [work / f"full-{i}" for i in range(len(cases))]
@@ -203,7 +205,7 @@ def switch_case(kind: str, settings: dict) -> tuple[str, str]:
 
 
 def plan_case(argv: list) -> tuple[str, str]:
-    cpu, status, said = plan_extremes.run(argv, limit=6 * PLAN_CPU_S)
+    cpu, status, said = plan_extremes.run(argv, limit=fuzz_outputs.TIMEOUT_S * 2.5)
     if cpu is None:
         return HANG, said
     if status != 0:

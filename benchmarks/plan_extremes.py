@@ -32,8 +32,8 @@ CASES = [
     ("pp 64 x dp 2, 65,536 micro-batches, gpipe", ["--model", "llama2-70b", "--pp", "64",
                                                   "--dp", "2", "--schedule", "gpipe",
                                                   "--grad-accum-steps", "65536"]),
-    ("pp 40 x v 2 interleaved, 65,536 micro-batches", [
-        "--model", "llama2-70b", "--pp", "40", "--schedule", "interleaved",
+    ("pp 32 x v 2 interleaved, 65,536 micro-batches", [
+        "--model", "llama2-70b", "--pp", "32", "--schedule", "interleaved",
         "--virtual-stages", "2", "--grad-accum-steps", "65536"]),
     ("pp 64 zb-h1, 65,536 micro-batches", ["--model", "llama2-70b", "--pp", "64",
                                           "--schedule", "zb-h1",
