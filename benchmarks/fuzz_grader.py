@@ -99,6 +99,47 @@ CASES = [
      "def one_f_one_b(pp, m):\n    return [[object()]] * pp\n", False, 60),
     ("a list nested 100,000 deep", "07", "x = []\nfor _ in range(100_000):\n    x = [x]\n"
      "def zb_h1_compute_order(pp, m, rank):\n    return x\n", False, 60),
+    # Exercises 08-13: plans, counts, configs and layouts built to slip past their checks.
+    ("a plan padded with 20,000 gathers", "08",
+     "def zero3_actions(n_units, prefetch):\n    plan = [('gather', 0), ('free', 0)] * 20_000\n"
+     "    for kind, order in (('forward', range(n_units)), "
+     "('backward', reversed(range(n_units)))):\n"
+     "        for u in order:\n            plan += [('gather', u), ('wait', u), (kind, u), "
+     "('free', u)]\n    return plan\n", True, 60),
+    ("hooks that raise", "09", "class Zero2Gradients:\n    def __init__(self, *a, **k):\n"
+     "        raise SystemExit(0)\n", True, 60),
+    ("a g that returns None", "10", "def _none(*args, **kwargs):\n    return None\n"
+     "class GatherFromSequenceParallelRegion:\n    apply = staticmethod(_none)\n"
+     "class ReduceScatterToSequenceParallelRegion:\n    apply = staticmethod(_none)\n"
+     "sequence_parallel_mlp = allreduce_sequence_parallel_grads = _none\n", True, 60),
+    ("an empty array for bytes", "11", "import numpy as np\n"
+     "def layer_activation_bytes(config):\n    return np.array([], dtype=np.int64)\n"
+     "activation_peak = lambda config, rank, terms: np.array([], dtype=np.int64)\n",
+     True, 60),
+    ("bytes too large to print", "11", "def layer_activation_bytes(config):\n"
+     "    return 10 ** 5000\ndef activation_peak(config, rank, terms):\n"
+     "    return -10 ** 5000\n", True, 60),
+    ("a port of another, larger model", "12",
+     "import math\ndef port_recipe(recipe, n_gpus, max_micro_batch):\n"
+     "    g = recipe.micro_batch_size * recipe.grad_accum_steps\n"
+     "    grown = -(-g // n_gpus) * n_gpus\n    k = grown / g\n"
+     "    m = max(x for x in range(1, min(max_micro_batch, grown // n_gpus) + 1) "
+     "if grown // n_gpus % x == 0)\n"
+     "    return recipe.replace(dp=n_gpus, micro_batch_size=m, "
+     "grad_accum_steps=grown // n_gpus // m, lr=recipe.lr * math.sqrt(k), "
+     "min_lr=recipe.min_lr * math.sqrt(k), steps=round(recipe.steps / k), "
+     "warmup_steps=round(recipe.warmup_steps / k), seed=1, "
+     "d_model=(512 if k != 1 else recipe.d_model), n_layer=(8 if k != 1 else recipe.n_layer))\n",
+     True, 60),
+    ("a port set around the config's checks", "12",
+     "def port_recipe(recipe, n_gpus, max_micro_batch):\n"
+     "    port = recipe.replace(dp=n_gpus)\n"
+     "    object.__setattr__(port, 'grad_accum_steps', 10 ** 5000)\n    return port\n",
+     True, 60),
+    ("a layout of 10**5000 GPUs", "13",
+     "def choose_layout(task):\n    return dict(dp=10 ** 5000, tp=1, pp=1, zero=0, "
+     "micro_batch_size=1, sequence_parallel=False, recompute=None, memory_gib=1.0, "
+     "bottleneck='compute', why='dp ' * 20)\n", True, 60),
     ("an expression nested 100,000 deep", "01", "x = " + "(" * 100_000 + "1" + ")" * 100_000
      + "\n", True, 60),
     ("not UTF-8", "01", "# \udcff\n", True, 60),

@@ -1,4 +1,4 @@
-"""Exercise 04: a ZeRO-2 optimizer step.
+"""Exercise 04: ZeRO's sharded optimizer step (after backward).
 
 Check your work:   python -m exercises.check 04
 
@@ -26,6 +26,11 @@ DeepSpeed pads its flat partitions the same way.
 The memory ledger: minipar measures what each rank holds, by category
 (`dist.get_device().memory.hold(array, "optimizer")`). Backward books every p.grad as
 "grads"; `p.release_grad()` drops it and its bytes. The checker reads the ledger.
+
+This step runs after backward: until it reduce-scatters, every rank holds the whole
+gradient, so the gradient's *peak* is still stage 1's (the checker reads the gradients
+after the step, not at their peak). A true stage 2 reduce-scatters during backward, bucket
+by bucket: exercise 09.
 
 Write the four TODO methods; `__init__`, `flatten` and `step` are given.
 """

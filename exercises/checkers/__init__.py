@@ -40,9 +40,10 @@ EXERCISES = (
              "ex03_data_parallel", 45,
              "DDP from one rank's view; no_sync: one all-reduce per step, not per "
              "micro-batch; equivalence with single-device training"),
-    Exercise("04", "zero2", "a ZeRO-2 optimizer step", "ex04_zero2", 60,
+    Exercise("04", "zero2", "ZeRO's sharded optimizer step (after backward)", "ex04_zero2",
+             60,
              "reduce-scatter, sharded AdamW, all-gather; the same bytes as DP, 1/N of the "
-             "gradients and optimizer state"),
+             "optimizer state (and of the gradients once the step has run)"),
     Exercise("05", "one_f_one_b", "the 1F1B pipeline schedule as action lists",
              "ex05_one_f_one_b", 45,
              "PipeDream-Flush: warm-up, steady 1F1B, cool-down; matching sends and "
@@ -55,6 +56,32 @@ EXERCISES = (
              "ex07_zero_bubble", 50,
              "a backward split in B (input gradient) and W (weight gradients); W delayed "
              "into the bubble: ZB-H1's (p-1)(T_F+T_B-T_W) at 1F1B's memory"),
+    Exercise("08", "zero3_prefetch", "ZeRO-3 gather and free, with prefetch, as actions",
+             "ex08_zero3_prefetch", 45,
+             "ZeRO-3's all-gather before a unit's forward and backward, free after; "
+             "prefetch hides the transfer for a second unit's buffer"),
+    Exercise("09", "zero2_backward", "a true ZeRO-2: reduce-scatter during backward",
+             "ex09_zero2_backward", 45,
+             "gradient hooks reduce-scatter each bucket as backward completes it: the "
+             "gradient peak is one bucket plus the shards; one reduce-scatter per "
+             "micro-batch"),
+    Exercise("10", "sequence_parallel", "sequence parallelism: g and g-bar around the MLP",
+             "ex10_sequence_parallel", 60,
+             "TP's all-reduces split into all-gather and reduce-scatter along the "
+             "sequence: LayerNorm on T/t tokens, the same bytes, replicated gradients "
+             "all-reduced"),
+    Exercise("11", "predict_activations", "predict the activation bytes (core mode)",
+             "ex11_predict_activations", 50,
+             "Korthikanti's saved activations per layer with TP and SP, the 1F1B first "
+             "stage's p micro-batches, full recomputation; minipar's own terms given"),
+    Exercise("12", "port_recipe", "port a one-GPU recipe to N GPUs", "ex12_port_recipe",
+             30,
+             "keep the global batch, and the learning rate stays; when it must grow, the "
+             "square-root rule and the token budget; accumulation within the memory limit"),
+    Exercise("13", "choose_layout", "choose a layout for a cluster, and justify it",
+             "ex13_choose_layout", 60,
+             "dp x tp x pp x ZeRO for a model and a cluster, with the claims of a short "
+             "justification checked by the planner and the emulator"),
 )
 
 

@@ -25,7 +25,7 @@ from minipar.nn import AdamW, Linear, Module
 from .harness import CheckFailed, expect, scale_factor, start_report
 from .source_check import check_building_blocks
 
-NUMBER, TITLE = "04", "a ZeRO-2 optimizer step"
+NUMBER, TITLE = "04", "ZeRO's sharded optimizer step (after backward)"
 # The check of the file's text, which the grader also runs on its own copy (grader.py).
 BUILDING_BLOCKS = "builds on adamw_update and the collectives (no ready-made optimizer)"
 WORLDS = (2, 4)

@@ -19,9 +19,10 @@ The file under test never runs in the grader's process. grade()
 5. when the worker's outcomes all pass, runs the checker again here, on the file's
    functions in processes of their own (rank_processes.py): for a checker with
    `check_in_rank_processes` (01), every rank in a process of its own that holds only
-   its own input; for one with FUNCTIONS (05-07), the file's functions in one process.
-   That report is the one returned. (02-04 pass objects, models and optimizers, to the
-   file's code, which cannot cross a process boundary: their verdict is the worker's.)
+   its own input; for one with FUNCTIONS (05-08, 11-13), the file's functions in one
+   process. That report is the one returned. (02-04, 09 and 10 pass objects, models,
+   optimizers, Parameters with hooks, to the file's code, which cannot cross a process
+   boundary: their verdict is the worker's.)
 The verdict is the returned Report's; exercises/check.py takes the exit status from it
 alone. docs/exercises.md says what this guarantees and what it does not.
 """

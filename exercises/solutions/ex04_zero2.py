@@ -1,4 +1,4 @@
-"""Reference solution of exercise 04: a ZeRO-2 optimizer step."""
+"""Reference solution of exercise 04: ZeRO's sharded optimizer step (after backward)."""
 
 from __future__ import annotations
 

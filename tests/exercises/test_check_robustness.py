@@ -189,7 +189,9 @@ def test_an_unknown_exercise_is_one_line_with_the_choices(capsys, key):
     assert captured.err.splitlines() == [
         f"python -m exercises.check: error: no exercise {key!r}; choose one of "
         "01 (ring_allreduce), 02 (tensor_parallel), 03 (data_parallel), 04 (zero2), "
-        "05 (one_f_one_b), 06 (predict_bytes), 07 (zero_bubble), or 'all'"]
+        "05 (one_f_one_b), 06 (predict_bytes), 07 (zero_bubble), 08 (zero3_prefetch), "
+        "09 (zero2_backward), 10 (sequence_parallel), 11 (predict_activations), "
+        "12 (port_recipe), 13 (choose_layout), or 'all'"]
 
 
 def test_the_command_prints_one_line_for_an_argument_error():

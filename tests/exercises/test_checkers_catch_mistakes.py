@@ -650,3 +650,492 @@ def test_06_forgetting_the_loss_broadcast():
     detail = failures("06", predict_rank=_predict(no_loss))
     assert len(detail) == 2  # the two PP runs
     assert all("the loss the last stage broadcasts" in d for d in detail.values())
+
+
+# ------------------------------------------------------------------ 08 ZeRO-3 prefetch
+def _zero3(forward=None, backward=None):
+    """zero3_actions whose forward part (or backward part) is `forward(units, prefetch)`
+    (`backward(units, prefetch)`), the other part the solution's."""
+    _, sol = mutant("08")
+
+    def zero3_actions(units, prefetch):
+        actions = sol.zero3_actions(units, prefetch)
+        split = actions.index(("forward", units - 1)) + 2  # after the last forward's free
+        return ((forward or (lambda *_: actions[:split]))(units, prefetch)
+                + (backward or (lambda *_: actions[split:]))(units, prefetch))
+    return zero3_actions
+
+
+def test_08_never_freeing_after_forward_keeps_every_unit_gathered():
+    def forward(units, prefetch):  # gather, wait, forward; never free
+        return [a for u in range(units) for a in (("gather", u), ("wait", u), ("forward", u))]
+
+    def backward(units, prefetch):  # everything is still there
+        return [a for u in reversed(range(units)) for a in (("backward", u), ("free", u))]
+
+    detail = failures("08", zero3_actions=_zero3(forward, backward))
+    peak = detail["peak of gathered buffers: <= 2 units with prefetch, 1 without"]
+    assert "3 units, N=2, prefetch=False: at the peak 3 units' full parameters" in peak
+    assert "Units 0, 1, 2 stay gathered from their forward to their backward" in peak
+    assert "ZeRO-2's memory, not ZeRO-3's" in peak
+
+
+def test_08_prefetching_every_unit_at_the_start_holds_them_all():
+    def forward(units, prefetch):
+        return ([("gather", u) for u in range(units)]
+                + [a for u in range(units) for a in (("wait", u), ("forward", u),
+                                                      ("free", u))])
+
+    text = only_failure("08", zero3_actions=_zero3(forward))
+    assert "3 units, N=2, prefetch=False: at the peak 3 units' full parameters" in text
+    assert "the running unit)" in text
+
+
+def test_08_waiting_right_after_the_prefetch_hides_nothing():
+    def eager(units, prefetch, order, kind):
+        actions = [("gather", order[0]), ("wait", order[0])]
+        for i, u in enumerate(order):
+            if prefetch and i + 1 < len(order):
+                actions += [("gather", order[i + 1]), ("wait", order[i + 1])]
+            actions += [(kind, u), ("free", u)]
+            if not prefetch and i + 1 < len(order):
+                actions += [("gather", order[i + 1]), ("wait", order[i + 1])]
+        return actions
+
+    text = only_failure("08", zero3_actions=_zero3(
+        lambda units, prefetch: eager(units, prefetch, list(range(units)), "forward"),
+        lambda units, prefetch: eager(units, prefetch, list(reversed(range(units))),
+                                      "backward")))
+    assert "3 units, N=2, prefetch=True:" in text and "us of exposed communication" in text
+    assert "Waited for: forward of unit 0 (1 all-gathers); forward of unit 1" in text
+    assert "compute runs between its gather and its wait" in text
+
+
+def test_08_backward_without_a_second_gather_is_named():
+    def backward(units, prefetch):  # the forward freed every unit
+        return [a for u in reversed(range(units)) for a in (("backward", u), ("free", u))]
+
+    text = only_failure("08", zero3_actions=_zero3(backward=backward))
+    assert "action 4 (backward 0): unit 0 is not gathered: its parameters were freed " \
+           "after its forward; gather it again before its backward" in text
+
+
+def test_08_computing_before_the_wait_is_named():
+    def forward(units, prefetch):
+        _, sol = mutant("08")
+        actions = sol.zero3_actions(units, prefetch)
+        actions = actions[:actions.index(("forward", units - 1)) + 2]
+        actions.remove(("wait", 0))
+        return actions[:actions.index(("forward", 0)) + 1] + [("wait", 0)] + \
+            actions[actions.index(("forward", 0)) + 1:]
+
+    text = only_failure("08", zero3_actions=_zero3(forward))
+    assert "action 1 (forward 0): unit 0's all-gather was launched but not waited for" in text
+    assert "Put ('wait', 0) before the forward" in text
+
+
+def test_08_backward_prefetch_in_the_forward_direction_is_exposed_and_wasted():
+    def backward(units, prefetch):
+        actions = [("gather", units - 1)]
+        for u in reversed(range(units)):
+            actions.append(("wait", u))
+            if prefetch and u + 1 < units:  # "the next unit" taken as u + 1, as in forward
+                actions.append(("gather", u + 1))
+            actions += [("backward", u), ("free", u)]
+            if prefetch and u + 1 < units:
+                actions.append(("free", u + 1))
+            if u > 0:
+                actions.append(("gather", u - 1))
+        return actions
+
+    detail = failures("08", zero3_actions=_zero3(backward=backward))
+    assert set(detail) == {
+        "exposed communication: every all-gather without prefetch, at most 2 with",
+        "bytes: each unit gathered for its forward and for its backward"}
+    exposed = detail["exposed communication: every all-gather without prefetch, at most 2 with"]
+    assert "in backward the next unit is the previous one (u - 1)" in exposed
+    assert "8 all-gathers of" in detail["bytes: each unit gathered for its forward and for "
+                                        "its backward"]
+
+
+def test_08_a_plan_padded_with_gathers_is_refused_before_it_runs():
+    """A plan that gathers and frees a unit thousands of times passes the walk on paper
+    (each gather is freed); it is refused by its length, before the ranks run it."""
+    _, sol = mutant("08")
+
+    def zero3_actions(units, prefetch):
+        return [("gather", 0), ("free", 0)] * 20_000 + sol.zero3_actions(units, prefetch)
+
+    text = only_failure("08", zero3_actions=zero3_actions)
+    assert text.startswith("zero3_actions(1, False) returned 40008 actions; ZeRO-3 needs 8 "
+                           "per unit")
+
+
+# ------------------------------------------------------------------ 09 ZeRO-2 in backward
+def _zero2_backward(**methods):
+    _, sol = mutant("09")
+    return type("Mutant", (sol.Zero2Gradients,), methods)
+
+
+def _reduce_bucket(op="avg", release=True, accumulate=True):
+    def reduce_bucket(self, b):
+        flat = self.flatten(b, [p.grad for p in self.buckets[b]])
+        piece = dist.reduce_scatter(flat, op=op, group=self.group)
+        for p in self.buckets[b]:
+            if release:
+                p.release_grad()
+            else:
+                p.grad = None  # gone from the parameter, not from the ledger
+        if self.grad_shards[b] is None or not accumulate:
+            if self.grad_shards[b] is not None:
+                dist.release(self.grad_shards[b])
+            self.grad_shards[b] = dist.hold(piece, "grads")
+        else:
+            self.grad_shards[b] += piece
+    return reduce_bucket
+
+
+def test_09_reducing_after_backward_has_zero1s_gradient_peak():
+    def on_gradient_ready(self, b):  # waits for the whole gradient, then reduces it all
+        self.ready[b] += 1
+        if sum(self.ready) == sum(len(bucket) for bucket in self.buckets):
+            self.ready = [0] * len(self.buckets)
+            for bucket in range(len(self.buckets)):
+                self.reduce_bucket(bucket)
+
+    text = only_failure("09", Zero2Gradients=_zero2_backward(
+        on_gradient_ready=on_gradient_ready))
+    assert "N=2, A=1, rank 0: the ledger's gradient peak is 1344 bytes" in text
+    assert "That is the whole gradient, Ψ = 168 elements" in text
+    assert "reducing after backward is ZeRO-1's gradient peak" in text
+
+
+def test_09_assigning_the_piece_keeps_only_the_last_micro_batch():
+    text = only_failure("09", Zero2Gradients=_zero2_backward(
+        reduce_bucket=_reduce_bucket(accumulate=False)))
+    assert text.startswith("N=2, A=2, rank 0, step 0, bucket 0")
+    assert "is only one micro-batch's piece kept?" in text and "(+=)" in text
+
+
+def test_09_dropping_p_grad_without_releasing_it_is_named():
+    detail = failures("09", Zero2Gradients=_zero2_backward(
+        reduce_bucket=_reduce_bucket(release=False)))
+    assert set(detail) == {
+        "gradient PEAK <= the shards + one bucket's full gradients (the ledger)",
+        "after backward: no p.grad left, only the shards in the ledger"}
+    left = detail["after backward: no p.grad left, only the shards in the ledger"]
+    assert "p.grad = None does not take a gradient out of the ledger" in left
+
+
+def test_09_summing_over_the_ranks_is_named():
+    text = only_failure("09", Zero2Gradients=_zero2_backward(
+        reduce_bucket=_reduce_bucket(op="sum")))
+    assert "it is N = 2 times that: summed over the ranks" in text
+
+
+# ------------------------------------------------------------------ 10 sequence parallel
+def _sp_mlp(gather=None, scatter=None, bias_before=False):
+    """The solution's block with g (gather) and g-bar (scatter) replaced; bias_before adds
+    b2 before g-bar."""
+    _, sol = mutant("10")
+    gather = gather or sol.GatherFromSequenceParallelRegion
+    scatter = scatter or sol.ReduceScatterToSequenceParallelRegion
+
+    def sequence_parallel_mlp(x, ln_weight, ln_bias, w1, b1, w2, b2, group):
+        h = gather.apply(F.layer_norm(x, ln_weight, ln_bias), group)
+        h = F.gelu(F.linear(h, w1, b1))
+        if bias_before:
+            return x + scatter.apply(F.linear(h, w2, b2), group)
+        return x + scatter.apply(F.linear(h, w2), group) + b2
+    return {"GatherFromSequenceParallelRegion": gather,
+            "ReduceScatterToSequenceParallelRegion": scatter,
+            "sequence_parallel_mlp": sequence_parallel_mlp}
+
+
+class _AllReduce(Function):
+    """TP's g (all-reduce forward, identity backward) where g-bar belongs."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return dist.all_reduce(x, group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _LocalBackward(Function):
+    """An all-gather whose backward keeps my tokens' slice: no sum over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, ctx.n = dist.get_rank(group), x.shape[1]
+        return dist.all_gather(x, group=group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].copy(), None
+
+
+def test_10_all_reduce_after_the_row_parallel_layer_is_tps_g_not_g_bar():
+    detail = failures("10", **_sp_mlp(scatter=_AllReduce))
+    assert "an all-reduce is TP's g: here each rank keeps only its tokens" in \
+        detail["g-bar: reduce-scatter along the sequence forward, all-gather backward"]
+    assert "operands could not be broadcast together with shapes (2,4,8) (2,8,8)" in \
+        detail["your code raised ValueError (while checking: the MLP block runs on t = 2 "
+               "and 4 ranks)"]  # x + h: my piece plus every token
+
+
+def test_10_a_gather_whose_backward_keeps_only_my_piece_is_named():
+    detail = failures("10", **_sp_mlp(gather=_LocalBackward))
+    gather = detail["g: all-gather along the sequence forward, reduce-scatter backward "
+                    "(t = 2, 4)"]
+    assert "it kept only this rank's own gradient, with no communication" in gather
+    assert "t=2, rank 0: the gradient of x differs from one device's" in \
+        detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
+    assert "backward called ['all_gather']" in \
+        detail["communication: all-gather + reduce-scatter each way (TP's bytes), then "
+               "all-reduce of the replicated gradients"]
+
+
+def test_10_replicated_gradients_left_partial_are_named():
+    detail = failures("10", allreduce_sequence_parallel_grads=lambda params, group: None)
+    text = detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
+    assert "t=2, rank 0: the gradient of ln_weight holds only this rank's tokens' share" \
+        in text
+    assert "Megatron's param.sequence_parallel" in text
+    assert "allreduce_sequence_parallel_grads called nothing" in "".join(detail.values())
+
+
+def test_10_the_bias_added_before_the_reduce_scatter_is_named():
+    detail = failures("10", **_sp_mlp(bias_before=True))
+    assert "off by (t - 1) x b2: b2 was added on every rank before the reduce-scatter" in \
+        detail["output: my (B, T/t, d) piece of one device's x + MLP(LN(x))"]
+    assert "the gradient of b2 differs" in \
+        detail["gradients: x piece, w1/b1/w2 shards, replicated ln_weight, ln_bias, b2"]
+
+
+# ------------------------------------------------------------------ 11 activations
+def _layer_without(*, probabilities=True, sequence_parallel=True):
+    _, sol = mutant("11")
+
+    def layer_activation_bytes(config):
+        nbytes = sol.layer_activation_bytes(config)
+        if not probabilities:
+            nbytes -= (config.micro_batch_size * config.n_head // config.tp
+                       * config.seq_len ** 2 * sol.BYTES[config.precision])
+        if not sequence_parallel and config.sequence_parallel:
+            tokens = config.micro_batch_size * config.seq_len
+            nbytes += (4 * (tokens - tokens // config.tp) * config.d_model
+                       * sol.BYTES[config.precision])
+        return nbytes
+    return layer_activation_bytes
+
+
+def test_11_forgetting_the_attention_probabilities_is_named():
+    detail = failures("11", layer_activation_bytes=_layer_without(probabilities=False))
+    text = "".join(detail.values())
+    assert "missing the attention probabilities, B (a/t) T T?" in text
+
+
+def test_11_sequence_parallelism_not_applied_to_the_stream_is_named():
+    detail = failures("11", layer_activation_bytes=_layer_without(sequence_parallel=False))
+    layer = next(v for k, v in detail.items() if k.startswith("one layer's saved bytes"))
+    assert layer.startswith("tp=2 sp, fp32")
+    assert "the stream's four tensors hold T/t tokens" in layer
+
+
+def test_11_the_first_pipeline_stage_holding_one_micro_batch_is_the_interview_trap():
+    _, sol = mutant("11")
+
+    def activation_peak(config, rank, terms):  # "PP divides the activations by p"
+        if config.pp == 1:
+            return sol.activation_peak(config, rank, terms)
+        one = config.replace(pp=1, n_layer=config.n_layer // config.pp)
+        stage = (rank // config.tp) % config.pp
+        embedding = terms.embedding if stage == 0 else 0
+        head = terms.head if stage == config.pp - 1 else 0
+        layer = sol.layer_activation_bytes(one) + terms.norm_statistics
+        return one.n_layer * layer + embedding + head
+
+    text = only_failure("11", activation_peak=activation_peak)
+    assert "pp=2 m=4, fp32" in text and "rank 0: predicted" in text
+    assert "counted one micro-batch: 1F1B's first stage holds p of them" in text
+    assert "PP does not cut the first stage's activations" in text
+
+
+def test_11_recomputation_keeping_every_layer_is_named():
+    _, sol = mutant("11")
+
+    def activation_peak(config, rank, terms):
+        return sol.activation_peak(config.replace(recompute_granularity=None), rank, terms)
+
+    text = only_failure("11", activation_peak=activation_peak)
+    assert "recompute full" in text
+    assert "a layer keeps only its input until its backward recomputes it" in text
+
+
+@pytest.mark.parametrize("answer", [float, lambda n: np.array([], dtype=np.int64)],
+                         ids=["float", "empty array"])
+def test_11_a_peak_that_is_not_a_count_of_bytes_is_named(answer):
+    """A float equal to the bytes, or an empty array (which NumPy before 2.2 compares as
+    false, so `peak != measured` would pass it), is not an answer."""
+    _, sol = mutant("11")
+
+    def activation_peak(config, rank, terms):
+        return answer(sol.activation_peak(config, rank, terms))
+
+    text = only_failure("11", activation_peak=activation_peak)
+    assert text.startswith("activation_peak returned ")
+    assert "; return an int (bytes)" in text
+
+
+def test_11_a_count_of_bytes_too_large_to_print_is_named():
+    """10**5000 bytes once ended in Python's 4300-digit limit on printing an int."""
+    _, sol = mutant("11")
+    text = only_failure("11", activation_peak=lambda config, rank, terms: -10 ** 5000)
+    assert text == ("activation_peak returned an integer of 16610 bits; a count of bytes "
+                    "is from 0 to 2^63 - 1")
+
+
+def test_11_numpy_integers_are_counts_of_bytes():
+    _, sol = mutant("11")
+    exercise, impl = mutant(
+        "11", layer_activation_bytes=lambda c: np.int64(sol.layer_activation_bytes(c)),
+        activation_peak=lambda c, r, t: np.int64(sol.activation_peak(c, r, t)))
+    assert exercise.check(impl).passed
+
+
+# ------------------------------------------------------------------ 12 port a recipe
+def _port(change):
+    _, sol = mutant("12")
+    return lambda recipe, n, limit: change(sol.port_recipe(recipe, n, limit), recipe, n, limit)
+
+
+def test_12_scaling_the_learning_rate_by_the_gpu_count_is_named():
+    text = only_failure("12", port_recipe=_port(
+        lambda port, recipe, n, limit: port.replace(lr=port.lr * n, min_lr=port.min_lr * n)))
+    assert text.startswith("G = 2 x 4 = 8 on 1 GPU -> 4 GPUs (micro-batch <= 2): lr = 0.008")
+    assert "the linear scaling rule follows the global batch, not the GPU count" in text
+
+
+def test_12_keeping_the_one_gpu_accumulation_is_named():
+    text = only_failure("12", port_recipe=lambda recipe, n, limit: recipe.replace(dp=n))
+    assert "global batch 4 x 2 x 4 = 32; expected 8 (G is kept" in text
+    assert "the one-GPU micro-batch and accumulation were kept" in text
+
+
+def test_12_a_micro_batch_over_the_limit_is_named():
+    text = only_failure("12", port_recipe=_port(
+        lambda port, recipe, n, limit: port.replace(
+            micro_batch_size=port.micro_batch_size * port.grad_accum_steps,
+            grad_accum_steps=1)))
+    assert "(micro-batch <= 2): micro_batch_size = 4 does not fit" in text
+
+
+def test_12_the_grown_batch_with_the_same_steps_is_named():
+    def same_steps(port, recipe, n, limit):
+        return port.replace(steps=recipe.steps, warmup_steps=recipe.warmup_steps)
+
+    text = only_failure("12", port_recipe=_port(same_steps))
+    assert text.startswith("G = 3 x 2 = 6 on 1 GPU -> 4 GPUs")
+    assert "steps = 8, expected 6: with k = 1.33333 times the sequences per step" in text
+
+
+def test_12_the_linear_rule_for_adamw_is_named():
+    def linear(port, recipe, n, limit):
+        k = port.global_batch_size / recipe.global_batch_size
+        return port.replace(lr=recipe.lr * k, min_lr=recipe.min_lr * k)
+
+    text = only_failure("12", port_recipe=_port(linear))
+    assert "scaled linearly by k = 1.33333; for AdamW take the square-root rule" in text
+
+
+def test_12_a_port_that_changes_the_model_or_the_seed_is_named():
+    """Where G grows the loss curves are not compared, so only this check stops a port of
+    another model (which the checker would otherwise train, slowly)."""
+    def other_model(port, recipe, n, limit):
+        if port.global_batch_size == recipe.global_batch_size:
+            return port
+        return port.replace(seed=recipe.seed + 1, d_model=32)
+
+    text = only_failure("12", port_recipe=_port(other_model))
+    assert text.startswith("G = 3 x 2 = 6 on 1 GPU -> 4 GPUs (micro-batch <= 2): the port "
+                           "changes d_model 16 -> 32, seed 0 -> 1; a port sets only dp,")
+    assert "the model, the data, the seed and everything else stay the recipe's" in text
+
+
+def test_12_a_port_set_around_the_configs_checks_is_refused_by_minipar():
+    def around(port, recipe, n, limit):
+        object.__setattr__(port, "dp", -1)  # frozen, but not to object.__setattr__
+        return port
+
+    text = only_failure("12", port_recipe=_port(around))
+    assert text == ("G = 2 x 4 = 8 on 1 GPU -> 4 GPUs (micro-batch <= 2): minipar refuses "
+                    "the port: ConfigError: --dp: must be a positive integer, got -1")
+
+
+# ------------------------------------------------------------------ 13 choose a layout
+def _layout(model, **changes):
+    """choose_layout answering `model`'s task with `changes` to the solution's answer."""
+    _, sol = mutant("13")
+
+    def choose_layout(task):
+        answer = sol.choose_layout(task)
+        return {**answer, **changes} if task["model"] == model else answer
+    return choose_layout
+
+
+def test_13_tensor_parallelism_that_does_not_split_the_heads_is_refused():
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", dp=4, tp=2))
+    assert "gpt2-xl on 8 GPUs: the layout is not valid" in text
+    assert "n_head=25 is not divisible by tp=2" in text
+
+
+def test_13_tensor_parallelism_across_nodes_is_named():
+    text = only_failure("13", choose_layout=_layout("llama2-70b", dp=4, tp=16, pp=1))
+    assert "tp=16 crosses nodes of 8 GPUs" in text and "keep tp within a node" in text
+
+
+def test_13_a_layout_that_does_not_fit_names_its_largest_part():
+    detail = failures("13", choose_layout=_layout("llama2-70b", dp=64, tp=1, pp=1,
+                                                    sequence_parallel=False))
+    text = detail["fits the GPU's usable memory (the planner's estimate)"]
+    assert "llama2-70b on 64 GPUs (dp=64 tp=1 pp=1 zero=1 micro=1): the fullest GPU needs" \
+        in text
+    assert "the largest part is params: split the model (tp, pp) or shard it (ZeRO-3)" in text
+
+
+def test_13_a_wrong_bottleneck_is_compared_with_the_planners_breakdown():
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", bottleneck="pipeline bubble"))
+    assert "you name 'pipeline bubble' the bottleneck" in text
+    assert "so it is compute-bound (no overhead reaches 10%)" in text
+
+
+def test_13_a_memory_claim_far_from_the_planner_is_named():
+    text = only_failure("13", choose_layout=_layout("llama2-70b", memory_gib=35.0))
+    assert "memory_gib = 35.0; the planner predicts 70.8 GiB" in text
+
+
+def test_13_zero2_with_a_pipeline_is_refused_by_the_emulator():
+    detail = failures("13", choose_layout=_layout("llama2-70b", zero=2, memory_gib=67.0))
+    text = detail["the emulator trains the layout scaled down, like one device"]
+    assert "minipar refuses the layout" in text and "DeepSpeed refuses" in text
+
+
+def test_13_a_justification_silent_about_a_parallelism_is_named():
+    why = ("Tensor parallelism tp 2 inside each node with sequence parallelism, data "
+           "parallelism dp 4 with ZeRO-1 for the optimizer state; micro-batch 1.")
+    text = only_failure("13", choose_layout=_layout("llama2-70b", why=why))
+    assert "'why' does not say why you use pp" in text
+
+
+def test_13_sizes_out_of_range_are_named_before_anything_computes_with_them():
+    """dp = 10**5000 once reached the float formatting of an error message: OverflowError."""
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", dp=10 ** 5000, zero=4))
+    assert text == "gpt2-xl on 8 GPUs: give dp from 1 to 8, zero from 0 to 3 (integers)"
+
+
+def test_13_a_layout_of_another_gpu_count_is_named_first():
+    text = only_failure("13", choose_layout=_layout("gpt2-xl", dp=4))
+    assert text == "gpt2-xl on 8 GPUs: dp x tp x pp = 4; use all 8 GPUs"
