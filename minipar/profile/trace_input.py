@@ -241,7 +241,7 @@ def _check_config(f: _File, meta: dict, world: int) -> dict:
 
     values = f.object(meta, "config", "minipar")
     try:  # (an unknown setting too: from_dict names it)
-        config = TrainConfig.from_dict(values)
+        config = TrainConfig.from_saved(values)
         check_layout(config)
     except ConfigError as err:
         f.fail(f"minipar.config.{err.setting}", f"{err.detail} (the traced run's config is "

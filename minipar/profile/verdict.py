@@ -45,7 +45,7 @@ def _train_config(values: dict):
     from minipar.train.config import TrainConfig
     from minipar.train.mixes import check_layout
 
-    config = TrainConfig.from_dict(values)
+    config = TrainConfig.from_saved(values)
     check_layout(config)
     return config
 

@@ -374,7 +374,7 @@ def consolidate(directory) -> dict[str, np.ndarray]:
     from minipar.nn.gpt import parameter_shapes
     from minipar.train.config import TrainConfig, gpt_config
 
-    config = TrainConfig.from_dict(state.config)
+    config = TrainConfig.from_saved(state.config)
     return in_model_order(weights, parameter_shapes(gpt_config(config, config.vocab_size)),
                           f"{directory}: the checkpoint")
 

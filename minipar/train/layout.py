@@ -188,10 +188,15 @@ class Layout:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_saved(cls, values: dict):
+        """The settings of a config saved in a checkpoint, a report or a trace, written by
+        this minipar or an earlier one (saved_settings)."""
+        return cls.from_dict(saved_settings(values))
+
+    @classmethod
     def from_dict(cls, values: dict):
-        """The settings of a dict: a config saved in a checkpoint, a report or a trace,
-        written by this minipar or an earlier one (saved_settings), or `replace`'s."""
-        values = saved_settings(values)
+        """The settings of a dict (today's names only: a saved file's go through
+        from_saved), e.g. `replace`'s."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

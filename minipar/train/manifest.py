@@ -173,7 +173,7 @@ def check_manifest(manifest, path) -> TrainConfig:
                               "after it was saved (its step, config, world size, an entry or "
                               "a file's size or checksum no longer match what was written)")
     try:
-        config = TrainConfig.from_dict(manifest["config"])
+        config = TrainConfig.from_saved(manifest["config"])
     except (ConfigError, TypeError) as err:
         raise CheckpointError(f"{path}: config: {err}") from None
     if config.vocab_size is None:

@@ -137,7 +137,7 @@ def test_a_v2_checkpoint_with_activation_checkpointing_resumes_with_full_recompu
     with pytest.warns(UserWarning, match=PROVEN):
         state = ckpt.load_checkpoint(directory)
     assert state.config["activation_checkpointing"] is True  # what the file says
-    assert TrainConfig.from_dict(state.config).recompute_granularity == "full"
+    assert TrainConfig.from_saved(state.config).recompute_granularity == "full"
     config = TrainConfig(dp=2, zero=1, recompute_granularity="full", **{**SMALL, "steps": 3})
     with pytest.warns(UserWarning, match=PROVEN):
         report = train(config, resume_from=directory, save_dir=tmp_path / "next")
@@ -161,7 +161,7 @@ def test_cli_consolidates_a_v2_checkpoint_in_one_warning_line(old, tmp_path):
 @pytest.mark.parametrize("saved_value, expected", [(True, "full"), (False, None)])
 def test_a_saved_activation_checkpointing_is_read_in_todays_terms(saved_value, expected):
     values = {**TrainConfig().to_dict(), "activation_checkpointing": saved_value}
-    config = TrainConfig.from_dict(values)
+    config = TrainConfig.from_saved(values)
     assert config.recompute_granularity == expected
     assert config.recompute.label == ("full" if saved_value else "none")
     assert "activation_checkpointing" in values  # the caller's dict is left as it was
@@ -171,9 +171,9 @@ def test_activation_checkpointing_with_a_granularity_was_never_valid():
     values = {**TrainConfig().to_dict(), "activation_checkpointing": True,
               "recompute_granularity": "selective"}
     with pytest.raises(ConfigError, match="^--activation-checkpointing: true"):
-        TrainConfig.from_dict(values)
+        TrainConfig.from_saved(values)
     with pytest.raises(ConfigError, match="must be true or false, got 'yes'"):
-        TrainConfig.from_dict({**values, "activation_checkpointing": "yes"})
+        TrainConfig.from_saved({**values, "activation_checkpointing": "yes"})
 
 
 def test_a_trace_of_before_is_read(tmp_path):
