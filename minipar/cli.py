@@ -24,8 +24,10 @@ import warnings
 from pathlib import Path
 
 from minipar import distributed as dist
+from minipar.distributed.clock import device_label
 from minipar.distributed.engines import ENGINES, get_engine
 from minipar.errors import ConfigError, MiniparError, OutputError
+from minipar.files import remove_temporaries
 from minipar.plan.cli import add_plan_command, run_plan
 from minipar.plan.fits import check_fits
 from minipar.profile import cli as profile_cli
@@ -63,16 +65,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           if k not in ROUTING_SETTINGS or v is not None})
 
 
-DEVICES = ("uniform", "h100", "a100", "demo")
+DEVICES = ("demo", "uniform", "h100", "a100")
+# The demo's and the notebooks' GPU: on it a toy model's step splits between compute,
+# communication and bubble as a 7B model's does on H100s (minipar/demo.py says why). On
+# an H100 profile the same model computes a layer in microseconds and every rank shows
+# "compute 0%, comm 100%".
+DEFAULT_DEVICE = "demo"
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=DEVICES, default="uniform",
-                        help="the simulated GPU: uniform (default: an H100 node's links, "
-                             "every FLOP at 400 TFLOP/s; toy models are latency-bound on "
-                             "it), h100 / a100 (each kernel on the GPU's roofline: GEMMs by "
-                             "shape, other ops by bytes moved, the planner's time model) or "
-                             "demo (compute scaled to toy models, see `minipar demo`)")
+    parser.add_argument("--device", choices=DEVICES, default=DEFAULT_DEVICE,
+                        help="the simulated GPU: demo (the default, as in `minipar demo` "
+                             "and the notebooks: an H100 node's link ratios, compute scaled "
+                             "to toy models), uniform (an H100 node's links, every FLOP at "
+                             "400 TFLOP/s: toy models are latency-bound on it), h100 / a100 "
+                             "(each kernel on the GPU's roofline: GEMMs by shape, other ops "
+                             "by bytes moved, the planner's time model)")
 
 
 def device_profile(name: str):
@@ -82,7 +90,7 @@ def device_profile(name: str):
         return DEMO_PROFILE
     if name in ("h100", "a100"):
         return dist.H100 if name == "h100" else dist.A100
-    return None  # the default: minipar.distributed.DeviceProfile(), uniform pricing
+    return None  # uniform: minipar.distributed.DeviceProfile(), train()'s own default
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +185,9 @@ def cmd_train(args) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
 
-    late = None  # an output that failed after the run: said last, the results kept
+    # Outputs that failed after the run (a full disk): said last, in one line, with the
+    # results kept (printed, and the outputs that could be written, written).
+    late: OutputError | None = None
     with profile_cli.trace_folder(args) as trace:  # checked before the work
         try:
             report = train_prepared(prepared, progress=progress, save_dir=args.save,
@@ -187,23 +197,30 @@ def cmd_train(args) -> int:
         except OutputError as err:
             if err.report is None:
                 raise
-            report, late = err.report, OutputError("save", err.detail)  # its flag is --save
+            # the flags: train()'s save_dir is --save; --profile alone traces for itself
+            flags = {"save_dir": "save", "trace": "trace" if args.trace else "profile"}
+            report, late = err.report, OutputError(
+                flags[err.setting], err.detail, outputs=[flags[o] for o in err.outputs])
         finally:
             if bar is not None:
                 bar.close()
         if report is None:  # a rank of a torchrun job other than 0: rank 0 reports
             return 0
-        profile = profile_cli.profile_folder(trace) if args.profile else None
+        traced = late is None or not {"trace", "profile"} & set(late.outputs)
+        profile = profile_cli.profile_folder(trace) if args.profile and traced else None
         if profile is not None:
             report.profile = profile.to_dict()
     if args.json:
         try:
             report.to_json(args.json)
         except OSError as err:
-            late = OutputError("json", f"{args.json}: the report could not be written "
-                               f"({err.strerror or err}); it is printed above instead")
+            failed = (f"{args.json}: the report could not be written ({err.strerror or err});"
+                      " it is printed above instead")
+            late = OutputError("json", failed) if late is None else OutputError(
+                late.setting, f"{late.detail}; --json: {failed}",
+                outputs=[*late.outputs, "json"])
             print(report.to_json())
-    print_summary(report, config, args, late, profile)
+    print_summary(report, config, args, () if late is None else late.outputs, profile)
     if late is not None:
         raise late
     check = report.equivalence
@@ -214,8 +231,9 @@ def cmd_train(args) -> int:
     return 0
 
 
-def print_summary(report, config: TrainConfig, args, late=None, profile=None) -> None:
-    """What `minipar train` prints after the run (nothing with --quiet; profile: --profile)."""
+def print_summary(report, config: TrainConfig, args, failed=(), profile=None) -> None:
+    """What `minipar train` prints after the run (nothing with --quiet; profile: --profile;
+    failed: the outputs that could not be written, not said to be)."""
     from minipar.viz import tables
     from minipar.viz.measured import engine_text
 
@@ -225,7 +243,8 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
               f"precision {config.precision}, global batch {config.global_batch_size} "
               f"= micro {config.micro_batch_size} x accum {config.grad_accum_steps} "
               f"x dp {config.dp}, recompute {config.recompute.label}\n"
-              f"simulated GPU: {report.device['name']} (--device {args.device})\n")
+              f"simulated GPU: {device_label(report.device)} (--device {args.device}"
+              f"{', the default' if args.device == DEFAULT_DEVICE else ''})\n")
         if report.engine is not None:
             print(engine_text(report) + "\n")
         print(tables.loss_table(report))
@@ -246,13 +265,13 @@ def print_summary(report, config: TrainConfig, args, late=None, profile=None) ->
             print(f"warning: {warning}")
         if check is not None:
             print(f"\n{equivalence_line(check)}")
-        if args.save and not (late is not None and late.setting == "save"):
+        if args.save and "save" not in failed:
             print(f"checkpoints written to {args.save}")
-        if args.trace:  # rank<N>.json, and merged/all_ranks.json for Perfetto
+        if args.trace and "trace" not in failed:  # rank<N>.json, merged/all_ranks.json
             print(f"\ntraces written to {args.trace}/ (`minipar profile {args.trace}`)")
         if profile is not None:
             print(f"\n{profile.text()}")
-        if args.json and not (late is not None and late.setting == "json"):
+        if args.json and "json" not in failed:
             print(f"\nreport written to {args.json}")
 
 
@@ -268,7 +287,7 @@ def moe_line(moe: dict) -> str:
             f"capacity), the busiest expert took {load:.2f}x the mean load")
 
 
-def pipeline_line(pipeline: dict, device: str = "h100") -> str:
+def pipeline_line(pipeline: dict, device: str = DEFAULT_DEVICE) -> str:
     """The measured bubble, and the uniform-stage formula only where it applies."""
     from minipar.distributed.timeline import COMMUNICATION_BOUND_SHARE
 
@@ -352,6 +371,7 @@ def cmd_check_torch(args) -> int:
 
 def cmd_timeline(args) -> int:
     from minipar.train.loop import prepare_run, train_prepared
+    from minipar.viz.save import save_figure
     from minipar.viz.timeline import plot_timeline
 
     config = config_from_args(args)
@@ -375,13 +395,14 @@ def cmd_timeline(args) -> int:
         what = f"step {args.step % config.steps}"
     fig = plot_timeline(report.timelines, start=start, end=end)
     try:
-        fig.savefig(args.out, dpi=110)
+        save_figure(fig, args.out)
     except OSError as err:
         raise OutputError("out", f"{args.out}: the figure could not be written "
                           f"({err.strerror or err})") from None
-    print(f"{args.out}: timeline of {report.world_size} rank(s), {what}")
+    print(f"{args.out}: timeline of {report.world_size} rank(s), {what}, simulated on "
+          f"{device_label(report.device)} (--device {args.device})")
     if report.pipeline is not None:
-        print(pipeline_line(report.pipeline))
+        print(pipeline_line(report.pipeline, args.device))
     for warning in report.warnings:
         print(f"warning: {warning}")
     return 0
@@ -430,13 +451,20 @@ def cmd_consolidate(args) -> int:
     source = resolve(args.checkpoint)  # a save directory: its latest, if of one run
     manifest = read_manifest(source)
     state_dict = consolidate(source)
-    save_state_dict(args.output, state_dict)
+    try:
+        save_state_dict(args.output, state_dict)
+    except OSError as err:  # a full disk: whole or not at all, an earlier file kept
+        raise OutputError("OUT.npz", f"{args.output}: the state dict could not be written "
+                          f"({err.strerror or err})") from None
     n = sum(a.size for a in state_dict.values())
-    run = manifest["run"] + ("" if manifest["origin"] == manifest["run"] else
-                             f", continuing run {manifest['origin']}")
+    if "run" in manifest:
+        run = "run " + manifest["run"] + ("" if manifest["origin"] == manifest["run"] else
+                                          f", continuing run {manifest['origin']}")
+    else:  # a checkpoint saved before run ids (its warning said so)
+        run = f"{manifest['format']}, no run id"
     print(f"{args.output}: {len(state_dict)} tensors, {n:,} parameters "
           f"(single-device names, {next(iter(state_dict.values())).dtype}), from {source} "
-          f"(run {run}; step {manifest['step']})")
+          f"({run}; step {manifest['step']})")
     return 0
 
 
@@ -459,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minipar {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the ranks are stopped (threads, or processes)
+        # and what was being written is removed, even by a rank that did not stop in time
+        remove_temporaries()
         print(f"minipar {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `minipar plan ... | head`: the reader has what it wanted

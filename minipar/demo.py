@@ -32,7 +32,8 @@ estimate for Llama-2 7B on this layout on H100s (compute ~2/3, bubble ~20%,
 communication ~14%): the shares, not the absolute times, are the point.
 
 A front end beside the CLI (docs/architecture.md): it drives minipar.train and draws with
-minipar.viz, and nothing below imports it.
+minipar.viz, and nothing below imports it. This module is long because it is the demo's
+whole story: its runs, the sentences that explain them, and the files it leaves.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minipar.distributed import DeviceProfile
+from minipar.errors import OutputError
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.train.config import TrainConfig
 from minipar.train.loop import train
@@ -143,8 +145,10 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
     def working(what: str, run):
         progress(f"  ... {what}", end="")
         begun = time.perf_counter()
-        result = run()
-        progress(f" {time.perf_counter() - begun:.1f} s")
+        try:
+            result = run()
+        finally:  # (a failure or a Ctrl-C is said on a line of its own)
+            progress(f" {time.perf_counter() - begun:.1f} s")
         return result
 
     say(f"minipar demo: {layout_name(config)} on {config.world_size} virtual GPUs "
@@ -154,8 +158,19 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
         f"{_rate(profile.intra_node_bandwidth)} in a node, "
         f"{_rate(profile.inter_node_bandwidth)} across (see docs/3d-and-demo.md)")
     trace_dir = Path(out_dir) / "trace"
+    failed: dict[str, str] = {}  # outputs not written (a full disk): said last, one line
+
+    def traced() -> Report:
+        try:
+            return train(config, device=profile, trace=trace_dir)
+        except OutputError as err:  # the traces: the run and its report are kept
+            if err.report is None:
+                raise
+            failed["trace"] = err.detail.partition("; the run finished")[0]
+            return err.report
+
     report = working(f"training {layout_name(config)} and the same batches on one device "
-                     "(the check)", lambda: train(config, device=profile, trace=trace_dir))
+                     "(the check)", traced)
     exact = working("the same layout in fp64, 2 steps, checked",
                     lambda: train(config.replace(precision="fp64", steps=2), device=profile))
     single = report.reference
@@ -204,16 +219,25 @@ def run_demo(out_dir="minipar-demo", config: TrainConfig = DEMO_CONFIG,
         for line in offload_summary(base, offloaded):
             say(line)
 
-    figures = working("drawing the figures (a first run also builds matplotlib's font "
-                      "cache)", lambda: save_figures(report, single, Path(out_dir)))
+    try:
+        figures = working("drawing the figures (a first run also builds matplotlib's font "
+                          "cache)", lambda: save_figures(report, single, Path(out_dir)))
+    except OSError as err:  # (the run is shown all the same; what is missing, said last)
+        figures, failed["figures"] = [], (f"{out_dir}: the figures could not be written "
+                                          f"({err.strerror or err})")
     say()
-    say(f"figures written to {Path(out_dir)}/: " + ", ".join(p.name for p in figures))
-    say(f"profiler trace written to {trace_dir}/: rank<N>.json per rank (open "
-        f"merged/all_ranks.json in Perfetto UI); `minipar profile {trace_dir}` names the "
-        "bottleneck (docs/profiling.md)")
+    if figures:
+        say(f"figures written to {Path(out_dir)}/: " + ", ".join(p.name for p in figures))
+    if "trace" not in failed:
+        say(f"profiler trace written to {trace_dir}/: rank<N>.json per rank (open "
+            f"merged/all_ranks.json in Perfetto UI); `minipar profile {trace_dir}` names "
+            "the bottleneck (docs/profiling.md)")
     seconds = time.perf_counter() - started
     say(f"(demo took {seconds:.1f} s of wall time)")
-    return DemoResult(report, exact, single, ablations, figures, lines, seconds)
+    result = DemoResult(report, exact, single, ablations, figures, lines, seconds)
+    if failed:  # everything above was shown; what is missing on disk is said last
+        raise OutputError("out", "; ".join(failed.values()), report=result)
+    return result
 
 
 def _rate(bytes_per_second: float) -> str:
@@ -358,6 +382,7 @@ def save_figures(report: Report, single: Report, out_dir: Path) -> list[Path]:
     traffic.png; returns their paths."""
     from minipar.distributed.timeline import bubble_fraction
     from minipar.viz.memory import plot_memory
+    from minipar.viz.save import save_figure
     from minipar.viz.timeline import plot_timeline
     from minipar.viz.traffic import plot_traffic
 
@@ -377,9 +402,4 @@ def save_figures(report: Report, single: Report, out_dir: Path) -> list[Path]:
         "memory.png": plot_memory(report, baselines={"1 GPU": single}),
         "traffic.png": plot_traffic(report),
     }
-    paths = []
-    for name, fig in figures.items():
-        path = out_dir / name
-        fig.savefig(path, dpi=110)
-        paths.append(path)
-    return paths
+    return [save_figure(fig, out_dir / name) for name, fig in figures.items()]

@@ -60,12 +60,14 @@ class ConfigError(MiniparError, ValueError):
 class OutputError(ConfigError, OSError):
     """An output (--json, --save, --out, consolidate's OUT) that cannot be written.
     Raised before the work starts; if a write fails after it (a full disk), `report` is
-    what was computed, so the caller can still show it (the CLI prints it). Also an
-    OSError, so that code catching the write's own error still catches it."""
+    what was computed, so the caller can still show it (the CLI prints it), and
+    `outputs` names every output that failed (the first is `setting`). Also an OSError,
+    so that code catching the write's own error still catches it."""
 
-    def __init__(self, setting: str, message: str, report=None):
+    def __init__(self, setting: str, message: str, report=None, outputs=()):
         super().__init__(setting, message)
         self.report = report
+        self.outputs = tuple(outputs) or (setting,)
 
 
 class PipelineError(MiniparError, ValueError):

@@ -27,6 +27,11 @@ JSON nested deeper than MAX_DEPTH (a manifest nested 100,000 levels deep raised
 RecursionError in the parser; a few hundred levels, in the code after it). Each refusal
 is an InputFileError naming the file; readers re-raise it as their own error.
 
+Interrupted. While a temporary (atomic_write's file, a checkpoint's staging directory) is
+being written, it is listed here; `remove_temporaries()` deletes the ones still listed.
+The CLI calls it when Ctrl-C ends a command: a thread that was writing one and did not
+stop in time (a rank in a slow fsync) dies with the process, before its own cleanup.
+
 Locking. `DirectoryLock` is an advisory exclusive lock on a directory (fcntl.flock on an
 open descriptor of it), released by `release()` or when the process ends, however it
 ends: a lock that can be taken proves that no live process holds it. Where fcntl is
@@ -43,7 +48,9 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +84,7 @@ def atomic_write(path, mode: str = "wb"):
         raise ValueError(f"atomic_write: mode {mode!r}, expected 'w' or 'wb'")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    track_temporary(tmp)
     try:
         with open(tmp, "x" + mode[1:], encoding="utf-8" if mode == "w" else None) as f:
             yield f
@@ -87,7 +95,51 @@ def atomic_write(path, mode: str = "wb"):
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+    finally:
+        untrack_temporary(tmp)
     fsync_directory(path.parent)
+
+
+_TEMPORARIES: set[Path] = set()  # being written now, by any thread (module docstring)
+_TEMPORARIES_LOCK = threading.Lock()
+
+
+def track_temporary(path) -> None:
+    """List `path` (a file or a directory) as a temporary being written."""
+    with _TEMPORARIES_LOCK:
+        _TEMPORARIES.add(Path(path))
+
+
+def untrack_temporary(path) -> None:
+    """`path` is no longer a temporary: renamed into place, or removed by its writer."""
+    with _TEMPORARIES_LOCK:
+        _TEMPORARIES.discard(Path(path))
+
+
+def remove_temporaries() -> list[Path]:
+    """Delete every temporary still listed (a symlink itself, never what it points
+    to); returns them. For a process that is ending (Ctrl-C): their writers are gone
+    or will die with it. A rank that has not stopped yet may still add a file to a
+    staging directory while it is removed (rmtree then leaves the directory): what is
+    still there, or listed meanwhile, is removed again, for at most ~1 s."""
+    removed: list[Path] = []
+    pending: list[Path] = []
+    for _ in range(50):
+        with _TEMPORARIES_LOCK:
+            left = sorted(_TEMPORARIES | set(pending))
+            _TEMPORARIES.clear()
+        for path in left:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+        removed += [p for p in left if p not in removed]
+        pending = [p for p in left if p.exists() or p.is_symlink()]
+        if not pending and not _TEMPORARIES:
+            break
+        time.sleep(0.02)
+    return removed
 
 
 def fsync_directory(directory) -> None:

@@ -22,7 +22,7 @@ def run(*args):
 
 def test_train_writes_a_valid_report_and_prints_tables(tmp_path):
     out = tmp_path / "out.json"
-    result = run("train", "--steps", "5", "--json", str(out), *SMALL)
+    result = run("train", "--steps", "5", "--json", str(out), "--device", "uniform", *SMALL)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     validate_report(report)
@@ -167,12 +167,12 @@ def test_train_3d_prints_traffic_time_and_bubble_and_flags_cross_node_tp(tmp_pat
 
 
 def test_a_latency_bound_pipeline_says_the_formula_does_not_apply_and_suggests_demo():
-    """A toy model on the default h100 profile: ~99% of busy time is message latency, so
-    "bubble 3% vs 11% by the formula" would read like a bug; on --device demo the
-    formula is printed next to the measurement."""
+    """A toy model on the uniform H100 profile: ~99% of busy time is message latency, so
+    "bubble 3% vs 11% by the formula" would read like a bug; on --device demo (the
+    default) the formula is printed next to the measurement."""
     pipeline = ["--pp", "2", "--n-layer", "2", "--grad-accum-steps", "4", "--steps", "1",
                 *SMALL[:4]]
-    fast = run("train", *pipeline)
+    fast = run("train", *pipeline, "--device", "uniform")
     assert fast.returncode == 0, fast.stderr
     assert "does not apply; try --device demo" in fast.stdout
     assert "would give" not in fast.stdout

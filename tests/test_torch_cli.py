@@ -43,7 +43,7 @@ def test_two_node_ranks_of_torchrun_train_as_the_threads_do(tmp_path):
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "-m", "minipar",
-         "train", "--engine", "torch", "--dp", "2", *TINY,
+         "train", "--engine", "torch", "--dp", "2", "--device", "uniform", *TINY,
          "--json", str(tmp_path / f"node{node}.json")],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]

@@ -17,18 +17,21 @@ ANSWERS = {
                "all-reduce hides behind backward on NVLink, so the step is compute-bound; "
                "micro-batches of 8 keep the GPU busy and the activations fit."},
     "llama2-70b": {
-        "dp": 4, "tp": 2, "pp": 8, "zero": 1, "micro_batch_size": 1,
-        "sequence_parallel": True, "recompute": None, "memory_gib": 70.8,
+        "dp": 2, "tp": 2, "pp": 16, "zero": 1, "micro_batch_size": 1,
+        "sequence_parallel": True, "recompute": None, "memory_gib": 66.0,
         "bottleneck": "compute",
         "why": "70B parameters are 1.1 TB of model state: they must be split. Tensor "
                "parallelism tp 2 inside the node with sequence parallelism halves every "
-               "layer at a modest all-reduce cost; pipeline parallelism pp 8 across the "
-               "nodes (10 layers per stage) cuts the rest, and 256 micro-batches per "
-               "pipeline keep the bubble small, (p-1)/(m+p-1) = 7/263. Data "
-               "parallelism dp 4 with ZeRO-1 uses the remaining GPUs and shards the "
-               "optimizer state. The first stage holds 8 micro-batches of activations, "
-               "so micro-batch 1; the TP, PP and DP transfers and the bubble each stay "
-               "under 10% of the step."},
+               "layer at a modest all-reduce cost; pipeline parallelism pp 16 across the "
+               "nodes (5 layers per stage) cuts the rest, and 512 micro-batches per "
+               "pipeline keep the bubble small, (p-1)/(m+p-1) = 15/527. Data "
+               "parallelism dp 2 with ZeRO-1 uses the remaining GPUs and shards the "
+               "optimizer state. Pipelining does not cut the first stage's activations: "
+               "it holds 16 micro-batches of 5 layers, one micro-batch of the whole "
+               "model (about 40 GiB with SP), so micro-batch 1, and the model state "
+               "(with fp32 gradient buffers, as Megatron-LM keeps them) must stay under "
+               "30 GiB: hence pp 16 rather than 8. The TP, PP and DP transfers and the "
+               "bubble each stay under 10% of the step."},
 }
 
 

@@ -125,6 +125,23 @@ class DeviceProfile:
         raise ValueError(f"no link for a copy {direction!r}")
 
 
+def device_label(values: dict) -> str:
+    """A simulated GPU in words for a reader who did not choose it: its name and how it
+    prices compute. `values`: a DeviceProfile's fields (dataclasses.asdict), as a report's
+    `device` section and a trace keep them.
+
+        H100-SXM (NVLink 4, 400 Gb/s IB NDR), every FLOP at 400 TFLOP/s whatever the kernel
+        H100-SXM roofline (...), each kernel on its roofline (GEMMs by shape, others by bytes)
+    """
+    if values.get("roofline") is not None:
+        return (f"{values['name']}, each kernel on its roofline (GEMMs by shape, other ops "
+                "by bytes moved)")
+    flops = values["flops"]
+    unit, scale = next(((u, s) for u, s in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12),
+                                           ("GFLOP/s", 1e9)) if flops >= s), ("FLOP/s", 1))
+    return f"{values['name']}, every FLOP at {flops / scale:.3g} {unit} whatever the kernel"
+
+
 def tier_copy_time(direction: str, nbytes: int, profile: DeviceProfile) -> float:
     """Seconds of one copy of nbytes between tiers: alpha + S/B (the same alpha-beta
     model as a message between GPUs)."""

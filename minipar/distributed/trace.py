@@ -38,7 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from minipar.errors import InputFileError, MiniparError
-from minipar.files import load_json
+from minipar.files import atomic_write, load_json
 
 from .clock import DeviceProfile
 from .memory import CATEGORIES
@@ -255,11 +255,13 @@ def rank_trace(device, steps=(), metadata: dict | None = None) -> dict:
 
 
 def dump_trace(trace: dict, path: Path) -> None:
-    """JSON with one event per line (as torch.profiler writes it: small diffs, greppable)."""
+    """JSON with one event per line (as torch.profiler writes it: small diffs, greppable),
+    written whole or not at all (minipar.files.atomic_write)."""
     head = {k: v for k, v in trace.items() if k != "traceEvents"}
     lines = [json.dumps(e) for e in trace["traceEvents"]]
     text = json.dumps(head, indent=1)[:-2] + ',\n "traceEvents": [\n' + ",\n".join(lines)
-    path.write_text(text + "\n ]\n}\n", encoding="utf-8")
+    with atomic_write(path, "w") as f:
+        f.write(text + "\n ]\n}\n")
 
 
 def write_traces(directory, devices, steps=None, metadata=None) -> list[Path]:

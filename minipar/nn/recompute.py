@@ -94,8 +94,11 @@ class Recompute:
         return [(i, i + 1, i < k) for i in range(n_layers)]
 
     def recomputed_layers(self, n_layers: int) -> int:
-        """Layers of a chunk of n_layers whose whole forward runs again in backward."""
-        return sum(end - start for start, end, ck in self.segments(n_layers) if ck)
+        """Layers of a chunk of n_layers whose whole forward runs again in backward
+        (segments' checkpointed layers: every one under uniform, the first k under block)."""
+        if not self.full:
+            return 0
+        return n_layers if self.method == "uniform" else min(self.num_layers, n_layers)
 
     def to_flags(self) -> dict:
         """The config settings of this policy (activation_checkpointing off: the

@@ -18,11 +18,14 @@ fixes the model's shape, a search (`--gpus` alone) chooses the layout's settings
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import threading
 from dataclasses import fields, replace
 
-from minipar.errors import ConfigError
+from minipar.errors import ConfigError, OutputError
+from minipar.files import atomic_write
 from minipar.plan import presets, published, published_h100
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
@@ -257,19 +260,62 @@ def _setting(args, name: str):
 
 
 def _emit_json(args, payload: dict) -> None:
+    """The JSON to stdout (--json) or to PATH, whole or not at all (an earlier file there
+    survives a full disk; the answer is then printed, and one line says why)."""
     text = json.dumps(payload, indent=2, default=str)
     if args.json == "-":
         print(text)
-    else:
-        with open(args.json, "w", encoding="utf-8") as f:
+        return
+    try:
+        with atomic_write(args.json, "w") as f:
             f.write(text + "\n")
+    except OSError as err:
+        print(text)
+        raise OutputError("json", f"{args.json}: the answer could not be written "
+                          f"({err.strerror or err}); it is printed above instead") from None
+
+
+def pipeline_note(est) -> str | None:
+    """How a pipeline's step was timed, when its schedule was not walked whole
+    (minipar.plan.pipeline_step: too many actions to walk in seconds)."""
+    c = est.config
+    walked = est.time.get("simulated_micro_batches")
+    if c.pp == 1 or walked == [c.micro_batches]:
+        return None
+    size = f"{c.pp} x {c.micro_batches:,} x {c.virtual_stages} (p x m x v)"
+    if walked is None:
+        return (f"note: the pipeline's {size} computations are too many to walk in seconds: "
+                "its step is the closed form for uniform stages, not the simulation of its "
+                "schedule")
+    return (f"note: the pipeline's {size} computations were walked at m = "
+            f"{', '.join(map(str, walked))} and extrapolated to m = {c.micro_batches:,} (its "
+            "steady state: the same time per micro-batch; exposed communication within "
+            "~0.5% of the step)")
+
+
+@contextlib.contextmanager
+def said_after(seconds: float, text: str):
+    """Print `text` on stderr if the block takes longer than `seconds`: the planner
+    answers within a few seconds, and past one the user is told what it is doing."""
+    timer = threading.Timer(seconds, lambda: print(text, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 # ------------------------------------------------------------------ the command
 def run_plan(args) -> int:
     """Run `minipar plan` with parsed `args`; returns the exit status."""
+    searching = args.gpus is not None and all(getattr(args, k) is None
+                                              for k in ("dp", "tp", "pp", "example"))
+    doing = (f"searching the layouts of {args.gpus:,} GPUs" if searching else
+             "estimating the layout and its lint's variants")
     try:
-        return _run(args)
+        with said_after(1.0, f"minipar plan: {doing} (a few seconds) ..."):
+            return _run(args)
     except ConfigError as err:
         print(f"minipar plan: error: {err}", file=sys.stderr)
         return 2
@@ -342,6 +388,8 @@ def _run(args) -> int:
             _emit_json(args, {**est.to_dict(), "findings": [f.to_dict() for f in findings]})
         else:
             print(est.table())
+            if (note := pipeline_note(est)) is not None:
+                print(note)
             _print_findings(findings)
         chosen = config
     else:
@@ -379,7 +427,11 @@ def _run(args) -> int:
             return 1
         chosen = advice.best.config
     if args.export:
-        files = write_export(args.export, shape, chosen, cluster)
+        try:
+            files = write_export(args.export, shape, chosen, cluster)
+        except OSError as err:  # each file whole or not at all: earlier ones kept
+            raise OutputError("export", f"{args.export}: the layout's files could not be "
+                              f"written ({err.strerror or err})") from None
         if not args.json or args.json != "-":
             print("\nexported: " + ", ".join(str(p) for p in files.values()))
     return 0

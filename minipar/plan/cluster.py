@@ -156,10 +156,11 @@ class ClusterSpec:
 
 
 # ---------------------------------------------------------------------- bytes per rank
-def ring_chunks(numel: int, n: int) -> list[int]:
-    """Element counts of the n chunks a ring cuts a flat tensor into (np.array_split)."""
+def ring_chunk(numel: int, n: int, i: int) -> int:
+    """Elements of chunk i of the n a ring cuts a flat tensor into (np.array_split: the
+    first numel mod n chunks one element longer)."""
     base, extra = divmod(numel, n)
-    return [base + (i < extra) for i in range(n)]
+    return base + (i < extra)
 
 
 def all_reduce_sent(numel: int, itemsize: int, n: int, position: int = 0) -> int:
@@ -168,8 +169,8 @@ def all_reduce_sent(numel: int, itemsize: int, n: int, position: int = 0) -> int
     divides the tensor)."""
     if n <= 1:
         return 0
-    chunks = ring_chunks(numel, n)
-    return itemsize * (2 * numel - chunks[(position + 1) % n] - chunks[(position + 2) % n])
+    once = ring_chunk(numel, n, (position + 1) % n) + ring_chunk(numel, n, (position + 2) % n)
+    return itemsize * (2 * numel - once)
 
 
 def all_gather_sent(piece_numel: int, itemsize: int, n: int) -> int:

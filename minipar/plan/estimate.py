@@ -194,8 +194,10 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
             transfers=transfers, time=stage_time(shape, config, cluster, plan, transfers),
             memory_host=tiers["host"], memory_nvme=tiers["nvme"],
             tier_transfers=tier_transfers(shape, config, plan)))
-    if exact_pipeline and config.pp > 1:
+    time = None
+    if exact_pipeline and config.pp > 1:  # (None: too long to walk, pipeline_step.py)
         time = simulated_step_time(shape, config, cluster, scatter_gather=scatter_gather)
+    if time is not None:
         for stage in stages:  # the schedule's p2p waits and the tail, per rank
             stage.time["exposed_comm_s"] = time["rank_exposed_comm_s"][stage.rank]
     else:

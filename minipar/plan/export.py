@@ -24,6 +24,7 @@ import json
 import shlex
 from pathlib import Path
 
+from minipar.files import atomic_write
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import ModelShape
@@ -263,12 +264,13 @@ def write_export(directory, shape: ModelShape, config: ParallelConfig,
         "megatron_deepspeed": directory / "megatron_deepspeed_args.txt",
         "launch": directory / "launch.sh",
     }
-    files["deepspeed"].write_text(json.dumps(deepspeed_config(shape, config), indent=2) + "\n",
-                                  encoding="utf-8")
+    texts = {"deepspeed": json.dumps(deepspeed_config(shape, config), indent=2) + "\n",
+             "launch": launch_script(shape, config, cluster)}
     for key, flavor in (("megatron", "megatron-lm"),
                         ("megatron_deepspeed", "megatron-deepspeed")):
-        lines = _pairs(megatron_args(shape, config, flavor))
-        files[key].write_text("\n".join(lines) + "\n", encoding="utf-8")
-    files["launch"].write_text(launch_script(shape, config, cluster), encoding="utf-8")
+        texts[key] = "\n".join(_pairs(megatron_args(shape, config, flavor))) + "\n"
+    for key, path in files.items():  # each whole or not at all (minipar.files)
+        with atomic_write(path, "w") as f:
+            f.write(texts[key])
     files["launch"].chmod(0o755)
     return files

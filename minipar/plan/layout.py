@@ -28,7 +28,7 @@ from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedu
 from minipar.plan.accounting import check_accounting
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import check_experts_split
-from minipar.train.layout import Layout
+from minipar.train.layout import Layout, check_booleans, switches
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class ParallelConfig(Layout):
 
     def __post_init__(self) -> None:
         self.validate_layout()
+        check_booleans(self, switches(ParallelConfig))
         check_accounting(self.memory_accounting, self.zero)
         if self.tp_comm_overlap and self.tp > 1 and not self.sequence_parallel:
             raise ConfigError("tp_comm_overlap", "Megatron-LM overlaps tensor-parallel "

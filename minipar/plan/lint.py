@@ -31,6 +31,7 @@ This module is long because it is one short function per classic mistake above.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -364,10 +365,19 @@ def _cheaper_recomputation(shape, config, cluster, est: Estimate) -> Finding | N
     chunk = max(layer_counts(shape.n_layer, config.pp * config.virtual_stages,
                              config.layer_split))
     done = recompute.recomputed_layers(chunk)
-    for k in range(1, chunk):
-        if k >= done:
-            break
-        fewer = estimate(shape, config.with_recompute(Recompute("full", "block", k)), cluster)
+
+    def block(k: int):
+        return estimate(shape, config.with_recompute(Recompute("full", "block", k)), cluster)
+
+    # The fewest layers k < done whose block recomputation fits. A rank's peak falls as
+    # k grows (each checkpointed layer keeps its input only), so a bisection finds the
+    # first k that fits in ~log2(chunk) estimates: a 4096-layer chunk costs 12, not 4095.
+    counts = range(1, min(done, chunk))
+    first = bisect.bisect_left(counts, True,
+                               key=lambda k: block(k).memory["peak_total"] <= roomy)
+    if first < len(counts):
+        k = counts[first]
+        fewer = block(k)
         if fewer.memory["peak_total"] <= roomy:
             return Finding(
                 "RECOMPUTES_TOO_MUCH", "info",

@@ -102,6 +102,8 @@ def gradient_buckets(modules: list[Module], config: ParallelConfig,
     itemsize = config.bytes.param  # DDP's bucket_cap_mb counts parameter bytes
     if begins is None:
         begins = back_to_back(modules, 0.0)
+    if cap == 0:  # one bucket: the loop below, a module at a time rather than a tensor
+        return _one_bucket(backward, list(reversed(begins)), 1 if config.zero == 0 else n)
     groups: list[list[tuple[int, float, bool]]] = [[]]
     size = 0
     for mod, begin in zip(backward, reversed(begins), strict=True):
@@ -117,6 +119,31 @@ def gradient_buckets(modules: list[Module], config: ParallelConfig,
     return [GradientBucket(shard(sum(t[0] for t in g), shards) * shards,
                            max(t[1] for t in g), any(t[2] for t in g))
             for g in groups if g]
+
+
+def _one_bucket(backward: list[Module], begins: list[float], shards: int
+                ) -> list[GradientBucket]:
+    """gradient_buckets' single bucket (bucket_size_mb 0) of modules in backward order
+    begun at `begins`: every element, complete when the last tensor is. A module's last
+    tensor is complete at begin + backward_s x its largest ready share (the same float:
+    rounding keeps x -> begin + backward_s x share monotone), so a 4096-layer chunk costs
+    4096 steps, not 50,000."""
+    numel, after, late = 0, None, False
+    alike: dict[int, tuple[int, float, bool]] = {}  # a module met again (the layers)
+    for mod, begin in zip(backward, begins, strict=True):
+        if not mod.tensors:
+            continue
+        if id(mod) not in alike:
+            alike[id(mod)] = (sum(mod.tensors), 1.0 if mod.ready is None else max(mod.ready),
+                              any(mod.late))
+        elements, share, module_late = alike[id(mod)]
+        numel += elements
+        end = begin + mod.backward_s * share
+        after = end if after is None else max(after, end)
+        late = late or module_late
+    if after is None:
+        return []
+    return [GradientBucket(shard(numel, shards) * shards, after, late)]
 
 
 def back_to_back(modules: list[Module], start: float) -> list[float]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields, replace
 from math import inf
 
 from minipar.train.config import ModelSettings, check_model_size
+from minipar.train.layout import check_booleans
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -122,7 +123,9 @@ class ModelShape:
             if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < inf:
                 raise ValueError("ModelShape.moe_capacity_factor must be a finite number > 0 "
                                  f"(or None: dropless), got {self.moe_capacity_factor!r}")
-        check_model_size(self, lambda name, message: ValueError(f"ModelShape.{name} {message}"))
+        error = lambda name, message: ValueError(f"ModelShape.{name} {message}")  # noqa: E731
+        check_model_size(self, error)
+        check_booleans(self, ("bias", "embedding_norm", "tie_embeddings"), error)
 
     # ------------------------------------------------------------------ derived sizes
     @property

@@ -301,8 +301,9 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         recompute = stage_compute(shape, config, layers)["recompute"] / stage.layers
         ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
                             config.sequence_parallel, comm, recompute)
-        modules += [Module(f"layer {i}", forward, backward, tensors,
-                           (False,) * len(tensors), ready) for i in range(stage.layers)]
+        # the layers are alike: one Module, met stage.layers times
+        modules += [Module("layer", forward, backward, tensors, (False,) * len(tensors),
+                           ready)] * stage.layers
     if stage.last:
         tensors, late = head_tensors(shape, t, stage.tied_copy)
         forward, backward, comm = seconds(part((0,), last=True))

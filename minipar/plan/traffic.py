@@ -62,7 +62,7 @@ collectives, one section each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.zero.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, quantized_nbytes
@@ -218,25 +218,31 @@ def _zero3(shape, config, stage, params, gpus_per_node) -> list[Transfer]:
                                           all_gather_sent(piece, p, size), phase, label))
 
     tied_head = shape.tie_embeddings and stage.first and stage.last
+    # Alike units counted once (a deep model's layers): the same transfers, in the same
+    # order, as one pair per unit merged (_merge), without making 2 x 4096 of them.
+    units: dict[tuple[int, int], int] = {}  # (elements, the head's use of wte) -> units
     for i, unit in enumerate(params.units):
-        piece = shard(unit, n)
         again = 1 if stage.first and i == 0 and tied_head else 0  # the head's use of wte
+        units[unit, again] = units.get((unit, again), 0) + 1
+    for (unit, again), alike in units.items():
+        piece = shard(unit, n)
         if secondary is None:  # True: forward, backward (and the head) gather over n
-            gather(kind, n, piece, (2 + again) * m if keep else m, "forward",
+            gather(kind, n, piece, ((2 + again) * m if keep else m) * alike, "forward",
                    "ZeRO-3 parameter all-gather")
         else:  # the first use gathers over n, the others my 1/K piece over K
             piece_k = piece * n // secondary
             until_step = config.zero_hpz_partition_size > 1  # hpZ keeps it until the step
             firsts = 1 if until_step else m
-            gather(kind, n, piece, firsts, "forward", "ZeRO-3 parameter all-gather")
-            gather("dp_secondary", secondary, piece_k, m - firsts + again * m, "forward",
+            gather(kind, n, piece, firsts * alike, "forward", "ZeRO-3 parameter all-gather")
+            gather("dp_secondary", secondary, piece_k, (m - firsts + again * m) * alike,
+                   "forward", "secondary partition all-gather")
+            gather("dp_secondary", secondary, piece_k, m * alike, "backward",
                    "secondary partition all-gather")
-            gather("dp_secondary", secondary, piece_k, m, "backward",
-                   "secondary partition all-gather")
-        transfers += _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node)
+        transfers += [replace(t, count=t.count * alike)
+                      for t in _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node)]
         replicas = config.replicas // n  # HSDP: each unit's gradient shard averaged over
         if config.hsdp_shard_size and replicas > 1:  # its replicas, once per step
-            transfers.append(Transfer("all_reduce", "dp_replicate", replicas, piece * g, 1,
+            transfers.append(Transfer("all_reduce", "dp_replicate", replicas, piece * g, alike,
                                       all_reduce_sent(piece, g, replicas), "step",
                                       "HSDP gradient all-reduce over the replicas"))
     if n > 1:

@@ -161,7 +161,7 @@ def profile_traces(traces: list[dict], verdict: bool = True, sources=None) -> Pr
     config, device = meta["config"], meta["device"]
     window = max(t["minipar"]["end_s"] for t in traces)
     steps = max(len(_steps(t)) for t in traces)
-    shape = from_train_config(TrainConfig.from_dict(config))
+    shape = from_train_config(TrainConfig.from_saved(config))
     model_flops = shape.model_flops_per_sequence() * config["global_batch_size"] * steps
     executed = []
     for trace in traces:

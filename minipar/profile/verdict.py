@@ -25,6 +25,7 @@ peak memory before and after, so the verdict says what to expect before anyone t
 
 from __future__ import annotations
 
+from minipar.distributed.clock import device_label
 from minipar.distributed.trace import device_profile
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate, human_bytes, human_seconds
@@ -44,7 +45,7 @@ def _train_config(values: dict):
     from minipar.train.config import TrainConfig
     from minipar.train.mixes import check_layout
 
-    config = TrainConfig.from_dict(values)
+    config = TrainConfig.from_saved(values)
     check_layout(config)
     return config
 
@@ -246,7 +247,7 @@ def format_profile(profile) -> str:
     """The bottleneck report as text (what `minipar profile DIR` prints)."""
     window = profile.window_s
     lines = [f"profile of {profile.world_size} rank(s), {profile.steps} step(s), "
-             f"{human_seconds(window)} simulated on {profile.device['name']}", "",
+             f"{human_seconds(window)} simulated on {device_label(profile.device)}", "",
              "Time per rank over the run (simulated; HTA's definitions):"]
     rows = []
     for r in profile.ranks:

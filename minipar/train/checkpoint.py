@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from minipar.errors import CheckpointError, InputFileError
 from minipar.files import DirectoryLock, atomic_write, loads_json, open_regular
 from minipar.parallel.state import Piece
 from minipar.train import checkpoint_dirs as dirs
-from minipar.train.manifest import FORMAT, MANIFEST, SEAL, check_manifest, rank_file, seal
+from minipar.train.manifest import FORMAT, FORMAT_2, MANIFEST, SEAL, check_manifest, rank_file, seal
 
 __all__ = ["CheckpointError", "TrainingState", "consolidate", "load_checkpoint",
            "read_manifest", "save_checkpoint"]
@@ -61,7 +62,8 @@ class TrainingState:
     tensors[kind][name]: kind "param", "exp_avg", "exp_avg_sq" and ("master", mixed
     precision); step: optimizer steps completed (the next batch is step's); rng_states:
     each saving rank's dropout generator state, by rank; origin: the run whose
-    trajectory it is (the run that saved it, or the first one it resumed)."""
+    trajectory it is (the run that saved it, or the first one it resumed; "" for a /2
+    checkpoint, which does not say)."""
 
     step: int
     config: dict
@@ -197,10 +199,17 @@ def read_manifest(directory) -> dict:
 
 
 def load_checkpoint(directory) -> TrainingState:
-    """Verify every file against the manifest and assemble the full tensors."""
+    """Verify every file against the manifest and assemble the full tensors. A FORMAT_2
+    checkpoint (saved before run ids) loads with a warning: nothing proves its files come
+    from one run; every other check holds, under its own seal. Nothing is rewritten."""
     directory = dirs.resolve(directory)
     manifest = read_manifest(directory)
-    step, run = manifest["step"], manifest["run"]
+    step, run = manifest["step"], manifest.get("run")  # (None: a /2 checkpoint)
+    if manifest["format"] == FORMAT_2:
+        warnings.warn(f"{directory} is a {FORMAT_2} checkpoint, saved before checkpoints "
+                      "carried their run's id: it loads, but its files cannot be proven to "
+                      "come from one run (two runs saving into one directory at once could "
+                      "have mixed them); a new save writes " + FORMAT, stacklevel=2)
     held = []  # (file name, coords, Piece)
     for record in manifest["files"]:
         path = directory / record["file"]
@@ -230,7 +239,8 @@ def load_checkpoint(directory) -> TrainingState:
     tensors = assemble(held, config)
     return TrainingState(step=step, config=config, tensors=tensors,
                          rng_states=[r["rng_state"] for r in manifest["files"]],
-                         world_size=manifest["world_size"], origin=manifest["origin"])
+                         world_size=manifest["world_size"],
+                         origin=manifest.get("origin", ""))
 
 
 def _piece(path: Path, npz, entry: dict) -> Piece:
@@ -248,13 +258,17 @@ def _piece(path: Path, npz, entry: dict) -> Piece:
                  entry["placement_group"])
 
 
-def _description(record: dict, step: int, run: str) -> dict:
-    """What a rank file says of itself (write_rank_file's `__meta__`), per the manifest."""
-    return {"rank": record["rank"], "step": step, "run": run, "coords": record["coords"],
+def _description(record: dict, step: int, run: str | None) -> dict:
+    """What a rank file says of itself (write_rank_file's `__meta__`), per the manifest
+    (run None: a /2 file, which has no run id)."""
+    said = {"rank": record["rank"], "step": step, "run": run, "coords": record["coords"],
             "rng_state": record["rng_state"], "entries": record["entries"]}
+    if run is None:
+        del said["run"]
+    return said
 
 
-def _most_bytes(record: dict, step: int, run: str) -> int:
+def _most_bytes(record: dict, step: int, run: str | None) -> int:
     """The largest a rank file holding `record`'s arrays can be: their bytes, their
     description (`__meta__`) and, per array, NumPy's .npy header (128 bytes for a flat
     array) and zip's local and central headers with their ZIP64 fields (np.savez), which
@@ -273,7 +287,7 @@ def _check_self_description(path: Path, npz, said: dict) -> None:
     meta = loads_json(npz[META_KEY].tobytes(), path, what="rank file's description")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: its {META_KEY} record is not a JSON object")
-    if meta.get("run") != said["run"]:
+    if "run" in said and meta.get("run") != said["run"]:
         raise CheckpointError(f"{path}: written by run {meta.get('run')!r}, but the "
                               f"manifest is run {said['run']!r}'s: the checkpoint mixes "
                               "the files of two runs (saved into one directory at once?)")
@@ -360,7 +374,7 @@ def consolidate(directory) -> dict[str, np.ndarray]:
     from minipar.nn.gpt import parameter_shapes
     from minipar.train.config import TrainConfig, gpt_config
 
-    config = TrainConfig.from_dict(state.config)
+    config = TrainConfig.from_saved(state.config)
     return in_model_order(weights, parameter_shapes(gpt_config(config, config.vocab_size)),
                           f"{directory}: the checkpoint")
 

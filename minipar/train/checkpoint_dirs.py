@@ -36,7 +36,13 @@ import shutil
 from pathlib import Path
 
 from minipar.errors import CheckpointError, InputFileError
-from minipar.files import DirectoryLock, fsync_directory, load_json
+from minipar.files import (
+    DirectoryLock,
+    fsync_directory,
+    load_json,
+    track_temporary,
+    untrack_temporary,
+)
 from minipar.train.manifest import MANIFEST
 
 STEP = re.compile(r"step-(\d+)")
@@ -83,6 +89,7 @@ def begin(directory: Path, run: str, lock: DirectoryLock) -> Path:
     with _Locked(parent):
         recover(parent, run)
         staging.mkdir()
+        track_temporary(staging)  # (removed if the process ends before discard does)
         lock.acquire()
     return staging
 
@@ -109,6 +116,8 @@ def discard(staging: Path, lock: DirectoryLock) -> None:
     there (the save failed or was interrupted), then let go of its lock."""
     try:
         remove(staging)
+        if not (staging.exists() or staging.is_symlink()):  # (another rank may still be
+            untrack_temporary(staging)  # writing into it: then the CLI's cleanup retries)
     finally:
         lock.release()
 

@@ -29,7 +29,16 @@ from dataclasses import dataclass
 from minipar.distributed.cluster import MAX_WORLD_SIZE
 from minipar.errors import ConfigError
 from minipar.nn.gpt import MLP_KINDS, GPTConfig
-from minipar.train.layout import Layout, check_positive_integers, choice, divisors, setting
+from minipar.train.layout import (
+    Layout,
+    check_booleans,
+    check_positive_integers,
+    choice,
+    divisors,
+    plain_scalars,
+    setting,
+    switches,
+)
 
 MAX_LR = 1.0  # docs/refusals.md: larger peak learning rates are refused
 # The deepest and widest models minipar takes (the trainer's and the planner's): far past
@@ -75,7 +84,9 @@ class ModelSettings:
         self.validate_model()
 
     def validate_model(self) -> None:
+        plain_scalars(self)
         check_positive_integers(self, ("seq_len", "n_layer", "n_head", "d_model"))
+        check_booleans(self, switches(ModelSettings))
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError("vocab_size", f"must be at least 2, got {self.vocab_size}")
         if self.d_model % self.n_head:
@@ -136,6 +147,7 @@ class OptimizerSettings:
         self.validate_optimizer()
 
     def validate_optimizer(self) -> None:
+        plain_scalars(self)
         # Real numbers first: NaN compares False with everything, so `lr <= 0` alone
         # lets --lr nan through (and --grad-clip nan silently turned clipping off).
         for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip"):
@@ -176,7 +188,9 @@ class RunSettings:
         self.validate_run()
 
     def validate_run(self) -> None:
+        plain_scalars(self)
         check_positive_integers(self, ("steps", "gpus_per_node"))
+        check_booleans(self, switches(RunSettings))
         choice("data", self.data, DATASETS)
         _integer("seed", self.seed, 0, MAX_SEED)
 

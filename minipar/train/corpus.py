@@ -15,6 +15,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from minipar.files import atomic_write
+
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
 _SUBJECTS = [
@@ -91,7 +93,8 @@ def generate_corpus(n_paragraphs: int = 150, seed: int = 1234) -> str:
 
 
 def write_corpus(path: Path = CORPUS_PATH) -> None:
-    path.write_text(generate_corpus(), encoding="utf-8")
+    with atomic_write(path, "w") as f:
+        f.write(generate_corpus())
 
 
 def load_corpus() -> str:

@@ -31,6 +31,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name
@@ -159,12 +161,15 @@ class Layout:
         self.validate_layout()
 
     def validate_layout(self, n_layer: int | None = None) -> None:
-        """The layout's rules, each once (the sizes, the ZeRO stage and its offload, the
-        precision, the schedule's name, the buckets, --ep inside --dp, the batch, the
-        recomputation flags); the batch is derived. n_layer: the model's layers, when it
-        is known (a TrainConfig), which bound --recompute-num-layers by a chunk's."""
+        """The layout's rules, each once (the sizes, the switches, the ZeRO stage and its
+        offload, the precision, the schedule's name, the buckets, --ep inside --dp, the
+        batch, the recomputation flags); the batch is derived. n_layer: the model's
+        layers, when it is known (a TrainConfig), which bound --recompute-num-layers by a
+        chunk's. NumPy values are taken as the Python values they hold (plain_scalars)."""
+        plain_scalars(self)
         check_positive_integers(self, ("dp", "tp", "pp", "cp", "ep", "virtual_stages",
                                        "micro_batch_size"))
+        check_booleans(self, switches(Layout))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
         choice("precision", self.precision, PRECISIONS)
@@ -261,7 +266,15 @@ class Layout:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_saved(cls, values: dict):
+        """The settings of a config saved in a checkpoint, a report or a trace, written by
+        this minipar or an earlier one (saved_settings)."""
+        return cls.from_dict(saved_settings(values))
+
+    @classmethod
     def from_dict(cls, values: dict):
+        """The settings of a dict (today's names only: a saved file's go through
+        from_saved), e.g. `replace`'s."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -279,6 +292,30 @@ class Layout:
         if "grad_accum_steps" not in changes and "global_batch_size" in changes:
             values["grad_accum_steps"] = None
         return type(self).from_dict({**values, **changes})
+
+
+# ------------------------------------------------------------------ saved configs
+def saved_settings(values: dict) -> dict:
+    """A saved config's settings in today's terms. Configs saved before the setting
+    `activation_checkpointing` was removed carry it: true is `recompute_granularity`
+    "full" without a method (every block recomputed, what it meant), false is the
+    default, so it is dropped. Its old rule refused it with a granularity, and so does
+    this one. Nothing is rewritten on disk: the file keeps what it says."""
+    if "activation_checkpointing" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("activation_checkpointing")
+    if old is False:
+        return values
+    if old is not True:
+        raise ConfigError("activation_checkpointing", f"(a saved config's) must be true or "
+                          f"false, got {old!r}")
+    if values.get("recompute_granularity") is not None:
+        raise ConfigError("activation_checkpointing", "true (a saved config's) with "
+                          f"recompute_granularity={values['recompute_granularity']!r}: "
+                          "the two were never allowed together")
+    values["recompute_granularity"] = "full"
+    return values
 
 
 # ------------------------------------------------------------------ the rules
@@ -414,12 +451,42 @@ def resolve_batch(micro_batch_size: int, dp: int, grad_accum_steps: int | None,
     return derived, global_batch
 
 
+def plain_scalars(settings) -> None:
+    """Replace the NumPy scalars among the fields of `settings` (a frozen dataclass) by
+    the Python values they hold (np.int64(2) -> 2, np.True_ -> True): a setting taken from
+    an array or a sweep is then checked by the same rules as one typed in, and the
+    config's JSON and comparisons are the same either way."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, np.generic):
+            object.__setattr__(settings, field.name, value.item())
+
+
 def check_positive_integers(settings, names) -> None:
     """Each setting in `names` (attributes of `settings`) is an int >= 1."""
     for name in names:
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def switches(section: type) -> tuple[str, ...]:
+    """The settings `section` declares as `bool` (its own, not those it inherits): each
+    is checked by `check_booleans`, so a switch added later cannot be forgotten there."""
+    own = section.__dict__.get("__annotations__", {})
+    return tuple(name for name, kind in own.items() if kind in ("bool", bool))
+
+
+def check_booleans(settings, names, error=ConfigError) -> None:
+    """Each setting in `names` (attributes of `settings`) is True or False. Anything else
+    is refused rather than given to Python's truth test, for which the string 'False' is
+    true (TrainConfig(sequence_parallel='False') ran sequence parallelism) and 0 or None
+    would be a silent False. error(name, message) makes the exception (the planner's
+    ModelShape raises ValueError)."""
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, bool):
+            raise error(name, f"must be True or False, got {value!r}")
 
 
 def choice(name: str, value, options) -> None:

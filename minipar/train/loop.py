@@ -77,6 +77,7 @@ class RunOptions:
     run: str = field(default_factory=checkpoint_dirs.new_run_id)  # in every file it saves
     # Checkpoint writes that failed, as (rank, directory, OSError): host-side, like a log.
     save_failures: list = field(default_factory=list)
+    trace_failure: OSError | None = None  # the traces could not be written (a full disk)
     progress: object = None  # a _StepLog, or None
     device: dist.DeviceProfile | None = None  # the simulated GPU (default: H100)
     trace: Path | None = None  # write a profiler trace per rank here (trace.py)
@@ -192,7 +193,11 @@ def _launch(config: TrainConfig, options: RunOptions, warnings: list[str],
     results = launched.results
     if options.trace is not None:
         start_step = 0 if options.start is None else options.start.step
-        _write_trace(engine or ThreadEngine(), options.trace, config, launched, start_step)
+        try:
+            _write_trace(engine or ThreadEngine(), options.trace, config, launched,
+                         start_step)
+        except OSError as err:  # the run is not lost with its traces: said at the end
+            options.trace_failure = err
     report = report_from_run(config, results, launched.devices, warnings)
     if engine is not None:
         add_engine(report, launched)
@@ -360,9 +365,19 @@ def train_prepared(prepared: PreparedRun, *, progress=None, save_dir=None,
             report.steps, reference.report.steps, report.state_dict,
             reference.report.state_dict, [r["check"] for r in results],
             judging.tolerance, judging.scale, judging.quantized)
-    if options.save_failures:  # the run is done: say what was not written, keep the rest
+    # The run is done: say what was not written, keep the rest (the report).
+    failed = []
+    if options.save_failures:
         _, directory, error = options.save_failures[0]
-        raise OutputError("save_dir", f"{directory}: the checkpoint could not be written "
-                          f"({error.strerror or error}); the run finished, its report is "
-                          "this error's .report", report=report)
+        failed.append(("save_dir", f"{directory}: the checkpoint could not be written "
+                                   f"({error.strerror or error})"))
+    if options.trace_failure is not None:
+        error = options.trace_failure
+        failed.append(("trace", f"{trace}: the traces could not be written "
+                                f"({error.strerror or error})"))
+    if failed:
+        said = "; ".join(f"{flag(name)}: {text}" if i else text
+                         for i, (name, text) in enumerate(failed))
+        raise OutputError(failed[0][0], f"{said}; the run finished, its report is this "
+                          "error's .report", report=report, outputs=[n for n, _ in failed])
     return report

@@ -42,6 +42,9 @@ from minipar.train.config import TrainConfig
 
 # /1 had no manifest checksum; /2 no run id and the files' sizes outside the seal
 FORMAT = "minipar.checkpoint/3"
+# Read, never written: the checkpoints users saved before run ids. Their files cannot be
+# proven to come from one run (checkpoint.load_checkpoint says so); their seal is theirs.
+FORMAT_2 = "minipar.checkpoint/2"
 MANIFEST = "manifest.json"
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 PLACEMENTS = {"Replicate": (), "Shard": ("dim",), "StridedShard": ("dim", "stride")}
@@ -64,8 +67,12 @@ def stored_dtype(precision: str, kind: str) -> str:
 
 def seal(manifest: dict) -> str:
     """SHA-256 of the manifest's content: every field but the seal itself, in canonical
-    JSON."""
+    JSON (a /2 manifest's: without each file's sha256 and bytes, as /2 sealed it)."""
     content = {k: v for k, v in manifest.items() if k != SEAL}
+    if manifest.get("format") == FORMAT_2:
+        content["files"] = [{k: v for k, v in record.items() if k not in ("sha256", "bytes")}
+                            if isinstance(record, dict) else record
+                            for record in manifest.get("files", [])]
     text = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -93,11 +100,12 @@ def check_schema(manifest, path) -> None:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{where}: a manifest is a JSON object, got a "
                               f"{type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in (FORMAT, FORMAT_2):
         raise CheckpointError(f"{where}: format {manifest.get('format')!r}, expected "
-                              f"{FORMAT!r} (re-save it with this minipar)")
-    for name, kind in (("step", int), ("world_size", int), ("run", str), ("origin", str),
-                       ("config", dict), ("files", list), (SEAL, str)):
+                              f"{FORMAT!r} (or {FORMAT_2!r}, read too)")
+    runs = (("run", str), ("origin", str)) if manifest["format"] == FORMAT else ()
+    for name, kind in (("step", int), ("world_size", int), *runs, ("config", dict),
+                       ("files", list), (SEAL, str)):
         _field(manifest, name, kind, where)
     _integer(manifest["step"], f"{where}: step")
     _integer(manifest["world_size"], f"{where}: world_size", 1)
@@ -165,7 +173,7 @@ def check_manifest(manifest, path) -> TrainConfig:
                               "after it was saved (its step, config, world size, an entry or "
                               "a file's size or checksum no longer match what was written)")
     try:
-        config = TrainConfig.from_dict(manifest["config"])
+        config = TrainConfig.from_saved(manifest["config"])
     except (ConfigError, TypeError) as err:
         raise CheckpointError(f"{path}: config: {err}") from None
     if config.vocab_size is None:

@@ -34,6 +34,7 @@ from minipar.distributed.timeline import (
     communication_share,
     labelled_compute_seconds,
 )
+from minipar.files import atomic_write
 from minipar.nn.gpt import parameter_shapes
 from minipar.parallel.pipeline.schedules.registry import (
     SCHEDULES,
@@ -131,10 +132,12 @@ class Report:
         return out
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
-        """The report as JSON text; also written to `path` when given."""
+        """The report as JSON text; also written to `path` when given, whole or not at
+        all (minipar.files.atomic_write: an earlier file there survives a full disk)."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            Path(path).write_text(text + "\n", encoding="utf-8")
+            with atomic_write(path, "w") as f:
+                f.write(text + "\n")
         return text
 
     @classmethod

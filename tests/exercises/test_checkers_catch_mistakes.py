@@ -5,6 +5,7 @@ typical student mistake, and expects the checker to fail with a sentence that po
 from __future__ import annotations
 
 import importlib
+import re
 import types
 
 import numpy as np
@@ -1103,7 +1104,9 @@ def test_13_a_layout_that_does_not_fit_names_its_largest_part():
     text = detail["fits the GPU's usable memory (the planner's estimate)"]
     assert "llama2-70b on 64 GPUs (dp=64 tp=1 pp=1 zero=1 micro=1): the fullest GPU needs" \
         in text
-    assert "the largest part is params: split the model (tp, pp) or shard it (ZeRO-3)" in text
+    # fp32 gradient buffers (Megatron-LM's main_grad, the planner's default) are twice
+    # the bf16 parameters: the largest part of an unsplit, unsharded 70B model
+    assert "the largest part is grads: shard them (ZeRO-2) or split the model (tp, pp)" in text
 
 
 def test_13_a_wrong_bottleneck_is_compared_with_the_planners_breakdown():
@@ -1114,7 +1117,8 @@ def test_13_a_wrong_bottleneck_is_compared_with_the_planners_breakdown():
 
 def test_13_a_memory_claim_far_from_the_planner_is_named():
     text = only_failure("13", choose_layout=_layout("llama2-70b", memory_gib=35.0))
-    assert "memory_gib = 35.0; the planner predicts 70.8 GiB" in text
+    predicted = re.search(r"memory_gib = 35\.0; the planner predicts ([\d.]+) GiB", text)
+    assert predicted and float(predicted.group(1)) > 35.0 / 0.85, text
 
 
 def test_13_zero2_with_a_pipeline_is_refused_by_the_emulator():

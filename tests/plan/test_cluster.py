@@ -75,3 +75,18 @@ def test_bad_cluster_settings_are_named():
         ClusterSpec(**{**good, "gpus_per_node": 0})
     with pytest.raises(ValueError, match="peak_flops"):
         ClusterSpec(**{**good, "peak_flops": 0})
+
+
+def test_ring_chunks_are_numpy_s_array_split():
+    import numpy as np
+
+    from minipar.plan.cluster import all_reduce_sent, ring_chunk
+
+    for numel in (0, 1, 5, 17, 1000, 12345):
+        for n in (1, 2, 3, 7, 16):
+            chunks = [len(c) for c in np.array_split(np.arange(numel), n)]
+            assert [ring_chunk(numel, n, i) for i in range(n)] == chunks
+            for position in range(n):
+                once = chunks[(position + 1) % n] + chunks[(position + 2) % n]
+                assert all_reduce_sent(numel, 2, n, position) == (
+                    0 if n == 1 else 2 * (2 * numel - once))

@@ -96,3 +96,15 @@ def test_more_stages_than_layers_is_refused():
     with pytest.raises(ConfigError, match="layer-split"):
         check_model_fits_layout(presets.model("gpt2"),
                                 ParallelConfig(pp=2, layer_split=(5, 6), grad_accum_steps=2))
+
+
+def test_the_planners_switches_are_true_or_false():
+    from minipar.plan.shapes import ModelShape
+
+    with pytest.raises(ConfigError, match=r"^--flash-attention: must be True or False, "
+                                          r"got 'no'$"):
+        ParallelConfig(flash_attention="no")
+    with pytest.raises(ConfigError, match=r"^--sequence-parallel: must be True or False"):
+        ParallelConfig(tp=2, sequence_parallel="False")
+    with pytest.raises(ValueError, match=r"^ModelShape.bias must be True or False, got 0$"):
+        ModelShape(bias=0)

@@ -1,5 +1,9 @@
 """TrainConfig: the batch arithmetic and clear errors for bad settings."""
 
+import dataclasses
+import json
+
+import numpy as np
 import pytest
 
 from minipar.errors import ConfigError
@@ -131,3 +135,42 @@ def test_a_flag_is_taken_only_when_spelled_out():
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["train", "--zero3"])
     assert info.value.code == 2
+
+
+# ------------------------------------------------------------------ switches
+BOOLEANS = ["tie_embeddings", "cp_load_balance", "sequence_parallel", "overlap_grad_reduce",
+            "zero3_prefetch", "zero_quantized_weights", "zero_quantized_gradients", "check"]
+
+
+def test_every_switch_a_config_declares_is_checked():
+    """Every `bool` setting of the trainer's sections is in BOOLEANS above, so each is
+    refused when given anything but True or False (a switch added later included)."""
+    import dataclasses
+    declared = {f.name for f in dataclasses.fields(TrainConfig) if f.type in ("bool", bool)}
+    assert declared == set(BOOLEANS)
+
+
+@pytest.mark.parametrize("name", BOOLEANS)
+@pytest.mark.parametrize("value", ["False", "false", "", 0, 1, None, 1.0])
+def test_a_switch_is_true_or_false_not_truthy(name, value):
+    # TrainConfig(sequence_parallel='False') ran sequence parallelism: the string is true
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**{name: value})
+    assert str(err.value) == (f"--{name.replace('_', '-')}: must be True or False, got "
+                              f"{value!r}")
+
+
+def test_every_switch_of_the_config_is_checked():
+    # a bool field added later is refused too, or this test names it
+    switches = {f.name for f in dataclasses.fields(TrainConfig) if f.type in (bool, "bool")}
+    assert switches == set(BOOLEANS)
+
+
+def test_numpy_values_are_taken_as_the_python_values_they_hold():
+    config = TrainConfig(sequence_parallel=np.True_, tp=np.int64(2), n_head=np.int32(4),
+                         tie_embeddings=np.bool_(False), lr=np.float32(0.5))
+    assert config.sequence_parallel is True and config.tie_embeddings is False
+    assert type(config.tp) is int and config.tp == 2
+    assert config == TrainConfig(sequence_parallel=True, tp=2, tie_embeddings=False,
+                                 lr=float(np.float32(0.5)))
+    json.dumps(config.to_dict())  # plain values: the report's config is JSON

@@ -1,0 +1,145 @@
+"""The planner's pipeline step: a long schedule extrapolated from its steady state equals
+the schedule walked whole, and the shortcuts of a deep model's costs are exact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from minipar.nn.recompute import Recompute
+from minipar.plan import pipeline_step, presets
+from minipar.plan.estimate import estimate
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.overlap import Module, gradient_buckets
+
+UNIFORM = presets.cluster("a100").uniform()
+SHAPE = presets.model("gpt2")
+
+
+@pytest.fixture
+def small_budget(monkeypatch):
+    """Budgets at which a 4-stage pipeline of 64 micro-batches is extrapolated."""
+    monkeypatch.setattr(pipeline_step, "SIMULATED_ACTIONS", 200)
+    monkeypatch.setattr(pipeline_step, "EXTRAPOLATED_ACTIONS", 4_000)
+    pipeline_step._simulated.cache_clear()
+    yield
+    pipeline_step._simulated.cache_clear()
+
+
+@pytest.mark.parametrize("schedule, v, m", [
+    ("gpipe", 1, 64), ("1f1b", 1, 63), ("interleaved", 2, 64), ("zb-h1", 1, 64),
+    ("zb-h2", 1, 61), ("zb-v", 2, 64), ("dualpipe-v", 2, 64)])
+def test_extrapolated_step_equals_the_whole_walk(small_budget, schedule, v, m):
+    config = ParallelConfig(pp=4, dp=2, grad_accum_steps=m, schedule=schedule,
+                            virtual_stages=v)
+    whole = pipeline_step.walked_step_time(SHAPE, config, UNIFORM)
+    fast = pipeline_step.simulated_step_time(SHAPE, config, UNIFORM)
+    assert fast is not None and fast["simulated_micro_batches"] != [m]  # extrapolated
+    assert max(fast["simulated_micro_batches"]) < m
+    for key in ("step_s", "pipeline_s", "bubble_fraction", "mfu", "tokens_per_s"):
+        assert fast[key] == pytest.approx(whole[key], rel=1e-9), key
+    assert fast["rank_end_s"] == pytest.approx(whole["rank_end_s"], rel=1e-9)
+    # a rank's exposed communication wobbles by a message per micro-batch: extrapolated
+    # from the walks' span, within 0.5% of the step
+    for ours, walked in zip(fast["rank_exposed_comm_s"], whole["rank_exposed_comm_s"],
+                            strict=True):
+        assert abs(ours - walked) <= 0.005 * whole["step_s"]
+
+
+def test_a_short_schedule_is_walked_whole():
+    config = ParallelConfig(pp=4, grad_accum_steps=8)
+    walked = pipeline_step.walked_step_time(SHAPE, config, UNIFORM)
+    found = pipeline_step.simulated_step_time(SHAPE, config, UNIFORM)
+    assert found["simulated_micro_batches"] == [8]
+    assert {k: v for k, v in found.items() if k != "simulated_micro_batches"} == walked
+
+
+def test_the_issue_s_long_pipeline_is_walked_within_the_budget(monkeypatch):
+    """pp 64 x 65,536 micro-batches: 8 million computations, walked as three short
+    schedules."""
+    walked = []
+    real = pipeline_step.walked_step_time
+
+    def counting(shape, config, cluster, scatter_gather=False):
+        walked.append(pipeline_step.compute_actions(config))
+        return real(shape, config, cluster, scatter_gather)
+
+    monkeypatch.setattr(pipeline_step, "walked_step_time", counting)
+    pipeline_step._simulated.cache_clear()
+    config = ParallelConfig(pp=64, grad_accum_steps=65_536)
+    found = pipeline_step.simulated_step_time(SHAPE, config, UNIFORM)
+    assert found is not None and len(found["simulated_micro_batches"]) == 3
+    assert 0 < sum(walked) <= pipeline_step.EXTRAPOLATED_ACTIONS
+    pipeline_step._simulated.cache_clear()
+
+
+def test_beyond_the_budget_the_closed_form_is_used(small_budget, monkeypatch):
+    """When even the short walks cost too much, the estimate is timing.step_time's."""
+    monkeypatch.setattr(pipeline_step, "EXTRAPOLATED_ACTIONS", 100)
+    config = ParallelConfig(pp=4, grad_accum_steps=64)
+    assert pipeline_step.simulated_step_time(SHAPE, config, UNIFORM) is None
+    exact = estimate(SHAPE, config, UNIFORM)
+    closed = estimate(SHAPE, config, UNIFORM, exact_pipeline=False)
+    assert exact.step_time == closed.step_time
+
+
+@pytest.mark.parametrize("recompute, n", [
+    (Recompute("full", "uniform", 1), 7), (Recompute("full", "uniform", 3), 7),
+    (Recompute("full", "block", 2), 7), (Recompute("full", "block", 9), 4),
+    (Recompute("selective"), 5), (Recompute(), 5)])
+def test_recomputed_layers_count_the_checkpointed_segments(recompute, n):
+    assert recompute.recomputed_layers(n) == sum(
+        end - start for start, end, ck in recompute.segments(n) if ck)
+
+
+def test_one_bucket_is_the_general_loop_with_no_cap():
+    """bucket_size_mb 0 takes a module at a time; the same bucket as tensor by tensor."""
+    layer = Module("layer", 1.0, 2.0, (10, 20, 30), (False,) * 3, (0.25, 0.5, 0.75))
+    modules = [Module("embedding", 0.5, 0.7, (50,), (True,)), *[layer] * 5,
+               Module("empty", 0.1, 0.3, (), ()), Module("head", 0.3, 0.9, (40, 5),
+                                                           (False, False))]
+    config = ParallelConfig(dp=4, zero=1, bucket_size_mb=0)
+    ones = gradient_buckets(modules, config)
+    # the general loop, with a cap no bucket reaches
+    general = gradient_buckets(modules, config.replace(bucket_size_mb=10**6))
+    assert ones == general and len(ones) == 1
+
+
+@pytest.mark.parametrize("config", [
+    ParallelConfig(grad_accum_steps=2),
+    ParallelConfig(pp=2, grad_accum_steps=8),
+    ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2, grad_accum_steps=8),
+    ParallelConfig(dp=4, zero=3, tp=2, sequence_parallel=True, grad_accum_steps=2),
+    ParallelConfig(pp=4, schedule="zb-v", virtual_stages=2, grad_accum_steps=8),
+])
+def test_a_rank_s_peak_falls_as_block_recomputation_covers_more_layers(config):
+    """lint's bisection for the fewest recomputed layers that fit assumes it."""
+    shape = dataclasses.replace(presets.model("gpt2"), n_layer=48)
+    chunk = 48 // (config.pp * config.virtual_stages)
+    peaks = [estimate(shape, config.with_recompute(Recompute("full", "block", k)),
+                      UNIFORM).memory["peak_total"] for k in range(1, chunk + 1)]
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:], strict=False))
+    assert peaks[-1] < peaks[0]
+
+
+def test_a_progress_line_is_printed_past_the_delay_only(capsys):
+    import time
+
+    from minipar.plan.cli import said_after
+
+    with said_after(0.05, "working ..."):
+        time.sleep(0.3)
+    with said_after(5.0, "never said"):
+        pass
+    assert capsys.readouterr().err == "working ...\n"
+
+
+def test_the_plan_says_when_its_pipeline_was_extrapolated(capsys):
+    from minipar.cli import main
+
+    assert main(["plan", "--model", "gpt2", "--pp", "4", "--grad-accum-steps", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert "were walked at m = " in out and "extrapolated to m = 65,536" in out
+    assert main(["plan", "--model", "gpt2", "--pp", "4", "--grad-accum-steps", "8"]) == 0
+    assert "walked at" not in capsys.readouterr().out
