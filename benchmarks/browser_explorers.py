@@ -352,6 +352,10 @@ def main() -> None:
         root.mkdir()
         if args.screenshots:
             shutil.copytree(ROOT / "notebooks", root / "notebooks")
+            # and the measurements a notebook reads (02: ../benchmarks/lr_scaling_*.json)
+            (root / "benchmarks").mkdir()
+            for path in (ROOT / "benchmarks").glob("*.json"):
+                shutil.copy(path, root / "benchmarks")
         else:
             cells = ["%matplotlib inline\nfrom minipar.viz import widgets\n"
                      f"widgets.{EXPLORERS[0]}()"] + [f"widgets.{name}()" for name in

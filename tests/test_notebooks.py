@@ -10,10 +10,18 @@ change that makes a sentence of a notebook false fails here, naming the cell.
 Every notebook also shows its figures: the first code cell runs `%matplotlib inline`
 (which makes IPython render `matplotlib.figure.Figure` objects; without it a bare
 Figure displays as text), and the executed notebook must contain PNG outputs.
+
+And every notebook asks before it measures: code cells tagged `predict` hold the
+reader's prediction (a literal default, the common answer, which the run here uses), a
+later cell compares it with the measurement (`minipar.viz.predict`), and a markdown cell
+tagged `self-check` closes the notebook; the drill (07) hides each answer in a
+<details> block between the prediction and the experiment.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 import time
@@ -176,3 +184,67 @@ def test_with_the_filter_configured_a_run_notebook_has_nothing_to_commit(tmp_pat
     assert git("diff") == ""
     git("add", "-A")
     assert git("status", "--porcelain") == ""  # nothing staged: the commit would be empty
+
+
+# ------------------------------------------------------------------ predict, then measure
+def tagged(notebook, tag: str) -> list[int]:
+    return [i for i, cell in enumerate(notebook.cells) if tag in cell.metadata.get("tags", [])]
+
+
+def predicted_names(cell) -> list[str]:
+    """The names a `predict` cell sets: it may only assign literals (a number, a string),
+    so a reader's own value replaces the default without touching the experiment."""
+    names = []
+    for statement in ast.parse(cell.source).body:
+        assert isinstance(statement, ast.Assign) and len(statement.targets) == 1, (
+            f"a predict cell holds only `name = value` lines, not {ast.dump(statement)[:60]}")
+        assert isinstance(statement.value, ast.Constant), "a prediction is a literal"
+        names.append(statement.targets[0].id)
+    return names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_asks_for_a_prediction_and_then_measures_it(path):
+    notebook = read(path)
+    asks = tagged(notebook, "predict")
+    assert asks, f"{path.name} asks for no prediction (a code cell tagged predict)"
+    for i in asks:
+        assert notebook.cells[i].cell_type == "code"
+        for name in predicted_names(notebook.cells[i]):
+            later = [cell.source for cell in notebook.cells[i + 1:] if cell.cell_type == "code"]
+            judged = [source for source in later
+                      if re.search(rf"judge(_choice)?\(\s*{name}\b", source)]
+            assert judged, (f"{path.name}: the prediction {name} is never compared with "
+                            "a measurement")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_ends_with_a_self_check(path):
+    notebook = read(path)
+    checks = tagged(notebook, "self-check")
+    assert checks, f"{path.name} has no cell tagged self-check"
+    cell = notebook.cells[checks[-1]]
+    assert cell.cell_type == "markdown" and cell.source.count("<details>") >= 3
+    assert checks[-1] > max(tagged(notebook, "predict"))  # after the experiments
+
+
+def test_the_drill_asks_first_and_hides_its_answers_until_the_experiment():
+    """07: each question, then the prediction, then the answer in <details>, then the
+    experiment that decides."""
+    notebook = read(NOTEBOOK_DIR / "07_interview_drill.ipynb")
+    heads = [i for i, cell in enumerate(notebook.cells) if cell.cell_type == "markdown"
+             and re.match(r"## (The question|Follow-up \d)", cell.source)]
+    assert len(heads) == 8  # the question and its seven follow-ups
+    for start, end in zip(heads, [*heads[1:], len(notebook.cells)], strict=True):
+        section = notebook.cells[start:end]
+        kinds = []
+        for cell in section:
+            if "predict" in cell.metadata.get("tags", []):
+                kinds.append("predict")
+            elif cell.cell_type == "markdown" and "<details>" in cell.source:
+                kinds.append("answer")
+            elif cell.cell_type == "code":
+                kinds.append("experiment")
+        first = {kind: kinds.index(kind) for kind in ("predict", "answer", "experiment")}
+        assert first["predict"] < first["answer"] < first["experiment"], (
+            f"{section[0].source.splitlines()[0]}: {kinds}")

@@ -40,6 +40,16 @@ def _step(chunk_out: np.ndarray, successor: int, predecessor: int, group) -> np.
     return chunk_in
 
 
+def all_reduce_chunks(i: int, n: int, step: int) -> tuple[int, int]:
+    """(chunk position i sends, chunk it receives) at `step` of ring_all_reduce: steps
+    0 .. n-2 reduce-scatter (the chunk received is added to mine), n-1 .. 2n-3 all-gather
+    (it replaces mine). The picture of the ring (minipar/viz/schematics/ring.py) reads it."""
+    if step < n - 1:  # reduce-scatter: afterwards chunk (i+1) is complete here
+        return (i - step) % n, (i - step - 1) % n
+    s = step - (n - 1)  # all-gather: pass the complete chunks around once
+    return (i + 1 - s) % n, (i - s) % n
+
+
 def ring_all_reduce(x: np.ndarray, op: str = "sum", group=None) -> np.ndarray:
     """all_reduce(x, op, group) by reduce-scatter + all-gather around the ring. Shape of x."""
     group, i, successor, predecessor = _ring(group)
@@ -47,13 +57,11 @@ def ring_all_reduce(x: np.ndarray, op: str = "sum", group=None) -> np.ndarray:
     x = np.asarray(x)
     chunks = [c.copy() for c in np.array_split(x.reshape(-1), n)]
     combine = REDUCE_OPS[op]
-    for s in range(n - 1):  # reduce-scatter: afterwards chunk (i+1) is complete here
-        send_index, recv_index = (i - s) % n, (i - s - 1) % n
+    for step in range(2 * (n - 1)):
+        send_index, recv_index = all_reduce_chunks(i, n, step)
         incoming = _step(chunks[send_index], successor, predecessor, group)
-        chunks[recv_index] = combine(chunks[recv_index], incoming)
-    for s in range(n - 1):  # all-gather: pass the complete chunks around once
-        send_index, recv_index = (i + 1 - s) % n, (i - s) % n
-        chunks[recv_index] = _step(chunks[send_index], successor, predecessor, group)
+        chunks[recv_index] = (combine(chunks[recv_index], incoming) if step < n - 1
+                              else incoming)
     result = np.concatenate(chunks).reshape(x.shape)
     if op == "avg":
         result = (result / np.array(n, dtype=result.dtype)).astype(result.dtype)

@@ -37,7 +37,10 @@ from minipar.viz.sharding import DEFAULT_CONFIG, holdings, holdings_summary
 from minipar.viz.store import result_store
 
 LATTICE_DIR = pathlib.Path(__file__).with_name("lattice")
-FORMAT = 2  # of a lattice file
+# The format of each lattice file: "train" 3 since its memory tiers carry what each held
+# at its peak (runs.train_summary); a file of another format is not read (measured again
+# by build_lattice).
+FORMATS = {"train": 3, "pipeline": 2, "sharding": 2}
 # What the training explorers measure: the controls of the memory explorer, the traffic
 # explorer's among them (its other settings are views of the same run).
 TRAIN_SETTINGS = ("dp", "tp", "pp", "zero", "precision", "micro_batch_size",
@@ -69,14 +72,14 @@ def shipped(name: str) -> tuple[dict | None, dict[str, str]] | None:
     with gzip.open(path, "rb") as file:
         header, *lines = file.read().decode("utf-8").splitlines()
     head = json.loads(header)
-    if head.get("format") != FORMAT:
+    if head.get("format") != FORMATS[name]:
         return None
     return head["config"], dict(line.split("\t", 1) for line in lines)
 
 
 def write_lattice(name: str, config: dict | None, results: dict[str, dict]) -> pathlib.Path:
     """Write a lattice file (`shipped`'s format; the same results give the same bytes)."""
-    lines = [json.dumps({"format": FORMAT, "config": config}, sort_keys=True)]
+    lines = [json.dumps({"format": FORMATS[name], "config": config}, sort_keys=True)]
     lines += [f"{key}\t{json.dumps(results[key], separators=(',', ':'), sort_keys=True)}"
               for key in sorted(results)]
     path = lattice_path(name)

@@ -5,16 +5,20 @@
     fig.savefig("memory.png")
     picture = memory_picture(report)                 # what it draws, as data (JSON)
 
-One stacked bar per rank with the peak bytes of each ledger category (params, grads,
-optimizer, activations, buffers; measured from the arrays the rank held), and a black
-tick at `peak_total`, the largest sum at one instant. The categories peak at different
-moments (activations during the forward, optimizer state throughout), so the stack is
-an upper bound and the tick is what a GPU would actually need. Baselines (e.g. the
-single-device run) are drawn first, hatched, so a cut is visible at a glance.
+One stacked bar per rank: what the rank held *at the instant of its peak* (the report's
+`memory_at_peak`, by ledger category: params, grads, optimizer, activations, buffers;
+measured from the arrays the rank held), so the bar's top is `peak_total`, the memory a
+GPU would actually need (the black tick). The categories peak at different instants
+(activations at the end of the forward, gradients in the backward), so each category's
+own peak is marked apart: a dash of its colour beside the bar, at the height of that
+peak measured from zero. Stacking the own peaks instead would draw a bar up to a quarter
+taller than anything the rank ever held. Baselines (e.g. the single-device run) are
+drawn first, hatched, so a cut is visible at a glance.
 
 With offload (ZeRO-Offload / ZeRO-Infinity), a second panel under the GPU's shows what
 each rank keeps behind its GPU: the host (CPU DRAM) tier and the NVMe tier (hatched),
-from the report's `memory_host` / `memory_nvme`, in the same categories (so the optimizer
+from the report's `memory_host` / `memory_nvme` and what each held at its own peak
+(`memory_host_at_peak` / `memory_nvme_at_peak`), in the same categories (so the optimizer
 state visibly moves from one panel to the other) and on its own y axis (the few KiB an
 NVMe tier holds would vanish on the GPU's MiB). Under, not beside: side by side, two
 panels at the width a notebook shows had no room for their rank labels, and a wider
@@ -28,6 +32,7 @@ disagree. Built on `matplotlib.figure.Figure`, never pyplot.
 from __future__ import annotations
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from minipar.train.report import MEMORY_CATEGORIES
@@ -49,11 +54,25 @@ UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 COMPACT_LABELS_FROM = 9
 LABELLED_RANKS = 16
 TIERS_HEIGHT = 7.0  # inches: the GPU panel over the host / NVMe one (an offloaded run)
+OWN_PEAK_DASH = (0.39, 0.5)  # x from the bar's centre (bars are 0.7 wide): the own peaks
+LEGEND = ([{"label": c, "color": COLORS[c]} for c in MEMORY_CATEGORIES]
+          + [{"label": "peak_total", "color": "black"},
+             {"label": "own peak", "color": "#555555", "line": True}])
 
 
-def _rows(report) -> list[tuple[str, dict]]:
-    """(x label, memory) per rank: "rank 3" over its mesh coordinates dp/pp/tp, "0/1/1"
-    ("r3" for COMPACT_LABELS_FROM ranks or more)."""
+def at_peak(rank: dict, tier: str = "memory") -> dict:
+    """What a rank's `tier` ("memory", "memory_host" or "memory_nvme") held at the instant
+    of its peak_total, by category: the report's `<tier>_at_peak`."""
+    held = rank.get(f"{tier}_at_peak")
+    if held is None:
+        raise ValueError(f"plot_memory: rank {rank.get('rank')} has no {tier}_at_peak (a "
+                         "report of an older minipar): train it again")
+    return {c: held[c] for c in MEMORY_CATEGORIES}
+
+
+def _rows(report) -> list[tuple[str, dict, dict]]:
+    """(x label, memory, at peak) per rank: "rank 3" over its mesh coordinates dp/pp/tp,
+    "0/1/1" ("r3" for COMPACT_LABELS_FROM ranks or more)."""
     rows = []
     compact = report.world_size >= COMPACT_LABELS_FROM
     for r in report.ranks:
@@ -61,7 +80,7 @@ def _rows(report) -> list[tuple[str, dict]]:
         label = f"r{r['rank']}" if compact else f"rank {r['rank']}"
         if report.world_size > 1:  # written as the traffic bars and the tables write them
             label += f"\n{c['dp']}/{c['pp']}/{c['tp']}"
-        rows.append((label, r["memory"]))
+        rows.append((label, r["memory"], at_peak(r)))
     return rows
 
 
@@ -74,18 +93,17 @@ def memory_picture(report, *, baselines: dict | None = None,
 
     report: a Report (or anything with .ranks and .world_size); baselines: {label:
     Report} drawn first, hatched (their rank 0 only, e.g. {"1 GPU": the single device})."""
-    bars = [(label, b.ranks[0]["memory"], True) for label, b in (baselines or {}).items()]
-    bars += [(label, memory, False) for label, memory in _rows(report)]
+    bars = [(label, b.ranks[0]["memory"], at_peak(b.ranks[0]), True)
+            for label, b in (baselines or {}).items()]
+    bars += [(label, memory, held, False) for label, memory, held in _rows(report)]
     if not bars:
         raise ValueError("plot_memory: the report has no ranks")
     tiers, tiers_per_rank = _tier_bars(report)
-    title = title or ("memory per rank: peak of each category (stacked); black tick = "
-                      "peak of the total")
+    title = title or ("memory per rank: what it held at its peak instant (stacked)\n"
+                      "dash beside a bar: a category's own peak (at another instant)")
     gpu = _panel(bars, title, f"peak bytes {'on the GPU' if tiers else 'held'}",
                  "rank, dp/pp/tp" if report.world_size > 1 else None)
     gpu["ticks"] = _ticks(bars)
-    legend = [{"label": c, "color": COLORS[c]} for c in MEMORY_CATEGORIES]
-    legend.append({"label": "peak_total", "color": "black"})
     panels = [gpu]
     if tiers:
         behind = _panel(tiers, "behind each GPU: host memory, NVMe (hatched)",
@@ -98,34 +116,62 @@ def memory_picture(report, *, baselines: dict | None = None,
             behind["ticks"] = [[i + (tiers_per_rank - 1) / 2, tiers[i][0].splitlines()[1]]
                                for i in pairs[::every]]
         panels.append(behind)
-        legend.append({"label": "NVMe", "color": "white", "hatch": "xx"})
+    legend = LEGEND + [{"label": "NVMe", "color": "white", "hatch": "xx"}] * bool(tiers)
     return {"kind": "bars", "figure": "memory", "layout": "column", "panels": panels,
             "legend": legend}
 
 
+def memory_comparison_picture(reports: dict, *, rank: int = 0,
+                              title: str | None = None) -> dict:
+    """One bar per run, side by side: what `rank` of each report held at its peak instant,
+    stacked, and each category's own peak beside it (`memory_picture`'s bars), e.g.
+    ZeRO-0 to 3 on the same ranks, the paper's Figure 1 measured. reports: {label:
+    Report}."""
+    bars = [(label, r.ranks[rank]["memory"], at_peak(r.ranks[rank]), False)
+            for label, r in reports.items()]
+    if not bars:
+        raise ValueError("plot_memory_comparison: no reports")
+    panel = _panel(bars, title or f"rank {rank} of each run: what it held at its peak "
+                   "instant (stacked)\ndashes: each category's own peak", "peak bytes held",
+                   None)
+    panel["ticks"] = _ticks(bars)
+    return {"kind": "bars", "figure": "memory", "layout": "column", "panels": [panel],
+            "legend": list(LEGEND)}
+
+
+def plot_memory_comparison(reports: dict, *, rank: int = 0, title: str | None = None,
+                           width: float | None = None) -> Figure:
+    """`memory_comparison_picture` drawn by `draw_memory`."""
+    return draw_memory(memory_comparison_picture(reports, rank=rank, title=title), width)
+
+
 def _panel(bars, title: str, ylabel: str, xlabel: str | None) -> dict:
-    """One panel of stacked bars: each category's bytes per bar, the peak ticks, the
-    hatched bars (baselines, NVMe) and the axis unit: its largest unit the tallest bar
-    fills twice."""
+    """One panel of stacked bars: what each bar held at its peak instant by category, the
+    peak ticks, each category's own peak (`own_peaks`, the dashes), the hatched bars
+    (baselines, NVMe) and the axis unit: its largest unit the tallest bar fills twice."""
     unit, scale = _unit(bars)
     return {"title": title, "ylabel": f"{ylabel} ({unit})", "xlabel": xlabel,
             "unit": unit, "scale": scale, "ymax": 1.05 * _top(bars),
             "series": [{"name": c, "color": COLORS[c],
-                        "values": [memory[c] for _, memory, _ in bars]}
+                        "values": [held[c] for _, _, held, _ in bars]}
                        for c in MEMORY_CATEGORIES],
-            "markers": [memory["peak_total"] for _, memory, _ in bars],
-            "hatched": [bool(hatched) for _, _, hatched in bars]}
+            "own_peaks": [{"name": c, "color": COLORS[c],
+                           "values": [memory[c] for _, memory, _, _ in bars]}
+                          for c in MEMORY_CATEGORIES],
+            "markers": [memory["peak_total"] for _, memory, _, _ in bars],
+            "hatched": [bool(hatched) for _, _, _, hatched in bars]}
 
 
 def _ticks(bars) -> list:
     """[x, label] of every bar; past LABELLED_RANKS bars only every k-th is labelled."""
     every = label_every(len(bars), LABELLED_RANKS)
-    return [[i, label if i % every == 0 else ""] for i, (label, _, _) in enumerate(bars)]
+    return [[i, label if i % every == 0 else ""] for i, (label, *_) in enumerate(bars)]
 
 
 def plot_memory(report, *, baselines: dict | None = None, title: str | None = None,
                 width: float | None = None) -> Figure:
-    """Stacked per-rank peak bytes by category, with each rank's peak_total marked.
+    """Per rank, its bytes at its peak instant stacked by category (up to its
+    peak_total, the black tick), each category's own peak a dash beside the bar.
 
     report: a Report (or anything with .ranks and .world_size); baselines: {label:
     Report} drawn first (their rank 0 only, e.g. {"1 GPU": single_device_report}).
@@ -150,7 +196,9 @@ def draw_memory(picture: dict, width: float | None = None) -> Figure:
             ax.set_xlabel(panel["xlabel"], fontsize=8)
         ax.set_ylabel(panel["ylabel"])
         ax.set_title(panel["title"], fontsize=10, y=1.0)
-    handles = [Patch(facecolor=entry["color"], label=entry["label"],
+    handles = [Line2D([], [], color=entry["color"], linewidth=2.5, label=entry["label"])
+               if entry.get("line") else
+               Patch(facecolor=entry["color"], label=entry["label"],
                      **({"edgecolor": "black", "hatch": entry["hatch"]}
                         if "hatch" in entry else {}))
                for entry in picture["legend"]]
@@ -161,8 +209,9 @@ def draw_memory(picture: dict, width: float | None = None) -> Figure:
 
 
 def _top(bars) -> float:
-    """Bytes of the tallest stack or peak tick among (label, memory, hatched) bars."""
-    return max(max(sum(m[c] for c in MEMORY_CATEGORIES), m["peak_total"]) for _, m, _ in bars)
+    """Bytes of the tallest stack or peak tick among (label, memory, at peak, hatched)
+    bars (a category's own peak is never above its rank's peak_total)."""
+    return max(max(sum(held.values()), m["peak_total"]) for _, m, held, _ in bars)
 
 
 def _unit(bars) -> tuple[str, float]:
@@ -171,25 +220,26 @@ def _unit(bars) -> tuple[str, float]:
     return next(((u, s) for u, s in UNITS if top >= 2 * s), UNITS[-1])
 
 
-def _tier_bars(report) -> tuple[list[tuple[str, dict, bool]], int]:
-    """(label, memory, hatched) of each rank's host and NVMe tiers that hold bytes, and how
-    many tiers each rank has: "host" over "rank 3" ("r3" for COMPACT_LABELS_FROM bars or
-    more)."""
+def _tier_bars(report) -> tuple[list[tuple[str, dict, dict, bool]], int]:
+    """(label, memory, at peak, hatched) of each rank's host and NVMe tiers that hold
+    bytes, and how many tiers each rank has: "host" over "rank 3" ("r3" for
+    COMPACT_LABELS_FROM bars or more)."""
     tiers = []
     for r in report.ranks:
         for tier, name in (("memory_host", "host"), ("memory_nvme", "NVMe")):
             memory = r.get(tier)
             if memory and memory["peak_total"]:
-                tiers.append((name, r["rank"], memory, tier == "memory_nvme"))
+                tiers.append((name, r["rank"], memory, at_peak(r, tier), tier == "memory_nvme"))
     rank = "r{}" if len(tiers) >= COMPACT_LABELS_FROM else "rank {}"
     per_rank = max(1, len(tiers) // max(1, report.world_size))
-    return [(f"{name}\n{rank.format(n)}", memory, hatched)
-            for name, n, memory, hatched in tiers], per_rank
+    return [(f"{name}\n{rank.format(n)}", memory, held, hatched)
+            for name, n, memory, held, hatched in tiers], per_rank
 
 
 def _stacked(ax, panel: dict, hatch: str) -> None:
     """One stacked bar per bar of the panel, categories bottom-up (hatched ones with
-    `hatch`), and a black tick at its peak_total."""
+    `hatch`), a black tick at its peak_total and, beside it, a dash of each category's
+    colour at that category's own peak."""
     scale = panel["scale"]
     for x, peak in enumerate(panel["markers"]):
         heights = [series["values"][x] / scale for series in panel["series"]]
@@ -203,6 +253,11 @@ def _stacked(ax, panel: dict, hatch: str) -> None:
                hatch=hatch if panel["hatched"][x] else None, edgecolor="white",
                linewidth=0.5)
         ax.plot([x - 0.38, x + 0.38], [peak / scale] * 2, color="black", linewidth=2)
+        for own in panel["own_peaks"]:
+            if own["values"][x]:
+                ax.plot([x + OWN_PEAK_DASH[0], x + OWN_PEAK_DASH[1]],
+                        [own["values"][x] / scale] * 2, color=own["color"], linewidth=2.5,
+                        solid_capstyle="butt")
     # Headroom over the tallest bar or tick, as autoscaling gives (5%) unless the top of a
     # stack is an empty category: its rectangle's bottom is a sticky edge there, and the
     # tick sat on the frame (a host tier, whose buffers are empty).

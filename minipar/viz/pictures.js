@@ -74,9 +74,14 @@ function uid() { return Math.random().toString(36).slice(2); }
 function legendRight(svg, entries, x, y) {
   entries.forEach((entry, i) => {
     const ey = y + i * 16;
-    const fill = entry.hatch ? `url(#${svg.dataset.hatch})` : entry.color;
-    node(svg, "rect", { x, y: ey - 5, width: 14, height: 10, fill,
-                        stroke: entry.hatch ? "#000" : "none", "stroke-width": 0.6 });
+    if (entry.line) {  // a dash (the memory bars' own peaks), not a patch
+      node(svg, "line", { x1: x, x2: x + 14, y1: ey, y2: ey, stroke: entry.color,
+                          "stroke-width": 2.5 });
+    } else {
+      const fill = entry.hatch ? `url(#${svg.dataset.hatch})` : entry.color;
+      node(svg, "rect", { x, y: ey - 5, width: 14, height: 10, fill,
+                          stroke: entry.hatch ? "#000" : "none", "stroke-width": 0.6 });
+    }
     label(svg, x + 19, ey, entry.label, { size: 10, anchor: "start" });
   });
 }
@@ -142,6 +147,16 @@ function drawBars(picture) {
         const peak = panel.markers[i] / scale;
         node(svg, "line", { x1: x(i) - slot * 0.38, x2: x(i) + slot * 0.38, y1: y(peak),
                             y2: y(peak), stroke: "#000", "stroke-width": 2.5 });
+      }
+      // Each category's own peak (memory bars): a dash of its colour beside the bar.
+      for (const own of panel.own_peaks || []) {
+        const value = own.values[i] / scale;
+        if (value > 0) {
+          const dash = node(svg, "line", { x1: x(i) + slot * 0.39, x2: x(i) + slot * 0.5,
+                                           y1: y(value), y2: y(value), stroke: own.color,
+                                           "stroke-width": 3 });
+          node(dash, "title", {}, `${own.name}, its own peak: ${tickText(value)} ${panel.unit}`);
+        }
       }
     }
     frame(svg, px, py, pw, ph);

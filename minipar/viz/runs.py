@@ -154,14 +154,16 @@ TRANSFER_FIELDS = ("to_host_bytes", "to_device_bytes", "nvme_read_bytes", "nvme_
 
 def train_summary(report: Report) -> dict:
     """The report fields the memory and traffic explorers draw, compact JSON: per rank its
-    memory tiers, the bytes it moved between them and the bytes it sent; the traffic
-    matrices as [i, j, bytes] of their cells that sent any."""
+    memory tiers (each category's own peak, peak_total, and what the tier held at that
+    peak), the bytes it moved between them and the bytes it sent; the traffic matrices
+    as [i, j, bytes] of their cells that sent any."""
     ranks = []
     for r in report.ranks:
         rank = {"coords": r["coords"]}
-        for tier in TIERS:
+        for tier in TIERS:  # its own peaks, peak_total, then what it held at that peak
             if tier in r and (tier == "memory" or any(r[tier].values())):
-                rank[tier] = [r[tier][field] for field in MEMORY_FIELDS]
+                rank[tier] = ([r[tier][field] for field in MEMORY_FIELDS]
+                              + [r[f"{tier}_at_peak"][c] for c in MEMORY_CATEGORIES])
         moved = [r.get("transfers", {}).get(field, 0) for field in TRANSFER_FIELDS]
         if any(moved):
             rank["transfers"] = moved
@@ -187,8 +189,10 @@ def summary_report(summary: dict, config: TrainConfig | dict) -> Report:
     for index, r in enumerate(summary["ranks"]):
         rank = {"rank": index, "coords": r["coords"]}
         for tier in TIERS:
-            rank[tier] = dict(zip(MEMORY_FIELDS, r.get(tier, [0] * len(MEMORY_FIELDS)),
-                                  strict=True))
+            values = r.get(tier, [0] * (len(MEMORY_FIELDS) + len(MEMORY_CATEGORIES)))
+            rank[tier] = dict(zip(MEMORY_FIELDS, values[:len(MEMORY_FIELDS)], strict=True))
+            rank[f"{tier}_at_peak"] = dict(zip(MEMORY_CATEGORIES, values[len(MEMORY_FIELDS):],
+                                               strict=True))
         rank["transfers"] = dict(zip(TRANSFER_FIELDS, r.get("transfers", [0] * 4),
                                      strict=True))
         sent, calls, by_group, by_op = r["comm"]

@@ -4,6 +4,8 @@ read on a terminal lives here, beside the other tables."""
 
 from __future__ import annotations
 
+import unicodedata
+
 from minipar.train.grid import GridResult
 from minipar.train.report import MEMORY_CATEGORIES, Report
 
@@ -34,14 +36,24 @@ def span(values, show=human_bytes) -> str:
     return low if low == high else f"{low} to {high}"
 
 
+def display_width(text: str) -> int:
+    """Columns `text` takes in a monospaced font: a CJK character takes two (the Chinese
+    headers of the interview drill's tables)."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
 def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """A fixed-width table; `align` is one of 'l'/'r' per column (default: first left)."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    widths = [max(display_width(row[i]) for row in cells) for i in range(len(headers))]
     align = align or "l" + "r" * (len(headers) - 1)
 
+    def pad(cell: str, width: int, side: str) -> str:
+        fill = " " * (width - display_width(cell))
+        return cell + fill if side == "l" else fill + cell
+
     def line(row):
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+        return "  ".join(pad(c, w, a)
                          for c, w, a in zip(row, widths, align, strict=True)).rstrip()
 
     rule = "  ".join("-" * w for w in widths)

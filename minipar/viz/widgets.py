@@ -10,8 +10,9 @@ in the browser (minipar/viz/pictures.py):
 
     ShardingExplorer  dp / tp / pp / ZeRO -> which slice of every weight, gradient and
                       Adam moment each rank holds (minipar.viz.sharding)
-    MemoryExplorer    a layout -> stacked per-rank bars of the peak bytes by category,
-                      from a measured training step (the report's ranks[i]["memory"])
+    MemoryExplorer    a layout -> per-rank bars of what each rank held at its peak, by
+                      category, each category's own peak beside them, from a measured
+                      training step (the report's ranks[i]["memory_at_peak"], ["memory"])
     PipelineExplorer  schedule, p, m, v -> the simulated timeline of one pipeline step,
                       its bubble next to the paper's formula, activations in flight
     TrafficExplorer   a layout -> the rank x rank matrix of bytes sent, and each rank's
@@ -305,7 +306,8 @@ class MemoryExplorer(Explorer):
         message = (f"{setting}: {report.world_size} rank{'s' * (report.world_size > 1)}, Ψ = "
                    f"{report.n_params:,} parameters; "
                    f"peak per rank {span(peaks)} "
-                   f"(bars: each category's own peak; black tick: the peak of their sum)")
+                   f"(bars: what each rank held at its peak instant, the black tick; dashes beside "
+                   f"them: each category's own peak)")
         host = max(r["memory_host"]["peak_total"] for r in report.ranks)
         nvme = max(r["memory_nvme"]["peak_total"] for r in report.ranks)
         if host or nvme:

@@ -17,24 +17,30 @@ from minipar.viz.traffic import cell_bytes, plot_sent_bytes, plot_traffic, traff
 MIB = 2**20
 
 
-def rank(r, coords, memory, sent_by_group, time):
+def rank(r, coords, memory, sent_by_group, time, at_peak):
     sent = sum(sent_by_group.values())
     return {"rank": r, "coords": coords, "node": 0,
-            "memory": {**memory, "peak_total": sum(memory.values()) - 1},
+            "memory": {**memory, "peak_total": sum(at_peak.values())},
+            "memory_at_peak": at_peak,
             "comm": {"sent_bytes": sent, "recv_bytes": sent, "calls": 6,
                      "by_op": {"all_reduce": sent}, "by_group": sent_by_group},
             "time": time}
 
 
 def two_rank_report() -> Report:
+    # each category's own peak, and what the rank held at the instant of its peak_total
     memory = [dict(params=1 * MIB, grads=1 * MIB, optimizer=2 * MIB, activations=3 * MIB,
                    buffers=0),
               dict(params=1 * MIB, grads=0, optimizer=1 * MIB, activations=1 * MIB,
                    buffers=MIB)]
+    at_peak = [dict(params=1 * MIB, grads=0, optimizer=2 * MIB, activations=3 * MIB,
+                    buffers=0),
+               dict(params=1 * MIB, grads=0, optimizer=1 * MIB, activations=MIB // 2,
+                    buffers=MIB)]
     ranks = [rank(0, {"dp": 0, "pp": 0, "tp": 0}, memory[0], {"tp": 300, "pp": 0},
-                  {"compute_s": 3.0, "comm_s": 1.0, "idle_s": 0.0}),
+                  {"compute_s": 3.0, "comm_s": 1.0, "idle_s": 0.0}, at_peak[0]),
              rank(1, {"dp": 0, "pp": 0, "tp": 1}, memory[1], {"tp": 300, "pp": 60},
-                  {"compute_s": 1.0, "comm_s": 1.0, "idle_s": 2.0})]
+                  {"compute_s": 1.0, "comm_s": 1.0, "idle_s": 2.0}, at_peak[1])]
     steps = [{"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0} for s in range(3)]
     traffic = {"matrix": [[0, 300], [360, 0]],
                "by_group": {"tp": [[0, 300], [300, 0]], "pp": [[0, 0], [60, 0]]}}
@@ -49,7 +55,7 @@ def stacked(fig: Figure):
             (p.get_y(), p.get_height()) for p in ax.patches if p.get_height() > 0}
 
 
-def test_memory_bars_stack_each_ranks_peaks_in_mib_with_a_baseline_first():
+def test_memory_bars_stack_what_each_rank_held_at_its_peak_with_a_baseline_first():
     report = two_rank_report()
     baseline = Report(config={}, world_size=1, n_params=10, ranks=[report.ranks[0]])
     fig = plot_memory(report, baselines={"1 GPU": baseline})
@@ -58,16 +64,25 @@ def test_memory_bars_stack_each_ranks_peaks_in_mib_with_a_baseline_first():
     assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == [
         "1 GPU", "rank 0", "rank 1"]
     bars = stacked(fig)
-    # rank 1 (x = 2): params 0-1, optimizer 1-2 (no grads), activations 2-3, buffers 3-4
+    # rank 1 (x = 2) at its peak: params 0-1, optimizer 1-2 (no grads), activations
+    # 2-2.5, buffers 2.5-3.5: the stack ends at peak_total, not at the sum of own peaks
     assert bars[(2, COLORS["params"])] == pytest.approx((0, 1))
     assert (2, COLORS["grads"]) not in bars
     assert bars[(2, COLORS["optimizer"])] == pytest.approx((1, 1))
-    assert bars[(2, COLORS["activations"])] == pytest.approx((2, 1))
-    assert bars[(2, COLORS["buffers"])] == pytest.approx((3, 1))
-    assert bars[(0, COLORS["activations"])] == pytest.approx((4, 3))  # the baseline
-    ticks = [line.get_ydata()[0] for line in ax.lines]  # peak_total, one per bar
-    assert ticks == pytest.approx([(7 * MIB - 1) / MIB, (7 * MIB - 1) / MIB,
-                                   (4 * MIB - 1) / MIB])
+    assert bars[(2, COLORS["activations"])] == pytest.approx((2, 0.5))
+    assert bars[(2, COLORS["buffers"])] == pytest.approx((2.5, 1))
+    assert bars[(0, COLORS["activations"])] == pytest.approx((3, 3))  # the baseline
+    assert (0, COLORS["grads"]) not in bars  # its gradients peaked at another instant
+    lines = [(round(np.mean(line.get_xdata())), to_hex(line.get_color()), line.get_ydata()[0])
+             for line in ax.lines]
+    ticks = [y for _, color, y in lines if color == "#000000"]  # peak_total, one per bar
+    assert ticks == pytest.approx([6, 6, 3.5])
+    # each category's own peak, a dash beside the bar, from zero: rank 0's gradients
+    # (1 MiB) that the stack leaves out, rank 1's activations (1 MiB, 0.5 in the stack)
+    own = {(x, color): y for x, color, y in lines if color != "#000000"}
+    assert own[(1, COLORS["grads"])] == pytest.approx(1)
+    assert own[(2, COLORS["activations"])] == pytest.approx(1)
+    assert (2, COLORS["grads"]) not in own  # never held: no dash
 
 
 def test_traffic_matrix_has_a_panel_per_group_with_bytes_per_step():
@@ -198,3 +213,19 @@ def test_sent_bytes_start_at_zero_and_say_which_ops_are_too_thin_to_see():
     assert ax.get_ylim()[0] == 0
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     assert labels == ["all_reduce (<1%)", "reduce_scatter", "all_gather"]
+
+
+def test_runs_side_by_side_stack_rank_0_of_each_at_its_peak():
+    from minipar.viz.memory import memory_comparison_picture
+
+    report = two_rank_report()
+    other = Report(config={}, world_size=1, n_params=10, ranks=[report.ranks[1]])
+    picture = memory_comparison_picture({"A": report, "B": other})
+    (panel,) = picture["panels"]
+    assert [label for _, label in panel["ticks"]] == ["A", "B"]
+    assert panel["markers"] == [6 * MIB, 3.5 * MIB]  # each run's peak_total
+    stacked_sum = [sum(series["values"][i] for series in panel["series"]) for i in (0, 1)]
+    assert stacked_sum == panel["markers"]
+    own = {series["name"]: series["values"] for series in panel["own_peaks"]}
+    assert own["grads"] == [MIB, 0] and own["activations"] == [3 * MIB, MIB]
+    assert not any(panel["hatched"])
