@@ -24,11 +24,17 @@ guesses, and lets the estimate decide between what remains:
 - recomputation off, selective (the attention core only: Korthikanti et al. 2022,
   section 5, a few percent more compute) and full (every layer: about a third more), so
   the ranking picks the cheapest that fits: selective whenever it suffices;
-- expert parallelism for an MoE shape: ep dividing dp and the experts (ZeRO 0-2: ZeRO-3
+- expert parallelism for an MoE shape: ep dividing dp and the experts, at most
+  MAX_LOCAL_EXPERTS experts per GPU where some ep allows it (the largest ep otherwise:
+  DeepSeek-V3's 256 experts run 8 per GPU, Mixtral's 8 at most 8), ZeRO 0-2 (ZeRO-3
   of experts is not modelled); the estimate weighs the expert memory it saves against
   the four all-to-alls per MoE layer and micro-batch, which like TP's all-reduces sit on
   every layer's critical path, so cheap inside a node and not across (lint says when
   they cross);
+- at most MAX_SEARCHED layouts: a search that would estimate more (a toy model on
+  hundreds of thousands of GPUs) is refused before it starts, since each estimate
+  costs milliseconds and `minipar plan` answers in seconds; evaluating one layout
+  stays open;
 - offload only when nothing fits on the GPUs alone: ZeRO-Offload (the optimizer state and
   Adam on the host, any ZeRO stage) first, then ZeRO-Infinity's parameter offload to the
   host and both to NVMe (ZeRO-3). Offload trades PCIe copies and a CPU optimizer step for
@@ -52,6 +58,8 @@ from minipar.train.layout import MAX_MICRO_BATCHES
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LONG_SEQUENCE = 8192  # tokens from which the search also tries context parallelism
 MAX_CP = 16
+MAX_LOCAL_EXPERTS = 64  # experts one GPU holds, at most, in a searched layout
+MAX_SEARCHED = 5000  # layouts one search estimates, at most (about 5 ms each)
 # none, selective, full (every layer: --recompute-granularity full without a method)
 RECOMPUTE_OPTIONS = ({}, {"recompute_granularity": "selective"},
                      {"recompute_granularity": "full"})
@@ -107,8 +115,7 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                          for v in spec.searched_virtual_stages
                          if _accepts(spec.name, pp, m, v)
                          and (v == 1 or shape.n_layer % (pp * v) == 0)]
-            expert_parallel = [ep for ep in divisors(dp) if shape.is_moe
-                               and shape.moe_num_experts % ep == 0] or [1]
+            expert_parallel = _expert_parallel_sizes(shape, dp)
             # Megatron-LM's own ZeRO is its distributed optimizer: stages 0-1
             stages = (0, 1) if pp > 1 or memory_accounting == "megatron" else (0, 1, 2, 3)
             for zero, ep in itertools.product(stages, expert_parallel):
@@ -128,6 +135,17 @@ def candidate_configs(shape: ModelShape, gpus: int, gpus_per_node: int,
                         yield config
 
 
+def _expert_parallel_sizes(shape: ModelShape, dp: int) -> list[int]:
+    """The ep sizes searched for dp data-parallel ranks: those leaving at most
+    MAX_LOCAL_EXPERTS experts per GPU, or the largest if none does ([1] for a dense
+    model)."""
+    if not shape.is_moe:
+        return [1]
+    splits = [ep for ep in divisors(dp) if shape.moe_num_experts % ep == 0]
+    few = [ep for ep in splits if shape.moe_num_experts // ep <= MAX_LOCAL_EXPERTS]
+    return few or splits[-1:]
+
+
 def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_size: int,
            precision: str = "bf16-mixed", flash_attention: bool = True,
            lr: float | None = None, overlap_grad_reduce: bool = True,
@@ -145,9 +163,15 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
         raise ConfigError("gpus", f"{gpus} GPUs is not a whole number of "
                         f"{cluster.gpus_per_node}-GPU nodes")
     fitting, not_fitting, searched = [], [], 0
-    for config in candidate_configs(shape, gpus, cluster.gpus_per_node, global_batch_size,
-                                    precision, flash_attention, lr, grad_accum_dtype,
-                                    memory_accounting):
+    candidates = list(itertools.islice(candidate_configs(
+        shape, gpus, cluster.gpus_per_node, global_batch_size, precision, flash_attention,
+        lr, grad_accum_dtype, memory_accounting), MAX_SEARCHED + 1))
+    if len(candidates) > MAX_SEARCHED:
+        raise ConfigError("gpus", f"searching {gpus:,} GPUs for this model means more than "
+                          f"{MAX_SEARCHED:,} layouts to estimate, more than minipar plan "
+                          "answers in seconds: evaluate one layout (--dp, --tp, --pp, ...) "
+                          "or search fewer GPUs")
+    for config in candidates:
         config = with_deepspeed_buckets(config.replace(
             overlap_grad_reduce=overlap_grad_reduce, zero3_prefetch=zero3_prefetch,
             tp_comm_overlap=tp_comm_overlap and config.sequence_parallel,

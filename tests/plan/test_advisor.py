@@ -183,3 +183,30 @@ def test_ties_within_one_percent_go_to_the_layout_with_more_headroom():
     ranked = rank_by_time_then_headroom([est(1.000, 70), est(1.008, 40), est(1.05, 10)])
     assert [(e.step_time, e.memory["peak_total"]) for e in ranked] == [
         (1.008, 40), (1.000, 70), (1.05, 10)]
+
+
+def test_a_search_too_large_to_answer_in_seconds_is_refused_before_it_starts():
+    """A toy model of 4096 layers searched on 720,720 GPUs: every divisor is a pipeline
+    depth, >10,000 layouts at milliseconds each; refused in one line naming the way out."""
+    from minipar.plan.advisor import MAX_SEARCHED
+    shape = ModelShape(name="toy", n_layer=4096, d_model=64, n_head=4, vocab_size=65)
+    with pytest.raises(ConfigError) as err:
+        advise(shape, 720720, presets.cluster("h100"), global_batch_size=720720 * 4)
+    assert f"more than {MAX_SEARCHED:,} layouts" in str(err.value)
+    assert "evaluate one layout" in str(err.value)
+
+
+def test_the_search_keeps_each_gpus_experts_few():
+    """4096 experts on 4096 GPUs: no searched layout holds more than MAX_LOCAL_EXPERTS
+    experts per GPU (4096 on one GPU is not a layout anyone runs, and each costs its own
+    kernels in the estimate); with fewer data-parallel ranks than that allows, the largest
+    ep is kept."""
+    from minipar.plan.advisor import MAX_LOCAL_EXPERTS, _expert_parallel_sizes
+    shape = ModelShape(name="moe", n_layer=32, d_model=1024, n_head=16, vocab_size=50257,
+                       moe_num_experts=4096)
+    candidates = list(candidate_configs(shape, 4096, 8, 4096))
+    assert candidates and all(4096 // c.ep <= MAX_LOCAL_EXPERTS or c.ep == c.dp
+                              for c in candidates)  # dp < 64: all the experts it can split
+    assert _expert_parallel_sizes(shape, 8) == [8]
+    mixtral = presets.model("mixtral-8x7b")
+    assert _expert_parallel_sizes(mixtral, 16) == [1, 2, 4, 8]  # 8 experts: every split
