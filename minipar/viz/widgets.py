@@ -275,7 +275,7 @@ class MemoryExplorer(Explorer):
             settings += [{**base, "offload_optimizer": o, "offload_param": p}
                          for o in _options(self, "offload_optimizer")
                          for p in _options(self, "offload_param")]
-        return _runs(self, settings)
+        return _runs(self, [self.measured(values) for values in settings])  # as `run` asks
 
     def check(self, values: dict) -> None:
         check_training_layout(self.config.replace(**values))
