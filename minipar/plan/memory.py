@@ -50,6 +50,7 @@ across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
@@ -123,8 +124,9 @@ def shard(numel: int, n: int) -> int:
 def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
     """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer per engine; 3: per
     unit)."""
-    if config.zero == 3:  # over HSDP's shard group, when it has one
-        return sum(shard(u, config.sharding_group) for u in params.units)
+    if config.zero == 3:  # over HSDP's shard group, when it has one; alike units once
+        n = config.sharding_group
+        return sum(shard(u, n) * count for u, count in Counter(params.units).items())
     return sum(shard(numel, ranks) for numel, ranks in flat_buffers(params, config))
 
 
