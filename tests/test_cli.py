@@ -343,3 +343,11 @@ def test_an_moe_run_says_what_routing_did_and_which_loss_is_which():
     line = next(x for x in result.stdout.splitlines() if x.startswith("MoE:"))
     assert "4 experts, top-2" in line and "ep 2" in line and "`loss` is the LM loss" in line
     assert "of token assignments were dropped" in line and "mean load" in line
+
+
+def test_a_reshard_choice_that_is_neither_a_switch_nor_a_size_is_named():
+    result = run("train", "--dp", "4", "--zero", "3", "--reshard-after-forward", "maybe")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "minipar train: error: argument --reshard-after-forward: must be true, false or a "
+        "number of ranks K, got 'maybe'")

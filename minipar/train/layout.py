@@ -27,6 +27,7 @@ for the trainer and minipar.plan.layout.check_model_fits_layout for the planner.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -56,14 +57,15 @@ def setting(default, help: str, parse=None, metavar: str | None = None):
 
 
 def bool_or_int(text: str) -> bool | int:
-    """true, false or a positive integer K (FSDP2's reshard_after_forward)."""
+    """true, false or a positive integer K (FSDP2's reshard_after_forward), as a flag
+    gives it (argparse prints the error after the flag's name)."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     try:
         return int(text)
     except ValueError:
-        raise ConfigError("reshard_after_forward",
-                          f"must be true, false or a number of ranks K, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be true, false or a number of ranks K, got {text!r}") from None
 
 
 @dataclass(frozen=True)
