@@ -109,14 +109,14 @@ def draw_tensor_split(picture: dict, width: float = 10.0) -> Figure:
         ax.set_title(what, fontsize=9)
         ax.set_xticks([])
         ax.set_yticks([])
-    key = fig.add_axes((0.78, 0.56, 0.2, 0.27))
+    key = fig.add_axes((0.755, 0.56, 0.235, 0.27))
     key.axis("off")
     for r in range(t):
         key.add_patch(Rectangle((0, 0.85 - 0.16 * r), 0.12, 0.1, color=RANK_COLORS[r],
                                 transform=key.transAxes))
         shape_a, shape_b = picture["pieces"][r]["A"], picture["pieces"][r]["B"]
-        key.text(0.17, 0.9 - 0.16 * r, f"rank {r}: A_{r} {shape_a[0]}x{shape_a[1]}, "
-                 f"B_{r} {shape_b[0]}x{shape_b[1]}", fontsize=8, va="center",
+        key.text(0.15, 0.9 - 0.16 * r, f"rank {r}: A_{r} {shape_a[0]}x{shape_a[1]}, "
+                 f"B_{r} {shape_b[0]}x{shape_b[1]}", fontsize=7.5, va="center",
                  transform=key.transAxes)
     flow = fig.add_axes((0.02, 0.02, 0.96, 0.44))
     flow.axis("off")
