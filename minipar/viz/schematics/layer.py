@@ -33,7 +33,10 @@ SPLITS = {
     "SP (with TP)": (dict(tp=2, sequence_parallel=True),
                      "TP + the sequence between the TP regions (LayerNorm, dropout)",
                      "W columns, X rows", "tp"),
-    "PP": (dict(pp=2), "the layers: each stage its own blocks", "layers", "pp"),
+    # one micro-batch here: under 1F1B with m >= p micro-batches stage 0 holds p of them,
+    # a whole model's activations (notebook 07, follow-up 2)
+    "PP": (dict(pp=2), "the layers: each stage its own blocks (1 micro-batch here; with "
+           "m >= p, stage 0 holds p)", "layers", "pp"),
     "CP": (dict(cp=2), "the sequence, in every layer (ring attention; the gradients are "
            "also averaged over cp)", "X rows", "cp"),
     "EP": (dict(dp=2, ep=2, micro_batch_size=2, moe_num_experts=2),
