@@ -5,17 +5,17 @@ for reference cycles, and it runs whenever 700 more container objects (tuples, l
 graph nodes, Tensors) have been allocated than freed (`gc.get_threshold()[0]`). Each run
 scans the objects allocated since the last; those still alive move to an older
 generation, and once they make up a quarter of the old objects, a full collection scans
-every object of the process.
+every object of the process (CPython's Modules/gcmodule.c, `collect_generations`).
 
 One device's step keeps few objects alive for long: a micro-batch's graph nodes die at
 its backward, and the collector hardly runs (0 of the single-device demo step's CPU).
 Virtual ranks interleave: while one rank's graph waits for its backward, the others
 allocate theirs, so the nodes outlive many collections, are promoted, and trigger full
 collections of everything the ranks hold (their models, ledgers and timelines). Measured
-with `gc.callbacks` on a 2-core AMD EPYC: 8.7-9.4 ms of the demo's 8-rank step (~2% of
-its CPU) and 40-50 ms of bench_emulation's 64-rank weak-scaling step (~10%), against
-0-0.5 and ~4 ms with the first threshold at GEN0_THRESHOLD (benchmarks/README.md, "the
-emulator's own cost, second pass").
+with `gc.callbacks` on a 2-core AMD EPYC: 8-9 ms of the demo's 8-rank step (~2% of its
+CPU) and 20-50 ms of bench_emulation's 64-rank weak-scaling step (5-10%; more the larger
+the process's heap), against ~1 and ~5 ms with the first threshold at GEN0_THRESHOLD
+(benchmarks/README.md, "2026-12-06 (second pass): the garbage collector").
 
 So a launch raises that threshold while its ranks run and puts the previous one back when
 the last running launch returns (launches may overlap, from several threads). Nothing
