@@ -17,6 +17,9 @@
    also runs each parallelism alone on the same global batch (dp2 ZeRO-1, tp2, pp2), in
    the same rounds, to say which of the three costs what; `--d-model` changes the width
    (the heads stay 6), to tell a cost per op from a cost per activation element.
+   `--no-lending`: the turn is never lent during GEMMs (minipar/distributed/turns.py
+   lends it while a core is spare, so that the CPU ratios of an idle machine include two
+   ranks computing at once and those of a busy one do not); CPU ratios then compare alike.
 2. Weak scaling. Wall time per step as the world grows from 1 to 64 ranks at fixed
    per-rank work (data parallelism, ZeRO-1: every rank runs one micro-batch of a small
    model): ideal emulation costs world x (one rank's step), so the table shows the time
@@ -32,6 +35,7 @@ and not others, which the medians absorb and a single run would not.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -40,6 +44,7 @@ from arguments import positive_int
 from machine import describe
 
 from minipar.demo import DEMO_CONFIG
+from minipar.distributed.turns import SpareCore
 from minipar.errors import ConfigError
 from minipar.train import TrainConfig, train
 
@@ -146,7 +151,11 @@ def main(argv=None) -> int:
                         help="the ratio of dp, tp and pp alone too (same rounds)")
     parser.add_argument("--d-model", type=positive_int, default=DEMO_CONFIG.d_model,
                         help="the ratio part's model width (default: the demo's)")
+    parser.add_argument("--no-lending", action="store_true",
+                        help="never lend the turn during GEMMs, whatever the load")
     args = parser.parse_args(argv)
+    if args.no_lending:
+        SpareCore.SPARE_CORES = math.inf  # no machine has that many spare cores
     steps = 1 if args.quick else 4
     worlds = (1, 2, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64)
     print(describe())
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
         result = overhead_ratio(config, rounds, steps, alone(config) if args.split else None)
         print(f"\n1. demo model ({config.n_layer} layers, d_model {config.d_model}, seq "
               f"{config.seq_len}, {config.precision}), global batch "
-              f"{config.global_batch_size}:")
+              f"{config.global_batch_size}{', the turn never lent' if args.no_lending else ''}:")
         print(f"   single device           {result['single_s'] * 1e3:7.1f} ms per step "
               f"(CPU {result['single_cpu_s'] * 1e3:.1f} ms)")
         print(f"   dp2 x tp2 x pp2 ZeRO-1  {result['parallel_s'] * 1e3:7.1f} ms per step "
