@@ -18,9 +18,9 @@ Two sources, each row cited where it is printed:
   43%, 41%, 38%). The model: 126 layers, h 16384, 128 heads, 8 key/value heads, SwiGLU
   of 53248, vocabulary 128,256, untied (their Table 3). Their section 3.3.2 gives the
   pipeline: the interleaved schedule with V virtual stages per rank (bubble (PP-1)/(V M)),
-  one Transformer layer fewer on the first and the last stage, "the first model chunk on
-  the first stage has only the embedding, and the last model chunk on the last stage has
-  only output projection and loss": one layer per chunk, so V = (126 + 2) / 16 = 8.
+  one Transformer layer fewer on the first and the last stage, so that the first model
+  chunk of the first stage holds only the embedding and the last chunk of the last stage
+  only the output projection and loss: one layer per chunk, so V = (126 + 2) / 16 = 8.
 
 Assumed where the sources are silent (one rule for every row, never tuned per row):
 micro-batch 2 where the planner finds that it fits the GPU and leaves at least pp
