@@ -232,7 +232,7 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
         pair = tuple(cluster.roofline.total_seconds(k) for k in ring_attention_block_kernels(
             heads, c, shape.head_dim, e.activation, config.flash_attention))
     alpha, bandwidth = cluster.link(group_links(config, cluster)["cp"])
-    kv = 2 * b * (shape.seq_len // cp) * (shape.d_model // t)
+    kv = 2 * b * (shape.seq_len // cp) * (shape.kv_dim // t)  # K and V: the kv heads only
     forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
                                              alpha + kv * e.activation / bandwidth,
                                              alpha + kv * e.compute / bandwidth,

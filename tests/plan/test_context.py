@@ -209,9 +209,6 @@ def test_plan_command_takes_cp_and_refuses_a_sequence_that_does_not_cut(capsys):
     assert "does not split into 16 chunks" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the ring's K/V are priced d_model wide for a "
-                   "grouped-query model (docs/planner.md, the Llama 3 rows)")
 def test_grouped_query_attention_sends_its_narrower_kv_around_the_ring():
     # K and V of n_kv_head heads are n_head / n_kv_head times narrower than Q; TE's
     # AttnFuncWithCPAndKVP2P sends only those (the Llama 3 paper, section 3.3.2,
