@@ -27,7 +27,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.distributed.timeline import bubble_fraction
 from minipar.nn import GPTConfig
-from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.model import Pipeline
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.train.config import TrainConfig

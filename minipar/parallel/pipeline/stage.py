@@ -2,22 +2,16 @@
 
 The layers are cut into pp * v contiguous pieces (Huang et al. 2019, GPipe; Megatron-LM's
 `get_model` with pre_process / post_process), v the virtual stages per rank (1 unless
-the schedule is interleaved); chunk c of pipeline rank r is the virtual stage its
-schedule's placement says (c * pp + r for interleaving). Each is a `minipar.nn.GPT`
-built over its layers (`stage_part`):
+the schedule is interleaved or a V). Each is a `minipar.nn.GPT` built over its layers
+(`stage_part`):
 
     first virtual stage   wte, wpe (+ dropout)   then its blocks
     every virtual stage   blocks h.{i}, registered under their *global* index i
     last virtual stage    its blocks, then ln_f and the LM head and the loss
 
 So `named_parameters()` of a stage yields the single-device (Hugging Face) names, and
-consolidation is a union of dictionaries (`minipar.train.checkpoint.assemble`). With a
-tied LM head (GPT-2's default) the last stage keeps its own copy of wte; after every
-step's backward the first and last stage all-reduce the gradient of their copies
-(Megatron's "embedding group"), so both copies receive the same update and stay equal.
-
-`split_layers` cuts the layers; `StageInput` is an activation received from the stage
-before. The executor that runs a schedule over the chunks is executor.py.
+consolidation is a union of dictionaries (`minipar.train.checkpoint.assemble`). A tied
+LM head keeps its own copy of wte on the last stage (tied_embedding.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.model import Pipeline
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.parallel.state import Piece
