@@ -38,7 +38,6 @@ import functools
 from minipar.distributed.timeline import comm_overlap
 from minipar.parallel.pipeline.actions import (
     Backward,
-    BackwardWeight,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -46,6 +45,7 @@ from minipar.parallel.pipeline.actions import (
 )
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name, make_schedule
 from minipar.parallel.pipeline.simulator import simulate_step
+from minipar.parallel.pipeline.split_backward import BackwardWeight
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import (
     ParallelConfig,

@@ -7,11 +7,8 @@ holds several); the compute actions print as in PyTorch's schedule IR
     Backward(i, c)          the full backward of micro-batch i through c     B3
     SendActivation(i, c, peer) / RecvActivation(i, c, peer)   the (b, s, h) output / input
     SendGrad(i, c, peer)       / RecvGrad(i, c, peer)         its gradient, going back
-(peer: the pipeline rank at the other end). The zero-bubble schedules split a backward
-in two (Qi et al. 2024; run by split_backward.py):
-    BackwardInput(i, c)     the gradient of the chunk's input, which the previous stage
-                            waits for (the paper's "B")                      I3
-    BackwardWeight(i, c)    the weight gradients (the paper's "W")           W3
+(peer: the pipeline rank at the other end). The zero-bubble schedules split Backward
+in two, BackwardInput (I) and BackwardWeight (W): split_backward.py.
 """
 
 from __future__ import annotations
@@ -30,7 +27,9 @@ def _label(micro_batch: int, chunk: int) -> str:
 
 
 @dataclass(frozen=True)
-class _Compute:
+class Compute:
+    """Micro-batch `micro_batch` through this rank's chunk `chunk`."""
+
     micro_batch: int
     chunk: int = 0
     letter: ClassVar[str]
@@ -39,24 +38,18 @@ class _Compute:
         return self.letter + _label(self.micro_batch, self.chunk)
 
 
-class Forward(_Compute):
+class Forward(Compute):
     letter = "F"
 
 
-class Backward(_Compute):
+class Backward(Compute):
     letter = "B"
 
 
-class BackwardInput(_Compute):
-    letter = "I"
-
-
-class BackwardWeight(_Compute):
-    letter = "W"
-
-
 @dataclass(frozen=True)
-class _Message:
+class Message:
+    """Micro-batch `micro_batch`'s tensor of this rank's chunk `chunk`, to or from `peer`."""
+
     micro_batch: int
     chunk: int
     peer: int
@@ -67,26 +60,23 @@ class _Message:
         return f"{self.what} {_label(self.micro_batch, self.chunk)} {self.arrow} {self.peer}"
 
 
-class SendActivation(_Message):
+class SendActivation(Message):
     what, arrow = "send act", "->"
 
 
-class RecvActivation(_Message):
+class RecvActivation(Message):
     what, arrow = "recv act", "<-"
 
 
-class SendGrad(_Message):
+class SendGrad(Message):
     what, arrow = "send grad", "->"
 
 
-class RecvGrad(_Message):
+class RecvGrad(Message):
     what, arrow = "recv grad", "<-"
 
 
-Action = (Forward | Backward | BackwardInput | BackwardWeight | SendActivation
-          | RecvActivation | SendGrad | RecvGrad)
-COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
-ACTION_TYPES = (*COMPUTE, SendActivation, RecvActivation, SendGrad, RecvGrad)
+Action = Compute | Message
 
 
 # --------------------------------------------------------------------------- the schedule
@@ -131,7 +121,7 @@ class Schedule:
 
     def compute_order(self, rank: int) -> str:
         """Rank's forwards and backwards only, e.g. "F0 F1 F2 B0 F3 B1 B2 B3"."""
-        return " ".join(str(a) for a in self.actions[rank] if isinstance(a, COMPUTE))
+        return " ".join(str(a) for a in self.actions[rank] if isinstance(a, Compute))
 
     def __str__(self) -> str:
         head = (f"{self.name} schedule: pp={self.pp}, micro_batches={self.micro_batches}"

@@ -1,13 +1,16 @@
 """What the zero-bubble schedules add to the step: the split backward and the V's hand-off.
 
-ZB-H1, ZB-H2, ZB-V (Qi et al. 2024) and DualPipe-V run a backward in two halves:
-BackwardInput (I) propagates only as far as the chunk's input, whose gradient the
-previous stage waits for, and leaves the weight gradients queued for BackwardWeight (W),
-which fills a bubble later (minipar.autograd.engine.backward_input, like PyTorch's
-`stage_backward_input` / `stage_backward_weight` in torch/distributed/pipelining/
-_backward.py). Their V placements (ZB-V, DualPipe-V) also put two neighbouring virtual
-stages on one rank (the V's tip; a V's first and last stage on rank 0): the activation
-and its gradient pass between them in memory, with no message and no action.
+ZB-H1, ZB-H2, ZB-V (Qi et al. 2024) and DualPipe-V run a backward in two halves, two
+actions printed as in PyTorch's schedule IR:
+    BackwardInput(i, c)   I3: as far as the chunk's input only, whose gradient the
+                          previous stage waits for (the paper's "B")
+    BackwardWeight(i, c)  W3: the weight gradients I left queued (the paper's "W"),
+                          run later, in a bubble
+(minipar.autograd.engine.backward_input, as PyTorch's `stage_backward_input` and
+`stage_backward_weight`, torch/distributed/pipelining/_backward.py). The V placements
+of ZB-V and DualPipe-V also put two neighbouring virtual stages on one rank (the V's
+tip; the first and the last stage on rank 0): the activation and its gradient pass
+between them in memory, with no message and no action.
 
 `runtime_for(schedule)` picks `SplitBackwardStep` for a schedule that needs either, and
 executor.py's `Step` for the others.
@@ -17,9 +20,17 @@ from __future__ import annotations
 
 from minipar import distributed as dist
 from minipar.autograd.engine import backward_input
-from minipar.parallel.pipeline.actions import Backward, BackwardInput, BackwardWeight, Schedule
+from minipar.parallel.pipeline.actions import Backward, Compute, Schedule
 from minipar.parallel.pipeline.executor import Step
 from minipar.parallel.pipeline.stage import StageInput
+
+
+class BackwardInput(Compute):
+    letter = "I"
+
+
+class BackwardWeight(Compute):
+    letter = "W"
 
 
 class SplitBackwardStep(Step):
