@@ -48,7 +48,7 @@ def forward_backward(pipe, micro_batches, grad_sync=None) -> float:
             grad_sync(last[action.chunk] == i)
         step.run(action)
     step.finish_sends()
-    pipe.tied.all_reduce_grads()  # the first and last stage's copies of wte (model.py)
+    pipe.tied.all_reduce_grads()  # the two stages' copies of wte (tied_embedding.py)
     last_rank = pipe.schedule.rank_of(pipe.pp * pipe.virtual_stages - 1)
     mean = np.asarray(np.mean(step.losses) if pipe.pp_rank == last_rank else 0.0, np.float64)
     with dist.phase("other"):
@@ -81,12 +81,11 @@ class Step:
         key, chunk = (action.micro_batch, action.chunk), self.pipe.chunks[action.chunk]
         inputs, targets = self.batches[action.micro_batch]
         # (copies: this micro-batch's tokens moved to the device, as a data loader does)
-        if chunk.post_process:
-            targets = np.array(targets, copy=True)
+        targets = np.array(targets, copy=True) if chunk.post_process else None
         with dist.phase("forward"), dist.timeline_label(str(action)):
             if chunk.pre_process:
                 self.inputs[key] = chunk.embed(np.array(inputs, copy=True))
-            out = chunk.body(self.inputs[key], targets if chunk.post_process else None)
+            out = chunk.body(self.inputs[key], targets)
         self.outputs[key] = out
         if chunk.post_process:
             self.losses[action.micro_batch] = float(out.data)

@@ -28,6 +28,26 @@ from minipar.parallel.pipeline.stage import split_layers, stage_part
 from minipar.parallel.pipeline.tied_embedding import TiedEmbedding
 
 
+def check_layer_split(layer_split, n_layer: int, num_stages: int) -> None:
+    """Refuse explicit layer counts per virtual stage that cannot be a pipeline: one count
+    per stage, adding up to n_layer; the first and last stage may be empty (they still
+    hold the embedding / the head), the others not."""
+    counts = [int(c) for c in layer_split]
+    if len(counts) != num_stages:
+        raise PipelineError(
+            f"layer_split {tuple(counts)} has {len(counts)} entries for {num_stages} "
+            f"stages (pp x virtual_stages): give one layer count per stage")
+    if sum(counts) != n_layer:
+        raise PipelineError(
+            f"layer_split {tuple(counts)} adds up to {sum(counts)} layers but the model "
+            f"has {n_layer} (--n-layer): make the counts add up to {n_layer}")
+    for s, c in enumerate(counts):
+        if c < 0 or (c == 0 and 0 < s < num_stages - 1):
+            raise PipelineError(
+                f"layer_split {tuple(counts)}: stage {s} gets {c} layers; a middle stage "
+                f"needs at least 1 (only the first and last may be empty)")
+
+
 class Pipeline:
     """One pipeline rank's model chunks, its schedule and the group it talks to.
 
@@ -71,6 +91,8 @@ class Pipeline:
         self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
         self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
         num_stages = self.pp * virtual_stages
+        if layer_split is not None:
+            check_layer_split(layer_split, config.n_layer, num_stages)
         ranges = split_layers(config.n_layer, num_stages, layer_split)
         self.stages = [schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages)]
         self.chunks = [build_chunk(**stage_part(stage, num_stages, ranges[stage]))

@@ -28,8 +28,8 @@ def split_layers(n_layer: int, num_stages: int, layer_split=None) -> list[range]
 
     Balanced by default: every stage gets n_layer // num_stages layers and the first
     n_layer % num_stages one more (the last stage also runs the head and loss, the
-    heaviest extra). `layer_split` gives the counts explicitly, e.g. (3, 1); the first and
-    last stage may be empty (they still hold the embedding / the head), the others not.
+    heaviest extra). `layer_split` gives the counts explicitly, e.g. (3, 1), as
+    `check_layer_split` (model.py) allows them.
     """
     if layer_split is None:
         if num_stages > n_layer:
@@ -38,23 +38,8 @@ def split_layers(n_layer: int, num_stages: int, layer_split=None) -> list[range]
                 f"{n_layer} layers (--n-layer): every stage needs at least one layer; use "
                 f"at most {n_layer} stages or --n-layer {num_stages} or more")
         base, extra = divmod(n_layer, num_stages)
-        counts = [base + (s < extra) for s in range(num_stages)]
-    else:
-        counts = [int(c) for c in layer_split]
-        if len(counts) != num_stages:
-            raise PipelineError(
-                f"layer_split {tuple(counts)} has {len(counts)} entries for {num_stages} "
-                f"stages (pp x virtual_stages): give one layer count per stage")
-        if sum(counts) != n_layer:
-            raise PipelineError(
-                f"layer_split {tuple(counts)} adds up to {sum(counts)} layers but the model "
-                f"has {n_layer} (--n-layer): make the counts add up to {n_layer}")
-        for s, c in enumerate(counts):
-            if c < 0 or (c == 0 and 0 < s < num_stages - 1):
-                raise PipelineError(
-                    f"layer_split {tuple(counts)}: stage {s} gets {c} layers; a middle stage "
-                    f"needs at least 1 (only the first and last may be empty)")
-    starts = np.cumsum([0] + counts)
+        layer_split = [base + (s < extra) for s in range(num_stages)]
+    starts = np.cumsum([0] + [int(c) for c in layer_split])
     return [range(int(starts[s]), int(starts[s + 1])) for s in range(num_stages)]
 
 
