@@ -346,7 +346,7 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
                + comm_overlap(computed[r], spans[r])["exposed_comm_s"]
                + tails[r][3] + tails[r][5] for r in range(p)]
     step = max(end)
-    # As minipar.parallel.pipeline.executor.bubble_fraction: idle share of p ranks x the
+    # As minipar.distributed.timeline.bubble_fraction: idle share of p ranks x the
     # pipeline's span (a rank that finished early idles until the last one does).
     busy = sum(run.compute) + sum(run.comm)
     total = p * pipeline

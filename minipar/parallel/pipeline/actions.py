@@ -28,8 +28,6 @@ def _label(micro_batch: int, chunk: int) -> str:
 
 @dataclass(frozen=True)
 class Compute:
-    """Micro-batch `micro_batch` through this rank's chunk `chunk`."""
-
     micro_batch: int
     chunk: int = 0
     letter: ClassVar[str]
@@ -48,8 +46,6 @@ class Backward(Compute):
 
 @dataclass(frozen=True)
 class Message:
-    """Micro-batch `micro_batch`'s tensor of this rank's chunk `chunk`, to or from `peer`."""
-
     micro_batch: int
     chunk: int
     peer: int
@@ -126,7 +122,5 @@ class Schedule:
     def __str__(self) -> str:
         head = (f"{self.name} schedule: pp={self.pp}, micro_batches={self.micro_batches}"
                 + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        lines = [head]
-        for rank, actions in enumerate(self.actions):
-            lines.append(f"rank {rank}: " + ", ".join(str(a) for a in actions))
-        return "\n".join(lines)
+        return "\n".join([head] + [f"rank {rank}: " + ", ".join(map(str, actions))
+                                    for rank, actions in enumerate(self.actions)])
