@@ -100,6 +100,8 @@ class Step:
             self.backpropagate(action, out, grad)
         if not chunk.post_process:
             dist.release(grad)
+        if chunk.pre_process:  # (a received input goes when its gradient is sent)
+            del self.inputs[key]
 
     def backpropagate(self, action, out, grad) -> None:
         out.backward(grad)

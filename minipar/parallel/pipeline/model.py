@@ -104,14 +104,15 @@ class Pipeline:
 
         micro_batches: m pairs (inputs, targets), each (b, T) ints. Only the first stage
         reads inputs and only the last reads targets: other ranks may pass None for them.
+        grad_sync: the data-parallel engine's switch (executor.forward_backward).
         """
         if len(micro_batches) != self.micro_batches:
             raise PipelineError(
                 f"forward_backward got {len(micro_batches)} micro-batches but the "
                 f"{self.schedule.name} schedule was built for {self.micro_batches} "
                 f"(grad_accum_steps)")
-        first, last = (any(getattr(c, f) for c in self.chunks)
-                       for f in ("pre_process", "post_process"))
+        first = any(chunk.pre_process for chunk in self.chunks)
+        last = any(chunk.post_process for chunk in self.chunks)
         for inputs, targets in micro_batches:
             if first and inputs is None:
                 raise PipelineError("the first pipeline stage needs the micro-batch inputs")

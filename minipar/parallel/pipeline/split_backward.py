@@ -47,7 +47,7 @@ class SplitBackwardStep(Step):
     def backpropagate(self, action, out, grad) -> None:
         if type(action) is BackwardInput:  # I: stop at the chunk's input, queue W
             key = (action.micro_batch, action.chunk)
-            self.weight_work[key] = backward_input(out, grad, [self.inputs.get(key)])
+            self.weight_work[key] = backward_input(out, grad, [self.inputs[key]])
         else:
             super().backpropagate(action, out, grad)
 
