@@ -22,7 +22,6 @@ from minipar.parallel.pipeline.actions import (
     Backward,
     Compute,
     Forward,
-    Message,
     RecvActivation,
     RecvGrad,
     Schedule,
@@ -30,6 +29,10 @@ from minipar.parallel.pipeline.actions import (
     SendGrad,
 )
 from minipar.parallel.pipeline.split_backward import BackwardInput, BackwardWeight
+
+# the actions whose rules simulate_step checks
+ACTIONS = (Forward, Backward, BackwardInput, BackwardWeight, SendActivation, RecvActivation,
+           SendGrad, RecvGrad)
 
 
 @dataclass
@@ -155,7 +158,7 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
             actions = schedule.actions[rank]
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                if not isinstance(action, (Compute, Message)):
+                if not isinstance(action, ACTIONS):
                     fail(rank, action, f"not a pipeline action: {type(action).__name__}")
                 i, c = action.micro_batch, action.chunk
                 if not (0 <= i < m and 0 <= c < v):
