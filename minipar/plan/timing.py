@@ -20,7 +20,7 @@ takes, for GPipe and 1F1B,
 and for the interleaved schedule with v chunks per rank T_pipe = (m + (p - 1)/v) max_r t_r,
 plus one point-to-point hop per stage boundary on the way in and on the way out. The
 bubble is the idle share of all ranks' time: (p - 1)/(m + p - 1) for uniform stages,
-(p - 1)/(v m + p - 1) interleaved, as minipar.parallel.pipeline.executor.bubble_fraction measures.
+(p - 1)/(v m + p - 1) interleaved, as minipar.distributed.timeline.bubble_fraction measures.
 
 After the last backward come the step's collectives (DP gradient reduction and parameter
 all-gather, gradient-norm all-reduces, the tied embedding's all-reduce, the loss
