@@ -45,6 +45,9 @@ module (timing.stage_modules).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from itertools import groupby
+from typing import NamedTuple
 
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.layout import ParallelConfig
@@ -96,54 +99,124 @@ def gradient_buckets(modules: list[Module], config: ParallelConfig,
         for mod in backward:
             done += mod.backward_s
             ends.append(done)
-        return [GradientBucket(shard(sum(mod.tensors), n) * n, end, any(mod.late))
-                for mod, end in zip(backward, ends, strict=True) if mod.tensors]
+        units = alike(backward, lambda mod: (shard(sum(mod.tensors), n) * n, any(mod.late)))
+        return [GradientBucket(numel, end, late) for mod, (numel, late), end
+                in zip(backward, units, ends, strict=True) if mod.tensors]
     cap = config.bucket_size_mb * MIB
     itemsize = config.bytes.param  # DDP's bucket_cap_mb counts parameter bytes
     if begins is None:
         begins = back_to_back(modules, 0.0)
-    if cap == 0:  # one bucket: the loop below, a module at a time rather than a tensor
-        return _one_bucket(backward, list(reversed(begins)), 1 if config.zero == 0 else n)
-    groups: list[list[tuple[int, float, bool]]] = [[]]
-    size = 0
-    for mod, begin in zip(backward, reversed(begins), strict=True):
-        ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
-        for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
-                                      reversed(ready), strict=True):
-            if cap > 0 and groups[-1] and size + numel * itemsize > cap:
-                groups.append([])
-                size = 0
-            groups[-1].append((numel, begin + mod.backward_s * share, late))
-            size += numel * itemsize
+    starts = begins[::-1]  # when each module of `backward` begins its backward
     shards = 1 if config.zero == 0 else n
-    return [GradientBucket(shard(sum(t[0] for t in g), shards) * shards,
-                           max(t[1] for t in g), any(t[2] for t in g))
-            for g in groups if g]
+    buckets: list[GradientBucket] = []
+    numel, after, late = 0, 0.0, False  # the bucket being filled
+    size, filling = 0, False  # its bytes; whether it holds a tensor
+    # How a module's tensors fall into buckets depends only on the module, whether the
+    # bucket holds a tensor and, if the module does not fit in what is left of it, the
+    # bytes it holds: alike layers are cut once, not once per layer.
+    cuts: dict[tuple[int, bool, int | None], tuple[list[_Piece], int]] = {}
+    i = 0  # the first module of a run of the same one (a chunk's layers)
+    for run in [len(list(group)) for _, group in groupby(backward, key=id)]:
+        mod = backward[i]
+        nbytes = sum(mod.tensors) * itemsize
+        done = 0
+        while done < run:
+            # one module, tensor by tensor (it may start a bucket or be cut by the cap)
+            fits = cap <= 0 or size + nbytes <= cap
+            key = (id(mod), filling, None if fits else size)
+            if key not in cuts:
+                cuts[key] = _cut(mod, size, filling, cap, itemsize)
+            pieces, left = cuts[key]
+            size = size + nbytes if fits else left
+            begin = starts[i + done]
+            for elements, share, piece_late, new_bucket in pieces:
+                if new_bucket and filling:
+                    buckets.append(GradientBucket(shard(numel, shards) * shards, after, late))
+                    numel, late = 0, False
+                filling = True
+                # its last tensor is complete at begin + backward_s x its largest share
+                # (the same float as the largest over its tensors: rounding is monotone)
+                end = begin + mod.backward_s * share
+                after = end if new_bucket else max(after, end)
+                numel += elements
+                late = late or piece_late
+            done += 1
+            # then the alike modules that fit whole in the bucket, at once: one piece
+            # each, the last complete at the latest begin (rounding is monotone again)
+            whole = _whole(run - done, size, nbytes, cap) if filling else 0
+            if whole and mod.tensors:
+                key = (id(mod), True, None)
+                if key not in cuts:
+                    cuts[key] = _cut(mod, size, True, cap, itemsize)
+                (elements, share, piece_late, _), = cuts[key][0]
+                numel += whole * elements
+                latest = max(starts[i + done:i + done + whole])
+                after = max(after, latest + mod.backward_s * share)
+                late = late or piece_late
+            size += whole * nbytes
+            done += whole
+        i += run
+    if filling:
+        buckets.append(GradientBucket(shard(numel, shards) * shards, after, late))
+    return buckets
 
 
-def _one_bucket(backward: list[Module], begins: list[float], shards: int
-                ) -> list[GradientBucket]:
-    """gradient_buckets' single bucket (bucket_size_mb 0) of modules in backward order
-    begun at `begins`: every element, complete when the last tensor is. A module's last
-    tensor is complete at begin + backward_s x its largest ready share (the same float:
-    rounding keeps x -> begin + backward_s x share monotone), so a 4096-layer chunk costs
-    4096 steps, not 50,000."""
-    numel, after, late = 0, None, False
-    alike: dict[int, tuple[int, float, bool]] = {}  # a module met again (the layers)
-    for mod, begin in zip(backward, begins, strict=True):
-        if not mod.tensors:
-            continue
-        if id(mod) not in alike:
-            alike[id(mod)] = (sum(mod.tensors), 1.0 if mod.ready is None else max(mod.ready),
-                              any(mod.late))
-        elements, share, module_late = alike[id(mod)]
-        numel += elements
-        end = begin + mod.backward_s * share
-        after = end if after is None else max(after, end)
-        late = late or module_late
-    if after is None:
-        return []
-    return [GradientBucket(shard(numel, shards) * shards, after, late)]
+def _whole(count: int, size: int, nbytes: int, cap: float) -> int:
+    """How many of `count` modules of `nbytes` each fit whole, one after the other, in a
+    bucket holding `size` bytes of at most `cap` (cap 0: no limit)."""
+    if cap <= 0 or nbytes == 0:
+        return count
+    fit = max(0, min(count, int((cap - size) // nbytes)))
+    # the float division may round across a boundary: settle it with exact comparisons
+    while fit > 0 and size + fit * nbytes > cap:
+        fit -= 1
+    while fit < count and size + (fit + 1) * nbytes <= cap:
+        fit += 1
+    return fit
+
+
+def alike(modules: list[Module], f) -> list:
+    """f(module) for each module, computed once per distinct module (a chunk's layers are
+    one Module, met once per layer)."""
+    seen: dict[int, object] = {}
+    for mod in modules:
+        if id(mod) not in seen:
+            seen[id(mod)] = f(mod)
+    return [seen[id(mod)] for mod in modules]
+
+
+class _Piece(NamedTuple):
+    """The tensors of one module that fall in one bucket: their elements, the largest
+    share of the module's backward any of them waits for, whether one is late, and
+    whether they start a new bucket."""
+
+    numel: int
+    share: float
+    late: bool
+    new_bucket: bool
+
+
+def _cut(mod: Module, size: int, filling: bool, cap: int, itemsize: int
+         ) -> tuple[list[_Piece], int]:
+    """build_buckets' rule over one module's tensors in backward order, entered with a
+    bucket of `size` bytes (`filling`: it holds a tensor): the module's pieces, and the
+    bytes of the bucket it leaves (cap 0: no cut)."""
+    ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
+    pieces: list[list] = []
+    for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
+                                  reversed(ready), strict=True):
+        if cap > 0 and filling and size + numel * itemsize > cap:
+            pieces.append([0, share, False, True])
+            size = 0
+        elif not pieces:
+            pieces.append([0, share, False, not filling])
+        piece = pieces[-1]
+        piece[0] += numel
+        piece[1] = max(piece[1], share)
+        piece[2] = piece[2] or late
+        size += numel * itemsize
+        filling = True
+    return [_Piece(*piece) for piece in pieces], size
 
 
 def back_to_back(modules: list[Module], start: float) -> list[float]:
@@ -208,44 +281,44 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
 
     modules in forward order, gather_s / reduce_s: each module's unit all-gather and
     reduce-scatter; the head's call gathers the embedding unit too when it is tied."""
-    stream = Stream()
-    embed = 0 if modules and modules[0].name == "embedding" else None
-    sites = [[j] for j in range(len(modules))]
-    if tied_head and embed is not None and len(modules) > 1:
-        sites[-1] = [len(modules) - 1, embed]
-    comm = 0.0
-    clock = 0.0
-    gathered: set[int] = set()
-    in_flight: dict[int, float] = {}
+    n = len(modules)
+    sites = [(j,) for j in range(n)]  # the units each module's call gathers
+    if tied_head and n > 1 and modules[0].name == "embedding":
+        sites[-1] = (n - 1, 0)
+    stream, clock, comm = Stream(), 0.0, 0.0
+    gathered = [False] * n
+    arrives: list[float | None] = [None] * n  # a prefetched unit's gather ends then
 
-    def gather(units) -> None:
+    def gather(units: tuple[int, ...]) -> None:
         nonlocal clock, comm
         for u in units:
-            if u in gathered:
+            if gathered[u]:
                 continue
-            if u in in_flight:
-                clock = max(clock, in_flight.pop(u))
+            if arrives[u] is not None:
+                clock = max(clock, arrives[u])
+                arrives[u] = None
             else:  # a blocking all-gather
                 clock = stream.launch(clock, gather_s[u])
                 comm += gather_s[u]
-            gathered.add(u)
+            gathered[u] = True
 
     def prefetch_site(i: int) -> None:
         nonlocal comm
-        if not prefetch or not 0 <= i < len(sites):
+        if not prefetch or not 0 <= i < n:
             return
         for u in sites[i]:
-            if u not in gathered and u not in in_flight:
-                in_flight[u] = stream.launch(clock, gather_s[u])
+            if not gathered[u] and arrives[u] is None:
+                arrives[u] = stream.launch(clock, gather_s[u])
                 comm += gather_s[u]
 
     for i, units in enumerate(sites):  # forward: gather, prefetch the next, compute, free
         gather(units)
         prefetch_site(i + 1)
         clock += modules[i].forward_s
-        gathered.difference_update(units)
+        for u in units:
+            gathered[u] = False
     pending: list[float] = []
-    for i in reversed(range(len(sites))):  # backward
+    for i in reversed(range(n)):  # backward
         gather(sites[i])
         prefetch_site(i - 1)
         clock += modules[i].backward_s
@@ -257,7 +330,7 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
             pending.append(end)
         else:
             clock = end
-        gathered.discard(i)
+        gathered[i] = False
     return max([clock, *pending]), comm
 
 
@@ -279,6 +352,7 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     """
     zero, m = config.zero, config.micro_batches
     b = config.bytes
+    collective = cache(collective)  # thousands of alike layers' buckets, priced once
     out = dict(per_micro_batch_s=0.0, last_backward_s=0.0, late_s=0.0, after_step_s=0.0,
                comm_s=0.0, buckets=0)
     if config.replicas == 1 or not modules:
@@ -288,8 +362,8 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     out["buckets"] = len(buckets)
     compute = sum(mod.backward_s for mod in modules)
     if zero == 3:
-        forward_units = [shard(sum(mod.tensors), config.replicas) * config.replicas
-                         for mod in modules]
+        n = config.replicas
+        forward_units = alike(modules, lambda mod: shard(sum(mod.tensors), n) * n)
         gather_s = [collective("all_gather", u * b.param) for u in forward_units]
         reduce_s = [collective("reduce_scatter", u * b.grad) for u in forward_units]
         seconds, comm = zero3_micro_batch(modules, gather_s, reduce_s, config.zero3_prefetch,
@@ -347,6 +421,7 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
                         stream (it delays the rank's end of the schedule)"""
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
+    collective = cache(collective)  # thousands of alike layers' buckets, priced once
     # The rank's own buckets, each launched when its last parameter's gradient is made,
     # in whichever chunk's last backward that is (one straddling two chunks waits for
     # the later one); on one clock through the chunks' last backwards.
