@@ -1,6 +1,7 @@
-"""The overlap model (minipar/plan/overlap.py) and the parameter order it buckets
-(minipar/plan/parameter_order.py), as specifications: hand-worked recurrences, and the
-planner's parameter lists against minipar's own modules. tests/plan/test_estimate.py
+"""The overlap model (minipar/plan/overlap.py), its buckets (minipar/plan/buckets.py)
+and the parameter order they follow (minipar/plan/parameter_order.py), as
+specifications: hand-worked recurrences, and the planner's parameter lists against
+minipar's own modules. tests/plan/test_estimate.py
 compares the whole model with the emulator."""
 
 from __future__ import annotations
@@ -9,14 +10,11 @@ import numpy as np
 import pytest
 
 from minipar import GPT, GPTConfig
+from minipar.plan.buckets import GradientBucket, Module, back_to_back, gradient_buckets
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.overlap import (
-    GradientBucket,
-    Module,
     Stream,
-    back_to_back,
     data_parallel_time,
-    gradient_buckets,
     reduce_during_backward,
     zero3_micro_batch,
 )
