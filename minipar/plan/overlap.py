@@ -177,10 +177,9 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     if config.replicas == 1 or not modules:
         return out
     overlap = config.overlap_grad_reduce
-    buckets = gradient_buckets(modules, config)
-    out["buckets"] = len(buckets)
     compute = sum(mod.backward_s for mod in modules)
     if zero == 3:
+        out["buckets"] = sum(1 for mod in modules if mod.tensors)  # a bucket per unit
         n = config.replicas
         forward_units = alike(modules, lambda mod: shard(sum(mod.tensors), n) * n)
         gather_s = [collective("all_gather", u * b.param) for u in forward_units]
@@ -191,6 +190,8 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
         out["comm_s"] = m * comm
         return out
+    buckets = gradient_buckets(modules, config)
+    out["buckets"] = len(buckets)
     op = "all_reduce" if zero == 0 else "reduce_scatter"
     durations = [collective(op, bucket.numel * b.grad) for bucket in buckets]
     limit = None if zero == 0 else MAX_IN_FLIGHT
