@@ -51,8 +51,9 @@ PATHS: dict[str, tuple[list[str], str]] = {
     "PP (1F1B)": (["pipeline/executor.py", "pipeline/stage.py",
                    "pipeline/schedules/one_f_one_b.py", "pipeline/schedules/orders.py",
                    "pipeline/actions.py"],
-                  "the executor of action lists; a stage is a GPT over its layers; "
-                  "1F1B's order; where its messages go; the action vocabulary"),
+                  "the step: forward_backward and the runtime of F, B and messages; a stage "
+                  "is a GPT over its layers; 1F1B's order; where its messages go; F, B, "
+                  "the messages and the Schedule"),
     "CP": (["context/ring_attention.py", "context/layout.py"],
            "ring attention's forward and backward; the load-balanced chunk order"),
     "EP": (["expert/dispatch.py", "expert/engine.py"],

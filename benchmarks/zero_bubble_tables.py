@@ -19,7 +19,7 @@ from uniform_stages import charge_blocks_only
 from minipar import distributed as dist
 from minipar.distributed.timeline import bubble_fraction, labelled_compute_seconds
 from minipar.nn import GPTConfig
-from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.model import Pipeline
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ Memory, the *peak* bytes per category from each rank's ledger:
   vocabulary rows of wte) are split t ways; LayerNorms, wpe and the row-parallel biases
   (attn.c_proj.bias, mlp.c_proj.bias) are replicated on every TP rank.
 
-Pipeline stages (Megatron-LM's pre_process / post_process; minipar/parallel/pipeline/executor.py):
+Pipeline stages (Megatron-LM's pre_process / post_process; minipar/parallel/pipeline/stage.py):
   stage s holds blocks of its own, n_layer // p each, the first n_layer % p stages one
   more; the first stage also wte and wpe, the last also ln_f and the head: lm_head when
   untied, and when tied its *own copy* of wte (kept equal to the first stage's). Every

@@ -21,7 +21,6 @@ from minipar import distributed as dist
 from minipar.distributed import DeadlockError
 from minipar.errors import ScheduleError
 from minipar.parallel.pipeline.actions import (
-    ACTION_TYPES,
     Backward,
     Forward,
     RecvActivation,
@@ -41,7 +40,8 @@ BUILDING_BLOCKS = "builds the lists itself (not the library's schedules)"
 # The file's functions, and the classes their arguments and results may hold: the
 # grader calls them in a process of their own and runs `check` itself (grader.py).
 FUNCTIONS = ("compute_order", "one_f_one_b")
-CLASSES = ACTION_TYPES
+ACTIONS = (Forward, Backward, SendActivation, RecvActivation, SendGrad, RecvGrad)
+CLASSES = ACTIONS
 CASES = ((1, 3), (2, 4), (3, 5), (4, 8), (4, 2), (4, 4))  # (p, m); m < p in (4, 2)
 FORWARD_TIME, BACKWARD_TIME = 1.0, 2.0
 
@@ -112,7 +112,7 @@ def check_lists(impl) -> dict:
                f"of {p} action lists, one per rank")
         for rank, actions in enumerate(lists):
             for k, action in enumerate(actions):
-                expect(isinstance(action, ACTION_TYPES),
+                expect(isinstance(action, ACTIONS),
                        f"one_f_one_b({p}, {m}): rank {rank}'s action {k} is {action!r}, not one "
                        "of Forward, Backward, Send/RecvActivation, Send/RecvGrad")
                 expect(action.chunk == 0,

@@ -4,7 +4,10 @@ over the ranks, and how long a layer's attention takes with the K/V exchange ove
 the emulator's byte ledger and simulated clock).
 
 Bytes one CP rank sends per layer and micro-batch (b sequences of s tokens, N = cp,
-h/t the rank's share of the hidden size, e the activations' bytes, e_g the gradients'
+h/t the rank's share of K's width h = n_kv_head x head_dim (d_model without grouped-query
+attention, whose K/V are n_head/n_kv_head times narrower: TE's `AttnFuncWithCPAndKVP2P`
+sends the kv groups only; the Llama 3 paper, section 3.3.2, all-gathers them for that
+reason), e the activations' bytes, e_g the gradients'
 running sums' (fp32 under bf16-mixed, else e)):
 
     forward   (N-1) x 2 b (s/N) (h/t) e            K and V, N-1 hops (Liu et al. 2023)

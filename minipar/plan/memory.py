@@ -297,7 +297,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         forward_buffers += b * shape.seq_len * shape.d_model * a
     if config.cp > 1 and stage.layers:
         # ring attention's received K/V block (one at a time: used, then released)
-        forward_buffers += 2 * b * shape.seq_len * shape.d_model // t * a
+        forward_buffers += 2 * b * shape.seq_len * shape.kv_dim // t * a
     gathered = 0
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head

@@ -38,7 +38,6 @@ import functools
 from minipar.distributed.timeline import comm_overlap
 from minipar.parallel.pipeline.actions import (
     Backward,
-    BackwardWeight,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -46,6 +45,7 @@ from minipar.parallel.pipeline.actions import (
 )
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name, make_schedule
 from minipar.parallel.pipeline.simulator import simulate_step
+from minipar.parallel.pipeline.split_backward import BackwardWeight
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import (
     ParallelConfig,
@@ -346,7 +346,7 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
                + comm_overlap(computed[r], spans[r])["exposed_comm_s"]
                + tails[r][3] + tails[r][5] for r in range(p)]
     step = max(end)
-    # As minipar.parallel.pipeline.executor.bubble_fraction: idle share of p ranks x the
+    # As minipar.distributed.timeline.bubble_fraction: idle share of p ranks x the
     # pipeline's span (a rank that finished early idles until the last one does).
     busy = sum(run.compute) + sum(run.comm)
     total = p * pipeline

@@ -20,7 +20,7 @@ takes, for GPipe and 1F1B,
 and for the interleaved schedule with v chunks per rank T_pipe = (m + (p - 1)/v) max_r t_r,
 plus one point-to-point hop per stage boundary on the way in and on the way out. The
 bubble is the idle share of all ranks' time: (p - 1)/(m + p - 1) for uniform stages,
-(p - 1)/(v m + p - 1) interleaved, as minipar.parallel.pipeline.executor.bubble_fraction measures.
+(p - 1)/(v m + p - 1) interleaved, as minipar.distributed.timeline.bubble_fraction measures.
 
 After the last backward come the step's collectives (DP gradient reduction and parameter
 all-gather, gradient-norm all-reduces, the tied embedding's all-reduce, the loss
@@ -233,7 +233,7 @@ def ring_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
         pair = tuple(cluster.roofline.total_seconds(k) for k in ring_attention_block_kernels(
             heads, c, shape.head_dim, e.activation, config.flash_attention))
     alpha, bandwidth = cluster.link(group_links(config, cluster)["cp"])
-    kv = 2 * b * (shape.seq_len // cp) * (shape.d_model // t)
+    kv = 2 * b * (shape.seq_len // cp) * (shape.kv_dim // t)  # K and V: the kv heads only
     forward, backward = exposed_ring_seconds(pair, cp, config.cp_load_balance,
                                              alpha + kv * e.activation / bandwidth,
                                              alpha + kv * e.compute / bandwidth,

@@ -411,7 +411,7 @@ def _context_parallel(shape, config, stage) -> list[Transfer]:
         return []
     nbytes = config.bytes
     b, m = config.micro_batch_size, config.micro_batches
-    forward, backward = ring_attention_bytes(b, shape.seq_len, shape.d_model, n,
+    forward, backward = ring_attention_bytes(b, shape.seq_len, shape.kv_dim, n,
                                              nbytes.activation, config.tp, nbytes.compute)
     kv = forward // (n - 1)
     dkv = backward // (n - 1) - kv

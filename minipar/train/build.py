@@ -36,7 +36,7 @@ from minipar.nn.moe import MoE, set_aux_loss_scale
 from minipar.parallel.context.model import parallelize_context
 from minipar.parallel.data.ddp import accumulate_gradients_in
 from minipar.parallel.expert.dispatch import parallelize_experts
-from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.model import Pipeline
 from minipar.parallel.tensor.model import counts_once_in_norm, parallelize_tensor
 from minipar.parallel.tensor.sequence_grads import (
     allreduce_sequence_parallel_grads,

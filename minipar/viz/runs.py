@@ -5,7 +5,7 @@
     step = pipeline_step("1f1b", pp=4, micro_batches=8)                 # one pipeline step
 
 `train_report` is `minipar.train.train`; `pipeline_step` runs one training step of a
-`minipar.parallel.pipeline.executor.Pipeline` on p virtual ranks of a deliberately slow device
+`minipar.parallel.pipeline.model.Pipeline` on p virtual ranks of a deliberately slow device
 with free links (PIPELINE_DEVICE), so the timelines look like a big model's: compute
 dominates and the bubble is the grey between the bars.
 
@@ -27,7 +27,7 @@ import numpy as np
 from minipar import distributed as dist
 from minipar.distributed.timeline import bubble_fraction
 from minipar.nn import GPTConfig
-from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.model import Pipeline
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.train.config import TrainConfig

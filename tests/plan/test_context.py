@@ -207,3 +207,22 @@ def test_plan_command_takes_cp_and_refuses_a_sequence_that_does_not_cut(capsys):
     assert "cp=8" in out and "cp sent" in out
     assert main(["plan", "--model", "llama2-7b", "--seq-len", "32760", "--cp", "8"]) == 2
     assert "does not split into 16 chunks" in capsys.readouterr().out
+
+
+def test_grouped_query_attention_sends_its_narrower_kv_around_the_ring():
+    # K and V of n_kv_head heads are n_head / n_kv_head times narrower than Q; TE's
+    # AttnFuncWithCPAndKVP2P sends only those (the Llama 3 paper, section 3.3.2,
+    # all-gathers them for that reason): the cp group's bytes shrink by that factor
+    from minipar.plan import presets
+    from minipar.plan.estimate import estimate
+    from minipar.plan.layout import ParallelConfig
+    from minipar.plan.shapes import ModelShape
+
+    def cp_bytes(kv_heads):
+        shape = ModelShape(name="gqa", n_layer=4, d_model=1024, n_head=16, n_kv_head=kv_heads,
+                           vocab_size=32000, seq_len=4096, mlp="swiglu", d_ff=2816)
+        config = ParallelConfig(dp=1, tp=2, cp=4, micro_batch_size=1, global_batch_size=1,
+                                sequence_parallel=True, flash_attention=True)
+        return estimate(shape, config, presets.cluster("h100")).traffic["cp"]
+
+    assert cp_bytes(4) == cp_bytes(16) * 4 // 16

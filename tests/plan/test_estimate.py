@@ -23,7 +23,7 @@ import pytest
 
 from minipar import distributed as dist
 from minipar.nn import GPTConfig, Recompute
-from minipar.parallel.pipeline.executor import Pipeline
+from minipar.parallel.pipeline.model import Pipeline
 from minipar.parallel.tensor.model import tensor_parallel_gpt
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate

@@ -18,12 +18,9 @@ from dataclasses import dataclass
 
 from minipar.errors import ScheduleError
 from minipar.parallel.pipeline.actions import (
-    ACTION_TYPES,
-    COMPUTE,
     Action,
     Backward,
-    BackwardInput,
-    BackwardWeight,
+    Compute,
     Forward,
     RecvActivation,
     RecvGrad,
@@ -31,6 +28,11 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
+from minipar.parallel.pipeline.split_backward import BackwardInput, BackwardWeight
+
+# the actions whose rules simulate_step checks
+ACTIONS = (Forward, Backward, BackwardInput, BackwardWeight, SendActivation, RecvActivation,
+           SendGrad, RecvGrad)
 
 
 @dataclass
@@ -156,7 +158,7 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
             actions = schedule.actions[rank]
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                if not isinstance(action, ACTION_TYPES):
+                if not isinstance(action, ACTIONS):
                     fail(rank, action, f"not a pipeline action: {type(action).__name__}")
                 i, c = action.micro_batch, action.chunk
                 if not (0 <= i < m and 0 <= c < v):
@@ -217,7 +219,7 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                     sent_spans[sender].append((begin, now[rank]))
                     (inputs if isinstance(action, RecvActivation) else grads)[rank].add((i, c))
                     cost = 0.0
-                if isinstance(action, COMPUTE):
+                if isinstance(action, Compute):
                     now[rank] += cost
                     compute[rank] += cost
                 timeline[rank].append((action, start, now[rank]))
@@ -258,7 +260,7 @@ def in_flight_peak(schedule: Schedule, rank: int, chunk: int | None = None) -> i
     of activations (or, between I and W, of what W still needs) it holds at once."""
     held = peak = 0
     for action in schedule.actions[rank]:
-        if chunk is not None and isinstance(action, COMPUTE) and action.chunk != chunk:
+        if chunk is not None and isinstance(action, Compute) and action.chunk != chunk:
             continue
         if isinstance(action, Forward):
             held += 1

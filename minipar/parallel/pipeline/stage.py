@@ -2,22 +2,16 @@
 
 The layers are cut into pp * v contiguous pieces (Huang et al. 2019, GPipe; Megatron-LM's
 `get_model` with pre_process / post_process), v the virtual stages per rank (1 unless
-the schedule is interleaved); chunk c of pipeline rank r is the virtual stage its
-schedule's placement says (c * pp + r for interleaving). Each is a `minipar.nn.GPT`
-built over its layers (`stage_part`):
+the schedule is interleaved or a V). Each is a `minipar.nn.GPT` built over its layers
+(`stage_part`):
 
     first virtual stage   wte, wpe (+ dropout)   then its blocks
     every virtual stage   blocks h.{i}, registered under their *global* index i
     last virtual stage    its blocks, then ln_f and the LM head and the loss
 
 So `named_parameters()` of a stage yields the single-device (Hugging Face) names, and
-consolidation is a union of dictionaries (`minipar.train.checkpoint.assemble`). With a
-tied LM head (GPT-2's default) the last stage keeps its own copy of wte; after every
-step's backward the first and last stage all-reduce the gradient of their copies
-(Megatron's "embedding group"), so both copies receive the same update and stay equal.
-
-`split_layers` cuts the layers; `StageInput` is an activation received from the stage
-before. The executor that runs a schedule over the chunks is executor.py.
+consolidation is a union of dictionaries (`minipar.train.checkpoint.assemble`). A tied
+LM head keeps its own copy of wte on the last stage (tied_embedding.py).
 """
 
 from __future__ import annotations
@@ -34,8 +28,8 @@ def split_layers(n_layer: int, num_stages: int, layer_split=None) -> list[range]
 
     Balanced by default: every stage gets n_layer // num_stages layers and the first
     n_layer % num_stages one more (the last stage also runs the head and loss, the
-    heaviest extra). `layer_split` gives the counts explicitly, e.g. (3, 1); the first and
-    last stage may be empty (they still hold the embedding / the head), the others not.
+    heaviest extra). `layer_split` gives the counts explicitly, e.g. (3, 1), as
+    `check_layer_split` (model.py) allows them.
     """
     if layer_split is None:
         if num_stages > n_layer:
@@ -44,23 +38,8 @@ def split_layers(n_layer: int, num_stages: int, layer_split=None) -> list[range]
                 f"{n_layer} layers (--n-layer): every stage needs at least one layer; use "
                 f"at most {n_layer} stages or --n-layer {num_stages} or more")
         base, extra = divmod(n_layer, num_stages)
-        counts = [base + (s < extra) for s in range(num_stages)]
-    else:
-        counts = [int(c) for c in layer_split]
-        if len(counts) != num_stages:
-            raise PipelineError(
-                f"layer_split {tuple(counts)} has {len(counts)} entries for {num_stages} "
-                f"stages (pp x virtual_stages): give one layer count per stage")
-        if sum(counts) != n_layer:
-            raise PipelineError(
-                f"layer_split {tuple(counts)} adds up to {sum(counts)} layers but the model "
-                f"has {n_layer} (--n-layer): make the counts add up to {n_layer}")
-        for s, c in enumerate(counts):
-            if c < 0 or (c == 0 and 0 < s < num_stages - 1):
-                raise PipelineError(
-                    f"layer_split {tuple(counts)}: stage {s} gets {c} layers; a middle stage "
-                    f"needs at least 1 (only the first and last may be empty)")
-    starts = np.cumsum([0] + counts)
+        layer_split = [base + (s < extra) for s in range(num_stages)]
+    starts = np.cumsum([0] + [int(c) for c in layer_split])
     return [range(int(starts[s]), int(starts[s + 1])) for s in range(num_stages)]
 
 

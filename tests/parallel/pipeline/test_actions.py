@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from minipar.parallel.pipeline.actions import (
     Backward,
-    BackwardInput,
-    BackwardWeight,
     Forward,
     RecvActivation,
     RecvGrad,
@@ -14,6 +12,7 @@ from minipar.parallel.pipeline.actions import (
     SendGrad,
 )
 from minipar.parallel.pipeline.schedules.orders import from_compute_orders
+from minipar.parallel.pipeline.split_backward import BackwardInput, BackwardWeight
 
 
 def test_actions_print_as_pytorch_s_ir_with_the_chunk_after_a_dot():

@@ -27,8 +27,11 @@ from minipar.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from minipar.parallel.pipeline.executor import Pipeline
-from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.parallel.pipeline.executor import Step
+from minipar.parallel.pipeline.model import Pipeline, check_layer_split
+from minipar.parallel.pipeline.schedules.orders import from_compute_orders
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES, make_schedule
+from minipar.parallel.pipeline.split_backward import SplitBackwardStep, runtime_for
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.parallel.state import Piece
 from minipar.train.checkpoint import assemble, in_model_order
@@ -76,7 +79,10 @@ def test_layers_are_split_contiguously_balanced_or_as_asked():
     ((4, 3, (2, 0, 2)), r"stage 1 gets 0 layers; a middle stage needs at least 1"),
 ])
 def test_bad_layer_splits_name_the_fix(args, match):
+    n_layer, num_stages, layer_split = args
     with pytest.raises(PipelineError, match=match):
+        if layer_split is not None:  # (what a Pipeline checks before it splits)
+            check_layer_split(layer_split, n_layer, num_stages)
         split_layers(*args)
 
 
@@ -227,6 +233,38 @@ def test_untied_head_uneven_split_one_stage_and_checkpointing_are_equivalent_too
     check_equivalent(gpt_config(4), "1f1b", 1, 4, 1)  # pp = 1: gradient accumulation
     check_equivalent(gpt_config(4), "gpipe", 2, 4, 1, layer_split=(3, 1))
     check_equivalent(gpt_config(4), "1f1b", 2, 4, 1, recompute=Recompute("full", "uniform", 1))
+
+
+# --------------------------------------------------------------------------- runtime
+# executor.Step runs F, B and messages between ranks; split_backward.SplitBackwardStep adds
+# I and W and the hand-off between two neighbouring stages of one rank, each on its own.
+@pytest.mark.parametrize("name, pp, m, v, runtime", [
+    ("gpipe", 4, 4, 1, Step), ("1f1b", 4, 8, 1, Step), ("interleaved", 4, 8, 2, Step),
+    ("zb-h1", 4, 8, 1, SplitBackwardStep), ("zb-h2", 4, 8, 1, SplitBackwardStep),
+    ("zb-v", 4, 8, 2, SplitBackwardStep), ("dualpipe-v", 4, 8, 2, SplitBackwardStep),
+])
+def test_only_a_split_backward_or_a_v_gets_the_extended_runtime(name, pp, m, v, runtime):
+    assert runtime_for(make_schedule(name, pp, m, v)) is runtime
+
+
+def v_without_split(m: int):
+    """GPipe's order on a V of two ranks: F and B only, but stages 1 and 2 (the V's tip)
+    and stages 0 and 3 (first and last) share a rank."""
+    order = ([("F", i, 0) for i in range(m)] + [("F", i, 1) for i in range(m)]
+             + [("B", i, 1) for i in range(m)] + [("B", i, 0) for i in range(m)])
+    return from_compute_orders("v-gpipe", 2, m, 2, [order, order], placement="v")
+
+
+def test_a_v_without_a_split_backward_hands_its_tensors_over_and_equals_one_device():
+    schedule = v_without_split(4)
+    assert runtime_for(schedule) is SplitBackwardStep  # for the hand-off alone
+    check_equivalent(gpt_config(4, tied=False), schedule, 2, 4, 1, v=2)
+
+
+def test_one_rank_with_two_chunks_needs_the_hand_off_too():
+    order = [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]
+    assert runtime_for(from_compute_orders("looped", 1, 1, 2, [order])) is SplitBackwardStep
+    assert runtime_for(from_compute_orders("one", 1, 1, 1, [order[::3]])) is Step
 
 
 # --------------------------------------------------------------------------- bubble

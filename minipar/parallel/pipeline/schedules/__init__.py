@@ -15,8 +15,8 @@ Each holds its generators (per rank, the order of its forwards and backwards, tu
 actions with sends and receives by orders.py) and one `register_schedule(ScheduleSpec(...))`
 per schedule: its chunks per rank and their placement, its settings rules, its bubble and
 activations in flight for uniform stages. registry.py holds the registry, the rules'
-checks and `make_schedule`; the actions and the Schedule are in ../actions.py, the
-simulator that checks and times them in ../simulator.py.
+checks and `make_schedule`; the actions and the Schedule are in ../actions.py (I and W
+in ../split_backward.py), the simulator that checks and times them in ../simulator.py.
 
 Importing this package registers the seven, in this order (the CLI's choices).
 """

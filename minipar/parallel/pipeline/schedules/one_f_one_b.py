@@ -15,9 +15,8 @@ one micro-batch on one stage), section 2.2.1: each stage idles (p - 1)(t_f + t_b
 while the pipeline fills and drains, against m (t_f + t_b) of work, so
     idle / total = (p - 1) / (m + p - 1).
 
-A generator returns per rank its compute order, (kind, micro-batch, chunk) with kind "F"
-or "B"; `from_compute_orders` places the sends and receives. The settings it gets are
-checked by the registry (make_schedule) against the rules its ScheduleSpec declares.
+Each generator gives per rank its compute order, (kind, micro-batch, chunk);
+`from_compute_orders` (orders.py) places the sends and receives.
 """
 
 from __future__ import annotations

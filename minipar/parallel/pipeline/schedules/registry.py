@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minipar.errors import ScheduleError
-from minipar.parallel.pipeline.actions import PLACEMENTS, Schedule
+from minipar.parallel.pipeline.actions import Schedule
+from minipar.parallel.pipeline.placements import PLACEMENTS
 from minipar.parallel.pipeline.simulator import validate
 
 
@@ -36,7 +37,7 @@ class ScheduleSpec:
       the chunk holding the last virtual stage (the head's activations), default
       in_flight of the last rank.
     virtual_stages: (fewest, most) model chunks per rank, most None = no limit;
-    placement: how (rank, chunk) maps to a virtual stage (actions.PLACEMENTS);
+    placement: how (rank, chunk) maps to a virtual stage (placements.PLACEMENTS);
     min_pp: fewest pipeline ranks; micro_batches_multiple_of_pp: Megatron's rule for
     interleaving; min_micro_batches(p): fewest micro-batches (the zero-bubble schedules'
     steady state needs them); searched_virtual_stages: the chunk counts the planner's

@@ -10,9 +10,8 @@ critical path; the W's can run later, in the time 1F1B leaves idle.
 - ZB-V (section 6, Figure 8): two chunks per rank in a V, 1F1B's memory.
 Table 2's bubble per stage, with T_F, T_B, T_W the times of one micro-batch's F, B and W:
     1F1B (p-1)(T_F+T_B+T_W),  ZB-H1 (p-1)(T_F+T_B-T_W),  ZB-H2 (p-1)(T_F+T_B-2T_W).
-The executor runs I with minipar.autograd.engine.backward_input and W with the
-WeightGradient it returns. The settings a generator gets are checked by the registry
-(make_schedule) against the rules its ScheduleSpec declares.
+The actions I and W, and how a rank runs them: ../split_backward.py. The settings a
+generator gets are checked by the registry (make_schedule) against its ScheduleSpec.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from minipar.parallel.pipeline.actions import COMPUTE, Backward, Forward
+from minipar.parallel.pipeline.actions import Backward, Compute, Forward
 from minipar.parallel.pipeline.simulator import simulate
 
 
@@ -29,7 +29,7 @@ def in_pytorch_ir():
         """Rank's compute actions as PyTorch prints its schedule IR: virtual stage, kind,
         micro-batch ("3F0": stage 3's forward of micro-batch 0)."""
         return " ".join(f"{schedule.virtual_stage(rank, a.chunk)}{str(a)[0]}{a.micro_batch}"
-                        for a in schedule[rank] if isinstance(a, COMPUTE))
+                        for a in schedule[rank] if isinstance(a, Compute))
     return printed
 
 

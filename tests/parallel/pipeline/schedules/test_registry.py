@@ -12,7 +12,7 @@ import json
 import pytest
 
 from minipar.errors import ConfigError, ScheduleError
-from minipar.parallel.pipeline.actions import BackwardWeight, Schedule
+from minipar.parallel.pipeline.actions import Schedule
 from minipar.parallel.pipeline.schedules.one_f_one_b import flushing_bubble
 from minipar.parallel.pipeline.schedules.orders import from_compute_orders
 from minipar.parallel.pipeline.schedules.registry import (
@@ -25,6 +25,7 @@ from minipar.parallel.pipeline.schedules.registry import (
     uniform_bubble_fraction,
 )
 from minipar.parallel.pipeline.simulator import in_flight_peak, simulate_step
+from minipar.parallel.pipeline.split_backward import BackwardWeight
 from minipar.plan.layout import ParallelConfig
 from minipar.train.config import TrainConfig
 from minipar.train.schema import SCHEMA_PATH
