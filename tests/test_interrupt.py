@@ -64,7 +64,11 @@ def interrupt(where: str, nth: int, argv: list, linger: float = 0.0):
 # starts it. Nothing before the entry point's handler may import NumPy: if it did, the
 # finder would hold it there and the signal would end in a traceback.
 LOADING = r"""
-import runpy, sys, time
+import runpy, signal, sys, time
+
+# SIGINT as a terminal's command gets it (a background job's shell may ignore it, and a
+# child inherits that)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class Hold:
     def find_spec(self, name, path=None, target=None):
