@@ -5,8 +5,8 @@ Loading the command line takes about half a second (NumPy, matplotlib, all of mi
 a Ctrl-C then raised KeyboardInterrupt inside an import, Python's traceback through
 importlib. This module imports nothing of that (minipar/__init__.py loads its names on
 first use): it installs a SIGINT handler, imports the command line, and gives Ctrl-C
-back to Python's KeyboardInterrupt, which minipar.cli.main turns into the same line
-once ranks and files exist to clean up.
+back to Python's KeyboardInterrupt, which minipar.cli.main turns into its own line
+("minipar <command>: interrupted") once there are ranks to stop and files to remove.
 """
 
 from __future__ import annotations
