@@ -37,7 +37,6 @@ formula does not credit (an upper bound). CPU Adam costs 14 FLOPs per element at
 
 from __future__ import annotations
 
-from functools import lru_cache
 from itertools import groupby
 
 from minipar.plan.layout import ParallelConfig, StagePlan
@@ -117,7 +116,6 @@ def tier_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> 
 
 
 # ------------------------------------------------------------------ transfers
-@lru_cache(maxsize=16)  # asked by the stage's time and by its transfers
 def tier_copies(shape: ModelShape, config: ParallelConfig, stage: StagePlan
                 ) -> tuple[tuple[tuple[tuple, ...], int], ...]:
     """Every copy between tiers one rank makes per step, in order, as (block, alike):
