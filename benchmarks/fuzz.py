@@ -19,7 +19,9 @@ traces) and the cases below, each in a child process:
 - Ctrl-C (SIGINT) in `train`, `plan`, `check` and while a checkpoint is written: clean is
   one line, exit status 130 and no temporary file left;
 - switches given as strings or numbers (`TrainConfig(sequence_parallel='False')`,
-  `tie_embeddings='false'`, ...): clean is a ConfigError naming the setting;
+  `tie_embeddings='false'`, ...) and integers too large to print (`n_layer=10**5000`):
+  clean is a ConfigError naming the setting;
+- Ctrl-C a few tenths of a second into `python -m minipar plan`, while it loads;
 - `minipar plan` on the largest inputs it accepts (benchmarks/plan_extremes.py): clean is
   an answer within PLAN_CPU_S seconds of CPU; slower is a hang.
 """
@@ -115,10 +117,17 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def interrupted(argv: list, after_s: float, folder: Path | None = None,
-                patch: dict | None = None) -> tuple[str, str]:
+                patch: dict | None = None, loading: bool = False) -> tuple[str, str]:
     """SIGINT to `minipar argv` `after_s` seconds after it started (or, with a patch,
-    at the patch's fsync)."""
-    if patch is None:
+    at the patch's fsync; loading: `after_s` after `python -m minipar` started, while it
+    imports NumPy and the package)."""
+    if loading:
+        started = subprocess.Popen([sys.executable, "-m", "minipar", *map(str, argv)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
+        time.sleep(after_s)
+        started.send_signal(signal.SIGINT)
+    elif patch is None:
         started = subprocess.Popen([sys.executable, "-c", READY, *map(str, argv)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
@@ -156,6 +165,10 @@ def ctrl_c_cases(work: Path) -> list:
         ("Ctrl-C: plan searching 16,384 GPUs", lambda: interrupted(
             ["plan", "--model", "gpt3-175b", "--gpus", "16384"], 0.5)),
         ("Ctrl-C: check", lambda: interrupted(["check", "--quick"], 0.5)),
+        *[(f"Ctrl-C: {after_s:g} s into python -m minipar plan (loading)",
+           lambda after_s=after_s: interrupted(["plan", "--model", "gpt2", "--gpus", "8"],
+                                               after_s, loading=True))
+          for after_s in (0.05, 0.1, 0.2, 0.3)],
     ]
 
 
@@ -167,11 +180,18 @@ SWITCHES = [("TrainConfig", {"sequence_parallel": "False", "tp": 2}),
             ("ParallelConfig", {"sequence_parallel": "no"}),
             ("ParallelConfig", {"flash_attention": 0}),
             ("ModelShape", {"embedding_norm": "True"}),
-            ("ModelShape", {"tie_embeddings": "false"})]
+            ("ModelShape", {"tie_embeddings": "false"}),
+            # integers too large to print ({"digits": N}: 10**N)
+            ("TrainConfig", {"n_layer": {"digits": 5000}}),
+            ("TrainConfig", {"seed": {"digits": 5000}}),
+            ("TrainConfig", {"lr": {"digits": 400}}),
+            ("ParallelConfig", {"dp": {"digits": 5000}}),
+            ("ModelShape", {"d_model": {"digits": 5000}})]
 SWITCH_CHILD = r"""
 import json, sys
 from minipar.errors import ConfigError
 kind, settings = sys.argv[1], json.loads(sys.argv[2])
+settings = {k: 10 ** v["digits"] if isinstance(v, dict) else v for k, v in settings.items()}
 if kind == "TrainConfig":
     from minipar.train import TrainConfig as made
 elif kind == "ParallelConfig":
@@ -230,6 +250,11 @@ def main() -> int:
                         help="this file's cases and the grader's cheap ones")
     parser.add_argument("--verbose", action="store_true", help="one line per case")
     args = parser.parse_args()
+    # The Ctrl-C cases need SIGINT to reach the children as it reaches a terminal's
+    # command; a shell starts a background job (`fuzz.py &`) with it ignored, which its
+    # children inherit, so none of them could be interrupted. A Python handler is not
+    # inherited: the children start with the default one.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     say = print if args.verbose else (lambda *a, **k: None)
     counts = collections.Counter()
     tried = 0

@@ -2,6 +2,6 @@
 
 import sys
 
-from minipar.cli import main
+from minipar.console import main
 
 sys.exit(main())

@@ -43,7 +43,8 @@ PACKAGE = ROOT / "minipar"
 LAYERS = ("autograd", "nn", "distributed", "parallel", "train", "plan", "profile", "viz",
           "front end")
 # `minipar` re-exports the API; `minipar.run` is `minipar.train`, checked by the planner first
-FRONT_ENDS = {"minipar", "minipar.cli", "minipar.demo", "minipar.run", "minipar.__main__"}
+FRONT_ENDS = {"minipar", "minipar.cli", "minipar.console", "minipar.demo", "minipar.run",
+              "minipar.__main__"}
 # Tensor's operators call the ops, the ops build Tensors through Function, and
 # Tensor.backward runs the engine that walks Functions: one idea, four files.
 CYCLE_OK = {"minipar.autograd.tensor", "minipar.autograd.function", "minipar.autograd.ops",

@@ -9,8 +9,11 @@ included), as a real Ctrl-C would; no case depends on how long anything takes.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +56,51 @@ def interrupt(where: str, nth: int, argv: list, linger: float = 0.0):
     assert "Traceback" not in result.stderr, result.stderr
     assert lines[-1] == f"minipar {argv[0]}: interrupted", result.stderr
     return result
+
+
+# The child for a Ctrl-C while the command loads (before minipar.cli.main runs): a finder
+# holds the first import of NumPy, says so and waits for the test's SIGINT, then the
+# `minipar` command starts as the console script (`console`) or `python -m` (`module`)
+# starts it. Nothing before the entry point's handler may import NumPy: if it did, the
+# finder would hold it there and the signal would end in a traceback.
+LOADING = r"""
+import runpy, signal, sys, time
+
+# SIGINT as a terminal's command gets it (a background job's shell may ignore it, and a
+# child inherits that)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+class Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            print("loading numpy", flush=True)
+            while True:
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, Hold())
+how, sys.argv = sys.argv[1], ["minipar", *sys.argv[2:]]
+if how == "console":  # what pip's `minipar` script runs
+    from minipar.console import main
+    sys.exit(main())
+runpy.run_module("minipar", run_name="__main__", alter_sys=True)  # python -m minipar
+"""
+
+
+@pytest.mark.parametrize("how", ["console", "module"])
+@pytest.mark.parametrize("argv", [["plan", "--model", "gpt2"], ["train", "--steps", "1"]])
+def test_ctrl_c_while_the_command_loads_is_one_line(how, argv):
+    child = subprocess.Popen([sys.executable, "-c", LOADING, how, *argv],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "loading numpy\n"
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130 and err == "minipar: interrupted\n", err
+
+
+def test_the_console_script_is_the_entry_point_that_handles_ctrl_c():
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["minipar"] == "minipar.console:main"
 
 
 def temporaries(*folders) -> list[str]:

@@ -80,6 +80,10 @@ class ParallelConfig(Layout):
     overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_split, list):
+            # a list from Python or JSON: hashable like every other field, so equal
+            # layouts share the planner's caches
+            object.__setattr__(self, "layer_split", tuple(self.layer_split))
         self.validate_layout()
         check_booleans(self, switches(ParallelConfig))
         check_accounting(self.memory_accounting, self.zero)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import Ingredients, account
@@ -92,27 +93,36 @@ def flat_buffers(params: StageParameters, config: ParallelConfig) -> list[tuple[
 
 def stage_parameters(shape: ModelShape, config: ParallelConfig,
                      stage: StagePlan) -> StageParameters:
-    t = config.tp
+    """The parameters one rank of `stage` holds (its TP share; with experts, its 1/ep)."""
+    return _stage_parameters(shape, config.tp, config.ep, stage.first, stage.last,
+                             stage.tied_copy, stage.layers, stage.moe_layers)
+
+
+# A search asks for the same stage's parameters in every layout with this tp and ep, and
+# a deep model's tensors are tens of thousands: each stage is laid out once.
+@lru_cache(maxsize=64)
+def _stage_parameters(shape: ModelShape, t: int, ep: int, first: bool, last: bool,
+                      tied_copy: bool, layers: int, moe_layers: int) -> StageParameters:
     layer = sum(shape.layer_params(t))
-    expert = expert_layer_params(shape, t, config.ep) if shape.is_moe else 0
+    expert = expert_layer_params(shape, t, ep) if shape.is_moe else 0
     moe_layer = dense_layer_params(shape, t) + expert if shape.is_moe else 0
     units = []
-    embedding = sum(shape.embedding_params(t)) if stage.first else 0
-    tied = shape.embedding_params(t)[0] if stage.tied_copy else 0
+    embedding = sum(shape.embedding_params(t)) if first else 0
+    tied = shape.embedding_params(t)[0] if tied_copy else 0
     if embedding:
         units.append(embedding)
     if tied:
         units.append(tied)
-    units += [layer] * (stage.layers - stage.moe_layers) + [moe_layer] * stage.moe_layers
-    if stage.last:
+    units += [layer] * (layers - moe_layers) + [moe_layer] * moe_layers
+    if last:
         units.append(sum(shape.head_params(t)))
     tensors = ((embedding_tensors(shape, t) if embedding else ())
-               + layer_tensors(shape, t) * (stage.layers - stage.moe_layers)
-               + ((moe_layer,) * stage.moe_layers)
-               + (head_tensors(shape, t, stage.tied_copy)[0] if stage.last else
+               + layer_tensors(shape, t) * (layers - moe_layers)
+               + ((moe_layer,) * moe_layers)
+               + (head_tensors(shape, t, tied_copy)[0] if last else
                   (tied,) if tied else ()))
     return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
-                           tied_unit=tied, expert_numel=stage.moe_layers * expert,
+                           tied_unit=tied, expert_numel=moe_layers * expert,
                            tensors=tensors)
 
 
@@ -345,15 +355,20 @@ def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int
     """Elements of each gradient bucket of a rank, in the order backward fills them
     (minipar.parallel.data.buckets.build_buckets: reverse registration order, at most
     bucket_size_mb of parameters, a larger tensor alone)."""
-    cap, itemsize = config.bucket_size_mb * 2**20, config.bytes.param
+    return list(_bucket_elements(params.tensors, config.bucket_size_mb * 2**20,
+                                 config.bytes.param))
+
+
+@lru_cache(maxsize=64)  # every layout of a search with these stage's tensors: once
+def _bucket_elements(tensors: tuple[int, ...], cap: float, itemsize: int) -> tuple[int, ...]:
     buckets, size = [0], 0
-    for numel in reversed(params.tensors):
+    for numel in reversed(tensors):
         if buckets[-1] and size + numel * itemsize > cap:
             buckets.append(0)
             size = 0
         buckets[-1] += numel
         size += numel * itemsize
-    return buckets
+    return tuple(buckets)
 
 
 def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:

@@ -37,6 +37,8 @@ formula does not credit (an upper bound). CPU Adam costs 14 FLOPs per element at
 
 from __future__ import annotations
 
+from itertools import groupby
+
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import CATEGORIES, shard, stage_parameters
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
@@ -114,43 +116,53 @@ def tier_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> 
 
 
 # ------------------------------------------------------------------ transfers
-def tier_copies(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> list[tuple]:
-    """Every copy between tiers one rank makes per step: (direction, nbytes, count,
-    blocking, phase); phase is "micro" (during forward/backward) or "step"."""
+def tier_copies(shape: ModelShape, config: ParallelConfig, stage: StagePlan
+                ) -> tuple[tuple[tuple[tuple, ...], int], ...]:
+    """Every copy between tiers one rank makes per step, in order, as (block, alike):
+    the copies (direction, nbytes, count, blocking, phase) of one unit's shard, made for
+    `alike` alike units in a row (a deep model's layers: one block, not one per layer);
+    phase is "gradient", "micro" (during forward/backward) or "step"."""
     if not offloads(config):
-        return []
+        return ()
     p, o, m = config.bytes.param, state_itemsize(config), config.micro_batches
     sizes = shards(shape, config, stage)
+    gathers = gathers_per_micro_batch(shape, stage, len(sizes))
+    units = [(unit, len(list(group)))  # ((size, gathers), alike)
+             for unit, group in groupby(zip(sizes, gathers, strict=True))]
     optimizer_tier, param_tier = config.offload_optimizer, config.offload_param
-    copies = []
+    blocks = []
     if optimizer_tier != "none":
-        for size in sizes:  # the fp32 gradient, at the boundary; async in ZeRO-1/2
-            copies.append(("to_host", size * o, 1, config.zero == 3, "gradient"))
+        for (size, _), alike in units:  # the fp32 gradient, at the boundary; async in ZeRO-1/2
+            blocks.append(((("to_host", size * o, 1, config.zero == 3, "gradient"),), alike))
     if param_tier != "none":
-        for size, gathers in zip(sizes, gathers_per_micro_batch(shape, stage, len(sizes)),
-                                 strict=True):
+        for (size, times), alike in units:
+            block = [("to_device", size * p, times * m, True, "micro")]
             if param_tier == "nvme":
-                copies.append(("nvme_read", size * p, gathers * m, True, "micro"))
-            copies.append(("to_device", size * p, gathers * m, True, "micro"))
-    for size in sizes:  # the step, shard by shard
+                block.insert(0, ("nvme_read", size * p, times * m, True, "micro"))
+            blocks.append((tuple(block), alike))
+    for (size, _), alike in units:  # the step, shard by shard
+        block = []
         if optimizer_tier == "nvme":
-            copies += [("nvme_read", size * o, 3, True, "step"),
-                       ("nvme_write", size * o, 3, True, "step")]
+            block += [("nvme_read", size * o, 3, True, "step"),
+                      ("nvme_write", size * o, 3, True, "step")]
         if param_tier == "none" and optimizer_tier != "none":
             up = size * o if config.zero < 3 else size * p
-            copies.append(("to_device", up, 1, True, "step"))
+            block.append(("to_device", up, 1, True, "step"))
         elif param_tier != "none" and optimizer_tier == "none":
-            copies.append(("to_host", size * o, 1, True, "step"))
+            block.append(("to_host", size * o, 1, True, "step"))
         if param_tier == "nvme":
-            copies.append(("nvme_write", size * p, 1, True, "step"))
-    return copies
+            block.append(("nvme_write", size * p, 1, True, "step"))
+        if block:
+            blocks.append((tuple(block), alike))
+    return tuple(blocks)
 
 
 def tier_transfers(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> dict:
     """Bytes per step in each direction (the report's ranks[i].transfers, per step)."""
     totals = dict.fromkeys(DIRECTIONS, 0)
-    for direction, nbytes, count, *_ in tier_copies(shape, config, stage):
-        totals[direction] += nbytes * count
+    for block, alike in tier_copies(shape, config, stage):
+        for direction, nbytes, count, *_ in block:
+            totals[direction] += nbytes * count * alike
     return {f"{d}_bytes": b for d, b in totals.items()}
 
 
@@ -161,12 +173,17 @@ def offload_time(shape: ModelShape, config: ParallelConfig, cluster,
     fetches and gradient copies, all blocking), `gradient_s` the exposed ZeRO-1/2 gradient
     copy before the step, `step_s` the step's copies and CPU Adam (`host_optimizer_s`)."""
     times = {"micro_s": 0.0, "gradient_s": 0.0, "step_s": 0.0, "host_optimizer_s": 0.0}
-    for direction, nbytes, count, blocking, phase in tier_copies(shape, config, stage):
-        seconds = count * cluster.tier_copy_time(direction, nbytes)
-        if phase == "gradient":
-            times["micro_s" if blocking else "gradient_s"] += seconds
-        else:
-            times["micro_s" if phase == "micro" else "step_s"] += seconds
+    for block, alike in tier_copies(shape, config, stage):
+        timed = []
+        for direction, nbytes, count, blocking, phase in block:
+            if phase == "gradient":
+                key = "micro_s" if blocking else "gradient_s"
+            else:
+                key = "micro_s" if phase == "micro" else "step_s"
+            timed.append((key, count * cluster.tier_copy_time(direction, nbytes)))
+        for _ in range(alike):  # each unit's copies in turn, as the rank makes them
+            for key, seconds in timed:
+                times[key] += seconds
     if config.offload_optimizer != "none":
         elements = sum(shards(shape, config, stage))
         times["host_optimizer_s"] = ADAMW_FLOPS_PER_PARAMETER * elements / cluster.host_flops

@@ -8,11 +8,9 @@ for a transfer while it computes nothing (Holistic Trace Analysis's definition, 
 minipar.distributed.timeline.comm_overlap measures it).
 
 Gradient buckets (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3; DeepSpeed's
-`overlap_comm` / `reduce_bucket_size`; Megatron-LM's `--overlap-grad-reduce`). The
-parameters are laid, in reverse registration order (about the order backward finishes
-their gradients), into buckets of at most `bucket_size_mb` (`build_buckets`; ZeRO-3: one
-bucket per gather unit). Bucket k is complete when backward has finished the module
-holding its last parameter, at r_k; its reduction of d_k seconds starts when both the
+`overlap_comm` / `reduce_bucket_size`; Megatron-LM's `--overlap-grad-reduce`), laid out by
+plan/buckets.py: bucket k is complete when backward has finished the module holding its
+last parameter, at r_k; its reduction of d_k seconds starts when both the
 bucket and the stream are free:
 
     start_k = max(r_k, end_(k-1)),   end_k = start_k + d_k,
@@ -35,125 +33,19 @@ next one (forward order in forward, reverse in backward) is launched, so it runs
 the current one computes and the next gather finds it done or waits for what is left.
 Without prefetch each gather blocks (`--no-zero3-prefetch`).
 
-Inside a module (a transformer layer, the embedding, the head) a parameter's gradient
-is complete when backward has run the op that uses it: its share of the module's
-backward is that of the ops before it and its own (plan/parameter_order.py). Module
-times are the planner's compute and blocking tensor-parallel communication of that
-module (timing.stage_modules).
+Module times are the planner's compute and blocking tensor-parallel communication of
+each module (timing.stage_modules).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
+from minipar.plan.buckets import GradientBucket, Module, alike, back_to_back, gradient_buckets
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
-
-MIB = 2**20
-
-
-@dataclass(frozen=True)
-class Module:
-    """One module of a rank's chunk, as backward meets it: name (embedding, h.<i>, head),
-    one micro-batch's forward and backward seconds, its parameters' elements in
-    registration order, and which of them are reduced only after the flush (a tied
-    embedding's copies under pipeline parallelism)."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    tensors: tuple[int, ...]
-    late: tuple[bool, ...]
-    # share of the module's backward run when each tensor's gradient is complete (None:
-    # all at its end)
-    ready: tuple[float, ...] | None = None
-
-
-@dataclass(frozen=True)
-class GradientBucket:
-    """numel: elements reduced (padded to a multiple of N for ZeRO); after_s: seconds of
-    backward compute before the bucket is complete; late: reduced only after the flush."""
-
-    numel: int
-    after_s: float
-    late: bool
-
-
-def gradient_buckets(modules: list[Module], config: ParallelConfig,
-                     begins: list[float] | None = None) -> list[GradientBucket]:
-    """Buckets in the order backward completes them (minipar.parallel.data.buckets.
-    build_buckets: reverse registration order, at most bucket_size_mb of parameters
-    each, a larger parameter alone; 0 = one bucket); ZeRO-3: one per module (its gather
-    unit, zero3.gpt_units), complete when the module's backward ends; a bucket is
-    complete when its last parameter is (Module.ready). begins: when each module's
-    backward begins (a pipeline rank's chunks have theirs at different times; default:
-    one backward, the modules back to back from 0)."""
-    n = config.replicas
-    backward = list(reversed(modules))
-    if config.zero == 3:
-        ends, done = [], 0.0
-        for mod in backward:
-            done += mod.backward_s
-            ends.append(done)
-        return [GradientBucket(shard(sum(mod.tensors), n) * n, end, any(mod.late))
-                for mod, end in zip(backward, ends, strict=True) if mod.tensors]
-    cap = config.bucket_size_mb * MIB
-    itemsize = config.bytes.param  # DDP's bucket_cap_mb counts parameter bytes
-    if begins is None:
-        begins = back_to_back(modules, 0.0)
-    if cap == 0:  # one bucket: the loop below, a module at a time rather than a tensor
-        return _one_bucket(backward, list(reversed(begins)), 1 if config.zero == 0 else n)
-    groups: list[list[tuple[int, float, bool]]] = [[]]
-    size = 0
-    for mod, begin in zip(backward, reversed(begins), strict=True):
-        ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
-        for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
-                                      reversed(ready), strict=True):
-            if cap > 0 and groups[-1] and size + numel * itemsize > cap:
-                groups.append([])
-                size = 0
-            groups[-1].append((numel, begin + mod.backward_s * share, late))
-            size += numel * itemsize
-    shards = 1 if config.zero == 0 else n
-    return [GradientBucket(shard(sum(t[0] for t in g), shards) * shards,
-                           max(t[1] for t in g), any(t[2] for t in g))
-            for g in groups if g]
-
-
-def _one_bucket(backward: list[Module], begins: list[float], shards: int
-                ) -> list[GradientBucket]:
-    """gradient_buckets' single bucket (bucket_size_mb 0) of modules in backward order
-    begun at `begins`: every element, complete when the last tensor is. A module's last
-    tensor is complete at begin + backward_s x its largest ready share (the same float:
-    rounding keeps x -> begin + backward_s x share monotone), so a 4096-layer chunk costs
-    4096 steps, not 50,000."""
-    numel, after, late = 0, None, False
-    alike: dict[int, tuple[int, float, bool]] = {}  # a module met again (the layers)
-    for mod, begin in zip(backward, begins, strict=True):
-        if not mod.tensors:
-            continue
-        if id(mod) not in alike:
-            alike[id(mod)] = (sum(mod.tensors), 1.0 if mod.ready is None else max(mod.ready),
-                              any(mod.late))
-        elements, share, module_late = alike[id(mod)]
-        numel += elements
-        end = begin + mod.backward_s * share
-        after = end if after is None else max(after, end)
-        late = late or module_late
-    if after is None:
-        return []
-    return [GradientBucket(shard(numel, shards) * shards, after, late)]
-
-
-def back_to_back(modules: list[Module], start: float) -> list[float]:
-    """When each module's backward begins in one backward begun at `start` (the last
-    module first)."""
-    begins, clock = [0.0] * len(modules), start
-    for i in reversed(range(len(modules))):
-        begins[i] = clock
-        clock += modules[i].backward_s
-    return begins
 
 
 # ------------------------------------------------------------------ the recurrences
@@ -208,44 +100,44 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
 
     modules in forward order, gather_s / reduce_s: each module's unit all-gather and
     reduce-scatter; the head's call gathers the embedding unit too when it is tied."""
-    stream = Stream()
-    embed = 0 if modules and modules[0].name == "embedding" else None
-    sites = [[j] for j in range(len(modules))]
-    if tied_head and embed is not None and len(modules) > 1:
-        sites[-1] = [len(modules) - 1, embed]
-    comm = 0.0
-    clock = 0.0
-    gathered: set[int] = set()
-    in_flight: dict[int, float] = {}
+    n = len(modules)
+    sites = [(j,) for j in range(n)]  # the units each module's call gathers
+    if tied_head and n > 1 and modules[0].name == "embedding":
+        sites[-1] = (n - 1, 0)
+    stream, clock, comm = Stream(), 0.0, 0.0
+    gathered = [False] * n
+    arrives: list[float | None] = [None] * n  # a prefetched unit's gather ends then
 
-    def gather(units) -> None:
+    def gather(units: tuple[int, ...]) -> None:
         nonlocal clock, comm
         for u in units:
-            if u in gathered:
+            if gathered[u]:
                 continue
-            if u in in_flight:
-                clock = max(clock, in_flight.pop(u))
+            if arrives[u] is not None:
+                clock = max(clock, arrives[u])
+                arrives[u] = None
             else:  # a blocking all-gather
                 clock = stream.launch(clock, gather_s[u])
                 comm += gather_s[u]
-            gathered.add(u)
+            gathered[u] = True
 
     def prefetch_site(i: int) -> None:
         nonlocal comm
-        if not prefetch or not 0 <= i < len(sites):
+        if not prefetch or not 0 <= i < n:
             return
         for u in sites[i]:
-            if u not in gathered and u not in in_flight:
-                in_flight[u] = stream.launch(clock, gather_s[u])
+            if not gathered[u] and arrives[u] is None:
+                arrives[u] = stream.launch(clock, gather_s[u])
                 comm += gather_s[u]
 
     for i, units in enumerate(sites):  # forward: gather, prefetch the next, compute, free
         gather(units)
         prefetch_site(i + 1)
         clock += modules[i].forward_s
-        gathered.difference_update(units)
+        for u in units:
+            gathered[u] = False
     pending: list[float] = []
-    for i in reversed(range(len(sites))):  # backward
+    for i in reversed(range(n)):  # backward
         gather(sites[i])
         prefetch_site(i - 1)
         clock += modules[i].backward_s
@@ -257,7 +149,7 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
             pending.append(end)
         else:
             clock = end
-        gathered.discard(i)
+        gathered[i] = False
     return max([clock, *pending]), comm
 
 
@@ -279,17 +171,17 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     """
     zero, m = config.zero, config.micro_batches
     b = config.bytes
+    collective = cache(collective)  # thousands of alike layers' buckets, priced once
     out = dict(per_micro_batch_s=0.0, last_backward_s=0.0, late_s=0.0, after_step_s=0.0,
                comm_s=0.0, buckets=0)
     if config.replicas == 1 or not modules:
         return out
     overlap = config.overlap_grad_reduce
-    buckets = gradient_buckets(modules, config)
-    out["buckets"] = len(buckets)
     compute = sum(mod.backward_s for mod in modules)
     if zero == 3:
-        forward_units = [shard(sum(mod.tensors), config.replicas) * config.replicas
-                         for mod in modules]
+        out["buckets"] = sum(1 for mod in modules if mod.tensors)  # a bucket per unit
+        n = config.replicas
+        forward_units = alike(modules, lambda mod: shard(sum(mod.tensors), n) * n)
         gather_s = [collective("all_gather", u * b.param) for u in forward_units]
         reduce_s = [collective("reduce_scatter", u * b.grad) for u in forward_units]
         seconds, comm = zero3_micro_batch(modules, gather_s, reduce_s, config.zero3_prefetch,
@@ -298,6 +190,8 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
         out["comm_s"] = m * comm
         return out
+    buckets = gradient_buckets(modules, config)
+    out["buckets"] = len(buckets)
     op = "all_reduce" if zero == 0 else "reduce_scatter"
     durations = [collective(op, bucket.numel * b.grad) for bucket in buckets]
     limit = None if zero == 0 else MAX_IN_FLIGHT
@@ -347,6 +241,7 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
                         stream (it delays the rank's end of the schedule)"""
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
+    collective = cache(collective)  # thousands of alike layers' buckets, priced once
     # The rank's own buckets, each launched when its last parameter's gradient is made,
     # in whichever chunk's last backward that is (one straddling two chunks waits for
     # the later one); on one clock through the chunks' last backwards.

@@ -1,5 +1,5 @@
 """Which parameters each module of a rank holds, in registration order, and when its
-backward completes each: what plan/overlap.py lays into gradient buckets.
+backward completes each: what plan/buckets.py lays into gradient buckets.
 
 minipar registers a GPT's parameters as Hugging Face GPT-2 names them (docs/design.md): wte,
 wpe, then per block ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj (weights

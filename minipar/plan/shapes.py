@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 from math import inf
 
 from minipar.train.config import ModelSettings, check_model_size
-from minipar.train.layout import check_booleans
+from minipar.train.layout import check_booleans, check_integer_sizes
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -93,6 +93,8 @@ class ModelShape:
     moe_layer_freq: int = 1
 
     def __post_init__(self) -> None:
+        error = lambda name, message: ValueError(f"ModelShape.{name} {message}")  # noqa: E731
+        check_integer_sizes(self, error)
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -123,7 +125,6 @@ class ModelShape:
             if self.moe_capacity_factor is not None and not 0 < self.moe_capacity_factor < inf:
                 raise ValueError("ModelShape.moe_capacity_factor must be a finite number > 0 "
                                  f"(or None: dropless), got {self.moe_capacity_factor!r}")
-        error = lambda name, message: ValueError(f"ModelShape.{name} {message}")  # noqa: E731
         check_model_size(self, error)
         check_booleans(self, ("bias", "embedding_norm", "tie_embeddings"), error)
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 from minipar.autograd.kernels import ring_attention_block_kernels
 from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
+from minipar.plan.buckets import Module
 from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
 from minipar.plan.context import (
     attention_flops_correction,
@@ -66,7 +67,7 @@ from minipar.plan.layout import (
 )
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
-from minipar.plan.overlap import Module, data_parallel_time
+from minipar.plan.overlap import data_parallel_time
 from minipar.plan.parameter_order import (
     embedding_tensors,
     head_ready,
@@ -257,7 +258,7 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     """The modules of `stage` in forward order (embedding, layers, head) with one
     micro-batch's forward and backward seconds each (compute, the ring's exposed part and
     the tensor-parallel collectives they wait for) and their parameters: what
-    plan/overlap.py lays into gradient buckets and ZeRO-3 units. The seconds are left
+    plan/buckets.py lays into gradient buckets and ZeRO-3 units. The seconds are left
     0 where the reduction does not depend on them (overlap_needs_times)."""
     links, m, t = group_links(config, cluster), config.micro_batches, config.tp
     timed = overlap_needs_times(config)

@@ -45,6 +45,8 @@ GRAD_ACCUM_DTYPES = ("bf16", "fp32")
 # each one of the schedule; --grad-accum-steps 10**12 hung the planner and asked the
 # trainer for 29 TiB of token ids. Published runs use hundreds to a few thousand.
 MAX_MICRO_BATCHES = 65536
+# No setting is an integer beyond int64 (the seed's own maximum; the others are far lower).
+MAX_INTEGER = 2**63 - 1
 
 
 def setting(default, help: str, parse=None, metavar: str | None = None):
@@ -457,11 +459,36 @@ def plain_scalars(settings) -> None:
     """Replace the NumPy scalars among the fields of `settings` (a frozen dataclass) by
     the Python values they hold (np.int64(2) -> 2, np.True_ -> True): a setting taken from
     an array or a sweep is then checked by the same rules as one typed in, and the
-    config's JSON and comparisons are the same either way."""
+    config's JSON and comparisons are the same either way. Then check_integer_sizes."""
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if isinstance(value, np.generic):
             object.__setattr__(settings, field.name, value.item())
+    check_integer_sizes(settings)
+
+
+def check_integer_sizes(settings, error=ConfigError) -> None:
+    """Refuse an integer field beyond any setting's range (MAX_INTEGER) before a rule
+    quotes it: Python will not turn one of more than 4,300 digits into text (nor a float
+    into one past 10**308), so its refusal was a traceback. error(name, message) makes the
+    exception (the planner's ModelShape raises ValueError)."""
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INTEGER:
+            raise error(field.name, f"is an integer of {decimal_digits(value):,} digits, "
+                        "beyond any setting (at most 2**63 - 1)")
+
+
+def decimal_digits(value: int) -> int:
+    """Digits of |value| in base 10, without writing it out (Python refuses to past 4,300
+    digits: sys.get_int_max_str_digits)."""
+    value = abs(value)
+    digits = max(1, int(value.bit_length() * math.log10(2)))  # within one of the count
+    while value >= 10**digits:
+        digits += 1
+    while digits > 1 and value < 10**(digits - 1):
+        digits -= 1
+    return digits
 
 
 def check_positive_integers(settings, names) -> None:

@@ -10,6 +10,7 @@ from minipar.parallel.pipeline.schedules.registry import make_schedule
 from minipar.parallel.pipeline.simulator import in_flight_peak
 from minipar.parallel.pipeline.stage import split_layers
 from minipar.plan import presets
+from minipar.plan.estimate import estimate
 from minipar.plan.layout import (
     ParallelConfig,
     check_model_fits_layout,
@@ -18,6 +19,7 @@ from minipar.plan.layout import (
     representative_ranks,
     stage_plans,
 )
+from minipar.plan.shapes import ModelShape
 from minipar.train import TrainConfig
 
 
@@ -108,3 +110,15 @@ def test_the_planners_switches_are_true_or_false():
         ParallelConfig(tp=2, sequence_parallel="False")
     with pytest.raises(ValueError, match=r"^ModelShape.bias must be True or False, got 0$"):
         ModelShape(bias=0)
+
+
+def test_a_layer_split_given_as_a_list_plans_as_the_tuple_does():
+    # JSON and Python callers pass lists; the planner caches layouts by hash
+    shape = ModelShape(name="x", n_layer=12, d_model=256, n_head=4, vocab_size=1000,
+                       seq_len=128)
+    listed = ParallelConfig(pp=2, layer_split=[7, 5], global_batch_size=8)
+    tupled = ParallelConfig(pp=2, layer_split=(7, 5), global_batch_size=8)
+    assert listed == tupled and hash(listed) == hash(tupled)
+    cluster = presets.cluster("a100")
+    assert estimate(shape, listed, cluster).time == \
+        estimate(shape, tupled, cluster).time

@@ -1,20 +1,20 @@
-"""The overlap model (minipar/plan/overlap.py) and the parameter order it buckets
-(minipar/plan/parameter_order.py), as specifications: hand-worked recurrences, and the
-planner's parameter lists against minipar's own modules. tests/plan/test_estimate.py
+"""The overlap model (minipar/plan/overlap.py), its buckets (minipar/plan/buckets.py)
+and the parameter order they follow (minipar/plan/parameter_order.py), as
+specifications: hand-worked recurrences, and the planner's parameter lists against
+minipar's own modules. tests/plan/test_estimate.py
 compares the whole model with the emulator."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from minipar import GPT, GPTConfig
+from minipar.plan.buckets import GradientBucket, Module, back_to_back, gradient_buckets
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.overlap import (
-    GradientBucket,
-    Module,
     Stream,
     data_parallel_time,
-    gradient_buckets,
     reduce_during_backward,
     zero3_micro_batch,
 )
@@ -93,6 +93,51 @@ def test_buckets_follow_the_reverse_registration_order_with_ddp_capacity():
     assert [b.numel for b in gradient_buckets(modules, config)] == [500, 100]
     one = config.replace(bucket_size_mb=0)
     assert [b.numel for b in gradient_buckets(modules, one)] == [600]
+
+
+def tensor_by_tensor(modules: list[Module], config: ParallelConfig,
+                     begins: list[float]) -> list[GradientBucket]:
+    """build_buckets' rule as written, one tensor at a time: what gradient_buckets, which
+    takes a run of alike layers at once, must give to the bit."""
+    cap, itemsize = config.bucket_size_mb * 2**20, config.bytes.param
+    shards = 1 if config.zero == 0 else config.replicas
+    groups: list[list[tuple[int, float, bool]]] = [[]]
+    size = 0
+    for mod, begin in zip(reversed(modules), reversed(begins), strict=True):
+        ready = mod.ready if mod.ready is not None else (1.0,) * len(mod.tensors)
+        for numel, late, share in zip(reversed(mod.tensors), reversed(mod.late),
+                                      reversed(ready), strict=True):
+            if cap > 0 and groups[-1] and size + numel * itemsize > cap:
+                groups.append([])
+                size = 0
+            groups[-1].append((numel, begin + mod.backward_s * share, late))
+            size += numel * itemsize
+    return [GradientBucket(-(-sum(t[0] for t in g) // shards) * shards,
+                           max(t[1] for t in g), any(t[2] for t in g)) for g in groups if g]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_alike_layers_at_once_are_the_tensor_by_tensor_rule(seed):
+    rng = np.random.default_rng(seed)
+    layer = Module("layer", 0.1, float(rng.uniform(0, 3)),
+                   tuple(int(x) for x in rng.integers(0, 5000, 5)), (False,) * 5,
+                   tuple(sorted(float(x) for x in rng.uniform(0, 1, 5))))
+    other = Module("layer", 0.1, float(rng.uniform(0, 3)), (int(rng.integers(1, 9000)),),
+                   (True,))
+    modules = [Module("embedding", 0.2, 0.7, (3000, 200), (True, False)),
+               *[layer] * int(rng.integers(0, 60)), other, *[layer] * int(rng.integers(1, 60)),
+               Module("empty", 0.1, 0.3, (), ()), Module("head", 0.3, 0.9, (40, 5),
+                                                           (False, False))]
+    # begins as back_to_back lays them, or a pipeline's chunks' in no order
+    begins = ([float(x) for x in rng.uniform(0, 100, len(modules))] if seed % 2
+              else back_to_back(modules, float(rng.uniform(0, 10))))
+    cap = float(rng.choice([0, 0.001, 0.005, 0.02, 0.3, 1e-9])) + float(rng.uniform(0, 1e-3))
+    if seed % 3 == 0:  # a bucket of exactly k layers and what of the head fits with them
+        cap = (int(rng.integers(1, 4)) * sum(layer.tensors) + 45 * int(seed % 2)) * 4 / 2**20
+    config = ParallelConfig(dp=4, zero=int(rng.integers(0, 3)), precision="fp32",
+                            bucket_size_mb=cap if seed % 5 else 0)
+    assert gradient_buckets(modules, config, begins) == tensor_by_tensor(modules, config,
+                                                                          begins)
 
 
 def test_one_bucket_is_all_exposed_whatever_the_backward():

@@ -9,9 +9,9 @@ import pytest
 
 from minipar.nn.recompute import Recompute
 from minipar.plan import pipeline_step, presets
+from minipar.plan.buckets import Module, gradient_buckets
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
-from minipar.plan.overlap import Module, gradient_buckets
 
 UNIFORM = presets.cluster("a100").uniform()
 SHAPE = presets.model("gpt2")

@@ -174,3 +174,25 @@ def test_numpy_values_are_taken_as_the_python_values_they_hold():
     assert config == TrainConfig(sequence_parallel=True, tp=2, tie_embeddings=False,
                                  lr=float(np.float32(0.5)))
     json.dumps(config.to_dict())  # plain values: the report's config is JSON
+
+
+@pytest.mark.parametrize("name", ["n_layer", "seed", "lr", "dp", "steps", "grad_accum_steps"])
+@pytest.mark.parametrize("value", [10**5000, -(10**5000), 2**63],
+                         ids=["5001-digits", "minus-5001-digits", "2**63"])
+def test_an_integer_too_large_to_print_is_refused_in_one_line(name, value):
+    # Python will not write an int of more than 4,300 digits (nor make it a float): the
+    # refusal used to be that ValueError's traceback, or an OverflowError
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(**{name: value})
+    message = str(refused.value)
+    assert message.startswith(f"--{name.replace('_', '-')}: is an integer of ")
+    assert "digits, beyond any setting" in message and len(message) < 200
+
+
+def test_an_integer_too_large_to_print_is_refused_by_the_planner_too():
+    from minipar.plan.layout import ParallelConfig
+    from minipar.plan.shapes import ModelShape
+    with pytest.raises(ValueError, match=r"ModelShape.d_model is an integer of 5,001 digits"):
+        ModelShape(d_model=10**5000)
+    with pytest.raises(ConfigError, match=r"--dp: is an integer of 5,001 digits"):
+        ParallelConfig(dp=10**5000)
