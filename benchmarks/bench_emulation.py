@@ -3,6 +3,8 @@
     python benchmarks/bench_emulation.py              # ~2 minutes on 2 cores
     python benchmarks/bench_emulation.py --quick      # smoke run (a few seconds)
     python benchmarks/bench_emulation.py --only scaling --rounds 5
+    python benchmarks/bench_emulation.py --only ratio --split   # dp2, tp2, pp2 alone too
+    python benchmarks/bench_emulation.py --only ratio --d-model 384   # a wider demo model
 
 1. Overhead ratio. Wall time of one optimizer step of the demo model (`minipar demo`'s
    config: 4 layers, d_model 192, 6 heads, 64 tokens, bf16-mixed) trained as dp2 x tp2 x
@@ -11,7 +13,13 @@
    `--check` compares against). 1.0 would mean emulating 8 GPUs costs nothing extra: the
    same arithmetic, cut in pieces. The two alternate in one process, in rounds, so
    machine noise hits both alike; the median of the per-round ratios is reported, for
-   wall time and for CPU time (of the whole process: what the machine paid).
+   wall time and for CPU time (of the whole process: what the machine paid). `--split`
+   also runs each parallelism alone on the same global batch (dp2 ZeRO-1, tp2, pp2), in
+   the same rounds, to say which of the three costs what; `--d-model` changes the width
+   (the heads stay 6), to tell a cost per op from a cost per activation element.
+   `--no-lending`: the turn is never lent during GEMMs (minipar/distributed/turns.py
+   lends it while a core is spare, so that the CPU ratios of an idle machine include two
+   ranks computing at once and those of a busy one do not); CPU ratios then compare alike.
 2. Weak scaling. Wall time per step as the world grows from 1 to 64 ranks at fixed
    per-rank work (data parallelism, ZeRO-1: every rank runs one micro-batch of a small
    model): ideal emulation costs world x (one rank's step), so the table shows the time
@@ -27,6 +35,7 @@ and not others, which the medians absorb and a single run would not.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -35,6 +44,8 @@ from arguments import positive_int
 from machine import describe
 
 from minipar.demo import DEMO_CONFIG
+from minipar.distributed.turns import SpareCore
+from minipar.errors import ConfigError
 from minipar.train import TrainConfig, train
 
 
@@ -49,25 +60,53 @@ def step_seconds(config: TrainConfig, steps: int) -> tuple[float, float]:
     return (wall_k - wall_1) / steps, (cpu_k - cpu_1) / steps
 
 
-def overhead_ratio(config: TrainConfig, rounds: int, steps: int) -> dict:
-    """Median over rounds of (parallel step time / single-device step time), wall and CPU."""
+def single_device(config: TrainConfig) -> TrainConfig:
+    """The run `--check` compares `config` against: one device, the same global batch in
+    the same micro-batches."""
+    return config.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
+                          grad_accum_steps=config.grad_accum_steps * config.dp,
+                          global_batch_size=config.global_batch_size)
+
+
+def alone(config: TrainConfig) -> dict[str, TrainConfig]:
+    """Each parallelism of `config` on its own (`--split`), on the same global batch."""
+    single = single_device(config)
+    return {f"dp{config.dp} ZeRO-{config.zero}": single.replace(
+                dp=config.dp, zero=config.zero, grad_accum_steps=config.grad_accum_steps),
+            f"tp{config.tp}": single.replace(tp=config.tp),
+            f"pp{config.pp}": single.replace(pp=config.pp)}
+
+
+def overhead_ratio(config: TrainConfig, rounds: int, steps: int,
+                   others: dict[str, TrainConfig] | None = None) -> dict:
+    """Median over rounds of (parallel step time / single-device step time), wall and CPU;
+    with `others` ({name: config}), each of them against the same single-device step
+    (`result["others"][name]`: its wall and CPU ratios)."""
     parallel = config.replace(check=False)
-    single = parallel.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
-                              grad_accum_steps=config.grad_accum_steps * config.dp,
-                              global_batch_size=config.global_batch_size)
+    single = single_device(parallel)
+    others = {name: other.replace(check=False) for name, other in (others or {}).items()}
     step_seconds(parallel, 1), step_seconds(single, 1)  # warm up (imports, caches)
-    times = {"parallel": [], "single": []}
+    times = {"parallel": [], "single": [], **{name: [] for name in others}}
     for _ in range(rounds):
         times["parallel"].append(step_seconds(parallel, steps))
         times["single"].append(step_seconds(single, steps))
+        for name, other in others.items():
+            times[name].append(step_seconds(other, steps))
     pairs = list(zip(times["parallel"], times["single"], strict=True))
+
+    def against_single(name: str, part: int) -> float:  # part 0: wall, 1: CPU
+        return statistics.median(o[part] / s[part] for o, s in
+                                 zip(times[name], times["single"], strict=True))
+
     return {"ratio": statistics.median(p[0] / s[0] for p, s in pairs),
             "ratios": [p[0] / s[0] for p, s in pairs],
             "cpu_ratio": statistics.median(p[1] / s[1] for p, s in pairs),
             "parallel_s": statistics.median(p[0] for p, _ in pairs),
             "single_s": statistics.median(s[0] for _, s in pairs),
             "parallel_cpu_s": statistics.median(p[1] for p, _ in pairs),
-            "single_cpu_s": statistics.median(s[1] for _, s in pairs)}
+            "single_cpu_s": statistics.median(s[1] for _, s in pairs),
+            "others": {name: (against_single(name, 0), against_single(name, 1))
+                       for name in others}}
 
 
 # Weak scaling uses a smaller rank program than the demo's (a 64-wide model, one micro-batch
@@ -108,18 +147,29 @@ def main(argv=None) -> int:
                         help="rounds of each part (default: 7 for the ratio, 3 for scaling)")
     parser.add_argument("--only", choices=("ratio", "scaling"), default=None,
                         help="run one of the two parts")
+    parser.add_argument("--split", action="store_true",
+                        help="the ratio of dp, tp and pp alone too (same rounds)")
+    parser.add_argument("--d-model", type=positive_int, default=DEMO_CONFIG.d_model,
+                        help="the ratio part's model width (default: the demo's)")
+    parser.add_argument("--no-lending", action="store_true",
+                        help="never lend the turn during GEMMs, whatever the load")
     args = parser.parse_args(argv)
+    if args.no_lending:
+        SpareCore.SPARE_CORES = math.inf  # no machine has that many spare cores
     steps = 1 if args.quick else 4
     worlds = (1, 2, 8) if args.quick else (1, 2, 4, 8, 16, 32, 64)
     print(describe())
 
     if args.only in (None, "ratio"):
         rounds = 2 if args.quick else (args.rounds or 7)
-        config = DEMO_CONFIG
-        result = overhead_ratio(config, rounds, steps)
+        try:
+            config = DEMO_CONFIG.replace(d_model=args.d_model)
+        except ConfigError as error:  # (a width the demo's 6 heads and tp2 do not divide)
+            parser.error(f"argument --d-model: {error}")
+        result = overhead_ratio(config, rounds, steps, alone(config) if args.split else None)
         print(f"\n1. demo model ({config.n_layer} layers, d_model {config.d_model}, seq "
               f"{config.seq_len}, {config.precision}), global batch "
-              f"{config.global_batch_size}:")
+              f"{config.global_batch_size}{', the turn never lent' if args.no_lending else ''}:")
         print(f"   single device           {result['single_s'] * 1e3:7.1f} ms per step "
               f"(CPU {result['single_cpu_s'] * 1e3:.1f} ms)")
         print(f"   dp2 x tp2 x pp2 ZeRO-1  {result['parallel_s'] * 1e3:7.1f} ms per step "
@@ -127,6 +177,8 @@ def main(argv=None) -> int:
         print(f"   overhead ratio (median of {rounds} rounds): wall {result['ratio']:.2f}, "
               f"CPU {result['cpu_ratio']:.2f}  (wall by round: "
               f"{', '.join(f'{r:.2f}' for r in result['ratios'])})")
+        for name, (wall, cpu) in result["others"].items():
+            print(f"   {name + ' alone':<24}overhead ratio: wall {wall:.2f}, CPU {cpu:.2f}")
 
     if args.only in (None, "scaling"):
         rounds = 1 if args.quick else (args.rounds or 3)

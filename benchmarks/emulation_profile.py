@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import importlib
 import pstats
 import sys
+import threading
 import time
 
 from arguments import positive_int
@@ -54,8 +56,24 @@ def layout(name: str, world: int | None) -> TrainConfig:
                         dp=world, zero=1)
 
 
-def profiled(config: TrainConfig, steps: int) -> pstats.Stats:
-    """The ranks' summed profile of a run of `steps` steps."""
+class Collections:
+    """CPU seconds the cyclic garbage collector took while registered (gc.callbacks), in
+    whichever thread set it off; its work depends on allocations, not on the profiler."""
+
+    def __init__(self) -> None:
+        self.seconds, self._started = 0.0, {}
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started[threading.get_ident()] = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._started.pop(threading.get_ident())
+
+
+def profiled(config: TrainConfig, steps: int, collections: Collections | None = None
+             ) -> pstats.Stats:
+    """The ranks' summed profile of a run of `steps` steps; `collections` (if given)
+    also times the garbage collector over the run."""
     profiles = []
     run_rank = LAUNCH._run_rank
 
@@ -69,10 +87,14 @@ def profiled(config: TrainConfig, steps: int) -> pstats.Stats:
             profiles.append(profile)
 
     LAUNCH._run_rank = each_rank
+    if collections is not None:
+        gc.callbacks.append(collections)
     try:
         train(config.replace(steps=steps, warmup_steps=0))
     finally:
         LAUNCH._run_rank = run_rank
+        if collections is not None:
+            gc.callbacks.remove(collections)
     stats = pstats.Stats(profiles[0])
     for profile in profiles[1:]:
         stats.add(profile)
@@ -80,10 +102,13 @@ def profiled(config: TrainConfig, steps: int) -> pstats.Stats:
 
 
 def per_step(config: TrainConfig, steps: int) -> dict:
-    """{function: (calls, own seconds, cumulative seconds)} per step: (1 + steps) - 1."""
+    """{function: (calls, own seconds, cumulative seconds)} per step: (1 + steps) - 1; and
+    under the key "garbage collector", its CPU seconds per step."""
     train(config.replace(steps=1, warmup_steps=0))  # warm up (imports, caches)
-    one, more = profiled(config, 1).stats, profiled(config, 1 + steps).stats
-    out = {}
+    collected_one, collected_more = Collections(), Collections()
+    one = profiled(config, 1, collected_one).stats
+    more = profiled(config, 1 + steps, collected_more).stats
+    out = {"garbage collector": (collected_more.seconds - collected_one.seconds) / steps}
     for function, (_, calls, own, cumulative, _) in more.items():
         _, calls_1, own_1, cumulative_1, _ = one.get(function, (0, 0, 0.0, 0.0, None))
         out[function] = ((calls - calls_1) / steps, (own - own_1) / steps,
@@ -113,9 +138,11 @@ def main(argv=None) -> int:
     config = layout(args.layout, args.world)
     print(describe())
     rows = per_step(config, args.steps)
+    collector = rows.pop("garbage collector")
     total = sum(own for _, own, _ in rows.values())
     print(f"\n{args.layout}{f' {args.world}' if args.layout == 'world' else ''} "
-          f"({config.world_size} ranks): {total * 1e3:.1f} ms of rank CPU per step, profiled")
+          f"({config.world_size} ranks): {total * 1e3:.1f} ms of rank CPU per step, profiled; "
+          f"the cyclic garbage collector {collector * 1e3:.1f} ms of it (gc.callbacks)")
     print(f"{'calls':>8} {'own ms':>8} {'cum ms':>8}  function")
     for function, (calls, own, cumulative) in sorted(rows.items(), key=lambda r: -r[1][1]
                                                       )[:args.top]:

@@ -207,10 +207,11 @@ class PartialSum(Tensor):
 
 def partial(tensor: Tensor, producer: str, reduction: str) -> PartialSum:
     """`tensor` (the same data and graph node) marked Partial(): see `PartialSum`."""
-    marked = PartialSum.__new__(PartialSum)
-    for slot in ("data", "grad", "requires_grad", "_ctx", "_index",
-                 "_post_accumulate_grad_hooks", "_grad_device"):
-        setattr(marked, slot, getattr(tensor, slot))
+    marked = PartialSum.__new__(PartialSum)  # (Tensor's slots, as tensor._new_tensor sets them)
+    marked.data, marked.grad, marked.requires_grad = tensor.data, tensor.grad, tensor.requires_grad
+    marked._ctx, marked._index = tensor._ctx, tensor._index
+    marked._post_accumulate_grad_hooks = tensor._post_accumulate_grad_hooks
+    marked._grad_device = tensor._grad_device
     marked.producer, marked.reduction = producer, reduction
     return marked
 

@@ -95,7 +95,8 @@ def add(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         shape = np.broadcast_shapes(a.shape, b.shape)
         if a.shape != shape:
             a, b = b, a  # (an fp32 add commutes, bit for bit)
-        a = np.broadcast_to(a, shape)
+        if a.shape != shape:  # (neither has it: both broadcast)
+            a = np.broadcast_to(a, shape)
     total = np.array(a, dtype=float32)  # (an array also when a is a scalar)
     np.add(total, b, out=total)  # b converted to fp32 as it is read
     if out is None:

@@ -57,6 +57,7 @@ from minipar.autograd.tracking import device_phase, use_device
 from .allocator import keep_freed_memory
 from .clock import COMPUTE_KINDS, DeviceProfile
 from .cluster import Call, Cluster
+from .collector import fewer_collections
 from .comm_log import PHASES
 from .context import _rank_context, get_device
 from .errors import DistError, LaunchCancelled, LaunchTimeoutError, RankAborted
@@ -236,9 +237,11 @@ def launch(
     # rank threads also fan every matmul out to OpenBLAS's own pool oversubscribes the
     # cores and made an 8-rank step ~80x slower on a busy 2-core machine (and a
     # 1-rank step ~25x). threadpool_limits restores the previous setting on exit.
+    # And the cyclic garbage collector runs less often while the ranks run (collector.py).
     cancellation = _scoped_cancellation.get()
     with (cancellation._watching(cluster) if cancellation is not None
-          else contextlib.nullcontext()), threadpool_limits(limits=1, user_api="blas"):
+          else contextlib.nullcontext()), threadpool_limits(limits=1, user_api="blas"), \
+            fewer_collections():
         for thread in threads:
             thread.start()
         try:
