@@ -26,6 +26,9 @@ EARLIER = b"an earlier output, which must survive\n"
 # write when the user presses Ctrl-C), then run `minipar ARGV`.
 CHILD = r"""
 import functools, importlib, os, signal, sys, time
+# SIGINT as a terminal's command gets it (a background job's shell may ignore it, and a
+# child inherits that)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 where, nth, linger = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 module, _, path = where.partition(":")
 owner = importlib.import_module(module)
