@@ -141,7 +141,13 @@ def test_ctrl_c_of_the_user_still_stops_the_checker(tmp_path):
     # started on its output, which the checker shows as it comes.
     path = hand_in(tmp_path, with_ring("import time; print('started', flush=True); "
                                        "time.sleep(60)"))
-    process = subprocess.Popen([sys.executable, "-m", "exercises.check", "01", "--file",
+    # (`python -m exercises.check` taking SIGINT as a terminal's command does: a shell's
+    # background job ignores it, and a child inherits that)
+    as_a_terminal = ("import runpy, signal, sys; "
+                     "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'exercises.check'; "
+                     "runpy.run_module('exercises.check', run_name='__main__', alter_sys=True)")
+    process = subprocess.Popen([sys.executable, "-c", as_a_terminal, "01", "--file",
                                 str(path)], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "MINIPAR_CACHE_DIR": "off"})
