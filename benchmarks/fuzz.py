@@ -155,7 +155,7 @@ def interrupted(argv: list, after_s: float, folder: Path | None = None,
 
 
 def ctrl_c_cases(work: Path) -> list:
-    long_train = ["train", *MODEL, "--dp", "2", "--steps", "400"]
+    long_train = ["train", *MODEL, "--dp", "2", "--steps", "20000"]  # (minutes: interrupted)
     saving = work / "ctrl-c-save"
     return [
         ("Ctrl-C: train", lambda: interrupted(long_train, 1.0)),
