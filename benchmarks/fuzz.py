@@ -164,7 +164,7 @@ def ctrl_c_cases(work: Path) -> list:
             {"kill_at_fsync": 3, "signal": "SIGINT"})),
         ("Ctrl-C: plan searching 16,384 GPUs", lambda: interrupted(
             ["plan", "--model", "gpt3-175b", "--gpus", "16384"], 0.5)),
-        ("Ctrl-C: check", lambda: interrupted(["check", "--quick"], 0.5)),
+        ("Ctrl-C: check", lambda: interrupted(["check"], 1.0)),  # (--quick ends within 0.5 s)
         *[(f"Ctrl-C: {after_s:g} s into python -m minipar plan (loading)",
            lambda after_s=after_s: interrupted(["plan", "--model", "gpt2", "--gpus", "8"],
                                                after_s, loading=True))
