@@ -7,6 +7,7 @@
     python benchmarks/emulation_profile.py dp4 --top 30    # bench_engines' dp4 layout
     PYTHONPATH=/other/tree python benchmarks/emulation_profile.py 3d   # another tree
     python benchmarks/emulation_profile.py tp2 --ops --against single  # per op, both
+    python benchmarks/emulation_profile.py 3d --ops --against single --no-lending
 
 Every rank thread runs under its own `cProfile.Profile(time.thread_time)`, so a function
 is charged the CPU its rank spent in it, not the time the rank waited for its turn or a
@@ -43,6 +44,7 @@ import collections
 import cProfile
 import gc
 import importlib
+import math
 import pstats
 import sys
 import threading
@@ -52,6 +54,7 @@ from arguments import positive_int
 from machine import describe
 
 from minipar.demo import DEMO_CONFIG
+from minipar.distributed.turns import SpareCore
 from minipar.train import TrainConfig, train
 
 LAUNCH = importlib.import_module("minipar.distributed.launch")  # (the module, not the function)
@@ -265,7 +268,11 @@ def main(argv=None) -> int:
     parser.add_argument("--against", choices=("single", "world"),
                         help="with --ops: the same global batch on one device beside, or "
                              "(world) the weak-scaling layout on 1 rank")
+    parser.add_argument("--no-lending", action="store_true",
+                        help="never lend the turn during GEMMs (bench_emulation.py's)")
     args = parser.parse_args(argv)
+    if args.no_lending:
+        SpareCore.SPARE_CORES = math.inf  # (as bench_emulation.py --no-lending)
     if args.against is not None and not args.ops:
         parser.error("--against needs --ops")
     config = layout(args.layout, args.world)
