@@ -23,9 +23,11 @@ collective (from the call to its result), each by the CPU its rank's thread spen
 minus what the ops or collectives it called spent (a ReduceFromTensorParallelRegion's
 forward is its Python; the all_reduce inside is the all_reduce row). The rest of the
 process's CPU (the engine's walk, the optimizer, the turns, the watchdog, other threads)
-is one row. `--against single` prints the single device on the same global batch beside,
-and the difference: which op costs the parallel step what one device does not pay;
-`world 64 --ops --against world` compares per rank-step with 1 rank (weak scaling).
+is one row. Calls are entries into a timed function: an asynchronous collective counts
+its call and its wait. `--against single` prints the single device on the same global
+batch beside, and the difference: which op costs the parallel step what one device does
+not pay; `world 64 --ops --against world` compares per rank-step with 1 rank (weak
+scaling).
 Timing a call costs ~2.5 us (two `time.thread_time()` system calls; measured on the
 AMD EPYC of benchmarks/README.md): ~7 ms of the demo's 8-rank step (~2,800 timed calls)
 and ~2 ms of its single device's (~750), so these ratios read ~0.02 above
