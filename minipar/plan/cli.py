@@ -30,6 +30,7 @@ from minipar.plan import presets, published, published_h100
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
+from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig
@@ -94,6 +95,11 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     hardware.add_argument("--efficiency", type=float,
                           help="price every FLOP at this fraction of peak instead of the "
                                "preset's roofline (GEMMs by shape, other ops by bytes)")
+    hardware.add_argument("--attention-kernel", dest="attention_kernel",
+                          help="price fused (flash) attention at this kernel's measured "
+                               "rates: flash2, cudnn, flash3 on H100 (Shah et al. 2024), or "
+                               "gemm (as one GEMM); default: the preset's (cudnn on H100, "
+                               "gemm on A100)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
                                      "searching)")
     add_setting_flags(layout, Layout, defaults=dict.fromkeys(LAYOUT_SETTINGS),
@@ -220,7 +226,17 @@ def _cluster(args):
             raise ConfigError("efficiency", f"must be in (0, 1], got "
                             f"{args.efficiency}")
         spec = spec.uniform(args.efficiency)
-    return spec
+    return _attention_kernel(args, spec)
+
+
+def _attention_kernel(args, spec: ClusterSpec) -> ClusterSpec:
+    """`spec` with --attention-kernel's rates, if given."""
+    if args.attention_kernel is None:
+        return spec
+    try:
+        return spec.with_attention_kernel(args.attention_kernel)
+    except ValueError as err:
+        raise ConfigError("attention_kernel", str(err)) from None
 
 
 def _global_batch(args, shape: ModelShape, gpus: int) -> int:
@@ -449,12 +465,18 @@ def _compare_published(args) -> int:
         if given:  # each published row has its own GPUs, on the paper's A100 cluster
             raise ConfigError(name, f"--compare-published prices the paper's own layouts on "
                             f"its A100 cluster; drop --{name}")
+    if args.attention_kernel is not None and args.efficiency is not None:
+        raise ConfigError("attention_kernel", "prices kernels on a roofline; --efficiency "
+                          "prices every FLOP at one rate: drop one of them")
     args.cluster = "a100-80gb"
+    kernel, args.attention_kernel = args.attention_kernel, None  # Table 1: no flash
     cluster = _cluster(args)
     rows = published.compare(cluster)
-    h100 = "h100-80gb"
-    h100_rows = published_h100.compare(presets.cluster(h100) if args.efficiency is None
-                                       else presets.cluster(h100).uniform(args.efficiency))
+    h100 = presets.cluster("h100-80gb")
+    args.attention_kernel = kernel
+    h100_rows = published_h100.compare(
+        _attention_kernel(args, h100) if args.efficiency is None
+        else h100.uniform(args.efficiency))
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
                           "source": "Narayanan et al. 2021, Table 1", "rows": rows,
