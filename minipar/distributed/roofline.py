@@ -23,8 +23,8 @@ The compute rate depends on the unit the kernel runs on:
   (one small dimension, e.g. attention's k = head_dim) has little arithmetic per byte
   and lands on the memory roof instead.
 - A fused attention kernel (`Kernel.attention`: FlashAttention, cuDNN's) runs at its own
-  measured rate when the roofline has one (`attention`, minipar.distributed.
-  attention_kernels), else as the GEMM of its shape.
+  measured rate when the roofline has one (`attention`: see
+  minipar.distributed.attention_kernels), else as the GEMM of its shape.
 - Everything else (norms, activations, softmax, dropout, residual adds, the optimizer)
   runs on the CUDA cores at `vector_flops`; these kernels move a few bytes per FLOP, so
   the memory roof prices them: bytes moved at HBM bandwidth.

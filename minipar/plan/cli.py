@@ -474,9 +474,9 @@ def _compare_published(args) -> int:
     rows = published.compare(cluster)
     h100 = presets.cluster("h100-80gb")
     args.attention_kernel = kernel
-    h100_rows = published_h100.compare(
-        _attention_kernel(args, h100) if args.efficiency is None
-        else h100.uniform(args.efficiency))
+    h100 = (_attention_kernel(args, h100) if args.efficiency is None
+            else h100.uniform(args.efficiency))
+    h100_rows = published_h100.compare(h100)
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
                           "source": "Narayanan et al. 2021, Table 1", "rows": rows,
@@ -488,7 +488,7 @@ def _compare_published(args) -> int:
     else:
         print(published.format_comparison(rows, cluster))
         print()
-        print(published_h100.format_comparison(h100_rows))
+        print(published_h100.format_comparison(h100_rows, h100))
     return 0
 
 
