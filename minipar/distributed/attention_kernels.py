@@ -26,7 +26,7 @@ Where minipar goes beyond the measurements, and why:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,11 +40,11 @@ class AttentionKernel:
     """One fused attention kernel on one GPU: FLOP/s at each of `seq_lens` forward
     without and with the causal mask, and backward without it."""
 
-    name: str
-    forward: tuple[float, ...]
-    forward_causal: tuple[float, ...]
-    backward: tuple[float, ...]
-    seq_lens: tuple[int, ...] = SEQ_LENS
+    name: str  # what a plan's JSON shows of it (its roofline's repr): the rates are data
+    forward: tuple[float, ...] = field(repr=False)
+    forward_causal: tuple[float, ...] = field(repr=False)
+    backward: tuple[float, ...] = field(repr=False)
+    seq_lens: tuple[int, ...] = field(default=SEQ_LENS, repr=False)
 
     def __post_init__(self) -> None:
         for setting in ("forward", "forward_causal", "backward"):
