@@ -34,12 +34,14 @@ class FusedAttention:
     backward (the backward recomputes q k^T and runs four products of gradients).
 
     backward: the backward kernel. causal: masked above the diagonal. seq_len: the
-    keys each query attends over (what the measured rate depends on). flops: that count.
+    keys each query attends over and head_dim: d (what the measured rate depends on).
+    flops: that count.
     """
 
     backward: bool
     causal: bool
     seq_len: int
+    head_dim: int
     flops: float
 
 
@@ -141,9 +143,9 @@ def ring_attention_block_kernels(heads: int, c: int, d: int, itemsize: int,
         q_k_v_o = 4 * e * heads * c * d
         products = 4 * scores * d
         return ((Kernel(forward_flops, q_k_v_o, gemm=(heads, c, d, c),
-                        attention=FusedAttention(False, False, c, products)),),
+                        attention=FusedAttention(False, False, c, d, products)),),
                 (Kernel(backward_flops, 2 * q_k_v_o, gemm=(heads, c, d, c),
-                        attention=FusedAttention(True, False, c, 2.5 * products)),))
+                        attention=FusedAttention(True, False, c, d, 2.5 * products)),))
     forward = (gemm_kernel(heads, c, c, d, e), Kernel(5 * scores, 2 * e * scores),
                gemm_kernel(heads, c, d, c, e))
     backward = (gemm_kernel(heads, c, c, d, e), Kernel(5 * scores, 2 * e * scores),

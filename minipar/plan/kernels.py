@@ -189,10 +189,10 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
         q_k_v_o = e * tokens * (shape.qkv_width // tp + h // tp)
         benchmarked = 4 * heads * s * s * d / 2  # its benchmarks' causal count
         return ((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s),
-                        attention=FusedAttention(False, True, s, benchmarked)),),
+                        attention=FusedAttention(False, True, s, d, benchmarked)),),
                 (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
                         gemm=(heads, s, d, s),
-                        attention=FusedAttention(True, True, s, 2.5 * benchmarked)),))
+                        attention=FusedAttention(True, True, s, d, 2.5 * benchmarked)),))
     return attention_kernels(heads, s, d, e, shape.dropout > 0)
 
 

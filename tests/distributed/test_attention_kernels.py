@@ -11,7 +11,7 @@ from minipar.distributed.attention_kernels import (
     CUDNN_H100,
     FLASH2_H100,
     FLASH3_H100,
-    AttentionKernel,
+    Rates,
 )
 from minipar.distributed.roofline import H100_SXM_80GB
 from minipar.plan import presets
@@ -26,37 +26,45 @@ def test_the_rates_are_the_papers_headline_utilizations():
     # "FlashAttention-2 achieving only 35% utilization on the H100 GPU" and FlashAttention-3
     # "up to 740 TFLOPs/s (75% utilization)" with FP16 (Shah et al. 2024, abstract; the
     # 740 is head dim 256, so head dim 128's best stays below it)
-    assert max(FLASH2_H100.forward) / PEAK == pytest.approx(0.35, abs=0.03)
-    assert max(FLASH3_H100.forward) < 740e12
+    flash2, flash3 = dict(FLASH2_H100.head_dims), dict(FLASH3_H100.head_dims)
+    assert max(flash2[128].forward) / PEAK == pytest.approx(0.35, abs=0.03)
+    assert max(flash3[128].forward) < 740e12
     for kernel in (FLASH2_H100, CUDNN_H100, FLASH3_H100):
-        # the mask costs rate, forward at every length; backward is slower than forward
-        assert all(c < f for c, f in zip(kernel.forward_causal, kernel.forward, strict=True))
-        assert max(kernel.backward) < max(kernel.forward)
+        rates = dict(kernel.head_dims)
+        for r in rates.values():  # the mask costs rate, forward, at every length
+            assert all(c < f for c, f in zip(r.forward_causal, r.forward, strict=True))
+        # a 128-wide head keeps the tensor cores busier than a 64-wide one (16K tokens)
+        assert rates[128].forward[-1] > rates[64].forward[-1]
 
 
 def compute_bound(work: FusedAttention) -> Kernel:
-    return Kernel(flops=0.8 * work.flops, nbytes=1.0, gemm=(16, work.seq_len, 128,
+    return Kernel(flops=0.8 * work.flops, nbytes=1.0, gemm=(16, work.seq_len, work.head_dim,
                                                              work.seq_len), attention=work)
 
 
 def test_a_fused_kernel_runs_at_its_measured_rate_on_a_roofline_that_has_one():
     roof = H100_SXM_80GB.replace(attention=CUDNN_H100)
-    forward = FusedAttention(backward=False, causal=True, seq_len=8192, flops=1e12)
+    forward = FusedAttention(backward=False, causal=True, seq_len=8192, head_dim=128, flops=1e12)
     assert roof.seconds(compute_bound(forward)) == pytest.approx(1e12 / 529e12)
     # between two measured lengths: linear in log2(length)
-    between = FusedAttention(False, False, 4096 * 2**0.5, 1e12)
+    between = FusedAttention(False, False, 4096 * 2**0.5, 128, 1e12)
     assert roof.seconds(compute_bound(between)) == pytest.approx(1e12 / ((609e12 + 600e12) / 2))
     # beyond the charts: the nearest measured length
-    long = FusedAttention(False, False, 131072, 1e12)
+    long = FusedAttention(False, False, 131072, 128, 1e12)
     assert roof.seconds(compute_bound(long)) == pytest.approx(1e12 / 595e12)
     # a causal backward: the backward's rate times the forward's causal / full ratio
-    backward = FusedAttention(True, True, 8192, 1e12)
+    backward = FusedAttention(True, True, 8192, 128, 1e12)
     assert roof.seconds(compute_bound(backward)) == pytest.approx(
         1e12 / (518e12 * 529 / 600))
+    # a head dim between the measured ones: the nearest (80 -> 64, 112 -> 128)
+    assert roof.seconds(compute_bound(FusedAttention(False, True, 8192, 80, 1e12))) == (
+        pytest.approx(1e12 / 379e12))
+    assert roof.seconds(compute_bound(FusedAttention(False, True, 8192, 112, 1e12))) == (
+        pytest.approx(1e12 / 529e12))
 
 
 def test_without_measured_rates_a_fused_kernel_is_priced_as_the_gemm_of_its_shape():
-    work = FusedAttention(False, True, 8192, 1e12)
+    work = FusedAttention(False, True, 8192, 128, 1e12)
     kernel = compute_bound(work)
     plain = Kernel(kernel.flops, kernel.nbytes, kernel.gemm)
     assert H100_SXM_80GB.attention is None
@@ -64,11 +72,10 @@ def test_without_measured_rates_a_fused_kernel_is_priced_as_the_gemm_of_its_shap
 
 
 def test_bad_attention_kernel_rates_are_one_line_errors():
-    with pytest.raises(ValueError, match="AttentionKernel.backward must hold one positive"):
-        AttentionKernel("x", forward=(1.0,) * 6, forward_causal=(1.0,) * 6, backward=(1.0,))
-    with pytest.raises(ValueError, match="AttentionKernel.forward must hold"):
-        AttentionKernel("x", forward=(0.0,) * 6, forward_causal=(1.0,) * 6,
-                        backward=(1.0,) * 6)
+    with pytest.raises(ValueError, match="Rates.backward must hold one positive"):
+        Rates(forward=(1.0,) * 6, forward_causal=(1.0,) * 6, backward=(1.0,))
+    with pytest.raises(ValueError, match="Rates.forward must hold"):
+        Rates(forward=(0.0,) * 6, forward_causal=(1.0,) * 6, backward=(1.0,) * 6)
 
 
 def test_the_kernels_count_their_work_as_flash_attentions_benchmarks_do():
@@ -80,7 +87,7 @@ def test_the_kernels_count_their_work_as_flash_attentions_benchmarks_do():
     forward, backward = layer_kernels(shape, b, tp, flash_attention=True)
     (fwd,) = [k.attention for k in forward if k.attention is not None]
     (bwd,) = [k.attention for k in backward if k.attention is not None]
-    assert (fwd.backward, fwd.causal, fwd.seq_len) == (False, True, s)
+    assert (fwd.backward, fwd.causal, fwd.seq_len, fwd.head_dim) == (False, True, s, d)
     assert fwd.flops == 4 * heads * s * s * d / 2
     assert (bwd.backward, bwd.causal) == (True, True) and bwd.flops == 2.5 * fwd.flops
     # a ring attention chunk pair (context parallelism) is a full c x c block
