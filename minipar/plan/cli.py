@@ -226,11 +226,12 @@ def _cluster(args):
             raise ConfigError("efficiency", f"must be in (0, 1], got "
                             f"{args.efficiency}")
         spec = spec.uniform(args.efficiency)
-    return _attention_kernel(args, spec)
+    return spec
 
 
 def _attention_kernel(args, spec: ClusterSpec) -> ClusterSpec:
-    """`spec` with --attention-kernel's rates, if given."""
+    """`spec` (a plan's cluster, or --compare-published's H100 one: Table 1's A100 runs
+    use no fused attention) with --attention-kernel's rates, if given."""
     if args.attention_kernel is None:
         return spec
     try:
@@ -362,9 +363,12 @@ def _run(args) -> int:
         raise ConfigError("reference_global_batch_size", "must be a positive integer, got "
                         f"{args.reference_global_batch_size}")
     shape = _shape(args)
-    cluster = _cluster(args)
+    cluster = _attention_kernel(args, _cluster(args))
     if args.flash_attention is None:
         args.flash_attention = shape.name != "custom"
+    if args.attention_kernel is not None and not args.flash_attention:
+        raise ConfigError("attention_kernel", "prices the fused (flash) attention kernel, and "
+                          "this plan's attention is unfused: add --flash-attention or drop it")
     evaluate = args.example is not None or any(getattr(args, k) is not None
                                                for k in LAYOUT_FLAGS)
     if args.gpus is not None and args.example is None and all(
@@ -465,17 +469,12 @@ def _compare_published(args) -> int:
         if given:  # each published row has its own GPUs, on the paper's A100 cluster
             raise ConfigError(name, f"--compare-published prices the paper's own layouts on "
                             f"its A100 cluster; drop --{name}")
-    if args.attention_kernel is not None and args.efficiency is not None:
-        raise ConfigError("attention_kernel", "prices kernels on a roofline; --efficiency "
-                          "prices every FLOP at one rate: drop one of them")
     args.cluster = "a100-80gb"
-    kernel, args.attention_kernel = args.attention_kernel, None  # Table 1: no flash
     cluster = _cluster(args)
-    rows = published.compare(cluster)
     h100 = presets.cluster("h100-80gb")
-    args.attention_kernel = kernel
-    h100 = (_attention_kernel(args, h100) if args.efficiency is None
-            else h100.uniform(args.efficiency))
+    h100 = _attention_kernel(args, h100 if args.efficiency is None
+                             else h100.uniform(args.efficiency))
+    rows = published.compare(cluster)
     h100_rows = published_h100.compare(h100)
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",

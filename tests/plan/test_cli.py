@@ -134,6 +134,9 @@ def test_export_writes_the_files(capsys, tmp_path):
      "--attention-kernel"),
     (["--compare-published", "--efficiency", "0.5", "--attention-kernel", "cudnn"],
      "--attention-kernel"),
+    (["--model", "gpt2", "--dp", "2", "--no-flash-attention", "--attention-kernel", "flash2"],
+     "--attention-kernel"),
+    (["--compare-published", "--attention-kernel", "flash4"], "--attention-kernel"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)
