@@ -10,8 +10,11 @@ datasheet gives: the fraction of tensor-core peak a large GEMM sustains
 links) or a setting of the published runs (minipar.plan.published). This script fits the
 two on the ten rows by least squares on log(predicted / published) TFLOP/s, a coarse grid
 then a finer one around its best point, and prints the fit, the residual of every row and
-how much each constant moves the worst row. The constants in roofline.py are the ones it
-prints (rounded to 0.01); the test tests/plan/test_published.py guards the residuals.
+how much each constant moves the worst row. The A100 constants in roofline.py are the
+ones it prints (rounded to 0.01). The H100's lie in the flat valley its five fitted runs
+leave (rms log error 0.048 there, 0.047 at the grid's best point; docs/planner.md) and are
+kept, since `minipar train --device h100` shares them. tests/plan/test_published.py
+guards the residuals.
 """
 
 from __future__ import annotations

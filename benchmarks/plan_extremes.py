@@ -3,7 +3,7 @@
     python benchmarks/plan_extremes.py              # every case, one line each
     python benchmarks/plan_extremes.py --limit 60   # give up on a case after 60 s of wall time
 
-The cases are the ones issue 33 measured (a 4096-layer model searched, a 64-stage
+The cases are the planner's slowest known inputs (a 4096-layer model searched, a 64-stage
 pipeline of 65,536 micro-batches evaluated, Mixtral searched on 512 GPUs) and the other
 corners of what the CLI accepts: the most layers, the most micro-batches on every kind of
 schedule, clusters whose GPU count has many divisors, the most experts. Each runs as

@@ -26,13 +26,36 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class FusedAttention:
+    """What one fused attention kernel (FlashAttention: Dao et al. 2022; cuDNN's flash
+    attention) runs, in the count its published benchmarks divide by time
+    (flash-attention's benchmarks/benchmark_flash_attention.py `flops`): 4 s_q s_k d per
+    (sequence, head) pair forward, half of it with a causal mask, and 2.5 times that
+    backward (the backward recomputes q k^T and runs four products of gradients).
+
+    backward: the backward kernel. causal: masked above the diagonal. seq_len: the
+    keys each query attends over and head_dim: d (what the measured rate depends on).
+    flops: that count.
+    """
+
+    backward: bool
+    causal: bool
+    seq_len: int
+    head_dim: int
+    flops: float
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One kernel: its FLOPs, the bytes it reads and writes in HBM, and, for a matrix
-    multiply, its shape (batch, m, n, k): batch products of (m, k) @ (k, n)."""
+    multiply, its shape (batch, m, n, k): batch products of (m, k) @ (k, n). attention:
+    a fused attention kernel's work as its benchmarks count it, for a cost model that
+    prices such kernels at their own measured rate (minipar.distributed.roofline)."""
 
     flops: float
     nbytes: float
     gemm: tuple[int, int, int, int] | None = None
+    attention: FusedAttention | None = None
 
 
 def gemm_kernel(batch: int, m: int, n: int, k: int, itemsize: int,
@@ -114,12 +137,15 @@ def ring_attention_block_kernels(heads: int, c: int, d: int, itemsize: int,
     way that reads q, k, v (and dO) and writes o (dq, dk, dv), as Transformer Engine
     runs each block with FlashAttention (the planner's `flash_attention` clusters)."""
     e, scores = itemsize, heads * c * c
-    if flash:
+    if flash:  # a full c x c block (the diagonal's mask is a share of the busiest pairs)
         forward_flops = 4 * scores * d + 5 * scores
         backward_flops = 10 * scores * d + 9 * scores
         q_k_v_o = 4 * e * heads * c * d
-        return ((Kernel(forward_flops, q_k_v_o, gemm=(heads, c, d, c)),),
-                (Kernel(backward_flops, 2 * q_k_v_o, gemm=(heads, c, d, c)),))
+        products = 4 * scores * d
+        return ((Kernel(forward_flops, q_k_v_o, gemm=(heads, c, d, c),
+                        attention=FusedAttention(False, False, c, d, products)),),
+                (Kernel(backward_flops, 2 * q_k_v_o, gemm=(heads, c, d, c),
+                        attention=FusedAttention(True, False, c, d, 2.5 * products)),))
     forward = (gemm_kernel(heads, c, c, d, e), Kernel(5 * scores, 2 * e * scores),
                gemm_kernel(heads, c, d, c, e))
     backward = (gemm_kernel(heads, c, c, d, e), Kernel(5 * scores, 2 * e * scores),

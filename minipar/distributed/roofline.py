@@ -22,6 +22,9 @@ The compute rate depends on the unit the kernel runs on:
   peak; a small one (fewer tiles than SMs) leaves most of the chip idle; a skinny one
   (one small dimension, e.g. attention's k = head_dim) has little arithmetic per byte
   and lands on the memory roof instead.
+- A fused attention kernel (`Kernel.attention`: FlashAttention, cuDNN's) runs at its own
+  measured rate when the roofline has one (`attention`: see
+  minipar.distributed.attention_kernels), else as the GEMM of its shape.
 - Everything else (norms, activations, softmax, dropout, residual adds, the optimizer)
   runs on the CUDA cores at `vector_flops`; these kernels move a few bytes per FLOP, so
   the memory roof prices them: bytes moved at HBM bandwidth.
@@ -38,6 +41,7 @@ import math
 from dataclasses import dataclass, replace
 
 from minipar.autograd.kernels import Kernel
+from minipar.distributed.attention_kernels import AttentionKernel
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Roofline:
         (STREAM-like microbenchmarks; fitted alongside).
     sm_count: streaming multiprocessors (datasheet). tile: (rows, columns) of the output
         tile one thread block computes (cuBLAS's large fp16 tiles, 256 x 128).
+    attention: the fused attention kernel's measured rates (None: priced as a GEMM).
     """
 
     name: str
@@ -63,6 +68,7 @@ class Roofline:
     memory_efficiency: float
     sm_count: int
     tile: tuple[int, int] = (256, 128)
+    attention: AttentionKernel | None = None
 
     def __post_init__(self) -> None:
         for setting in ("peak_flops", "vector_flops", "hbm_bandwidth"):
@@ -89,7 +95,10 @@ class Roofline:
 
     def seconds(self, kernel: Kernel) -> float:
         """Seconds of one kernel: the higher of its compute time and its memory time."""
-        if kernel.gemm is not None:
+        if kernel.attention is not None and self.attention is not None:
+            compute = kernel.attention.flops / self.attention.flops_per_second(
+                kernel.attention)
+        elif kernel.gemm is not None:
             batch, m, n, _ = kernel.gemm
             compute = kernel.flops / self.gemm_flops(batch, m, n)
         else:

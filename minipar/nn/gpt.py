@@ -52,8 +52,66 @@ from minipar.nn.recompute import Recompute, run_blocks
 MLP_KINDS = ("gelu", "swiglu")
 
 
+class TransformerSizes:
+    """The widths a transformer's settings imply (d_model, n_head, n_kv_head, d_ff, mlp),
+    for this module's GPTConfig and the planner's ModelShape alike: one definition."""
+
+    __slots__ = ()
+
+    def check_widths(self) -> None:
+        """Refuse a width that is not a positive integer, heads that do not tile d_model,
+        or query heads that the key/value heads do not group evenly."""
+        owner = type(self).__name__
+        for name in ("n_kv_head", "d_ff"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer))
+                                      or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{owner}.{name} must be a positive integer (or None), "
+                                 f"got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"{owner}: d_model={self.d_model} is not divisible by "
+                             f"n_head={self.n_head}; pick n_head dividing d_model")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"{owner}: n_head={self.n_head} is not a multiple of "
+                             f"n_kv_head={self.kv_heads}: each key/value head serves a group "
+                             "of query heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head (multi-head attention)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def grouped_query(self) -> bool:
+        return self.kv_heads != self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): n_kv_head x head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        """c_attn's output width: Q (d_model), then K and V (kv_dim each)."""
+        return self.d_model + 2 * self.kv_dim
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width f: d_ff, or GPT-2's 4 d_model."""
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @property
+    def mlp_in_width(self) -> int:
+        """c_fc's output width: f, or SwiGLU's gate and up projections fused, 2f."""
+        return (2 if self.mlp == "swiglu" else 1) * self.ffn
+
+
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(TransformerSizes):
     """Model shape. `seq_len` is the context length (rows of wpe)."""
 
     vocab_size: int = 65
@@ -84,50 +142,13 @@ class GPTConfig:
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
                     or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}; "
-                "pick n_head dividing d_model"
-            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        for name in ("n_kv_head", "d_ff"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, np.integer))
-                                      or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"GPTConfig.{name} must be a positive integer (or None), "
-                                 f"got {value!r}")
-        if self.n_head % self.kv_heads:
-            raise ValueError(f"GPTConfig: n_head={self.n_head} is not a multiple of "
-                             f"n_kv_head={self.kv_heads}: each key/value head serves a group "
-                             "of query heads")
+        self.check_widths()
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
         if self.moe_num_experts:
             check_moe_settings(self)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: n_kv_head, or n_head (multi-head attention)."""
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def grouped_query(self) -> bool:
-        return self.kv_heads != self.n_head
-
-    @property
-    def ffn(self) -> int:
-        """The MLP's hidden width f: d_ff, or GPT-2's 4 d_model."""
-        return 4 * self.d_model if self.d_ff is None else self.d_ff
-
-    @property
-    def mlp_in_width(self) -> int:
-        """c_fc's output width: f, or SwiGLU's gate and up projections fused, 2f."""
-        return (2 if self.mlp == "swiglu" else 1) * self.ffn
 
     def is_moe_layer(self, i: int) -> bool:
         """Block i's MLP is a mixture of experts (Megatron's moe_layer_freq pattern)."""
@@ -159,7 +180,7 @@ def parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's HF GPT-2 name and full shape, in `named_parameters()` order
     (grouped-query attention: c_attn of width d + 2 n_kv_head hd; SwiGLU: c_fc of 2f)."""
     d, v, f = config.d_model, config.vocab_size, config.ffn
-    qkv = d + 2 * config.kv_heads * config.head_dim
+    qkv = config.qkv_width
     shapes = {"wte.weight": (v, d), "wpe.weight": (config.seq_len, d)}
     for i in range(config.n_layer):
         p = f"h.{i}."

@@ -30,6 +30,7 @@ from minipar.plan import presets, published, published_h100
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
+from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
 from minipar.plan.layout import ParallelConfig
@@ -94,6 +95,11 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     hardware.add_argument("--efficiency", type=float,
                           help="price every FLOP at this fraction of peak instead of the "
                                "preset's roofline (GEMMs by shape, other ops by bytes)")
+    hardware.add_argument("--attention-kernel", dest="attention_kernel",
+                          help="price fused (flash) attention at this kernel's measured "
+                               "rates: flash2, cudnn, flash3 on H100 (Shah et al. 2024), or "
+                               "gemm (as one GEMM); default: the preset's (cudnn on H100, "
+                               "gemm on A100)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
                                      "searching)")
     add_setting_flags(layout, Layout, defaults=dict.fromkeys(LAYOUT_SETTINGS),
@@ -223,6 +229,17 @@ def _cluster(args):
     return spec
 
 
+def _attention_kernel(args, spec: ClusterSpec) -> ClusterSpec:
+    """`spec` (a plan's cluster, or --compare-published's H100 one: Table 1's A100 runs
+    use no fused attention) with --attention-kernel's rates, if given."""
+    if args.attention_kernel is None:
+        return spec
+    try:
+        return spec.with_attention_kernel(args.attention_kernel)
+    except ValueError as err:
+        raise ConfigError("attention_kernel", str(err)) from None
+
+
 def _global_batch(args, shape: ModelShape, gpus: int) -> int:
     if args.global_batch_size is not None:
         return args.global_batch_size
@@ -346,9 +363,12 @@ def _run(args) -> int:
         raise ConfigError("reference_global_batch_size", "must be a positive integer, got "
                         f"{args.reference_global_batch_size}")
     shape = _shape(args)
-    cluster = _cluster(args)
+    cluster = _attention_kernel(args, _cluster(args))
     if args.flash_attention is None:
         args.flash_attention = shape.name != "custom"
+    if args.attention_kernel is not None and not args.flash_attention:
+        raise ConfigError("attention_kernel", "prices the fused (flash) attention kernel, and "
+                          "this plan's attention is unfused: add --flash-attention or drop it")
     evaluate = args.example is not None or any(getattr(args, k) is not None
                                                for k in LAYOUT_FLAGS)
     if args.gpus is not None and args.example is None and all(
@@ -451,10 +471,11 @@ def _compare_published(args) -> int:
                             f"its A100 cluster; drop --{name}")
     args.cluster = "a100-80gb"
     cluster = _cluster(args)
+    h100 = presets.cluster("h100-80gb")
+    h100 = _attention_kernel(args, h100 if args.efficiency is None
+                             else h100.uniform(args.efficiency))
     rows = published.compare(cluster)
-    h100 = "h100-80gb"
-    h100_rows = published_h100.compare(presets.cluster(h100) if args.efficiency is None
-                                       else presets.cluster(h100).uniform(args.efficiency))
+    h100_rows = published_h100.compare(h100)
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
                           "source": "Narayanan et al. 2021, Table 1", "rows": rows,
@@ -466,7 +487,7 @@ def _compare_published(args) -> int:
     else:
         print(published.format_comparison(rows, cluster))
         print()
-        print(published_h100.format_comparison(h100_rows))
+        print(published_h100.format_comparison(h100_rows, h100))
     return 0
 
 

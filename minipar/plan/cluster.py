@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from minipar.distributed.attention_kernels import GEMM, MEASURED
 from minipar.distributed.clock import DeviceProfile, collective_time
 from minipar.distributed.roofline import Roofline
 
@@ -125,6 +126,19 @@ class ClusterSpec:
 
     def with_memory(self, memory_bytes: float) -> ClusterSpec:
         return replace(self, memory_bytes=memory_bytes)
+
+    def with_attention_kernel(self, name: str) -> ClusterSpec:
+        """This cluster with fused attention priced at kernel `name`'s measured rates
+        (minipar.distributed.attention_kernels.MEASURED for this GPU), or as one GEMM
+        ("gemm"). ValueError, naming the choices, if the GPU has no such measurement."""
+        if self.roofline is None:
+            raise ValueError("prices kernels on a roofline; this cluster prices every FLOP "
+                             "at one rate (drop --efficiency)")
+        measured = MEASURED.get(self.roofline.name, {})
+        if name != GEMM and name not in measured:
+            raise ValueError(f"{name!r} has no measured rates on {self.roofline.name}; "
+                             f"choose one of {', '.join([*measured, GEMM])}")
+        return replace(self, roofline=self.roofline.replace(attention=measured.get(name)))
 
     def uniform(self, efficiency: float | None = None) -> ClusterSpec:
         """This cluster without its roofline: every FLOP at peak x efficiency (a time

@@ -236,7 +236,9 @@ def human_seconds(s: float) -> str:
 def compute_model(cluster: ClusterSpec) -> str:
     """How the cluster prices compute, in a few words, and what calibrates it."""
     how = (f"at {cluster.efficiency:.0%} kernel efficiency" if cluster.roofline is None
-           else f"on the {cluster.roofline.name} roofline")
+           else f"on the {cluster.roofline.name} roofline, fused attention "
+                + ("as a GEMM" if cluster.roofline.attention is None
+                   else f"at {cluster.roofline.attention.name}'s measured rate"))
     if cluster.calibration is None:
         return how + " (uncalibrated: no published run fitted or checked on this profile)"
     return how + f" (calibrated on {cluster.calibration})"

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from minipar.autograd.kernels import (
+    FusedAttention,
     Kernel,
     attention_kernels,
     flash_causal_share,
@@ -172,10 +173,10 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
                                                         shape.head_dim, itemsize,
                                                         flash_attention)
         if flash_attention:  # one fused kernel per pair; `pairs` counts a causal pair's share
-            return ((replace(block_f[0], flops=pairs * block_f[0].flops,
-                             nbytes=pairs * block_f[0].nbytes),),
-                    (replace(block_b[0], flops=pairs * block_b[0].flops,
-                             nbytes=pairs * block_b[0].nbytes),))
+            return tuple((replace(k, flops=pairs * k.flops, nbytes=pairs * k.nbytes,
+                                  attention=replace(k.attention,
+                                                    flops=pairs * k.attention.flops)),)
+                         for k in (block_f[0], block_b[0]))
         return block_f * pairs, block_b * pairs
     h, s, e = shape.d_model, shape.seq_len, itemsize
     tokens = b * s
@@ -186,9 +187,12 @@ def attention_core_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int
         # causal: the kernel skips the key blocks above the diagonal
         attention = 4 * heads * s * s * d * flash_causal_share(s)
         q_k_v_o = e * tokens * (shape.qkv_width // tp + h // tp)
-        return ((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s)),),
+        benchmarked = 4 * heads * s * s * d / 2  # its benchmarks' causal count
+        return ((Kernel(attention + SOFTMAX_FLOPS[0] * scores, q_k_v_o, gemm=(heads, s, d, s),
+                        attention=FusedAttention(False, True, s, d, benchmarked)),),
                 (Kernel(2 * attention + SOFTMAX_FLOPS[1] * scores, 2 * q_k_v_o,
-                        gemm=(heads, s, d, s)),))
+                        gemm=(heads, s, d, s),
+                        attention=FusedAttention(True, True, s, d, 2.5 * benchmarked)),))
     return attention_kernels(heads, s, d, e, shape.dropout > 0)
 
 

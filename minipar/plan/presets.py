@@ -37,6 +37,7 @@ rest).
 
 from __future__ import annotations
 
+from minipar.distributed.attention_kernels import CUDNN_H100
 from minipar.distributed.clock import A100, H100
 from minipar.distributed.roofline import A100_SXM_80GB, H100_SXM_80GB
 from minipar.plan.cluster import GIB, ClusterSpec
@@ -100,7 +101,11 @@ CLUSTERS: dict[str, ClusterSpec] = {
         name="8x H100-SXM5-80GB, NVLink 4, 400 Gb/s NDR IB per GPU", gpus_per_node=8,
         memory_bytes=80 * GIB, peak_flops=989e12, efficiency=0.5,
         intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
-        intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=H100_SXM_80GB,
+        intra_node_latency=3e-6, inter_node_latency=8e-6,
+        # attention: cuDNN's fused kernel, which Transformer Engine (Megatron-Core's and
+        # NeMo's attention) prefers on Hopper when both it and FlashAttention-2 apply
+        # (NeMo Framework docs, memory_optimizations.rst, "Flash Attention")
+        roofline=H100_SXM_80GB.replace(attention=CUDNN_H100),
         calibration="5 of the Megatron-LM README's H100 runs, held out on 4 more and the "
                     "Llama 3 paper's Table 4 (minipar plan --compare-published)"),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every

@@ -25,18 +25,21 @@ Two sources, each row cited where it is printed:
 Assumed where the sources are silent (one rule for every row, never tuned per row):
 micro-batch 2 where the planner finds that it fits the GPU and leaves at least pp
 micro-batches per step, else 1 (tests/plan/test_published.py checks the rule); no
-recomputation; bf16 with Megatron's fp32 gradient buffers and
-distributed optimizer (ZeRO-1; Llama 3's FSDP sharding priced the same way); flash
-attention; sequence parallelism with TP; Megatron's default DDP bucket of
-max(40M, 1M x dp) parameters; the overlaps a source states and no others (the README's
-three switches; the Llama 3 paper names none of them for TP, so no `--tp-comm-overlap`
-there, and its FSDP prefetches the parameter gather as `--overlap-param-gather` does); for
-the README rows the 1F1B schedule (119B and 462B's 23 and 7 layers per stage leave no
-other interleaving). FLOPs: each source's own count. The README's is Megatron's
-`num_floating_point_operations`; Table 4 reports MFU after Chowdhery et al. (PaLM,
-appendix B): 6N + 12 L H Q T per token, N all parameters, attention full (not causal),
-within 0.5% of Megatron's formula for 405B at 8K and at 131K, where the attention term is
-57% of the count (a causal count would be 28% lower there).
+recomputation; bf16 with Megatron's fp32 gradient buffers and distributed optimizer
+(ZeRO-1; Llama 3's FSDP sharding priced the same way); flash attention at cuDNN's
+measured H100 rates (the h100-80gb preset's kernel: Transformer Engine's choice on
+Hopper; neither source names its kernel; minipar.distributed.attention_kernels,
+`--attention-kernel` to price another); sequence parallelism with TP; Megatron's default
+DDP bucket of max(40M, 1M x dp) parameters; the overlaps a source states and no others
+(the README's three switches; the Llama 3 paper names none of them for TP, so no
+`--tp-comm-overlap` there, and its FSDP prefetches the parameter gather as
+`--overlap-param-gather` does); for the README rows the 1F1B schedule (119B and 462B's
+23 and 7 layers per stage leave no other interleaving). FLOPs: each source's own count.
+The README's is Megatron's `num_floating_point_operations`; Table 4 reports MFU after
+Chowdhery et al. (PaLM, appendix B): 6N + 12 L H Q T per token, N all parameters,
+attention full (not causal), within 0.5% of Megatron's formula for 405B at 8K and at
+131K, where the attention term is 57% of the count (a causal count would be 28% lower
+there).
 
 The fit (benchmarks/fit_time_model.py --gpu h100) uses the FITTED rows only; the held
 out ones are the check. `tests/plan/test_published.py` holds the README rows to the 10%
@@ -50,7 +53,7 @@ from dataclasses import dataclass
 
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
-from minipar.plan.estimate import estimate
+from minipar.plan.estimate import compute_model, estimate
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import ModelShape
 
@@ -168,7 +171,7 @@ def compare(cluster: ClusterSpec | None = None, runs=RUNS) -> list[dict]:
     return rows
 
 
-def format_comparison(rows: list[dict]) -> str:
+def format_comparison(rows: list[dict], cluster: ClusterSpec | None = None) -> str:
     header = ("source", "run", "GPUs", "fit on", "published", "predicted", "error", "bubble")
     table = [header] + [(("README" if r["source"] == README else "Llama 3"), r["row"],
                          f"{r['gpus']:,}", "fitted" if r["fitted"] else "held out",
@@ -186,5 +189,8 @@ def format_comparison(rows: list[dict]) -> str:
         worst = max(chosen, key=lambda r: abs(r["error"]))
         lines.append(f"{'fitted' if fitted else 'held out'}: {len(chosen)} runs, worst "
                      f"{worst['error']:+.1%} ({worst['row']})")
-    lines += ["", f"sources: {README}; {LLAMA3}", "assumptions: minipar/plan/published_h100.py"]
+    cluster = presets.cluster("h100-80gb") if cluster is None else cluster
+    lines += ["", f"sources: {README}; {LLAMA3}",
+              f"compute: {compute_model(cluster)}",
+              "assumptions: minipar/plan/published_h100.py"]
     return "\n".join(lines)

@@ -34,10 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from math import inf
 
+from minipar.nn.gpt import MLP_KINDS, TransformerSizes
 from minipar.train.config import ModelSettings, check_model_size
 from minipar.train.layout import check_booleans, check_integer_sizes
 
-MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope", "alibi")
 
@@ -52,7 +52,7 @@ ADAMW_FLOPS_PER_PARAMETER = 14
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(TransformerSizes):
     """A decoder-only transformer's shape.
 
     n_layer, d_model (h), n_head (a), vocab_size (V), seq_len (s): as in GPT-2.
@@ -99,13 +99,7 @@ class ModelShape:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelShape.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"ModelShape: d_model={self.d_model} is not divisible by "
-                             f"n_head={self.n_head}")
-        if self.n_head % self.kv_heads:
-            raise ValueError(f"ModelShape: n_head={self.n_head} is not a multiple of "
-                             f"n_kv_head={self.kv_heads} (each KV head serves a group of "
-                             "query heads)")
+        self.check_widths()
         for name, value, options in (("mlp", self.mlp, MLP_KINDS),
                                      ("norm", self.norm, NORM_KINDS),
                                      ("position", self.position, POSITION_KINDS)):
@@ -129,32 +123,6 @@ class ModelShape:
         check_booleans(self, ("bias", "embedding_norm", "tie_embeddings"), error)
 
     # ------------------------------------------------------------------ derived sizes
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of K (and of V): n_kv_head x head_dim."""
-        return self.kv_heads * self.head_dim
-
-    @property
-    def ffn(self) -> int:
-        return 4 * self.d_model if self.d_ff is None else self.d_ff
-
-    @property
-    def qkv_width(self) -> int:
-        return self.d_model + 2 * self.kv_dim
-
-    @property
-    def mlp_in_width(self) -> int:
-        """Output width of the MLP's first projection(s): f, or 2f for SwiGLU's gate+up."""
-        return (2 if self.mlp == "swiglu" else 1) * self.ffn
-
     def with_seq_len(self, seq_len: int) -> ModelShape:
         return replace(self, seq_len=seq_len)
 

@@ -207,7 +207,8 @@ def tp_overlap_hidden(shape: ModelShape, config: ParallelConfig, cluster: Cluste
     gemm = {"forward": 0.0, "backward": 0.0}
     for kind, groups in stage_kernels(shape, config, stage).items():
         if kind in gemm:
-            gemms = [[k for k in kernels if k.gemm is not None] for _, kernels in groups]
+            gemms = [[k for k in kernels if k.gemm is not None and k.attention is None]
+                     for _, kernels in groups]
             gemm[kind] = sum(times * (cluster.roofline.total_seconds(kernels)
                                       if cluster.roofline is not None else
                                       sum(k.flops for k in kernels) / cluster.sustained_flops)

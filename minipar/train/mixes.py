@@ -26,8 +26,8 @@ from minipar import distributed as dist
 from minipar.errors import ConfigError, PipelineError, flag
 from minipar.parallel.context.layout import SELECTIVE_WITH_CP, validate_context_parallel
 from minipar.parallel.expert.dispatch import expert_layout_problem
+from minipar.parallel.pipeline.model import check_layer_split
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
-from minipar.parallel.pipeline.stage import split_layers
 from minipar.parallel.tensor.model import validate_tensor_parallel
 from minipar.train.config import TrainConfig, gpt_config
 
@@ -58,7 +58,7 @@ def check_layout(config: TrainConfig) -> list[str]:
     # the schedule's own rules (its registry entry), then enough layers for its stages
     check_schedule_settings(config.schedule, pp, m, v, ConfigError)
     try:
-        split_layers(config.n_layer, pp * v)
+        check_layer_split(None, config.n_layer, pp * v)
     except PipelineError as err:
         raise ConfigError("schedule", str(err)) from None
     if tp > 1:

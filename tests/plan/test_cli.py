@@ -126,6 +126,17 @@ def test_export_writes_the_files(capsys, tmp_path):
     (["--model", "mixtral-8x7b", "--dp", "8", "--moe-capacity-factor", "inf"],
      "--moe-capacity-factor"),
     (["--model", "gpt2", "--dp", "2", "--pp", "2", "--layer-split", ""], "--layer-split"),
+    # an attention kernel without measured rates on the GPU, or with no roofline to use it
+    (["--model", "gpt2", "--gpus", "8", "--attention-kernel", "flash4"], "--attention-kernel"),
+    (["--model", "gpt2", "--dp", "2", "--cluster", "a100", "--attention-kernel", "flash3"],
+     "--attention-kernel"),
+    (["--model", "gpt2", "--dp", "2", "--efficiency", "0.5", "--attention-kernel", "cudnn"],
+     "--attention-kernel"),
+    (["--compare-published", "--efficiency", "0.5", "--attention-kernel", "cudnn"],
+     "--attention-kernel"),
+    (["--model", "gpt2", "--dp", "2", "--no-flash-attention", "--attention-kernel", "flash2"],
+     "--attention-kernel"),
+    (["--compare-published", "--attention-kernel", "flash4"], "--attention-kernel"),
 ])
 def test_bad_settings_exit_2_with_one_line_naming_the_flag(capsys, argv, flag):
     status, _, err = run(capsys, *argv)

@@ -130,9 +130,9 @@ def test_h100_runs_of_megatrons_readme_within_ten_percent_fitted_and_held_out():
 
 
 def test_llama3_table_4_is_held_out_and_its_8k_rows_within_twenty_percent():
-    # the 10% goal is not met on these (docs/planner.md says what is left: the attention
-    # kernel's rate, Meta's stack beside Megatron-Core's); this pins what the planner
-    # predicts today for the two 8K-sequence rows
+    # the 10% goal is not met on these (docs/planner.md says what is left: Meta's stack
+    # beside Megatron-Core's, which reaches the planner's rate at the same h); this pins
+    # what the planner predicts today for the two 8K-sequence rows (+15%, +17%)
     from minipar.plan import published_h100
 
     rows = [r for r in published_h100.compare() if r["source"] == published_h100.LLAMA3]
@@ -142,8 +142,19 @@ def test_llama3_table_4_is_held_out_and_its_8k_rows_within_twenty_percent():
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="attention at 131K tokens is priced at the GEMM rate; the paper's "
-                   "step implies about a fifth of peak (docs/planner.md, the Llama 3 rows)")
+                   reason="the 8K rows are 15-17% fast where Megatron-Core's README runs "
+                   "of the same h are within 1% (docs/planner.md, the Llama 3 rows)")
+def test_llama3_8k_rows_within_ten_percent():
+    from minipar.plan import published_h100
+
+    rows = [r for r in published_h100.compare() if r["source"] == published_h100.LLAMA3]
+    assert all(abs(r["error"]) <= published_h100.TOLERANCE for r in rows[:2]), rows
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="attention at 131K tokens priced at cuDNN's measured rate still "
+                   "leaves the row +59%: the paper's step implies about a fifth of peak "
+                   "(docs/planner.md, the Llama 3 rows)")
 def test_llama3_long_context_row_within_twenty_percent():
     from minipar.plan import published_h100
 
@@ -164,6 +175,33 @@ def test_llama3_8k_to_16k_follows_the_papers_interleaving_depth():
     published = sixteen["published"] / eight["published"]
     predicted = sixteen["tflops"] / eight["tflops"]
     assert abs(predicted / published - 1) <= 0.03, (predicted, published)
+
+
+def test_the_readme_rows_stay_within_ten_percent_whichever_measured_kernel_runs():
+    # the kernel is an assumption (neither source names it): the README fit must not
+    # rest on the choice, so each measured H100 kernel keeps every README row in 10%
+    from minipar.plan import published_h100
+
+    h100 = presets.cluster("h100")
+    for name in ("flash2", "cudnn", "flash3"):
+        rows = published_h100.compare(h100.with_attention_kernel(name))
+        readme = [r for r in rows if r["source"] == published_h100.README]
+        assert all(abs(r["error"]) <= published_h100.TOLERANCE for r in readme), (name,
+                                                                                  readme)
+
+
+def test_slower_attention_moves_the_long_context_row_most():
+    # at 131K tokens attention is 57% of the count, at 8K 8%: the measured kernels'
+    # spread moves the CP 16 row several times more than the 8K ones
+    from minipar.plan import published_h100
+
+    h100 = presets.cluster("h100")
+    llama = {name: [r["tflops"] for r in published_h100.compare(
+        h100.with_attention_kernel(name)) if r["source"] == published_h100.LLAMA3]
+        for name in ("flash2", "flash3")}
+    moved = [1 - slow / fast for slow, fast in zip(llama["flash2"], llama["flash3"],
+                                                     strict=True)]
+    assert moved[2] > 3 * max(moved[:2]), moved
 
 
 def test_the_h100_runs_micro_batch_rule():

@@ -139,4 +139,9 @@ def test_bad_shapes_name_the_setting():
         ModelShape(d_model=64, n_head=4, n_kv_head=3)
     with pytest.raises(ValueError, match="mlp"):
         ModelShape(mlp="relu")
+    # widths that are not positive integers: refused, not divided by or counted
+    for width in ({"n_kv_head": 0}, {"n_kv_head": 2.5}, {"d_ff": 0}, {"d_ff": -3}):
+        with pytest.raises(ValueError, match=rf"ModelShape\.{next(iter(width))} must be a "
+                                             "positive integer"):
+            ModelShape(**width)
     assert math.isclose(presets.model("gpt2").head_dim, 64)

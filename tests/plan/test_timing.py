@@ -113,3 +113,33 @@ def test_the_zero_bubble_schedules_are_planned_below_1f1b(schedule, v):
     ours = estimate(shape, ParallelConfig(pp=4, grad_accum_steps=8, schedule=schedule,
                                           virtual_stages=v), UNIFORM)
     assert ours.time["bubble_fraction"] < one_f_one_b.time["bubble_fraction"]
+
+
+def test_tp_comm_overlap_hides_behind_the_linear_layers_gemms_not_the_attention_kernel():
+    # Transformer Engine's userbuffers pipeline each sequence-parallel all-gather with the
+    # GEMM that reads its output and each reduce-scatter with the GEMM that writes its
+    # input: the linear layers. On a link slow enough that the collectives outlast every
+    # kernel, what is hidden is exactly those GEMMs' time, not the fused attention's.
+    from dataclasses import replace
+
+    from minipar.plan.kernels import stage_kernels
+    from minipar.plan.layout import stage_plans
+    from minipar.plan.timing import tp_overlap_hidden
+
+    shape = presets.model("llama2-7b").with_seq_len(16384)  # attention: a third of it
+    slow = replace(presets.cluster("h100"), intra_node_bandwidth=1e9)
+    config = ParallelConfig(dp=1, tp=8, micro_batch_size=1, global_batch_size=8,
+                            sequence_parallel=True, flash_attention=True,
+                            tp_comm_overlap=True)
+    stage = stage_plans(shape, config)[0]
+    hidden = tp_overlap_hidden(shape, config, slow, stage)
+    roofline = slow.roofline
+    for kind in ("forward", "backward"):
+        groups = stage_kernels(shape, config, stage)[kind]
+        linear = sum(times * roofline.total_seconds(
+            [k for k in kernels if k.gemm is not None and k.attention is None])
+            for times, kernels in groups)
+        attention = sum(times * roofline.total_seconds(
+            [k for k in kernels if k.attention is not None]) for times, kernels in groups)
+        assert attention > 0.2 * linear  # a kernel that would matter if it were counted
+        assert hidden[kind] == pytest.approx(linear, rel=1e-12)

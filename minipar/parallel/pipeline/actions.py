@@ -1,14 +1,13 @@
 """What a pipeline schedule is made of: per rank, the actions it runs in order.
 
 An action names a micro-batch i and a model chunk c of this rank (c = 0 unless the rank
-holds several); the compute actions print as in PyTorch's schedule IR
-(torch/distributed/pipelining/schedules.py), "3.1" being micro-batch 3 on chunk 1:
+holds several); they print as in PyTorch's schedule IR (torch/distributed/pipelining/
+schedules.py), "3.1" being micro-batch 3 on chunk 1:
     Forward(i, c)           run chunk c forward on micro-batch i             F3 / F3.1
     Backward(i, c)          the full backward of micro-batch i through c     B3
     SendActivation(i, c, peer) / RecvActivation(i, c, peer)   the (b, s, h) output / input
     SendGrad(i, c, peer)       / RecvGrad(i, c, peer)         its gradient, going back
-(peer: the pipeline rank at the other end). The zero-bubble schedules split Backward
-in two, BackwardInput (I) and BackwardWeight (W): split_backward.py.
+(peer: the pipeline rank at the other end; split_backward.py adds I and W).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from minipar.errors import ScheduleError
 from minipar.parallel.pipeline.placements import PLACEMENTS
 
 
-# --------------------------------------------------------------------------- actions
 def _label(micro_batch: int, chunk: int) -> str:
     return f"{micro_batch}" if chunk == 0 else f"{micro_batch}.{chunk}"
 
@@ -75,7 +73,6 @@ class RecvGrad(Message):
 Action = Compute | Message
 
 
-# --------------------------------------------------------------------------- the schedule
 @dataclass(frozen=True)
 class Schedule:
     """Per pipeline rank, the actions it runs in order. `schedule[r]` is rank r's list.
@@ -95,9 +92,6 @@ class Schedule:
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         return self.actions[rank]
 
-    def __len__(self) -> int:
-        return len(self.actions)
-
     def __iter__(self):
         return iter(self.actions)
 
@@ -111,9 +105,9 @@ class Schedule:
         return self._holders[stage]
 
     @functools.cached_property
-    def _holders(self) -> dict[int, int]:  # virtual stage -> rank, computed once
-        return {self.virtual_stage(rank, chunk): rank for rank in range(self.pp)
-                for chunk in range(self.virtual_stages)}
+    def _holders(self) -> dict[int, int]:  # virtual stage -> rank
+        return {self.virtual_stage(r, c): r for r in range(self.pp)
+                for c in range(self.virtual_stages)}
 
     def compute_order(self, rank: int) -> str:
         """Rank's forwards and backwards only, e.g. "F0 F1 F2 B0 F3 B1 B2 B3"."""

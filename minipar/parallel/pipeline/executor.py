@@ -1,20 +1,14 @@
 """One pipeline rank's training step: its schedule's actions run over the micro-batches.
 
-    loss = pipe.forward_backward(micro_batches)   # a Pipeline (model.py) calls the below
-
-`pipe.actions` is this rank's list in its schedule (1F1B: schedules/one_f_one_b.py; the
-actions: actions.py); `pipe.chunks[c]` is the GPT over the layers of virtual stage
-`pipe.stages[c]` (stage.py). A forward receives the (b, s, h) activation from the stage
-before, runs the chunk and sends its output on; a backward receives the gradient of that
-output, backpropagates and sends the gradient of its input back (Megatron-LM's
-`forward_backward_pipelining_without_interleaving`, megatron/core/pipeline_parallel/
-schedules.py). Sends are `isend`s, waited for at the end of the step: a blocking send is
-a rendezvous, as with NCCL, so two neighbours that both send first would deadlock. A
-receive blocks until its message is there: the bubble on the simulated clock.
-
-The last stage backpropagates each micro-batch's loss scaled by 1/m, so the gradients
-are those of the step's mean loss, as in single-device gradient accumulation. Received
-activations and gradients are "buffers" until the backward that consumes them.
+`pipe.actions` is this rank's list (1F1B's: schedules/one_f_one_b.py; the vocabulary:
+actions.py) and `pipe.chunks[c]` the GPT over virtual stage `pipe.stages[c]`'s layers
+(stage.py). A forward receives its (b, s, h) input from the stage before and sends its
+output on; a backward receives the gradient of that output and sends its input's back
+(Megatron-LM, megatron/core/pipeline_parallel/schedules.py). Sends are `isend`s, waited
+for at the end: a blocking send is a rendezvous (as with NCCL), so two neighbours that
+both send first would deadlock. A receive blocks until its message is there: the bubble.
+The last stage backpropagates each loss scaled by 1/m: the gradients of the step's mean
+loss, as in single-device gradient accumulation.
 """
 
 from __future__ import annotations
@@ -35,12 +29,10 @@ from minipar.parallel.pipeline.stage import StageInput
 
 
 def forward_backward(pipe, micro_batches, grad_sync=None) -> float:
-    """Run `pipe.actions`, this rank's list, over one step's m (inputs, targets); return
-    the step's mean loss on every rank. Afterwards each .grad is d(mean loss)/dp.
-
-    grad_sync(enabled), if given, is called before every action that adds into the weight
-    gradients, enabled for each chunk's last (Megatron-LM's --overlap-grad-reduce: the
-    data-parallel engine reduces the chunk's buckets while the pipeline drains)."""
+    """Run this rank's actions over one step's m (inputs, targets); return the mean loss
+    on every rank. grad_sync(enabled), if given, is called before every action that adds
+    into the weight gradients, enabled for each chunk's last (Megatron-LM's
+    --overlap-grad-reduce: DP reduces the chunk's buckets while the pipeline drains)."""
     step = pipe.runtime(pipe, micro_batches)  # Step below; split_backward.py for I and W
     last = {a.chunk: i for i, a in enumerate(pipe.actions) if type(a) in step.weight_actions}
     for i, action in enumerate(pipe.actions):
@@ -56,8 +48,8 @@ def forward_backward(pipe, micro_batches, grad_sync=None) -> float:
 
 
 class Step:
-    """One forward_backward on one rank: what waits for its backward, the sends to wait
-    for. Keys are (micro_batch, chunk)."""
+    """One forward_backward on one rank; keys are (micro_batch, chunk). Received
+    activations and gradients are "buffers" until the backward that consumes them."""
 
     weight_actions: tuple = (Backward,)  # the actions that add into the weight gradients
 
@@ -128,8 +120,8 @@ class Step:
         dist.release(x.data)
 
     def route(self, message) -> tuple:
-        """(peer's global rank, group, tag): one tag per micro-batch, boundary (b: between
-        stages b and b + 1) and direction, so every receive matches exactly its send."""
+        """(peer's rank, group, tag): a tag per micro-batch, boundary and direction, so
+        every receive matches exactly its send."""
         stage = self.pipe.stages[message.chunk]
         boundary = stage if type(message) in (SendActivation, RecvGrad) else stage - 1
         gradient = type(message) in (SendGrad, RecvGrad)

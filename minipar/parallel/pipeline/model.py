@@ -29,9 +29,17 @@ from minipar.parallel.pipeline.tied_embedding import TiedEmbedding
 
 
 def check_layer_split(layer_split, n_layer: int, num_stages: int) -> None:
-    """Refuse explicit layer counts per virtual stage that cannot be a pipeline: one count
-    per stage, adding up to n_layer; the first and last stage may be empty (they still
-    hold the embedding / the head), the others not."""
+    """Refuse a pipeline that cannot be built: more stages than layers, or explicit layer
+    counts per virtual stage (`layer_split`, None = balanced) that are not one per stage,
+    adding up to n_layer; the first and last stage may be empty (they still hold the
+    embedding / the head), the others not."""
+    if layer_split is None:
+        if num_stages > n_layer:
+            raise PipelineError(
+                f"--pp: {num_stages} pipeline stages (pp x virtual_stages) but the model has "
+                f"{n_layer} layers (--n-layer): every stage needs at least one layer; use "
+                f"at most {n_layer} stages or --n-layer {num_stages} or more")
+        return
     counts = [int(c) for c in layer_split]
     if len(counts) != num_stages:
         raise PipelineError(
@@ -91,8 +99,7 @@ class Pipeline:
         self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
         self._counted_in_norm = None  # ids of counts_in_norm's parameters, once asked
         num_stages = self.pp * virtual_stages
-        if layer_split is not None:
-            check_layer_split(layer_split, config.n_layer, num_stages)
+        check_layer_split(layer_split, config.n_layer, num_stages)
         ranges = split_layers(config.n_layer, num_stages, layer_split)
         self.stages = [schedule.virtual_stage(self.pp_rank, c) for c in range(virtual_stages)]
         self.chunks = [build_chunk(**stage_part(stage, num_stages, ranges[stage]))

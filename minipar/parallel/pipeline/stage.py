@@ -19,24 +19,13 @@ from __future__ import annotations
 import numpy as np
 
 from minipar.autograd import Tensor
-from minipar.errors import PipelineError
 
 
-# --------------------------------------------------------------------------- stages
 def split_layers(n_layer: int, num_stages: int, layer_split=None) -> list[range]:
-    """The global layer indices of each of `num_stages` virtual stages, contiguous.
-
-    Balanced by default: every stage gets n_layer // num_stages layers and the first
-    n_layer % num_stages one more (the last stage also runs the head and loss, the
-    heaviest extra). `layer_split` gives the counts explicitly, e.g. (3, 1), as
-    `check_layer_split` (model.py) allows them.
-    """
+    """The global layer indices of each of `num_stages` virtual stages, contiguous:
+    `layer_split` layers each (model.check_layer_split), or balanced, n_layer // num_stages
+    each and the first n_layer % num_stages one more (the last also runs the head)."""
     if layer_split is None:
-        if num_stages > n_layer:
-            raise PipelineError(
-                f"--pp: {num_stages} pipeline stages (pp x virtual_stages) but the model has "
-                f"{n_layer} layers (--n-layer): every stage needs at least one layer; use "
-                f"at most {n_layer} stages or --n-layer {num_stages} or more")
         base, extra = divmod(n_layer, num_stages)
         layer_split = [base + (s < extra) for s in range(num_stages)]
     starts = np.cumsum([0] + [int(c) for c in layer_split])

@@ -1,19 +1,15 @@
 """GPipe and 1F1B: the same m forwards and m backwards per stage, in two orders.
 
-Both are "flushing": every micro-batch of an optimizer step finishes before the weights
-change, so the result equals single-device gradient accumulation.
+Both are "flushing": every micro-batch of a step finishes before the weights change, so
+the result equals single-device gradient accumulation.
 - GPipe (Huang et al. 2019, Figure 2c): every forward, then every backward. Stage s holds
   the activations of all m micro-batches at once.
-- 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient Large-Scale Language Model
-  Training on GPU Clusters Using Megatron-LM", section 2.2.1, Figure 3): stage s runs
+- 1F1B (PipeDream-Flush; Narayanan et al. 2021, section 2.2.1, Figure 3): stage s runs
   p - s - 1 warm-up forwards, then alternates one forward and one backward, then cools
   down with the backwards left. Same bubble as GPipe, but at most p - s micro-batches in
   flight: a backward frees each micro-batch's activations as early as the pipeline allows.
-
-Bubble with uniform stages and free communication (t_f, t_b: forward and backward time of
-one micro-batch on one stage), section 2.2.1: each stage idles (p - 1)(t_f + t_b) per step
-while the pipeline fills and drains, against m (t_f + t_b) of work, so
-    idle / total = (p - 1) / (m + p - 1).
+Bubble (section 2.2.1; uniform stages, free communication): each stage idles p - 1
+forward-and-backward slots while the pipeline fills and drains, against m of work.
 
 Each generator gives per rank its compute order, (kind, micro-batch, chunk);
 `from_compute_orders` (orders.py) places the sends and receives.
@@ -49,8 +45,8 @@ def one_f_one_b(pp: int, micro_batches: int, virtual_stages: int = 1) -> Schedul
 
 
 def flushing_bubble(p: int, m: int, v: int) -> float:
-    """(p - 1) / (v m + p - 1): GPipe and 1F1B (v = 1), interleaved (Narayanan et al.
-    2021, section 2.2): (p - 1) chunk slots of fill and drain against v m of work."""
+    """(p - 1) / (v m + p - 1): p - 1 chunk slots of fill and drain against v m of work
+    (v = 1; interleaved: Narayanan et al. 2021, section 2.2.2)."""
     return (p - 1) / (v * m + p - 1)
 
 
@@ -59,15 +55,12 @@ def flushing_bubble_time(p, m, v, f, b, w):
     return (p - 1) * (f + b + w)
 
 
+FLUSHING = dict(uniform_bubble=flushing_bubble, bubble_formula="(p-1)/(m+p-1)",
+                bubble_time=flushing_bubble_time)
 register_schedule(ScheduleSpec(
-    "gpipe", gpipe, "every forward, then every backward (Huang et al. 2019)",
-    uniform_bubble=flushing_bubble, bubble_formula="(p-1)/(m+p-1)",
-    bubble_time=flushing_bubble_time,
+    "gpipe", gpipe, "every forward, then every backward (Huang et al. 2019)", **FLUSHING,
     in_flight=lambda p, m, v, rank: m))
-
 register_schedule(ScheduleSpec(
     "1f1b", one_f_one_b, "warm-up forwards, then one forward and one backward in turn "
-    "(PipeDream-Flush; Narayanan et al. 2021, 2.2.1)",
-    uniform_bubble=flushing_bubble, bubble_formula="(p-1)/(m+p-1)",
-    bubble_time=flushing_bubble_time,
+    "(PipeDream-Flush; Narayanan et al. 2021, 2.2.1)", **FLUSHING,
     in_flight=lambda p, m, v, rank: min(p - rank, m), searched_virtual_stages=(1,)))

@@ -2,9 +2,6 @@
 
 A schedule's generator says only in which order each rank computes, e.g. 1F1B's rank 0
 of two: [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)] (kind, micro-batch, chunk).
-`from_compute_orders` adds the messages: a receive right before the compute that needs
-it and a send right after the compute that made it, so a rank blocks only when its input
-has not arrived yet, as Megatron-LM's non-interleaved 1F1B posts them.
 """
 
 from __future__ import annotations
@@ -25,10 +22,10 @@ KINDS = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 def from_compute_orders(name: str, pp: int, micro_batches: int, virtual_stages: int,
                         orders, placement: str = "looped") -> Schedule:
-    """The Schedule whose rank r runs `orders[r]`, a list of (kind, micro_batch, chunk),
-    kind one of KINDS ("F", "B", "I", "W"): a receive right before each compute that
-    needs one, a send right after; none between two stages on the same rank (they hand
-    their tensors over in memory, split_backward.py)."""
+    """The Schedule whose rank r runs `orders[r]` (kind in KINDS, micro_batch, chunk), with
+    a receive right before each compute that needs one and a send right after, so a rank
+    blocks only when its input has not arrived yet (as Megatron-LM's 1F1B posts them);
+    none between two stages on one rank (they hand over in memory, split_backward.py)."""
     skeleton = Schedule(name, pp, micro_batches, virtual_stages, (), placement)
     last = pp * virtual_stages - 1
     holder = [skeleton.rank_of(stage) for stage in range(last + 1)]
