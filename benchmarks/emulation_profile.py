@@ -277,6 +277,12 @@ def main(argv=None) -> int:
         SpareCore.SPARE_CORES = math.inf  # (as bench_emulation.py --no-lending)
     if args.against is not None and not args.ops:
         parser.error("--against needs --ops")
+    if args.against == "world" and args.layout != "world":
+        parser.error("--against world: only with the world layout (weak scaling, against "
+                     "1 rank); the others take --against single")
+    if args.against == "single" and args.layout in ("single", "world"):
+        parser.error("--against single: for 3d, tp2 and dp4 (the world layout takes "
+                     "--against world)")
     config = layout(args.layout, args.world)
     print(describe())
     if args.ops:
