@@ -79,9 +79,11 @@ def layout(name: str, world: int | None) -> TrainConfig:
 
 
 def single_device(config: TrainConfig) -> TrainConfig:
-    """One device on the global batch of `config`, in the same micro-batches."""
-    return config.replace(dp=1, tp=1, pp=1, zero=0, grad_accum_steps=config.grad_accum_steps
-                          * config.dp, global_batch_size=config.global_batch_size)
+    """One device on the global batch of `config`, in the same micro-batches (as
+    bench_emulation.py's `single_device`)."""
+    return config.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
+                          grad_accum_steps=config.grad_accum_steps * config.dp,
+                          global_batch_size=config.global_batch_size)
 
 
 class Collections:
