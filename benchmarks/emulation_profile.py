@@ -53,6 +53,7 @@ import threading
 import time
 
 from arguments import positive_int
+from bench_emulation import single_device
 from machine import describe
 
 from minipar.demo import DEMO_CONFIG
@@ -76,14 +77,6 @@ def layout(name: str, world: int | None) -> TrainConfig:
     return demo.replace(tp=1, pp=1, d_model=64, n_head=4, seq_len=32, micro_batch_size=4,
                         grad_accum_steps=1, global_batch_size=None, precision="fp32",
                         dp=world, zero=1)
-
-
-def single_device(config: TrainConfig) -> TrainConfig:
-    """One device on the global batch of `config`, in the same micro-batches (as
-    bench_emulation.py's `single_device`)."""
-    return config.replace(dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
-                          grad_accum_steps=config.grad_accum_steps * config.dp,
-                          global_batch_size=config.global_batch_size)
 
 
 class Collections:
