@@ -7,7 +7,7 @@
     python benchmarks/emulation_profile.py dp4 --top 30    # bench_engines' dp4 layout
     PYTHONPATH=/other/tree python benchmarks/emulation_profile.py 3d   # another tree
     python benchmarks/emulation_profile.py tp2 --ops --against single  # per op, both
-    python benchmarks/emulation_profile.py 3d --ops --against single --no-lending
+    python benchmarks/emulation_profile.py 3d --ops --against single --no-lending --rounds 3
 
 Every rank thread runs under its own `cProfile.Profile(time.thread_time)`, so a function
 is charged the CPU its rank spent in it, not the time the rank waited for its turn or a
@@ -27,7 +27,9 @@ is one row. Calls are entries into a timed function: an asynchronous collective 
 its call and its wait. `--against single` prints the single device on the same global
 batch beside, and the difference: which op costs the parallel step what one device does
 not pay; `world 64 --ops --against world` compares per rank-step with 1 rank (weak
-scaling).
+scaling). One round of a layout moves by ~0.05 in the ratio with the load; `--rounds N`
+alternates the layouts N times and prints each row's median (the total: the sum of the
+medians).
 Timing a call costs ~2.5 us (two `time.thread_time()` system calls; measured on the
 AMD EPYC of benchmarks/README.md): ~7 ms of the demo's 8-rank step (~2,800 timed calls)
 and ~2 ms of its single device's (~750), so these ratios read ~0.02 above
@@ -48,6 +50,7 @@ import gc
 import importlib
 import math
 import pstats
+import statistics
 import sys
 import threading
 import time
@@ -164,7 +167,7 @@ class OpTimes:
                 stack[-1] += spent
 
 
-def op_times(config: TrainConfig, steps: int) -> tuple[dict, dict]:
+def op_times(config: TrainConfig, steps: int, warm_up: bool = True) -> tuple[dict, dict]:
     """({(name, part): CPU seconds per step}, {(name, part): calls per step}); the key
     ("the rest", "") is the process CPU no timed call spent (1 + steps minus 1 step)."""
     function = importlib.import_module("minipar.autograd.function")
@@ -195,7 +198,8 @@ def op_times(config: TrainConfig, steps: int) -> tuple[dict, dict]:
     for owner, name, patched in patches:
         setattr(owner, name, patched)
     try:
-        train(config.replace(steps=1, warmup_steps=0))  # warm up (imports, caches)
+        if warm_up:
+            train(config.replace(steps=1, warmup_steps=0))  # (imports, caches)
         runs = []
         for n in (1, 1 + steps):
             times.seconds.clear()
@@ -212,6 +216,14 @@ def op_times(config: TrainConfig, steps: int) -> tuple[dict, dict]:
     calls = {key: (c - calls_1.get(key, 0)) / steps for key, c in calls_k.items()}
     seconds[("the rest", "")] = (cpu_k - cpu_1) / steps - sum(seconds.values())
     return seconds, calls
+
+
+def median_table(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """Per key, the median over rounds of `op_times`' seconds and calls (0 where a round
+    has no such key)."""
+    keys = set().union(*(seconds for seconds, _ in rounds))
+    return ({k: statistics.median(seconds.get(k, 0.0) for seconds, _ in rounds) for k in keys},
+            {k: statistics.median(calls.get(k, 0) for _, calls in rounds) for k in keys})
 
 
 def print_op_times(names: list[str], tables: list[tuple[dict, dict]], top: int) -> None:
@@ -265,6 +277,8 @@ def main(argv=None) -> int:
     parser.add_argument("--against", choices=("single", "world"),
                         help="with --ops: the same global batch on one device beside, or "
                              "(world) the weak-scaling layout on 1 rank")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="with --ops: rounds (the layouts alternate), medians printed")
     parser.add_argument("--no-lending", action="store_true",
                         help="never lend the turn during GEMMs (bench_emulation.py's)")
     args = parser.parse_args(argv)
@@ -287,16 +301,18 @@ def main(argv=None) -> int:
             configs["single device"] = single_device(config)
         elif args.against == "world":
             configs["world 1"] = layout("world", 1)
-        tables = []
-        for name, each in configs.items():
-            seconds, calls = op_times(each, args.steps)
-            if name.startswith("world"):  # per rank-step, so that worlds compare
-                seconds = {k: v / each.world_size for k, v in seconds.items()}
-                calls = {k: v / each.world_size for k, v in calls.items()}
-            tables.append((seconds, calls))
+        rounds = {name: [] for name in configs}
+        for r in range(args.rounds):  # alternating, so that the load hits every layout
+            for name, each in configs.items():
+                seconds, calls = op_times(each, args.steps, warm_up=r == 0)
+                if name.startswith("world"):  # per rank-step, so that worlds compare
+                    seconds = {k: v / each.world_size for k, v in seconds.items()}
+                    calls = {k: v / each.world_size for k, v in calls.items()}
+                rounds[name].append((seconds, calls))
+        tables = [median_table(each) for each in rounds.values()]
         per = " per rank-step" if args.layout == "world" else " per step"
         print(f"\nthread CPU of each op and collective{per} (exclusive of nested ones), "
-              f"{args.steps} steps")
+              f"{args.steps} steps, median of {args.rounds} round(s)")
         print_op_times(list(configs), tables, args.top)
         return 0
     rows = per_step(config, args.steps)
