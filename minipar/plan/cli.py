@@ -26,7 +26,7 @@ from dataclasses import fields, replace
 
 from minipar.errors import ConfigError, OutputError
 from minipar.files import atomic_write
-from minipar.plan import presets, published, published_h100
+from minipar.plan import presets, published, published_h100, published_mpt
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
@@ -97,7 +97,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                                "preset's roofline (GEMMs by shape, other ops by bytes)")
     hardware.add_argument("--attention-kernel", dest="attention_kernel",
                           help="price fused (flash) attention at this kernel's measured "
-                               "rates: flash2, cudnn, flash3 on H100 (Shah et al. 2024), or "
+                               "rates: flash2, cudnn, flash3 on H100 (Shah et al. 2024), "
+                               "triton (flash2's over Dao 2023's A100 gap), or "
                                "gemm (as one GEMM); default: the preset's (cudnn on H100, "
                                "gemm on A100)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
@@ -475,13 +476,17 @@ def _compare_published(args) -> int:
     h100 = _attention_kernel(args, h100 if args.efficiency is None
                              else h100.uniform(args.efficiency))
     rows = published.compare(cluster)
-    h100_rows = published_h100.compare(h100)
+    h100_runs = published_h100.RUNS + published_mpt.RUNS
+    if args.attention_kernel is not None:  # every row at the kernel asked for
+        h100_runs = tuple(replace(run, attention_kernel=None) for run in h100_runs)
+    h100_rows = published_h100.compare(h100, h100_runs)
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
                           "source": "Narayanan et al. 2021, Table 1", "rows": rows,
                           "tolerance": published.TOLERANCE,
                           "assumptions": published.assumptions(cluster),
-                          "h100": {"sources": [published_h100.README, published_h100.LLAMA3],
+                          "h100": {"sources": [published_h100.README, published_h100.LLAMA3,
+                                               published_mpt.MPT],
                                    "rows": h100_rows,
                                    "tolerance": published_h100.TOLERANCE}})
     else:
