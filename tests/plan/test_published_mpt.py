@@ -1,0 +1,144 @@
+"""The H100 time model against MosaicML's MPT runs (llm-foundry's benchmarking README),
+which it was not fitted on (minipar/plan/published_mpt.py: all 52 rows held out).
+
+The figures below are the README's (copied from its "H100 80GB BF16" table, not from
+the planner). Rows outside 10% are strict xfails, grouped by what the rows share, not by
+their error; docs/planner.md says why each group is off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from minipar.plan import presets, published_h100, published_mpt
+from minipar.plan.estimate import estimate
+
+# (model, seq, GPUs, MFU %, Model TFLOP, MicroBatchSize, GradAccum, GlobalBatchSize,
+#  Throughput (T/s), NumParams): a few rows of the README as it prints them
+README_ROWS = [
+    ("70b", 2048, 64, 42.57, 4.212583e14, 8, 4, 2048, 66523, 64862437376),
+    ("13b", 32768, 8, 31.68, 3.134795e14, 1, 3, 24, 15812, 13011240960),
+    ("7b", 2048, 8, 46.44, 4.595096e14, 6, 1, 48, 85144, 6658859008),
+    ("1b", 65536, 8, 26.34, 2.606140e14, 1, 2, 16, 44050, 1445974016),
+    ("760m", 512, 8, 40.42, 3.999190e14, 96, 2, 1536, 669998, 758111232),
+]
+
+# The groups outside 10%, by what they share
+INTER_NODE_MICRO_2 = {("70b", 2048, 32), ("13b", 2048, 16), ("13b", 2048, 32),
+                      ("13b", 2048, 64)}  # micro-batch 2 on 2 to 8 nodes
+THIRTY_B_ON_ONE_NODE = {("30b", 8192, 8), ("30b", 4096, 8), ("30b", 2048, 8),
+                        ("30b", 1024, 8)}  # 60 GB of its 80 in sharded states
+THIRTEEN_B_MICRO_2_ONE_NODE = {("13b", 2048, 8)}
+OUTSIDE = INTER_NODE_MICRO_2 | THIRTY_B_ON_ONE_NODE | THIRTEEN_B_MICRO_2_ONE_NODE
+
+
+def key(row) -> tuple[str, int, int]:
+    return row[0], row[1], row[2]
+
+
+@pytest.fixture(scope="module")
+def compared() -> dict[tuple[str, int, int], dict]:
+    rows = published_h100.compare(runs=published_mpt.RUNS)
+    return {key(entry): row for entry, row in zip(published_mpt.TABLE, rows, strict=True)}
+
+
+def test_the_rows_are_the_readmes():
+    table = {key(row): row for row in published_mpt.TABLE}
+    assert len(published_mpt.TABLE) == len(table) == 52
+    for model, seq, gpus, mfu, model_tflop, micro, accum, batch, _, n_params in README_ROWS:
+        _, _, _, micro_, batch_, _, tflops, n_params_ = table[model, seq, gpus]
+        assert (micro_, batch_, n_params_) == (micro, batch, n_params)
+        assert tflops * 1e12 == pytest.approx(model_tflop, rel=1e-6)
+        assert micro * accum * gpus == batch
+        # "Model TFLOP" is MFU against the H100's 989.5 dense BF16 TFLOP/s
+        assert model_tflop / 989.5e12 == pytest.approx(mfu / 100, abs=1e-4)
+    for run in published_mpt.RUNS:  # every row: data parallel over its GPUs, ZeRO-3
+        assert run.config.dp == run.gpus and run.config.zero == 3 and not run.fitted
+        assert run.config.global_batch_size % (run.config.micro_batch_size * run.gpus) == 0
+
+
+def test_the_encoded_shapes_reproduce_the_readmes_numparams():
+    # within 0.5% is the goal; the GPT-2 shape (biases, LayerNorm with bias, a learned
+    # position table, tied embeddings) gives every row's count exactly
+    for run, row in zip(published_mpt.RUNS, published_mpt.TABLE, strict=True):
+        assert run.shape.n_params == pytest.approx(row[-1], rel=0.005), run.row
+        assert run.shape.n_params == row[-1], run.row
+    # the count grows with the sequence by one d_model-wide row per position: the
+    # position table ALiBi would not have
+    short, long = (published_mpt.mpt_shape("13b", s) for s in (2048, 32768))
+    assert long.n_params - short.n_params == (32768 - 2048) * 5120
+
+
+def test_the_flop_count_is_the_readmes():
+    # the README's count times its measured tokens/s per GPU gives its Model TFLOP
+    # (tokens/s is rounded to the token: 0.1% at most)
+    for model, seq, gpus, _, model_tflop, *_, tokens_per_s, _ in README_ROWS:
+        shape = published_mpt.mpt_shape(model, seq)
+        per_sequence = published_mpt.mpt_flops(shape, 1)
+        assert per_sequence * tokens_per_s / seq / gpus == pytest.approx(model_tflop,
+                                                                          rel=1e-3)
+
+
+def test_the_rows_are_within_ten_percent(compared):
+    inside = {k: r for k, r in compared.items() if k not in OUTSIDE}
+    assert len(inside) == 43  # (and 30b at seq 1,024 on 8 GPUs, +10.0%, in its group)
+    off = {k: f"{r['error']:+.1%}" for k, r in inside.items()
+           if abs(r["error"]) > published_h100.TOLERANCE}
+    assert not off, off
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="micro-batch 2 across nodes: the planner moves ZeRO-3's bytes "
+                   "at one NIC per GPU, which the published steps outrun "
+                   "(docs/planner.md, the MPT rows)")
+def test_inter_node_micro_batch_2_rows_within_ten_percent(compared):
+    errors = [compared[k]["error"] for k in INTER_NODE_MICRO_2]
+    assert all(abs(e) <= published_h100.TOLERANCE for e in errors), errors
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="30B on 8 GPUs runs slower than on 16 or 32 where the planner's "
+                   "rate is flat (docs/planner.md, the MPT rows)")
+def test_30b_on_one_node_within_ten_percent(compared):
+    errors = [compared[k]["error"] for k in THIRTY_B_ON_ONE_NODE]
+    assert all(abs(e) <= published_h100.TOLERANCE for e in errors), errors
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="13B at micro-batch 2 without checkpointing: +21% on one node "
+                   "(docs/planner.md, the MPT rows)")
+def test_13b_micro_batch_2_on_one_node_within_ten_percent(compared):
+    error = compared["13b", 2048, 8]["error"]
+    assert abs(error) <= published_h100.TOLERANCE, error
+
+
+def test_the_inter_node_rows_outrun_a_ring_at_one_nic_per_gpu():
+    # the explanation of the first xfail: the planner's ZeRO-3 traffic alone, at one
+    # 400 Gb/s NIC per GPU for the whole ring, takes longer than the published step did,
+    # so the real job moved those bytes faster (NCCL runs one ring per NIC, so a group
+    # of whole nodes crosses between nodes on all eight at once)
+    h100 = presets.cluster("h100")
+    for run, row in zip(published_mpt.RUNS, published_mpt.TABLE, strict=True):
+        if key(row) not in INTER_NODE_MICRO_2:
+            continue
+        est = estimate(run.shape, run.config, h100.with_attention_kernel("triton"))
+        published_step = run.flops(run.shape, run.config.global_batch_size) / (
+            run.tflops * 1e12 * run.gpus)
+        assert est.time["dp_comm_s"] > 1.5 * published_step, run.row
+
+
+def test_the_triton_kernel_is_what_brings_the_long_rows_in():
+    # priced as FlashAttention-2 itself, every row of 16K tokens or more reads over 15%
+    # fast; with the Triton kernel's measured gap they are within 10%
+    long = [(run, row) for run, row in zip(published_mpt.RUNS, published_mpt.TABLE,
+                                           strict=True) if row[1] >= 16384
+            and key(row) not in OUTSIDE]
+    assert len(long) == 12
+    runs = [run for run, _ in long]
+    as_flash2 = published_h100.compare(runs=[replace(r, attention_kernel="flash2")
+                                             for r in runs])
+    as_triton = published_h100.compare(runs=runs)
+    assert all(r["error"] > 0.15 for r in as_flash2), as_flash2
+    assert all(abs(r["error"]) <= published_h100.TOLERANCE for r in as_triton)
