@@ -1,6 +1,7 @@
 """The planner held against published H100 runs it was fitted on, and ones it was not.
 
-Two sources, each row cited where it is printed:
+Two sources here, each row cited where it is printed (a third, MosaicML's 52 MPT runs
+on FSDP, all held out, is published_mpt.py; compare() prices any of them):
 
 - Megatron-LM's README, "Training Speed and Scalability" (the model table added with the
   H100 scaling figures, Megatron-Core r0.8.0, July 2024: NVIDIA/Megatron-LM
