@@ -168,3 +168,26 @@ def test_cli_attention_kernel_prices_every_row_the_mpt_ones_too(capsys):
     rose = [f > n * 1.001 for f, n in zip(flash2, named, strict=True)]
     assert all(f >= n * (1 - 1e-12) for f, n in zip(flash2, named, strict=True))
     assert sum(rose) == 52 - len(INTER_NODE_MICRO_2), rose
+
+
+def test_cli_source_prints_only_the_chosen_sources(capsys):
+    from minipar.cli import main
+
+    assert main(["plan", "--compare-published", "--source", "mpt"]) == 0
+    out = capsys.readouterr().out
+    assert "MPT, held out: 52 runs" in out
+    assert "README," not in out and "Llama 3," not in out and "run_table_1.sh" not in out
+    assert main(["plan", "--compare-published", "--source", "table1", "--source",
+                 "llama3", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["rows"]) == 10
+    assert {r["label"] for r in report["h100"]["rows"]} == {"Llama 3"}
+    assert report["h100"]["sources"] == [published_h100.LLAMA3]
+
+
+def test_cli_source_without_compare_published_is_one_line(capsys):
+    from minipar.cli import main
+
+    assert main(["plan", "--source", "mpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--compare-published" in err
