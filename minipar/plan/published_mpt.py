@@ -12,7 +12,7 @@ is fitted, and the H100 constants stay fitted on the five Megatron-LM README row
 (published_h100.py). A second stack (FSDP, not Megatron-Core), a second FLOP count and a
 second kind of layout (pure data parallelism, ZeRO-3) the fit never saw.
 
-The models (yamls/mpt/*.yaml, checked against NumParams: tests/plan/test_published.py):
+The models (yamls/mpt/*.yaml, checked against NumParams: tests/plan/test_published_mpt.py):
 d_model, n_heads (d_head 128 throughout: "so that d_head == 128 to satisfy
 FlashAttention"), n_layers and expansion_ratio 4 as listed below, vocabulary 50,368, tied
 embeddings. Those yamls set no `alibi` and no `no_bias`, so MPTConfig's defaults apply:
@@ -27,8 +27,11 @@ block when "Activation Checkpointing" is True (Composer wraps each block,
 `activation_checkpointing_reentrant: False`). FSDP's overlaps: the next unit's all-gather
 issued while the current one computes (`limit_all_gathers` keeps two in flight; the
 planner's ZeRO-3 prefetch) and the reduce-scatter of each unit during backward
-(`overlap_grad_reduce`). "MP Mode DEFAULT" is Composer's bf16 parameters with fp32
-gradient reduction (`reduce_dtype` fp32): the planner's default fp32 gradients.
+(`overlap_grad_reduce`). "MP Mode DEFAULT": in the Composer versions read, bf16
+parameters with fp32 gradient reduction (`reduce_dtype` fp32; some older ones reduce in
+the autocast dtype), the planner's default fp32 gradients. Reduced in bf16, the four rows
+that cross nodes at micro-batch 2 would read -39% to -47% instead of -54% to -60%, still
+outside 10%, and no other row would move by 2%.
 
 Attention: `attn_impl: triton` (the yamls and submit_benchmarks.py's default; sweep.sh
 passes no other): FlashAttention in Triton (llm-foundry's flash_attn_triton.py, after Tri
