@@ -70,6 +70,7 @@ class AttentionKernel:
 
     name: str  # what a plan's JSON shows of it (its roofline's repr): the rates are data
     head_dims: tuple[tuple[int, Rates], ...] = field(repr=False)
+    rate: str = field(default="measured rate", repr=False)  # how a plan names the rates
 
     def flops_per_second(self, work: FusedAttention) -> float:
         _, rates = min(self.head_dims,
@@ -116,7 +117,8 @@ def slower(kernel: AttentionKernel, name: str, forward: float, backward: float
         (head_dim, Rates(forward=scale(r.forward, forward),
                          forward_causal=scale(r.forward_causal, forward),
                          backward=scale(r.backward, backward)))
-        for head_dim, r in kernel.head_dims))
+        for head_dim, r in kernel.head_dims),
+        rate=f"rate derived from {kernel.name}'s {kernel.rate}")
 
 
 # FlashAttention in Triton (Tri Dao's flash_attn_triton.py; llm-foundry's MPT runs it as

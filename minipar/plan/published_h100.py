@@ -166,14 +166,14 @@ def compare(cluster: ClusterSpec | None = None, runs=RUNS) -> list[dict]:
     cluster = presets.cluster("h100-80gb") if cluster is None else cluster
     rows = []
     for run in runs:
-        spec = cluster
+        spec, kernel = cluster, None
         if run.attention_kernel is not None and cluster.roofline is not None:
-            spec = cluster.with_attention_kernel(run.attention_kernel)
+            spec, kernel = cluster.with_attention_kernel(run.attention_kernel), run.attention_kernel
         est = estimate(run.shape, run.config, spec)
         tflops = run.flops(run.shape, run.config.global_batch_size) / (
             est.step_time * run.gpus) / 1e12
         rows.append({"source": run.source, "label": run.label, "row": run.row,
-                     "gpus": run.gpus, "attention_kernel": run.attention_kernel,
+                     "gpus": run.gpus, "attention_kernel": kernel,
                      "fitted": run.fitted, "published": run.tflops, "tflops": tflops,
                      "error": tflops / run.tflops - 1, "step_s": est.step_time,
                      "bubble_fraction": est.time["bubble_fraction"],

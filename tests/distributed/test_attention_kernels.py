@@ -126,3 +126,9 @@ def test_the_triton_kernel_is_flash2_over_dao_2023s_a100_gap():
                     == pytest.approx(FLASH2_H100.flops_per_second(forward), rel=1e-12))
             assert (FLASH_TRITON_H100.flops_per_second(backward) * 2
                     == pytest.approx(FLASH2_H100.flops_per_second(backward), rel=1e-12))
+    # and a plan says the rate is derived, not measured
+    from minipar.plan.estimate import compute_model
+
+    text = compute_model(presets.cluster("h100").with_attention_kernel("triton"))
+    assert "FlashAttention in Triton's rate derived from FlashAttention-2's measured" in text
+    assert "cuDNN's measured rate" in compute_model(presets.cluster("h100"))
