@@ -70,6 +70,7 @@ class AttentionKernel:
 
     name: str  # what a plan's JSON shows of it (its roofline's repr): the rates are data
     head_dims: tuple[tuple[int, Rates], ...] = field(repr=False)
+    rate: str = field(default="measured rate", repr=False)  # how a plan names the rates
 
     def flops_per_second(self, work: FusedAttention) -> float:
         _, rates = min(self.head_dims,
@@ -103,9 +104,38 @@ FLASH3_H100 = AttentionKernel("FlashAttention-3", (
                 forward_causal=_tflops(292, 423, 521, 579, 602, 616),
                 backward=_tflops(316, 424, 501, 542, 559, 561)))))
 
+
+
+def slower(kernel: AttentionKernel, name: str, forward: float, backward: float
+           ) -> AttentionKernel:
+    """`kernel` with every forward rate divided by `forward`, every backward one by
+    `backward`: a kernel known only by how much slower than a measured one it runs."""
+    def scale(rates: tuple[float, ...], by: float) -> tuple[float, ...]:
+        return tuple(r / by for r in rates)
+
+    return AttentionKernel(name, tuple(
+        (head_dim, Rates(forward=scale(r.forward, forward),
+                         forward_causal=scale(r.forward_causal, forward),
+                         backward=scale(r.backward, backward)))
+        for head_dim, r in kernel.head_dims),
+        rate=f"rate derived from {kernel.name}'s {kernel.rate}")
+
+
+# FlashAttention in Triton (Tri Dao's flash_attn_triton.py; llm-foundry's MPT runs it as
+# attn_impl: triton, on the pre-MLIR Triton its setup.py pins, `triton_pre_mlir_sm90`) has
+# no H100 chart. Dao 2023 (FlashAttention-2, section 4.1) measured it beside
+# FlashAttention-2 on the A100: FlashAttention-2 "around 1.3-1.5x faster than
+# FlashAttention in Triton in the forward pass and around 2x faster in the backward
+# pass". Neither kernel uses Hopper's wgmma or TMA (pre-MLIR Triton and FlashAttention-2
+# both issue Ampere's mma), so that gap is carried over to the H100: FlashAttention-2's
+# H100 rates over 1.4 (the range's middle) forward and 2 backward. Derived, not measured.
+TRITON_GAP = (1.4, 2.0)
+FLASH_TRITON_H100 = slower(FLASH2_H100, "FlashAttention in Triton", *TRITON_GAP)
+
 # The kernels measured on each GPU (by its roofline's name), as `--attention-kernel`
-# names them. "gemm" is no measurement: the kernel priced as one GEMM at the roofline's
-# gemm_efficiency, the only choice on a GPU without measured kernels.
+# names them ("triton" derived from flash2, above). "gemm" is no measurement: the kernel
+# priced as one GEMM at the roofline's gemm_efficiency, the only choice on a GPU without
+# measured kernels.
 MEASURED = {"H100-SXM5-80GB": {"flash2": FLASH2_H100, "cudnn": CUDNN_H100,
-                               "flash3": FLASH3_H100}}
+                               "flash3": FLASH3_H100, "triton": FLASH_TRITON_H100}}
 GEMM = "gemm"

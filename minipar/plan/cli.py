@@ -26,7 +26,7 @@ from dataclasses import fields, replace
 
 from minipar.errors import ConfigError, OutputError
 from minipar.files import atomic_write
-from minipar.plan import presets, published, published_h100
+from minipar.plan import presets, published, published_h100, published_mpt
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
@@ -42,6 +42,10 @@ from minipar.train.layout import Layout
 from minipar.train.outputs import check_output_dir, check_output_file
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
+# --compare-published's sources, as --source names them
+TABLE_1 = "Narayanan et al. 2021, Table 1"
+PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
+                     "llama3": published_h100.LLAMA3, "mpt": published_mpt.MPT}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # The layout flags are the trainer's (one per Layout field); unset (None) unless given,
 # ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
@@ -97,7 +101,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                                "preset's roofline (GEMMs by shape, other ops by bytes)")
     hardware.add_argument("--attention-kernel", dest="attention_kernel",
                           help="price fused (flash) attention at this kernel's measured "
-                               "rates: flash2, cudnn, flash3 on H100 (Shah et al. 2024), or "
+                               "rates: flash2, cudnn, flash3 on H100 (Shah et al. 2024), "
+                               "triton (flash2's over Dao 2023's A100 gap), or "
                                "gemm (as one GEMM); default: the preset's (cudnn on H100, "
                                "gemm on A100)")
     layout = plan.add_argument_group("layout (give dp/tp/pp to evaluate one instead of "
@@ -148,8 +153,12 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     output.add_argument("--compare-published", action="store_true", dest="compare_published",
                         help="print the time model against Narayanan et al. 2021, Table 1 "
                              "(A100) and published H100 runs (Megatron-LM's README, Llama 3 "
-                             "Table 4): published vs predicted TFLOP/s per GPU, error per "
-                             "row, fitted or held out, the assumptions")
+                             "Table 4, MosaicML's MPT runs): published vs predicted TFLOP/s "
+                             "per GPU, error per row, fitted or held out, the assumptions")
+    output.add_argument("--source", action="append", choices=tuple(PUBLISHED_SOURCES),
+                        help="with --compare-published: only this source's rows (repeat "
+                             "for more): table1 (Narayanan et al. 2021, A100), readme "
+                             "(Megatron-LM's H100 runs), llama3, mpt (MosaicML's H100 runs)")
     return plan
 
 
@@ -346,6 +355,9 @@ def _run(args) -> int:
         check_output_dir("export", args.export)
     if args.compare_published:
         return _compare_published(args)
+    if args.source is not None:
+        raise ConfigError("source", "chooses which of --compare-published's published "
+                          "runs to print: add --compare-published, or drop it")
     if args.example is not None:  # a published configuration: its model and its layout
         given = ["model"] * (args.model is not None) + [k for k in LAYOUT_FLAGS
                                                        if getattr(args, k) is not None]
@@ -474,20 +486,28 @@ def _compare_published(args) -> int:
     h100 = presets.cluster("h100-80gb")
     h100 = _attention_kernel(args, h100 if args.efficiency is None
                              else h100.uniform(args.efficiency))
-    rows = published.compare(cluster)
-    h100_rows = published_h100.compare(h100)
+    chosen = [PUBLISHED_SOURCES[name] for name in (args.source or PUBLISHED_SOURCES)]
+    rows = published.compare(cluster) if TABLE_1 in chosen else []
+    h100_runs = tuple(run for run in published_h100.RUNS + published_mpt.RUNS
+                      if run.source in chosen)
+    if args.attention_kernel is not None:  # every row at the kernel asked for
+        h100_runs = tuple(replace(run, attention_kernel=None) for run in h100_runs)
+    h100_rows = published_h100.compare(h100, h100_runs)
     if args.json:
         _emit_json(args, {"schema": "minipar.plan.published/1",
-                          "source": "Narayanan et al. 2021, Table 1", "rows": rows,
+                          "source": TABLE_1, "rows": rows,
                           "tolerance": published.TOLERANCE,
                           "assumptions": published.assumptions(cluster),
-                          "h100": {"sources": [published_h100.README, published_h100.LLAMA3],
+                          "h100": {"sources": [s for s in chosen if s != TABLE_1],
                                    "rows": h100_rows,
                                    "tolerance": published_h100.TOLERANCE}})
-    else:
-        print(published.format_comparison(rows, cluster))
-        print()
-        print(published_h100.format_comparison(h100_rows, h100))
+        return 0
+    tables = []
+    if rows:
+        tables.append(published.format_comparison(rows, cluster))
+    if h100_rows:
+        tables.append(published_h100.format_comparison(h100_rows, h100))
+    print("\n\n".join(tables))
     return 0
 
 

@@ -238,7 +238,8 @@ def compute_model(cluster: ClusterSpec) -> str:
     how = (f"at {cluster.efficiency:.0%} kernel efficiency" if cluster.roofline is None
            else f"on the {cluster.roofline.name} roofline, fused attention "
                 + ("as a GEMM" if cluster.roofline.attention is None
-                   else f"at {cluster.roofline.attention.name}'s measured rate"))
+                   else f"at {cluster.roofline.attention.name}'s "
+                        f"{cluster.roofline.attention.rate}"))
     if cluster.calibration is None:
         return how + " (uncalibrated: no published run fitted or checked on this profile)"
     return how + f" (calibrated on {cluster.calibration})"

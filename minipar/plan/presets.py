@@ -106,8 +106,9 @@ CLUSTERS: dict[str, ClusterSpec] = {
         # NeMo's attention) prefers on Hopper when both it and FlashAttention-2 apply
         # (NeMo Framework docs, memory_optimizations.rst, "Flash Attention")
         roofline=H100_SXM_80GB.replace(attention=CUDNN_H100),
-        calibration="5 of the Megatron-LM README's H100 runs, held out on 4 more and the "
-                    "Llama 3 paper's Table 4 (minipar plan --compare-published)"),
+        calibration="5 of the Megatron-LM README's H100 runs, held out on 4 more, the "
+                    "Llama 3 paper's Table 4 and MosaicML's 52 MPT runs (minipar plan "
+                    "--compare-published)"),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),

@@ -1,6 +1,7 @@
 """The planner held against published H100 runs it was fitted on, and ones it was not.
 
-Two sources, each row cited where it is printed:
+Two sources here, each row cited where it is printed (a third, MosaicML's 52 MPT runs
+on FSDP, all held out, is published_mpt.py; compare() prices any of them):
 
 - Megatron-LM's README, "Training Speed and Scalability" (the model table added with the
   H100 scaling figures, Megatron-Core r0.8.0, July 2024: NVIDIA/Megatron-LM
@@ -68,12 +69,16 @@ class H100Run:
     TFLOP/s per GPU, and whether the H100 constants were fitted on it."""
 
     source: str
+    label: str  # the source in a column of the comparison
     row: str
     shape: ModelShape
     config: ParallelConfig
     tflops: float
     fitted: bool
     flops: Callable[[ModelShape, int], float]  # the source's FLOP count of a step
+    # the fused-attention kernel the source names (its measured rates price the row),
+    # or None: the cluster's
+    attention_kernel: str | None = None
 
     @property
     def gpus(self) -> int:
@@ -114,8 +119,8 @@ def _readme(name, heads, hidden, layers, tp, pp, batch, tflops, fitted, micro=2)
         dp=dp, tp=tp, pp=pp, zero=1, micro_batch_size=micro, global_batch_size=batch,
         sequence_parallel=tp > 1, flash_attention=True, tp_comm_overlap=tp > 1,
         overlap_param_gather=True, bucket_size_mb=_megatron_ddp_bucket_mb(dp))
-    return H100Run(README, f"{name}: tp {tp}, pp {pp}, {tp * pp * dp} GPUs, batch {batch}",
-                   shape, config, tflops, fitted, megatron_flops)
+    row = f"{name}: tp {tp}, pp {pp}, {tp * pp * dp} GPUs, batch {batch}"
+    return H100Run(README, "README", row, shape, config, tflops, fitted, megatron_flops)
 
 
 LLAMA3_405B = ModelShape(name="llama3-405b", n_layer=126, d_model=16384, n_head=128,
@@ -136,7 +141,7 @@ def _llama3(row, gpus, cp, seq, batch_per_dp, tflops, micro) -> H100Run:
         layer_split=split, micro_batch_size=micro, global_batch_size=batch_per_dp * dp,
         sequence_parallel=True, flash_attention=True, overlap_param_gather=True,
         bucket_size_mb=_megatron_ddp_bucket_mb(dp))
-    return H100Run(LLAMA3, row, shape, config, tflops, False, palm_flops)
+    return H100Run(LLAMA3, "Llama 3", row, shape, config, tflops, False, palm_flops)
 
 
 RUNS = (
@@ -156,14 +161,19 @@ RUNS = (
 
 
 def compare(cluster: ClusterSpec | None = None, runs=RUNS) -> list[dict]:
-    """Every run: published and predicted TFLOP/s per GPU, the error, fitted or not."""
+    """Every run: published and predicted TFLOP/s per GPU, the error, fitted or not. A
+    run whose source names its attention kernel is priced at that kernel's rates."""
     cluster = presets.cluster("h100-80gb") if cluster is None else cluster
     rows = []
     for run in runs:
-        est = estimate(run.shape, run.config, cluster)
+        spec, kernel = cluster, None
+        if run.attention_kernel is not None and cluster.roofline is not None:
+            spec, kernel = cluster.with_attention_kernel(run.attention_kernel), run.attention_kernel
+        est = estimate(run.shape, run.config, spec)
         tflops = run.flops(run.shape, run.config.global_batch_size) / (
             est.step_time * run.gpus) / 1e12
-        rows.append({"source": run.source, "row": run.row, "gpus": run.gpus,
+        rows.append({"source": run.source, "label": run.label, "row": run.row,
+                     "gpus": run.gpus, "attention_kernel": kernel,
                      "fitted": run.fitted, "published": run.tflops, "tflops": tflops,
                      "error": tflops / run.tflops - 1, "step_s": est.step_time,
                      "bubble_fraction": est.time["bubble_fraction"],
@@ -173,7 +183,7 @@ def compare(cluster: ClusterSpec | None = None, runs=RUNS) -> list[dict]:
 
 def format_comparison(rows: list[dict], cluster: ClusterSpec | None = None) -> str:
     header = ("source", "run", "GPUs", "fit on", "published", "predicted", "error", "bubble")
-    table = [header] + [(("README" if r["source"] == README else "Llama 3"), r["row"],
+    table = [header] + [(r["label"], r["row"],
                          f"{r['gpus']:,}", "fitted" if r["fitted"] else "held out",
                          f"{r['published']:.0f}", f"{r['tflops']:.1f}", f"{r['error']:+.1%}",
                          f"{r['bubble_fraction']:.1%}") for r in rows]
@@ -184,13 +194,22 @@ def format_comparison(rows: list[dict], cluster: ClusterSpec | None = None) -> s
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    for fitted in (True, False):
-        chosen = [r for r in rows if r["fitted"] == fitted]
-        worst = max(chosen, key=lambda r: abs(r["error"]))
-        lines.append(f"{'fitted' if fitted else 'held out'}: {len(chosen)} runs, worst "
-                     f"{worst['error']:+.1%} ({worst['row']})")
+    for label in dict.fromkeys(r["label"] for r in rows):
+        for fitted in (True, False):
+            chosen = [r for r in rows if r["label"] == label and r["fitted"] == fitted]
+            if not chosen:
+                continue
+            within = sum(abs(r["error"]) <= TOLERANCE for r in chosen)
+            worst = max(chosen, key=lambda r: abs(r["error"]))
+            lines.append(f"{label}, {'fitted' if fitted else 'held out'}: {len(chosen)} "
+                         f"runs, {within} within {TOLERANCE:.0%}, worst "
+                         f"{worst['error']:+.1%} ({worst['row']})")
     cluster = presets.cluster("h100-80gb") if cluster is None else cluster
-    lines += ["", f"sources: {README}; {LLAMA3}",
-              f"compute: {compute_model(cluster)}",
-              "assumptions: minipar/plan/published_h100.py"]
+    sources = dict.fromkeys(r["source"] for r in rows)
+    named = dict.fromkeys(f"{r['label']} rows at {r['attention_kernel']!r}" for r in rows
+                          if r["attention_kernel"] is not None)
+    lines += ["", f"sources: {'; '.join(sources)}",
+              f"compute: {compute_model(cluster)}"
+              + "".join(f"; {kernel} (the kernel their source names)" for kernel in named),
+              "assumptions: minipar/plan/published_h100.py, published_mpt.py"]
     return "\n".join(lines)

@@ -109,3 +109,26 @@ def test_a_plans_step_follows_the_measured_kernels_and_the_emulator_profile_has_
     assert estimate(shape, config, h100).step_time == step["cudnn"]  # the preset's default
     # the emulator runs no fused attention: its profile's clusters price none
     assert presets.cluster("emulated-h100").roofline.attention is None
+
+
+def test_the_triton_kernel_is_flash2_over_dao_2023s_a100_gap():
+    # FlashAttention-2 "around 1.3-1.5x faster than FlashAttention in Triton in the
+    # forward pass and around 2x faster in the backward pass" (Dao 2023, section 4.1):
+    # the Triton kernel's rates are FlashAttention-2's H100 ones over 1.4 and 2
+    from minipar.distributed.attention_kernels import FLASH_TRITON_H100, MEASURED
+
+    assert MEASURED["H100-SXM5-80GB"]["triton"] is FLASH_TRITON_H100
+    for seq in (512, 2048, 65536):
+        for causal in (False, True):
+            forward = FusedAttention(False, causal, seq, 128, 1.0)
+            backward = FusedAttention(True, causal, seq, 128, 1.0)
+            assert (FLASH_TRITON_H100.flops_per_second(forward) * 1.4
+                    == pytest.approx(FLASH2_H100.flops_per_second(forward), rel=1e-12))
+            assert (FLASH_TRITON_H100.flops_per_second(backward) * 2
+                    == pytest.approx(FLASH2_H100.flops_per_second(backward), rel=1e-12))
+    # and a plan says the rate is derived, not measured
+    from minipar.plan.estimate import compute_model
+
+    text = compute_model(presets.cluster("h100").with_attention_kernel("triton"))
+    assert "FlashAttention in Triton's rate derived from FlashAttention-2's measured" in text
+    assert "cuDNN's measured rate" in compute_model(presets.cluster("h100"))
