@@ -44,10 +44,13 @@ def blas() -> str:
         from threadpoolctl import threadpool_info
     except ImportError:
         return "BLAS unknown"
+    pinned = os.environ.get("OPENBLAS_CORETYPE")
     for pool in threadpool_info():
         if pool.get("user_api") == "blas":
             return (f"{pool.get('internal_api')} {pool.get('version')} "
-                    f"{pool.get('architecture', '')} kernels").strip()
+                    f"{pool.get('architecture', '')} kernels"
+                    + (f" (chosen by OPENBLAS_CORETYPE={pinned} in the environment)"
+                       if pinned else "")).strip()
     return "no BLAS found"
 
 
