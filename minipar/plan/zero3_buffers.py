@@ -20,9 +20,10 @@ in reverse forward order. At each site:
 So the peak of a deep model, in the middle of its blocks, is one layer's gathered
 parameters, the next one's being prefetched, the layer's gradients and two flat copies
 (the layer's own and the one before it, or the two before it just before the oldest is
-waited for): it does not grow with depth. FSDP behaves alike: its post-backward hook
-reduce-scatters a unit's gradients, and the caching allocator bounds the reduce-scatters
-in flight (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, `post_backward`).
+waited for): it does not grow with depth. FSDP2 bounds it alike: a unit's post-backward
+reduce-scatters its gradients and keeps only the previous unit's reduce-scatter input
+alive (`FSDPCommContext.reduce_scatter_state`,
+torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 
 A tied embedding is gathered by the head's call (the LM head is wte) and stays gathered to
 the end of backward, when its gradient is complete. Where minipar differs: the head's
