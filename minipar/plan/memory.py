@@ -61,6 +61,7 @@ from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_ac
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
 from minipar.plan.shapes import ModelShape
+from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
@@ -200,7 +201,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     activations, forward_buffers, gathered = _activations(shape, config, stage, layer_input)
     # the gradient synchronisation's peak: the DP engines', or after it sequence
     # parallelism's coalesced all-reduce (its flat input and the summed output)
-    sync_buffers = max(_sync_buffers(config, params, sharded),
+    sync_buffers = max(_sync_buffers(config, params, stage, shape.tie_embeddings),
                        2 * sequence_parallel_gradient_elements(shape, config, stage)
                        * nbytes.grad)
     paper = Ingredients(params=param_elements * nbytes.param, grads=grads,
@@ -396,17 +397,19 @@ def sequence_parallel_gradient_elements(shape: ModelShape, config: ParallelConfi
     return elements
 
 
-def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int) -> int:
+def _sync_buffers(config: ParallelConfig, params: StageParameters, stage: StagePlan,
+                  tied: bool) -> int:
     """Peak transient bytes of gradient synchronisation over the DP group.
 
     ZeRO-0: the flat gradient and its averaged copy (DDP with one bucket); ZeRO-1: the
     flat gradient and my reduced piece; ZeRO-2: the full gradients and their flat copy
-    (freed after the reduce-scatter); ZeRO-3: the flat gradients of every unit awaiting
-    its reduce-scatter, plus one unit's gathered parameters and gradients. With expert
-    parallelism the two engines synchronise one after the other: the larger one's peak.
+    (freed after the reduce-scatter); ZeRO-3: unit by unit (zero3_buffers.py), the
+    gathered parameters, one unit's gradients and at most two flat copies in flight.
+    With expert parallelism the two engines synchronise one after the other: the larger
+    one's peak.
     """
     nbytes = config.bytes
-    g, local = nbytes.grad, params.numel
+    g = nbytes.grad
     buffers = flat_buffers(params, config)
     if config.zero == 1 and len(buffers) == 2:
         # both engines' reduce-scatters are launched by the last backward's hooks; the
@@ -432,6 +435,12 @@ def _sync_buffers(config: ParallelConfig, params: StageParameters, sharded: int)
             elif config.zero == 2:
                 peaks.append(2 * numel * g)
         return max(peaks)
-    largest = max(params.units) if params.units else 0
-    return ((local - params.embedding_unit) * g + largest * (nbytes.param + g)
-            + params.embedding_unit * nbytes.param)
+    # An offloaded parameter shard is fetched by the gather itself, not prefetched; an
+    # offloaded optimizer books the reduced piece as a gradient on its way to the host.
+    sites = gpt_sites(len(params.units), bool(params.embedding_unit), stage.last, tied)
+    return backward_peak(params.units, sites, config.sharding_group, nbytes.param, g,
+                         prefetch=config.zero3_prefetch and config.offload_param == "none",
+                         overlap=config.overlap_grad_reduce,
+                         accumulate=config.micro_batches > 1
+                         and config.offload_optimizer == "none",
+                         kept=config.reshard_after_forward is False)

@@ -83,6 +83,21 @@ GRID = [
     # an untied head is its own ZeRO-3 unit: its call gathers no embedding
     case("dp2 zero3 untied", dp=2, zero=3, tie_embeddings=False, micro_batch_size=2,
          grad_accum_steps=2),
+    # ZeRO-3 deeper than two layers: the buffers of backward do not grow with depth (one
+    # layer gathered, the next prefetched, its gradients, two flat copies in flight)
+    case("dp2 zero3 8 layers", dp=2, zero=3, n_layer=8, micro_batch_size=2),
+    case("dp2 zero3 8 layers accum 2", dp=2, zero=3, n_layer=8, micro_batch_size=2,
+         grad_accum_steps=2),
+    case("dp2 zero3 8 layers bf16 fp32 grads", dp=2, zero=3, n_layer=8,
+         precision="bf16-mixed", grad_accum_dtype="fp32", micro_batch_size=2,
+         grad_accum_steps=2),
+    case("dp2 zero3 8 layers untied", dp=2, zero=3, n_layer=8, tie_embeddings=False,
+         micro_batch_size=2, grad_accum_steps=2),
+    # each reduce-scatter waited at once: no flat copy in flight
+    case("dp2 zero3 8 layers no overlap", dp=2, zero=3, n_layer=8, overlap_grad_reduce=False,
+         micro_batch_size=2, grad_accum_steps=2),
+    case("dp3 zero3 8 layers no prefetch", dp=3, zero=3, n_layer=8, zero3_prefetch=False,
+         micro_batch_size=2, grad_accum_steps=2),
     case("dp2 zero1 bf16 untied", dp=2, zero=1, precision="bf16-mixed",
          tie_embeddings=False, micro_batch_size=2, grad_accum_steps=3),
     # A one-row micro-batch must be a copy, not a view that keeps the global batch alive.
