@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,19 +36,41 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def both_or_neither(nodes, timeout: float = 600) -> None:
+    """Wait for both; one that fails stops the other at once (else its torchrun waits the
+    exit barrier's 300 s for a node that is gone)."""
+    deadline = time.monotonic() + timeout
+    while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+        if any(node.poll() not in (None, 0) for node in nodes):
+            break
+        time.sleep(0.1)
+    for node in nodes:
+        if node.poll() is None:
+            node.terminate()  # torchrun stops its workers on SIGTERM
+    for node in nodes:
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+
+
 def test_two_node_ranks_of_torchrun_train_as_the_threads_do(tmp_path):
     """torchrun --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT -m minipar train ...,
     both "machines" on this one: rank 0's report is the thread engine's, bit for bit."""
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-         str(node), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "-m", "minipar",
-         "train", "--engine", "torch", "--dp", "2", "--device", "uniform", *TINY,
-         "--json", str(tmp_path / f"node{node}.json")],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    logs = [(tmp_path / f"node{node}.out").open("w") for node in (0, 1)]
+    with logs[0], logs[1]:
+        nodes = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "-m", "minipar",
+             "train", "--engine", "torch", "--dp", "2", "--device", "uniform", *TINY,
+             "--json", str(tmp_path / f"node{node}.json")],
+            env=env, cwd=tmp_path, stdout=logs[node], stderr=subprocess.STDOUT)
+            for node in (0, 1)]
+        both_or_neither(nodes)
+    outputs = [(tmp_path / f"node{node}.out").read_text() for node in (0, 1)]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(
         f"--- node {n}:\n{text[-3000:]}" for n, text in enumerate(outputs))
     assert not (tmp_path / "node1.json").exists()  # rank 0 reports; the others say nothing

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import socket
 import time
@@ -178,7 +179,17 @@ class Joined:
 
     def _leave(self) -> None:
         """At exit, after a run that did not fail: everyone is done before anyone closes
-        its connections (a peer's gloo would see them close under its feet)."""
+        its connections (a peer's gloo would see them close under its feet), and gloo's
+        worker threads are joined while the interpreter is still whole.
+
+        Why the join: a gloo worker thread can hold the last reference to a finished
+        collective, and so to tensors made from NumPy arrays; freeing them takes the GIL.
+        A thread that asks for the GIL once the interpreter is finalizing is ended
+        mid-destructor, and the process aborts ("terminate called without an active
+        exception", exit -6; pytorch/pytorch#179291). destroy_process_group() only
+        forgets torch's references; dropping ours too runs ProcessGroupGloo's destructor,
+        which waits for its queue and joins its threads with the GIL released
+        (torch/csrc/distributed/c10d/init.cpp, IntrusivePtrNoGilDestructor)."""
         import torch.distributed as tdist
 
         if self.failed or not tdist.is_initialized():
@@ -188,6 +199,10 @@ class Joined:
             tdist.destroy_process_group()
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+        gc.collect()  # (a group still held in a cycle: the Launched of rank 0)
 
     def launch(self, job: dict, world_size: int, nproc_per_node: int | None):
         import torch.distributed as tdist

@@ -184,6 +184,15 @@ class TorchWorld:
     def peer_socket(self, peer: int) -> tuple:
         return self.peer_sockets.get(peer, self.groups[tuple(range(self.world_size))].sockets)
 
+    def close(self) -> None:
+        """Drop this process's references to its torch process groups (after
+        destroy_process_group, which drops torch's): the last reference gone runs
+        ProcessGroupGloo's destructor, which joins gloo's worker threads."""
+        for torch_group in self.groups.values():
+            if torch_group is not None:
+                torch_group.payload = torch_group.stamps = None
+        self.groups.clear()
+
 
 # --- joining the job --------------------------------------------------------------------
 def join(rank: int, world_size: int, address: str, port: int, timeout: float, *,

@@ -264,6 +264,56 @@ def test_ctrl_c_stops_every_rank_process(engine, tmp_path):
     assert engine.launch(every_call, 2, 0).results  # a new set of processes
 
 
+# A rank of a job started elsewhere (torchrun's environment), which counts gloo's threads
+# after the launch and at exit, after the engine has left the job (atexit runs last in,
+# first out: this handler is registered before the engine's).
+JOINED_RANK = """
+import atexit, os, sys
+import numpy as np
+from minipar import distributed as dist
+from minipar.distributed.engines import get_engine
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{task}/comm").read() for task in os.listdir("/proc/self/task")]
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+
+atexit.register(lambda: print("at exit", gloo_threads(), flush=True))
+get_engine("torch", timeout=60).launch(lambda: dist.all_reduce(np.ones(4), async_op=True).wait(), 2)
+print("after the launch", gloo_threads(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_rank_of_a_torchrun_job_leaves_with_gloos_threads_joined():
+    """Gloo's worker threads end before the interpreter does: one still running when it
+    finalizes can abort the process at exit (torch_engine.Joined._leave)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = str(Path(__file__).resolve().parents[2])
+    ranks = [subprocess.Popen(
+        [sys.executable, "-c", JOINED_RANK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "PYTHONPATH": os.pathsep.join([root, *sys.path])})
+        for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    for output in outputs:
+        counts = dict(line.rsplit(" ", 1) for line in output.splitlines()
+                      if line.startswith(("after", "at exit")))
+        assert int(counts["after the launch"]) > 0 and counts["at exit"] == "0", output
+
+
 def test_layouts_and_rendezvous_that_cannot_work_are_one_line(monkeypatch):
     import socket
     import sys
