@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", help="where to write, or two files to compare")
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--wide", action="store_true",
-                        help="also the grid, the tables' layouts and the demo (~3 min)")
+                        help="also the grid, the tables' layouts and the demo (~20 s)")
     parser.add_argument("--drop", action="append", default=[], metavar="NAME",
                         help="leave every key NAME out of the reports and traces digested")
     args = parser.parse_args()

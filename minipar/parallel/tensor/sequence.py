@@ -30,6 +30,7 @@ from minipar.autograd import functional as F
 from minipar.autograd.function import Function
 from minipar.autograd.kernels import linear_kernels
 from minipar.autograd.placement import partial
+from minipar.autograd.tracking import long_call
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Tensor
 from minipar.nn import LayerNorm, Module, Parameter
@@ -126,8 +127,9 @@ def reduce_scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
 def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """2-D a @ b; bf16 in, fp32 accumulate (a tensor core), result in fp32 for bf16."""
     if a.dtype == bfloat16:
-        return a.astype(float32) @ b.astype(float32)
-    return a @ b
+        a, b = a.astype(float32), b.astype(float32)
+    with long_call(2 * a.shape[0] * a.shape[1] * b.shape[1]):  # (as F.linear's GEMMs)
+        return a @ b
 
 
 class SequenceParallelLinear(Function):
