@@ -4,6 +4,7 @@
     python benchmarks/bench_emulation.py --quick      # smoke run (a few seconds)
     python benchmarks/bench_emulation.py --only scaling --rounds 5
     python benchmarks/bench_emulation.py --only ratio --split   # dp2, tp2, pp2 alone too
+    python benchmarks/bench_emulation.py --only ratio --sequence-parallel   # and with SP
     python benchmarks/bench_emulation.py --only ratio --d-model 384   # a wider demo model
 
 1. Overhead ratio. Wall time of one optimizer step of the demo model (`minipar demo`'s
@@ -17,6 +18,10 @@
    also runs each parallelism alone on the same global batch (dp2 ZeRO-1, tp2, pp2), in
    the same rounds, to say which of the three costs what; `--d-model` changes the width
    (the heads stay 6), to tell a cost per op from a cost per activation element.
+   `--sequence-parallel` also runs the layout with SP (Korthikanti et al. 2022): without
+   it, both TP ranks repeat the LayerNorms and residual adds on the whole
+   sequence, arithmetic a single device does once, so that part of the ratio is the
+   algorithm's and not the emulator's.
    `--no-lending`: the turn is never lent during GEMMs (minipar/distributed/turns.py
    lends it while a core is spare, so that the CPU ratios of an idle machine include two
    ranks computing at once and those of a busy one do not); CPU ratios then compare alike.
@@ -151,6 +156,11 @@ def main(argv=None) -> int:
                         help="the ratio of dp, tp and pp alone too (same rounds)")
     parser.add_argument("--d-model", type=positive_int, default=DEMO_CONFIG.d_model,
                         help="the ratio part's model width (default: the demo's)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="the ratio of the same layout with sequence parallelism too "
+                             "(same rounds): TP without SP repeats the LayerNorms and residual "
+                             "adds on both TP ranks, extra arithmetic one device "
+                             "does not do")
     parser.add_argument("--no-lending", action="store_true",
                         help="never lend the turn during GEMMs, whatever the load")
     args = parser.parse_args(argv)
@@ -166,7 +176,11 @@ def main(argv=None) -> int:
             config = DEMO_CONFIG.replace(d_model=args.d_model)
         except ConfigError as error:  # (a width the demo's 6 heads and tp2 do not divide)
             parser.error(f"argument --d-model: {error}")
-        result = overhead_ratio(config, rounds, steps, alone(config) if args.split else None)
+        others = alone(config) if args.split else {}
+        if args.sequence_parallel:
+            others[f"dp{config.dp} x tp{config.tp}+SP x pp{config.pp}"] = config.replace(
+                sequence_parallel=True)
+        result = overhead_ratio(config, rounds, steps, others)
         print(f"\n1. demo model ({config.n_layer} layers, d_model {config.d_model}, seq "
               f"{config.seq_len}, {config.precision}), global batch "
               f"{config.global_batch_size}{', the turn never lent' if args.no_lending else ''}:")
