@@ -30,9 +30,9 @@ from minipar.autograd import functional as F
 from minipar.autograd.function import Function
 from minipar.autograd.kernels import linear_kernels
 from minipar.autograd.placement import partial
-from minipar.autograd.tracking import long_call
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Tensor
+from minipar.autograd.tracking import long_call
 from minipar.nn import LayerNorm, Module, Parameter
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from minipar.parallel.tensor.sequence_grads import (
