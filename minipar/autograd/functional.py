@@ -43,6 +43,15 @@ def row_dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- Linear
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """2-D a @ b as a tensor core does it: bf16 in, fp32 accumulate, fp32 out for bf16
+    (the caller rounds). One long NumPy call, so it lends the device's turn meanwhile."""
+    if a.dtype == bfloat16:
+        a, b = a.astype(float32), b.astype(float32)
+    with long_call(2 * a.shape[0] * a.shape[1] * b.shape[1]):
+        return a @ b
+
+
 class Linear(Function):
     """y = x @ W + b with x (..., in), W (in, out) as in HF GPT-2's Conv1D.
 
@@ -61,18 +70,13 @@ class Linear(Function):
                 f"{' (transposed)' if transpose_weight else ''}"
             )
         m, n = x2.shape[0], w.shape[1]
-        if x.dtype == bfloat16:  # tensor core: bf16 in, fp32 accumulate (+ bias), bf16 out
-            a, b = x2.astype(float32), w.astype(float32)
-            with long_call(2 * m * in_features * n):
-                y = a @ b
+        y = matmul(x2, w)
+        if x.dtype == bfloat16:  # the bias added in fp32, then rounded (the GEMM's epilogue)
             if bias is not None:
                 y += bias.astype(float32)
             y = y.astype(bfloat16)
-        else:
-            with long_call(2 * m * in_features * n):
-                y = x2 @ w
-            if bias is not None:
-                y += bias
+        elif bias is not None:
+            y += bias
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.x_shape = x.shape

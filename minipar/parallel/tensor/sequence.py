@@ -32,7 +32,6 @@ from minipar.autograd.kernels import linear_kernels
 from minipar.autograd.placement import partial
 from minipar.autograd.precision import bfloat16, float32
 from minipar.autograd.tensor import Tensor
-from minipar.autograd.tracking import long_call
 from minipar.nn import LayerNorm, Module, Parameter
 from minipar.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from minipar.parallel.tensor.sequence_grads import (
@@ -124,14 +123,6 @@ def reduce_scatter_to_sequence_parallel_region(x: Tensor, group) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- linear
-def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """2-D a @ b; bf16 in, fp32 accumulate (a tensor core), result in fp32 for bf16."""
-    if a.dtype == bfloat16:
-        a, b = a.astype(float32), b.astype(float32)
-    with long_call(2 * a.shape[0] * a.shape[1] * b.shape[1]):  # (as F.linear's GEMMs)
-        return a @ b
-
-
 class SequenceParallelLinear(Function):
     """y = all_gather(x) @ W + b, saving only this rank's piece of x for backward.
 
@@ -146,7 +137,7 @@ class SequenceParallelLinear(Function):
         full = dist.all_gather(x, group=group, dim=SEQUENCE_DIM)  # (B, T, in)
         w = weight.T if transpose_weight else weight
         x2 = full.reshape(-1, full.shape[-1])
-        y = _matmul(x2, w)
+        y = F.matmul(x2, w)
         if bias is not None:
             y += bias.astype(y.dtype, copy=False)
         # Only the piece: 1/t of the input, the memory sequence parallelism is for.
@@ -178,12 +169,12 @@ class SequenceParallelLinear(Function):
             full = dist.all_gather(x, group=group, dim=SEQUENCE_DIM, category="buffers")
         if need_x:
             w = weight if ctx.transpose_weight else weight.T  # (out/t, in)
-            dx = _matmul(g2, w).astype(dtype, copy=False)
+            dx = F.matmul(g2, w).astype(dtype, copy=False)
             dx = dx.reshape(*grad.shape[:-1], dx.shape[-1])  # (B, T, in), a partial sum
             grad_x = dist.reduce_scatter(dx, group=group, dim=SEQUENCE_DIM)
         if need_w:
             f2 = full.reshape(-1, full.shape[-1])
-            dw = _matmul(g2.T, f2) if ctx.transpose_weight else _matmul(f2.T, g2)
+            dw = F.matmul(g2.T, f2) if ctx.transpose_weight else F.matmul(f2.T, g2)
             grad_w = dw.astype(dtype, copy=False)
             dist.release(full)
         if need_b:
