@@ -19,9 +19,11 @@
    the same rounds, to say which of the three costs what; `--d-model` changes the width
    (the heads stay 6), to tell a cost per op from a cost per activation element.
    `--sequence-parallel` also runs the layout with SP (Korthikanti et al. 2022): without
-   it, both TP ranks repeat the LayerNorms and residual adds on the whole
-   sequence, arithmetic a single device does once, so that part of the ratio is the
-   algorithm's and not the emulator's.
+   it, both TP ranks repeat the LayerNorms and residual adds on the whole sequence,
+   arithmetic a single device does once. SP removes that repetition but does not lower
+   the ratio: its all-gathers and reduce-scatters, and its GEMMs' casts of the gathered
+   sequence, cost about what it saves (`emulation_profile.py 3d-sp --ops --against
+   single` puts the two side by side, op by op).
    `--no-lending`: the turn is never lent during GEMMs (minipar/distributed/turns.py
    lends it while a core is spare, so that the CPU ratios of an idle machine include two
    ranks computing at once and those of a busy one do not); CPU ratios then compare alike.
@@ -76,10 +78,10 @@ def single_device(config: TrainConfig) -> TrainConfig:
 def alone(config: TrainConfig) -> dict[str, TrainConfig]:
     """Each parallelism of `config` on its own (`--split`), on the same global batch."""
     single = single_device(config)
-    return {f"dp{config.dp} ZeRO-{config.zero}": single.replace(
+    return {f"dp{config.dp} ZeRO-{config.zero} alone": single.replace(
                 dp=config.dp, zero=config.zero, grad_accum_steps=config.grad_accum_steps),
-            f"tp{config.tp}": single.replace(tp=config.tp),
-            f"pp{config.pp}": single.replace(pp=config.pp)}
+            f"tp{config.tp} alone": single.replace(tp=config.tp),
+            f"pp{config.pp} alone": single.replace(pp=config.pp)}
 
 
 def overhead_ratio(config: TrainConfig, rounds: int, steps: int,
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
             parser.error(f"argument --d-model: {error}")
         others = alone(config) if args.split else {}
         if args.sequence_parallel:
-            others[f"dp{config.dp} x tp{config.tp}+SP x pp{config.pp}"] = config.replace(
+            others[f"dp{config.dp} x tp{config.tp} x pp{config.pp} + SP"] = config.replace(
                 sequence_parallel=True)
         result = overhead_ratio(config, rounds, steps, others)
         print(f"\n1. demo model ({config.n_layer} layers, d_model {config.d_model}, seq "
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
               f"CPU {result['cpu_ratio']:.2f}  (wall by round: "
               f"{', '.join(f'{r:.2f}' for r in result['ratios'])})")
         for name, (wall, cpu) in result["others"].items():
-            print(f"   {name + ' alone':<24}overhead ratio: wall {wall:.2f}, CPU {cpu:.2f}")
+            print(f"   {name:<24}overhead ratio: wall {wall:.2f}, CPU {cpu:.2f}")
 
     if args.only in (None, "scaling"):
         rounds = 1 if args.quick else (args.rounds or 3)

@@ -1,6 +1,7 @@
 """Where a training step's CPU goes, per function: the benchmarks' layouts under cProfile.
 
     python benchmarks/emulation_profile.py 3d              # the demo's 8-rank step
+    python benchmarks/emulation_profile.py 3d-sp           # the same with sequence parallelism
     python benchmarks/emulation_profile.py single          # ... and its single device
     python benchmarks/emulation_profile.py tp2             # its tensor parallelism alone
     python benchmarks/emulation_profile.py world 64        # bench_emulation's 64-rank row
@@ -71,6 +72,8 @@ def layout(name: str, world: int | None) -> TrainConfig:
     demo = DEMO_CONFIG.replace(check=False)
     if name == "3d":
         return demo
+    if name == "3d-sp":  # (bench_emulation.py --sequence-parallel's)
+        return demo.replace(sequence_parallel=True)
     if name == "single":
         return single_device(demo)
     if name == "tp2":  # (bench_emulation.py --split's "tp2 alone")
@@ -267,7 +270,7 @@ def where(function: tuple) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("layout", choices=("3d", "single", "tp2", "dp4", "world"))
+    parser.add_argument("layout", choices=("3d", "3d-sp", "single", "tp2", "dp4", "world"))
     parser.add_argument("world", nargs="?", type=positive_int, default=64,
                         help="ranks of the weak-scaling layout (world only)")
     parser.add_argument("--steps", type=positive_int, default=2)
@@ -290,7 +293,7 @@ def main(argv=None) -> int:
         parser.error("--against world: only with the world layout (weak scaling, against "
                      "1 rank); the others take --against single")
     if args.against == "single" and args.layout in ("single", "world"):
-        parser.error("--against single: for 3d, tp2 and dp4 (the world layout takes "
+        parser.error("--against single: for 3d, 3d-sp, tp2 and dp4 (the world layout takes "
                      "--against world)")
     config = layout(args.layout, args.world)
     print(describe())
