@@ -202,7 +202,7 @@ class Joined:
         if self.world is not None:
             self.world.close()
             self.world = None
-        gc.collect()  # (a group still held in a cycle: the Launched of rank 0)
+        gc.collect()  # (a group reachable only through a reference cycle goes now, too)
 
     def launch(self, job: dict, world_size: int, nproc_per_node: int | None):
         import torch.distributed as tdist
