@@ -13,8 +13,10 @@ then a finer one around its best point, and prints the fit, the residual of ever
 how much each constant moves the worst row. The A100 constants in roofline.py are the
 ones it prints (rounded to 0.01). The H100's lie in the flat valley its five fitted runs
 leave (rms log error 0.048 there, 0.047 at the grid's best point; docs/planner.md) and are
-kept, since `minipar train --device h100` shares them. tests/plan/test_published.py
-guards the residuals.
+kept, since `minipar train --device h100` shares them. The H100's overlap contention
+(minipar.plan.timing.overlap_contention_seconds, presets.H100_OVERLAP_CONTENTION) is then
+fitted on every fitted H100 row: the README's five and every second MPT row.
+tests/plan/test_published.py and test_published_mpt.py guard the residuals.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from minipar.distributed.roofline import (
     H100_MEMORY_EFFICIENCY,
     MEMORY_EFFICIENCY,
 )
-from minipar.plan import presets, published_h100
+from minipar.plan import presets, published_h100, published_mpt
 from minipar.plan.published import TOLERANCE, compare, format_comparison
 
 if __name__ == "__main__":
@@ -61,7 +63,8 @@ def grid(gemms, memories) -> tuple[float, float, float]:
 
 def h100() -> None:
     """The H100's two efficiencies, fitted on the FITTED rows of published_h100.RUNS
-    only (the others are held out), then every row's residual."""
+    only (the others are held out), then its overlap contention on every fitted H100
+    row (the README's and MosaicML's), then every row's residual."""
     fitted = [run for run in published_h100.RUNS if run.fitted]
 
     def h100_loss(g, m):
@@ -74,8 +77,21 @@ def h100() -> None:
                for mm in (m - 0.025, m, m + 0.025))
     print(f"\nH100 fit on {len(fitted)} runs: gemm_efficiency {best[1]:.2f}, "
           f"memory_efficiency {best[2]:.3f}, rms log error {best[0]:.4f}")
-    print(f"in roofline.py: {H100_GEMM_EFFICIENCY}, {H100_MEMORY_EFFICIENCY}\n")
-    print(published_h100.format_comparison(published_h100.compare()))
+    print(f"in roofline.py: {H100_GEMM_EFFICIENCY}, {H100_MEMORY_EFFICIENCY}")
+    every_fitted = [run for run in (*published_h100.RUNS, *published_mpt.RUNS) if run.fitted]
+    base = presets.cluster("h100-80gb")
+
+    def contention_loss(k):
+        return loss(published_h100.compare(replace(base, overlap_contention=k), every_fitted))
+
+    contention = min((contention_loss(k), k) for k in [i / 20 for i in range(0, 31)])
+    contention = min((contention_loss(k), k) for k in
+                     [max(0.0, contention[1] + i / 100) for i in range(-4, 5)])
+    print(f"overlap contention fitted on {len(every_fitted)} runs: {contention[1]:.2f} "
+          f"(rms log error {contention[0]:.4f}); in presets.py: "
+          f"{presets.H100_OVERLAP_CONTENTION}\n")
+    print(published_h100.format_comparison(published_h100.compare()
+                                           + published_h100.compare(runs=published_mpt.RUNS)))
 
 
 def main() -> None:

@@ -14,7 +14,10 @@ cuts a tensor that does not divide evenly, so small tensors are exact too:
 
 Time is the alpha-beta model of minipar.distributed.clock.collective_time (Hockney 1994;
 Thakur, Rabenseifner & Gropp 2005), with the bandwidth of the slowest link the group
-crosses.
+crosses. Across nodes, NCCL spreads a ring collective over the node's NICs (`rails`
+below): a group with m members on each node crosses between nodes on m NICs at once.
+minipar's emulator runs and times one ring, through one NIC; the planner prices NCCL on
+the DGX presets and the emulator's single ring on the emulated ones (`nic_rails`).
 
 Compute is priced one of two ways. With a `roofline` (minipar.distributed.roofline: the
 GPU's tensor-core and HBM roofs, GEMM tile quantization; the a100/h100 presets), each
@@ -25,6 +28,7 @@ what minipar's default device profile simulates.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -82,6 +86,14 @@ class ClusterSpec:
     # the published runs this profile's time model was fitted on and held against (None:
     # none; a plan on it says its times are uncalibrated)
     calibration: str | None = None
+    # NCCL's rings across nodes spread over the node's NICs, one per GPU (`rails`): True
+    # for a DGX's rail-optimized fabric; False for minipar's emulator, whose one ring
+    # crosses between nodes on one NIC
+    nic_rails: bool = True
+    # Seconds of compute lost per second a data-parallel collective runs hidden behind
+    # compute at NVLink's rate (nvlink_rate_share): NCCL's kernels take SMs and HBM
+    # bandwidth from the GEMMs they overlap. 0: overlap is free, as on the emulator.
+    overlap_contention: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -104,16 +116,32 @@ class ClusterSpec:
     def usable_memory(self) -> float:
         return self.memory_bytes * self.usable_memory_fraction
 
-    def link(self, crosses_nodes: bool) -> tuple[float, float]:
-        """(alpha in s, bandwidth in bytes/s) of a group inside one node or across nodes."""
+    def link(self, crosses_nodes: bool, nics: int = 1) -> tuple[float, float]:
+        """(alpha in s, bandwidth in bytes/s) of a group inside one node or across nodes,
+        on `nics` NICs at once (`rails`), as fast as NVLink at most."""
         if crosses_nodes:
-            return self.inter_node_latency, self.inter_node_bandwidth
+            return self.inter_node_latency, min(self.intra_node_bandwidth,
+                                                max(1, nics) * self.inter_node_bandwidth)
         return self.intra_node_latency, self.intra_node_bandwidth
 
-    def collective_time(self, op: str, n: int, nbytes: float, crosses_nodes: bool) -> float:
-        """Alpha-beta time of a ring collective of a full tensor of nbytes over n ranks."""
-        alpha, bandwidth = self.link(crosses_nodes)
+    def collective_time(self, op: str, n: int, nbytes: float, crossing: int) -> float:
+        """Alpha-beta time of a ring collective of a full tensor of nbytes over n ranks.
+        crossing: 0 inside one node, else the group's members per node (group_rails),
+        the NICs a ring collective crosses nodes on at once with `nic_rails`."""
+        nics = crossing if self.nic_rails and op in RING_COLLECTIVES else 1
+        alpha, bandwidth = self.link(bool(crossing), nics)
         return collective_time(op, n, nbytes, alpha, bandwidth)
+
+    def nvlink_rate_share(self, crossing: int) -> float:
+        """The rate a ring collective moves bytes at on this group's link (crossing as in
+        collective_time), as a share of NVLink's: 1 inside a node, nics x NIC / NVLink
+        across nodes. Contention with compute scales with it: a collective crossing
+        nodes on one NIC moves bytes through the GPU's SMs and HBM 9x slower than one
+        inside the node."""
+        if not crossing:
+            return 1.0
+        nics = crossing if self.nic_rails else 1
+        return self.link(True, nics)[1] / self.intra_node_bandwidth
 
     def tier_copy_time(self, direction: str, nbytes: float) -> float:
         """Seconds of one copy between tiers (to_host, to_device, nvme_read, nvme_write):
@@ -166,7 +194,7 @@ class ClusterSpec:
                    nvme_read_bandwidth=profile.nvme_read_bandwidth,
                    nvme_write_bandwidth=profile.nvme_write_bandwidth,
                    nvme_latency=profile.nvme_latency, host_flops=profile.host_flops,
-                   calibration=EMULATOR_CALIBRATION)
+                   nic_rails=False, calibration=EMULATOR_CALIBRATION)
 
 
 # ---------------------------------------------------------------------- bytes per rank
@@ -204,6 +232,31 @@ def broadcast_sent(nbytes: int, n: int, position_from_root: int) -> int:
 
 
 # ---------------------------------------------------------------------- topology
+# Collectives NCCL runs as rings (or chains along one), which it spreads over channels;
+# an all-to-all and a send are pairwise, every byte on its own GPU's NIC.
+RING_COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                              "reduce", "barrier"})
+
+
+def rails(ranks, gpus_per_node: int) -> int:
+    """How many NICs a ring collective over `ranks` that spans nodes crosses between nodes
+    on at once: the fewest members the group has on any one node.
+
+    A DGX H100 (and a DGX A100) has one NIC per GPU, each on its own "rail" (GPU i of
+    every node on one leaf switch). NCCL cuts a ring collective into channels and routes
+    each channel's hop between nodes through a different GPU's NIC (NVIDIA/nccl
+    src/graph/search.cc, the ring search over the node's NICs), so a group with m
+    members per node crosses between nodes on m NICs in parallel: its bandwidth is m x
+    one NIC's, up to NVLink's. A group with one member per node (data parallelism across
+    tensor-parallel nodes), a send, or an all-to-all (each GPU's own bytes leave on its
+    own NIC) gets one."""
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
+    return min(per_node.values())
+
+
+
 def group_crosses_nodes(size: int, stride: int, world: int, gpus_per_node: int) -> bool:
     """Does any group of `size` ranks spaced `stride` apart cross a node boundary?
 
@@ -229,3 +282,28 @@ def group_crosses_nodes(size: int, stride: int, world: int, gpus_per_node: int) 
             if first // gpus_per_node != (first + span - 1) // gpus_per_node:
                 return True
     return False
+
+
+@functools.cache
+def group_rails(size: int, stride: int, world: int, gpus_per_node: int,
+                inner: int = 1, inner_stride: int = 0) -> int:
+    """0 if the groups of `size` ranks spaced `stride` apart stay inside nodes, else the
+    fewest members any group that crosses nodes has on one node: the NICs its ring
+    collectives cross nodes on at once (`rails`). inner, inner_stride: a second
+    dimension folded into each group (the gradients' dp x cp group: cp ranks
+    `inner_stride` apart inside each dp member's block of `stride`)."""
+    if not (group_crosses_nodes(size, stride, world, gpus_per_node)
+            or group_crosses_nodes(inner, inner_stride, world, gpus_per_node)):
+        return 0
+    block = size * stride
+    period = min(world, math.lcm(block, gpus_per_node))  # the placement repeats after it
+    fewest = gpus_per_node
+    for start in range(0, period, block):
+        for offset in range(stride):
+            if inner > 1 and (offset // inner_stride) % inner:
+                continue  # a member of the group of an earlier offset
+            ranks = [start + offset + i * stride + j * inner_stride
+                     for i in range(size) for j in range(inner)]
+            if ranks[0] // gpus_per_node != ranks[-1] // gpus_per_node:
+                fewest = min(fewest, rails(ranks, gpus_per_node))
+    return fewest

@@ -135,7 +135,7 @@ class Estimate:
                 "all_to_all_s": sum(t.count * transfer_time(t, self.cluster,
                                                             self.links[t.link])
                                     for t in stage.transfers if t.op == "all_to_all"),
-                "ep_crosses_nodes": self.links["ep"]}
+                "ep_crosses_nodes": bool(self.links["ep"])}
 
     def to_dict(self) -> dict:
         return {
@@ -206,6 +206,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     # communication not hidden behind compute (HTA's exposed), on the rank that has most
     time["exposed_comm_s"] = max(s.time["exposed_comm_s"] for s in stages)
     time["dp_comm_s"] = max(s.time["dp_comm_s"] for s in stages)
+    time["overlap_contention_s"] = max(s.time["overlap_contention_s"] for s in stages)
     return Estimate(shape, config, cluster, stages, time, links=group_links(config, cluster))
 
 
@@ -345,4 +346,10 @@ def format_estimate(est: Estimate) -> str:
            if shape.is_moe else
            f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}")
         + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else ""))
+    if t["overlap_contention_s"]:
+        lines.append(
+            f"overlap contention: the hidden data-parallel collectives slow the compute "
+            f"beside them by {human_seconds(t['overlap_contention_s'])} per step "
+            f"({est.cluster.overlap_contention:g} x their time at NVLink's rate; "
+            "minipar.plan.timing.overlap_contention_seconds)")
     return "\n".join(lines)

@@ -167,13 +167,15 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
       late_s             buckets reduced after the flush (tied embedding copies)
       after_step_s       ZeRO-1/2: the parameter all-gathers after the optimizer
       comm_s             every one of these transfers' time, hidden or not, per step
+      hidden_s           the part of comm_s that ran beside compute (none of the above)
+      hidden_gather_s    of which ZeRO-1/2's parameter all-gathers
       buckets            how many gradient buckets
     """
     zero, m = config.zero, config.micro_batches
     b = config.bytes
     collective = cache(collective)  # thousands of alike layers' buckets, priced once
     out = dict(per_micro_batch_s=0.0, last_backward_s=0.0, late_s=0.0, after_step_s=0.0,
-               comm_s=0.0, buckets=0)
+               comm_s=0.0, hidden_s=0.0, hidden_gather_s=0.0, buckets=0)
     if config.replicas == 1 or not modules:
         return out
     overlap = config.overlap_grad_reduce
@@ -189,6 +191,7 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
                                               mod.name == "head" for mod in modules))
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
         out["comm_s"] = m * comm
+        out["hidden_s"] = max(0.0, out["comm_s"] - m * out["per_micro_batch_s"])
         return out
     buckets = gradient_buckets(modules, config)
     out["buckets"] = len(buckets)
@@ -209,6 +212,10 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
         if config.overlap_param_gather:
             out["after_step_s"] = param_gather_exposed(gathers, modules)
         out["comm_s"] += sum(gathers)
+        out["hidden_gather_s"] = sum(gathers) - out["after_step_s"]
+    exposed = (m * out["per_micro_batch_s"] + out["last_backward_s"] + out["late_s"]
+               + out["after_step_s"])
+    out["hidden_s"] = max(0.0, out["comm_s"] - exposed)
     return out
 
 
@@ -239,7 +246,8 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
       overlapped_end_s  when the reductions started during the last backwards end
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
-                        stream (it delays the rank's end of the schedule)"""
+                        stream (it delays the rank's end of the schedule)
+      hidden_s          seconds of reduction that ran beside the last backwards"""
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
     collective = cache(collective)  # thousands of alike layers' buckets, priced once
     # The rank's own buckets, each launched when its last parameter's gradient is made,
@@ -250,11 +258,14 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
     buckets = sorted(gradient_buckets(every, config, begins), key=lambda b: b.after_s)
     durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
     if not config.overlap_grad_reduce:
-        return {"overlapped_end_s": 0.0, "after_flush_s": sum(durations), "stall_s": 0.0}
+        return {"overlapped_end_s": 0.0, "after_flush_s": sum(durations), "stall_s": 0.0,
+                "hidden_s": 0.0}
     stream = Stream()
     end = max(start + sum(mod.backward_s for mod in modules) for start, modules in chunks)
     computed, _ = reduce_during_backward(end, buckets, durations, True,
                                          None if config.zero == 0 else MAX_IN_FLIGHT, stream)
     stall = computed - end
     after = sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
-    return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall}
+    outlasting = max(0.0, stream.free_at - computed)
+    return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall,
+            "hidden_s": max(0.0, sum(durations) - after - outlasting - stall)}

@@ -60,6 +60,7 @@ from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     group_links,
     optimizer_seconds,
+    overlap_contention_seconds,
     overlap_priced,
     ring_seconds,
     stage_modules,
@@ -168,11 +169,14 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
 
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
-                "after_step_s": 0.0}
+                "after_step_s": 0.0, "contention_s": 0.0}
     whole = stage_plan(shape, config, rank)
-    after_step = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
-                                    collective)["after_step_s"]
-    return {**pipeline_reduction(chunks, config, collective), "after_step_s": after_step}
+    gathers = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
+                                 collective)
+    reduction = pipeline_reduction(chunks, config, collective)
+    hidden = reduction["hidden_s"] + gathers["hidden_gather_s"]
+    return {**reduction, "after_step_s": gathers["after_step_s"],
+            "contention_s": overlap_contention_seconds(config, cluster, hidden)}
 
 
 def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -321,7 +325,8 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
               if isinstance(action, (RecvActivation, RecvGrad))] + run.sent[r]
              for r in range(p)]
     for r in range(p):
-        clock[r] += data_parallel[r]["stall_s"]  # ZeRO-1's reductions held its compute
+        # ZeRO-1's reductions held its compute, and the ones beside it slowed it
+        clock[r] += data_parallel[r]["stall_s"] + data_parallel[r]["contention_s"]
     if tails[0][0] > 0:  # first and last rank meet for the tied embedding's all-reduce
         start = max(clock[0], clock[-1])
         clock[0] = clock[-1] = start + tails[0][0]

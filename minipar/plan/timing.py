@@ -50,7 +50,7 @@ from minipar.autograd.kernels import ring_attention_block_kernels
 from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.plan.buckets import Module
-from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
+from minipar.plan.cluster import ClusterSpec, group_rails, rails
 from minipar.plan.context import (
     attention_flops_correction,
     chunk_tokens,
@@ -84,31 +84,31 @@ from minipar.plan.traffic import (
 )
 
 
-def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, bool]:
-    """Whether the dp, tp, cp and pp groups cross nodes (minipar.distributed.mesh's rank
-    order dp x pp x cp x tp; the gradients' dp x cp group crosses when the dp one does or
-    the cp one does), and the expert-parallel groups inside DP: ep consecutive dp indices
-    ("ep") and the dp / ep ranks holding the same experts ("edp")."""
+def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, int]:
+    """How the dp, tp, cp and pp groups cross nodes (minipar.distributed.mesh's rank order
+    dp x pp x cp x tp), and the expert-parallel groups inside DP: ep consecutive dp
+    indices ("ep") and the dp / ep ranks holding the same experts ("edp"). Each value is
+    0 for a group inside one node, else its members per node, the NICs its ring
+    collectives cross nodes on at once (plan/cluster.group_rails); the gradients' group
+    is dp x cp."""
     world, gpn = config.world_size, cluster.gpus_per_node
     tp, cp = config.tp, config.cp
     dp_stride = tp * cp * config.pp
     return {**data_parallel_subgroup_links(config, gpn),
-        "ep": group_crosses_nodes(config.ep, dp_stride, world, gpn),
-        "edp": group_crosses_nodes(config.expert_data_parallel, config.ep * dp_stride,
-                                   world, gpn),
-        "tp": group_crosses_nodes(tp, 1, world, gpn),
-        "cp": group_crosses_nodes(cp, tp, world, gpn),
-        "pp": group_crosses_nodes(config.pp, tp * cp, world, gpn),
-        "dp": (group_crosses_nodes(config.dp, tp * cp * config.pp, world, gpn)
-               or group_crosses_nodes(cp, tp, world, gpn)),
+        "ep": group_rails(config.ep, dp_stride, world, gpn),
+        "edp": group_rails(config.expert_data_parallel, config.ep * dp_stride, world, gpn),
+        "tp": group_rails(tp, 1, world, gpn),
+        "cp": group_rails(cp, tp, world, gpn),
+        "pp": group_rails(config.pp, tp * cp, world, gpn),
+        "dp": group_rails(config.dp, dp_stride, world, gpn, inner=cp, inner_stride=tp),
     }
 
 
 def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
-                                  ) -> dict[str, bool]:
-    """Whether the data-parallel sub-groups of ZeRO-3 across nodes cross nodes (those the
+                                  ) -> dict[str, int]:
+    """How the data-parallel sub-groups of ZeRO-3 across nodes cross nodes (those the
     layout has: minipar.distributed.mesh's dp_subgroup, rank 0's group of each kind,
-    which the others mirror)."""
+    which the others mirror), as group_links counts it."""
     kinds = {"dp_shard": config.hsdp_shard_size, "dp_replicate": config.hsdp_shard_size,
              "dp_secondary": config.secondary_partition}
     if not any(kinds.values()) and not config.zero_quantized_gradients:
@@ -116,11 +116,17 @@ def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
     mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
                       world_size=config.world_size, gpus_per_node=gpus_per_node,
                       dp_shard=config.hsdp_shard_size, dp_secondary=config.secondary_partition)
-    links = {kind: len({r // gpus_per_node for r in mesh.dp_subgroup(kind, 0).ranks}) > 1
+
+    def crossing(ranks) -> int:
+        if len({r // gpus_per_node for r in ranks}) == 1:
+            return 0
+        return rails(ranks, gpus_per_node)
+
+    links = {kind: crossing(mesh.dp_subgroup(kind, 0).ranks)
              for kind, size in kinds.items() if size}
     if config.zero_quantized_gradients:  # qgZ's levels: by definition
-        links |= {"dp_intra_node": False,
-                  "dp_inter_node": len(mesh.data_parallel_ranks_by_node(0)) > 1}
+        links |= {"dp_intra_node": 0,
+                  "dp_inter_node": int(len(mesh.data_parallel_ranks_by_node(0)) > 1)}
     return links
 
 
@@ -329,6 +335,23 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
     return data_parallel_time(modules, config, collective, shape.tie_embeddings)
 
 
+def overlap_contention_seconds(config: ParallelConfig, cluster: ClusterSpec,
+                               hidden_s: float) -> float:
+    """Seconds the compute loses to `hidden_s` seconds of data-parallel collectives that
+    ran beside it: cluster.overlap_contention x the collectives' rate as a share of
+    NVLink's (ClusterSpec.nvlink_rate_share) x hidden_s. NCCL's ring kernels copy with
+    SMs and through HBM, which the GEMMs they overlap also use: measured on an H100, a
+    GEMM sized to one wave of 132 SMs took nearly twice as long beside a 24-block NCCL
+    all-gather (NVIDIA developer forum, "Compute-communication overlap causes severe
+    GEMM performance degradation because of tail effect", 2025), and overlapped compute
+    ran 18.9% slower on average, 40% at most, on H100, A100 and MI250 (Hassan et al.
+    2025, arXiv 2507.03114)."""
+    if not hidden_s or not cluster.overlap_contention:
+        return 0.0
+    crossing = group_links(config, cluster)["dp"]
+    return cluster.overlap_contention * cluster.nvlink_rate_share(crossing) * hidden_s
+
+
 def overlap_priced(transfer: Transfer, shape: ModelShape, config: ParallelConfig) -> bool:
     """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
     model's two engines (dense over DP, experts over dp / ep) and ZeRO-3 across nodes
@@ -363,13 +386,16 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         else:
             per_micro_comm += transfer.count * seconds / m
     per_micro_comm -= sum(tp_overlap_hidden(shape, config, cluster, stage).values())
-    compute = compute_s["forward"] + compute_s["backward"]
+    contention = overlap_contention_seconds(config, cluster, data_parallel["hidden_s"])
+    compute = compute_s["forward"] + compute_s["backward"] + contention / m
     offload = offload_time(shape, config, cluster, stage)
     return {
         "micro_batch_compute_s": compute,
         "micro_batch_comm_s": per_micro_comm,
         "micro_batch_offload_s": offload["micro_s"] / m,
         "micro_batch_s": compute + per_micro_comm + offload["micro_s"] / m,
+        # compute lost to the data-parallel collectives it hid, per step
+        "overlap_contention_s": contention,
         "p2p_s": p2p,
         "step_comm_s": step_comm,
         # communication the rank waits for per step (HTA's exposed communication), and

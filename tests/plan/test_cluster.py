@@ -14,6 +14,8 @@ from minipar.plan.cluster import (
     all_reduce_sent,
     broadcast_sent,
     group_crosses_nodes,
+    group_rails,
+    rails,
     reduce_scatter_sent,
 )
 
@@ -55,6 +57,48 @@ def test_group_placement_matches_the_device_mesh(dp, pp, tp, gpn):
                                                                              "pp")
     assert group_crosses_nodes(dp, pp * tp, world, gpn) == crosses_by_enumeration(
         dp, pp, tp, gpn, "dp")
+
+
+def rails_by_enumeration(groups, gpus_per_node) -> int:
+    crossing = [g.ranks for g in groups if len({r // gpus_per_node for r in g.ranks}) > 1]
+    return min((rails(ranks, gpus_per_node) for ranks in crossing), default=0)
+
+
+@pytest.mark.parametrize("dp,pp,cp,tp,gpn", [
+    (d, p, c, t, g) for d, p, c, t, g in itertools.product((1, 2, 3, 4), (1, 2), (1, 2),
+                                                            (1, 2, 4), (2, 4, 6, 8))])
+def test_group_rails_are_the_fewest_members_a_crossing_group_has_on_a_node(dp, pp, cp, tp,
+                                                                           gpn):
+    mesh = DeviceMesh(dp=dp, pp=pp, tp=tp, cp=cp, gpus_per_node=gpn)
+    world = mesh.world_size
+    assert group_rails(tp, 1, world, gpn) == rails_by_enumeration(mesh.all_groups("tp"), gpn)
+    assert group_rails(pp, tp * cp, world, gpn) == rails_by_enumeration(
+        mesh.all_groups("pp"), gpn)
+    dp_cp = {mesh.dp_cp_group(r) for r in range(world)}
+    assert group_rails(dp, tp * cp * pp, world, gpn, inner=cp, inner_stride=tp) == \
+        rails_by_enumeration(dp_cp, gpn)
+
+
+def test_a_ring_across_nodes_runs_on_a_nic_per_member_a_node_up_to_nvlink():
+    # NCCL's channels: each crosses between nodes through another GPU's NIC
+    h100 = ClusterSpec(name="h100", gpus_per_node=8, memory_bytes=GIB, peak_flops=1e15,
+                       efficiency=0.5, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9)
+    gib = 2**30
+    one, four, eight = (h100.collective_time("all_reduce", 16, gib, m) for m in (1, 4, 8))
+    inside = h100.collective_time("all_reduce", 16, gib, 0)
+    alpha = 2 * 15 * h100.inter_node_latency
+    assert (one - alpha) / (four - alpha) == pytest.approx(4)
+    assert (one - alpha) / (eight - alpha) == pytest.approx(8)
+    assert inside < eight  # 8 NICs are 400 GB/s, NVLink 450
+    # pairwise traffic leaves on each GPU's own NIC: a send and an all-to-all get one
+    assert h100.collective_time("all_to_all", 16, gib, 8) == h100.collective_time(
+        "all_to_all", 16, gib, 1)
+    # the emulator runs one ring: its cluster crosses nodes on one NIC
+    emulated = ClusterSpec.from_device_profile(DeviceProfile(), gpus_per_node=8)
+    assert not emulated.nic_rails
+    assert emulated.collective_time("all_reduce", 16, gib, 8) == emulated.collective_time(
+        "all_reduce", 16, gib, 1)
+    assert rails([0, 1, 8, 9, 10], 8) == 2 and rails([0, 8], 8) == 1
 
 
 def test_emulated_cluster_is_the_device_profile():

@@ -1,9 +1,12 @@
-"""The H100 time model against MosaicML's MPT runs (llm-foundry's benchmarking README),
-which it was not fitted on (minipar/plan/published_mpt.py: all 52 rows held out).
+"""The H100 time model against MosaicML's MPT runs (llm-foundry's benchmarking README):
+every second row fits the overlap contention, the others are held out
+(minipar/plan/published_mpt.py).
 
 The figures below are the README's (copied from its "H100 80GB BF16" table, not from
-the planner). Rows outside 10% are strict xfails, grouped by what the rows share, not by
-their error; docs/planner.md says why each group is off.
+the planner). The row outside 10% is a strict xfail; docs/planner.md says why it is off.
+Two groups of rows hold the two rules they brought in: the data-parallel ring across
+nodes on all of a node's NICs (cluster.rails) and the compute lost to the collectives
+it hides (timing.overlap_contention_seconds).
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ README_ROWS = [
     ("760m", 512, 8, 40.42, 3.999190e14, 96, 2, 1536, 669998, 758111232),
 ]
 
-# The groups outside 10%, by what they share
+# micro-batch 2 on 2 to 8 nodes: ZeRO-3's traffic is as long as a third of the step
 INTER_NODE_MICRO_2 = {("70b", 2048, 32), ("13b", 2048, 16), ("13b", 2048, 32),
-                      ("13b", 2048, 64)}  # micro-batch 2 on 2 to 8 nodes
-THIRTY_B_ON_ONE_NODE = {("30b", 8192, 8), ("30b", 4096, 8), ("30b", 2048, 8),
-                        ("30b", 1024, 8)}  # 60 GB of its 80 in sharded states
-THIRTEEN_B_MICRO_2_ONE_NODE = {("13b", 2048, 8)}
-OUTSIDE = INTER_NODE_MICRO_2 | THIRTY_B_ON_ONE_NODE | THIRTEEN_B_MICRO_2_ONE_NODE
+                      ("13b", 2048, 64)}
+# the rows whose hidden ZeRO-3 traffic is largest against their compute
+CONTENDED = INTER_NODE_MICRO_2 | {("13b", 2048, 8), ("30b", 4096, 8), ("30b", 2048, 8)}
+# 30B at 8K tokens on 8 GPUs: 73 GiB of the 72 usable in the planner's count
+OUTSIDE = {("30b", 8192, 8)}
 
 
 def key(row) -> tuple[str, int, int]:
@@ -55,8 +58,9 @@ def test_the_rows_are_the_readmes():
         assert micro * accum * gpus == batch
         # "Model TFLOP" is MFU against the H100's 989.5 dense BF16 TFLOP/s
         assert model_tflop / 989.5e12 == pytest.approx(mfu / 100, abs=1e-4)
-    for run in published_mpt.RUNS:  # every row: data parallel over its GPUs, ZeRO-3
-        assert run.config.dp == run.gpus and run.config.zero == 3 and not run.fitted
+    for i, run in enumerate(published_mpt.RUNS):  # data parallel over its GPUs, ZeRO-3
+        assert run.config.dp == run.gpus and run.config.zero == 3
+        assert run.fitted == (i % 2 == 1)  # every second row of the README's order
         assert run.config.global_batch_size % (run.config.micro_batch_size * run.gpus) == 0
 
 
@@ -82,46 +86,65 @@ def test_the_flop_count_is_the_readmes():
                                                                           rel=1e-3)
 
 
-def test_the_rows_are_within_ten_percent(compared):
+def test_the_rows_are_within_ten_percent_fitted_and_held_out(compared):
     inside = {k: r for k, r in compared.items() if k not in OUTSIDE}
-    assert len(inside) == 43  # (and 30b at seq 1,024 on 8 GPUs, +10.0%, in its group)
+    assert len(inside) == 51
     off = {k: f"{r['error']:+.1%}" for k, r in inside.items()
            if abs(r["error"]) > published_h100.TOLERANCE}
     assert not off, off
+    assert sum(not r["fitted"] for r in inside.values()) == 25
 
 
-def outside(group: set, reason: str):
-    return pytest.param(group, marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason=f"{reason} (docs/planner.md, the MPT rows)"))
-
-
-@pytest.mark.parametrize("group", [
-    outside(INTER_NODE_MICRO_2, "micro-batch 2 across nodes: the planner moves ZeRO-3's "
-            "bytes at one NIC per GPU, which the published steps outrun"),
-    outside(THIRTY_B_ON_ONE_NODE, "30B on 8 GPUs runs slower than on 16 or 32 where the "
-            "planner's rate is flat"),
-    outside(THIRTEEN_B_MICRO_2_ONE_NODE, "13B at micro-batch 2 without checkpointing: "
-            "+21% on one node"),
-], ids=["inter-node-micro-2", "30b-one-node", "13b-micro-2-one-node"])
-def test_the_groups_outside_are_within_ten_percent(group, compared):
-    errors = [compared[k]["error"] for k in group]
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="30B at 8K tokens on 8 GPUs runs 23% slower than the planner's "
+                   "rate, which is flat from 8 to 32 GPUs; its memory is at the limit "
+                   "(docs/planner.md, the MPT rows)")
+def test_the_row_outside_is_within_ten_percent(compared):
+    errors = [compared[k]["error"] for k in OUTSIDE]
     assert all(abs(e) <= published_h100.TOLERANCE for e in errors), errors
 
 
 def test_the_inter_node_rows_outrun_a_ring_at_one_nic_per_gpu():
-    # the explanation of the first xfail: the planner's ZeRO-3 traffic alone, at one
-    # 400 Gb/s NIC per GPU for the whole ring, takes longer than the published step did,
-    # so the real job moved those bytes faster (NCCL runs one ring per NIC, so a group
-    # of whole nodes crosses between nodes on all eight at once)
-    h100 = presets.cluster("h100")
-    for run, row in zip(published_mpt.RUNS, published_mpt.TABLE, strict=True):
-        if key(row) not in INTER_NODE_MICRO_2:
-            continue
-        est = estimate(run.shape, run.config, h100.with_attention_kernel("triton"))
+    # why the ring across nodes runs on all of a node's NICs (cluster.rails): at one
+    # 400 Gb/s NIC per ring, the planner's ZeRO-3 traffic alone takes longer than the
+    # published step did, so the real job moved those bytes faster; on the node's eight
+    # NICs the rows are within 10%
+    h100 = presets.cluster("h100").with_attention_kernel("triton")
+    one_nic = replace(h100, nic_rails=False)
+    runs = [run for run, row in zip(published_mpt.RUNS, published_mpt.TABLE, strict=True)
+            if key(row) in INTER_NODE_MICRO_2]
+    assert len(runs) == 4
+    for run in runs:
+        est = estimate(run.shape, run.config, one_nic)
         published_step = run.flops(run.shape, run.config.global_batch_size) / (
             run.tflops * 1e12 * run.gpus)
         assert est.time["dp_comm_s"] > 1.5 * published_step, run.row
+    rails = published_h100.compare(h100, [replace(r, attention_kernel=None) for r in runs])
+    assert all(abs(r["error"]) <= published_h100.TOLERANCE for r in rails), rails
+
+
+def test_hidden_traffic_costs_compute_in_the_rows_where_it_is_largest(compared):
+    # the overlap contention (timing.overlap_contention_seconds): without it the rows
+    # whose hidden ZeRO-3 traffic is largest read 10-28% fast; with it, within 10%.
+    # The multi-node rows elsewhere, whose traffic is small against their compute, stay
+    # within 10% with or without it
+    h100 = presets.cluster("h100").with_attention_kernel("triton")
+    free = replace(h100, overlap_contention=0.0)
+    chosen = [(run, row) for run, row in zip(published_mpt.RUNS, published_mpt.TABLE,
+                                             strict=True) if key(row) in CONTENDED]
+    assert len(chosen) == 7
+    without = published_h100.compare(free, [replace(r, attention_kernel=None)
+                                            for r, _ in chosen])
+    assert all(r["error"] > published_h100.TOLERANCE for r in without), without
+    assert all(abs(compared[key(row)]["error"]) <= published_h100.TOLERANCE
+               for _, row in chosen)
+    others = [replace(run, attention_kernel=None)
+              for run, row in zip(published_mpt.RUNS, published_mpt.TABLE, strict=True)
+              if row[2] > 8 and key(row) not in INTER_NODE_MICRO_2]
+    assert len(others) == 11
+    for cluster in (h100, free):
+        rows = published_h100.compare(cluster, others)
+        assert all(abs(r["error"]) <= published_h100.TOLERANCE for r in rows), rows
 
 
 def test_the_triton_kernel_is_what_brings_the_long_rows_in():
@@ -149,7 +172,8 @@ def test_cli_prints_the_mpt_rows_and_a_summary_per_source(capsys):
     assert len(mpt) == 52 and {r["attention_kernel"] for r in mpt} == {"triton"}
     assert main(["plan", "--compare-published"]) == 0
     out = capsys.readouterr().out
-    assert "MPT, held out: 52 runs, 44 within 10%" in out
+    assert "MPT, fitted: 26 runs, 26 within 10%" in out
+    assert "MPT, held out: 26 runs, 25 within 10%" in out
     assert "README, fitted: 5 runs" in out and "Llama 3, held out: 3 runs" in out
     assert "'triton' (the kernel their source names)" in out
 
@@ -163,11 +187,8 @@ def test_cli_attention_kernel_prices_every_row_the_mpt_ones_too(capsys):
         return [r["tflops"] for r in rows if r["source"] == published_mpt.MPT]
 
     named, flash2 = mpt_tflops(), mpt_tflops("--attention-kernel", "flash2")
-    # FlashAttention-2 is faster than the Triton kernel: every row rises but the four
-    # whose step the inter-node traffic sets
-    rose = [f > n * 1.001 for f, n in zip(flash2, named, strict=True)]
-    assert all(f >= n * (1 - 1e-12) for f, n in zip(flash2, named, strict=True))
-    assert sum(rose) == 52 - len(INTER_NODE_MICRO_2), rose
+    # FlashAttention-2 is faster than the Triton kernel: every row rises
+    assert all(f > n * 1.001 for f, n in zip(flash2, named, strict=True))
 
 
 def test_cli_source_prints_only_the_chosen_sources(capsys):
@@ -175,7 +196,7 @@ def test_cli_source_prints_only_the_chosen_sources(capsys):
 
     assert main(["plan", "--compare-published", "--source", "mpt"]) == 0
     out = capsys.readouterr().out
-    assert "MPT, held out: 52 runs" in out
+    assert "MPT, held out: 26 runs" in out and "MPT, fitted: 26 runs" in out
     assert "README," not in out and "Llama 3," not in out and "run_table_1.sh" not in out
     assert main(["plan", "--compare-published", "--source", "table1", "--source",
                  "llama3", "--json", "-"]) == 0
@@ -191,17 +212,3 @@ def test_cli_source_without_compare_published_is_one_line(capsys):
     assert main(["plan", "--source", "mpt"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--compare-published" in err
-
-
-def test_the_other_multi_node_rows_do_not_rest_on_the_inter_node_price():
-    # priced at one NIC per GPU (the planner) or at all eight of a node's (NCCL's ring per
-    # NIC), the multi-node rows outside the first group stay within 10%
-    h100 = presets.cluster("h100").with_attention_kernel("triton")
-    eight_nics = replace(h100, inter_node_bandwidth=8 * h100.inter_node_bandwidth)
-    runs = [replace(run, attention_kernel=None)
-            for run, row in zip(published_mpt.RUNS, published_mpt.TABLE, strict=True)
-            if row[2] > 8 and key(row) not in INTER_NODE_MICRO_2]
-    assert len(runs) == 11
-    for cluster in (h100, eight_nics):
-        rows = published_h100.compare(cluster, runs)
-        assert all(abs(r["error"]) <= published_h100.TOLERANCE for r in rows), rows

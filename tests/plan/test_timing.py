@@ -8,9 +8,9 @@ import pytest
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import ParallelConfig, stage_plan
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
-from minipar.plan.timing import step_time
+from minipar.plan.timing import data_parallel_seconds, step_time
 
 CLUSTER = presets.cluster("a100")
 # The uniform model's identities (time = FLOPs / one rate, MFU = efficiency x model /
@@ -143,3 +143,37 @@ def test_tp_comm_overlap_hides_behind_the_linear_layers_gemms_not_the_attention_
             [k for k in kernels if k.attention is not None]) for times, kernels in groups)
         assert attention > 0.2 * linear  # a kernel that would matter if it were counted
         assert hidden[kind] == pytest.approx(linear, rel=1e-12)
+
+
+def test_hidden_data_parallel_traffic_slows_the_compute_beside_it():
+    # timing.overlap_contention_seconds: contention x the traffic's rate as a share of
+    # NVLink's x its hidden seconds, added to the compute; the emulator's clusters keep
+    # overlap free, so the planner still matches the emulator there
+    from dataclasses import replace
+
+    shape = presets.model("llama2-7b")
+    h100 = presets.cluster("h100")
+    assert h100.overlap_contention > 0
+    assert presets.cluster("emulated").overlap_contention == 0
+    free = replace(h100, overlap_contention=0.0)
+
+    def with_and_without(config):
+        est, base = estimate(shape, config, h100), estimate(shape, config, free)
+        hidden = data_parallel_seconds(shape, config, h100, stage_plan(shape, config, 0))
+        return est, base, hidden["hidden_s"]
+
+    inside = ParallelConfig(dp=8, zero=3, micro_batch_size=1, global_batch_size=16)
+    est, base, hidden = with_and_without(inside)
+    assert hidden > 0
+    assert est.time["overlap_contention_s"] == pytest.approx(h100.overlap_contention * hidden)
+    assert est.step_time == pytest.approx(base.step_time + est.time["overlap_contention_s"])
+    assert base.time["overlap_contention_s"] == 0.0
+    # across nodes with one member a node the ring moves bytes at one NIC's 50 GB/s:
+    # a ninth of NVLink's rate, a ninth of the contention per hidden second
+    across = ParallelConfig(dp=2, tp=8, zero=3, micro_batch_size=1, global_batch_size=16)
+    est, base, hidden = with_and_without(across)
+    assert est.time["overlap_contention_s"] == pytest.approx(
+        h100.overlap_contention * hidden * 50 / 450)
+    # no overlap, nothing hidden: nothing lost
+    blocking = inside.replace(overlap_grad_reduce=False, zero3_prefetch=False)
+    assert estimate(shape, blocking, h100).time["overlap_contention_s"] == 0.0
