@@ -134,6 +134,12 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="Megatron-LM's --overlap-param-gather: the distributed "
                              "optimizer's (ZeRO-1's) parameter all-gather under the next "
                              "step's forward")
+    layout.add_argument("--cross-entropy-loss-fusion", action=argparse.BooleanOptionalAction,
+                        dest="cross_entropy_loss_fusion", default=None,
+                        help="Megatron-LM's --cross-entropy-loss-fusion: the loss as one "
+                             "kernel (the default here, as minipar runs it); "
+                             "--no-cross-entropy-loss-fusion prices Megatron-LM's own "
+                             "default, op by op in fp32, 6x the bytes per logit")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -266,7 +272,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     values.update(flash_attention=args.flash_attention, lr=args.lr,
                   memory_accounting=args.memory_accounting or "paper",
                   tp_comm_overlap=bool(args.tp_comm_overlap),
-                  overlap_param_gather=bool(args.overlap_param_gather))
+                  overlap_param_gather=bool(args.overlap_param_gather),
+                  cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False)
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         try:
             values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
@@ -435,6 +442,7 @@ def _run(args) -> int:
                         memory_accounting=args.memory_accounting or "paper",
                         tp_comm_overlap=bool(args.tp_comm_overlap),
                         overlap_param_gather=bool(args.overlap_param_gather),
+                        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"))

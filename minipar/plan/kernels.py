@@ -207,21 +207,38 @@ def embedding_kernels(shape: ModelShape, b: int, tp: int = 1, itemsize: int = 2
             [Kernel(bw, 3 * itemsize * rows * passes)])
 
 
+def cross_entropy_bytes(itemsize: int, fused: bool = True) -> tuple[int, int]:
+    """Bytes per logit that the loss moves through HBM, forward and backward.
+
+    fused: one kernel each way (minipar's CrossEntropy op, Megatron-LM's
+    --cross-entropy-loss-fusion): read the logits, write the probabilities; backward read
+    those, write the logits' gradient: 2e and 2e. Unfused: Megatron-LM's
+    vocab_parallel_cross_entropy (megatron/core/tensor_parallel/cross_entropy.py, its
+    default), op by op in fp32: cast the logits (read e, write 4), max (read 4), subtract
+    it in place (8), exp in place (8), sum (4), divide in place (8); backward, the
+    gradient scaled in place (8) and cast back (read 4, write e): e + 36 and e + 12."""
+    if fused:
+        return 2 * itemsize, 2 * itemsize
+    return itemsize + 36, itemsize + 12
+
+
 def head_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
-                 itemsize: int = 2) -> tuple[list[Kernel], list[Kernel]]:
+                 itemsize: int = 2, fused_loss: bool = True
+                 ) -> tuple[list[Kernel], list[Kernel]]:
     """(forward, backward) kernels of the final norm, the logits GEMM (T, h) @ (h, V/t)
-    and the cross-entropy over my vocabulary slice (reads the logits, writes the
-    probabilities; backward reads those and writes the logits' gradient)."""
+    and the cross-entropy over my vocabulary slice (its bytes per logit:
+    cross_entropy_bytes)."""
     h, e = shape.d_model, itemsize
     tokens = b * shape.seq_len
     stream = tokens // tp if sequence_parallel else tokens
     vocab = padded_vocab(shape.vocab_size, tp) // tp
     norm_f, norm_b = NORM_FLOPS[shape.norm]
     logits = tokens * vocab
+    loss_f, loss_b = cross_entropy_bytes(e, fused_loss)
     forward = [Kernel(norm_f * stream * h, 2 * e * stream * h),
                gemm_kernel(1, tokens, vocab, h, e),
-               Kernel(CROSS_ENTROPY_FLOPS[0] * logits, 2 * e * logits)]
-    backward = [Kernel(CROSS_ENTROPY_FLOPS[1] * logits, 2 * e * logits),
+               Kernel(CROSS_ENTROPY_FLOPS[0] * logits, loss_f * logits)]
+    backward = [Kernel(CROSS_ENTROPY_FLOPS[1] * logits, loss_b * logits),
                 *linear_backward_kernels(1, tokens, vocab, h, e),
                 Kernel(norm_b * stream * h, 3 * e * stream * h)]
     return forward, backward
@@ -276,7 +293,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         forward.insert(0, (1, f))
         backward.append((1, bw))
     if stage.last:
-        f, bw = head_kernels(shape, b, t, sp, e)
+        f, bw = head_kernels(shape, b, t, sp, e, config.cross_entropy_loss_fusion)
         forward.append((1, f))
         backward.insert(0, (1, bw))
     params = stage_parameters(full, config, stage)

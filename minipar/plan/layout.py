@@ -78,6 +78,9 @@ class ParallelConfig(Layout):
     # next step's forward)
     tp_comm_overlap: bool = False
     overlap_param_gather: bool = False
+    # the loss as one fused kernel (minipar's op; Megatron-LM's --cross-entropy-loss-fusion)
+    # or Megatron-LM's default, op by op in fp32 (plan/kernels.cross_entropy_bytes)
+    cross_entropy_loss_fusion: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_split, list):

@@ -35,7 +35,9 @@ DDP bucket of max(40M, 1M x dp) parameters; the overlaps a source states and no 
 (the README's three switches; the Llama 3 paper names none of them for TP, so no
 `--tp-comm-overlap` there, and its FSDP prefetches the parameter gather as
 `--overlap-param-gather` does); for the README rows the 1F1B schedule (119B and 462B's
-23 and 7 layers per stage leave no other interleaving). FLOPs: each source's own count.
+23 and 7 layers per stage leave no other interleaving) and Megatron-Core r0.8's default
+loss, vocab_parallel_cross_entropy op by op in fp32 (`--cross-entropy-loss-fusion` is off
+unless set; plan/kernels.cross_entropy_bytes). FLOPs: each source's own count.
 The README's is Megatron's `num_floating_point_operations`; Table 4 reports MFU after
 Chowdhery et al. (PaLM, appendix B): 6N + 12 L H Q T per token, N all parameters,
 attention full (not causal), within 0.5% of Megatron's formula for 405B at 8K and at
@@ -119,7 +121,8 @@ def _readme(name, heads, hidden, layers, tp, pp, batch, tflops, fitted, micro=2)
     config = ParallelConfig(
         dp=dp, tp=tp, pp=pp, zero=1, micro_batch_size=micro, global_batch_size=batch,
         sequence_parallel=tp > 1, flash_attention=True, tp_comm_overlap=tp > 1,
-        overlap_param_gather=True, bucket_size_mb=_megatron_ddp_bucket_mb(dp))
+        overlap_param_gather=True, bucket_size_mb=_megatron_ddp_bucket_mb(dp),
+        cross_entropy_loss_fusion=False)
     row = f"{name}: tp {tp}, pp {pp}, {tp * pp * dp} GPUs, batch {batch}"
     return H100Run(README, "README", row, shape, config, tflops, fitted, megatron_flops)
 

@@ -233,3 +233,19 @@ def test_moe_flags_plan_what_minipar_train_measures(capsys):
     assert plan["moe"]["all_to_all_sent_bytes_per_step"] == report.moe["all_to_all_sent_bytes"][0]
     assert plan["moe"]["capacity"] == 10  # ceil(2 x 8 tokens x top-2 / 4 experts x 1.25)
     assert not plan["moe"]["ep_crosses_nodes"]
+
+
+def test_cross_entropy_loss_fusion_is_megatrons_switch(capsys):
+    # the fused loss is the default (minipar's op); --no-cross-entropy-loss-fusion prices
+    # Megatron-LM's own default, and the export says which
+    flags = ["plan", "--model", "gpt2", "--cluster", "h100", "--dp", "8", "--json", "-"]
+    steps = {}
+    for switch in ("--cross-entropy-loss-fusion", "--no-cross-entropy-loss-fusion"):
+        assert main([*flags, switch]) == 0
+        report = json.loads(capsys.readouterr().out)
+        steps[switch] = report["time"]["step_s"]
+        assert report["config"]["cross_entropy_loss_fusion"] == (switch[2] == "c")
+    assert steps["--no-cross-entropy-loss-fusion"] > steps["--cross-entropy-loss-fusion"]
+    assert main(flags) == 0  # the default
+    assert json.loads(capsys.readouterr().out)["time"]["step_s"] == steps[
+        "--cross-entropy-loss-fusion"]

@@ -182,3 +182,14 @@ def test_the_export_sets_the_planned_dropout():
     for shape in (presets.model("llama2-7b"), replace(presets.model("gpt2"), dropout=0.1)):
         args = parse_flags(" ".join(megatron_args(shape, ParallelConfig(dp=8))))
         assert args["--attention-dropout"] == args["--hidden-dropout"] == f"{shape.dropout:g}"
+
+
+def test_the_export_names_the_planned_loss():
+    # Megatron-LM's default is the unfused loss; the plan's default, the fused kernel,
+    # is its --cross-entropy-loss-fusion. Megatron-DeepSpeed has no such flag.
+    shape = presets.model("llama2-7b")
+    fused, unfused = (ParallelConfig(dp=8, zero=1, cross_entropy_loss_fusion=f)
+                      for f in (True, False))
+    assert parse_flags(" ".join(megatron_args(shape, fused)))["--cross-entropy-loss-fusion"]
+    assert "--cross-entropy-loss-fusion" not in megatron_args(shape, unfused)
+    assert "--cross-entropy-loss-fusion" not in megatron_args(shape, fused, "megatron-deepspeed")

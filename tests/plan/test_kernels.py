@@ -19,6 +19,7 @@ from minipar.plan.estimate import estimate
 from minipar.plan.experts import moe_flops_delta
 from minipar.plan.kernels import (
     attention_core_kernels,
+    cross_entropy_bytes,
     embedding_kernels,
     head_kernels,
     layer_kernels,
@@ -172,3 +173,16 @@ def test_an_moe_toy_run_on_a_roofline_profile_takes_the_planned_time(profile):
                    ClusterSpec.from_device_profile(profile))
     spent = sum(report.ranks[0]["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
     assert spent == pytest.approx(STEPS * est.step_time, rel=TIME_TOLERANCE)
+
+
+def test_megatrons_unfused_loss_moves_six_and_a_half_times_the_bytes_per_logit():
+    # vocab_parallel_cross_entropy in fp32, op by op (kernels.cross_entropy_bytes): cast
+    # 2 + 4, max 4, subtract 8, exp 8, sum 4, divide 8; backward scale 8, cast 4 + 2
+    assert cross_entropy_bytes(2, fused=True) == (4, 4)
+    assert cross_entropy_bytes(2, fused=False) == (38, 14)
+    shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=1000, seq_len=32)
+    fused, unfused = (head_kernels(shape, 2, fused_loss=f) for f in (True, False))
+    logits = 2 * 32 * 1000
+    assert unfused[0][-1].nbytes - fused[0][-1].nbytes == 34 * logits
+    assert unfused[1][0].nbytes - fused[1][0].nbytes == 10 * logits
+    assert [k.flops for k in unfused[0]] == [k.flops for k in fused[0]]  # the same math
