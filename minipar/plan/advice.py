@@ -96,8 +96,10 @@ def explain(advice: Advice) -> str:
             f"- Tensor parallelism (tp={c.tp}) stays inside a node: it splits every layer's "
             f"matrices and heads over {c.tp} GPUs and all-reduces activations in every layer, "
             f"forward and backward ({human_bytes(est.traffic['tp'])} per GPU per step, "
-            f"{human_seconds(comm['tp'])} on NVLink). Across nodes the same traffic would "
-            f"run {cluster.intra_node_bandwidth / cluster.inter_node_bandwidth:.0f}x slower."
+            f"{human_seconds(comm['tp'])} on NVLink). Across nodes each GPU's NIC is "
+            f"{cluster.intra_node_bandwidth / cluster.inter_node_bandwidth:.0f}x slower than "
+            f"its NVLink, and every ring step pays "
+            f"{cluster.inter_node_latency / cluster.intra_node_latency:.1f}x the latency."
             + (" Sequence parallelism splits the norms' and dropouts' activations too, for "
                "the same traffic." if c.sequence_parallel else ""))
     else:

@@ -154,7 +154,7 @@ class Estimate:
             "traffic": self.traffic,
             "time": self.time,
             "comm_time": self.comm_time_by_group(),
-            "links_cross_nodes": self.links,
+            "links_cross_nodes": {g: bool(v) for g, v in self.links.items()},
             **({"moe": self.moe()} if self.shape.is_moe else {}),
             "stages": [{"pp_rank": s.rank, "layers": s.layers, "in_flight": s.in_flight,
                         "memory": {k: v for k, v in s.memory.items() if k != "detail"},
@@ -206,7 +206,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     # communication not hidden behind compute (HTA's exposed), on the rank that has most
     time["exposed_comm_s"] = max(s.time["exposed_comm_s"] for s in stages)
     time["dp_comm_s"] = max(s.time["dp_comm_s"] for s in stages)
-    time["overlap_contention_s"] = max(s.time["overlap_contention_s"] for s in stages)
+    time["overlap_contention_s"] = max(time["rank_contention_s"]) if "rank_contention_s" in \
+        time else max(s.time["overlap_contention_s"] for s in stages)
     return Estimate(shape, config, cluster, stages, time, links=group_links(config, cluster))
 
 

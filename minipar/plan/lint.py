@@ -41,7 +41,7 @@ from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import with_deepspeed_buckets
-from minipar.plan.cluster import ClusterSpec, group_crosses_nodes
+from minipar.plan.cluster import ClusterSpec, group_rails
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
     ParallelConfig,
@@ -179,15 +179,21 @@ def _check_learning_rate(config: ParallelConfig, reference: Mapping | None) -> l
 def _check_tensor_parallel_placement(config: ParallelConfig,
                                      cluster: ClusterSpec) -> list[Finding]:
     gpn = cluster.gpus_per_node
-    if not group_crosses_nodes(config.tp, 1, config.world_size, gpn):
+    crossing = group_rails(config.tp, 1, config.world_size, gpn)
+    if not crossing:
         return []
-    ratio = cluster.intra_node_bandwidth / cluster.inter_node_bandwidth
+    # the ring crosses nodes on `crossing` NICs at once (cluster.rails), at a latency
+    # per step that no NIC count lowers: the per-layer messages are small and on the
+    # critical path
+    (fast_alpha, fast), (slow_alpha, slow) = cluster.link(False), cluster.link(
+        True, crossing if cluster.nic_rails else 1)
     inside = max(t for t in range(1, gpn + 1) if gpn % t == 0 and config.tp % t == 0)
     return [Finding(
         "TP_ACROSS_NODES", "warning",
         f"tp={config.tp} with {gpn} GPUs per node: tensor-parallel groups span nodes, so "
-        f"the per-layer all-reduces (forward and backward) run over InfiniBand, "
-        f"{ratio:.0f}x slower than NVLink.",
+        f"the per-layer all-reduces (forward and backward) run over InfiniBand: "
+        f"{fast / slow:.1f}x NVLink's time per byte and {slow_alpha / fast_alpha:.1f}x "
+        f"its latency per ring step.",
         f"keep tp inside a node (a divisor of {gpn}, e.g. --tp {inside}) and move the "
         f"factor {config.tp // inside} to pipeline or data parallelism")]
 

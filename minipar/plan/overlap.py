@@ -3,9 +3,11 @@
 The one home of the planner's overlap model (timing.py feeds it module times and uses
 what it returns). A rank's data-parallel communication runs on its group's stream
 (one NCCL communicator: collectives of a group run one after another) while its compute
-stream goes on; what the step pays is only the *exposed* part, the time the rank waits
-for a transfer while it computes nothing (Holistic Trace Analysis's definition, as
-minipar.distributed.timeline.comm_overlap measures it).
+stream goes on; what the step pays is the *exposed* part, the time the rank waits for a
+transfer while it computes nothing (Holistic Trace Analysis's definition, as
+minipar.distributed.timeline.comm_overlap measures it), and, on a real GPU, what the
+hidden part slows the compute beside it (`hidden_s` here; timing.overlap_contention_seconds
+prices it, 0 on the emulator's clusters, whose streams share nothing).
 
 Gradient buckets (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3; DeepSpeed's
 `overlap_comm` / `reduce_bucket_size`; Megatron-LM's `--overlap-grad-reduce`), laid out by
@@ -247,7 +249,9 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
                         stream (it delays the rank's end of the schedule)
-      hidden_s          seconds of reduction that ran beside the last backwards"""
+      hidden_s          seconds of reduction that ran beside the last backwards (an
+                        upper bound: a reduction running while the rank waits between
+                        two chunks' backwards counts as hidden too)"""
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
     collective = cache(collective)  # thousands of alike layers' buckets, priced once
     # The rank's own buckets, each launched when its last parameter's gradient is made,

@@ -360,6 +360,8 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
         "step_s": step,
         "rank_end_s": end,  # when each pipeline rank finishes its step
         "rank_exposed_comm_s": exposed,  # communication not hidden by compute, per rank
+        # compute each rank lost to the data-parallel reductions it hid
+        "rank_contention_s": [dp["contention_s"] for dp in data_parallel],
         "pipeline_s": pipeline,
         "tail_s": step - pipeline,
         "bubble_fraction": 1 - busy / total if total > 0 else 0.0,

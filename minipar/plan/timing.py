@@ -29,8 +29,10 @@ The data-parallel part hides behind compute as far as plan/overlap.py's model sa
 gradient buckets reduced while backward goes on (`overlap_grad_reduce`; under pipeline
 parallelism during each chunk's last micro-batch backward), ZeRO-3's next unit gathered
 while the current one computes (`zero3_prefetch`); only the exposed part is on the
-critical path. With both off this is the step of a run that waits for every reduction
-and gather, an upper bound of the overlapped one (tests/plan/test_estimate.py checks
+critical path, and the hidden part's contention with the compute it overlaps
+(`overlap_contention_seconds`: SMs and HBM that NCCL's kernels take) joins the step's
+tail. With both off this is the step of a run that waits for every reduction and gather,
+an upper bound of the overlapped one (tests/plan/test_estimate.py checks
 both against the emulator).
 
 Context parallelism: a rank computes its s/cp tokens (the busiest rank's ring attention
@@ -130,13 +132,14 @@ def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
     return links
 
 
-def transfer_time(transfer: Transfer, cluster: ClusterSpec, crosses_nodes: bool) -> float:
-    """Seconds of one call of `transfer` (alpha-beta; a send is alpha + S/B)."""
+def transfer_time(transfer: Transfer, cluster: ClusterSpec, crossing: int) -> float:
+    """Seconds of one call of `transfer` (alpha-beta; a send is alpha + S/B, on one NIC).
+    crossing: its group's entry of group_links."""
     if transfer.op == "send":
-        alpha, bandwidth = cluster.link(crosses_nodes)
+        alpha, bandwidth = cluster.link(bool(crossing))
         return alpha + transfer.nbytes / bandwidth
     return cluster.collective_time(transfer.op, transfer.group_size, transfer.nbytes,
-                                   crosses_nodes)
+                                   crossing)
 
 
 def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
@@ -386,16 +389,17 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         else:
             per_micro_comm += transfer.count * seconds / m
     per_micro_comm -= sum(tp_overlap_hidden(shape, config, cluster, stage).values())
-    contention = overlap_contention_seconds(config, cluster, data_parallel["hidden_s"])
-    compute = compute_s["forward"] + compute_s["backward"] + contention / m
+    compute = compute_s["forward"] + compute_s["backward"]
     offload = offload_time(shape, config, cluster, stage)
     return {
         "micro_batch_compute_s": compute,
         "micro_batch_comm_s": per_micro_comm,
         "micro_batch_offload_s": offload["micro_s"] / m,
         "micro_batch_s": compute + per_micro_comm + offload["micro_s"] / m,
-        # compute lost to the data-parallel collectives it hid, per step
-        "overlap_contention_s": contention,
+        # compute lost to the data-parallel collectives it hid, per step (in the tail:
+        # once a step, whatever the schedule)
+        "overlap_contention_s": overlap_contention_seconds(config, cluster,
+                                                           data_parallel["hidden_s"]),
         "p2p_s": p2p,
         "step_comm_s": step_comm,
         # communication the rank waits for per step (HTA's exposed communication), and
@@ -438,7 +442,8 @@ def step_time(config: ParallelConfig, stage_times: list[dict], shape: ModelShape
         # m t / (1 - bubble): (m + (p - 1)/v) t for the interleaved schedule
         bubble = uniform_bubble_fraction(config.schedule, p, m, v)
         pipeline = m * slowest / (1 - bubble) + 2 * (p - 1) * hop
-    tail = max(s["step_comm_s"] + s["optimizer_s"] for s in stage_times)
+    tail = max(s["step_comm_s"] + s["optimizer_s"] + s["overlap_contention_s"]
+               for s in stage_times)
     step = pipeline + tail
     busy = m * total_over_ranks / p  # mean busy time of a rank in the pipeline section
     bubble = 0.0 if p == 1 else max(0.0, 1 - busy / pipeline)

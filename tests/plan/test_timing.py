@@ -20,7 +20,8 @@ UNIFORM = CLUSTER.uniform()
 
 
 def fake_stage(seconds):
-    return {"micro_batch_s": seconds, "p2p_s": 0.0, "step_comm_s": 0.0, "optimizer_s": 0.0}
+    return {"micro_batch_s": seconds, "p2p_s": 0.0, "step_comm_s": 0.0, "optimizer_s": 0.0,
+            "overlap_contention_s": 0.0}
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 16), (8, 8)])
@@ -177,3 +178,20 @@ def test_hidden_data_parallel_traffic_slows_the_compute_beside_it():
     # no overlap, nothing hidden: nothing lost
     blocking = inside.replace(overlap_grad_reduce=False, zero3_prefetch=False)
     assert estimate(shape, blocking, h100).time["overlap_contention_s"] == 0.0
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_pipelined_step_pays_the_contention_once_not_per_micro_batch(exact):
+    # the simulated schedule adds each rank's contention after its last backward; the
+    # closed form adds it to the step's tail: once, not (m + p - 1) / m times
+    from dataclasses import replace
+
+    shape, h100 = presets.model("llama2-7b"), presets.cluster("h100")
+    config = ParallelConfig(dp=4, pp=2, zero=1, micro_batch_size=1, global_batch_size=64,
+                            bucket_size_mb=25.0)
+    est = estimate(shape, config, h100, exact_pipeline=exact)
+    base = estimate(shape, config, replace(h100, overlap_contention=0.0),
+                    exact_pipeline=exact)
+    added = est.step_time - base.step_time
+    # (at most the largest rank's: another stage may set the step)
+    assert 0 < added <= est.time["overlap_contention_s"] * (1 + 1e-9)
