@@ -47,6 +47,10 @@ TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
                      "llama3": published_h100.LLAMA3, "mpt": published_mpt.MPT}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
+# settings of a plan beyond the trainer's layout, which the published runs fix for themselves
+PUBLISHED_RUN_SETTINGS = ("tp_comm_overlap", "overlap_param_gather", "cross_entropy_loss_fusion",
+                          "layer_split", "lr", "memory_accounting", "flash_attention",
+                          "reference_global_batch_size", "reference_lr")
 # The layout flags are the trainer's (one per Layout field); unset (None) unless given,
 # ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
 # these from the user and chooses (advisor.candidate_configs) or prices one way (one
@@ -484,6 +488,13 @@ def _compare_published(args) -> int:
             getattr(args, k) is not None for k in LAYOUT_FLAGS):
         raise ConfigError("compare_published", "takes no model or "
                         "layout: it evaluates the published layouts")
+    for name in (*LAYOUT_SETTINGS, *PUBLISHED_RUN_SETTINGS):
+        value = getattr(args, name)
+        if value is not None:  # each run has its source's; none is overridden
+            flag = ("--no-" if value is False else "--") + name.replace("_", "-")
+            raise ConfigError(name, "--compare-published prices each published run with "
+                              "the settings its source states or implies (docs/planner.md); "
+                              f"drop {flag}")
     for name, given in (("gpus", args.gpus is not None), ("export", args.export is not None),
                         ("cluster", args.cluster is not None)):  # (typed, even a100)
         if given:  # each published row has its own GPUs, on the paper's A100 cluster

@@ -249,3 +249,14 @@ def test_cross_entropy_loss_fusion_is_megatrons_switch(capsys):
     assert main(flags) == 0  # the default
     assert json.loads(capsys.readouterr().out)["time"]["step_s"] == steps[
         "--cross-entropy-loss-fusion"]
+
+
+@pytest.mark.parametrize("flags", [["--zero", "3"], ["--micro-batch-size", "2"],
+                                   ["--tp-comm-overlap"], ["--no-cross-entropy-loss-fusion"],
+                                   ["--memory-accounting", "megatron"]])
+def test_compare_published_refuses_a_setting_it_would_ignore(flags, capsys):
+    # each published run is priced with its source's settings: a flag that would not
+    # change a row is refused in one line, not silently dropped
+    assert main(["plan", "--compare-published", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"drop {flags[0]}" in err
