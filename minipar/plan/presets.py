@@ -7,6 +7,15 @@ Model shapes are from the papers and released configs:
 - Llama-2 7B/13B/70B (Touvron et al. 2023, Table 1 and the released params.json):
   vocab 32000, context 4096, RMSNorm, SwiGLU of width 11008/13824/28672, rotary
   positions, no biases, untied output layer, 70B with 8 key/value heads (GQA).
+- Llama 3 8B/70B/405B (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3,
+  and the released config.json): vocab 128,256, 32/80/126 layers of 4096/8192/16384 with
+  32/64/128 heads, 8 key/value heads (GQA) throughout, SwiGLU of width 14336/28672/53248,
+  RoPE, RMSNorm, no biases, untied; context 8192 (the pre-training length; 128K only in
+  its last stage); 8.03B, 70.6B, 406B parameters.
+- Mistral 7B (Jiang et al. 2023, Table 1): 32 layers, h 4096, 32 heads, 8 key/value
+  heads, SwiGLU of width 14336, vocab 32000, context 8192, untied; 7.24B parameters. Its
+  sliding-window attention (window 4096) is planned as full causal attention: the same
+  up to 4096 tokens, pessimistic beyond.
 - Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1, and the released
   config.json): Mistral 7B's shape (32 layers, h 4096, 32 heads, 8 key/value heads,
   SwiGLU of width 14336, vocab 32000, RoPE, RMSNorm, untied) with every MLP replaced by
@@ -50,11 +59,17 @@ def _gpt2(name, n_layer, d_model, n_head):
                       vocab_size=50257, seq_len=1024)
 
 
-def _llama2(name, n_layer, d_model, n_head, d_ff, n_kv_head=None):
+def _llama2(name, n_layer, d_model, n_head, d_ff, n_kv_head=None, vocab_size=32000,
+            seq_len=4096):
     return ModelShape(name=name, n_layer=n_layer, d_model=d_model, n_head=n_head,
-                      n_kv_head=n_kv_head, d_ff=d_ff, vocab_size=32000, seq_len=4096,
+                      n_kv_head=n_kv_head, d_ff=d_ff, vocab_size=vocab_size, seq_len=seq_len,
                       mlp="swiglu", norm="rmsnorm", bias=False, position="rope",
                       tie_embeddings=False)
+
+
+def _llama3(name, n_layer, d_model, n_head, d_ff):
+    return _llama2(name, n_layer, d_model, n_head, d_ff, n_kv_head=8, vocab_size=128256,
+                   seq_len=8192)
 
 
 MODELS: dict[str, ModelShape] = {
@@ -65,6 +80,10 @@ MODELS: dict[str, ModelShape] = {
     "llama2-7b": _llama2("llama2-7b", 32, 4096, 32, 11008),
     "llama2-13b": _llama2("llama2-13b", 40, 5120, 40, 13824),
     "llama2-70b": _llama2("llama2-70b", 80, 8192, 64, 28672, n_kv_head=8),
+    "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
+    "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
+    "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
+    "mistral-7b": _llama2("mistral-7b", 32, 4096, 32, 14336, n_kv_head=8, seq_len=8192),
     "mixtral-8x7b": ModelShape(name="mixtral-8x7b", n_layer=32, d_model=4096, n_head=32,
                                n_kv_head=8, d_ff=14336, vocab_size=32000, seq_len=4096,
                                mlp="swiglu", norm="rmsnorm", bias=False, position="rope",
@@ -81,10 +100,12 @@ ALIASES = {"gpt2-small": "gpt2", "gpt3": "gpt3-175b", "bloom": "bloom-176b",
 
 # Sequences per optimizer step of the published runs: GPT-2 512 (Radford et al. 2019,
 # section 2.3); Llama-2 4M tokens = 1024 x 4096 (Touvron et al. 2023, section 2.2);
-# GPT-3 175B 3.2M tokens = 1536 x 2048 (Brown et al. 2020, Table 2.1); BLOOM 2048.
+# GPT-3 175B 3.2M tokens = 1536 x 2048 (Brown et al. 2020, Table 2.1); BLOOM 2048;
+# Llama 3 405B 16M tokens = 2048 x 8192 (Grattafiori et al. 2024, Table 4; its 8B and
+# 70B batches are not published).
 GLOBAL_BATCH = {"gpt2": 512, "gpt2-medium": 512, "gpt2-large": 512, "gpt2-xl": 512,
                 "llama2-7b": 1024, "llama2-13b": 1024, "llama2-70b": 1024,
-                "mixtral-8x7b": 1024,
+                "mixtral-8x7b": 1024, "llama3-405b": 2048,
                 "gpt3-175b": 1536, "bloom-176b": 2048}
 
 # ClusterSpec.overlap_contention on the H100 (minipar.plan.timing.overlap_contention_seconds):

@@ -127,10 +127,7 @@ def _readme(name, heads, hidden, layers, tp, pp, batch, tflops, fitted, micro=2)
     return H100Run(README, "README", row, shape, config, tflops, fitted, megatron_flops)
 
 
-LLAMA3_405B = ModelShape(name="llama3-405b", n_layer=126, d_model=16384, n_head=128,
-                         n_kv_head=8, d_ff=53248, vocab_size=128256, seq_len=8192,
-                         mlp="swiglu", norm="rmsnorm", bias=False, position="rope",
-                         tie_embeddings=False)
+LLAMA3_405B = presets.model("llama3-405b")
 
 
 def _llama3(row, gpus, cp, seq, batch_per_dp, tflops, micro) -> H100Run:

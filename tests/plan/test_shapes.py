@@ -29,6 +29,12 @@ ROUNDED = {  # name: (published, relative tolerance of the rounding)
     "llama2-13b": (13.0e9, 0.005),
     "llama2-70b": (69.0e9, 0.002),
     "gpt3-175b": (175e9, 0.003),
+    # Llama 3 and Mistral: the Hugging Face model cards' counts ("8.03B", "70.6B", "406B",
+    # "7.24B": the released safetensors)
+    "llama3-8b": (8.03e9, 0.001),
+    "llama3-70b": (70.6e9, 0.001),
+    "llama3-405b": (406e9, 0.001),
+    "mistral-7b": (7.24e9, 0.001),
 }
 
 
