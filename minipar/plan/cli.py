@@ -47,10 +47,20 @@ TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
                      "llama3": published_h100.LLAMA3, "mpt": published_mpt.MPT}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
+# Megatron-LM's switches that the planner prices, by Megatron-LM's names (--X / --no-X)
+MEGATRON_SWITCHES = {
+    "tp_comm_overlap": "Transformer Engine pipelines the sequence-parallel all-gathers and "
+                       "reduce-scatters with the GEMMs beside them (needs "
+                       "--sequence-parallel; a search applies it to every layout with tp > 1)",
+    "overlap_param_gather": "the distributed optimizer's (ZeRO-1's) parameter all-gather "
+                            "under the next step's forward",
+    "cross_entropy_loss_fusion": "the loss as one kernel (the default here, as minipar runs "
+                                 "it); --no-cross-entropy-loss-fusion prices Megatron-LM's "
+                                 "own default, op by op in fp32, 6x the bytes per logit",
+}
 # settings of a plan beyond the trainer's layout, which the published runs fix for themselves
-PUBLISHED_RUN_SETTINGS = ("tp_comm_overlap", "overlap_param_gather", "cross_entropy_loss_fusion",
-                          "layer_split", "lr", "memory_accounting", "flash_attention",
-                          "reference_global_batch_size", "reference_lr")
+PUBLISHED_RUN_SETTINGS = (*MEGATRON_SWITCHES, "layer_split", "lr", "memory_accounting",
+                          "flash_attention", "reference_global_batch_size", "reference_lr")
 # The layout flags are the trainer's (one per Layout field); unset (None) unless given,
 # ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
 # these from the user and chooses (advisor.candidate_configs) or prices one way (one
@@ -127,23 +137,10 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "(bf16 gradients + an fp32 partition, reduce_bucket_size "
                              "buckets, ZeRO-3's largest module gathered); the plan names "
                              "each term it adds (plan/accounting.py)")
-    layout.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction,
-                        dest="tp_comm_overlap", default=None,
-                        help="Megatron-LM's --tp-comm-overlap: Transformer Engine pipelines "
-                             "the sequence-parallel all-gathers and reduce-scatters with "
-                             "the GEMMs beside them (needs --sequence-parallel; a search "
-                             "applies it to every layout with tp > 1)")
-    layout.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
-                        dest="overlap_param_gather", default=None,
-                        help="Megatron-LM's --overlap-param-gather: the distributed "
-                             "optimizer's (ZeRO-1's) parameter all-gather under the next "
-                             "step's forward")
-    layout.add_argument("--cross-entropy-loss-fusion", action=argparse.BooleanOptionalAction,
-                        dest="cross_entropy_loss_fusion", default=None,
-                        help="Megatron-LM's --cross-entropy-loss-fusion: the loss as one "
-                             "kernel (the default here, as minipar runs it); "
-                             "--no-cross-entropy-loss-fusion prices Megatron-LM's own "
-                             "default, op by op in fp32, 6x the bytes per logit")
+    for name, text in MEGATRON_SWITCHES.items():
+        flag = name.replace("_", "-")
+        layout.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, dest=name,
+                            default=None, help=f"Megatron-LM's --{flag}: {text}")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
