@@ -41,7 +41,7 @@ each module (timing.stage_modules).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
@@ -53,15 +53,32 @@ from minipar.plan.memory import shard
 # ------------------------------------------------------------------ the recurrences
 @dataclass
 class Stream:
-    """A group's communication stream: when it is free again."""
+    """A group's communication stream: when it is free again, and when it was busy."""
 
     free_at: float = 0.0
+    busy: list[tuple[float, float]] = field(default_factory=list)
 
     def launch(self, now: float, seconds: float) -> float:
         """Post a collective at `now`; it runs when the stream is free. Returns its end."""
         start = max(now, self.free_at)
         self.free_at = start + seconds
+        self.busy.append((start, self.free_at))
         return self.free_at
+
+
+def overlap_seconds(spans: list[tuple[float, float]],
+                    computing: list[tuple[float, float]]) -> float:
+    """Seconds of `spans` (a stream's collectives, one after another) that fall inside
+    `computing` (the rank's compute actions, disjoint): a sweep over both, in order."""
+    total, j, computing = 0.0, 0, sorted(computing)
+    for start, end in sorted(spans):
+        while j < len(computing) and computing[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(computing) and computing[k][0] < end:
+            total += min(end, computing[k][1]) - max(start, computing[k][0])
+            k += 1
+    return total
 
 
 def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
@@ -235,7 +252,8 @@ def param_gather_exposed(gathers: list[float], modules: list[Module]) -> float:
 
 
 def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: ParallelConfig,
-                       collective) -> dict:
+                       collective, computing: list[tuple[float, float]] | None = None
+                       ) -> dict:
     """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
 
     chunks: (start of the chunk's last micro-batch backward, its modules in forward
@@ -249,9 +267,11 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
                         stream (it delays the rank's end of the schedule)
-      hidden_s          seconds of reduction that ran beside the last backwards (an
-                        upper bound: a reduction running while the rank waits between
-                        two chunks' backwards counts as hidden too)"""
+      hidden_s          seconds of reduction that ran beside compute: beside the rank's
+                        compute actions `computing` (the schedule's (start, end) of each,
+                        as the simulation ran them), or without them beside anything
+                        before the last backward ends (an upper bound: a wait between
+                        two chunks' backwards counts as compute)"""
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
     collective = cache(collective)  # thousands of alike layers' buckets, priced once
     # The rank's own buckets, each launched when its last parameter's gradient is made,
@@ -270,6 +290,9 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
                                          None if config.zero == 0 else MAX_IN_FLIGHT, stream)
     stall = computed - end
     after = sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
-    outlasting = max(0.0, stream.free_at - computed)
+    if computing is None:
+        hidden = max(0.0, sum(durations) - after - max(0.0, stream.free_at - computed) - stall)
+    else:
+        hidden = overlap_seconds(stream.busy, computing)
     return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall,
-            "hidden_s": max(0.0, sum(durations) - after - outlasting - stall)}
+            "hidden_s": hidden}

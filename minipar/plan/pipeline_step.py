@@ -173,7 +173,9 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     whole = stage_plan(shape, config, rank)
     gathers = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
                                  collective)
-    reduction = pipeline_reduction(chunks, config, collective)
+    computing = [(began, ended) for action, began, ended in run.timelines[rank]
+                 if not isinstance(action, P2P_ACTIONS)]
+    reduction = pipeline_reduction(chunks, config, collective, computing)
     hidden = reduction["hidden_s"] + gathers["hidden_gather_s"]
     return {**reduction, "after_step_s": gathers["after_step_s"],
             "contention_s": overlap_contention_seconds(config, cluster, hidden)}

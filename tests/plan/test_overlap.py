@@ -15,6 +15,7 @@ from minipar.plan.layout import ParallelConfig
 from minipar.plan.overlap import (
     Stream,
     data_parallel_time,
+    overlap_seconds,
     reduce_during_backward,
     zero3_micro_batch,
 )
@@ -169,3 +170,16 @@ def test_backward_completes_the_last_registered_parameters_first():
     assert ready[0] == pytest.approx(1.0)
     with_tp = layer_ready(TINY, b=2, tp=2, comm_share=0.5)
     assert len(with_tp) == len(layer_tensors(TINY, 2))
+
+
+def test_hidden_reduction_is_what_ran_beside_a_compute_action():
+    # the contention's h under pipelining: the stream's busy spans that fall inside the
+    # rank's compute actions, not inside its waits between them
+    stream = Stream()
+    for now, seconds in ((1.0, 2.0), (1.5, 1.0), (6.0, 1.0)):  # busy 1-3, 3-4, 6-7
+        stream.launch(now, seconds)
+    assert stream.busy == [(1.0, 3.0), (3.0, 4.0), (6.0, 7.0)]
+    computing = [(0.0, 2.0), (3.5, 5.0), (6.5, 8.0)]  # waits 2-3.5 and 5-6.5
+    assert overlap_seconds(stream.busy, computing) == pytest.approx(1.0 + 0.5 + 0.5)
+    assert overlap_seconds(stream.busy, [(0.0, 10.0)]) == pytest.approx(4.0)
+    assert overlap_seconds(stream.busy, []) == 0.0
