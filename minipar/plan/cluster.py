@@ -239,8 +239,8 @@ RING_COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "bro
 
 
 def rails(ranks, gpus_per_node: int) -> int:
-    """How many NICs a ring collective over `ranks` that spans nodes crosses between nodes
-    on at once: the fewest members the group has on any one node.
+    """0 if `ranks` share a node; else how many NICs a ring collective over them crosses
+    between nodes on at once: the fewest members the group has on any one node.
 
     A DGX H100 (and a DGX A100) has one NIC per GPU, each on its own "rail" (GPU i of
     every node on one leaf switch). NCCL cuts a ring collective into channels and routes
@@ -253,7 +253,7 @@ def rails(ranks, gpus_per_node: int) -> int:
     per_node: dict[int, int] = {}
     for r in ranks:
         per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
-    return min(per_node.values())
+    return min(per_node.values()) if len(per_node) > 1 else 0
 
 
 
@@ -302,8 +302,8 @@ def group_rails(size: int, stride: int, world: int, gpus_per_node: int,
         for offset in range(stride):
             if inner > 1 and (offset // inner_stride) % inner:
                 continue  # a member of the group of an earlier offset
-            ranks = [start + offset + i * stride + j * inner_stride
-                     for i in range(size) for j in range(inner)]
-            if ranks[0] // gpus_per_node != ranks[-1] // gpus_per_node:
-                fewest = min(fewest, rails(ranks, gpus_per_node))
+            crossing = rails([start + offset + i * stride + j * inner_stride
+                              for i in range(size) for j in range(inner)], gpus_per_node)
+            if crossing:
+                fewest = min(fewest, crossing)
     return fewest

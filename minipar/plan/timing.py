@@ -118,13 +118,7 @@ def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
     mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
                       world_size=config.world_size, gpus_per_node=gpus_per_node,
                       dp_shard=config.hsdp_shard_size, dp_secondary=config.secondary_partition)
-
-    def crossing(ranks) -> int:
-        if len({r // gpus_per_node for r in ranks}) == 1:
-            return 0
-        return rails(ranks, gpus_per_node)
-
-    links = {kind: crossing(mesh.dp_subgroup(kind, 0).ranks)
+    links = {kind: rails(mesh.dp_subgroup(kind, 0).ranks, gpus_per_node)
              for kind, size in kinds.items() if size}
     if config.zero_quantized_gradients:  # qgZ's levels: by definition
         links |= {"dp_intra_node": 0,

@@ -61,7 +61,9 @@ def test_group_placement_matches_the_device_mesh(dp, pp, tp, gpn):
 
 def rails_by_enumeration(groups, gpus_per_node) -> int:
     crossing = [g.ranks for g in groups if len({r // gpus_per_node for r in g.ranks}) > 1]
-    return min((rails(ranks, gpus_per_node) for ranks in crossing), default=0)
+    return min((sum(r // gpus_per_node == node for r in ranks)
+                for ranks in crossing for node in {r // gpus_per_node for r in ranks}),
+               default=0)
 
 
 @pytest.mark.parametrize("dp,pp,cp,tp,gpn", [
@@ -98,7 +100,7 @@ def test_a_ring_across_nodes_runs_on_a_nic_per_member_a_node_up_to_nvlink():
     assert not emulated.nic_rails
     assert emulated.collective_time("all_reduce", 16, gib, 8) == emulated.collective_time(
         "all_reduce", 16, gib, 1)
-    assert rails([0, 1, 8, 9, 10], 8) == 2 and rails([0, 8], 8) == 1
+    assert rails([0, 1, 8, 9, 10], 8) == 2 and rails([0, 8], 8) == 1 and rails([0, 1], 8) == 0
 
 
 def test_emulated_cluster_is_the_device_profile():
