@@ -45,7 +45,8 @@ LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 # --compare-published's sources, as --source names them
 TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
-                     "llama3": published_h100.LLAMA3, "mpt": published_mpt.MPT}
+                     "llama3": published_h100.LLAMA3, "automodel": published_h100.AUTOMODEL,
+                     "mpt": published_mpt.MPT}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # Megatron-LM's switches that the planner prices, by Megatron-LM's names (--X / --no-X)
 MEGATRON_SWITCHES = {
@@ -160,12 +161,14 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     output.add_argument("--compare-published", action="store_true", dest="compare_published",
                         help="print the time model against Narayanan et al. 2021, Table 1 "
                              "(A100) and published H100 runs (Megatron-LM's README, Llama 3 "
-                             "Table 4, MosaicML's MPT runs): published vs predicted TFLOP/s "
-                             "per GPU, error per row, fitted or held out, the assumptions")
+                             "Table 4, NeMo AutoModel's FSDP2 run, MosaicML's MPT runs): "
+                             "published vs predicted TFLOP/s per GPU, error per row, fitted "
+                             "or held out, the assumptions")
     output.add_argument("--source", action="append", choices=tuple(PUBLISHED_SOURCES),
                         help="with --compare-published: only this source's rows (repeat "
                              "for more): table1 (Narayanan et al. 2021, A100), readme "
-                             "(Megatron-LM's H100 runs), llama3, mpt (MosaicML's H100 runs)")
+                             "(Megatron-LM's H100 runs), llama3, automodel (NeMo AutoModel's "
+                             "FSDP2 run), mpt (MosaicML's H100 runs)")
     return plan
 
 

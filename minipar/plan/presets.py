@@ -136,8 +136,9 @@ CLUSTERS: dict[str, ClusterSpec] = {
         roofline=H100_SXM_80GB.replace(attention=CUDNN_H100),
         overlap_contention=H100_OVERLAP_CONTENTION,
         calibration="5 of the Megatron-LM README's H100 runs and 26 of MosaicML's MPT "
-                    "runs, held out on 4 more README runs, 26 more MPT runs and the Llama 3 "
-                    "paper's Table 4 (minipar plan --compare-published)"),
+                    "runs, held out on 4 more README runs, 26 more MPT runs, the Llama 3 "
+                    "paper's Table 4 and NeMo AutoModel's FSDP2 run "
+                    "(minipar plan --compare-published)"),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),
