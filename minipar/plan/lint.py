@@ -443,9 +443,9 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
                f"), {human_seconds(extra)} more than plain data parallelism{why}.")
     across = _across_nodes_options(shape, config, cluster, est)
     if across:  # ZeRO-3's data-parallel group crosses nodes: keep ZeRO-3, move its traffic
-        flags, best = across[0]
-        others = "; ".join(f"{f}: {human_seconds(e.step_time)}" for f, e in across[1:])
-        message += (f" Its group crosses nodes: {flags} keeps the gathers inside the node "
+        flags, best, what = across[0]
+        others = "; ".join(f"{f}: {human_seconds(e.step_time)}" for f, e, _ in across[1:])
+        message += (f" Its group crosses nodes: {flags} {what} "
                     f"({human_bytes(best.memory['peak_total'])}, "
                     f"{human_seconds(best.step_time)} per step)"
                     + (f"; also {others}" if others else "") + ".")
@@ -463,29 +463,36 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
         f") and takes {human_seconds(lower.step_time)} per step.",
         f"use --zero {lower.config.zero}" + (f", or add {across[0][0]}" if across else ""))]
 
-def _across_nodes_options(shape, config, cluster, est: Estimate) -> list[tuple[str, Estimate]]:
+def _across_nodes_options(shape, config, cluster,
+                          est: Estimate) -> list[tuple[str, Estimate, str]]:
     """ZeRO-3 across nodes (HSDP / MiCS, ZeRO++ hpZ with qwZ and qgZ, FSDP2's
     reshard_after_forward=False) for a ZeRO-3 layout whose data-parallel group crosses
-    nodes: (the flags, the estimate) of those that fit and are faster, fastest first."""
+    nodes: (the flags, the estimate, what it changes) of those that fit and are faster,
+    fastest first."""
     if (config.zero != 3 or config.sharding_across_nodes() or not est.links["dp"]
             or shape.is_moe or config.offload_optimizer != "none"
             or config.offload_param != "none"):
         return []
     node = config.replicas // data_parallel_nodes(config, cluster.gpus_per_node)
-    options = [("--reshard-after-forward false", {"reshard_after_forward": False})]
+    options = [("--reshard-after-forward false", {"reshard_after_forward": False},
+                "skips the backward's gathers, keeping each unit from its forward")]
     if 1 < node < config.replicas:
-        options = [(f"--hsdp-shard-size {node}", {"hsdp_shard_size": node}),
-                   (f"--zero-hpz-partition-size {node}", {"zero_hpz_partition_size": node}),
+        options = [(f"--hsdp-shard-size {node}", {"hsdp_shard_size": node},
+                    "keeps the gathers inside the node"),
+                   (f"--zero-hpz-partition-size {node}", {"zero_hpz_partition_size": node},
+                    "keeps the backward's gathers inside the node"),
                    (f"--zero-hpz-partition-size {node} --zero-quantized-weights "
                     "--zero-quantized-gradients",
                     {"zero_hpz_partition_size": node, "zero_quantized_weights": True,
-                     "zero_quantized_gradients": True})] + options
+                     "zero_quantized_gradients": True},
+                    "keeps the backward's gathers inside the node and quantises the rest")
+                   ] + options
     found = []
-    for flags, changes in options:
+    for flags, changes, what in options:
         try:
             candidate = estimate(shape, config.replace(**changes), cluster)
         except ConfigError:
             continue
         if candidate.fits and candidate.step_time < est.step_time:
-            found.append((flags, candidate))
+            found.append((flags, candidate, what))
     return sorted(found, key=lambda pair: pair[1].step_time)

@@ -113,12 +113,15 @@ def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
 
 def zero3_micro_batch(modules: list[Module], gather_s: list[float],
                       reduce_s: list[float], prefetch: bool, overlap: bool,
-                      tied_head: bool) -> tuple[float, float]:
+                      tied_head: bool, keep_after_forward: bool = False
+                      ) -> tuple[float, float]:
     """(seconds, communication seconds) of one micro-batch's forward and backward under
     ZeRO-3, the gathers, prefetches and reduce-scatters on one stream (zero3.py's hooks).
 
     modules in forward order, gather_s / reduce_s: each module's unit all-gather and
-    reduce-scatter; the head's call gathers the embedding unit too when it is tied."""
+    reduce-scatter; the head's call gathers the embedding unit too when it is tied;
+    keep_after_forward: FSDP2's reshard_after_forward=False (zero/reshard.py), a unit
+    stays gathered from its forward to its backward, which then gathers nothing."""
     n = len(modules)
     sites = [(j,) for j in range(n)]  # the units each module's call gathers
     if tied_head and n > 1 and modules[0].name == "embedding":
@@ -154,7 +157,7 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
         prefetch_site(i + 1)
         clock += modules[i].forward_s
         for u in units:
-            gathered[u] = False
+            gathered[u] = keep_after_forward
     pending: list[float] = []
     for i in reversed(range(n)):  # backward
         gather(sites[i])
@@ -207,7 +210,9 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
         reduce_s = [collective("reduce_scatter", u * b.grad) for u in forward_units]
         seconds, comm = zero3_micro_batch(modules, gather_s, reduce_s, config.zero3_prefetch,
                                           overlap, tied_head=tied_head and any(
-                                              mod.name == "head" for mod in modules))
+                                              mod.name == "head" for mod in modules),
+                                          keep_after_forward=config.reshard_after_forward
+                                          is False)
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
         out["comm_s"] = m * comm
         out["hidden_s"] = max(0.0, out["comm_s"] - m * out["per_micro_batch_s"])

@@ -327,9 +327,18 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
         return cluster.collective_time(op, config.replicas, nbytes, crosses)
 
     modules = (stage_modules(shape, config, cluster, stage)
-               if config.replicas > 1 and not shape.is_moe
-               and not config.sharding_across_nodes() else [])
+               if config.replicas > 1 and not shape.is_moe and overlap_modelled(config)
+               else [])
     return data_parallel_time(modules, config, collective, shape.tie_embeddings)
+
+
+def overlap_modelled(config: ParallelConfig) -> bool:
+    """Whether overlap.py times this layout's ZeRO-3: not its variants over sub-groups
+    (HSDP, ZeRO++, FSDP2's reshard to K ranks), priced as they block. FSDP2's
+    reshard_after_forward=False keeps ZeRO-3's group and order, and overlap.py runs
+    its recurrence with the forward's units kept gathered."""
+    return all(name == "reshard_after_forward" and config.reshard_after_forward is False
+               for name in config.sharding_across_nodes())
 
 
 def overlap_contention_seconds(config: ParallelConfig, cluster: ClusterSpec,
@@ -351,11 +360,11 @@ def overlap_contention_seconds(config: ParallelConfig, cluster: ClusterSpec,
 
 def overlap_priced(transfer: Transfer, shape: ModelShape, config: ParallelConfig) -> bool:
     """The DP transfers plan/overlap.py times (all but the gradient norm's). An MoE
-    model's two engines (dense over DP, experts over dp / ep) and ZeRO-3 across nodes
-    (HSDP, ZeRO++, FSDP2's reshard choices) are not in overlap.py's model: their
-    transfers are priced as they block (traffic.py), an upper bound."""
+    model's two engines (dense over DP, experts over dp / ep) and ZeRO-3's variants over
+    sub-groups (`overlap_modelled`) are not in overlap.py's model: their transfers are
+    priced as they block (traffic.py), an upper bound."""
     return (transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
-            and not config.sharding_across_nodes())
+            and overlap_modelled(config))
 
 
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -402,7 +411,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         "dp_comm_s": data_parallel["comm_s"] + sum(
             t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
             if t.group == "dp" and t.label != GRADIENT_NORM
-            and (shape.is_moe or config.sharding_across_nodes())),
+            and (shape.is_moe or not overlap_modelled(config))),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),
         "host_optimizer_s": offload["host_optimizer_s"],

@@ -457,6 +457,13 @@ OVERLAP_GRID = [
     *(overlap_case(f"dp2 zero3 {'prefetch' if on else 'no prefetch'}", TIME_TOLERANCE, dp=2,
                    zero=3, zero3_prefetch=on, overlap_grad_reduce=on)
       for on in (True, False)),
+    # FSDP2's reshard_after_forward=False: the forward's gathers kept for the backward
+    *(overlap_case(f"dp2 zero3 reshard false {'prefetch' if on else 'no prefetch'}",
+                   TIME_TOLERANCE, dp=2, zero=3, reshard_after_forward=False,
+                   zero3_prefetch=on, overlap_grad_reduce=on)
+      for on in (True, False)),
+    overlap_case("dp4 zero3 reshard false untied accum 3", TIME_TOLERANCE, dp=4, zero=3,
+                 reshard_after_forward=False, tie_embeddings=False, grad_accum_steps=3),
     *(overlap_case(f"dp2 pp2 1f1b buckets {'overlap' if on else 'waited'}",
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    overlap_grad_reduce=on, **SMALL_BUCKETS)
