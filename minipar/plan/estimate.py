@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minipar.errors import flag
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.experts import expert_capacity, expert_parameter_bytes
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
@@ -28,6 +29,7 @@ from minipar.plan.pipeline_step import simulated_step_time
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     group_links,
+    overlap_modelled,
     stage_time,
     step_time,
     transfer_time,
@@ -346,7 +348,10 @@ def format_estimate(est: Estimate) -> str:
         + ("priced as they block (MoE: two engines, not in the overlap model)"
            if shape.is_moe else
            f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}")
-        + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else ""))
+        + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else "")
+        + ("" if overlap_modelled(c) else "; " + ", ".join(
+            flag(name) for name in c.sharding_across_nodes()) + ": collectives priced as they "
+           "block"))
     if t["overlap_contention_s"]:
         lines.append(
             f"overlap contention: the hidden data-parallel collectives slow the compute "

@@ -42,7 +42,7 @@ each module (timing.stage_modules).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.buckets import GradientBucket, Module, alike, back_to_back, gradient_buckets
@@ -113,15 +113,17 @@ def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
 
 def zero3_micro_batch(modules: list[Module], gather_s: list[float],
                       reduce_s: list[float], prefetch: bool, overlap: bool,
-                      tied_head: bool, keep_after_forward: bool = False
-                      ) -> tuple[float, float]:
+                      tied_head: bool, keep_after_forward: bool = False,
+                      all_reduce_s: list[float] | None = None) -> tuple[float, float]:
     """(seconds, communication seconds) of one micro-batch's forward and backward under
     ZeRO-3, the gathers, prefetches and reduce-scatters on one stream (zero3.py's hooks).
 
     modules in forward order, gather_s / reduce_s: each module's unit all-gather and
     reduce-scatter; the head's call gathers the embedding unit too when it is tied;
     keep_after_forward: FSDP2's reshard_after_forward=False (zero/reshard.py), a unit
-    stays gathered from its forward to its backward, which then gathers nothing."""
+    stays gathered from its forward to its backward, which then gathers nothing;
+    all_reduce_s: HSDP's last micro-batch (zero/hybrid.py), each unit's gradient shard
+    all-reduced over its replicas as its reduce-scatter is waited for, blocking."""
     n = len(modules)
     sites = [(j,) for j in range(n)]  # the units each module's call gathers
     if tied_head and n > 1 and modules[0].name == "embedding":
@@ -158,34 +160,46 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
         clock += modules[i].forward_s
         for u in units:
             gathered[u] = keep_after_forward
-    pending: list[float] = []
+    pending: list[tuple[float, int]] = []  # (a reduce-scatter's end, its unit)
+
+    def complete(end: float, unit: int) -> None:
+        nonlocal clock, comm
+        clock = max(clock, end)
+        if all_reduce_s is not None:
+            clock += all_reduce_s[unit]
+            comm += all_reduce_s[unit]
+
     for i in reversed(range(n)):  # backward
         gather(sites[i])
         prefetch_site(i - 1)
         clock += modules[i].backward_s
         if len(pending) == MAX_IN_FLIGHT:
-            clock = max(clock, pending.pop(0))
+            complete(*pending.pop(0))
         end = stream.launch(clock, reduce_s[i])
         comm += reduce_s[i]
         if overlap:
-            pending.append(end)
+            pending.append((end, i))
         else:
-            clock = end
+            complete(end, i)
         gathered[i] = False
-    return max([clock, *pending]), comm
+    for end, unit in pending:
+        complete(end, unit)
+    return clock, comm
 
 
 # ------------------------------------------------------------------ one rank's step
 def data_parallel_time(modules: list[Module], config: ParallelConfig, collective,
                        tied_head: bool = True) -> dict:
     """Seconds of a rank's data-parallel gradient reduction and parameter gathers per
-    step, for a chunk of `modules` (forward order) and `collective(op, nbytes)` -> the
-    group's alpha-beta time; tied_head: the head reads the embedding's weight (ZeRO-3
+    step, for a chunk of `modules` (forward order) and `collective(op, nbytes, group)`
+    -> the alpha-beta time over that group ("dp", or HSDP's "dp_shard" and
+    "dp_replicate"); tied_head: the head reads the embedding's weight (ZeRO-3
     gathers that unit again for it). Returns
 
       per_micro_batch_s  ZeRO-2/3: what every micro-batch's forward and backward wait
                          for (exposed), beyond their compute
-      last_backward_s    DDP / ZeRO-1: what the last backward waits for (exposed)
+      last_backward_s    DDP / ZeRO-1: what the last backward waits for (exposed);
+                         HSDP: what its all-reduces over the replicas add to it
       late_s             buckets reduced after the flush (tied embedding copies)
       after_step_s       ZeRO-1/2: the parameter all-gathers after the optimizer
       comm_s             every one of these transfers' time, hidden or not, per step
@@ -204,18 +218,26 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     compute = sum(mod.backward_s for mod in modules)
     if zero == 3:
         out["buckets"] = sum(1 for mod in modules if mod.tensors)  # a bucket per unit
-        n = config.replicas
+        n, group = config.sharding_group, "dp_shard" if config.hsdp_shard_size else "dp"
         forward_units = alike(modules, lambda mod: shard(sum(mod.tensors), n) * n)
-        gather_s = [collective("all_gather", u * b.param) for u in forward_units]
-        reduce_s = [collective("reduce_scatter", u * b.grad) for u in forward_units]
-        seconds, comm = zero3_micro_batch(modules, gather_s, reduce_s, config.zero3_prefetch,
-                                          overlap, tied_head=tied_head and any(
-                                              mod.name == "head" for mod in modules),
-                                          keep_after_forward=config.reshard_after_forward
-                                          is False)
+        gather_s = [collective("all_gather", u * b.param, group) for u in forward_units]
+        reduce_s = [collective("reduce_scatter", u * b.grad, group) for u in forward_units]
+        micro_batch = partial(zero3_micro_batch, modules, gather_s, reduce_s,
+                              config.zero3_prefetch, overlap,
+                              tied_head=tied_head and any(mod.name == "head"
+                                                          for mod in modules),
+                              keep_after_forward=config.reshard_after_forward is False)
+        seconds, comm = micro_batch()
+        last, last_comm = seconds, comm
+        if config.replicas > n:  # HSDP: the last micro-batch all-reduces over replicas
+            last, last_comm = micro_batch(all_reduce_s=[
+                collective("all_reduce", u // n * b.grad, "dp_replicate")
+                for u in forward_units])
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
-        out["comm_s"] = m * comm
-        out["hidden_s"] = max(0.0, out["comm_s"] - m * out["per_micro_batch_s"])
+        out["last_backward_s"] = last - seconds
+        out["comm_s"] = m * comm + last_comm - comm
+        out["hidden_s"] = max(0.0, out["comm_s"] - m * out["per_micro_batch_s"]
+                              - out["last_backward_s"])
         return out
     buckets = gradient_buckets(modules, config)
     out["buckets"] = len(buckets)

@@ -58,6 +58,7 @@ from minipar.plan.offload import offload_time
 from minipar.plan.overlap import data_parallel_time, pipeline_reduction
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
+    dp_collective,
     group_links,
     optimizer_seconds,
     overlap_contention_seconds,
@@ -162,11 +163,7 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                          tied_copy=shape.tie_embeddings and stage == p * v - 1
                          and spec.virtual_stage(p, rank, 0) != 0)
         chunks.append((last_start.get(c, 0.0), stage_modules(shape, config, cluster, plan)))
-    crosses = group_links(config, cluster)["dp"]
-
-    def collective(op: str, nbytes: float) -> float:
-        return cluster.collective_time(op, config.replicas, nbytes, crosses)
-
+    collective = dp_collective(config, cluster)
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
                 "after_step_s": 0.0, "contention_s": 0.0}

@@ -85,6 +85,9 @@ from minipar.plan.traffic import (
     stage_traffic,
 )
 
+# The data-parallel groups whose collectives overlap.py can time: ZeRO's, and HSDP's two
+DP_GROUPS = ("dp", "dp_shard", "dp_replicate")
+
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, int]:
     """How the dp, tp, cp and pp groups cross nodes (minipar.distributed.mesh's rank order
@@ -321,23 +324,35 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
                           stage: StagePlan) -> dict:
     """plan/overlap.py's data-parallel time of one rank of `stage` (see
     data_parallel_time) on this cluster's DP links."""
-    crosses = group_links(config, cluster)["dp"]
-
-    def collective(op: str, nbytes: float) -> float:
-        return cluster.collective_time(op, config.replicas, nbytes, crosses)
-
     modules = (stage_modules(shape, config, cluster, stage)
                if config.replicas > 1 and not shape.is_moe and overlap_modelled(config)
                else [])
-    return data_parallel_time(modules, config, collective, shape.tie_embeddings)
+    return data_parallel_time(modules, config, dp_collective(config, cluster),
+                              shape.tie_embeddings)
+
+
+def dp_collective(config: ParallelConfig, cluster: ClusterSpec):
+    """`collective(op, nbytes, group="dp")` -> seconds of a ring collective of nbytes over
+    the data-parallel group, or HSDP's shard ("dp_shard") or replicate ("dp_replicate")
+    group, each on the links it crosses: the pricing overlap.py is handed."""
+    links = group_links(config, cluster)
+    sizes = {"dp": config.replicas, "dp_shard": config.sharding_group,
+             "dp_replicate": config.replicas // config.sharding_group}
+
+    def collective(op: str, nbytes: float, group: str = "dp") -> float:
+        return cluster.collective_time(op, sizes[group], nbytes, links[group])
+
+    return collective
 
 
 def overlap_modelled(config: ParallelConfig) -> bool:
     """Whether overlap.py times this layout's ZeRO-3: not its variants over sub-groups
     (HSDP, ZeRO++, FSDP2's reshard to K ranks), priced as they block. FSDP2's
     reshard_after_forward=False keeps ZeRO-3's group and order, and overlap.py runs
-    its recurrence with the forward's units kept gathered."""
-    return all(name == "reshard_after_forward" and config.reshard_after_forward is False
+    its recurrence with the forward's units kept gathered; HSDP runs it over the shard
+    group, with the last micro-batch's all-reduces over the replicas."""
+    return all(name == "hsdp_shard_size"
+               or (name == "reshard_after_forward" and config.reshard_after_forward is False)
                for name in config.sharding_across_nodes())
 
 
@@ -354,7 +369,8 @@ def overlap_contention_seconds(config: ParallelConfig, cluster: ClusterSpec,
     2025, arXiv 2507.03114)."""
     if not hidden_s or not cluster.overlap_contention:
         return 0.0
-    crossing = group_links(config, cluster)["dp"]
+    # what hides is ZeRO's traffic, over HSDP's shard group when it has one
+    crossing = group_links(config, cluster)["dp_shard" if config.hsdp_shard_size else "dp"]
     return cluster.overlap_contention * cluster.nvlink_rate_share(crossing) * hidden_s
 
 
@@ -363,8 +379,8 @@ def overlap_priced(transfer: Transfer, shape: ModelShape, config: ParallelConfig
     model's two engines (dense over DP, experts over dp / ep) and ZeRO-3's variants over
     sub-groups (`overlap_modelled`) are not in overlap.py's model: their transfers are
     priced as they block (traffic.py), an upper bound."""
-    return (transfer.group == "dp" and transfer.label != GRADIENT_NORM and not shape.is_moe
-            and overlap_modelled(config))
+    return (transfer.group in DP_GROUPS and transfer.label != GRADIENT_NORM
+            and not shape.is_moe and overlap_modelled(config))
 
 
 def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -410,7 +426,7 @@ def stage_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
         "exposed_comm_s": m * per_micro_comm + step_comm,
         "dp_comm_s": data_parallel["comm_s"] + sum(
             t.count * transfer_time(t, cluster, links[t.link]) for t in transfers
-            if t.group == "dp" and t.label != GRADIENT_NORM
+            if t.group in DP_GROUPS and t.label != GRADIENT_NORM
             and (shape.is_moe or not overlap_modelled(config))),
         "dp_buckets": data_parallel["buckets"],
         "optimizer_s": optimizer_seconds(config, compute_s, offload),

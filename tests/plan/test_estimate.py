@@ -464,6 +464,15 @@ OVERLAP_GRID = [
       for on in (True, False)),
     overlap_case("dp4 zero3 reshard false untied accum 3", TIME_TOLERANCE, dp=4, zero=3,
                  reshard_after_forward=False, tie_embeddings=False, grad_accum_steps=3),
+    # HSDP: ZeRO-3 over the shard group, the last micro-batch's all-reduces over the
+    # replicas waited for as each unit's reduce-scatter is (zero/hybrid.py)
+    *(overlap_case(f"dp4 hsdp 2 {'prefetch' if on else 'no prefetch'}", TIME_TOLERANCE,
+                   dp=4, zero=3, hsdp_shard_size=2, gpus_per_node=2, zero3_prefetch=on,
+                   overlap_grad_reduce=on)
+      for on in (True, False)),
+    overlap_case("dp8 hsdp 4 reshard false accum 3", TIME_TOLERANCE, dp=8, zero=3,
+                 hsdp_shard_size=4, gpus_per_node=4, reshard_after_forward=False,
+                 grad_accum_steps=3),
     *(overlap_case(f"dp2 pp2 1f1b buckets {'overlap' if on else 'waited'}",
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    overlap_grad_reduce=on, **SMALL_BUCKETS)
@@ -511,7 +520,9 @@ def test_planner_predicts_exposed_communication(settings, exposed_tolerance, ste
     report = train(config, device=COMPARABLE)
     shape = from_train_config(config, report.config["vocab_size"])
     est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(COMPARABLE), all_stages=True)
+                   ClusterSpec.from_device_profile(COMPARABLE,
+                                                   gpus_per_node=config.gpus_per_node),
+                   all_stages=True)
     for stage in est.stages:
         (measured,) = [r for r in report.ranks if r["coords"]["dp"] == 0
                        and r["coords"]["pp"] == stage.rank and r["coords"]["tp"] == 0]
