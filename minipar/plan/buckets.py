@@ -46,6 +46,9 @@ class Module:
     # share of the module's backward run when each tensor's gradient is complete (None:
     # all at its end)
     ready: tuple[float, ...] | None = None
+    # seconds of its backward that recompute its forward first (full recomputation: the
+    # checkpoint's forward runs again before any gradient, and its output's hooks fire)
+    recompute_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -118,13 +118,13 @@ class ClusterSpec:
 
     def link(self, crosses_nodes: bool, nics: int = 1) -> tuple[float, float]:
         """(alpha in s, bandwidth in bytes/s) of a group inside one node or across nodes,
-        on `nics` NICs at once (`rails`), as fast as NVLink at most; on one NIC, the
-        network's rate whatever NVLink's (the emulator's DeviceProfile.link)."""
+        on `nics` NICs at once (`rails`), as fast as NVLink at most but never slower than
+        one NIC (whose rate is the network's whatever NVLink's, as the emulator's
+        DeviceProfile.link has it)."""
         if crosses_nodes:
-            if nics > 1:
-                return self.inter_node_latency, min(self.intra_node_bandwidth,
-                                                    nics * self.inter_node_bandwidth)
-            return self.inter_node_latency, self.inter_node_bandwidth
+            one = self.inter_node_bandwidth
+            return self.inter_node_latency, max(one, min(self.intra_node_bandwidth,
+                                                         max(1, nics) * one))
         return self.intra_node_latency, self.intra_node_bandwidth
 
     def collective_time(self, op: str, n: int, nbytes: float, crossing: int) -> float:

@@ -28,6 +28,7 @@ from minipar.plan.offload import tier_memory, tier_transfers
 from minipar.plan.pipeline_step import simulated_step_time
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
+    DP_GROUPS,
     group_links,
     overlap_modelled,
     stage_time,
@@ -115,8 +116,11 @@ class Estimate:
             for tr in stage.transfers:
                 if tr.group == "dp" and tr.label != GRADIENT_NORM:
                     continue
-                per[tr.group] += tr.count * transfer_time(tr, self.cluster,
-                                                          self.links[tr.link])
+                seconds = tr.count * transfer_time(tr, self.cluster, self.links[tr.link])
+                per[tr.group] += seconds
+                if tr.group in DP_GROUPS and tr.label != GRADIENT_NORM:  # (HSDP's: in
+                    per["dp"] -= seconds                                # dp_comm_s too)
+            per["dp"] = max(0.0, per["dp"])  # (round-off of the subtraction)
             for group in totals:
                 totals[group] = max(totals[group], per[group])
         return totals

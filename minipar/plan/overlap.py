@@ -171,8 +171,11 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
 
     for i in reversed(range(n)):  # backward
         gather(sites[i])
+        # a recomputed module's forward runs first; the hook that prefetches the next
+        # unit is on its (recomputed) output, so the prefetch starts after it
+        clock += modules[i].recompute_s
         prefetch_site(i - 1)
-        clock += modules[i].backward_s
+        clock += modules[i].backward_s - modules[i].recompute_s
         if len(pending) == MAX_IN_FLIGHT:
             complete(*pending.pop(0))
         end = stream.launch(clock, reduce_s[i])

@@ -306,12 +306,17 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         forward, backward, comm = seconds(part(stage.chunk_layers), 1 / stage.layers)
         tensors = layer_tensors(shape, t)
         layers = part(stage.chunk_layers)
-        recompute = stage_compute(shape, config, layers)["recompute"] / stage.layers
+        flops = stage_compute(shape, config, layers)
+        recompute = flops["recompute"] / stage.layers
         ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
                             config.sequence_parallel, comm, recompute)
+        # the forward again, before the backward proper (full recomputation: its FLOPs
+        # are the forward's, a share of the layers' when only some are recomputed)
+        again = (forward * flops["recompute"] / flops["forward"]
+                 if config.recompute.full and flops["forward"] else 0.0)
         # the layers are alike: one Module, met stage.layers times
         modules += [Module("layer", forward, backward, tensors, (False,) * len(tensors),
-                           ready)] * stage.layers
+                           ready, recompute_s=again)] * stage.layers
     if stage.last:
         tensors, late = head_tensors(shape, t, stage.tied_copy)
         forward, backward, comm = seconds(part((0,), last=True))

@@ -473,6 +473,13 @@ OVERLAP_GRID = [
     overlap_case("dp8 hsdp 4 reshard false accum 3", TIME_TOLERANCE, dp=8, zero=3,
                  hsdp_shard_size=4, gpus_per_node=4, reshard_after_forward=False,
                  grad_accum_steps=3),
+    # full recomputation: a unit's backward starts with its forward again, and the
+    # prefetch of the next unit waits for that forward's output (stage3.py's hooks)
+    overlap_case("dp2 zero3 full recomputation prefetch", TIME_TOLERANCE, dp=2, zero=3,
+                 recompute_granularity="full", micro_batch_size=1, seq_len=8, d_model=128),
+    overlap_case("dp4 hsdp 2 full recomputation", TIME_TOLERANCE, dp=4, zero=3,
+                 hsdp_shard_size=2, gpus_per_node=2, recompute_granularity="full",
+                 micro_batch_size=1, seq_len=8, d_model=128),
     *(overlap_case(f"dp2 pp2 1f1b buckets {'overlap' if on else 'waited'}",
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    overlap_grad_reduce=on, **SMALL_BUCKETS)
