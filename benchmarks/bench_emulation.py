@@ -31,10 +31,11 @@
    per-rank work (data parallelism, ZeRO-1: every rank runs one micro-batch of a small
    model): ideal emulation costs world x (one rank's step), so the table shows the time
    per rank-step relative to one rank's. Every round measures every world once, smallest
-   first, each right after a run of one rank: each ratio is against that run (paired, as in
-   part 1), and each figure is the median over the rounds. Under ZeRO-1 a rank's AdamW
-   runs on 1/world of the parameters, so the collectives' own arithmetic is paid from
-   what the sharded optimizer saves, and a ratio a little under 1 is possible.
+   first, each between two runs of one rank: each ratio is against their mean (paired, as
+   in part 1), and each figure is the median over the rounds; the row of 1 rank, against
+   itself, reads the noise. Under ZeRO-1 a rank's AdamW runs on 1/world of the
+   parameters, so the collectives' own arithmetic is paid from what the sharded
+   optimizer saves, and a ratio a little under 1 is possible.
 
 A step's time is measured as (time of a run of 1 + k steps - time of a 1-step run) / k,
 which removes building the model and assembling the report. The first line says what the
@@ -131,8 +132,8 @@ def weak_scaling(worlds, rounds: int, steps: int) -> list[dict]:
     """Step time per world size at fixed per-rank work: data parallelism (ZeRO-1) over
     `world` ranks, every rank running the same micro-batch of the SCALING model.
 
-    Paired, as the overhead ratio is: in every round each world is measured right after
-    a run of one rank, and its ratio is taken against that run, so that a spell of
+    Paired, as the overhead ratio is: in every round each world is measured between two
+    runs of one rank, and its ratio is taken against their mean, so that a spell of
     another job's load on shared cores lands on both sides of a ratio, not on one world's
     column; the figures are medians over the rounds. A world of w ranks runs
     max(steps, 16 x steps / w) steps: every measurement spans at least 16 x steps
@@ -140,7 +141,8 @@ def weak_scaling(worlds, rounds: int, steps: int) -> list[dict]:
     of the two runs' start-up that the difference cancels only on average."""
     configs = {world: SCALING.replace(dp=world, zero=1, grad_accum_steps=1,
                                       global_batch_size=None) for world in worlds}
-    one = SCALING.replace(dp=1, zero=0, grad_accum_steps=1, global_batch_size=None)
+    # (its own row, world 1 against itself, reads the noise between two runs of one rank)
+    one = SCALING.replace(dp=1, zero=1, grad_accum_steps=1, global_batch_size=None)
 
     def measure(config: TrainConfig, world: int) -> tuple[float, float]:
         return step_seconds(config, max(steps, math.ceil(16 * steps / world)))
@@ -148,8 +150,15 @@ def weak_scaling(worlds, rounds: int, steps: int) -> list[dict]:
     measure(one, 1)  # warm up
     measured = {world: [] for world in worlds}
     for _ in range(rounds):
+        before = measure(one, 1)
         for world in worlds:
-            measured[world].append((measure(one, 1), measure(configs[world], world)))
+            ranks = measure(configs[world], world)
+            after = measure(one, 1)
+            # one rank on both sides: a run measured second was seen to run ~10% slower
+            # than the same run measured first, so one side alone biases every ratio
+            measured[world].append((tuple((a + b) / 2 for a, b in zip(before, after,
+                                                                      strict=True)), ranks))
+            before = after
     rows = []
     for world in worlds:
         pairs = measured[world]
