@@ -41,6 +41,7 @@ from minipar.errors import ConfigError, flag
 from minipar.nn.recompute import Recompute
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import with_deepspeed_buckets
+from minipar.plan.advisor import TIE
 from minipar.plan.cluster import ClusterSpec, group_rails
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.layout import (
@@ -429,7 +430,7 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
     lower = None
     for stage in range(config.zero - 1, -1, -1):
         candidate = _estimate_if_valid(shape, _with_stage(config, stage), cluster)
-        if candidate is not None and candidate.fits and candidate.step_time < est.step_time:
+        if candidate is not None and candidate.fits and _wins(candidate, est):
             lower = candidate
             break
     why = {1: "", 2: f" (the gradients are reduce-scattered on every one of the "
@@ -449,12 +450,13 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
                     f"({human_bytes(best.memory['peak_total'])}, "
                     f"{human_seconds(best.step_time)} per step)"
                     + (f"; also {others}" if others else "") + ".")
+    # (a win inside the advisor's tie, with more memory, is no win: _wins)
+    no_lower = f" No lower stage fits and runs faster (by over {TIE:.0%}, if it takes more memory)."
     if lower is None:
         if across:
-            return [Finding("ZERO_COMM_DOMINATES", "warning", message + " No lower stage fits "
-                            "and runs faster.", f"add {across[0][0]}")]
-        return [Finding("ZERO_COMM_DOMINATES", "info", message + " No lower stage fits "
-                        "and runs faster.",
+            return [Finding("ZERO_COMM_DOMINATES", "warning", message + no_lower,
+                            f"add {across[0][0]}")]
+        return [Finding("ZERO_COMM_DOMINATES", "info", message + no_lower,
                         "accept it, or reduce accumulation steps / use more GPUs per "
                         "replica (tp, pp) so a lower ZeRO stage fits")]
     return [Finding(
@@ -462,6 +464,16 @@ def _check_zero_traffic(shape, config, cluster, est: Estimate, share: float) -> 
         message + f" ZeRO-{lower.config.zero} fits ({human_bytes(lower.memory['peak_total'])}"
         f") and takes {human_seconds(lower.step_time)} per step.",
         f"use --zero {lower.config.zero}" + (f", or add {across[0][0]}" if across else ""))]
+
+def _wins(candidate: Estimate, est: Estimate) -> bool:
+    """Whether a lint should offer `candidate` for `est`: a faster step, by more than the
+    advisor's tie (advisor.TIE) when it takes more memory (inside the time model's error,
+    the headroom is worth more)."""
+    if candidate.step_time >= est.step_time:
+        return False
+    return (candidate.memory["peak_total"] <= est.memory["peak_total"]
+            or candidate.step_time * (1 + TIE) < est.step_time)
+
 
 def _across_nodes_options(shape, config, cluster,
                           est: Estimate) -> list[tuple[str, Estimate, str]]:
@@ -493,6 +505,6 @@ def _across_nodes_options(shape, config, cluster,
             candidate = estimate(shape, config.replace(**changes), cluster)
         except ConfigError:
             continue
-        if candidate.fits and candidate.step_time < est.step_time:
+        if candidate.fits and _wins(candidate, est):
             found.append((flags, candidate, what))
     return sorted(found, key=lambda pair: pair[1].step_time)
