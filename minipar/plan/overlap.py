@@ -114,9 +114,11 @@ def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
 def zero3_micro_batch(modules: list[Module], gather_s: list[float],
                       reduce_s: list[float], prefetch: bool, overlap: bool,
                       tied_head: bool, keep_after_forward: bool = False,
-                      all_reduce_s: list[float] | None = None) -> tuple[float, float]:
-    """(seconds, communication seconds) of one micro-batch's forward and backward under
-    ZeRO-3, the gathers, prefetches and reduce-scatters on one stream (zero3.py's hooks).
+                      all_reduce_s: list[float] | None = None
+                      ) -> tuple[float, float, float]:
+    """(seconds, communication seconds, of which beside compute) of one micro-batch's
+    forward and backward under ZeRO-3, the gathers, prefetches and reduce-scatters on
+    one stream (zero3.py's hooks).
 
     modules in forward order, gather_s / reduce_s: each module's unit all-gather and
     reduce-scatter; the head's call gathers the embedding unit too when it is tied;
@@ -129,6 +131,13 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
     if tied_head and n > 1 and modules[0].name == "embedding":
         sites[-1] = (n - 1, 0)
     stream, clock, comm = Stream(), 0.0, 0.0
+    computing: list[tuple[float, float]] = []  # the compute stream's spans
+
+    def compute(seconds: float) -> None:
+        nonlocal clock
+        computing.append((clock, clock + seconds))
+        clock += seconds
+
     gathered = [False] * n
     arrives: list[float | None] = [None] * n  # a prefetched unit's gather ends then
 
@@ -157,7 +166,7 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
     for i, units in enumerate(sites):  # forward: gather, prefetch the next, compute, free
         gather(units)
         prefetch_site(i + 1)
-        clock += modules[i].forward_s
+        compute(modules[i].forward_s)
         for u in units:
             gathered[u] = keep_after_forward
     pending: list[tuple[float, int]] = []  # (a reduce-scatter's end, its unit)
@@ -173,9 +182,9 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
         gather(sites[i])
         # a recomputed module's forward runs first; the hook that prefetches the next
         # unit is on its (recomputed) output, so the prefetch starts after it
-        clock += modules[i].recompute_s
+        compute(modules[i].recompute_s)
         prefetch_site(i - 1)
-        clock += modules[i].backward_s - modules[i].recompute_s
+        compute(modules[i].backward_s - modules[i].recompute_s)
         if len(pending) == MAX_IN_FLIGHT:
             complete(*pending.pop(0))
         end = stream.launch(clock, reduce_s[i])
@@ -187,7 +196,9 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
         gathered[i] = False
     for end, unit in pending:
         complete(end, unit)
-    return clock, comm
+    # beside compute: not while the rank waits (for a gather, or HSDP's blocking
+    # all-reduce, during which the shard group's stream may still be busy)
+    return clock, comm, overlap_seconds(stream.busy, computing)
 
 
 # ------------------------------------------------------------------ one rank's step
@@ -230,17 +241,16 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
                               tied_head=tied_head and any(mod.name == "head"
                                                           for mod in modules),
                               keep_after_forward=config.reshard_after_forward is False)
-        seconds, comm = micro_batch()
-        last, last_comm = seconds, comm
+        seconds, comm, hidden = micro_batch()
+        last, last_comm, last_hidden = seconds, comm, hidden
         if config.replicas > n:  # HSDP: the last micro-batch all-reduces over replicas
-            last, last_comm = micro_batch(all_reduce_s=[
+            last, last_comm, last_hidden = micro_batch(all_reduce_s=[
                 collective("all_reduce", u // n * b.grad, "dp_replicate")
                 for u in forward_units])
         out["per_micro_batch_s"] = seconds - compute - sum(mod.forward_s for mod in modules)
         out["last_backward_s"] = last - seconds
         out["comm_s"] = m * comm + last_comm - comm
-        out["hidden_s"] = max(0.0, out["comm_s"] - m * out["per_micro_batch_s"]
-                              - out["last_backward_s"])
+        out["hidden_s"] = (m - 1) * hidden + last_hidden
         return out
     buckets = gradient_buckets(modules, config)
     out["buckets"] = len(buckets)

@@ -75,14 +75,33 @@ def test_late_buckets_are_left_for_after_the_flush():
 def test_prefetch_hides_each_gather_behind_the_module_before():
     # three modules of 4 s forward, 8 s backward; gathers of 3 s, reduce-scatters of 2 s
     modules = [Module(f"m{i}", 4.0, 8.0, (1,), (False,)) for i in range(3)]
-    waited, comm = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=False,
-                                     overlap=False, tied_head=False)
-    assert comm == 6 * 3 + 3 * 2 and waited == 3 * 12 + comm
-    prefetched, _ = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=True,
-                                      overlap=True, tied_head=False)
+    waited, comm, hidden = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=False,
+                                             overlap=False, tied_head=False)
+    assert comm == 6 * 3 + 3 * 2 and waited == 3 * 12 + comm and hidden == 0
+    prefetched, comm, hidden = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=True,
+                                                 overlap=True, tied_head=False)
     # only the first forward gather and the first backward gather (nothing before them to
-    # hide behind) and the last reduce-scatter (after the last module) are exposed
+    # hide behind) and the last reduce-scatter (after the last module) are exposed; the
+    # rest ran beside compute
     assert prefetched == 3 * 12 + 3 + 3 + 2
+    assert hidden == comm - (3 + 3 + 2)
+
+
+def test_what_runs_while_the_rank_waits_is_not_hidden_behind_compute():
+    # HSDP's last micro-batch: each unit's all-reduce over the replicas (10 s) blocks the
+    # rank; the shard group's stream meanwhile finishes a reduce-scatter still in flight
+    # (2 s): busy, but beside no compute, so not hidden (what slows the GEMMs is traffic
+    # beside them: timing.overlap_contention_seconds)
+    modules = [Module(f"m{i}", 4.0, 8.0, (1,), (False,)) for i in range(3)]
+    compute = 3 * (4 + 8)
+    _, comm, hidden = zero3_micro_batch(modules, [3] * 3, [2] * 3, prefetch=True,
+                                        overlap=True, tied_head=False)
+    seconds, last_comm, last_hidden = zero3_micro_batch(
+        modules, [3] * 3, [2] * 3, prefetch=True, overlap=True, tied_head=False,
+        all_reduce_s=[10.0] * 3)
+    assert last_comm == comm + 3 * 10 and last_hidden == hidden == 16
+    # all communication minus the waits would count that reduce-scatter too
+    assert last_comm - (seconds - compute) == hidden + 2
 
 
 # ------------------------------------------------------------------ buckets
