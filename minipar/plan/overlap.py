@@ -33,7 +33,12 @@ ZeRO-3 prefetch (PyTorch FSDP's `forward_prefetch` / `backward_prefetch=BACKWARD
 DeepSpeed's `stage3_prefetch_bucket_size`): as a module starts, the all-gather of the
 next one (forward order in forward, reverse in backward) is launched, so it runs while
 the current one computes and the next gather finds it done or waits for what is left.
-Without prefetch each gather blocks (`--no-zero3-prefetch`).
+Without prefetch each gather blocks (`--no-zero3-prefetch`). Under full recomputation a
+unit's backward starts with its forward again, and the prefetch waits for that forward's
+output. Two of ZeRO-3's variants across nodes keep its order and run the same recurrence:
+FSDP2's reshard_after_forward=False keeps each unit gathered from its forward to its
+backward; HSDP runs it over its shard group, and its last micro-batch waits for each
+unit's all-reduce over the replicas as it waits for the unit's reduce-scatter.
 
 Module times are the planner's compute and blocking tensor-parallel communication of
 each module (timing.stage_modules).
