@@ -105,8 +105,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                            help=ModelSettings.__dataclass_fields__[name].metadata["help"])
     hardware = plan.add_argument_group("cluster")
     hardware.add_argument("--cluster", default=None,
-                          help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb; "
-                               "'emulated' is the cluster `minipar train` simulates)")
+                          help=f"preset: {', '.join(presets.CLUSTERS)} (default h100-80gb, "
+                               f"or {presets.BLOOM_CLUSTER} for --example bloom; 'emulated' "
+                               "is the cluster `minipar train` simulates)")
     hardware.add_argument("--gpus", type=int, help="GPUs to plan for")
     hardware.add_argument("--gpu-mem", type=float, dest="gpu_mem",
                           help="memory per GPU in GiB (default: the preset's)")
@@ -227,7 +228,8 @@ def _shape(args) -> ModelShape:
 
 
 def _cluster(args):
-    name = "a100-80gb" if args.example == "bloom" else args.cluster or "h100-80gb"
+    default = presets.BLOOM_CLUSTER if args.example == "bloom" else "h100-80gb"
+    name = args.cluster or default
     try:
         spec = presets.cluster(name, args.gpu_mem)
     except KeyError as err:

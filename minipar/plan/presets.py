@@ -139,6 +139,19 @@ CLUSTERS: dict[str, ClusterSpec] = {
                     "runs, held out on 4 more README runs, 26 more MPT runs, the Llama 3 "
                     "paper's Table 4 and NeMo AutoModel's FSDP2 run "
                     "(minipar plan --compare-published)"),
+    # Jean Zay's A100 partition, where BLOOM-176B trained (`minipar plan --example bloom`):
+    # DGX-class nodes of 8 A100-SXM4-80GB on NVLink 3, but 4 Omni-Path links of 100 Gb/s
+    # per node (BigScience's tr11-176B-ml README, "Hardware"), shared by its 8 GPUs: a
+    # quarter of a DGX A100's 200 Gb/s per GPU. The A100 roofline and its calibration
+    # are the a100-80gb preset's; only the network is the machine's.
+    "jean-zay-a100": ClusterSpec(
+        name="8x A100-SXM4-80GB, NVLink 3, 4 x 100 Gb/s Omni-Path per node (Jean Zay)",
+        gpus_per_node=8, memory_bytes=80 * GIB, peak_flops=312e12, efficiency=0.6,
+        intra_node_bandwidth=300e9, inter_node_bandwidth=4 * 100e9 / 8 / 8,
+        intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=A100_SXM_80GB,
+        pcie_bandwidth=25e9, nvme_read_bandwidth=7.0e9, nvme_write_bandwidth=3.8e9,
+        calibration="Narayanan et al. 2021, Table 1 (minipar plan --compare-published); "
+                    "held out on BLOOM-176B's logged step (docs/planner.md)"),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),
@@ -175,12 +188,22 @@ def cluster(name: str, memory_gib: float | None = None) -> ClusterSpec:
 # tokens (after the batch-size ramp-up), bf16, activation checkpointing. The pipeline is
 # partitioned "type:transformer|embedding": the two embedding ends count as layers, so
 # the first and last of the 12 stages get 5 transformer layers and the others 6.
+# DeepSpeed's pipeline engine reduces the gradients after the pipeline's flush, never
+# during backward (deepspeed/runtime/pipe/schedule.py, TrainSchedule: ReduceTiedGrads,
+# ReduceGrads, OptimizerStep after the last step's commands).
 BLOOM_176B = ParallelConfig(
     dp=8, tp=4, pp=12, zero=1, schedule="1f1b", micro_batch_size=2,
     global_batch_size=2048, precision="bf16-mixed", recompute_granularity="full",
-    layer_split=(5,) + (6,) * 10 + (5,), lr=6e-5)
+    layer_split=(5,) + (6,) * 10 + (5,), lr=6e-5, overlap_grad_reduce=False)
+
+
+# The step BigScience logged at full batch (tr11-176B-ml README, "Important checkpoints":
+# iteration 85,376, "elapsed time per iteration (s): 104.70 ... TFLOPs: 149.77").
+BLOOM_176B_STEP_S = 104.70
+BLOOM_CLUSTER = "jean-zay-a100"
 
 
 def bloom_example():
-    """(shape, config, cluster) of the BLOOM-176B worked example."""
-    return MODELS["bloom-176b"], BLOOM_176B, CLUSTERS["a100-80gb"]
+    """(shape, config, cluster) of the BLOOM-176B worked example: the published layout on
+    the cluster it trained on."""
+    return MODELS["bloom-176b"], BLOOM_176B, CLUSTERS[BLOOM_CLUSTER]
