@@ -48,7 +48,8 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
         "optimizer": {"type": "AdamW", "params": {
             "lr": config.lr if config.lr is not None else DEFAULT_LR,
             "betas": list(BETAS), "eps": 1e-8, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {"stage": config.zero, "overlap_comm": True,
+        # overlap_comm: reduce gradient buckets during backward, as the plan priced it
+        "zero_optimization": {"stage": config.zero, "overlap_comm": config.overlap_grad_reduce,
                               "contiguous_gradients": True,
                               "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
         "steps_per_print": 10,

@@ -140,18 +140,22 @@ CLUSTERS: dict[str, ClusterSpec] = {
                     "paper's Table 4 and NeMo AutoModel's FSDP2 run "
                     "(minipar plan --compare-published)"),
     # Jean Zay's A100 partition, where BLOOM-176B trained (`minipar plan --example bloom`):
-    # DGX-class nodes of 8 A100-SXM4-80GB on NVLink 3, but 4 Omni-Path links of 100 Gb/s
-    # per node (BigScience's tr11-176B-ml README, "Hardware"), shared by its 8 GPUs: a
-    # quarter of a DGX A100's 200 Gb/s per GPU. The A100 roofline and its calibration
-    # are the a100-80gb preset's; only the network is the machine's.
+    # nodes of 8 A100-SXM4-80GB with "4 OmniPath links" and 512 GB of CPU memory
+    # (BigScience's tr11-176B-ml README, "Hardware"), each link 100 Gb/s (Le Scao et al.
+    # 2022, the BLOOM paper, section 3.4.1), shared by the node's 8 GPUs: 6.25 GB/s a GPU,
+    # a quarter of a DGX A100's 200 Gb/s. Assumed as on the a100-80gb preset (no source
+    # gives them for Jean Zay): NVLink 3's 300 GB/s, PCIe and NVMe, and rails (NCCL's
+    # rings spread over the node's 4 NICs: a group with k members a node crosses at k
+    # GPUs' shares, never more than the node's 4 links). The A100 roofline and its two
+    # efficiencies are the a100-80gb preset's, fitted on Table 1 alone.
     "jean-zay-a100": ClusterSpec(
-        name="8x A100-SXM4-80GB, NVLink 3, 4 x 100 Gb/s Omni-Path per node (Jean Zay)",
+        name="8x A100-SXM-80GB, NVLink 3, 4 x 100 Gb/s Omni-Path per node (Jean Zay)",
         gpus_per_node=8, memory_bytes=80 * GIB, peak_flops=312e12, efficiency=0.6,
         intra_node_bandwidth=300e9, inter_node_bandwidth=4 * 100e9 / 8 / 8,
         intra_node_latency=3e-6, inter_node_latency=8e-6, roofline=A100_SXM_80GB,
         pcie_bandwidth=25e9, nvme_read_bandwidth=7.0e9, nvme_write_bandwidth=3.8e9,
-        calibration="Narayanan et al. 2021, Table 1 (minipar plan --compare-published); "
-                    "held out on BLOOM-176B's logged step (docs/planner.md)"),
+        host_memory_bytes=512e9 / 8,
+        calibration="Narayanan et al. 2021, Table 1 (minipar plan --compare-published)"),
     # The cluster minipar's emulator simulates (minipar.distributed.DeviceProfile's defaults, every
     # FLOP at its sustained rate): compare `minipar plan` with `minipar train` on it.
     "emulated": ClusterSpec.from_device_profile(),

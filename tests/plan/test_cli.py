@@ -58,6 +58,21 @@ def test_bloom_example_fits_as_json(capsys, tmp_path):
     assert plan["fits"] and plan["world_size"] == 384 and plan["schema"] == "minipar.plan/1"
 
 
+def test_bloom_example_plans_on_its_own_cluster_unless_told_otherwise(capsys, tmp_path):
+    # the cluster BLOOM trained on by default (its 4 Omni-Path links a node), any preset
+    # with --cluster, and an unknown one is refused by name
+    plans = {}
+    for name, argv in (("default", []), ("dgx", ["--cluster", "a100-80gb"])):
+        path = tmp_path / f"{name}.json"
+        assert run(capsys, "--example", "bloom", *argv, "--json", str(path))[0] == 0
+        plans[name] = json.loads(path.read_text())
+    assert plans["default"]["cluster"]["inter_node_bandwidth"] == 6.25e9
+    assert plans["dgx"]["cluster"]["inter_node_bandwidth"] == 25e9
+    assert plans["default"]["time"]["step_s"] > plans["dgx"]["time"]["step_s"]
+    status, _, err = run(capsys, "--example", "bloom", "--cluster", "jeanzay")
+    assert status == 2 and "unknown cluster preset 'jeanzay'" in err and "jean-zay-a100" in err
+
+
 def test_export_writes_the_files(capsys, tmp_path):
     status, out, _ = run(capsys, "--model", "gpt2", "--gpus", "8", "--export", str(tmp_path))
     assert status == 0 and "exported" in out

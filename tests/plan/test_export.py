@@ -193,3 +193,12 @@ def test_the_export_names_the_planned_loss():
     assert parse_flags(" ".join(megatron_args(shape, fused)))["--cross-entropy-loss-fusion"]
     assert "--cross-entropy-loss-fusion" not in megatron_args(shape, unfused)
     assert "--cross-entropy-loss-fusion" not in megatron_args(shape, fused, "megatron-deepspeed")
+
+
+def test_deepspeed_overlap_comm_is_the_plans_overlap():
+    # the JSON describes the job the plan priced: BLOOM's example reduces after the flush,
+    # as DeepSpeed's pipeline engine does; a ZeRO-3 plan overlaps the buckets with backward
+    shape, bloom, _ = presets.bloom_example()
+    assert deepspeed_config(shape, bloom)["zero_optimization"]["overlap_comm"] is False
+    gpt2, zero3, _ = LAYOUTS["gpt2 zero3"]
+    assert deepspeed_config(gpt2, zero3)["zero_optimization"]["overlap_comm"] is True

@@ -152,13 +152,13 @@ def test_full_recomputation_where_selective_fits_is_too_much():
     assert "UNNEEDED_CHECKPOINTING" not in codes(lint(shape, config, cluster))  # it was short
     # and on BLOOM (which trained before selective recomputation) a block of 3 would do,
     # with the ZeRO paper's bf16 gradients
-    shape, bloom_config, a100 = presets.bloom_example()
+    shape, bloom_config, jean_zay = presets.bloom_example()
     paper = bloom_config.replace(grad_accum_dtype="bf16")
-    (bloom,) = [f for f in lint(shape, paper, a100) if f.code == "RECOMPUTES_TOO_MUCH"]
+    (bloom,) = [f for f in lint(shape, paper, jean_zay) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-method block --recompute-num-layers 3" in bloom.fix
     # a block of 4 with fp32 gradient buffers (BLOOM's DeepSpeed bf16 optimizer kept them;
     # the planner's default)
-    (bloom,) = [f for f in lint(shape, bloom_config, a100) if f.code == "RECOMPUTES_TOO_MUCH"]
+    (bloom,) = [f for f in lint(shape, bloom_config, jean_zay) if f.code == "RECOMPUTES_TOO_MUCH"]
     assert "--recompute-method block --recompute-num-layers 4" in bloom.fix
 
 

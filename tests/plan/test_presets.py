@@ -22,6 +22,7 @@ def test_cluster_presets_are_the_datasheets():
     # Jean Zay (BLOOM's): the same GPUs and NVLink, 4 Omni-Path links of 100 Gb/s a node
     jean_zay = presets.cluster("jean-zay-a100")
     assert jean_zay.inter_node_bandwidth == 4 * 100e9 / 8 / 8
+    assert jean_zay.host_memory_bytes == 512e9 / 8  # 512 GB of CPU memory a node
     assert jean_zay.roofline == a100.roofline
     assert (jean_zay.peak_flops, jean_zay.intra_node_bandwidth, jean_zay.memory_bytes) == (
         a100.peak_flops, a100.intra_node_bandwidth, a100.memory_bytes)
@@ -42,7 +43,7 @@ def test_bloom_layout_is_the_published_one():
     assert sum(config.layer_split) == shape.n_layer == 70
 
 
-def test_bloom_memory_fits_on_a100_80gb():
+def test_bloom_memory_fits_on_its_a100s():
     shape, config, cluster = presets.bloom_example()
     est = estimate(shape, config, cluster, all_stages=True)
     assert est.fits
@@ -78,11 +79,7 @@ def test_bloom_step_is_within_ten_percent_of_the_logged_one():
     shape, config, cluster = presets.bloom_example()
     assert bigscience_tflops(shape, config, presets.BLOOM_176B_STEP_S) == pytest.approx(
         149.77, abs=0.05)
-    # Planned on the cluster it ran on (4 x 100 Gb/s Omni-Path a node), held out: nothing
-    # was fitted on it
+    # Planned on the cluster it ran on (4 x 100 Gb/s Omni-Path a node); nothing was fitted
+    # on this row (one logged iteration)
     step = estimate(shape, config, cluster).step_time
     assert step == pytest.approx(presets.BLOOM_176B_STEP_S, rel=0.10)
-    # On a DGX A100's network (200 Gb/s a GPU, four times Jean Zay's) the same layout
-    # would run 12% faster than BLOOM did: the network is what the example was missing
-    dgx = estimate(shape, config, presets.cluster("a100-80gb")).step_time
-    assert dgx < 0.9 * presets.BLOOM_176B_STEP_S < step
