@@ -21,7 +21,12 @@ wall marks; the ranks meet at every step). Printed: each runner's step time and 
 ratios, in one run; the CPU time per step of the thread engine's process (a run of k
 steps minus a 1-step run, over k - 1) and of DDP's processes (summed: on shared cores
 a layout of several processes takes a larger share of them than one process of threads,
-so wall ratios favour it as the load grows); the torch engine's start-up (the first
+so wall ratios favour it as the load grows); a floor: the CPU per step of one device
+on the same global batch (same rounds), spread over the cores, against DDP's wall (what
+the thread engine would take with no cost of its own and every core busy, and lower
+than any layout's, which adds arithmetic of its own: dp4's four replicas each run AdamW,
+and the all-reduce sums; where the floor is above 0.8 x DDP, no saving in the emulator
+reaches 0.8); the torch engine's start-up (the first
 pool of processes pays for importing torch in the forkserver; a later pool forks it
 warm); and, from the torch engine's report, per op the bytes its ranks put on their
 sockets (TCP_INFO) beside the ledger's ring-formula bytes. Skips with a message without
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -82,12 +88,27 @@ def later(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
 
 
+def cpu_per_step(train, config: dict, engine) -> float:
+    """CPU seconds of this process per step of `config` after the first: a run's CPU
+    minus a 1-step run's (building the model, the first step), over the other steps."""
+    began = time.process_time()
+    train(**config, engine=engine)
+    run_cpu = time.process_time() - began
+    began = time.process_time()
+    train(**{**config, "steps": 1}, engine=engine)
+    return (run_cpu - time.process_time() + began) / (config["steps"] - 1)
+
+
 def bench_layout(name: str, rounds: int, steps: int, get_engine, train) -> dict:
     settings, ddp = LAYOUTS[name]
     config = dict(**MODEL, **settings, steps=steps)
     world = settings.get("dp", 1) * settings.get("tp", 1) * settings.get("pp", 1)
+    # one device on the same global batch, in the same micro-batches: the arithmetic
+    # every layout shares, and what an emulator that cost nothing would still pay
+    single = dict(**MODEL, steps=steps, grad_accum_steps=settings.get("grad_accum_steps", 1)
+                  * settings.get("dp", 1))
     times: dict[str, list[float]] = {"threads": [], "torch": [], "DDP": []}
-    cpu: dict[str, list[float]] = {"threads": [], "DDP": []}  # seconds per step
+    cpu: dict[str, list[float]] = {"threads": [], "DDP": [], "one device": []}  # s per step
     threads = get_engine("threads")
     with get_engine("torch", nproc_per_node=world) as engine:  # DDP too: dp = world
         report = None
@@ -100,6 +121,7 @@ def bench_layout(name: str, rounds: int, steps: int, get_engine, train) -> dict:
                 began = time.process_time()
                 train(**{**config, "steps": 1}, engine=threads)
                 cpu["threads"].append((run_cpu - time.process_time() + began) / (steps - 1))
+                cpu["one device"].append(cpu_per_step(train, single, threads))
             report = train(**config, engine=engine)
             times["torch"].append(later(report.ranks[0]["measured"]["wall_step_s"]))
             done = engine.launch(ddp_steps, world, steps, ddp["accum"],
@@ -157,6 +179,12 @@ def main(argv=None) -> int:
             print(f"CPU per step: threads {1e3 * c['threads']:.0f} ms (this process), DDP "
                   f"{1e3 * c['DDP']:.0f} ms (its {result['world']} processes), threads / "
                   f"DDP {c['threads'] / c['DDP']:.2f}")
+            cores = os.cpu_count() or 1
+            floor = c["one device"] / min(cores, result["world"])
+            print(f"floor: one device's CPU per step on the same global batch, "
+                  f"{1e3 * c['one device']:.0f} ms, spread over {min(cores, result['world'])} "
+                  f"core(s): {1e3 * floor:.0f} ms = {floor / t['DDP']:.2f} x DDP's wall "
+                  "(the threads' wall with no cost of their own and every core busy)")
         print(f"start-up of the torch engine's {result['world']} processes: "
               f"{result['startup']:.1f} s" + (" (the first pool: torch imported in the "
                                                "forkserver)" if name == args.layouts[0]
