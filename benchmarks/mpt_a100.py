@@ -23,8 +23,7 @@ import sys
 
 from minipar.plan import presets
 from minipar.plan.estimate import estimate
-from minipar.plan.layout import ParallelConfig
-from minipar.plan.published_mpt import mpt_flops, mpt_shape
+from minipar.plan.published_mpt import mpt_config, mpt_flops, mpt_shape
 
 A100_PEAK = 312e12
 # (model, seq len, GPUs, micro-batch, global batch, activation checkpointing, MFU %,
@@ -85,11 +84,7 @@ def main() -> int:
         if shape.n_params != n_params:  # the shape is the run's model, parameter for parameter
             raise SystemExit(f"{size} at {seq}: {shape.n_params} parameters, the README "
                              f"says {n_params}")
-        config = ParallelConfig(
-            dp=gpus, zero=3, micro_batch_size=micro, global_batch_size=batch,
-            flash_attention=True, zero3_prefetch=True, overlap_grad_reduce=True,
-            recompute_granularity="full" if checkpointing else None)
-        step = estimate(shape, config, a100).step_time
+        step = estimate(shape, mpt_config(gpus, micro, batch, checkpointing), a100).step_time
         planned = mpt_flops(shape, batch) / step / gpus
         published = mfu / 100 * A100_PEAK
         errors.append(planned / published - 1)

@@ -132,12 +132,18 @@ def mpt_flops(shape: ModelShape, global_batch: int) -> float:
                                + 4 * shape.n_layer * shape.d_model * s * s)
 
 
-def _run(size, seq_len, gpus, micro, batch, checkpointing, tflops, _n_params,
-         fitted: bool) -> H100Run:
-    config = ParallelConfig(
+def mpt_config(gpus: int, micro: int, batch: int, checkpointing: bool) -> ParallelConfig:
+    """A row's layout (module docstring): FSDP FULL_SHARD over every GPU with its
+    overlaps, every block recomputed when the row checkpoints activations."""
+    return ParallelConfig(
         dp=gpus, zero=3, micro_batch_size=micro, global_batch_size=batch,
         flash_attention=True, zero3_prefetch=True, overlap_grad_reduce=True,
         recompute_granularity="full" if checkpointing else None)
+
+
+def _run(size, seq_len, gpus, micro, batch, checkpointing, tflops, _n_params,
+         fitted: bool) -> H100Run:
+    config = mpt_config(gpus, micro, batch, checkpointing)
     row = (f"{size}: seq {seq_len:,}, {gpus} GPUs, micro {micro}, batch {batch}"
            + (", ckpt" if checkpointing else ""))
     return H100Run(MPT, "MPT", row, mpt_shape(size, seq_len), config, tflops, fitted,
