@@ -429,10 +429,14 @@ def _run(args) -> int:
             return 2
         config = values if isinstance(values, ParallelConfig) else _consistent(values)
         est = estimate(shape, config, cluster, all_stages=args.all_stages)
+        logged = _logged_step(est) if args.example == "bloom" else None
         if args.json:
-            _emit_json(args, {**est.to_dict(), "findings": [f.to_dict() for f in findings]})
+            _emit_json(args, {**est.to_dict(), "findings": [f.to_dict() for f in findings],
+                              **({"published": logged} if logged else {})})
         else:
             print(est.table())
+            if logged is not None:
+                print(logged["text"])
             if (note := pipeline_note(est)) is not None:
                 print(note)
             _print_findings(findings)
@@ -530,6 +534,21 @@ def _compare_published(args) -> int:
         tables.append(published_h100.format_comparison(h100_rows, h100))
     print("\n\n".join(tables))
     return 0
+
+
+def _logged_step(est) -> dict:
+    """The step BigScience logged for BLOOM-176B beside the plan of `--example bloom`
+    (docs/planner.md, "Presets and the BLOOM-176B example")."""
+    logged = presets.BLOOM_176B_STEP_S
+    source = "BigScience's tr11-176B-ml README, iteration 85,376 at full batch"
+    if est.config != presets.BLOOM_176B:
+        text = (f"published: {logged:.2f} s a step for the layout as BLOOM ran it ({source}); "
+                "this plan changes that layout")
+        return {"step_s": logged, "source": source, "text": text}
+    error = est.step_time / logged - 1
+    text = (f"published: {logged:.2f} s a step ({source}); this plan is {error:+.1%} on "
+            f"{est.cluster.name}")
+    return {"step_s": logged, "source": source, "error": error, "text": text}
 
 
 def _consistent(values: dict) -> ParallelConfig:

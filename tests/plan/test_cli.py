@@ -69,6 +69,14 @@ def test_bloom_example_plans_on_its_own_cluster_unless_told_otherwise(capsys, tm
     assert plans["default"]["cluster"]["inter_node_bandwidth"] == 6.25e9
     assert plans["dgx"]["cluster"]["inter_node_bandwidth"] == 25e9
     assert plans["default"]["time"]["step_s"] > plans["dgx"]["time"]["step_s"]
+    # each beside the step BigScience logged, and by how much it misses it
+    for plan in plans.values():
+        assert plan["published"]["step_s"] == 104.70
+        assert plan["published"]["error"] == pytest.approx(plan["time"]["step_s"] / 104.70 - 1)
+    status, out, _ = run(capsys, "--example", "bloom")
+    assert status == 0 and "published: 104.70 s a step" in out
+    _, out, _ = run(capsys, "--example", "bloom", "--recompute-granularity", "selective")
+    assert "this plan changes that layout" in out  # no error against another layout's step
     status, _, err = run(capsys, "--example", "bloom", "--cluster", "jeanzay")
     assert status == 2 and "unknown cluster preset 'jeanzay'" in err and "jean-zay-a100" in err
 
