@@ -62,6 +62,9 @@ MEGATRON_SWITCHES = {
 # settings of a plan beyond the trainer's layout, which the published runs fix for themselves
 PUBLISHED_RUN_SETTINGS = (*MEGATRON_SWITCHES, "layer_split", "lr", "memory_accounting",
                           "flash_attention", "reference_global_batch_size", "reference_lr")
+# ParallelConfig's settings a plan takes beyond the trainer's layout (an example applies
+# those given on top of its own)
+PLAN_SETTINGS = (*MEGATRON_SWITCHES, "lr", "memory_accounting", "flash_attention")
 # The layout flags are the trainer's (one per Layout field); unset (None) unless given,
 # ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
 # these from the user and chooses (advisor.candidate_configs) or prices one way (one
@@ -271,9 +274,11 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     """The layout asked for: the example's ParallelConfig with the settings given, or the
     settings as a dict (possibly inconsistent, for the lint to report)."""
     if args.example == "bloom":  # (its mesh sizes were refused above)
-        return presets.BLOOM_176B.replace(**{name: getattr(args, name)
-                                            for name in LAYOUT_SETTINGS
-                                            if getattr(args, name) is not None})
+        given = {name: getattr(args, name) for name in (*LAYOUT_SETTINGS, *PLAN_SETTINGS)
+                 if getattr(args, name) is not None}
+        if args.layer_split is not None:
+            given["layer_split"] = _layer_split(args.layer_split)
+        return presets.BLOOM_176B.replace(**given)
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
     values.update(flash_attention=args.flash_attention, lr=args.lr,
                   memory_accounting=args.memory_accounting or "paper",
@@ -281,15 +286,19 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   overlap_param_gather=bool(args.overlap_param_gather),
                   cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False)
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
-        try:
-            values["layer_split"] = tuple(int(x) for x in args.layer_split.split(","))
-        except ValueError:
-            raise ConfigError("layer_split", f"{args.layer_split!r} is not a comma-separated "
-                              "list of layer counts") from None
+        values["layer_split"] = _layer_split(args.layer_split)
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
         gpus = values["dp"] * values["tp"] * values["pp"] * values["cp"]
         values["global_batch_size"] = _global_batch(args, shape, gpus)
     return values
+
+
+def _layer_split(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError("layer_split", f"{text!r} is not a comma-separated list of layer "
+                          "counts") from None
 
 
 def _setting(args, name: str):
@@ -389,7 +398,7 @@ def _run(args) -> int:
                         f"{args.reference_global_batch_size}")
     shape = _shape(args)
     cluster = _attention_kernel(args, _cluster(args))
-    if args.flash_attention is None:
+    if args.flash_attention is None and args.example is None:  # (the example has its own)
         args.flash_attention = shape.name != "custom"
     if args.attention_kernel is not None and not args.flash_attention:
         raise ConfigError("attention_kernel", "prices the fused (flash) attention kernel, and "
@@ -538,17 +547,19 @@ def _compare_published(args) -> int:
 
 def _logged_step(est) -> dict:
     """The step BigScience logged for BLOOM-176B beside the plan of `--example bloom`
-    (docs/planner.md, "Presets and the BLOOM-176B example")."""
+    (docs/planner.md, "Presets and the BLOOM-176B example"), naming the settings in
+    which the plan differs from the run."""
     logged = presets.BLOOM_176B_STEP_S
     source = "BigScience's tr11-176B-ml README, iteration 85,376 at full batch"
-    if est.config != presets.BLOOM_176B:
-        text = (f"published: {logged:.2f} s a step for the layout as BLOOM ran it ({source}); "
-                "this plan changes that layout")
-        return {"step_s": logged, "source": source, "text": text}
+    ran, planned = presets.BLOOM_176B.to_dict(), est.config.to_dict()
+    changed = [name for name in ran if planned[name] != ran[name]]
     error = est.step_time / logged - 1
     text = (f"published: {logged:.2f} s a step ({source}); this plan is {error:+.1%} on "
             f"{est.cluster.name}")
-    return {"step_s": logged, "source": source, "error": error, "text": text}
+    if changed:
+        text += f", with {', '.join(changed)} changed from the run's"
+    return {"step_s": logged, "source": source, "error": error, "changed": changed,
+            "text": text}
 
 
 def _consistent(values: dict) -> ParallelConfig:

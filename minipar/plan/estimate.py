@@ -241,13 +241,17 @@ def human_seconds(s: float) -> str:
     return f"{s * 1e6:.2f} us"
 
 
-def compute_model(cluster: ClusterSpec) -> str:
-    """How the cluster prices compute, in a few words, and what calibrates it."""
-    how = (f"at {cluster.efficiency:.0%} kernel efficiency" if cluster.roofline is None
-           else f"on the {cluster.roofline.name} roofline, fused attention "
-                + ("as a GEMM" if cluster.roofline.attention is None
-                   else f"at {cluster.roofline.attention.name}'s "
-                        f"{cluster.roofline.attention.rate}"))
+def compute_model(cluster: ClusterSpec, fused_attention: bool = True) -> str:
+    """How the cluster prices compute, in a few words, and what calibrates it (the fused
+    attention kernel's rates only for a plan that fuses attention)."""
+    if cluster.roofline is None:
+        how = f"at {cluster.efficiency:.0%} kernel efficiency"
+    elif not fused_attention:
+        how = f"on the {cluster.roofline.name} roofline, attention unfused (op by op)"
+    else:
+        how = f"on the {cluster.roofline.name} roofline, fused attention " + (
+            "as a GEMM" if cluster.roofline.attention is None
+            else f"at {cluster.roofline.attention.name}'s {cluster.roofline.attention.rate}")
     if cluster.calibration is None:
         return how + " (uncalibrated: no published run fitted or checked on this profile)"
     return how + f" (calibrated on {cluster.calibration})"
@@ -327,7 +331,8 @@ def format_estimate(est: Estimate) -> str:
         *accounting_lines(est),
         f"step: {human_seconds(t['step_s'])} (pipeline {human_seconds(t['pipeline_s'])}, "
         f"after the last backward {human_seconds(t['tail_s'])}), bubble "
-        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} {compute_model(est.cluster)}, "
+        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} "
+        f"{compute_model(est.cluster, est.config.flash_attention)}, "
         f"{t['tokens_per_s']:,.0f} tokens/s",
     ]
     if c.offload_optimizer != "none" or c.offload_param != "none":

@@ -76,7 +76,7 @@ def test_bloom_example_plans_on_its_own_cluster_unless_told_otherwise(capsys, tm
     status, out, _ = run(capsys, "--example", "bloom")
     assert status == 0 and "published: 104.70 s a step" in out
     _, out, _ = run(capsys, "--example", "bloom", "--recompute-granularity", "selective")
-    assert "this plan changes that layout" in out  # no error against another layout's step
+    assert "with recompute_granularity changed from the run's" in out  # (not BLOOM's step)
     status, _, err = run(capsys, "--example", "bloom", "--cluster", "jeanzay")
     assert status == 2 and "unknown cluster preset 'jeanzay'" in err and "jean-zay-a100" in err
 
@@ -283,3 +283,22 @@ def test_compare_published_refuses_a_setting_it_would_ignore(flags, capsys):
     assert main(["plan", "--compare-published", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"drop {flags[0]}" in err
+
+
+def test_bloom_example_applies_every_plan_setting_given(capsys, tmp_path):
+    # the planner's own settings apply on top of the example's layout, as the trainer's
+    # layout flags do: none is dropped silently
+    path = tmp_path / "bloom.json"
+    status, _, _ = run(capsys, "--example", "bloom", "--memory-accounting", "megatron",
+                       "--flash-attention", "--lr", "1e-4", "--layer-split",
+                       "6,6,6,6,6,6,6,6,6,6,5,5", "--json", str(path))
+    assert status == 0
+    plan = json.loads(path.read_text())
+    config = plan["config"]
+    assert config["memory_accounting"] == "megatron" and config["flash_attention"]
+    assert config["lr"] == 1e-4 and config["layer_split"] == [6] * 10 + [5, 5]
+    assert set(plan["published"]["changed"]) == {"memory_accounting", "flash_attention",
+                                                 "lr", "layer_split"}
+    # BLOOM's own attention is unfused, and its step line says so
+    _, out, _ = run(capsys, "--example", "bloom")
+    assert "attention unfused" in out and "fused attention as a GEMM" not in out
