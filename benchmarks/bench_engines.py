@@ -179,7 +179,8 @@ def main(argv=None) -> int:
             print(f"CPU per step: threads {1e3 * c['threads']:.0f} ms (this process), DDP "
                   f"{1e3 * c['DDP']:.0f} ms (its {result['world']} processes), threads / "
                   f"DDP {c['threads'] / c['DDP']:.2f}")
-            cores = os.cpu_count() or 1
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1  # (the cores this process may run on)
             floor = c["one device"] / min(cores, result["world"])
             print(f"floor: one device's CPU per step on the same global batch, "
                   f"{1e3 * c['one device']:.0f} ms, spread over {min(cores, result['world'])} "

@@ -6,8 +6,12 @@ Source: mosaicml/llm-foundry, scripts/train/benchmarking/README.md at commit 061
 "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": the same sweep as the H100
 rows `minipar plan --compare-published --source mpt` holds the planner to (same models,
 same FSDP FULL_SHARD layout, `attn_impl: triton`, the README's own FLOP count), on
-A100-80GB. Left out: the two 70B rows (their "Model TFLOP" is in another unit: 1.66e16
-for 53% MFU) and 125M and 350M (sizes minipar.plan.published_mpt does not encode).
+A100-80GB: all its rows of the sizes minipar.plan.published_mpt encodes (125M and 350M
+have 64-wide heads, which its d_head-128 shapes cannot express). The two 70B rows come
+from another sweep (precision `bf16`, MP mode `PURE`: bf16 parameters and gradients, where
+the others run `amp_bf16` / `DEFAULT`); they are planned like the rest, as bf16 gradient
+buffers move them by under 0.1 point. Their "Model TFLOP" column is 100 x MFU x peak (the
+percentage not divided); the script reads MFU.
 
 Each row is planned as minipar.plan.published_mpt plans the H100 ones, on the
 `a100-80gb` preset. The A100 has no stored measurement of a fused attention kernel, so
@@ -29,6 +33,8 @@ A100_PEAK = 312e12
 # (model, seq len, GPUs, micro-batch, global batch, activation checkpointing, MFU %,
 #  NumParams): the README's A100-80GB rows in its order
 ROWS = (
+    ("70b", 2048, 64, 8, 2048, True, 53.33, 64862437376),
+    ("70b", 2048, 32, 2, 1024, True, 48.56, 64862437376),
     ("30b", 8192, 8, 1, 168, True, 39.38, 30019254272),
     ("30b", 4096, 8, 1, 168, True, 51.37, 29989894144),
     ("30b", 2048, 8, 3, 504, True, 55.3, 29975214080),
