@@ -59,12 +59,12 @@ MEGATRON_SWITCHES = {
                                  "it); --no-cross-entropy-loss-fusion prices Megatron-LM's "
                                  "own default, op by op in fp32, 6x the bytes per logit",
 }
-# settings of a plan beyond the trainer's layout, which the published runs fix for themselves
-PUBLISHED_RUN_SETTINGS = (*MEGATRON_SWITCHES, "layer_split", "lr", "memory_accounting",
-                          "flash_attention", "reference_global_batch_size", "reference_lr")
 # ParallelConfig's settings a plan takes beyond the trainer's layout (an example applies
-# those given on top of its own)
+# those given on top of its own; --layer-split too, parsed apart)
 PLAN_SETTINGS = (*MEGATRON_SWITCHES, "lr", "memory_accounting", "flash_attention")
+# settings of a plan beyond the trainer's layout, which the published runs fix for themselves
+PUBLISHED_RUN_SETTINGS = (*PLAN_SETTINGS, "layer_split", "reference_global_batch_size",
+                          "reference_lr")
 # The layout flags are the trainer's (one per Layout field); unset (None) unless given,
 # ParallelConfig's defaults otherwise. A search (--gpus without --dp/--tp/--pp) takes
 # these from the user and chooses (advisor.candidate_configs) or prices one way (one
