@@ -1,5 +1,6 @@
 """Fit the roofline's two efficiencies on Narayanan et al. 2021, Table 1 (A100) and on the
-fitted H100 runs of minipar/plan/published_h100.py; print residuals, held-out rows apart.
+fitted H100 runs of minipar/plan/published_h100.py; print residuals, held-out rows apart
+(published_mpt.py's other half and published_dgxc.py's rows, none fitted).
 
     python benchmarks/fit_time_model.py          # ~1-2 min on a busy laptop core
 
@@ -33,7 +34,7 @@ from minipar.distributed.roofline import (
     H100_MEMORY_EFFICIENCY,
     MEMORY_EFFICIENCY,
 )
-from minipar.plan import presets, published_h100, published_mpt
+from minipar.plan import presets, published_dgxc, published_h100, published_mpt
 from minipar.plan.published import TOLERANCE, compare, format_comparison
 
 if __name__ == "__main__":
@@ -91,8 +92,10 @@ def h100() -> None:
     print(f"overlap contention fitted on {len(every_fitted)} runs: {contention[1]:.2f} "
           f"(rms log error {contention[0]:.4f}); in presets.py: "
           f"{presets.H100_OVERLAP_CONTENTION}\n")
-    print(published_h100.format_comparison(published_h100.compare()
-                                           + published_h100.compare(runs=published_mpt.RUNS)))
+    # every row, the held-out ones apart (NVIDIA's DGX Cloud Benchmarking runs: all held out)
+    print(published_h100.format_comparison(
+        published_h100.compare() + published_h100.compare(runs=published_mpt.RUNS)
+        + published_h100.compare(runs=published_dgxc.RUNS)))
 
 
 def main() -> None:

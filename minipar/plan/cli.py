@@ -26,7 +26,7 @@ from dataclasses import fields, replace
 
 from minipar.errors import ConfigError, OutputError
 from minipar.files import atomic_write
-from minipar.plan import presets, published, published_h100, published_mpt
+from minipar.plan import presets, published, published_dgxc, published_h100, published_mpt
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
 from minipar.plan.advisor import advise
@@ -46,7 +46,7 @@ LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
                      "llama3": published_h100.LLAMA3, "automodel": published_h100.AUTOMODEL,
-                     "mpt": published_mpt.MPT}
+                     "mpt": published_mpt.MPT, "dgxc": published_dgxc.DGXC}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # Megatron-LM's switches that the planner prices, by Megatron-LM's names (--X / --no-X)
 MEGATRON_SWITCHES = {
@@ -165,14 +165,16 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     output.add_argument("--compare-published", action="store_true", dest="compare_published",
                         help="print the time model against Narayanan et al. 2021, Table 1 "
                              "(A100) and published H100 runs (Megatron-LM's README, Llama 3 "
-                             "Table 4, NeMo AutoModel's FSDP2 run, MosaicML's MPT runs): "
+                             "Table 4, NeMo AutoModel's FSDP2 run, MosaicML's MPT runs, "
+                             "NVIDIA's DGX Cloud Benchmarking runs): "
                              "published vs predicted TFLOP/s per GPU, error per row, fitted "
                              "or held out, the assumptions")
     output.add_argument("--source", action="append", choices=tuple(PUBLISHED_SOURCES),
                         help="with --compare-published: only this source's rows (repeat "
                              "for more): table1 (Narayanan et al. 2021, A100), readme "
                              "(Megatron-LM's H100 runs), llama3, automodel (NeMo AutoModel's "
-                             "FSDP2 run), mpt (MosaicML's H100 runs)")
+                             "FSDP2 run), mpt (MosaicML's H100 runs), dgxc (NVIDIA's DGX "
+                             "Cloud Benchmarking runs of NeMo, DGX H100)")
     return plan
 
 
@@ -523,6 +525,7 @@ def _compare_published(args) -> int:
     chosen = [PUBLISHED_SOURCES[name] for name in (args.source or PUBLISHED_SOURCES)]
     rows = published.compare(cluster) if TABLE_1 in chosen else []
     h100_runs = tuple(run for run in published_h100.RUNS + published_mpt.RUNS
+                      + published_dgxc.RUNS
                       if run.source in chosen)
     if args.attention_kernel is not None:  # every row at the kernel asked for
         h100_runs = tuple(replace(run, attention_kernel=None) for run in h100_runs)

@@ -251,5 +251,5 @@ def format_comparison(rows: list[dict], cluster: ClusterSpec | None = None) -> s
     lines += ["", f"sources: {'; '.join(sources)}",
               f"compute: {compute_model(cluster)}"
               + "".join(f"; {kernel} (the kernel their source names)" for kernel in named),
-              "assumptions: minipar/plan/published_h100.py, published_mpt.py"]
+              "assumptions: minipar/plan/published_h100.py, published_mpt.py, published_dgxc.py"]
     return "\n".join(lines)

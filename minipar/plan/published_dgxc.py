@@ -1,0 +1,158 @@
+"""NVIDIA's DGX Cloud Benchmarking runs on DGX H100 (NeMo, BF16), all held out.
+
+Source: NVIDIA/dgxc-benchmarking at commit 35a9aec (release v24.11.1): each recipe's
+README, "Expected Performance", a table of "Training step time (seconds per step)" and
+"Model flops utilization" per GPU count, for BF16 and FP8 (only BF16 is planned: the
+planner has no FP8 model), measured on NVIDIA's DGX H100 reference architecture (8 GPUs a
+node, NVLink, one 400 Gb/s NIC a GPU: the h100-80gb preset). The recipes (the yaml beside
+each README, with the overrides of its configure.sh or launch.sh) say how each ran:
+
+- Llama 3.1 8B, 70B, 405B (NeMo 24.09; llama3.1/llama3.1_{8b,70b,405b}.yaml): sequence
+  8192, micro-batch 1; 8B TP 1, PP 1, CP 2; 70B TP 4, PP 4, VP 5, CP 2; 405B TP 8, PP 9,
+  VP 7, CP 2, with `num_query_groups: 16` and the GPT-2 BPE tokenizer (50,257 entries,
+  padded to a multiple of 128 x TP: 51,200), as the yaml sets them; attention by cuDNN
+  (`NVTE_FUSED_ATTN=1`, `NVTE_FLASH_ATTN=0`). The 405B table's three "proxy" columns
+  (7 to 42 layers on 32 to 192 GPUs, "not realistic", the README says) are left out.
+- Nemotron-4 15B and 340B (NeMo 24.11; nemotron/nemotron4-{15b,340b}-synth.yaml):
+  sequence 4096, GQA with 8 groups, squared-ReLU MLP of 4h (two matrices: planned as
+  the "gelu" MLP's shape), LayerNorm, no biases, RoPE, untied, vocabulary 256,000; 15B
+  TP 4, micro-batch 4, attention by cuDNN; 340B TP 8, PP 8, VP 12, micro-batch 1,
+  selective recomputation, attention by FlashAttention-2 (`NVTE_FUSED_ATTN=0`);
+  configure.sh turns on `ub_tp_comm_overlap` and sequence parallelism for both.
+- GPT-3 175B ("NeMo Megatron 24.11"; nemo_megatron/gpt3_175b_hydra.yaml): 96 layers, h
+  12288, sequence 2048, GPT-2 tokenizer (padded to 50,688), learned positions, tied,
+  dropout 0.1 (the yaml's), TP 4, PP 8, VP 12, micro-batch 1, FlashAttention-2
+  (`NVTE_FUSED_ATTN=0`), the loss op by op (the yaml does not set
+  `cross_entropy_loss_fusion`, off by default).
+
+What every recipe sets alike, and so every row: NeMo's `distributed_fused_adam` (Apex's
+DistributedFusedAdam: optimizer states sharded over data parallelism, ZeRO-1 here) with
+`overlap_grad_sync` and `overlap_param_sync` (the planner's overlapped reduction and
+`--overlap-param-gather`), gradients kept and reduced in bf16 (`grad_sync_dtype: bf16`:
+the planner's `grad_accum_dtype` bf16), its `bucket_cap_mb`; sequence parallelism with
+TP; `ub_tp_comm_overlap` (`--tp-comm-overlap`) where TP > 1; no recomputation but
+340B's; the fused cross-entropy (`cross_entropy_loss_fusion: true`) but for GPT-3;
+global batch as the table's column heads give it.
+
+Nothing in the planner was fitted on these rows: they were read after its H100
+constants were fixed, and every row is held out. The published TFLOP/s per GPU are the
+source's own count ("model flops" per sequence, each README's "Notes"; its MFU column is
+that count over 989 TFLOP/s, which tests/plan/test_published_dgxc.py checks against the
+step times transcribed here), so a row's error is the ratio of the two step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from minipar.plan import presets
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.published_h100 import H100Run
+from minipar.plan.shapes import ModelShape
+
+DGXC = "NVIDIA DGX Cloud Benchmarking (dgxc-benchmarking 35a9aec), DGX H100 BF16"
+PEAK_BF16 = 989e12  # the READMEs' "peak theoretical throughput ... H100 BF16"
+
+_NEMOTRON = dict(n_kv_head=8, vocab_size=256000, seq_len=4096, mlp="gelu",
+                 norm="layernorm", bias=False, position="rope", tie_embeddings=False)
+
+MODELS = {
+    "llama3.1-8b": presets.model("llama3-8b").with_seq_len(8192),
+    "llama3.1-70b": presets.model("llama3-70b").with_seq_len(8192),
+    "llama3.1-405b": replace(presets.model("llama3-405b").with_seq_len(8192),
+                             n_kv_head=16, vocab_size=51200),
+    "nemotron4-15b": ModelShape(name="nemotron4-15b", n_layer=32, d_model=6144, n_head=48,
+                                d_ff=24576, **_NEMOTRON),
+    "nemotron4-340b": ModelShape(name="nemotron4-340b", n_layer=96, d_model=18432,
+                                 n_head=96, d_ff=73728, **_NEMOTRON),
+    "gpt3-175b": ModelShape(name="gpt3-175b", n_layer=96, d_model=12288, n_head=96,
+                            vocab_size=50688, seq_len=2048, dropout=0.1),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One README table: the layout in its header, the recipe's settings, the source's
+    "model flops" of one sequence, and its columns (GPUs, global batch, step seconds,
+    MFU %)."""
+
+    model: str
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    micro: int
+    bucket_mb: float
+    attention_kernel: str
+    flops_per_sequence: float
+    columns: tuple[tuple[int, int, float, float], ...]
+    recompute: str | None = None
+    loss_fusion: bool = True
+
+
+RECIPES = (
+    Recipe("llama3.1-8b", 1, 1, 2, 1, 1, 75, "cudnn", 4.74e14, (
+        (8, 128, 12.91, 59.37), (16, 256, 13.00, 58.96), (32, 512, 13.05, 58.73),
+        (64, 1024, 13.08, 58.60), (128, 2048, 13.10, 58.51))),
+    Recipe("llama3.1-70b", 4, 4, 2, 5, 1, 75, "cudnn", 3.94e15, (
+        (64, 128, 14.72, 54.10), (128, 256, 14.73, 54.06), (256, 512, 14.80, 53.81),
+        (512, 1024, 14.89, 53.48), (1024, 2048, 14.92, 53.38),
+        (2048, 4096, 14.98, 53.38))),
+    Recipe("llama3.1-405b", 8, 9, 2, 7, 1, 125, "cudnn", 2.17e16, (
+        (576, 252, 17.20, 55.78), (1152, 504, 17.52, 54.76), (2304, 1008, 17.62, 54.45))),
+    Recipe("nemotron4-15b", 4, 1, 1, 1, 4, 100, "cudnn", 434.5e12, (
+        (16, 64, 2.83, 62.10), (32, 128, 2.86, 61.45), (64, 256, 2.86, 61.45),
+        (128, 512, 2.89, 60.81), (256, 1024, 2.88, 61.02), (512, 2048, 2.92, 60.18),
+        (1024, 4096, 2.92, 60.18), (2048, 8192, 2.96, 59.37))),
+    Recipe("nemotron4-340b", 8, 8, 1, 12, 1, 50, "flash2", 1.01e16, (
+        (128, 32, 4.61, 55.38), (256, 64, 4.67, 54.67), (512, 128, 4.70, 54.32),
+        (1024, 256, 4.73, 53.98), (2048, 512, 4.84, 52.75)), recompute="selective"),
+    Recipe("gpt3-175b", 4, 8, 1, 12, 1, 220, "flash2", 2.20e15, (
+        (128, 256, 8.91, 49.93), (256, 512, 8.95, 49.71), (512, 1024, 9.09, 48.94),
+        (1024, 2048, 9.01, 49.38), (2048, 4096, 9.02, 49.32)), loss_fusion=False),
+)
+
+
+def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
+    """A column's layout under its recipe's settings (module docstring)."""
+    dp = gpus // (recipe.tp * recipe.pp * recipe.cp)
+    return ParallelConfig(
+        dp=dp, tp=recipe.tp, pp=recipe.pp, cp=recipe.cp, zero=1,
+        schedule="interleaved" if recipe.vp > 1 else "1f1b", virtual_stages=recipe.vp,
+        micro_batch_size=recipe.micro, global_batch_size=batch,
+        sequence_parallel=recipe.tp > 1, tp_comm_overlap=recipe.tp > 1,
+        overlap_param_gather=True, bucket_size_mb=recipe.bucket_mb, grad_accum_dtype="bf16",
+        flash_attention=True, recompute_granularity=recipe.recompute,
+        cross_entropy_loss_fusion=recipe.loss_fusion)
+
+
+@dataclass(frozen=True)
+class SourceFlops:
+    """The source's FLOP count of a step: its "model flops" of one sequence x batch."""
+
+    per_sequence: float
+
+    def __call__(self, shape: ModelShape, global_batch: int) -> float:
+        return self.per_sequence * global_batch
+
+
+def published_tflops(recipe: Recipe, gpus: int, batch: int, step_s: float) -> float:
+    """TFLOP/s per GPU by the source's count (its MFU column x 989)."""
+    return recipe.flops_per_sequence * batch / step_s / gpus / 1e12
+
+
+def _runs() -> tuple[H100Run, ...]:
+    runs = []
+    for recipe in RECIPES:
+        for gpus, batch, step_s, _mfu in recipe.columns:
+            config = recipe_config(recipe, gpus, batch)
+            row = (f"{recipe.model}: tp {recipe.tp}, pp {recipe.pp}, cp {recipe.cp}, "
+                   f"{gpus:,} GPUs, batch {batch}")
+            runs.append(H100Run(DGXC, "DGXC", row, MODELS[recipe.model], config,
+                                published_tflops(recipe, gpus, batch, step_s), False,
+                                SourceFlops(recipe.flops_per_sequence),
+                                attention_kernel=recipe.attention_kernel))
+    return tuple(runs)
+
+
+RUNS = _runs()
