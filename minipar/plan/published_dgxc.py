@@ -7,26 +7,33 @@ planner has no FP8 model), measured on NVIDIA's DGX H100 reference architecture 
 node, NVLink, one 400 Gb/s NIC a GPU: the h100-80gb preset). The recipes (the yaml beside
 each README, with the overrides of its configure.sh or launch.sh) say how each ran:
 
-- Llama 3.1 8B, 70B, 405B (NeMo 24.09; llama3.1/llama3.1_{8b,70b,405b}.yaml): sequence
-  8192, micro-batch 1; 8B TP 1, PP 1, CP 2; 70B TP 4, PP 4, VP 5, CP 2; 405B TP 8, PP 9,
-  VP 7, CP 2, with `num_query_groups: 16` and the GPT-2 BPE tokenizer (50,257 entries,
-  padded to a multiple of 128 x TP: 51,200), as the yaml sets them; attention by cuDNN
+- Llama 3.1 8B, 70B, 405B (container nemo:24.09; llama3.1/llama3.1_{8b,70b,405b}.yaml):
+  sequence 8192, micro-batch 1; 8B TP 1, PP 1, CP 2; 70B TP 4, PP 4, VP 5, CP 2; 405B
+  TP 8, PP 9, VP 7, CP 2, with `num_query_groups: 16` and the GPT-2 BPE tokenizer
+  (50,257 entries, padded to a multiple of 128 x TP: 51,200), as the yaml sets them;
+  vocabularies padded the same way (70B: 128,512); attention by cuDNN
   (`NVTE_FUSED_ATTN=1`, `NVTE_FLASH_ATTN=0`). The 405B table's three "proxy" columns
   (7 to 42 layers on 32 to 192 GPUs, "not realistic", the README says) are left out.
-- Nemotron-4 15B and 340B (NeMo 24.11; nemotron/nemotron4-{15b,340b}-synth.yaml):
-  sequence 4096, GQA with 8 groups, squared-ReLU MLP of 4h (two matrices: planned as
-  the "gelu" MLP's shape), LayerNorm, no biases, RoPE, untied, vocabulary 256,000; 15B
-  TP 4, micro-batch 4, attention by cuDNN; 340B TP 8, PP 8, VP 12, micro-batch 1,
-  selective recomputation, attention by FlashAttention-2 (`NVTE_FUSED_ATTN=0`);
-  configure.sh turns on `ub_tp_comm_overlap` and sequence parallelism for both.
-- GPT-3 175B ("NeMo Megatron 24.11"; nemo_megatron/gpt3_175b_hydra.yaml): 96 layers, h
-  12288, sequence 2048, GPT-2 tokenizer (padded to 50,688), learned positions, tied,
-  dropout 0.1 (the yaml's), TP 4, PP 8, VP 12, micro-batch 1, FlashAttention-2
-  (`NVTE_FUSED_ATTN=0`), the loss op by op (the yaml does not set
-  `cross_entropy_loss_fusion`, off by default).
+- Nemotron-4 15B and 340B (container nemo:24.09; the tables say "24.11", the release;
+  nemotron/nemotron4-{15b,340b}-synth.yaml): sequence 4096, GQA with 8 groups,
+  squared-ReLU MLP of 4h (two matrices: planned as the "gelu" MLP's shape), LayerNorm,
+  no biases, RoPE, untied, vocabulary 256,000; 15B TP 4, micro-batch 4; 340B TP 8, PP 8,
+  VP 12, micro-batch 1, selective recomputation, attention by FlashAttention-2
+  (`NVTE_FUSED_ATTN=0`); 15B leaves both of Transformer Engine's fused kernels on
+  (`NVTE_FUSED_ATTN=1`, `NVTE_FLASH_ATTN` unset), and TE prefers cuDNN's on Hopper (the
+  h100-80gb preset's kernel); configure.sh turns on `ub_tp_comm_overlap` and sequence
+  parallelism for both. 340B's optimizer state is bf16 (`optim.dtype: bf16`), which
+  moves its memory, not its step.
+- GPT-3 175B (the table says "NeMo Megatron 24.11", the release; launch.sh runs
+  nemo:24.05; nemo_megatron/gpt3_175b_hydra.yaml): 96 layers, h 12288, sequence 2048,
+  GPT-2 tokenizer (padded to 50,688), learned positions, tied, dropout 0.1 (the yaml's),
+  TP 4, PP 8, VP 12, micro-batch 1, FlashAttention-2 (`NVTE_FUSED_ATTN=0`), the loss op
+  by op (the yaml does not set `cross_entropy_loss_fusion`, off by default).
 
 What every recipe sets alike, and so every row: NeMo's `distributed_fused_adam` (Apex's
-DistributedFusedAdam: optimizer states sharded over data parallelism, ZeRO-1 here) with
+DistributedFusedAdam, which shards the gradients too, ZeRO-2; planned as ZeRO-1, the
+distributed optimizer whose parameter all-gather `--overlap-param-gather` overlaps: the
+step's traffic is the same reduce-scatter and all-gather, the memory is not) with
 `overlap_grad_sync` and `overlap_param_sync` (the planner's overlapped reduction and
 `--overlap-param-gather`), gradients kept and reduced in bf16 (`grad_sync_dtype: bf16`:
 the planner's `grad_accum_dtype` bf16), its `bucket_cap_mb`; sequence parallelism with
@@ -58,7 +65,8 @@ _NEMOTRON = dict(n_kv_head=8, vocab_size=256000, seq_len=4096, mlp="gelu",
 
 MODELS = {
     "llama3.1-8b": presets.model("llama3-8b").with_seq_len(8192),
-    "llama3.1-70b": presets.model("llama3-70b").with_seq_len(8192),
+    "llama3.1-70b": replace(presets.model("llama3-70b").with_seq_len(8192),
+                            vocab_size=128512),
     "llama3.1-405b": replace(presets.model("llama3-405b").with_seq_len(8192),
                              n_kv_head=16, vocab_size=51200),
     "nemotron4-15b": ModelShape(name="nemotron4-15b", n_layer=32, d_model=6144, n_head=48,
@@ -146,8 +154,9 @@ def _runs() -> tuple[H100Run, ...]:
     for recipe in RECIPES:
         for gpus, batch, step_s, _mfu in recipe.columns:
             config = recipe_config(recipe, gpus, batch)
-            row = (f"{recipe.model}: tp {recipe.tp}, pp {recipe.pp}, cp {recipe.cp}, "
-                   f"{gpus:,} GPUs, batch {batch}")
+            vp = f" (v {recipe.vp})" if recipe.vp > 1 else ""
+            row = (f"{recipe.model}: tp {recipe.tp}, pp {recipe.pp}{vp}, cp {recipe.cp}, "
+                   f"{gpus:,} GPUs, batch {batch}, {recipe.attention_kernel}")
             runs.append(H100Run(DGXC, "DGXC", row, MODELS[recipe.model], config,
                                 published_tflops(recipe, gpus, batch, step_s), False,
                                 SourceFlops(recipe.flops_per_sequence),

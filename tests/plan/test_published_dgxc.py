@@ -25,8 +25,7 @@ HEADERS = {"llama3.1-8b": (1, 1, 2, None, 1, 32), "llama3.1-70b": (4, 4, 2, 5, 1
 def notes_flops(model: str) -> float:
     """Each README's "Notes": model flops of one sequence, by its own formula and the
     sizes it states (Llama: 12 L h^2 (1 + kv/a + s/h) + 18 L f h + 6 V h per token;
-    Nemotron: 24 L h^2 + 12 L h s + 48 L h^2 + 6 V h; GPT-3 (no notes formula printed
-    beside the 2.20E+15): Megatron's count, the Llama one with f = 4h, no gate, kv = a)."""
+    Nemotron and GPT-3: 24 L h^2 + 12 L h s + 48 L h^2 + 6 V h, GPT-3's V 51,200)."""
     def llama(s, layers, h, f, a, kv, vocab):
         return s * (12 * layers * h * h * (1 + kv / a + s / h) + 18 * layers * f * h
                     + 6 * vocab * h)
@@ -41,8 +40,7 @@ def notes_flops(model: str) -> float:
         "llama3.1-405b": lambda: llama(8192, 126, 16384, 53248, 128, 16, 128256),
         "nemotron4-15b": lambda: nemotron(4096, 32, 6144, 256000),
         "nemotron4-340b": lambda: nemotron(4096, 96, 18432, 256000),
-        "gpt3-175b": lambda: 2048 * (12 * 96 * 12288**2 * (2 + 2048 / 12288)
-                                     + 12 * 96 * 4 * 12288**2 + 6 * 50257 * 12288),
+        "gpt3-175b": lambda: nemotron(2048, 96, 12288, 51200),
     }[model]()
 
 
@@ -75,10 +73,11 @@ def test_the_flop_counts_are_the_readmes_notes():
 
 
 def test_the_planned_shapes_are_the_recipes():
-    # the Llama and GPT-3 shapes by Megatron's count (which the Llama notes use) agree
-    # with the notes but for the vocabulary the recipe ran with (405B: the GPT-2
-    # tokenizer, 0.3%); Nemotron's notes count every attention projection h x h
-    # (24 L h^2) where its 8 key/value groups make K and V 12 times narrower
+    # the Llama and GPT-3 shapes by Megatron's count (which the Llama notes use; for
+    # GPT-3's MHA the two formulas agree) match the notes but for the vocabulary the
+    # recipe ran with (405B: the GPT-2 tokenizer, 0.3%); Nemotron's notes count every
+    # attention projection h x h (24 L h^2) where its 8 key/value groups make K and V
+    # 12 times narrower
     for name in ("llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "gpt3-175b"):
         shape = published_dgxc.MODELS[name]
         assert published_h100.megatron_flops(shape, 1) == pytest.approx(
@@ -105,6 +104,32 @@ def test_each_layout_is_its_tables_header():
         assert c.zero == 1 and c.overlap_param_gather and c.overlap_grad_reduce
         assert c.grad_accum_dtype == "bf16"
         assert c.sequence_parallel == c.tp_comm_overlap == (c.tp > 1)
+
+
+# what each recipe's yaml and scripts set beyond the table's header (module docstring):
+# bucket_cap_mb, recomputation, dropout, cross_entropy_loss_fusion, the padded
+# vocabulary, key/value groups, the attention kernel NVTE_FUSED_ATTN picks
+RECIPE_SETTINGS = {
+    "llama3.1-8b": (75, None, 0.0, True, 128256, 8, "cudnn"),
+    "llama3.1-70b": (75, None, 0.0, True, 128512, 8, "cudnn"),
+    "llama3.1-405b": (125, None, 0.0, True, 51200, 16, "cudnn"),
+    "nemotron4-15b": (100, None, 0.0, True, 256000, 8, "cudnn"),
+    "nemotron4-340b": (50, "selective", 0.0, True, 256000, 8, "flash2"),
+    "gpt3-175b": (220, None, 0.1, False, 50688, 96, "flash2"),
+}
+
+
+def test_each_run_has_its_recipes_settings():
+    for run in published_dgxc.RUNS:
+        model = run.row.split(":")[0]
+        bucket, recompute, dropout, fusion, vocab, kv, kernel = RECIPE_SETTINGS[model]
+        c, shape = run.config, run.shape
+        assert c.bucket_size_mb == bucket and c.recompute_granularity == recompute
+        assert shape.dropout == dropout and c.cross_entropy_loss_fusion == fusion
+        assert (shape.vocab_size, shape.kv_heads) == (vocab, kv)
+        assert run.attention_kernel == kernel, run.row
+        # the padding: a multiple of 128 x TP (make_vocab_size_divisible_by: 128)
+        assert shape.vocab_size % (128 * c.tp) == 0
 
 
 def test_every_run_is_within_ten_percent(compared):
