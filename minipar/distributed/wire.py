@@ -6,11 +6,16 @@
     meter.stop(token, sockets)                 # ... and after it completed
     meter.sent_bytes, meter.by_label           # {"all_reduce": bytes, ...}
 
-The kernel keeps, per TCP socket, the bytes it has sent (`tcpi_bytes_sent` of `struct
-tcp_info`, RFC 4898's tcpEStatsPerfHCDataOctetsOut, Linux >= 4.19), read with
-getsockopt(IPPROTO_TCP, TCP_INFO) as `ss -ti` does. So this counts what left the process:
-gloo's message headers, its protocol messages and every byte of the payload, once per
-transmission (a retransmitted segment counts again; on loopback there are none).
+The kernel keeps, per TCP socket, the bytes it has transmitted (`tcpi_bytes_sent` of
+`struct tcp_info`, RFC 4898's tcpEStatsPerfHCDataOctetsOut, Linux >= 4.19), those among
+them sent again (`tcpi_bytes_retrans`) and those written but not yet transmitted
+(`tcpi_notsent_bytes`), read with getsockopt(IPPROTO_TCP, TCP_INFO) as `ss -ti` does.
+Sent - retransmitted + not yet sent is what the process wrote to the connection, each
+byte once: gloo's message headers, its protocol messages and every byte of the payload.
+Counting transmissions alone would book to the next operation the bytes an operation
+wrote that the kernel had not yet put on the wire when the call returned (on loaded
+cores a descheduled peer leaves its window shut for a while), and count retransmissions
+twice.
 
 Attribution. Each socket's counter is read when an operation that uses it starts and when
 it ends; the bytes in between go to the operations outstanding on that socket: one name
@@ -32,9 +37,11 @@ import struct
 import sys
 import threading
 
-# Offsets in struct tcp_info (include/uapi/linux/tcp.h): tcpi_bytes_sent follows
-# tcpi_delivered and tcpi_delivered_ce (Linux 4.19).
-BYTES_SENT_OFFSET = 200
+# Offsets in struct tcp_info (include/uapi/linux/tcp.h): tcpi_notsent_bytes (Linux 4.6)
+# follows tcpi_segs_in; tcpi_bytes_sent and tcpi_bytes_retrans follow tcpi_delivered and
+# tcpi_delivered_ce (Linux 4.19).
+NOTSENT_BYTES_OFFSET = 144
+BYTES_SENT_OFFSET = 200  # then tcpi_bytes_retrans
 TCP_INFO_SIZE = 256
 BETWEEN = "between operations"
 
@@ -75,8 +82,11 @@ class _Socket:
             raise
 
     def sent(self) -> int:
+        """The bytes this process has written to the connection so far (module
+        docstring): transmitted, less transmitted again, plus not yet transmitted."""
         info = self.handle.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE)
-        return struct.unpack_from("Q", info, BYTES_SENT_OFFSET)[0]
+        transmitted, again = struct.unpack_from("QQ", info, BYTES_SENT_OFFSET)
+        return transmitted - again + struct.unpack_from("I", info, NOTSENT_BYTES_OFFSET)[0]
 
 
 class WireMeter:
