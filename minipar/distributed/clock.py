@@ -161,7 +161,8 @@ A100 = DeviceProfile(name="A100-SXM-80GB roofline (NVLink 3, 200 Gb/s IB HDR)",
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # pure; a step asks for the same sizes again
-def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float) -> float:
+def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float,
+                    nodes: int = 1, intra_alpha: float | None = None) -> float:
     """Alpha-beta time of a ring collective over n ranks; nbytes is the full tensor S.
 
     Ring formulas (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009):
@@ -172,17 +173,33 @@ def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float
       barrier           2(n-1) alpha                  (an all-reduce of nothing)
       all_to_all         (n-1) alpha +  (n-1)/n S/B   (n-1 pairwise exchanges; S is
                                                        one rank's buffer)
+
+    A ring over `nodes` > 1 nodes (alpha, B: the network's; intra_alpha: NVLink's) lays
+    each node's members next to each other, as NCCL builds its rings, so only the steps
+    from one node to the next cross the network: nodes - 1 of a pass around the ring
+    (2 (nodes - 1) for an all-reduce or a barrier), at alpha, and the others hop over
+    NVLink at intra_alpha. NCCL's own cost model counts a ring's latency the same way
+    (NCCL 2.30, src/graph/tuning.cc, ncclTopoTuneModel: `(nsteps - nInterSteps) *
+    intraLat + nInterSteps * interLat`). An all-to-all is pairwise: each of its n - 1
+    exchanges is charged the slowest link's alpha.
     """
     if n <= 1:
         return 0.0
+    passes = 2 if op in ("all_reduce", "barrier") else 1
+    latency = passes * (n - 1) * alpha
+    if nodes > 1 and op != "all_to_all":
+        if intra_alpha is None:
+            raise ValueError("collective_time: a ring across nodes needs intra_alpha")
+        inter = passes * (min(nodes, n) - 1)
+        latency = inter * alpha + (passes * (n - 1) - inter) * intra_alpha
     if op == "all_reduce":
-        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
+        return latency + 2 * (n - 1) / n * nbytes / bandwidth
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
+        return latency + (n - 1) / n * nbytes / bandwidth
     if op in ("broadcast", "reduce"):
-        return (n - 1) * alpha + nbytes / bandwidth
+        return latency + nbytes / bandwidth
     if op == "barrier":
-        return 2 * (n - 1) * alpha
+        return latency
     raise ValueError(f"no cost model for collective {op!r}")
 
 

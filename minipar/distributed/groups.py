@@ -8,6 +8,7 @@ ranks that build the same group get equal objects.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from .comm_log import GROUP_KINDS
@@ -41,6 +42,13 @@ class ProcessGroup:
 
     def __str__(self) -> str:
         return f"{self.kind} group {list(self.ranks)}"
+
+
+@functools.lru_cache(maxsize=1024)  # a step asks for the same few groups again
+def nodes_spanned(ranks: tuple[int, ...], gpus_per_node: int) -> int:
+    """How many nodes a group's ranks sit on (rank r on node r // gpus_per_node): a
+    ring crosses the network once from each to the next (clock.collective_time)."""
+    return len({r // gpus_per_node for r in ranks})
 
 
 def make_group(ranks, kind: str, world_size: int) -> ProcessGroup:

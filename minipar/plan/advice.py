@@ -98,7 +98,7 @@ def explain(advice: Advice) -> str:
             f"forward and backward ({human_bytes(est.traffic['tp'])} per GPU per step, "
             f"{human_seconds(comm['tp'])} on NVLink). Across nodes each GPU's NIC is "
             f"{cluster.intra_node_bandwidth / cluster.inter_node_bandwidth:.0f}x slower than "
-            f"its NVLink, and every ring step pays "
+            f"its NVLink, and each ring step from one node to the next pays "
             f"{cluster.inter_node_latency / cluster.intra_node_latency:.1f}x the latency."
             + (" Sequence parallelism splits the norms' and dropouts' activations too, for "
                "the same traffic." if c.sequence_parallel else ""))

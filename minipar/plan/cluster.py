@@ -14,8 +14,10 @@ cuts a tensor that does not divide evenly, so small tensors are exact too:
 
 Time is the alpha-beta model of minipar.distributed.clock.collective_time (Hockney 1994;
 Thakur, Rabenseifner & Gropp 2005), with the bandwidth of the slowest link the group
-crosses. Across nodes, NCCL spreads a ring collective over the node's NICs (`rails`
-below): a group with m members on each node crosses between nodes on m NICs at once.
+crosses and the network's latency only on the ring's steps from one node to the next
+(NVLink's on the others, as NCCL's own cost model counts them). Across nodes, NCCL
+spreads a ring collective over the node's NICs (`rails` below): a group with m members
+on each node crosses between nodes on m NICs at once.
 minipar's emulator runs and times one ring, through one NIC; the planner prices NCCL on
 the DGX presets and the emulator's single ring on the emulated ones (`nic_rails`).
 
@@ -130,10 +132,15 @@ class ClusterSpec:
     def collective_time(self, op: str, n: int, nbytes: float, crossing: int) -> float:
         """Alpha-beta time of a ring collective of a full tensor of nbytes over n ranks.
         crossing: 0 inside one node, else the group's members per node (group_rails),
-        the NICs a ring collective crosses nodes on at once with `nic_rails`."""
+        the NICs a ring collective crosses nodes on at once with `nic_rails`; the ring's
+        steps between nodes pay the network's latency, the others NVLink's
+        (minipar.distributed.clock.collective_time), over n / crossing nodes (exact when
+        every node holds as many of the group's members, as the planner's meshes do)."""
         nics = crossing if self.nic_rails and op in RING_COLLECTIVES else 1
         alpha, bandwidth = self.link(bool(crossing), nics)
-        return collective_time(op, n, nbytes, alpha, bandwidth)
+        nodes = -(-n // crossing) if crossing else 1
+        return collective_time(op, n, nbytes, alpha, bandwidth, nodes,
+                               self.intra_node_latency)
 
     def nvlink_rate_share(self, crossing: int) -> float:
         """The rate a ring collective moves bytes at on this group's link (crossing as in

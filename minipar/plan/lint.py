@@ -194,7 +194,7 @@ def _check_tensor_parallel_placement(config: ParallelConfig,
         f"tp={config.tp} with {gpn} GPUs per node: tensor-parallel groups span nodes, so "
         f"the per-layer all-reduces (forward and backward) run over InfiniBand: "
         f"{fast / slow:.1f}x NVLink's time per byte and {slow_alpha / fast_alpha:.1f}x "
-        f"its latency per ring step.",
+        f"its latency on each ring step from one node to the next.",
         f"keep tp inside a node (a divisor of {gpn}, e.g. --tp {inside}) and move the "
         f"factor {config.tp // inside} to pipeline or data parallelism")]
 

@@ -113,7 +113,7 @@ GLOBAL_BATCH = {"gpt2": 512, "gpt2-medium": 512, "gpt2-large": 512, "gpt2-xl": 5
 # README's, 26 of MosaicML's MPT runs), the efficiencies of the roofline kept. No A100
 # run calibrates it: the A100 keeps overlap free, as its fit on Narayanan et al. 2021
 # assumed.
-H100_OVERLAP_CONTENTION = 0.59
+H100_OVERLAP_CONTENTION = 0.65
 
 CLUSTERS: dict[str, ClusterSpec] = {
     "a100-80gb": ClusterSpec(

@@ -88,9 +88,13 @@ def test_a_ring_across_nodes_runs_on_a_nic_per_member_a_node_up_to_nvlink():
     gib = 2**30
     one, four, eight = (h100.collective_time("all_reduce", 16, gib, m) for m in (1, 4, 8))
     inside = h100.collective_time("all_reduce", 16, gib, 0)
-    alpha = 2 * 15 * h100.inter_node_latency
-    assert (one - alpha) / (four - alpha) == pytest.approx(4)
-    assert (one - alpha) / (eight - alpha) == pytest.approx(8)
+
+    def latency(per_node):  # 2 (nodes - 1) network steps, the rest of 2 x 15 over NVLink
+        inter = 2 * (16 // per_node - 1)
+        return inter * h100.inter_node_latency + (30 - inter) * h100.intra_node_latency
+
+    assert (one - latency(1)) / (four - latency(4)) == pytest.approx(4)
+    assert (one - latency(1)) / (eight - latency(8)) == pytest.approx(8)
     assert inside < eight  # 8 NICs are 400 GB/s, NVLink 450
     # pairwise traffic leaves on each GPU's own NIC: a send and an all-to-all get one
     assert h100.collective_time("all_to_all", 16, gib, 8) == h100.collective_time(
@@ -98,8 +102,9 @@ def test_a_ring_across_nodes_runs_on_a_nic_per_member_a_node_up_to_nvlink():
     # the emulator runs one ring: its cluster crosses nodes on one NIC
     emulated = ClusterSpec.from_device_profile(DeviceProfile(), gpus_per_node=8)
     assert not emulated.nic_rails
-    assert emulated.collective_time("all_reduce", 16, gib, 8) == emulated.collective_time(
-        "all_reduce", 16, gib, 1)
+    # (the bandwidth of one NIC whatever the members a node; only the latency differs)
+    assert emulated.collective_time("all_reduce", 16, gib, 8) - emulated.collective_time(
+        "all_reduce", 16, gib, 1) == pytest.approx(-28 * (8e-6 - 3e-6))
     assert rails([0, 1, 8, 9, 10], 8) == 2 and rails([0, 8], 8) == 1 and rails([0, 1], 8) == 0
 
 
@@ -136,3 +141,21 @@ def test_ring_chunks_are_numpy_s_array_split():
                 once = chunks[(position + 1) % n] + chunks[(position + 2) % n]
                 assert all_reduce_sent(numel, 2, n, position) == (
                     0 if n == 1 else 2 * (2 * numel - once))
+
+
+def test_a_ring_pays_the_networks_latency_only_on_its_steps_between_nodes():
+    # NCCL lays a node's members side by side on the ring (src/graph/tuning.cc counts
+    # nInterSteps = nNodes - 1, 2 (nNodes - 1) for an all-reduce): 16 ranks on 2 nodes
+    # of 8 cross the network on 1 step of an all-gather's 15, on 2 of an all-reduce's 30
+    h100 = ClusterSpec(name="h100", gpus_per_node=8, memory_bytes=GIB, peak_flops=1e15,
+                       efficiency=0.5, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+                       intra_node_latency=3e-6, inter_node_latency=8e-6)
+    assert h100.collective_time("all_gather", 16, 0, 8) == pytest.approx(8e-6 + 14 * 3e-6)
+    assert h100.collective_time("reduce_scatter", 16, 0, 8) == pytest.approx(50e-6)
+    assert h100.collective_time("all_reduce", 16, 0, 8) == pytest.approx(2 * 8e-6 + 28 * 3e-6)
+    # one member a node: every step crosses; 4 a node: 3 of 15
+    assert h100.collective_time("all_gather", 16, 0, 1) == pytest.approx(15 * 8e-6)
+    assert h100.collective_time("all_gather", 16, 0, 4) == pytest.approx(3 * 8e-6 + 12 * 3e-6)
+    # inside a node, NVLink's alone; an all-to-all is pairwise, each exchange the network's
+    assert h100.collective_time("all_gather", 8, 0, 0) == pytest.approx(7 * 3e-6)
+    assert h100.collective_time("all_to_all", 16, 0, 8) == pytest.approx(15 * 8e-6)
