@@ -46,7 +46,8 @@ LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
 TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
                      "llama3": published_h100.LLAMA3, "automodel": published_h100.AUTOMODEL,
-                     "mpt": published_mpt.MPT, "dgxc": published_dgxc.DGXC}
+                     "mpt": published_mpt.MPT, "dgxc": published_dgxc.DGXC,
+                     "dgxc-25": published_dgxc.DGXC_LATER}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # Megatron-LM's switches that the planner prices, by Megatron-LM's names (--X / --no-X)
 MEGATRON_SWITCHES = {
@@ -174,7 +175,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "for more): table1 (Narayanan et al. 2021, A100), readme "
                              "(Megatron-LM's H100 runs), llama3, automodel (NeMo AutoModel's "
                              "FSDP2 run), mpt (MosaicML's H100 runs), dgxc (NVIDIA's DGX "
-                             "Cloud Benchmarking runs of NeMo, DGX H100)")
+                             "Cloud Benchmarking runs of NeMo, DGX H100, release "
+                             "v24.11.1), dgxc-25 (its later releases, v25.02-v25.05.01)")
     return plan
 
 

@@ -137,8 +137,9 @@ CLUSTERS: dict[str, ClusterSpec] = {
         overlap_contention=H100_OVERLAP_CONTENTION,
         calibration="5 of the Megatron-LM README's H100 runs and 26 of MosaicML's MPT "
                     "runs, held out on 4 more README runs, 26 more MPT runs, the Llama 3 "
-                    "paper's Table 4, NeMo AutoModel's FSDP2 run and NVIDIA's 32 DGX "
-                    "Cloud Benchmarking runs (minipar plan --compare-published)"),
+                    "paper's Table 4, NeMo AutoModel's FSDP2 run and NVIDIA's 88 DGX "
+                    "Cloud Benchmarking runs of five releases (minipar plan "
+                    "--compare-published)"),
     # Jean Zay's A100 partition, where BLOOM-176B trained (`minipar plan --example bloom`):
     # nodes of 8 A100-SXM4-80GB with "4 OmniPath links" and 512 GB of CPU memory
     # (BigScience's tr11-176B-ml README, "Hardware"), each link 100 Gb/s (Le Scao et al.

@@ -41,6 +41,35 @@ TP; `ub_tp_comm_overlap` (`--tp-comm-overlap`) where TP > 1; no recomputation bu
 340B's; the fused cross-entropy (`cross_entropy_loss_fusion: true`) but for GPT-3;
 global batch as the table's column heads give it.
 
+Later releases (`DGXC_LATER`, `--source dgxc-25`) publish new BF16 H100 tables of the
+same models, measured again on newer containers; every column of a full model is
+planned, again with what each release's scripts set (v25.04 on: NeMo 2.0's recipes, at
+the NeMo commit its setup.sh pins):
+
+- v25.02 (8f5cbb3, nemo:24.12): Llama 3.1 8B/70B/405B with the yamls of v24.11.1 (byte
+  for byte); Nemotron-4 15B on Megatron-Core's distributed optimizer, its
+  `grad_sync_dtype` removed (NeMo's default reduces in fp32) and no bucket size given
+  (Megatron-Core's default, max(40M, 1M x DP) parameters); GPT-3 175B with the yaml's
+  `virtual_pipeline_model_parallel_size: 6`, though the table's header still says 12,
+  and cuDNN's attention (`NVTE_FUSED_ATTN=1`). Its Nemotron-4 340B table is v24.11.1's,
+  reprinted (the v25.02 script would run CP 2), and is not planned twice.
+- v25.04 (741c886, nemo:25.02.01, NeMo d2b21556): Llama 3.1 8B/70B as before; 405B as
+  released, 8 key/value groups and the Llama 3.1 vocabulary (128,256, padded to
+  129,024), TP 8, PP 8, VP 8, CP 2, with the embedding and the loss each counted as a
+  layer of the pipeline split (`account_for_embedding_in_pipeline_split`: one layer on
+  the first and the last virtual stage, two on the others); Nemotron-4 15B at TP 2,
+  micro-batch 2; 340B at TP 8, PP 8, VP 12 without recomputation. NeMo 2.0's
+  performance recipes reduce gradients in bf16 (`grad_reduce_in_fp32 = False`) in
+  buckets of 128 x 1024 x 1024 parameters, and set both of Transformer Engine's fused
+  attention switches (cuDNN's on Hopper).
+- v25.05 (68eaf7e, nemo:25.04.00) and v25.05.01 (85d9284, nemo:25.04.01): one column
+  each of Nemotron-4 15B and 340B, and of Llama 3.1 405B, under v25.04's settings (their
+  precision-aware optimizer and Transformer Engine's cross-entropy kernel are not
+  priced).
+
+The 405B tables' "proxy" columns (7 to 62 layers) are left out, as above; so are the
+later patch releases, which reprint these numbers.
+
 Nothing in the planner was fitted on these rows: they were read after its H100
 constants were fixed, and every row is held out. The published TFLOP/s per GPU are the
 source's own count ("model flops" per sequence, each README's "Notes"; its MFU column is
@@ -58,6 +87,8 @@ from minipar.plan.published_h100 import H100Run
 from minipar.plan.shapes import ModelShape
 
 DGXC = "NVIDIA DGX Cloud Benchmarking (dgxc-benchmarking 35a9aec), DGX H100 BF16"
+DGXC_LATER = ("NVIDIA DGX Cloud Benchmarking, later releases (dgxc-benchmarking v25.02 "
+              "8f5cbb3, v25.04 741c886, v25.05 68eaf7e, v25.05.01 85d9284), DGX H100 BF16")
 PEAK_BF16 = 989e12  # the READMEs' "peak theoretical throughput ... H100 BF16"
 
 _NEMOTRON = dict(n_kv_head=8, vocab_size=256000, seq_len=4096, mlp="gelu",
@@ -75,6 +106,9 @@ MODELS = {
                                  n_head=96, d_ff=73728, **_NEMOTRON),
     "gpt3-175b": ModelShape(name="gpt3-175b", n_layer=96, d_model=12288, n_head=96,
                             vocab_size=50688, seq_len=2048, dropout=0.1),
+    # NeMo 2.0's recipe: the released model, the Llama 3.1 tokenizer padded to 1,024
+    "llama3.1-405b nemo2": replace(presets.model("llama3-405b").with_seq_len(8192),
+                                   vocab_size=129024),
 }
 
 
@@ -96,6 +130,10 @@ class Recipe:
     columns: tuple[tuple[int, int, float, float], ...]
     recompute: str | None = None
     loss_fusion: bool = True
+    release: str = "v24.11.1"
+    grad_dtype: str = "bf16"  # the gradient buffers' and their reduction's dtype
+    # NeMo 2.0's 405B: the embedding and the loss each take a layer's place
+    layer_split: tuple[int, ...] | None = None
 
 
 RECIPES = (
@@ -120,6 +158,61 @@ RECIPES = (
         (1024, 2048, 9.01, 49.38), (2048, 4096, 9.02, 49.32)), loss_fusion=False),
 )
 
+_MEGATRON_BUCKET_MB = 128 * 1024 * 1024 * 2 / 2**20  # NeMo 2.0: 128 Mi bf16 parameters
+_EDGES_405B = (1,) + (2,) * 62 + (1,)  # 126 layers + embedding + loss over 8 x 8 stages
+
+
+def _mcore_default_bucket_mb(dp: int) -> float:
+    """Megatron-Core's bucket when none is given: max(40M, 1M x DP) bf16 parameters."""
+    return max(40_000_000, 1_000_000 * dp) * 2 / 2**20
+
+
+LATER_RECIPES = (
+    Recipe("llama3.1-8b", 1, 1, 2, 1, 1, 75, "cudnn", 4.74e14, (
+        (8, 128, 12.78, 59.99), (16, 256, 12.99, 59.03), (32, 512, 13.00, 58.99),
+        (64, 1024, 13.00, 58.99), (128, 2048, 13.16, 58.28)), release="v25.02"),
+    Recipe("llama3.1-70b", 4, 4, 2, 5, 1, 75, "cudnn", 3.94e15, (
+        (64, 128, 14.61, 54.52), (128, 256, 14.70, 54.20), (256, 512, 14.72, 54.12),
+        (512, 1024, 14.80, 53.84), (1024, 2048, 14.86, 53.63),
+        (2048, 4096, 14.84, 53.68)), release="v25.02"),
+    Recipe("llama3.1-405b", 8, 9, 2, 7, 1, 125, "cudnn", 2.17e16, (
+        (576, 252, 17.50, 54.85), (1152, 504, 17.60, 54.54), (2304, 1008, 17.70, 54.23)),
+        release="v25.02"),
+    # bucket 0: Megatron-Core's default, by DP (recipe_config)
+    Recipe("nemotron4-15b", 4, 1, 1, 1, 4, 0, "cudnn", 434.5e12, (
+        (16, 64, 2.812, 62.49), (32, 128, 2.824, 62.23), (64, 256, 2.845, 61.77),
+        (128, 512, 2.859, 61.47), (256, 1024, 2.852, 61.62), (512, 2048, 2.875, 61.12),
+        (1024, 4096, 2.895, 60.70), (2048, 8192, 2.887, 60.87)),
+        release="v25.02", grad_dtype="fp32"),
+    Recipe("gpt3-175b", 4, 8, 1, 6, 1, 220, "cudnn", 2.20e15, (
+        (128, 256, 8.309, 53.54), (256, 512, 8.408, 52.91), (512, 1024, 8.42, 52.84),
+        (1024, 2048, 8.453, 52.63), (2048, 4096, 8.49, 52.40)),
+        loss_fusion=False, release="v25.02"),
+    Recipe("llama3.1-8b", 1, 1, 2, 1, 1, _MEGATRON_BUCKET_MB, "cudnn", 4.74e14, (
+        (8, 128, 12.27, 62.47), (16, 256, 12.3, 62.31), (32, 512, 12.32, 62.21),
+        (64, 1024, 12.33, 62.16), (128, 2048, 12.33, 62.16)), release="v25.04"),
+    Recipe("llama3.1-70b", 4, 4, 2, 5, 1, _MEGATRON_BUCKET_MB, "cudnn", 3.94e15, (
+        (64, 128, 14.66, 54.32), (128, 256, 14.67, 54.29), (256, 512, 14.68, 54.25),
+        (512, 1024, 14.67, 54.29), (1024, 2048, 14.65, 54.36),
+        (2048, 4096, 14.66, 54.32)), release="v25.04"),
+    Recipe("llama3.1-405b nemo2", 8, 8, 2, 8, 1, _MEGATRON_BUCKET_MB, "cudnn", 2.17e16, (
+        (512, 256, 19.78, 55.47), (1024, 512, 19.84, 55.31), (2048, 1024, 19.87, 55.22)),
+        release="v25.04", layer_split=_EDGES_405B),
+    Recipe("nemotron4-15b", 2, 1, 1, 1, 2, _MEGATRON_BUCKET_MB, "cudnn", 434.5e12, (
+        (16, 64, 2.66, 66.07), (32, 128, 2.66, 66.07), (64, 256, 2.67, 65.82),
+        (128, 512, 2.67, 65.82), (256, 1024, 2.68, 65.57), (512, 2048, 2.71, 64.85),
+        (1024, 4096, 2.74, 64.14), (2048, 8192, 2.78, 63.21)), release="v25.04"),
+    Recipe("nemotron4-340b", 8, 8, 1, 12, 1, _MEGATRON_BUCKET_MB, "cudnn", 1.01e16, (
+        (256, 64, 4.36, 58.56), (512, 128, 4.39, 58.16), (1024, 256, 4.41, 57.89),
+        (2048, 512, 4.43, 57.63)), release="v25.04"),
+    Recipe("nemotron4-15b", 2, 1, 1, 1, 2, _MEGATRON_BUCKET_MB, "cudnn", 3.85e14, (
+        (16, 64, 2.746, 56.7),), release="v25.05"),
+    Recipe("nemotron4-340b", 8, 8, 1, 12, 1, _MEGATRON_BUCKET_MB, "cudnn", 8.62124e15, (
+        (256, 64, 4.606, 47.3),), release="v25.05"),
+    Recipe("llama3.1-405b nemo2", 8, 8, 2, 8, 1, _MEGATRON_BUCKET_MB, "cudnn", 2.17e16, (
+        (512, 256, 19.810, 55.34),), release="v25.05.01", layer_split=_EDGES_405B),
+)
+
 
 def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
     """A column's layout under its recipe's settings (module docstring)."""
@@ -129,9 +222,11 @@ def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
         schedule="interleaved" if recipe.vp > 1 else "1f1b", virtual_stages=recipe.vp,
         micro_batch_size=recipe.micro, global_batch_size=batch,
         sequence_parallel=recipe.tp > 1, tp_comm_overlap=recipe.tp > 1,
-        overlap_param_gather=True, bucket_size_mb=recipe.bucket_mb, grad_accum_dtype="bf16",
-        flash_attention=True, recompute_granularity=recipe.recompute,
-        cross_entropy_loss_fusion=recipe.loss_fusion)
+        overlap_param_gather=True,
+        bucket_size_mb=recipe.bucket_mb or _mcore_default_bucket_mb(dp * recipe.cp),
+        grad_accum_dtype=recipe.grad_dtype, flash_attention=True,
+        recompute_granularity=recipe.recompute, cross_entropy_loss_fusion=recipe.loss_fusion,
+        layer_split=recipe.layer_split)
 
 
 @dataclass(frozen=True)
@@ -151,16 +246,20 @@ def published_tflops(recipe: Recipe, gpus: int, batch: int, step_s: float) -> fl
 
 def _runs() -> tuple[H100Run, ...]:
     runs = []
-    for recipe in RECIPES:
-        for gpus, batch, step_s, _mfu in recipe.columns:
-            config = recipe_config(recipe, gpus, batch)
-            vp = f" (v {recipe.vp})" if recipe.vp > 1 else ""
-            row = (f"{recipe.model}: tp {recipe.tp}, pp {recipe.pp}{vp}, cp {recipe.cp}, "
-                   f"{gpus:,} GPUs, batch {batch}, {recipe.attention_kernel}")
-            runs.append(H100Run(DGXC, "DGXC", row, MODELS[recipe.model], config,
-                                published_tflops(recipe, gpus, batch, step_s), False,
-                                SourceFlops(recipe.flops_per_sequence),
-                                attention_kernel=recipe.attention_kernel))
+    for source, label, recipes in ((DGXC, "DGXC", RECIPES),
+                                   (DGXC_LATER, "DGXC 25", LATER_RECIPES)):
+        for recipe in recipes:
+            name = recipe.model if recipe.release == "v24.11.1" else (
+                f"{recipe.model.split()[0]} ({recipe.release})")
+            for gpus, batch, step_s, _mfu in recipe.columns:
+                config = recipe_config(recipe, gpus, batch)
+                vp = f" (v {recipe.vp})" if recipe.vp > 1 else ""
+                row = (f"{name}: tp {recipe.tp}, pp {recipe.pp}{vp}, cp {recipe.cp}, "
+                       f"{gpus:,} GPUs, batch {batch}, {recipe.attention_kernel}")
+                runs.append(H100Run(source, label, row, MODELS[recipe.model], config,
+                                    published_tflops(recipe, gpus, batch, step_s), False,
+                                    SourceFlops(recipe.flops_per_sequence),
+                                    attention_kernel=recipe.attention_kernel))
     return tuple(runs)
 
 
