@@ -58,10 +58,14 @@ the NeMo commit its setup.sh pins):
   129,024), TP 8, PP 8, VP 8, CP 2, with the embedding and the loss each counted as a
   layer of the pipeline split (`account_for_embedding_in_pipeline_split`: one layer on
   the first and the last virtual stage, two on the others); Nemotron-4 15B at TP 2,
-  micro-batch 2; 340B at TP 8, PP 8, VP 12 without recomputation. NeMo 2.0's
-  performance recipes reduce gradients in bf16 (`grad_reduce_in_fp32 = False`) in
-  buckets of 128 x 1024 x 1024 parameters, and set both of Transformer Engine's fused
-  attention switches (cuDNN's on Hopper).
+  micro-batch 2; 340B at TP 8, PP 8, VP 12 without recomputation (its configuration
+  table prints VP "NA"; launch.sh passes `-vp 12`). Nemotron's NullTokenizer has
+  256,001 entries, padded to 128 x TP. NeMo 2.0's performance recipes reduce gradients
+  in bf16 (`grad_reduce_in_fp32 = False`) in buckets of 128 x 1024 x 1024 parameters,
+  except where PP, VP and DP are all > 1: there scripts/performance/utils.py sets
+  `overlap_param_gather_with_optimizer_step`, which disables bucketing
+  (nemo/lightning/megatron_parallel.py), one bucket a model chunk; and they set both of
+  Transformer Engine's fused attention switches (cuDNN's on Hopper).
 - v25.05 (68eaf7e, nemo:25.04.00) and v25.05.01 (85d9284, nemo:25.04.01): one column
   each of Nemotron-4 15B and 340B, and of Llama 3.1 405B, under v25.04's settings (their
   precision-aware optimizer and Transformer Engine's cross-entropy kernel are not
@@ -109,6 +113,13 @@ MODELS = {
     # NeMo 2.0's recipe: the released model, the Llama 3.1 tokenizer padded to 1,024
     "llama3.1-405b nemo2": replace(presets.model("llama3-405b").with_seq_len(8192),
                                    vocab_size=129024),
+    # NeMo 2.0's scripts: NullTokenizer(256000), 256,001 entries, padded to 128 x TP
+    "nemotron4-15b nemo2": ModelShape(name="nemotron4-15b", n_layer=32, d_model=6144,
+                                      n_head=48, d_ff=24576,
+                                      **{**_NEMOTRON, "vocab_size": 256256}),
+    "nemotron4-340b nemo2": ModelShape(name="nemotron4-340b", n_layer=96, d_model=18432,
+                                       n_head=96, d_ff=73728,
+                                       **{**_NEMOTRON, "vocab_size": 257024}),
 }
 
 
@@ -134,6 +145,9 @@ class Recipe:
     grad_dtype: str = "bf16"  # the gradient buffers' and their reduction's dtype
     # NeMo 2.0's 405B: the embedding and the loss each take a layer's place
     layer_split: tuple[int, ...] | None = None
+    # NeMo 2.0 with PP, VP and DP > 1: one bucket per model chunk (its
+    # overlap_param_gather_with_optimizer_step disables bucketing)
+    bucket_per_chunk: bool = False
 
 
 RECIPES = (
@@ -162,9 +176,17 @@ _MEGATRON_BUCKET_MB = 128 * 1024 * 1024 * 2 / 2**20  # NeMo 2.0: 128 Mi bf16 par
 _EDGES_405B = (1,) + (2,) * 62 + (1,)  # 126 layers + embedding + loss over 8 x 8 stages
 
 
-def _mcore_default_bucket_mb(dp: int) -> float:
-    """Megatron-Core's bucket when none is given: max(40M, 1M x DP) bf16 parameters."""
-    return max(40_000_000, 1_000_000 * dp) * 2 / 2**20
+def _bucket_mb(recipe: Recipe, dp: int) -> float:
+    """The recipe's gradient bucket in MiB of bf16 parameters: one model chunk's
+    (`bucket_per_chunk`: its largest, by layers), Megatron-Core's default when none is
+    given (`bucket_mb` 0: max(40M, 1M x DP x CP) parameters), or `bucket_mb`."""
+    if recipe.bucket_per_chunk:
+        shape = MODELS[recipe.model]
+        layers = max(recipe.layer_split or [shape.n_layer // (recipe.pp * recipe.vp)])
+        return layers * sum(shape.layer_params(recipe.tp)) * 2 / 2**20
+    if not recipe.bucket_mb:
+        return max(40_000_000, 1_000_000 * dp * recipe.cp) * 2 / 2**20
+    return recipe.bucket_mb
 
 
 LATER_RECIPES = (
@@ -194,23 +216,24 @@ LATER_RECIPES = (
     Recipe("llama3.1-70b", 4, 4, 2, 5, 1, _MEGATRON_BUCKET_MB, "cudnn", 3.94e15, (
         (64, 128, 14.66, 54.32), (128, 256, 14.67, 54.29), (256, 512, 14.68, 54.25),
         (512, 1024, 14.67, 54.29), (1024, 2048, 14.65, 54.36),
-        (2048, 4096, 14.66, 54.32)), release="v25.04"),
+        (2048, 4096, 14.66, 54.32)), release="v25.04", bucket_per_chunk=True),
     Recipe("llama3.1-405b nemo2", 8, 8, 2, 8, 1, _MEGATRON_BUCKET_MB, "cudnn", 2.17e16, (
         (512, 256, 19.78, 55.47), (1024, 512, 19.84, 55.31), (2048, 1024, 19.87, 55.22)),
-        release="v25.04", layer_split=_EDGES_405B),
-    Recipe("nemotron4-15b", 2, 1, 1, 1, 2, _MEGATRON_BUCKET_MB, "cudnn", 434.5e12, (
+        release="v25.04", layer_split=_EDGES_405B, bucket_per_chunk=True),
+    Recipe("nemotron4-15b nemo2", 2, 1, 1, 1, 2, _MEGATRON_BUCKET_MB, "cudnn", 434.5e12, (
         (16, 64, 2.66, 66.07), (32, 128, 2.66, 66.07), (64, 256, 2.67, 65.82),
         (128, 512, 2.67, 65.82), (256, 1024, 2.68, 65.57), (512, 2048, 2.71, 64.85),
         (1024, 4096, 2.74, 64.14), (2048, 8192, 2.78, 63.21)), release="v25.04"),
-    Recipe("nemotron4-340b", 8, 8, 1, 12, 1, _MEGATRON_BUCKET_MB, "cudnn", 1.01e16, (
+    Recipe("nemotron4-340b nemo2", 8, 8, 1, 12, 1, _MEGATRON_BUCKET_MB, "cudnn", 1.01e16, (
         (256, 64, 4.36, 58.56), (512, 128, 4.39, 58.16), (1024, 256, 4.41, 57.89),
-        (2048, 512, 4.43, 57.63)), release="v25.04"),
-    Recipe("nemotron4-15b", 2, 1, 1, 1, 2, _MEGATRON_BUCKET_MB, "cudnn", 3.85e14, (
+        (2048, 512, 4.43, 57.63)), release="v25.04", bucket_per_chunk=True),
+    Recipe("nemotron4-15b nemo2", 2, 1, 1, 1, 2, _MEGATRON_BUCKET_MB, "cudnn", 3.85e14, (
         (16, 64, 2.746, 56.7),), release="v25.05"),
-    Recipe("nemotron4-340b", 8, 8, 1, 12, 1, _MEGATRON_BUCKET_MB, "cudnn", 8.62124e15, (
-        (256, 64, 4.606, 47.3),), release="v25.05"),
+    Recipe("nemotron4-340b nemo2", 8, 8, 1, 12, 1, _MEGATRON_BUCKET_MB, "cudnn", 8.62124e15, (
+        (256, 64, 4.606, 47.3),), release="v25.05", bucket_per_chunk=True),
     Recipe("llama3.1-405b nemo2", 8, 8, 2, 8, 1, _MEGATRON_BUCKET_MB, "cudnn", 2.17e16, (
-        (512, 256, 19.810, 55.34),), release="v25.05.01", layer_split=_EDGES_405B),
+        (512, 256, 19.810, 55.34),), release="v25.05.01", layer_split=_EDGES_405B,
+        bucket_per_chunk=True),
 )
 
 
@@ -223,7 +246,7 @@ def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
         micro_batch_size=recipe.micro, global_batch_size=batch,
         sequence_parallel=recipe.tp > 1, tp_comm_overlap=recipe.tp > 1,
         overlap_param_gather=True,
-        bucket_size_mb=recipe.bucket_mb or _mcore_default_bucket_mb(dp * recipe.cp),
+        bucket_size_mb=_bucket_mb(recipe, dp),
         grad_accum_dtype=recipe.grad_dtype, flash_attention=True,
         recompute_granularity=recipe.recompute, cross_entropy_loss_fusion=recipe.loss_fusion,
         layer_split=recipe.layer_split)

@@ -2,7 +2,8 @@
 reshard_after_forward) against what the emulator measures on 2 nodes of 4 GPUs: bytes
 sent per group kind (the data-parallel sub-groups included) and params, grads, optimizer
 and activations, exact, as tests/plan/test_estimate.py holds ZeRO-3 itself; the time an
-upper bound, above by at most what the planner prices as blocking."""
+upper bound, above by at most a quarter of what the planner prices as blocking, or
+within 0.1% where overlap.py times the overlap."""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def test_planner_predicts_zero3_across_nodes(settings):
     for category in EXACT:
         assert stage.memory[category] == measured["memory"][category], category
     # The time: hpZ (reshard to K), qwZ and qgZ priced as they block (overlap.py does not
-    # model them), an upper bound of the emulator's clock, above it by no more than the
-    # time of the transfers it prices so (what the emulator may overlap: 0-20% of it on
-    # these cases, 0-15% of the step); HSDP and reshard_after_forward=False are
+    # model them), an upper bound of the emulator's clock, whose surplus can only be the
+    # part of those transfers the emulator overlaps: at most a quarter of their time
+    # (0-20% on these cases, 0-15% of the step); HSDP and reshard_after_forward=False are
     # overlap.py's, within 0.1% here as in test_estimate.py's exposed-communication cases
     spent = sum(measured["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
     assert spent <= STEPS * est.step_time * (1 + 1e-3)
@@ -59,7 +60,11 @@ def test_planner_predicts_zero3_across_nodes(settings):
         ParallelConfig.from_train_config(config), cluster)
     blocking = sum(t.count * transfer_time(t, cluster, links[t.link]) for t in stage.transfers
                    if t.group in DP_GROUPS and not overlap_priced(t, shape, pc))
-    assert STEPS * est.step_time - spent <= STEPS * blocking * (1 + 1e-9)
+    surplus = STEPS * est.step_time - spent
+    if blocking:
+        assert surplus <= 0.25 * STEPS * blocking
+    else:
+        assert abs(surplus) <= 1e-3 * spent
 
 
 def test_the_sub_groups_links_on_2_nodes_of_4():

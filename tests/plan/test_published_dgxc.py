@@ -19,9 +19,10 @@ from minipar.plan import published_dgxc, published_h100
 from minipar.plan.estimate import estimate
 
 # each table's header (later releases: its configuration table): (TP, PP, CP, VP, MBS,
-# GA); two differ from what ran, as the module docstring says: GPT-3 in v25.02 ran the
-# yaml's VP 6 under a header of 12, and v25.05.01's 405B row says GA 32 where its GBS
-# 256 over DP 4 is 64
+# GA); three differ from what ran, as the module docstring says: GPT-3 in v25.02 ran
+# the yaml's VP 6 under a header of 12, v25.04's 340B table says VP "NA" where
+# launch.sh passes 12, and v25.05.01's 405B row says GA 32 where its GBS 256 over DP 4
+# is 64
 HEADERS = {"llama3.1-8b": (1, 1, 2, None, 1, 32), "llama3.1-70b": (4, 4, 2, 5, 1, 64),
            "llama3.1-405b": (8, 9, 2, 7, 1, 63), "nemotron4-15b": (4, 1, None, None, 4, 4),
            "nemotron4-340b": (8, 8, None, 12, 1, 16), "gpt3-175b": (4, 8, None, 12, 1, None),
@@ -85,10 +86,23 @@ def test_the_step_times_give_the_readmes_mfu():
 
 def test_the_flop_counts_are_the_readmes_notes():
     # the constants are the READMEs' (three digits); their formulas on the sizes the
-    # notes state give them
+    # notes state give them; the later releases keep them, but for Nemotron from v25.05
+    # (v25.04.01's "Fixed MFU formula"): K and V by the 8 groups, 12 L h^2 (1 + kv/a)
     for recipe in published_dgxc.RECIPES:
         assert notes_flops(recipe.model) == pytest.approx(recipe.flops_per_sequence,
                                                           rel=0.005), recipe.model
+
+    def nemotron_gqa(layers, h, heads):
+        s, kv, vocab = 4096, 8, 256000
+        return s * (12 * layers * h * h * (1 + kv / heads) + 12 * layers * h * s
+                    + 48 * layers * h * h + 6 * vocab * h)
+
+    for recipe in published_dgxc.LATER_RECIPES:
+        model = recipe.model.split()[0]
+        expected = (nemotron_gqa(*{"nemotron4-15b": (32, 6144, 48),
+                                   "nemotron4-340b": (96, 18432, 96)}[model])
+                    if recipe.release == "v25.05" else notes_flops(model))
+        assert expected == pytest.approx(recipe.flops_per_sequence, rel=0.005), recipe
 
 
 def test_the_planned_shapes_are_the_recipes():
@@ -143,16 +157,18 @@ RECIPE_SETTINGS = {
     "llama3.1-405b (v25.02)": (125, None, 0.0, True, 51200, 16, "cudnn"),
     "nemotron4-15b (v25.02)": (None, None, 0.0, True, 256000, 8, "cudnn"),
     "gpt3-175b (v25.02)": (220, None, 0.1, False, 50688, 96, "cudnn"),
-    # v25.04 on, NeMo 2.0's recipes: buckets of 128 Mi bf16 parameters (256 MiB), no
-    # recomputation, 405B as released (8 groups, 128,256 padded to 1,024 x 126)
+    # v25.04 on, NeMo 2.0's recipes: buckets of 128 Mi bf16 parameters (256 MiB) but one
+    # a model chunk where PP, VP and DP > 1 ("chunk"); no recomputation; 405B as released
+    # (8 groups, 128,256 padded to 1,024 x 126); Nemotron's NullTokenizer(256000) has
+    # 256,001 entries, padded to 128 x TP
     "llama3.1-8b (v25.04)": (256, None, 0.0, True, 128256, 8, "cudnn"),
-    "llama3.1-70b (v25.04)": (256, None, 0.0, True, 128512, 8, "cudnn"),
-    "llama3.1-405b (v25.04)": (256, None, 0.0, True, 129024, 8, "cudnn"),
-    "nemotron4-15b (v25.04)": (256, None, 0.0, True, 256000, 8, "cudnn"),
-    "nemotron4-340b (v25.04)": (256, None, 0.0, True, 256000, 8, "cudnn"),
-    "nemotron4-15b (v25.05)": (256, None, 0.0, True, 256000, 8, "cudnn"),
-    "nemotron4-340b (v25.05)": (256, None, 0.0, True, 256000, 8, "cudnn"),
-    "llama3.1-405b (v25.05.01)": (256, None, 0.0, True, 129024, 8, "cudnn"),
+    "llama3.1-70b (v25.04)": ("chunk", None, 0.0, True, 128512, 8, "cudnn"),
+    "llama3.1-405b (v25.04)": ("chunk", None, 0.0, True, 129024, 8, "cudnn"),
+    "nemotron4-15b (v25.04)": (256, None, 0.0, True, 256256, 8, "cudnn"),
+    "nemotron4-340b (v25.04)": ("chunk", None, 0.0, True, 257024, 8, "cudnn"),
+    "nemotron4-15b (v25.05)": (256, None, 0.0, True, 256256, 8, "cudnn"),
+    "nemotron4-340b (v25.05)": ("chunk", None, 0.0, True, 257024, 8, "cudnn"),
+    "llama3.1-405b (v25.05.01)": ("chunk", None, 0.0, True, 129024, 8, "cudnn"),
 }
 
 
@@ -163,6 +179,12 @@ def test_each_run_has_its_recipes_settings():
         c, shape = run.config, run.shape
         if bucket is None:  # Megatron-Core's default
             bucket = max(40e6, 1e6 * c.dp * c.cp) * 2 / 2**20
+        if bucket == "chunk":  # each model chunk one bucket: holds the largest, not two
+            per_layer = sum(shape.layer_params(c.tp)) * 2 / 2**20
+            largest = max(c.layer_split or [shape.n_layer // (c.pp * c.virtual_stages)])
+            assert c.dp > 1 and c.pp > 1 and c.virtual_stages > 1
+            assert largest * per_layer <= c.bucket_size_mb < 2 * largest * per_layer
+            bucket = c.bucket_size_mb
         assert c.bucket_size_mb == bucket and c.recompute_granularity == recompute
         assert shape.dropout == dropout and c.cross_entropy_loss_fusion == fusion
         assert (shape.vocab_size, shape.kv_heads) == (vocab, kv)
