@@ -178,14 +178,15 @@ def collective_time(op: str, n: int, nbytes: int, alpha: float, bandwidth: float
     each node's members next to each other, as NCCL builds its rings, so only the steps
     from one node to the next cross the network: nodes - 1 of a pass around the ring
     (2 (nodes - 1) for an all-reduce or a barrier), at alpha, and the others hop over
-    NVLink at intra_alpha. NCCL's own cost model counts the latency of a ring all-reduce,
-    all-gather and reduce-scatter this way (NCCL 2.30, src/graph/tuning.cc,
-    ncclTopoTuneModel: `(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`): a
-    pipelined chunk crosses the network only between nodes. It differs in two details
-    minipar leaves out: it raises the NVLink steps of a multi-node ring to its network
-    overhead (a few us), and prices a broadcast or reduce by its channels, not by this
-    split, which minipar applies to the chain too. An all-to-all is pairwise: each of its
-    n - 1 exchanges is charged the slowest link's alpha.
+    NVLink at intra_alpha, whatever the members a node. NCCL's own cost model counts
+    the latency of a ring all-reduce, all-gather and reduce-scatter this way (NCCL
+    2.30, src/graph/tuning.cc, ncclTopoTuneModel: `(nsteps - nInterSteps) * intraLat
+    + nInterSteps * interLat`): a pipelined chunk crosses the network only between
+    nodes. It differs in two details minipar leaves out: it raises the NVLink steps of
+    a multi-node ring to its network overhead (a few us), and prices a broadcast or
+    reduce by its channels, not by this split, which minipar applies to the chain too.
+    An all-to-all is pairwise: each of its n - 1 exchanges is charged the slowest
+    link's alpha.
     """
     if n <= 1:
         return 0.0

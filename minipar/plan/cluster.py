@@ -134,11 +134,11 @@ class ClusterSpec:
         crossing: 0 inside one node, else the group's members per node (group_rails),
         the NICs a ring collective crosses nodes on at once with `nic_rails`; the ring's
         steps between nodes pay the network's latency, the others NVLink's
-        (minipar.distributed.clock.collective_time), over n / crossing nodes (exact when
-        every node holds as many of the group's members, as the planner's meshes do)."""
+        (minipar.distributed.clock.collective_time), over the nodes a `Link` carries (a
+        plain int m: n / m nodes, every node holding m of the group)."""
         nics = crossing if self.nic_rails and op in RING_COLLECTIVES else 1
         alpha, bandwidth = self.link(bool(crossing), nics)
-        nodes = -(-n // crossing) if crossing else 1
+        nodes = getattr(crossing, "nodes", -(-n // crossing) if crossing else 1)
         return collective_time(op, n, nbytes, alpha, bandwidth, nodes,
                                self.intra_node_latency)
 
@@ -248,7 +248,20 @@ RING_COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "bro
                               "reduce", "barrier"})
 
 
-def rails(ranks, gpus_per_node: int) -> int:
+class Link(int):
+    """A group's entry of `group_links`: an int, its members a node (0 inside one node:
+    `rails`), that also carries `nodes`, the most nodes one of its groups spans, which
+    sets how many of a ring's steps cross the network (ClusterSpec.collective_time)."""
+
+    nodes: int
+
+    def __new__(cls, crossing: int, nodes: int) -> Link:
+        link = super().__new__(cls, crossing)
+        link.nodes = nodes
+        return link
+
+
+def rails(ranks, gpus_per_node: int) -> Link:
     """0 if `ranks` share a node; else how many NICs a ring collective over them crosses
     between nodes on at once: the fewest members the group has on any one node.
 
@@ -263,7 +276,7 @@ def rails(ranks, gpus_per_node: int) -> int:
     per_node: dict[int, int] = {}
     for r in ranks:
         per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
-    return min(per_node.values()) if len(per_node) > 1 else 0
+    return Link(min(per_node.values()) if len(per_node) > 1 else 0, len(per_node))
 
 
 
@@ -296,24 +309,25 @@ def group_crosses_nodes(size: int, stride: int, world: int, gpus_per_node: int) 
 
 @functools.cache
 def group_rails(size: int, stride: int, world: int, gpus_per_node: int,
-                inner: int = 1, inner_stride: int = 0) -> int:
+                inner: int = 1, inner_stride: int = 0) -> Link:
     """0 if the groups of `size` ranks spaced `stride` apart stay inside nodes, else the
     fewest members any group that crosses nodes has on one node: the NICs its ring
-    collectives cross nodes on at once (`rails`). inner, inner_stride: a second
-    dimension folded into each group (the gradients' dp x cp group: cp ranks
-    `inner_stride` apart inside each dp member's block of `stride`)."""
+    collectives cross nodes on at once (`rails`); with, as `nodes`, the most nodes one
+    group spans. inner, inner_stride: a second dimension folded into each group (the
+    gradients' dp x cp group: cp ranks `inner_stride` apart inside each dp member's
+    block of `stride`)."""
     if not (group_crosses_nodes(size, stride, world, gpus_per_node)
             or group_crosses_nodes(inner, inner_stride, world, gpus_per_node)):
-        return 0
+        return Link(0, 1)
     block = size * stride
     period = min(world, math.lcm(block, gpus_per_node))  # the placement repeats after it
-    fewest = gpus_per_node
+    fewest, nodes = gpus_per_node, 1
     for start in range(0, period, block):
         for offset in range(stride):
             if inner > 1 and (offset // inner_stride) % inner:
                 continue  # a member of the group of an earlier offset
-            crossing = rails([start + offset + i * stride + j * inner_stride
-                              for i in range(size) for j in range(inner)], gpus_per_node)
-            if crossing:
-                fewest = min(fewest, crossing)
-    return fewest
+            link = rails([start + offset + i * stride + j * inner_stride
+                          for i in range(size) for j in range(inner)], gpus_per_node)
+            if link:
+                fewest, nodes = min(fewest, link), max(nodes, link.nodes)
+    return Link(fewest, nodes)

@@ -122,3 +122,20 @@ def test_deepspeed_export_names_mics_and_zero_plus_plus():
         zero_quantized_gradients=True))["zero_optimization"]
     assert (zero["zero_hpz_partition_size"], zero["zero_quantized_weights"],
             zero["zero_quantized_gradients"]) == (8, True, True)
+
+
+@pytest.mark.parametrize("dp, per_node, zero", [(6, 4, 1), (3, 2, 0), (6, 4, 3)])
+def test_a_ring_over_uneven_nodes_costs_what_the_emulator_clocks(dp, per_node, zero):
+    # 6 ranks on nodes of 4 (4 + 2), 3 on nodes of 2 (2 + 1): the ring crosses the
+    # network on one step of a pass, whatever the members a node; the planner counts the
+    # nodes a group spans (cluster.Link), not its size over its fewest members a node
+    config = TrainConfig(**{**TINY, "dp": dp, "zero": zero, "gpus_per_node": per_node,
+                            "precision": "fp32"})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=per_node))
+    spent = sum(report.ranks[0]["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
+    assert STEPS * est.step_time == pytest.approx(spent, rel=1e-9)
+    assert est.links["dp"] == (2 if per_node == 4 else 1)  # the fewest a node: its NICs
+    assert est.links["dp"].nodes == 2
