@@ -17,7 +17,10 @@ leave (rms log error 0.057 there, 0.051 at the grid's best point, 0.68 and 0.325
 docs/planner.md) and are kept, since `minipar train --device h100` shares them. The
 H100's overlap contention (minipar.plan.timing.overlap_contention_seconds,
 presets.H100_OVERLAP_CONTENTION) is then fitted on every fitted H100 row: the README's
-five and every second MPT row.
+five and every second MPT row. Last, the H100's one FP8 constant, the fraction of the FP8
+peak its layers' FP8 GEMMs sustain (roofline.H100_FP8_GEMM_EFFICIENCY), on the FP8 runs of
+DGX Cloud Benchmarking v24.11.1, the bf16 constants kept; the later releases' FP8 runs
+are held out.
 tests/plan/test_published.py and test_published_mpt.py guard the residuals.
 """
 
@@ -30,6 +33,7 @@ from arguments import parse_no_flags
 
 from minipar.distributed.roofline import (
     GEMM_EFFICIENCY,
+    H100_FP8_GEMM_EFFICIENCY,
     H100_GEMM_EFFICIENCY,
     H100_MEMORY_EFFICIENCY,
     MEMORY_EFFICIENCY,
@@ -98,6 +102,26 @@ def h100() -> None:
         + published_h100.compare(runs=published_dgxc.RUNS)))
 
 
+def fp8() -> None:
+    """The H100's FP8 GEMM efficiency (roofline.fp8_gemm_efficiency), fitted on the FITTED
+    FP8 rows (DGX Cloud Benchmarking v24.11.1's), the bf16 constants kept, then every
+    FP8 row, the later releases' held out."""
+    runs = published_dgxc.FP8_RUNS
+    fitted = [run for run in runs if run.fitted]
+    base = presets.cluster("h100-80gb")
+
+    def fp8_loss(efficiency):
+        cluster = replace(base, roofline=base.roofline.replace(
+            fp8_gemm_efficiency=efficiency))
+        return loss(published_h100.compare(cluster, fitted))
+
+    best = min((fp8_loss(e / 100), e / 100) for e in range(50, 81, 2))
+    best = min((fp8_loss(best[1] + d / 100), best[1] + d / 100) for d in range(-2, 3))
+    print(f"FP8 GEMM efficiency fitted on {len(fitted)} runs: {best[1]:.2f} (rms log error "
+          f"{best[0]:.4f}); in roofline.py: {H100_FP8_GEMM_EFFICIENCY}\n")
+    print(published_h100.format_comparison(published_h100.compare(runs=runs)))
+
+
 def main() -> None:
     value, g, m = grid([0.60, 0.65, 0.70, 0.75, 0.80], [0.6, 0.7, 0.8, 0.9, 1.0])
     print(f"coarse grid: gemm_efficiency {g:.2f}, memory_efficiency {m:.2f}, "
@@ -123,6 +147,7 @@ def main() -> None:
         print(f"{name}: {rows[worst]['model']} {rows[worst]['tflops']:.1f} -> "
               f"{moved['tflops']:.1f} TFLOP/s")
     h100()
+    fp8()
 
 
 if __name__ == "__main__":

@@ -50,12 +50,16 @@ class Kernel:
     """One kernel: its FLOPs, the bytes it reads and writes in HBM, and, for a matrix
     multiply, its shape (batch, m, n, k): batch products of (m, k) @ (k, n). attention:
     a fused attention kernel's work as its benchmarks count it, for a cost model that
-    prices such kernels at their own measured rate (minipar.distributed.roofline)."""
+    prices such kernels at their own measured rate (minipar.distributed.roofline). fp8:
+    the GEMM's operands are 8-bit floats, run on the FP8 tensor cores (Transformer
+    Engine's FP8 linear layers, which the planner prices: minipar/plan/fp8.py; minipar's
+    own ops never set it)."""
 
     flops: float
     nbytes: float
     gemm: tuple[int, int, int, int] | None = None
     attention: FusedAttention | None = None
+    fp8: bool = False
 
 
 def gemm_kernel(batch: int, m: int, n: int, k: int, itemsize: int,

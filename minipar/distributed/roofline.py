@@ -25,6 +25,10 @@ The compute rate depends on the unit the kernel runs on:
 - A fused attention kernel (`Kernel.attention`: FlashAttention, cuDNN's) runs at its own
   measured rate when the roofline has one (`attention`: see
   minipar.distributed.attention_kernels), else as the GEMM of its shape.
+- An FP8 GEMM (`Kernel.fp8`: Transformer Engine's FP8 linear layers, priced by the
+  planner) runs on the same tensor cores at their FP8 rate, `fp8_peak_flops x
+  fp8_gemm_efficiency x shape_efficiency`: twice the 16-bit peak on Hopper, with its own
+  fitted efficiency. A roofline without an FP8 rate (the A100's) cannot price one.
 - Everything else (norms, activations, softmax, dropout, residual adds, the optimizer)
   runs on the CUDA cores at `vector_flops`; these kernels move a few bytes per FLOP, so
   the memory roof prices them: bytes moved at HBM bandwidth.
@@ -58,6 +62,9 @@ class Roofline:
     sm_count: streaming multiprocessors (datasheet). tile: (rows, columns) of the output
         tile one thread block computes (cuBLAS's large fp16 tiles, 256 x 128).
     attention: the fused attention kernel's measured rates (None: priced as a GEMM).
+    fp8_peak_flops: dense FP8 tensor-core FLOP/s (datasheet; None: the GPU has no FP8
+        tensor cores). fp8_gemm_efficiency: the fraction of it a large FP8 GEMM sustains
+        in a training step (fitted in benchmarks/fit_time_model.py).
     """
 
     name: str
@@ -69,12 +76,23 @@ class Roofline:
     sm_count: int
     tile: tuple[int, int] = (256, 128)
     attention: AttentionKernel | None = None
+    fp8_peak_flops: float | None = None
+    fp8_gemm_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         for setting in ("peak_flops", "vector_flops", "hbm_bandwidth"):
             if not getattr(self, setting) > 0:
                 raise ValueError(f"Roofline.{setting} must be > 0, got {getattr(self, setting)}")
-        for setting in ("gemm_efficiency", "memory_efficiency"):
+        if (self.fp8_peak_flops is None) != (self.fp8_gemm_efficiency is None):
+            raise ValueError("Roofline: give fp8_peak_flops and fp8_gemm_efficiency "
+                             "together, or neither")
+        if self.fp8_peak_flops is not None and not self.fp8_peak_flops > 0:
+            raise ValueError(f"Roofline.fp8_peak_flops must be > 0, got "
+                             f"{self.fp8_peak_flops}")
+        efficiencies = ["gemm_efficiency", "memory_efficiency"]
+        if self.fp8_gemm_efficiency is not None:
+            efficiencies.append("fp8_gemm_efficiency")
+        for setting in efficiencies:
             if not 0 < getattr(self, setting) <= 1:
                 raise ValueError(f"Roofline.{setting} must be in (0, 1], got "
                                  f"{getattr(self, setting)}")
@@ -89,9 +107,21 @@ class Roofline:
         waves = math.ceil(tiles / self.sm_count)
         return batch * m * n / (waves * self.sm_count * tile_m * tile_n)
 
-    def gemm_flops(self, batch: int, m: int, n: int) -> float:
-        """FLOP/s a GEMM with a (batch, m, n) output sustains when compute-bound."""
-        return self.peak_flops * self.gemm_efficiency * self.shape_efficiency(batch, m, n)
+    @property
+    def has_fp8(self) -> bool:
+        """Whether the GPU has FP8 tensor cores (and so can price an FP8 GEMM)."""
+        return self.fp8_peak_flops is not None
+
+    def gemm_flops(self, batch: int, m: int, n: int, fp8: bool = False) -> float:
+        """FLOP/s a GEMM with a (batch, m, n) output sustains when compute-bound (fp8: on
+        the FP8 tensor cores)."""
+        if fp8:
+            if not self.has_fp8:
+                raise ValueError(f"{self.name} has no FP8 tensor cores")
+            rate = self.fp8_peak_flops * self.fp8_gemm_efficiency
+        else:
+            rate = self.peak_flops * self.gemm_efficiency
+        return rate * self.shape_efficiency(batch, m, n)
 
     def seconds(self, kernel: Kernel) -> float:
         """Seconds of one kernel: the higher of its compute time and its memory time."""
@@ -100,7 +130,7 @@ class Roofline:
                 kernel.attention)
         elif kernel.gemm is not None:
             batch, m, n, _ = kernel.gemm
-            compute = kernel.flops / self.gemm_flops(batch, m, n)
+            compute = kernel.flops / self.gemm_flops(batch, m, n, kernel.fp8)
         else:
             compute = kernel.flops / self.vector_flops
         memory = kernel.nbytes / (self.hbm_bandwidth * self.memory_efficiency)
@@ -133,10 +163,18 @@ GEMM_EFFICIENCY = 0.70
 MEMORY_EFFICIENCY = 0.65
 H100_GEMM_EFFICIENCY = 0.69
 H100_MEMORY_EFFICIENCY = 0.28
+# The H100's FP8 tensor cores: 1979 TFLOP/s dense (datasheet), and the fraction of it the
+# layers' FP8 GEMMs sustain in a training step, fitted on NVIDIA's FP8 runs of DGX Cloud
+# Benchmarking v24.11.1 (minipar/plan/published_dgxc.py; benchmarks/fit_time_model.py),
+# held out on those of its later releases.
+H100_FP8_PEAK_FLOPS = 1979e12
+H100_FP8_GEMM_EFFICIENCY = 0.61
 
 A100_SXM_80GB = Roofline(name="A100-SXM4-80GB", peak_flops=312e12, vector_flops=19.5e12,
                          hbm_bandwidth=2039e9, gemm_efficiency=GEMM_EFFICIENCY,
                          memory_efficiency=MEMORY_EFFICIENCY, sm_count=108)
 H100_SXM_80GB = Roofline(name="H100-SXM5-80GB", peak_flops=989e12, vector_flops=67e12,
                          hbm_bandwidth=3.35e12, gemm_efficiency=H100_GEMM_EFFICIENCY,
-                         memory_efficiency=H100_MEMORY_EFFICIENCY, sm_count=132)
+                         memory_efficiency=H100_MEMORY_EFFICIENCY, sm_count=132,
+                         fp8_peak_flops=H100_FP8_PEAK_FLOPS,
+                         fp8_gemm_efficiency=H100_FP8_GEMM_EFFICIENCY)

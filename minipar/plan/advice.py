@@ -263,6 +263,9 @@ def format_ranking(advice: Advice, top: int = 5) -> str:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    if advice.ranked and advice.ranked[0].config.fp8_format is not None:
+        lines.append(f"(FP8 GEMMs, {advice.ranked[0].config.fp8_format}: MFU of the bf16 "
+                     "peak; of the FP8 peak it is half)")
     return "\n".join(lines)
 
 

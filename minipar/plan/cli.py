@@ -33,7 +33,7 @@ from minipar.plan.advisor import advise
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import FP8_FORMATS, ParallelConfig
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import ModelSettings, check_learning_rate, moe_setting_without_experts
@@ -47,7 +47,9 @@ TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
                      "llama3": published_h100.LLAMA3, "automodel": published_h100.AUTOMODEL,
                      "mpt": published_mpt.MPT, "dgxc": published_dgxc.DGXC,
-                     "dgxc-25": published_dgxc.DGXC_LATER}
+                     "dgxc-25": published_dgxc.DGXC_LATER,
+                     "dgxc-fp8": published_dgxc.DGXC_FP8,
+                     "dgxc-25-fp8": published_dgxc.DGXC_FP8_LATER}
 CUSTOM_SHAPE_FLAGS = ("n_layer", "d_model", "n_head", "vocab_size")
 # Megatron-LM's switches that the planner prices, by Megatron-LM's names (--X / --no-X)
 MEGATRON_SWITCHES = {
@@ -62,7 +64,8 @@ MEGATRON_SWITCHES = {
 }
 # ParallelConfig's settings a plan takes beyond the trainer's layout (an example applies
 # those given on top of its own; --layer-split too, parsed apart)
-PLAN_SETTINGS = (*MEGATRON_SWITCHES, "lr", "memory_accounting", "flash_attention")
+PLAN_SETTINGS = (*MEGATRON_SWITCHES, "lr", "memory_accounting", "flash_attention",
+                 "fp8_format")
 # settings of a plan beyond the trainer's layout, which the published runs fix for themselves
 PUBLISHED_RUN_SETTINGS = (*PLAN_SETTINGS, "layer_split", "reference_global_batch_size",
                           "reference_lr")
@@ -147,6 +150,13 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         flag = name.replace("_", "-")
         layout.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, dest=name,
                             default=None, help=f"Megatron-LM's --{flag}: {text}")
+    layout.add_argument("--fp8-format", dest="fp8_format", default=None,
+                        choices=FP8_FORMATS,
+                        help="Megatron-LM's --fp8-format: the layers' linear GEMMs in FP8 by "
+                             "Transformer Engine (e4m3, or hybrid: e5m2 gradients), on the "
+                             "GPU's FP8 tensor cores, with TE's casts; attention, embedding, "
+                             "output layer and MoE experts stay bf16; needs bf16-mixed and "
+                             "an FP8 GPU (h100-80gb). Default: bf16")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -176,7 +186,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "(Megatron-LM's H100 runs), llama3, automodel (NeMo AutoModel's "
                              "FSDP2 run), mpt (MosaicML's H100 runs), dgxc (NVIDIA's DGX "
                              "Cloud Benchmarking runs of NeMo, DGX H100, release "
-                             "v24.11.1), dgxc-25 (its later releases, v25.02-v25.05.01)")
+                             "v24.11.1), dgxc-25 (its later releases, v25.02-v25.05.01); "
+                             "dgxc-fp8, dgxc-25-fp8: the same releases' FP8 tables "
+                             "(--fp8-format hybrid)")
     return plan
 
 
@@ -286,6 +298,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
     values.update(flash_attention=args.flash_attention, lr=args.lr,
                   memory_accounting=args.memory_accounting or "paper",
+                  fp8_format=args.fp8_format,
                   tp_comm_overlap=bool(args.tp_comm_overlap),
                   overlap_param_gather=bool(args.overlap_param_gather),
                   cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False)
@@ -463,6 +476,7 @@ def _run(args) -> int:
                         precision=_setting(args, "precision"),
                         grad_accum_dtype=args.grad_accum_dtype,
                         memory_accounting=args.memory_accounting or "paper",
+                        fp8_format=args.fp8_format,
                         tp_comm_overlap=bool(args.tp_comm_overlap),
                         overlap_param_gather=bool(args.overlap_param_gather),
                         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
@@ -527,8 +541,12 @@ def _compare_published(args) -> int:
     chosen = [PUBLISHED_SOURCES[name] for name in (args.source or PUBLISHED_SOURCES)]
     rows = published.compare(cluster) if TABLE_1 in chosen else []
     h100_runs = tuple(run for run in published_h100.RUNS + published_mpt.RUNS
-                      + published_dgxc.RUNS
-                      if run.source in chosen)
+                      + published_dgxc.RUNS + published_dgxc.FP8_RUNS
+                      if run.source in chosen
+                      # the uniform model has no FP8 roof: its rows only when asked for
+                      # (and then refused, by name)
+                      and (args.efficiency is None or args.source is not None
+                           or run.config.fp8_format is None))
     if args.attention_kernel is not None:  # every row at the kernel asked for
         h100_runs = tuple(replace(run, attention_kernel=None) for run in h100_runs)
     h100_rows = published_h100.compare(h100, h100_runs)

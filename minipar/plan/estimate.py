@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from minipar.errors import flag
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.experts import expert_capacity, expert_parameter_bytes
+from minipar.plan.fp8 import FP8_CALIBRATION, check_fp8_cluster
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
 from minipar.plan.offload import tier_memory, tier_transfers
@@ -189,6 +190,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     (pipeline_step.p2p_message_seconds); minipar's own pipeline does not (the default).
     """
     check_model_fits_layout(shape, config)
+    check_fp8_cluster(config.fp8_format, cluster)
     plans = stage_plans(shape, config, all_ranks=all_stages)
     stages = []
     for plan in plans:
@@ -241,9 +243,25 @@ def human_seconds(s: float) -> str:
     return f"{s * 1e6:.2f} us"
 
 
-def compute_model(cluster: ClusterSpec, fused_attention: bool = True) -> str:
+def fp8_mfu(est: Estimate) -> str:
+    """Under FP8, the MFU of the FP8 peak beside the 16-bit one (NVIDIA's FP8 tables
+    divide by the FP8 peak; `mfu` stays of the 16-bit peak, comparable across plans)."""
+    if est.config.fp8_format is None:
+        return ""
+    fp8_share = est.cluster.peak_flops / est.cluster.roofline.fp8_peak_flops
+    return f" of the bf16 peak ({est.time['mfu'] * fp8_share:.1%} of FP8's)"
+
+
+def compute_model(cluster: ClusterSpec, fused_attention: bool = True,
+                  fp8_format: str | None = None) -> str:
     """How the cluster prices compute, in a few words, and what calibrates it (the fused
-    attention kernel's rates only for a plan that fuses attention)."""
+    attention kernel's rates only for a plan that fuses attention; the FP8 GEMMs' fit
+    for a plan in FP8)."""
+    if fp8_format is not None:  # (estimate() has checked the roofline prices FP8)
+        return (f"on the {cluster.roofline.name} roofline, the layers' GEMMs in FP8 "
+                f"({fp8_format}) at {cluster.roofline.fp8_gemm_efficiency:.0%} of the FP8 "
+                f"peak, fitted on {FP8_CALIBRATION}, the rest as in bf16 "
+                f"({compute_model(cluster, fused_attention)})")
     if cluster.roofline is None:
         how = f"at {cluster.efficiency:.0%} kernel efficiency"
     elif not fused_attention:
@@ -331,8 +349,8 @@ def format_estimate(est: Estimate) -> str:
         *accounting_lines(est),
         f"step: {human_seconds(t['step_s'])} (pipeline {human_seconds(t['pipeline_s'])}, "
         f"after the last backward {human_seconds(t['tail_s'])}), bubble "
-        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%} "
-        f"{compute_model(est.cluster, est.config.flash_attention)}, "
+        f"{t['bubble_fraction']:.1%}, MFU {t['mfu']:.1%}{fp8_mfu(est)} "
+        f"{compute_model(est.cluster, est.config.flash_attention, c.fp8_format)}, "
         f"{t['tokens_per_s']:,.0f} tokens/s",
     ]
     if c.offload_optimizer != "none" or c.offload_param != "none":

@@ -46,6 +46,7 @@ from minipar.autograd.kernels import (
 )
 from minipar.plan.context import busiest_pairs, chunk_tokens, diagonal_share, local_shape
 from minipar.plan.experts import dispatch_rows, recomputed_layers
+from minipar.plan.fp8 import FP8, fp8_linear_kernels, weight_cast_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.shapes import (
@@ -63,13 +64,17 @@ from minipar.plan.shapes import (
 
 def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
                   itemsize: int = 2, flash_attention: bool = False,
-                  ring: tuple[int, int] | None = None, moe_ep: int | None = None
-                  ) -> tuple[list[Kernel], list[Kernel]]:
+                  ring: tuple[int, int] | None = None, moe_ep: int | None = None,
+                  fp8: bool = False) -> tuple[list[Kernel], list[Kernel]]:
     """(forward, backward) kernels of one layer on one TP rank for b sequences. ring:
     (chunk tokens, chunk pairs) of context parallelism's ring attention, whose blocks
     replace the attention kernels (shape then holds one CP rank's s/cp tokens). moe_ep:
-    an MoE layer's, expert-parallel over moe_ep ranks (`moe_kernels` replace its MLP)."""
+    an MoE layer's, expert-parallel over moe_ep ranks (`moe_kernels` replace its MLP).
+    fp8: the four linear layers' GEMMs in FP8, as Transformer Engine runs them
+    (plan/fp8.py): the norms write their output in FP8 for the GEMM after them (TE's
+    LayerNormLinear), the other two cast their inputs."""
     h, s, f, e = shape.d_model, shape.seq_len, shape.ffn, itemsize
+    gemm_in = FP8 if fp8 else e  # bytes per element of a linear layer's input
     tokens = b * s
     stream = tokens // tp if sequence_parallel else tokens
     qkv, mlp_in = shape.qkv_width // tp, shape.mlp_in_width // tp
@@ -81,9 +86,18 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     def elementwise(flops_f, bytes_f, flops_b, bytes_b) -> tuple[tuple, tuple]:
         return (Kernel(flops_f, bytes_f),), (Kernel(flops_b, bytes_b),)
 
-    def norm():  # reads x, writes y; backward reads x and dy, writes dx
-        return elementwise(norm_f * stream * h, 2 * e * stream * h,
+    def norm(out=gemm_in):  # reads x, writes y; backward reads x and dy, writes dx
+        return elementwise(norm_f * stream * h, (e + out) * stream * h,
                            norm_b * stream * h, 3 * e * stream * h)
+
+    def linear(m, n, k, bias, after_norm=False):
+        """A linear layer's kernels; under FP8 (plan/fp8.py), after_norm: its input is the
+        norm's FP8 output (LayerNormLinear); a row-parallel layer (not after a norm)
+        all-gathers its output's gradient under sequence parallelism."""
+        if fp8:
+            gathered = tp if sequence_parallel and not after_norm else 1
+            return fp8_linear_kernels(m, n, k, e, bias, after_norm, gathered)
+        return linear_kernels(m, n, k, e, bias)
 
     def residual(bias=bias, dropout=dropout):  # the add, the row-parallel bias and the
         mask = stream * h if dropout else 0      # dropout fused (bias_dropout_add)
@@ -100,24 +114,25 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
         backward.extend(kernels[1])
 
     add(norm())
-    add(linear_kernels(tokens, qkv, h, e, bias))
+    add(linear(tokens, qkv, h, bias, after_norm=True))
     if shape.position == "rope":
         rotated = tokens * (h + shape.kv_dim) // tp
         add(elementwise(ROPE_FLOPS[0] * rotated, 2 * e * rotated,
                         ROPE_FLOPS[1] * rotated, 2 * e * rotated))
     add(attention_core_kernels(shape, b, tp, itemsize, flash_attention, ring))
-    add(linear_kernels(tokens, h, h // tp, e, False))  # its bias is in the residual add
+    add(linear(tokens, h, h // tp, False))  # its bias is in the residual add
     add(residual())
-    add(norm())
     if moe_ep is not None:  # the experts hold their biases; an MoE MLP has no dropout
+        add(norm(out=e))  # (its router and experts: bf16, also under FP8)
         add(moe_kernels(shape, b, tp, moe_ep, itemsize))
         add(residual(bias=False, dropout=False))
         return forward, backward
-    add(linear_kernels(tokens, mlp_in, h, e, bias))
+    add(norm())
+    add(linear(tokens, mlp_in, h, bias, after_norm=True))
     hidden = shape.ffn // tp
     add(elementwise(act_f * tokens * hidden, e * tokens * (mlp_in + hidden),
                     act_b * tokens * hidden, e * tokens * (2 * mlp_in + hidden)))
-    add(linear_kernels(tokens, h, f // tp, e, False))
+    add(linear(tokens, h, f // tp, False))
     add(residual())
     return forward, backward
 
@@ -268,10 +283,15 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         chunk = chunk_tokens(full.seq_len, config.cp, config.cp_load_balance)
         ring = (chunk, busiest_pairs(config.cp, config.cp_load_balance,
                                      diagonal=diagonal_share(chunk, config.flash_attention)))
-    layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring)
+    fp8 = config.fp8_format is not None
+    layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring,
+                                     fp8=fp8)
     recompute = config.recompute
     dense, moe = stage.layers - stage.moe_layers, stage.moe_layers
     forward = [(dense, layer_f)]
+    if fp8 and dense:  # the FP8 weights, cast once a step: a micro-batch's share
+        forward.append((dense / config.micro_batches,
+                        weight_cast_kernels(full.layer_params(t)[0], e)))
     core_f: tuple = ()
     if recompute.full:  # the checkpointed layers run their forward again first
         again = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
@@ -284,7 +304,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         backward = [(dense, layer_b)]
     if moe:
         moe_f, moe_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring,
-                                     moe_ep=config.ep)
+                                     moe_ep=config.ep, fp8=fp8)
         forward.append((moe, moe_f))
         again_f = moe_f if recompute.full and moe_again else []
         backward.append((moe, list(again_f) + list(core_f) + moe_b))

@@ -45,6 +45,9 @@ class Precision:
 
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "fp64": 8}
+# Megatron-LM's --fp8-format choices (TransformerConfig.fp8 in
+# megatron/core/transformer/transformer_config.py)
+FP8_FORMATS = ("e4m3", "hybrid")
 PRECISION_BYTES = {
     "fp64": Precision(param=8, grad=8, optimizer=16, activation=8, compute=8),
     "fp32": Precision(param=4, grad=4, optimizer=8, activation=4, compute=4),
@@ -81,6 +84,9 @@ class ParallelConfig(Layout):
     # the loss as one fused kernel (minipar's op; Megatron-LM's --cross-entropy-loss-fusion)
     # or Megatron-LM's default, op by op in fp32 (plan/kernels.cross_entropy_bytes)
     cross_entropy_loss_fusion: bool = True
+    # Megatron-LM's --fp8-format: the layers' linear GEMMs in FP8 by Transformer Engine
+    # (e4m3 everywhere, or hybrid: e4m3 forward, e5m2 gradients); None: bf16 (plan/fp8.py)
+    fp8_format: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_split, list):
@@ -95,6 +101,14 @@ class ParallelConfig(Layout):
                               "communication with GEMMs only under sequence parallelism "
                               "(its all-gathers and reduce-scatters): add "
                               "--sequence-parallel")
+        if self.fp8_format is not None:
+            if self.fp8_format not in FP8_FORMATS:
+                raise ConfigError("fp8_format", f"{self.fp8_format!r} is not one of "
+                                  f"{', '.join(FP8_FORMATS)} (Megatron-LM's --fp8-format)")
+            if self.precision != "bf16-mixed":
+                raise ConfigError("fp8_format", "Transformer Engine runs FP8 GEMMs inside bf16 "
+                                  "mixed precision (Megatron-LM: --bf16 --fp8-format): use "
+                                  f"--precision bf16-mixed, not {self.precision}")
         if self.overlap_param_gather and self.zero != 1:
             raise ConfigError("overlap_param_gather", "overlaps Megatron-LM's distributed "
                               f"optimizer's parameter all-gather (ZeRO-1), not ZeRO-"

@@ -2,8 +2,8 @@
 
 Source: NVIDIA/dgxc-benchmarking at commit 35a9aec (release v24.11.1): each recipe's
 README, "Expected Performance", a table of "Training step time (seconds per step)" and
-"Model flops utilization" per GPU count, for BF16 and FP8 (only BF16 is planned: the
-planner has no FP8 model), measured on NVIDIA's DGX H100 reference architecture (8 GPUs a
+"Model flops utilization" per GPU count, for BF16 and FP8 (`FP8_RUNS`, below), measured
+on NVIDIA's DGX H100 reference architecture (8 GPUs a
 node, NVLink, one 400 Gb/s NIC a GPU: the h100-80gb preset). The recipes (the yaml beside
 each README, with the overrides of its configure.sh or launch.sh) say how each ran:
 
@@ -74,6 +74,16 @@ the NeMo commit its setup.sh pins):
 The 405B tables' "proxy" columns (7 to 62 layers) are left out, as above; so are the
 later patch releases, which reprint these numbers.
 
+The FP8 tables beside them (`FP8_RUNS`, `--source dgxc-fp8` and `dgxc-25-fp8`) are
+planned with the same recipes in Transformer Engine's FP8 (`fp8_format` "hybrid": every
+FP8 script sets `fp8_hybrid`, delayed scaling, FP8 parameters, no BF16 first or last
+layers, no FP8 attention; plan/fp8.py), in the layout of their BF16 table but for v25.04's
+Llama 3.1 70B, which runs FP8 at PP 8 and no CP (llama31_utils.py at NeMo d2b21556). The
+H100's FP8 GEMM efficiency is fitted on v24.11.1's 32 FP8 columns; the later releases'
+56 are held out. v25.02's Nemotron-4 340B FP8 table is v24.11.1's, reprinted, and
+v25.05.01's Nemotron pair v25.05's: not planned twice. Their MFU column divides by 1,979
+TFLOP/s, the FP8 peak.
+
 Nothing in the planner was fitted on these rows: they were read after its H100
 constants were fixed, and every row is held out. The published TFLOP/s per GPU are the
 source's own count ("model flops" per sequence, each README's "Notes"; its MFU column is
@@ -93,7 +103,9 @@ from minipar.plan.shapes import ModelShape
 DGXC = "NVIDIA DGX Cloud Benchmarking (dgxc-benchmarking 35a9aec), DGX H100 BF16"
 DGXC_LATER = ("NVIDIA DGX Cloud Benchmarking, later releases (dgxc-benchmarking v25.02 "
               "8f5cbb3, v25.04 741c886, v25.05 68eaf7e, v25.05.01 85d9284), DGX H100 BF16")
-PEAK_BF16 = 989e12  # the READMEs' "peak theoretical throughput ... H100 BF16"
+DGXC_FP8 = "NVIDIA DGX Cloud Benchmarking (dgxc-benchmarking 35a9aec), DGX H100 FP8"
+DGXC_FP8_LATER = ("NVIDIA DGX Cloud Benchmarking, later releases (v25.02, v25.04, v25.05, "
+                  "v25.05.01), DGX H100 FP8")
 
 _NEMOTRON = dict(n_kv_head=8, vocab_size=256000, seq_len=4096, mlp="gelu",
                  norm="layernorm", bias=False, position="rope", tie_embeddings=False)
@@ -148,6 +160,7 @@ class Recipe:
     # NeMo 2.0 with PP, VP and DP > 1: one bucket per model chunk (its
     # overlap_param_gather_with_optimizer_step disables bucketing)
     bucket_per_chunk: bool = False
+    fp8: bool = False  # the FP8 table: Transformer Engine's hybrid FP8 (plan/fp8.py)
 
 
 RECIPES = (
@@ -237,6 +250,74 @@ LATER_RECIPES = (
 )
 
 
+def _fp8(recipe: Recipe, columns, **changes) -> Recipe:
+    """The FP8 table of the BF16 `recipe`'s release: its columns, the same settings but
+    for `changes` (the scripts' FP8 switches are the module docstring's)."""
+    return replace(recipe, fp8=True, columns=columns, **changes)
+
+
+# The FP8 tables beside RECIPES' (v24.11.1): the H100's FP8 GEMM efficiency is fitted on
+# these (roofline.H100_FP8_GEMM_EFFICIENCY, benchmarks/fit_time_model.py)
+FP8_RECIPES = (
+    _fp8(RECIPES[0], ((8, 128, 9.67, 39.63), (16, 256, 9.73, 39.39), (32, 512, 9.75, 39.31),
+                      (64, 1024, 9.80, 39.10), (128, 2048, 9.82, 39.02))),
+    _fp8(RECIPES[1], ((64, 128, 11.01, 36.17), (128, 256, 10.93, 36.43),
+                      (256, 512, 11.16, 35.68), (512, 1024, 11.18, 35.62),
+                      (1024, 2048, 11.28, 35.30), (2048, 4096, 11.39, 34.96))),
+    _fp8(RECIPES[2], ((576, 252, 11.24, 42.71), (1152, 504, 11.31, 42.45),
+                      (2304, 1008, 12.35, 38.87))),
+    _fp8(RECIPES[3], ((16, 64, 2.08, 42.22), (32, 128, 2.07, 42.43), (64, 256, 2.09, 42.02),
+                      (128, 512, 2.08, 42.22), (256, 1024, 2.10, 41.82),
+                      (512, 2048, 2.12, 41.43), (1024, 4096, 2.12, 41.43),
+                      (2048, 8192, 2.18, 40.29))),
+    _fp8(RECIPES[4], ((128, 32, 3.16, 40.38), (256, 64, 3.21, 39.75), (512, 128, 3.26, 39.14),
+                      (1024, 256, 3.34, 38.20), (2048, 512, 3.49, 36.56))),
+    _fp8(RECIPES[5], ((128, 256, 5.92, 37.56), (256, 512, 5.96, 37.30),
+                      (512, 1024, 6.44, 34.52), (1024, 2048, 6.72, 33.09),
+                      (2048, 4096, 6.24, 35.63))),
+)
+
+# The later releases' FP8 tables, held out. v25.02's Nemotron-4 340B table is v24.11.1's,
+# reprinted, and v25.05.01's Nemotron pair is v25.05's: neither is planned twice.
+LATER_FP8_RECIPES = (
+    _fp8(LATER_RECIPES[0], ((8, 128, 9.44, 40.59), (16, 256, 9.47, 40.45),
+                            (32, 512, 9.60, 39.94), (64, 1024, 9.64, 39.77),
+                            (128, 2048, 9.73, 39.41))),
+    _fp8(LATER_RECIPES[1], ((64, 128, 10.46, 38.08), (128, 256, 10.52, 37.84),
+                            (256, 512, 10.75, 37.04), (512, 1024, 10.76, 37.00),
+                            (1024, 2048, 10.83, 36.77), (2048, 4096, 10.99, 36.23))),
+    _fp8(LATER_RECIPES[2], ((576, 252, 11.00, 43.61), (1152, 504, 11.10, 43.22),
+                            (2304, 1008, 11.20, 42.83))),
+    _fp8(LATER_RECIPES[3], ((16, 64, 2.039, 43.07), (32, 128, 2.046, 42.92),
+                            (64, 256, 2.048, 42.88), (128, 512, 2.059, 42.65),
+                            (256, 1024, 2.075, 42.32), (512, 2048, 2.12, 41.43),
+                            (1024, 4096, 2.094, 41.94), (2048, 8192, 2.12, 41.43))),
+    _fp8(LATER_RECIPES[4], ((128, 256, 5.626, 39.52), (256, 512, 5.725, 38.84),
+                            (512, 1024, 5.774, 38.51), (1024, 2048, 5.82, 38.20),
+                            (2048, 4096, 5.96, 37.30))),
+    _fp8(LATER_RECIPES[5], ((8, 128, 9.33, 41.07), (16, 256, 9.36, 40.94),
+                            (32, 512, 9.43, 40.64), (64, 1024, 9.48, 40.42),
+                            (128, 2048, 9.54, 40.17))),
+    # v25.04's 70B in FP8 runs PP 8 and no CP where BF16 runs PP 4, CP 2
+    # (llama31_utils.py at NeMo d2b21556)
+    _fp8(LATER_RECIPES[6], ((64, 128, 9.86, 40.38), (128, 256, 9.95, 40.02),
+                            (256, 512, 10.00, 39.82), (512, 1024, 10.07, 39.54),
+                            (1024, 2048, 10.08, 39.50), (2048, 4096, 10.15, 39.23)),
+         pp=8, cp=1),
+    _fp8(LATER_RECIPES[7], ((512, 256, 12.37, 44.35), (1024, 512, 12.42, 44.17),
+                            (2048, 1024, 12.56, 43.68))),
+    _fp8(LATER_RECIPES[8], ((16, 64, 1.98, 44.35), (32, 128, 1.98, 44.35),
+                            (64, 256, 1.98, 44.35), (128, 512, 1.99, 44.13),
+                            (256, 1024, 2.00, 43.91), (512, 2048, 2.02, 43.48),
+                            (1024, 4096, 2.03, 43.26), (2048, 8192, 2.09, 42.02))),
+    _fp8(LATER_RECIPES[9], ((256, 64, 2.93, 43.55), (512, 128, 2.97, 42.96),
+                            (1024, 256, 3.00, 42.53), (2048, 512, 3.05, 41.83))),
+    _fp8(LATER_RECIPES[10], ((16, 64, 1.988, 39.1),)),
+    _fp8(LATER_RECIPES[11], ((256, 64, 3.107, 35.0),)),
+    _fp8(LATER_RECIPES[12], ((512, 256, 13.02, 42.12),)),
+)
+
+
 def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
     """A column's layout under its recipe's settings (module docstring)."""
     dp = gpus // (recipe.tp * recipe.pp * recipe.cp)
@@ -249,7 +330,7 @@ def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
         bucket_size_mb=_bucket_mb(recipe, dp),
         grad_accum_dtype=recipe.grad_dtype, flash_attention=True,
         recompute_granularity=recipe.recompute, cross_entropy_loss_fusion=recipe.loss_fusion,
-        layer_split=recipe.layer_split)
+        layer_split=recipe.layer_split, fp8_format="hybrid" if recipe.fp8 else None)
 
 
 @dataclass(frozen=True)
@@ -267,10 +348,10 @@ def published_tflops(recipe: Recipe, gpus: int, batch: int, step_s: float) -> fl
     return recipe.flops_per_sequence * batch / step_s / gpus / 1e12
 
 
-def _runs() -> tuple[H100Run, ...]:
+def _runs(*tables) -> tuple[H100Run, ...]:
+    """The runs of (source, label, recipes, fitted) tables, every column of each."""
     runs = []
-    for source, label, recipes in ((DGXC, "DGXC", RECIPES),
-                                   (DGXC_LATER, "DGXC 25", LATER_RECIPES)):
+    for source, label, recipes, fitted in tables:
         for recipe in recipes:
             name = recipe.model if recipe.release == "v24.11.1" else (
                 f"{recipe.model.split()[0]} ({recipe.release})")
@@ -280,10 +361,12 @@ def _runs() -> tuple[H100Run, ...]:
                 row = (f"{name}: tp {recipe.tp}, pp {recipe.pp}{vp}, cp {recipe.cp}, "
                        f"{gpus:,} GPUs, batch {batch}, {recipe.attention_kernel}")
                 runs.append(H100Run(source, label, row, MODELS[recipe.model], config,
-                                    published_tflops(recipe, gpus, batch, step_s), False,
+                                    published_tflops(recipe, gpus, batch, step_s), fitted,
                                     SourceFlops(recipe.flops_per_sequence),
                                     attention_kernel=recipe.attention_kernel))
     return tuple(runs)
 
 
-RUNS = _runs()
+RUNS = _runs((DGXC, "DGXC", RECIPES, False), (DGXC_LATER, "DGXC 25", LATER_RECIPES, False))
+FP8_RUNS = _runs((DGXC_FP8, "DGXC FP8", FP8_RECIPES, True),
+                 (DGXC_FP8_LATER, "DGXC 25 FP8", LATER_FP8_RECIPES, False))

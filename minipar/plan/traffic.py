@@ -322,11 +322,16 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             add("all_reduce", 1, numel * a, full, "backward", "logits input gradient")
     else:
         gather, scatter = all_gather_sent(piece, a, t), reduce_scatter_sent(numel, a, t)
-        add("all_gather", 2 * (layers + recomputed), numel * a, gather, "forward",
+        # under FP8, Transformer Engine gathers the FP8 copies of the norms' outputs and
+        # of the row-parallel layers' output gradients, 1 byte an element (plan/fp8.py;
+        # an MoE stage's in bf16)
+        g = 1 if config.fp8_format is not None and not moe else a
+        layer_gather = all_gather_sent(piece, g, t)
+        add("all_gather", 2 * (layers + recomputed), numel * g, layer_gather, "forward",
             "sequence-parallel all-gather (g)")
         add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
             "sequence-parallel reduce-scatter")
-        add("all_gather", 4 * layers - moe, numel * a, gather, "backward",
+        add("all_gather", 4 * layers - moe, numel * g, layer_gather, "backward",
             "input re-gather and gradient all-gather")
         add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")

@@ -11,6 +11,7 @@ transcription.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -279,3 +280,104 @@ def test_the_ring_latency_keeps_large_data_parallel_groups_in_line(compared):
     every_step = replace(h100, intra_node_latency=h100.inter_node_latency)
     (old,) = published_h100.compare(every_step, (run,))
     assert old["error"] < -0.15
+
+
+# ------------------------------------------------------------------ the FP8 tables
+@pytest.fixture(scope="module")
+def compared_fp8() -> list[dict]:
+    return published_h100.compare(runs=published_dgxc.FP8_RUNS)
+
+
+def test_the_fp8_step_times_give_the_readmes_mfu_of_the_fp8_peak():
+    # MFU = batch x model flops / step / GPUs / 1979 TFLOP/s ("peak theoretical
+    # throughput for H100 FP8"), to the printed rounding (v25.05's 340B prints 35%)
+    for recipe in published_dgxc.FP8_RECIPES + published_dgxc.LATER_FP8_RECIPES:
+        for gpus, batch, step_s, mfu in recipe.columns:
+            derived = recipe.flops_per_sequence * batch / step_s / gpus / 1979e12 * 100
+            assert derived == pytest.approx(mfu, abs=0.06), (recipe.release, recipe.model)
+    fitted = [run for run in published_dgxc.FP8_RUNS if run.fitted]
+    assert len(fitted) == 32 and len(published_dgxc.FP8_RUNS) == 32 + 56
+    assert {run.source for run in fitted} == {published_dgxc.DGXC_FP8}
+
+
+def test_each_fp8_table_is_its_bf16_tables_layout_in_fp8_but_v25_04s_70b():
+    # every FP8 table's header is its BF16 table's, but NeMo 2.0's Llama 3.1 70B recipe
+    # runs FP8 at PP 8 and no CP (llama31_utils.py at NeMo d2b21556)
+    pairs = (list(zip(published_dgxc.RECIPES, published_dgxc.FP8_RECIPES, strict=True))
+             + list(zip(published_dgxc.LATER_RECIPES, published_dgxc.LATER_FP8_RECIPES,
+                        strict=True)))
+    differs = []
+    for bf16, fp8 in pairs:
+        assert fp8.fp8 and not bf16.fp8 and fp8.model == bf16.model
+        assert fp8.release == bf16.release
+        assert [c[:2] for c in fp8.columns] == [c[:2] for c in bf16.columns]
+        if (fp8.tp, fp8.pp, fp8.cp, fp8.vp, fp8.micro) != (bf16.tp, bf16.pp, bf16.cp,
+                                                          bf16.vp, bf16.micro):
+            differs.append((fp8.release, fp8.model, fp8.pp, fp8.cp))
+    assert differs == [("v25.04", "llama3.1-70b", 8, 1)]
+    assert {run.config.fp8_format for run in published_dgxc.FP8_RUNS} == {"hybrid"}
+
+
+def rms_log_error(rows) -> float:
+    return (sum(math.log(1 + r["error"]) ** 2 for r in rows) / len(rows)) ** 0.5
+
+
+def test_the_fp8_gemm_efficiency_is_the_fit_on_v24_11_1s_fp8_runs(compared_fp8):
+    # benchmarks/fit_time_model.py fits it on a grid of 0.01; the kept value is its
+    # minimum: both neighbours fit the 32 runs worse
+    from minipar.plan import presets
+
+    fitted = [run for run in published_dgxc.FP8_RUNS if run.fitted]
+    base = presets.cluster("h100-80gb")
+    kept = base.roofline.fp8_gemm_efficiency
+
+    def rms(efficiency):
+        cluster = replace(base, roofline=base.roofline.replace(
+            fp8_gemm_efficiency=efficiency))
+        return rms_log_error(published_h100.compare(cluster, fitted))
+
+    at_kept = rms_log_error([r for r in compared_fp8 if r["fitted"]])
+    assert kept == 0.61 and at_kept == pytest.approx(0.0646, abs=5e-5)
+    assert at_kept < rms(kept - 0.01) and at_kept < rms(kept + 0.01)
+
+
+def test_the_fp8_rows_outside_ten_percent_are_the_named_ones(compared_fp8):
+    # What the note and docs/planner.md report, held as a specification: of v24.11.1's
+    # 32 fitted rows two are out (the 8B on 8 GPUs, and GPT-3 on 1,024 GPUs, whose 6.72 s
+    # is 13% slower than its own 128-GPU column); of the 56 held out, 17: the later
+    # releases' Llama 3.1 8B (TP 1) and NeMo 2.0's 70B at PP 8, read slow, and
+    # Nemotron-4 15B at TP 2 on 2,048 GPUs
+    off = {r["row"].split(":")[0] + f" {r['gpus']}" for r in compared_fp8
+           if abs(r["error"]) > published_h100.TOLERANCE}
+    assert off == {"llama3.1-8b 8", "gpt3-175b 1024",
+                   *(f"llama3.1-8b ({release}) {gpus}" for release in ("v25.02", "v25.04")
+                     for gpus in (8, 16, 32, 64, 128)),
+                   *(f"llama3.1-70b (v25.04) {gpus}" for gpus in (64, 128, 256, 512, 1024,
+                                                                   2048)),
+                   "nemotron4-15b (v25.04) 2048"}
+    assert all(abs(r["error"]) < 0.16 for r in compared_fp8)
+
+
+def test_fp8_is_what_the_fp8_rows_need(compared_fp8):
+    # planned in bf16, every FP8 row reads 17% or more slower than it ran (-18% to -34%):
+    # FP8 moves each row up by 14 to 33 points
+    as_bf16 = published_h100.compare(runs=tuple(
+        replace(run, config=replace(run.config, fp8_format=None))
+        for run in published_dgxc.FP8_RUNS))
+    assert all(b["error"] < -0.17 for b in as_bf16)
+    assert all(b["error"] < f["error"] - 0.14 for b, f in
+               zip(as_bf16, compared_fp8, strict=True))
+
+
+def test_cli_source_dgxc_fp8_prints_the_fitted_and_the_held_out_rows(capsys):
+    from minipar.cli import main
+
+    assert main(["plan", "--compare-published", "--source", "dgxc-fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "DGXC FP8, fitted: 32 runs, 30 within 10%" in out and "DGXC," not in out
+    # the uniform model has no FP8 roof: without --source it leaves the FP8 rows out
+    assert main(["plan", "--compare-published", "--efficiency", "0.5"]) == 0
+    assert "FP8" not in capsys.readouterr().out.split("sources:")[0]
+    assert main(["plan", "--compare-published", "--efficiency", "0.5", "--source",
+                 "dgxc-fp8"]) == 2
+    assert "uniform model" in capsys.readouterr().err
