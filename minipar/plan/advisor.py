@@ -152,13 +152,14 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
            zero3_prefetch: bool = True, grad_accum_dtype: str | None = None,
            memory_accounting: str = "paper", tp_comm_overlap: bool = False,
            overlap_param_gather: bool = False, cross_entropy_loss_fusion: bool = True,
-           fp8_format: str | None = None) -> Advice:
+           fp8_format: str | None = None, fp8_param_gather: bool = False) -> Advice:
     """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
     (plan/overlap.py); both False ranks the runs that wait for every reduction and gather.
     tp_comm_overlap, overlap_param_gather: Megatron-LM's, for the candidates they apply to
     (sequence parallelism; ZeRO-1); cross_entropy_loss_fusion: every candidate's loss;
-    fp8_format: every candidate's linear GEMMs in FP8 (plan/fp8.py)."""
+    fp8_format, fp8_param_gather: every candidate's linear GEMMs in FP8, and its GEMM
+    weights as FP8 parameters (plan/fp8.py)."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
@@ -178,7 +179,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
             overlap_grad_reduce=overlap_grad_reduce, zero3_prefetch=zero3_prefetch,
             tp_comm_overlap=tp_comm_overlap and config.sequence_parallel,
             overlap_param_gather=overlap_param_gather and config.zero == 1,
-            cross_entropy_loss_fusion=cross_entropy_loss_fusion, fp8_format=fp8_format))
+            cross_entropy_loss_fusion=cross_entropy_loss_fusion, fp8_format=fp8_format,
+            fp8_param_gather=fp8_param_gather))
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)

@@ -58,6 +58,9 @@ MEGATRON_SWITCHES = {
                        "--sequence-parallel; a search applies it to every layout with tp > 1)",
     "overlap_param_gather": "the distributed optimizer's (ZeRO-1's) parameter all-gather "
                             "under the next step's forward",
+    "fp8_param_gather": "with --fp8-format, the layers' GEMM weights kept as FP8 "
+                        "parameters (no bf16 copy beside TE's FP8 one: the plan's memory "
+                        "has no FP8 weight cache), cast from the optimizer's shard",
     "cross_entropy_loss_fusion": "the loss as one kernel (the default here, as minipar runs "
                                  "it); --no-cross-entropy-loss-fusion prices Megatron-LM's "
                                  "own default, op by op in fp32, 6x the bytes per logit",
@@ -299,6 +302,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     values.update(flash_attention=args.flash_attention, lr=args.lr,
                   memory_accounting=args.memory_accounting or "paper",
                   fp8_format=args.fp8_format,
+                  fp8_param_gather=bool(args.fp8_param_gather),
                   tp_comm_overlap=bool(args.tp_comm_overlap),
                   overlap_param_gather=bool(args.overlap_param_gather),
                   cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False)
@@ -477,6 +481,7 @@ def _run(args) -> int:
                         grad_accum_dtype=args.grad_accum_dtype,
                         memory_accounting=args.memory_accounting or "paper",
                         fp8_format=args.fp8_format,
+                        fp8_param_gather=bool(args.fp8_param_gather),
                         tp_comm_overlap=bool(args.tp_comm_overlap),
                         overlap_param_gather=bool(args.overlap_param_gather),
                         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,

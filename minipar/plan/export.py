@@ -192,6 +192,8 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
             args.append("--cross-entropy-loss-fusion")
         if config.fp8_format is not None:  # Transformer Engine's FP8 (plan/fp8.py)
             args += ["--fp8-format", config.fp8_format]
+            if config.fp8_param_gather:
+                args.append("--fp8-param-gather")
         if config.layer_split is not None and config.virtual_stages == 1:
             args += ["--decoder-first-pipeline-num-layers", str(config.layer_split[0]),
                      "--decoder-last-pipeline-num-layers", str(config.layer_split[-1])]

@@ -30,18 +30,25 @@ forward GEMM y (m, n) = x (m, k) @ W (k, n), in bytes moved per element:
 and each weight cast to FP8 and its transpose (read 2, write 1 + 1) once per optimizer
 step: TE caches them over a step's micro-batches when told which is the first
 (`is_first_microbatch`, which Megatron-Core passes: megatron/core/extensions/
-transformer_engine.py, pipeline_parallel/schedules.py). Under sequence parallelism the
-all-gathers of the layers' FP8 inputs and gradients move 1 byte an element, the
-reduce-scatters stay bf16 (plan/traffic.py).
+transformer_engine.py, pipeline_parallel/schedules.py). With `--fp8-param-gather` the
+weights are FP8 parameters instead: the optimizer casts its fp32 shard to FP8 (read 4,
+write 1) and each gathered weight is transposed (read 1, write 1; megatron/core/
+fp8_utils.py). Under sequence parallelism the all-gathers of the layers' FP8 inputs and
+gradients move 1 byte an element, the reduce-scatters stay bf16 (plan/traffic.py).
+
+Memory (plan/memory.py): TE keeps each layer's FP8 weights and their transposes between
+steps (+2 bytes a GEMM parameter, `_fp8_workspaces`; with `--fp8-param-gather` the FP8
+parameter and its transpose replace the bf16 one, +0), and saves FP8 inputs for backward
+where bf16 ones were: the two norms' outputs and fc2's input shrink to 1 byte an element,
+and the projection keeps a 1-byte FP8 copy of its input beside the bf16 one the attention
+saves (TE refuses `save_original_input` under delayed scaling).
 
 What minipar does not price: the amax reductions (two latency-bound all-reduces of a
-few dozen bytes a layer per micro-batch), FP8 weights kept as parameters
-(`--fp8-param-gather`: no weight casts, a 1-byte parameter all-gather), FP8 attention,
-MoE experts in FP8 (an MoE layer's experts and its tensor-parallel collectives are
-priced in bf16), and the memory FP8 adds or saves (the cached FP8 weights and
-transposes, +2 bytes a GEMM parameter; FP8 inputs saved for backward, -(h + f) bytes a
-token per layer and TP rank): the planner's memory is bf16's. The FP8 GEMMs' efficiency
-is fitted (roofline.py, benchmarks/fit_time_model.py).
+few dozen bytes a layer per micro-batch), the 1-byte parameter all-gather of
+`--fp8-param-gather` (priced in bf16: the recipes that set it overlap it), FP8
+attention, and MoE experts in FP8 (an MoE layer's experts, their tensor-parallel
+collectives and their activations are priced in bf16). The FP8 GEMMs' efficiency is
+fitted (roofline.py, benchmarks/fit_time_model.py).
 """
 
 from __future__ import annotations
@@ -109,9 +116,15 @@ def fp8_linear_kernels(m: int, n: int, k: int, itemsize: int, bias: bool,
     return forward, tuple(backward)
 
 
-def weight_cast_kernels(weights: int, itemsize: int) -> tuple[Kernel, ...]:
+def weight_cast_kernels(weights: int, itemsize: int, fp8_params_of: int = 0
+                        ) -> tuple[Kernel, ...]:
     """Once per optimizer step: the layers' `weights` bf16 weights cast to FP8 and FP8
-    transposes (the first micro-batch's forward)."""
+    transposes (the first micro-batch's forward); with FP8 parameters
+    (`--fp8-param-gather`) sharded over `fp8_params_of` data-parallel ranks, the
+    optimizer's cast of its fp32 shard (read 4, write 1) and each gathered weight's
+    transpose instead."""
+    if fp8_params_of:
+        return (Kernel(0.0, float(5 * weights / fp8_params_of)), transpose(weights))
     return (cast_transpose(weights, itemsize),)
 
 
@@ -128,3 +141,27 @@ def check_fp8_cluster(fp8_format: str | None, cluster) -> None:
     if not roofline.has_fp8:
         raise ConfigError("fp8_format", f"{roofline.name} has no FP8 tensor cores "
                           "(Hopper and later do): plan bf16, or an H100 cluster")
+
+
+def gemm_weights(shape, tp: int) -> int:
+    """The weights of one layer's four FP8 GEMMs on one TP rank (its biases stay bf16)."""
+    h = shape.d_model
+    return (h * shape.qkv_width + h * h + h * shape.mlp_in_width + shape.ffn * h) // tp
+
+
+def weight_cache_bytes(weights: int) -> int:
+    """What TE keeps of `weights` GEMM weights between steps: each one's FP8 copy and
+    FP8 transpose."""
+    return 2 * FP8 * weights
+
+
+def saved_activation_savings(shape, b: int, tp: int, sequence_parallel: bool,
+                             itemsize: int) -> int:
+    """Bytes one dense layer saves for backward less under FP8 than in `itemsize`, on one
+    TP rank for b sequences (shape: one CP rank's tokens): the norms' outputs (the QKV
+    and fc1 inputs, on the replicated stream) and fc2's input at 1 byte, less the
+    projection's FP8 copy of its input. -(h + f) T / t with sequence parallelism."""
+    h, tokens = shape.d_model, b * shape.seq_len
+    stream = tokens // tp if sequence_parallel else tokens
+    return ((itemsize - FP8) * (2 * stream * h + tokens * shape.ffn // tp)
+            - FP8 * tokens * h // tp)

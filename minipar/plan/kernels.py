@@ -46,7 +46,7 @@ from minipar.autograd.kernels import (
 )
 from minipar.plan.context import busiest_pairs, chunk_tokens, diagonal_share, local_shape
 from minipar.plan.experts import dispatch_rows, recomputed_layers
-from minipar.plan.fp8 import FP8, fp8_linear_kernels, weight_cast_kernels
+from minipar.plan.fp8 import FP8, fp8_linear_kernels, gemm_weights, weight_cast_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.shapes import (
@@ -291,7 +291,9 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     forward = [(dense, layer_f)]
     if fp8 and dense:  # the FP8 weights, cast once a step: a micro-batch's share
         forward.append((dense / config.micro_batches,
-                        weight_cast_kernels(full.layer_params(t)[0], e)))
+                        weight_cast_kernels(gemm_weights(full, t), e,
+                                            config.replicas if config.fp8_param_gather
+                                            else 0)))
     core_f: tuple = ()
     if recompute.full:  # the checkpointed layers run their forward again first
         again = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)

@@ -87,6 +87,9 @@ class ParallelConfig(Layout):
     # Megatron-LM's --fp8-format: the layers' linear GEMMs in FP8 by Transformer Engine
     # (e4m3 everywhere, or hybrid: e4m3 forward, e5m2 gradients); None: bf16 (plan/fp8.py)
     fp8_format: str | None = None
+    # Megatron-LM's --fp8-param-gather: the layers' GEMM weights kept as FP8 parameters
+    # (TE's fp8_model_init), cast from the optimizer's fp32 shard once a step
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_split, list):
@@ -109,6 +112,9 @@ class ParallelConfig(Layout):
                 raise ConfigError("fp8_format", "Transformer Engine runs FP8 GEMMs inside bf16 "
                                   "mixed precision (Megatron-LM: --bf16 --fp8-format): use "
                                   f"--precision bf16-mixed, not {self.precision}")
+        if self.fp8_param_gather and self.fp8_format is None:
+            raise ConfigError("fp8_param_gather", "keeps FP8 parameters, for FP8 training: "
+                              "add --fp8-format, or drop it")
         if self.overlap_param_gather and self.zero != 1:
             raise ConfigError("overlap_param_gather", "overlaps Megatron-LM's distributed "
                               f"optimizer's parameter all-gather (ZeRO-1), not ZeRO-"

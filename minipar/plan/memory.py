@@ -58,6 +58,7 @@ from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import Ingredients, account
 from minipar.plan.context import local_shape
 from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
+from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cache_bytes
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
 from minipar.plan.shapes import ModelShape
@@ -204,7 +205,12 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     sync_buffers = max(_sync_buffers(config, params, stage, shape.tie_embeddings),
                        2 * sequence_parallel_gradient_elements(shape, config, stage)
                        * nbytes.grad)
-    paper = Ingredients(params=param_elements * nbytes.param, grads=grads,
+    params_bytes = param_elements * nbytes.param
+    if config.fp8_format is not None and not config.fp8_param_gather:
+        # TE's cached FP8 weights and transposes beside the bf16 ones (plan/fp8.py)
+        dense = stage.layers - stage.moe_layers
+        params_bytes += weight_cache_bytes(dense * gemm_weights(shape, t))
+    paper = Ingredients(params=params_bytes, grads=grads,
                         optimizer=optimizer_elements * optimizer_bytes,
                         activations=activations, forward_buffers=forward_buffers,
                         sync_buffers=sync_buffers, gathered=gathered)
@@ -250,6 +256,8 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     # ring attention keeps, like FlashAttention, only the log-sum-exp per query
     flash = config.flash_attention or config.cp > 1
     layer = shape.layer_activation_bytes(b, t, sp, a, c, flash)
+    if config.fp8_format is not None:  # TE saves FP8 inputs (plan/fp8.py)
+        layer -= saved_activation_savings(shape, b, t, sp, a)
     embedding = shape.embedding_activation_bytes(b, t) if stage.first else 0
     head = shape.head_activation_bytes(b, t, sp, a, c) if stage.last else 0
     v, k = config.virtual_stages, stage.in_flight

@@ -330,7 +330,8 @@ def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
         bucket_size_mb=_bucket_mb(recipe, dp),
         grad_accum_dtype=recipe.grad_dtype, flash_attention=True,
         recompute_granularity=recipe.recompute, cross_entropy_loss_fusion=recipe.loss_fusion,
-        layer_split=recipe.layer_split, fp8_format="hybrid" if recipe.fp8 else None)
+        layer_split=recipe.layer_split, fp8_format="hybrid" if recipe.fp8 else None,
+        fp8_param_gather=recipe.fp8)
 
 
 @dataclass(frozen=True)

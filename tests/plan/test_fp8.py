@@ -137,3 +137,35 @@ def test_the_megatron_export_sets_the_planned_fp8_format():
     assert args[args.index("--fp8-format") + 1] == "hybrid"
     assert "--fp8-format" not in megatron_args(LLAMA, config.replace(fp8_format=None),
                                                "megatron-lm")
+
+
+def test_te_keeps_an_fp8_copy_and_transpose_of_each_gemm_weight_unless_they_are_fp8_params():
+    # Llama 3 8B on one GPU: per layer the QKV (4096 x (4096 + 2 x 1024)), projection
+    # (4096 x 4096), fc1 (4096 x 2 x 14336) and fc2 (14336 x 4096) weights: 4096 x 53248
+    cluster = presets.cluster("h100-80gb")
+    config = ParallelConfig(global_batch_size=1)
+    bf16 = estimate(LLAMA, config, cluster).memory["params"]
+    fp8 = estimate(LLAMA, config.replace(fp8_format="hybrid"), cluster).memory["params"]
+    assert fp8 - bf16 == 2 * 32 * 4096 * 53248  # 1 + 1 bytes each, 32 layers
+    fp8_params = config.replace(fp8_format="hybrid", fp8_param_gather=True)
+    assert estimate(LLAMA, fp8_params, cluster).memory["params"] == bf16
+
+
+def test_fp8_saves_the_norms_outputs_and_fc2s_input_in_one_byte():
+    # with sequence parallelism over t: -(2 h T/t + f T/t) + h T/t (the projection's FP8
+    # copy beside its bf16 input) = -(h + f) T / t a layer, for T tokens in flight
+    cluster = presets.cluster("h100-80gb")
+    config = ParallelConfig(tp=4, sequence_parallel=True, flash_attention=True,
+                            global_batch_size=1)
+    bf16 = estimate(LLAMA, config, cluster).memory["activations"]
+    fp8 = estimate(LLAMA, config.replace(fp8_format="hybrid"), cluster).memory["activations"]
+    tokens, h, f = 4096, 4096, 14336
+    assert bf16 - fp8 == 32 * (h + f) * tokens // 4
+
+
+def test_fp8_param_gather_needs_fp8_and_is_exported():
+    with pytest.raises(ConfigError, match="add --fp8-format"):
+        ParallelConfig(fp8_param_gather=True)
+    config = ParallelConfig(dp=8, fp8_format="hybrid", fp8_param_gather=True,
+                            global_batch_size=64)
+    assert "--fp8-param-gather" in megatron_args(LLAMA, config, "megatron-lm")

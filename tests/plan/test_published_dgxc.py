@@ -315,7 +315,10 @@ def test_each_fp8_table_is_its_bf16_tables_layout_in_fp8_but_v25_04s_70b():
                                                           bf16.vp, bf16.micro):
             differs.append((fp8.release, fp8.model, fp8.pp, fp8.cp))
     assert differs == [("v25.04", "llama3.1-70b", 8, 1)]
-    assert {run.config.fp8_format for run in published_dgxc.FP8_RUNS} == {"hybrid"}
+    # every FP8 script sets fp8_hybrid and FP8 parameters (fp8_params / NeMo 2.0's
+    # bf16_with_fp8_mixed): Megatron-LM's --fp8-format hybrid --fp8-param-gather
+    assert {(run.config.fp8_format, run.config.fp8_param_gather)
+            for run in published_dgxc.FP8_RUNS} == {("hybrid", True)}
 
 
 def rms_log_error(rows) -> float:
@@ -337,7 +340,7 @@ def test_the_fp8_gemm_efficiency_is_the_fit_on_v24_11_1s_fp8_runs(compared_fp8):
         return rms_log_error(published_h100.compare(cluster, fitted))
 
     at_kept = rms_log_error([r for r in compared_fp8 if r["fitted"]])
-    assert kept == 0.61 and at_kept == pytest.approx(0.0646, abs=5e-5)
+    assert kept == 0.61 and at_kept == pytest.approx(0.0643, abs=5e-5)
     assert at_kept < rms(kept - 0.01) and at_kept < rms(kept + 0.01)
 
 
@@ -362,7 +365,7 @@ def test_fp8_is_what_the_fp8_rows_need(compared_fp8):
     # planned in bf16, every FP8 row reads 17% or more slower than it ran (-18% to -34%):
     # FP8 moves each row up by 14 to 33 points
     as_bf16 = published_h100.compare(runs=tuple(
-        replace(run, config=replace(run.config, fp8_format=None))
+        replace(run, config=replace(run.config, fp8_format=None, fp8_param_gather=False))
         for run in published_dgxc.FP8_RUNS))
     assert all(b["error"] < -0.17 for b in as_bf16)
     assert all(b["error"] < f["error"] - 0.14 for b, f in
