@@ -80,7 +80,8 @@ def explain(advice: Advice) -> str:
         f"{f' x cp={c.cp}' if c.cp > 1 else ''}{f' (ep={c.ep})' if c.ep > 1 else ''}, "
         f"ZeRO-{c.zero}, micro-batch {c.micro_batch_size}, "
         f"{f'recompute {c.recompute.label}, ' if c.recomputes else ''}"
-        f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}.",
+        f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}"
+        f"{' of the bf16 peak' if c.fp8_format is not None else ''}.",
         "",
         f"- The model state (parameters, gradients, optimizer) is "
         f"{human_bytes(replica)} in {c.precision} ({c.bytes.param} + {c.bytes.grad} + "

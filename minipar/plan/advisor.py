@@ -159,7 +159,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     tp_comm_overlap, overlap_param_gather: Megatron-LM's, for the candidates they apply to
     (sequence parallelism; ZeRO-1); cross_entropy_loss_fusion: every candidate's loss;
     fp8_format, fp8_param_gather: every candidate's linear GEMMs in FP8, and its GEMM
-    weights as FP8 parameters (plan/fp8.py)."""
+    weights as FP8 parameters (plan/fp8.py); FP8 candidates are ZeRO-0 and ZeRO-1 only,
+    what Megatron-LM runs FP8 with."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
@@ -174,6 +175,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
                           f"{MAX_SEARCHED:,} layouts to estimate, more than minipar plan "
                           "answers in seconds: evaluate one layout (--dp, --tp, --pp, ...) "
                           "or search fewer GPUs")
+    if fp8_format is not None:  # Megatron-LM runs FP8, with ZeRO-0/1 (lint: FP8_WITH_ZERO)
+        candidates = [c for c in candidates if c.zero <= 1]
     for config in candidates:
         config = with_deepspeed_buckets(config.replace(
             overlap_grad_reduce=overlap_grad_reduce, zero3_prefetch=zero3_prefetch,

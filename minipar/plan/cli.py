@@ -157,9 +157,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         choices=FP8_FORMATS,
                         help="Megatron-LM's --fp8-format: the layers' linear GEMMs in FP8 by "
                              "Transformer Engine (e4m3, or hybrid: e5m2 gradients), on the "
-                             "GPU's FP8 tensor cores, with TE's casts; attention, embedding, "
-                             "output layer and MoE experts stay bf16; needs bf16-mixed and "
-                             "an FP8 GPU (h100-80gb). Default: bf16")
+                             "GPU's FP8 tensor cores, with TE's casts; attention, embedding "
+                             "and output layer stay bf16; needs bf16-mixed, an FP8 GPU "
+                             "(h100-80gb) and a dense model. Default: bf16")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from minipar.errors import flag
 from minipar.plan.cluster import GIB, ClusterSpec
 from minipar.plan.experts import expert_capacity, expert_parameter_bytes
-from minipar.plan.fp8 import FP8_CALIBRATION, check_fp8_cluster
+from minipar.plan.fp8 import FP8_CALIBRATION, check_fp8_plan
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
 from minipar.plan.offload import tier_memory, tier_transfers
@@ -190,7 +190,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     (pipeline_step.p2p_message_seconds); minipar's own pipeline does not (the default).
     """
     check_model_fits_layout(shape, config)
-    check_fp8_cluster(config.fp8_format, cluster)
+    check_fp8_plan(shape, config.fp8_format, cluster)
     plans = stage_plans(shape, config, all_ranks=all_stages)
     stages = []
     for plan in plans:
@@ -214,6 +214,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     # communication not hidden behind compute (HTA's exposed), on the rank that has most
     time["exposed_comm_s"] = max(s.time["exposed_comm_s"] for s in stages)
     time["dp_comm_s"] = max(s.time["dp_comm_s"] for s in stages)
+    if config.fp8_format is not None:  # the MFU NVIDIA's FP8 tables print: of the FP8 peak
+        time["mfu_fp8_peak"] = time["mfu"] * cluster.peak_flops / cluster.roofline.fp8_peak_flops
     time["overlap_contention_s"] = max(time["rank_contention_s"]) if "rank_contention_s" in \
         time else max(s.time["overlap_contention_s"] for s in stages)
     return Estimate(shape, config, cluster, stages, time, links=group_links(config, cluster))
@@ -248,8 +250,7 @@ def fp8_mfu(est: Estimate) -> str:
     divide by the FP8 peak; `mfu` stays of the 16-bit peak, comparable across plans)."""
     if est.config.fp8_format is None:
         return ""
-    fp8_share = est.cluster.peak_flops / est.cluster.roofline.fp8_peak_flops
-    return f" of the bf16 peak ({est.time['mfu'] * fp8_share:.1%} of FP8's)"
+    return f" of the bf16 peak ({est.time['mfu_fp8_peak']:.1%} of FP8's)"
 
 
 def compute_model(cluster: ClusterSpec, fused_attention: bool = True,

@@ -137,6 +137,8 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
         "--max-position-embeddings", str(shape.seq_len),
         "--tensor-model-parallel-size", str(config.tp),
         "--pipeline-model-parallel-size", str(config.pp),
+        *(["--context-parallel-size", str(config.cp)] if config.cp > 1 and not deepspeed
+          else []),
         "--micro-batch-size", str(config.micro_batch_size),
         "--global-batch-size", str(config.global_batch_size),
         "--lr", f"{config.lr if config.lr is not None else DEFAULT_LR:g}",
@@ -211,9 +213,13 @@ def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     ds = "\n    ".join(_pairs(megatron_args(shape, config, "megatron-deepspeed")))
     note = ("" if config.zero <= 1 else
             f"# Megatron-LM has no ZeRO-{config.zero}: use LAUNCHER=deepspeed.\n")
+    if config.cp > 1:  # (Megatron-DeepSpeed's sequence parallelism is Ulysses, not a ring)
+        note += ("# Context parallelism (ring attention) is Megatron-LM's "
+                 "--context-parallel-size: use LAUNCHER=torchrun.\n")
     return f"""#!/usr/bin/env bash
 # Written by `minipar plan --export`: {shape.name} on {config.world_size} GPUs
-# ({nodes} node(s) x {per_node}) = dp {config.dp} x tp {config.tp} x pp {config.pp}.
+# ({nodes} node(s) x {per_node}) = dp {config.dp} x tp {config.tp} x pp {config.pp}\
+{f" x cp {config.cp}" if config.cp > 1 else ""}.
 # Global batch {config.global_batch_size} = micro-batch {config.micro_batch_size} x \
 {config.micro_batches} accumulation steps x dp {config.dp}.
 # Set MASTER_ADDR and NODE_RANK on each node; add your data and tokenizer arguments.

@@ -46,9 +46,11 @@ saves (TE refuses `save_original_input` under delayed scaling).
 What minipar does not price: the amax reductions (two latency-bound all-reduces of a
 few dozen bytes a layer per micro-batch), the 1-byte parameter all-gather of
 `--fp8-param-gather` (priced in bf16: the recipes that set it overlap it), FP8
-attention, and MoE experts in FP8 (an MoE layer's experts, their tensor-parallel
-collectives and their activations are priced in bf16). The FP8 GEMMs' efficiency is
-fitted (roofline.py, benchmarks/fit_time_model.py).
+reduce-scatters (TE's userbuffers `fp8_buf`, which some NeMo recipes set for the
+projection's and fc2's), FP8 attention. An MoE model is refused (`check_fp8_plan`):
+Megatron-LM runs its experts in FP8 too. The FP8 GEMMs' efficiency is fitted
+(roofline.py, benchmarks/fit_time_model.py) on NeMo's runs, which keep FP8 parameters,
+a 1,024-step amax history and TE's userbuffers overlap.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ from minipar.errors import ConfigError
 
 FP8 = 1  # bytes per element of an FP8 tensor
 # what fits the FP8 GEMM efficiency (roofline.H100_FP8_GEMM_EFFICIENCY)
-FP8_CALIBRATION = ("NVIDIA's 32 FP8 DGX Cloud Benchmarking runs of v24.11.1, held out on "
-                   "56 of its later releases (minipar plan --compare-published --source "
+FP8_CALIBRATION = ("NVIDIA's 32 FP8 DGX Cloud Benchmarking runs of NeMo (release "
+                   "v24.11.1; FP8 parameters, TE's userbuffers overlap), held out on 56 "
+                   "runs of four later releases (minipar plan --compare-published --source "
                    "dgxc-fp8 --source dgxc-25-fp8)")
 
 
@@ -128,11 +131,18 @@ def weight_cast_kernels(weights: int, itemsize: int, fp8_params_of: int = 0
     return (cast_transpose(weights, itemsize),)
 
 
-def check_fp8_cluster(fp8_format: str | None, cluster) -> None:
-    """A clear error for FP8 on a cluster that cannot price it: a GPU without FP8 tensor
-    cores (the A100), or the uniform model (one sustained rate, no GEMMs: --efficiency)."""
+def check_fp8_plan(shape, fp8_format: str | None, cluster) -> None:
+    """A clear error for FP8 where the planner cannot price it: a GPU without FP8 tensor
+    cores (the A100), the uniform model (one sustained rate, no GEMMs: --efficiency), or
+    an MoE model (Megatron-LM runs its experts in FP8 too, TEGroupedMLP in
+    megatron/core/transformer/moe/experts.py, which this model of a layer does not
+    price)."""
     if fp8_format is None:
         return
+    if shape.is_moe:
+        raise ConfigError("fp8_format", "an MoE model's experts run in FP8 too in "
+                          "Megatron-LM (TEGroupedMLP), which the planner does not price: "
+                          "plan it in bf16 (drop --fp8-format)")
     roofline = cluster.roofline
     if roofline is None:
         raise ConfigError("fp8_format", "FP8 is priced per GEMM on the GPU's roofline; the "

@@ -86,8 +86,8 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     def elementwise(flops_f, bytes_f, flops_b, bytes_b) -> tuple[tuple, tuple]:
         return (Kernel(flops_f, bytes_f),), (Kernel(flops_b, bytes_b),)
 
-    def norm(out=gemm_in):  # reads x, writes y; backward reads x and dy, writes dx
-        return elementwise(norm_f * stream * h, (e + out) * stream * h,
+    def norm():  # reads x, writes y; backward reads x and dy, writes dx
+        return elementwise(norm_f * stream * h, (e + gemm_in) * stream * h,
                            norm_b * stream * h, 3 * e * stream * h)
 
     def linear(m, n, k, bias, after_norm=False):
@@ -122,12 +122,11 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
     add(attention_core_kernels(shape, b, tp, itemsize, flash_attention, ring))
     add(linear(tokens, h, h // tp, False))  # its bias is in the residual add
     add(residual())
+    add(norm())
     if moe_ep is not None:  # the experts hold their biases; an MoE MLP has no dropout
-        add(norm(out=e))  # (its router and experts: bf16, also under FP8)
         add(moe_kernels(shape, b, tp, moe_ep, itemsize))
         add(residual(bias=False, dropout=False))
         return forward, backward
-    add(norm())
     add(linear(tokens, mlp_in, h, bias, after_norm=True))
     hidden = shape.ffn // tp
     add(elementwise(act_f * tokens * hidden, e * tokens * (mlp_in + hidden),
@@ -289,7 +288,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     recompute = config.recompute
     dense, moe = stage.layers - stage.moe_layers, stage.moe_layers
     forward = [(dense, layer_f)]
-    if fp8 and dense:  # the FP8 weights, cast once a step: a micro-batch's share
+    if fp8:  # the FP8 weights, cast once a step: a micro-batch's share
         forward.append((dense / config.micro_batches,
                         weight_cast_kernels(gemm_weights(full, t), e,
                                             config.replicas if config.fp8_param_gather
@@ -306,7 +305,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         backward = [(dense, layer_b)]
     if moe:
         moe_f, moe_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring,
-                                     moe_ep=config.ep, fp8=fp8)
+                                     moe_ep=config.ep)
         forward.append((moe, moe_f))
         again_f = moe_f if recompute.full and moe_again else []
         backward.append((moe, list(again_f) + list(core_f) + moe_b))

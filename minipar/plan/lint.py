@@ -44,6 +44,7 @@ from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.advisor import TIE
 from minipar.plan.cluster import ClusterSpec, group_rails
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
+from minipar.plan.fp8 import check_fp8_plan
 from minipar.plan.layout import (
     ParallelConfig,
     check_model_fits_layout,
@@ -81,6 +82,7 @@ def lint(shape: ModelShape, config: ParallelConfig | Mapping, cluster: ClusterSp
     """
     findings: list[Finding] = []
     config = _as_config(config, findings)
+    check_fp8_plan(shape, config.fp8_format, cluster)  # (it prices stages below)
     findings += _check_learning_rate(config, reference)
     findings += _check_tensor_parallel_placement(config, cluster)
     if config.zero >= 2 and config.pp > 1:
@@ -91,6 +93,14 @@ def lint(shape: ModelShape, config: ParallelConfig | Mapping, cluster: ClusterSp
             "collides with the pipeline's gradient accumulation), and Megatron's "
             "distributed optimizer is ZeRO-1.",
             "use --zero 1 with pipeline parallelism, or --pp 1 with ZeRO-2/3"))
+    if config.fp8_format is not None and config.zero >= 2:
+        findings.append(Finding(
+            "FP8_WITH_ZERO", "warning",
+            f"FP8 (Transformer Engine) with ZeRO-{config.zero}: Megatron-LM, where "
+            "--fp8-format runs, shards only the optimizer (its distributed optimizer, "
+            "ZeRO-1), and DeepSpeed's config has no FP8 setting: the exported DeepSpeed "
+            "files describe this job in bf16.",
+            "use --zero 1 (Megatron-LM's --use-distributed-optimizer) with --fp8-format"))
     if config.sequence_parallel and config.tp == 1:
         findings.append(Finding(
             "SEQUENCE_PARALLEL_OFF", "info",

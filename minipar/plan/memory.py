@@ -208,8 +208,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     params_bytes = param_elements * nbytes.param
     if config.fp8_format is not None and not config.fp8_param_gather:
         # TE's cached FP8 weights and transposes beside the bf16 ones (plan/fp8.py)
-        dense = stage.layers - stage.moe_layers
-        params_bytes += weight_cache_bytes(dense * gemm_weights(shape, t))
+        params_bytes += weight_cache_bytes(stage.layers * gemm_weights(shape, t))
     paper = Ingredients(params=params_bytes, grads=grads,
                         optimizer=optimizer_elements * optimizer_bytes,
                         activations=activations, forward_buffers=forward_buffers,

@@ -1,4 +1,5 @@
-"""NVIDIA's DGX Cloud Benchmarking runs on DGX H100 (NeMo, BF16), all held out.
+"""NVIDIA's DGX Cloud Benchmarking runs on DGX H100 (NeMo): BF16, all held out; FP8, the
+first release's fitted, the later ones' held out.
 
 Source: NVIDIA/dgxc-benchmarking at commit 35a9aec (release v24.11.1): each recipe's
 README, "Expected Performance", a table of "Training step time (seconds per step)" and
@@ -84,11 +85,12 @@ H100's FP8 GEMM efficiency is fitted on v24.11.1's 32 FP8 columns; the later rel
 v25.05.01's Nemotron pair v25.05's: not planned twice. Their MFU column divides by 1,979
 TFLOP/s, the FP8 peak.
 
-Nothing in the planner was fitted on these rows: they were read after its H100
-constants were fixed, and every row is held out. The published TFLOP/s per GPU are the
-source's own count ("model flops" per sequence, each README's "Notes"; its MFU column is
-that count over 989 TFLOP/s, which tests/plan/test_published_dgxc.py checks against the
-step times transcribed here), so a row's error is the ratio of the two step times.
+Nothing in the planner was fitted on the BF16 rows: they were read after its H100
+constants were fixed, and every BF16 row is held out. The published TFLOP/s per GPU are
+the source's own count ("model flops" per sequence, each README's "Notes"; its MFU column
+is that count over 989 TFLOP/s, 1,979 for FP8, which tests/plan/test_published_dgxc.py
+checks against the step times transcribed here), so a row's error is the ratio of the
+two step times.
 """
 
 from __future__ import annotations
@@ -345,7 +347,7 @@ class SourceFlops:
 
 
 def published_tflops(recipe: Recipe, gpus: int, batch: int, step_s: float) -> float:
-    """TFLOP/s per GPU by the source's count (its MFU column x 989)."""
+    """TFLOP/s per GPU by the source's count (its MFU column x 989, or x 1,979 in FP8)."""
     return recipe.flops_per_sequence * batch / step_s / gpus / 1e12
 
 

@@ -323,9 +323,8 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
     else:
         gather, scatter = all_gather_sent(piece, a, t), reduce_scatter_sent(numel, a, t)
         # under FP8, Transformer Engine gathers the FP8 copies of the norms' outputs and
-        # of the row-parallel layers' output gradients, 1 byte an element (plan/fp8.py;
-        # an MoE stage's in bf16)
-        g = 1 if config.fp8_format is not None and not moe else a
+        # of the row-parallel layers' output gradients, 1 byte an element (plan/fp8.py)
+        g = 1 if config.fp8_format is not None else a
         layer_gather = all_gather_sent(piece, g, t)
         add("all_gather", 2 * (layers + recomputed), numel * g, layer_gather, "forward",
             "sequence-parallel all-gather (g)")

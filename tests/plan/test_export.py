@@ -202,3 +202,17 @@ def test_deepspeed_overlap_comm_is_the_plans_overlap():
     assert deepspeed_config(shape, bloom)["zero_optimization"]["overlap_comm"] is False
     gpt2, zero3, _ = LAYOUTS["gpt2 zero3"]
     assert deepspeed_config(gpt2, zero3)["zero_optimization"]["overlap_comm"] is True
+
+
+def test_context_parallelism_is_exported_as_megatron_lms_context_parallel_size(tmp_path):
+    # dp x tp x pp x cp = world: without --context-parallel-size Megatron-LM would take
+    # the cp ranks for data parallelism, another job than the plan's
+    shape = presets.model("llama3-8b")
+    config = ParallelConfig(dp=2, tp=2, pp=1, cp=2, zero=1, sequence_parallel=True,
+                            global_batch_size=8)
+    args = megatron_args(shape, config, "megatron-lm")
+    assert args[args.index("--context-parallel-size") + 1] == "2"
+    assert "--context-parallel-size" not in megatron_args(shape, config, "megatron-deepspeed")
+    files = write_export(tmp_path, shape, config, presets.cluster("h100-80gb"))
+    launch = files["launch"].read_text()
+    assert "dp 2 x tp 2 x pp 1 x cp 2" in launch and "use LAUNCHER=torchrun" in launch

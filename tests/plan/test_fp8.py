@@ -15,12 +15,15 @@ import pytest
 from minipar.distributed.roofline import H100_SXM_80GB
 from minipar.errors import ConfigError
 from minipar.plan import presets
+from minipar.plan.advisor import advise
 from minipar.plan.cli import main
 from minipar.plan.estimate import estimate
 from minipar.plan.export import megatron_args
 from minipar.plan.fp8 import fp8_linear_kernels
-from minipar.plan.kernels import layer_kernels
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.kernels import layer_kernels, stage_kernels
+from minipar.plan.layout import ParallelConfig, stage_plans
+from minipar.plan.lint import lint
+from minipar.plan.traffic import stage_traffic
 
 LLAMA = presets.model("llama3-8b").with_seq_len(4096)
 
@@ -169,3 +172,75 @@ def test_fp8_param_gather_needs_fp8_and_is_exported():
     config = ParallelConfig(dp=8, fp8_format="hybrid", fp8_param_gather=True,
                             global_batch_size=64)
     assert "--fp8-param-gather" in megatron_args(LLAMA, config, "megatron-lm")
+
+
+def test_a_layer_under_sp_casts_what_te_casts_and_nothing_else():
+    # Llama 3 8B at TP 4 with sequence parallelism, one sequence of T = 4096 tokens; the
+    # casts and transposes (the kernels with no arithmetic), in bytes, by hand:
+    shape, tp, T = LLAMA, 4, 4096
+    h, f, qkv, fc1 = 4096, 14336, 4096 + 2 * 1024, 2 * 14336
+    forward, backward = layer_kernels(shape, 1, tp, True, flash_attention=True, fp8=True)
+    moves = sorted(k.nbytes for k in forward if k.flops == 0)
+    # the projection's and fc2's inputs: cast and transposed (the norms write FP8)
+    assert moves == sorted([4 * T * h // tp, 4 * T * f // tp])
+    moves = sorted(k.nbytes for k in backward if k.flops == 0)
+    assert moves == sorted([
+        4 * T * qkv // tp, 4 * T * fc1 // tp,  # column-parallel dy: cast and transposed
+        3 * T * h // tp, 2 * T * h,  # the projection's dy: its shard cast, gathered, transposed
+        3 * T * h // tp, 2 * T * h,  # fc2's, the same
+        2 * T * h, 2 * T * h])  # the gathered FP8 norm outputs, transposed for dW
+
+
+def test_the_weights_are_cast_once_a_step_not_once_a_micro_batch():
+    # a step of m micro-batches moves m A + W bytes in kernels without arithmetic (A: a
+    # micro-batch's, W: the weights' casts): W from m = 1 and m = 8
+    def moved_per_step(micro_batches):
+        config = ParallelConfig(tp=4, sequence_parallel=True, flash_attention=True,
+                                global_batch_size=micro_batches, fp8_format="hybrid")
+        forward = stage_kernels(LLAMA, config, stage_plans(LLAMA, config)[0])["forward"]
+        return micro_batches * sum(times * k.nbytes for times, kernels in forward
+                                   for k in kernels if k.flops == 0)
+
+    weights = (8 * moved_per_step(1) - moved_per_step(8)) / 7
+    assert weights == pytest.approx(32 * 4 * 4096 * 53248 / 4, rel=1e-12)  # read 2,
+    # write 1 + 1, of 32 layers' GEMM weights on one of 4 TP ranks
+
+
+def test_sequence_parallel_gathers_move_fp8_and_the_reduce_scatters_bf16():
+    config = ParallelConfig(tp=4, sequence_parallel=True, global_batch_size=1)
+    stage = stage_plans(LLAMA, config)[0]
+
+    def by_label(c):
+        return {t.label: t.nbytes for t in stage_traffic(LLAMA, c, stage, 8)}
+
+    bf16, fp8 = by_label(config), by_label(config.replace(fp8_format="hybrid"))
+    for label in ("sequence-parallel all-gather (g)", "input re-gather and gradient all-gather"):
+        assert fp8[label] * 2 == bf16[label]
+    for label in ("sequence-parallel reduce-scatter", "input-gradient reduce-scatter"):
+        assert fp8[label] == bf16[label]
+
+
+def test_fp8_refuses_what_it_cannot_price_before_the_lint_prices_stages(capsys):
+    # a pipeline on an A100: the lint prices stages first, and must say why, not trace back
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "a100", "--dp", "4", "--pp",
+                 "2", "--fp8-format", "hybrid"]) == 2
+    assert "no FP8 tensor cores" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no FP8 tensor cores"):
+        lint(LLAMA, ParallelConfig(pp=2, fp8_format="hybrid", global_batch_size=4),
+             presets.cluster("a100-80gb"))
+    # an MoE model's experts run in FP8 in Megatron-LM (TEGroupedMLP): not priced here
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", "h100-80gb", "--dp", "64",
+                 "--ep", "8", "--fp8-format", "hybrid"]) == 2
+    assert "TEGroupedMLP" in capsys.readouterr().err
+
+
+def test_fp8_goes_with_zero_1_as_megatron_lm_runs_it():
+    cluster = presets.cluster("h100-80gb")
+    findings = lint(LLAMA, ParallelConfig(dp=8, zero=3, fp8_format="hybrid",
+                                          global_batch_size=8), cluster)
+    assert "FP8_WITH_ZERO" in {f.code for f in findings}
+    advice = advise(LLAMA, 8, cluster, global_batch_size=64, fp8_format="hybrid")
+    assert advice.ranked and {e.config.zero for e in advice.ranked} <= {0, 1}
+    best = advice.ranked[0]
+    assert best.time["mfu_fp8_peak"] == pytest.approx(best.time["mfu"] * 989 / 1979,
+                                                      rel=1e-12)
