@@ -183,7 +183,7 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
             tp_comm_overlap=tp_comm_overlap and config.sequence_parallel,
             overlap_param_gather=overlap_param_gather and config.zero == 1,
             cross_entropy_loss_fusion=cross_entropy_loss_fusion, fp8_format=fp8_format,
-            fp8_param_gather=fp8_param_gather))
+            fp8_param_gather=fp8_param_gather and config.zero == 1))
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)

@@ -319,6 +319,9 @@ def format_estimate(est: Estimate) -> str:
         + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
         + f", micro-batch {c.micro_batch_size} x {c.micro_batches} accum x dp {c.dp} = "
           f"global {c.global_batch_size}, {c.precision}"
+        + (f" with FP8 GEMMs ({c.fp8_format}"
+           + (", FP8 parameters)" if c.fp8_param_gather else ")")
+           if c.fp8_format is not None else "")
         + (f", recompute {c.recompute.label}" if c.recomputes else "")
         + (", sequence parallel" if c.sequence_parallel else "")
         + (", flash attention" if c.flash_attention else "")

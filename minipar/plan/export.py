@@ -192,6 +192,17 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
             args.append("--use-distributed-optimizer")  # Megatron's ZeRO-1
         if config.cross_entropy_loss_fusion:  # (Megatron-LM's default is the unfused loss)
             args.append("--cross-entropy-loss-fusion")
+        # the overlaps the plan's time assumes (plan/overlap.py, timing.py), and its
+        # gradient buckets: Megatron-LM's --ddp-bucket-size counts parameters
+        if config.overlap_grad_reduce and config.replicas > 1:
+            args.append("--overlap-grad-reduce")
+        if config.overlap_param_gather:
+            args.append("--overlap-param-gather")
+        if config.tp_comm_overlap and config.tp > 1:
+            args.append("--tp-comm-overlap")
+        if config.bucket_size_mb > 0 and config.replicas > 1:
+            bucket = int(config.bucket_size_mb * 2**20 / config.bytes.param)
+            args += ["--ddp-bucket-size", str(bucket)]
         if config.fp8_format is not None:  # Transformer Engine's FP8 (plan/fp8.py)
             args += ["--fp8-format", config.fp8_format]
             if config.fp8_param_gather:
@@ -216,6 +227,9 @@ def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     if config.cp > 1:  # (Megatron-DeepSpeed's sequence parallelism is Ulysses, not a ring)
         note += ("# Context parallelism (ring attention) is Megatron-LM's "
                  "--context-parallel-size: use LAUNCHER=torchrun.\n")
+    if config.fp8_format is not None:  # (DeepSpeed's config has no FP8 setting)
+        note += ("# FP8 (Transformer Engine) is Megatron-LM's --fp8-format: with "
+                 "LAUNCHER=deepspeed the job runs in bf16.\n")
     return f"""#!/usr/bin/env bash
 # Written by `minipar plan --export`: {shape.name} on {config.world_size} GPUs
 # ({nodes} node(s) x {per_node}) = dp {config.dp} x tp {config.tp} x pp {config.pp}\

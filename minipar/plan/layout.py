@@ -115,6 +115,10 @@ class ParallelConfig(Layout):
         if self.fp8_param_gather and self.fp8_format is None:
             raise ConfigError("fp8_param_gather", "keeps FP8 parameters, for FP8 training: "
                               "add --fp8-format, or drop it")
+        if self.fp8_param_gather and self.zero != 1:
+            raise ConfigError("fp8_param_gather", "Megatron-LM gathers FP8 parameters with "
+                              "its distributed optimizer (ZeRO-1; megatron/training/"
+                              f"arguments.py): use --zero 1, not {self.zero}")
         if self.overlap_param_gather and self.zero != 1:
             raise ConfigError("overlap_param_gather", "overlaps Megatron-LM's distributed "
                               f"optimizer's parameter all-gather (ZeRO-1), not ZeRO-"

@@ -146,7 +146,7 @@ def test_te_keeps_an_fp8_copy_and_transpose_of_each_gemm_weight_unless_they_are_
     # Llama 3 8B on one GPU: per layer the QKV (4096 x (4096 + 2 x 1024)), projection
     # (4096 x 4096), fc1 (4096 x 2 x 14336) and fc2 (14336 x 4096) weights: 4096 x 53248
     cluster = presets.cluster("h100-80gb")
-    config = ParallelConfig(global_batch_size=1)
+    config = ParallelConfig(zero=1, global_batch_size=1)  # (FP8 parameters need ZeRO-1)
     bf16 = estimate(LLAMA, config, cluster).memory["params"]
     fp8 = estimate(LLAMA, config.replace(fp8_format="hybrid"), cluster).memory["params"]
     assert fp8 - bf16 == 2 * 32 * 4096 * 53248  # 1 + 1 bytes each, 32 layers
@@ -166,10 +166,13 @@ def test_fp8_saves_the_norms_outputs_and_fc2s_input_in_one_byte():
     assert bf16 - fp8 == 32 * (h + f) * tokens // 4
 
 
-def test_fp8_param_gather_needs_fp8_and_is_exported():
+def test_fp8_param_gather_needs_fp8_and_zero_1_and_is_exported():
     with pytest.raises(ConfigError, match="add --fp8-format"):
-        ParallelConfig(fp8_param_gather=True)
-    config = ParallelConfig(dp=8, fp8_format="hybrid", fp8_param_gather=True,
+        ParallelConfig(zero=1, fp8_param_gather=True)
+    # Megatron-LM: "--fp8-param-gather only supported with distributed optimizer"
+    with pytest.raises(ConfigError, match="use --zero 1, not 0"):
+        ParallelConfig(fp8_format="hybrid", fp8_param_gather=True)
+    config = ParallelConfig(dp=8, zero=1, fp8_format="hybrid", fp8_param_gather=True,
                             global_batch_size=64)
     assert "--fp8-param-gather" in megatron_args(LLAMA, config, "megatron-lm")
 
