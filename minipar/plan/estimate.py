@@ -375,10 +375,15 @@ def format_estimate(est: Estimate) -> str:
     lines.append(
         f"exposed communication (not hidden behind compute): "
         f"{human_seconds(t['exposed_comm_s'])} per step on the busiest rank, of "
-        f"{human_seconds(sum(comm.values()))}; overlap: gradient buckets "
-        + ("priced as they block (MoE: two engines, not in the overlap model)"
-           if shape.is_moe else
-           f"{'reduced during backward' if c.overlap_grad_reduce else 'waited for'}")
+        f"{human_seconds(sum(comm.values()))}; overlap: "
+        + ("gradient buckets priced as they block (MoE: two engines, not in the overlap "
+           "model)" if shape.is_moe else
+           "gradient buckets waited for" if not c.overlap_grad_reduce else
+           "gradient buckets reduced during backward" if c.zero == 3 or c.bucket_size_mb > 0
+           # complete only when backward ends: nothing to hide it behind
+           else "one gradient bucket, reduced after backward (--bucket-size-mb to overlap)")
+        + (", parameter all-gathers overlapped with the next forward"
+           if c.overlap_param_gather and c.bucket_size_mb > 0 else "")
         + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else "")
         + ("" if overlap_modelled(c) else "; " + ", ".join(
             flag(name) for name in c.sharding_across_nodes()) + ": collectives priced as they "

@@ -62,6 +62,7 @@ from minipar.plan.timing import (
     group_links,
     optimizer_seconds,
     overlap_contention_seconds,
+    overlap_needs_times,
     overlap_priced,
     ring_seconds,
     stage_modules,
@@ -151,10 +152,13 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     spec = check_schedule_name(config.schedule)
     p, v = config.pp, config.virtual_stages
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
+    # Untimed modules (overlap_needs_times: one bucket) make their gradients all at
+    # once, so the bucket is complete when the chunk's last backward ends, not begins.
+    timed = overlap_needs_times(config)
     last_start = {}
-    for action, start, _ in run.timelines[rank]:
+    for action, start, end in run.timelines[rank]:
         if isinstance(action, (Backward, BackwardWeight)):
-            last_start[action.chunk] = start
+            last_start[action.chunk] = start if timed else end
     chunks = []
     for c in range(v):
         stage = spec.virtual_stage(p, rank, c)

@@ -484,6 +484,14 @@ OVERLAP_GRID = [
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
                    overlap_grad_reduce=on, **SMALL_BUCKETS)
       for on in (True, False)),
+    # one bucket (the planner's default): complete only when the rank's last backward
+    # ends, so overlap has nothing to hide it behind (untied: a tied embedding's bucket
+    # waits for the flush anyway)
+    *(overlap_case(f"dp2 pp2 {schedule} zero{zero} one bucket overlap",
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, zero=zero, n_layer=4,
+                   grad_accum_steps=4, schedule=schedule, virtual_stages=v,
+                   bucket_size_mb=0, overlap_grad_reduce=True, tie_embeddings=False)
+      for schedule, v in (("1f1b", 1), ("interleaved", 2)) for zero in (0, 1)),
     # tensor-parallel all-reduces and recomputation inside the layers' backward
     overlap_case("dp2 tp2 buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2,
                  **SMALL_BUCKETS),
