@@ -78,7 +78,8 @@ def explain(advice: Advice) -> str:
         f"{shape.name} ({shape.n_params / 1e9:.1f}B parameters) on {advice.gpus} GPUs "
         f"({nodes} node{'s' * (nodes > 1)} of {gpn}): dp={c.dp} x tp={c.tp} x pp={c.pp}"
         f"{f' x cp={c.cp}' if c.cp > 1 else ''}{f' (ep={c.ep})' if c.ep > 1 else ''}, "
-        f"ZeRO-{c.zero}, micro-batch {c.micro_batch_size}, "
+        f"ZeRO-{c.zero}, {f'{c.schedule_label}, ' if c.pp > 1 else ''}"
+        f"micro-batch {c.micro_batch_size}, "
         f"{f'recompute {c.recompute.label}, ' if c.recomputes else ''}"
         f"step {human_seconds(t['step_s'])}, MFU {t['mfu']:.1%}"
         f"{' of the bf16 peak' if c.fp8_format is not None else ''}.",
@@ -200,7 +201,7 @@ def explain(advice: Advice) -> str:
         lines.append(
             f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp}"
             f"{f' cp={r.cp}' if r.cp > 1 else ''}{f' ep={r.ep}' if r.ep > 1 else ''} "
-            f"ZeRO-{r.zero} micro-batch "
+            f"ZeRO-{r.zero}{f', {r.schedule_label},' if r.pp > 1 else ''} micro-batch "
             f"{r.micro_batch_size}"
             f"{'' if not r.recomputes else ' with ' + r.recompute.label + ' recomputation'}"
             f", step {human_seconds(runner_up.step_time)} ({_against(runner_up, est)}).")

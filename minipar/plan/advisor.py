@@ -152,8 +152,11 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
            zero3_prefetch: bool = True, grad_accum_dtype: str | None = None,
            memory_accounting: str = "paper", tp_comm_overlap: bool = False,
            overlap_param_gather: bool = False, cross_entropy_loss_fusion: bool = True,
-           fp8_format: str | None = None, fp8_param_gather: bool = False) -> Advice:
-    """Rank every candidate layout of `gpus` GPUs that fits by predicted step time.
+           fp8_format: str | None = None, fp8_param_gather: bool = False,
+           shown: int = 5) -> Advice:
+    """Rank every candidate layout of `gpus` GPUs that fits by predicted step time: each
+    priced with the pipeline's closed form, then the `shown` fastest by simulating their
+    schedules, as a plan of that one layout prices it (price_shown_exactly).
     overlap_grad_reduce, zero3_prefetch: the overlap every candidate runs with
     (plan/overlap.py); both False ranks the runs that wait for every reduction and gather.
     tp_comm_overlap, overlap_param_gather: Megatron-LM's, for the candidates they apply to
@@ -200,11 +203,13 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
         raise ConfigError("global_batch_size", f"no layout of {gpus} GPUs splits a global batch "
                         f"of {global_batch_size} into micro-batches of "
                         f"{MICRO_BATCH_SIZES}: use a multiple of {gpus}")
-    fitting = rank_by_time_then_headroom(fitting)
+    fitting = price_shown_exactly(shape, cluster, rank_by_time_then_headroom(fitting), shown)
     not_fitting.sort(key=lambda e: e.memory["peak_total"])
     return Advice(shape, cluster, gpus, global_batch_size, fitting, searched, not_fitting)
 
 
+# price_shown_exactly: the leaders it simulates, and how many simulations in all
+MAX_SIMULATED_SHOWN, MAX_SIMULATED = 10, 40
 TIE = 0.01  # step times within 1% of the fastest are a tie (the model's own error is more)
 
 
@@ -218,6 +223,26 @@ def rank_by_time_then_headroom(estimates: list) -> list:
     tied = [e for e in ranked if e.step_time <= ranked[0].step_time * (1 + TIE)]
     rest = ranked[len(tied):]
     return sorted(tied, key=lambda e: (e.memory["peak_total"], e.step_time)) + rest
+
+
+def price_shown_exactly(shape: ModelShape, cluster: ClusterSpec, ranked: list,
+                        shown: int) -> list:
+    """`ranked` with its `shown` leading pipelined layouts priced again by simulating
+    their schedules (estimate's exact_pipeline: what `minipar plan` of that layout
+    prints; the closed form is within about 1% of it), ranked again until the leaders
+    are all simulated ones: a ranking and the plan of its winner then print one step."""
+    simulated: set[int] = set()
+    shown = min(shown, MAX_SIMULATED_SHOWN)
+    while len(simulated) < MAX_SIMULATED:
+        leaders = [i for i, e in enumerate(ranked[:shown])
+                   if e.config.pp > 1 and id(e) not in simulated]
+        if not leaders:
+            break
+        for i in leaders:
+            ranked[i] = estimate(shape, ranked[i].config, cluster)
+            simulated.add(id(ranked[i]))
+        ranked = rank_by_time_then_headroom(ranked)
+    return ranked
 
 
 def offload_candidates(configs):

@@ -169,7 +169,10 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     layout.add_argument("--reference-lr", type=float, dest="reference_lr",
                         help="lr tuned for the reference global batch (lint)")
     output = plan.add_argument_group("output")
-    output.add_argument("--top", type=int, default=5, help="layouts to list when searching")
+    output.add_argument("--top", type=int, default=5,
+                        help="layouts to list when searching (the first 10 priced by "
+                             "simulating their pipeline schedules, as a plan of one "
+                             "prices it)")
     output.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write JSON to PATH (stdout without PATH) instead of tables")
     output.add_argument("--export", metavar="DIR",
@@ -487,7 +490,8 @@ def _run(args) -> int:
                         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
-                        zero3_prefetch=_setting(args, "zero3_prefetch"))
+                        zero3_prefetch=_setting(args, "zero3_prefetch"),
+                        shown=args.top)
         if args.json:
             payload = advice.to_dict(top=args.top)
             if advice.best is not None:

@@ -151,6 +151,12 @@ class ParallelConfig(Layout):
         """Any recomputation at all (selective or full)."""
         return self.recompute.granularity is not None
 
+    @property
+    def schedule_label(self) -> str:
+        """The pipeline schedule as a plan names it: "1f1b", "interleaved v=2"."""
+        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1
+                                else "")
+
     def to_dict(self) -> dict:
         values = super().to_dict()
         if values["layer_split"] is not None:

@@ -189,6 +189,22 @@ def test_ties_within_one_percent_go_to_the_layout_with_more_headroom():
         (1.008, 40), (1.000, 70), (1.05, 10)]
 
 
+def test_the_layouts_a_search_lists_are_priced_as_a_plan_of_each_prices_it():
+    """The table's rows, the runner-up and the winner print the step that `minipar plan`
+    of that one layout prints: the pipelines simulated, not the closed form, so a tie
+    is not decided by the closed form's error."""
+    shape, cluster = presets.model("llama3-70b"), presets.cluster("h100-80gb")
+    advice = advise(shape, 64, cluster, global_batch_size=256, shown=3)
+    shown = advice.ranked[:3]
+    assert any(e.config.pp > 1 for e in shown)
+    for e in shown:
+        assert e.step_time == estimate(shape, e.config, cluster).step_time
+    # (the closed form prices this winner otherwise)
+    assert shown[0].config.pp > 1
+    assert estimate(shape, shown[0].config, cluster,
+                    exact_pipeline=False).step_time != shown[0].step_time
+
+
 def test_a_search_too_large_to_answer_in_seconds_is_refused_before_it_starts():
     """A toy model of 4096 layers searched on 720,720 GPUs: every divisor is a pipeline
     depth, >10,000 layouts at milliseconds each; refused in one line naming the way out."""
