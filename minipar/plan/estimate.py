@@ -150,6 +150,9 @@ class Estimate:
             "model": {**self.shape.__dict__, "n_params": self.shape.n_params},
             "config": self.config.to_dict(),
             "cluster": dict(self.cluster.__dict__),
+            # the compute model as the plan prints it, with what each constant was fitted on
+            "compute_model": compute_model(self.cluster, self.config.flash_attention,
+                                           self.config.fp8_format),
             "world_size": self.config.world_size,
             "fits": self.fits,
             "memory": self.memory,

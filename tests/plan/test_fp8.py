@@ -127,6 +127,14 @@ def test_the_cli_plans_fp8_and_names_both_mfus(capsys):
     assert "no FP8 tensor cores" in capsys.readouterr().err
 
 
+def test_the_json_names_what_the_fp8_and_the_bf16_constants_were_fitted_on():
+    config = ParallelConfig(dp=8, global_batch_size=64, fp8_format="hybrid")
+    cluster = presets.cluster("h100-80gb")
+    model = estimate(presets.model("llama3-8b"), config, cluster).to_dict()["compute_model"]
+    assert "61% of the FP8 peak" in model and "32 FP8 DGX Cloud" in model
+    assert cluster.calibration in model  # the bf16 constants' runs
+
+
 def test_a_search_in_fp8_plans_every_candidate_in_fp8(capsys):
     assert main(["plan", "--model", "llama3-8b", "--cluster", "h100-80gb", "--gpus", "8",
                  "--fp8-format", "e4m3", "--json"]) == 0
