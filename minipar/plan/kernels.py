@@ -66,7 +66,23 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
                   itemsize: int = 2, flash_attention: bool = False,
                   ring: tuple[int, int] | None = None, moe_ep: int | None = None,
                   fp8: bool = False) -> tuple[list[Kernel], list[Kernel]]:
-    """(forward, backward) kernels of one layer on one TP rank for b sequences. ring:
+    """(forward, backward) kernels of one layer on one TP rank for b sequences
+    (layer_weight_kernels's arguments)."""
+    forward, backward, _ = layer_weight_kernels(shape, b, tp, sequence_parallel, itemsize,
+                                                flash_attention, ring, moe_ep, fp8)
+    return forward, backward
+
+
+def layer_weight_kernels(shape: ModelShape, b: int, tp: int = 1,
+                         sequence_parallel: bool = False, itemsize: int = 2,
+                         flash_attention: bool = False, ring: tuple[int, int] | None = None,
+                         moe_ep: int | None = None, fp8: bool = False
+                         ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
+    """(forward, backward, weight) kernels of one layer on one TP rank for b sequences;
+    weight: of the backward, the weight gradients (the zero-bubble schedules' W): each
+    linear layer's dW GEMM, the last of its backward kernels, and the row-parallel
+    biases' sums (ModelShape.layer_weight_flops; an MoE layer's experts are not in it).
+    ring:
     (chunk tokens, chunk pairs) of context parallelism's ring attention, whose blocks
     replace the attention kernels (shape then holds one CP rank's s/cp tokens). moe_ep:
     an MoE layer's, expert-parallel over moe_ep ranks (`moe_kernels` replace its MLP).
@@ -108,32 +124,40 @@ def layer_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: boo
 
     forward: list[Kernel] = []
     backward: list[Kernel] = []
+    weight: list[Kernel] = []
 
     def add(kernels: tuple[tuple, tuple]) -> None:
         forward.extend(kernels[0])
         backward.extend(kernels[1])
 
+    def add_linear(*args, **kwargs) -> None:
+        kernels = linear(*args, **kwargs)
+        add(kernels)
+        weight.append(kernels[1][-1])  # dW = x^T dy, after dx (and any cast of dy)
+
+    if bias:  # the row-parallel biases' gradients, summed in the residual's backward
+        weight.append(Kernel(2 * stream * h, 0.0))
     add(norm())
-    add(linear(tokens, qkv, h, bias, after_norm=True))
+    add_linear(tokens, qkv, h, bias, after_norm=True)
     if shape.position == "rope":
         rotated = tokens * (h + shape.kv_dim) // tp
         add(elementwise(ROPE_FLOPS[0] * rotated, 2 * e * rotated,
                         ROPE_FLOPS[1] * rotated, 2 * e * rotated))
     add(attention_core_kernels(shape, b, tp, itemsize, flash_attention, ring))
-    add(linear(tokens, h, h // tp, False))  # its bias is in the residual add
+    add_linear(tokens, h, h // tp, False)  # its bias is in the residual add
     add(residual())
     add(norm())
     if moe_ep is not None:  # the experts hold their biases; an MoE MLP has no dropout
         add(moe_kernels(shape, b, tp, moe_ep, itemsize))
         add(residual(bias=False, dropout=False))
-        return forward, backward
-    add(linear(tokens, mlp_in, h, bias, after_norm=True))
+        return forward, backward, weight
+    add_linear(tokens, mlp_in, h, bias, after_norm=True)
     hidden = shape.ffn // tp
     add(elementwise(act_f * tokens * hidden, e * tokens * (mlp_in + hidden),
                     act_b * tokens * hidden, e * tokens * (2 * mlp_in + hidden)))
-    add(linear(tokens, h, f // tp, False))
+    add_linear(tokens, h, f // tp, False)
     add(residual())
-    return forward, backward
+    return forward, backward, weight
 
 
 def moe_kernels(shape: ModelShape, b: int, tp: int, ep: int, itemsize: int = 2
@@ -242,6 +266,16 @@ def head_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool
     """(forward, backward) kernels of the final norm, the logits GEMM (T, h) @ (h, V/t)
     and the cross-entropy over my vocabulary slice (its bytes per logit:
     cross_entropy_bytes)."""
+    forward, backward, _ = head_weight_kernels(shape, b, tp, sequence_parallel, itemsize,
+                                               fused_loss)
+    return forward, backward
+
+
+def head_weight_kernels(shape: ModelShape, b: int, tp: int = 1,
+                        sequence_parallel: bool = False, itemsize: int = 2,
+                        fused_loss: bool = True
+                        ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
+    """head_kernels, and of the backward the logits GEMM's weight gradient (its W)."""
     h, e = shape.d_model, itemsize
     tokens = b * shape.seq_len
     stream = tokens // tp if sequence_parallel else tokens
@@ -252,10 +286,10 @@ def head_kernels(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool
     forward = [Kernel(norm_f * stream * h, 2 * e * stream * h),
                gemm_kernel(1, tokens, vocab, h, e),
                Kernel(CROSS_ENTROPY_FLOPS[0] * logits, loss_f * logits)]
-    backward = [Kernel(CROSS_ENTROPY_FLOPS[1] * logits, loss_b * logits),
-                *linear_backward_kernels(1, tokens, vocab, h, e),
+    dx, dw = linear_backward_kernels(1, tokens, vocab, h, e)
+    backward = [Kernel(CROSS_ENTROPY_FLOPS[1] * logits, loss_b * logits), dx, dw,
                 Kernel(norm_b * stream * h, 3 * e * stream * h)]
-    return forward, backward
+    return forward, backward, [dw]
 
 
 def optimizer_kernel(elements: int, config: ParallelConfig) -> Kernel:
@@ -273,7 +307,8 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     backward runs each checkpointed layer's forward again first, with selective
     recomputation each layer's attention core) and of the optimizer step on one
     rank of `stage`, as (times, kernels) groups: the layers' kernels run `stage.layers`
-    times. The kernel list behind timing.stage_compute's FLOPs."""
+    times; and, of the backward, the weight gradients ("weight": the zero-bubble
+    schedules' W). The kernel list behind timing.stage_compute's FLOPs."""
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     e = config.bytes.activation
     full, shape = shape, local_shape(shape, config.cp)  # my s/cp tokens of each sequence
@@ -283,8 +318,9 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         ring = (chunk, busiest_pairs(config.cp, config.cp_load_balance,
                                      diagonal=diagonal_share(chunk, config.flash_attention)))
     fp8 = config.fp8_format is not None
-    layer_f, layer_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring,
-                                     fp8=fp8)
+    layer_f, layer_b, layer_w = layer_weight_kernels(shape, b, t, sp, e,
+                                                     config.flash_attention, ring, fp8=fp8)
+    weight = [(stage.layers, layer_w)]  # (an MoE layer's W counted as a dense one's)
     recompute = config.recompute
     dense, moe = stage.layers - stage.moe_layers, stage.moe_layers
     forward = [(dense, layer_f)]
@@ -313,12 +349,14 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         f, bw = embedding_kernels(shape, b, t, e)
         forward.insert(0, (1, f))
         backward.append((1, bw))
+        weight.append((1, bw))  # B stops at the embedding's output: its backward is W
     if stage.last:
-        f, bw = head_kernels(shape, b, t, sp, e, config.cross_entropy_loss_fusion)
+        f, bw, w = head_weight_kernels(shape, b, t, sp, e, config.cross_entropy_loss_fusion)
         forward.append((1, f))
         backward.insert(0, (1, bw))
+        weight.append((1, w))
     params = stage_parameters(full, config, stage)
     elements = params.numel if config.zero == 0 else min(sharded_numel(params, config),
                                                           params.numel)
-    return {"forward": forward, "backward": backward,
+    return {"forward": forward, "backward": backward, "weight": weight,
             "optimizer": [(1, [optimizer_kernel(elements, config)])]}

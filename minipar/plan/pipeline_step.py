@@ -85,15 +85,17 @@ EXTRAPOLATED_ACTIONS = 40_000
 
 
 def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
-                ) -> tuple[list[list[float]], list[list[float]]]:
+                ) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
     """Seconds of one micro-batch's forward and backward of every (rank, chunk), with the
-    tensor-parallel collectives and ZeRO-3 gathers it waits for."""
+    tensor-parallel collectives and ZeRO-3 gathers it waits for; and of each backward
+    the weight gradients' compute (the W a zero-bubble schedule runs apart)."""
     p, v, m = config.pp, config.virtual_stages, config.micro_batches
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
     links = group_links(config, cluster)
     spec = check_schedule_name(config.schedule)
     forward = [[0.0] * v for _ in range(p)]
     backward = [[0.0] * v for _ in range(p)]
+    weight = [[0.0] * v for _ in range(p)]
     for r in range(p):
         for c in range(v):
             stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
@@ -113,7 +115,8 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             hidden = tp_overlap_hidden(shape, config, cluster, chunk)  # --tp-comm-overlap
             forward[r][c] = seconds["forward"] - hidden["forward"]
             backward[r][c] = seconds["backward"] - hidden["backward"]
-    return forward, backward
+            weight[r][c] = compute["weight"]
+    return forward, backward, weight
 
 
 def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
@@ -208,7 +211,7 @@ def _simulated(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
     p, m = config.pp, config.micro_batches
     q = p if spec.micro_batches_multiple_of_pp else 1
     fewest = -(-max(p, spec.min_micro_batches(p)) // q) * q  # the pipeline full, valid
-    forward, backward = chunk_costs(shape, config, cluster)
+    forward, backward, _ = chunk_costs(shape, config, cluster)
     busiest = max(sum(forward[r]) + sum(backward[r]) for r in range(p))
     for first in (fewest, 2 * fewest, 4 * fewest, 8 * fewest):
         start = first + (m - first) % q  # congruent to m mod q
@@ -277,12 +280,13 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     norm's all-reduce over PP (all ranks again), then the optimizer and ZeRO-1/2's
     parameter all-gather. scatter_gather: see p2p_message_seconds."""
     p = config.pp
-    forward, backward = chunk_costs(shape, config, cluster)
+    forward, backward, weight = chunk_costs(shape, config, cluster)
     links = group_links(config, cluster)
     message = p2p_message_seconds(shape, config, cluster, scatter_gather)
     schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
                              validated=False)
-    run = simulate_step(schedule, forward, backward, message)  # validates as it times
+    # (the weight gradients: what a split backward's W runs, the rest is its B)
+    run = simulate_step(schedule, forward, backward, message, weight)  # validates as it times
     clock = list(run.finish)
     pipeline = max(clock)
     tails, data_parallel, tensor_parallel = [], [], []

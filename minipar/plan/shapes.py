@@ -221,7 +221,7 @@ class ModelShape(TransformerSizes):
         h, s, a, f = self.d_model, self.seq_len, self.n_head, self.ffn
         tokens = b * s
         replicated_tokens = tokens // tp if sequence_parallel else tokens
-        matmul = 2 * tokens * h * (self.qkv_width + h + self.mlp_in_width + f) / tp
+        matmul = self._linear_flops(tokens, tp)
         attention = 4 * b * a * s * s * self.head_dim / tp  # q k^T and p v
         scores = b * a * s * s / tp
         norm_f, norm_b = NORM_FLOPS[self.norm]
@@ -233,10 +233,9 @@ class ModelShape(TransformerSizes):
         backward += (2 * norm_b + 2) * replicated_tokens * h
         forward += act_f * tokens * f / tp
         backward += act_b * tokens * f / tp
-        if self.bias:  # column-parallel biases split; row-parallel ones on the stream
-            bias = tokens * (self.qkv_width + self.mlp_in_width) / tp + 2 * replicated_tokens * h
-            forward += bias
-            backward += bias
+        bias = self._bias_flops(tokens, replicated_tokens, tp)
+        forward += bias
+        backward += bias
         if self.position == "rope":
             rotated = tokens * (h + self.kv_dim) / tp
             forward += ROPE_FLOPS[0] * rotated
@@ -245,6 +244,34 @@ class ModelShape(TransformerSizes):
             forward += 2 * DROPOUT_FLOPS[0] * replicated_tokens * h
             backward += 2 * DROPOUT_FLOPS[1] * replicated_tokens * h
         return forward, backward
+
+    def _linear_flops(self, tokens: int, tp: int) -> float:
+        """The four linear layers' GEMMs, forward (each of backward's two as many)."""
+        h = self.d_model
+        return 2 * tokens * h * (self.qkv_width + h + self.mlp_in_width + self.ffn) / tp
+
+    def _bias_flops(self, tokens: int, replicated_tokens: int, tp: int) -> float:
+        """The biases' adds (their gradients' sums as many): column-parallel ones split,
+        row-parallel ones on the (sequence-parallel or replicated) stream."""
+        if not self.bias:
+            return 0.0
+        return (tokens * (self.qkv_width + self.mlp_in_width) / tp
+                + 2 * replicated_tokens * self.d_model)
+
+    def layer_weight_flops(self, b: int, tp: int = 1, sequence_parallel: bool = False
+                           ) -> float:
+        """Of layer_flops' backward, the weight gradients (the zero-bubble schedules' W,
+        Qi et al. 2024, section 2): each linear layer's dW = x^T dy, as many FLOPs as its
+        forward GEMM, and the biases' sums; the rest (dx through every op) is B."""
+        tokens = b * self.seq_len
+        replicated_tokens = tokens // tp if sequence_parallel else tokens
+        return (self._linear_flops(tokens, tp)
+                + self._bias_flops(tokens, replicated_tokens, tp))
+
+    def head_weight_flops(self, b: int, tp: int = 1) -> float:
+        """Of head_flops' backward, the logits GEMM's weight gradient (its W)."""
+        vocab = padded_vocab(self.vocab_size, tp) // tp
+        return 2 * b * self.seq_len * self.d_model * vocab
 
     def embedding_flops(self, b: int, tp: int = 1) -> tuple[float, float]:
         """(forward, backward) FLOPs of the embedding: the lookup's backward scatter-adds

@@ -141,8 +141,9 @@ def transfer_time(transfer: Transfer, cluster: ClusterSpec, crossing: int) -> fl
 
 def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
                   ) -> dict[str, float]:
-    """FLOPs of one micro-batch (forward, backward incl. recomputation) and of the
-    optimizer step on one rank of pipeline stage `stage`."""
+    """FLOPs of one micro-batch (forward, backward incl. recomputation, and of the
+    backward its weight gradients) and of the optimizer step on one rank of pipeline
+    stage `stage`."""
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
     local = local_shape(shape, config.cp)  # my s/cp tokens of each sequence
     layer_f, layer_b = local.layer_flops(b, t, sp)
@@ -166,18 +167,24 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     else:
         recompute_flops = 0.0
     backward += recompute_flops
+    # of the backward, the weight gradients, which the zero-bubble schedules split off
+    # as W (an MoE layer's counted as a dense one's)
+    weight = stage.layers * local.layer_weight_flops(b, t, sp)
     if stage.first:
         f, bw = local.embedding_flops(b, t)
         forward, backward = forward + f, backward + bw
+        weight += bw  # B stops at the embedding's output: its backward is all W
     if stage.last:
         f, bw = local.head_flops(b, t, sp)
         forward, backward = forward + f, backward + bw
+        weight += local.head_weight_flops(b, t)
     params = stage_parameters(shape, config, stage)
     optimizer_elements = params.numel if config.zero == 0 else min(
         sharded_numel(params, config), params.numel)
     return {"forward": forward, "backward": backward,
             "optimizer": ADAMW_FLOPS_PER_PARAMETER * optimizer_elements,
-            "recompute": recompute_flops}  # already in backward
+            "recompute": recompute_flops,  # already in backward
+            "weight": weight}  # already in backward
 
 
 def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,

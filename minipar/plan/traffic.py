@@ -387,7 +387,9 @@ def _pipeline(shape, config, stage) -> list[Transfer]:
     if backward_sends:
         transfers.append(Transfer("send", "pp", 2, message, backward_sends * m, message,
                                   "backward", "gradient send"))
-    if shape.tie_embeddings and (stage.first or stage.last):
+    # (a V puts the first and last stage on one rank, whose chunks share one wte)
+    if shape.tie_embeddings and (stage.first or stage.last) and not (stage.first
+                                                                      and stage.last):
         rows = padded_vocab(shape.vocab_size, config.tp) // config.tp * shape.d_model
         position = 0 if stage.first else 1
         transfers.append(Transfer("all_reduce", "pp", 2, rows * nbytes.grad, 1,

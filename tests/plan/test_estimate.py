@@ -491,7 +491,18 @@ OVERLAP_GRID = [
                    BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, zero=zero, n_layer=4,
                    grad_accum_steps=4, schedule=schedule, virtual_stages=v,
                    bucket_size_mb=0, overlap_grad_reduce=True, tie_embeddings=False)
-      for schedule, v in (("1f1b", 1), ("interleaved", 2)) for zero in (0, 1)),
+      for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+      for zero in (0, 1)),
+    # the zero-bubble schedules run each backward as B, then W later: W is the weight
+    # gradients' share of it (ModelShape.layer_weight_flops), not half. (Buckets reduced
+    # during W are not in the grid: the planner times a bucket's gradients through the
+    # whole backward, where W makes them in its own, shorter order.)
+    *(overlap_case(f"dp2 pp2 {schedule} buckets waited{'' if tie else ' untied'}",
+                   TIME_TOLERANCE, dp=2, pp=2,
+                   n_layer=4, grad_accum_steps=4, schedule=schedule, virtual_stages=v,
+                   overlap_grad_reduce=False, tie_embeddings=tie, **SMALL_BUCKETS)
+      for schedule, v in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipe-v", 2))
+      for tie in (True, False)),
     # tensor-parallel all-reduces and recomputation inside the layers' backward
     overlap_case("dp2 tp2 buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2,
                  **SMALL_BUCKETS),

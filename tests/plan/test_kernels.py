@@ -22,7 +22,9 @@ from minipar.plan.kernels import (
     cross_entropy_bytes,
     embedding_kernels,
     head_kernels,
+    head_weight_kernels,
     layer_kernels,
+    layer_weight_kernels,
 )
 from minipar.plan.layout import ParallelConfig, stage_plans
 from minipar.plan.shapes import ModelShape, from_train_config
@@ -55,6 +57,10 @@ def test_kernel_flops_are_the_shapes_counts(shape, tp, sp):
     assert (flops(f), flops(bw)) == pytest.approx(shape.embedding_flops(b, tp), rel=1e-12)
     f, bw = head_kernels(shape, b, tp, sp)
     assert (flops(f), flops(bw)) == pytest.approx(shape.head_flops(b, tp, sp), rel=1e-12)
+    *_, weight = layer_weight_kernels(shape, b, tp, sp)
+    assert flops(weight) == pytest.approx(shape.layer_weight_flops(b, tp, sp), rel=1e-12)
+    *_, weight = head_weight_kernels(shape, b, tp, sp)
+    assert flops(weight) == pytest.approx(shape.head_weight_flops(b, tp), rel=1e-12)
     flash_f, flash_b = layer_kernels(shape, b, tp, sp, flash_attention=True)
     # causal FlashAttention runs the products of the key blocks on and below the
     # diagonal only: the model's count less the skipped (s - 128) / 2s of them
@@ -122,6 +128,8 @@ PROFILE_GRID = [
     pytest.param(dict(tp=2, micro_batch_size=2), id="tp2"),
     pytest.param(dict(dp=2, zero=1, micro_batch_size=2), id="dp2 zero1"),
     pytest.param(dict(pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4), id="pp2"),
+    pytest.param(dict(pp=2, n_layer=4, micro_batch_size=2, grad_accum_steps=4,
+                      schedule="zb-h1"), id="pp2 zb-h1"),
 ]
 
 

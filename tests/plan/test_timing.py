@@ -97,8 +97,8 @@ def test_chunk_costs_follow_the_schedule_s_placement():
     looped = ParallelConfig(pp=4, grad_accum_steps=8, schedule="interleaved",
                             virtual_stages=2)
     v_shape = ParallelConfig(pp=4, grad_accum_steps=8, schedule="zb-v", virtual_stages=2)
-    forward_looped, _ = chunk_costs(shape, looped, UNIFORM)
-    forward_v, _ = chunk_costs(shape, v_shape, UNIFORM)
+    forward_looped, _, _ = chunk_costs(shape, looped, UNIFORM)
+    forward_v, _, _ = chunk_costs(shape, v_shape, UNIFORM)
     head_looped = forward_looped[3][1]  # stage 7 = 1 * 4 + 3
     head_v = forward_v[0][1]  # stage 7 = 2p - 1 - 0
     assert head_v == pytest.approx(head_looped, rel=1e-12)
