@@ -201,7 +201,7 @@ def explain(advice: Advice) -> str:
         lines.append(
             f"- Runner-up: dp={r.dp} tp={r.tp} pp={r.pp}"
             f"{f' cp={r.cp}' if r.cp > 1 else ''}{f' ep={r.ep}' if r.ep > 1 else ''} "
-            f"ZeRO-{r.zero}{f', {r.schedule_label},' if r.pp > 1 else ''} micro-batch "
+            f"ZeRO-{r.zero},{f' {r.schedule_label},' if r.pp > 1 else ''} micro-batch "
             f"{r.micro_batch_size}"
             f"{'' if not r.recomputes else ' with ' + r.recompute.label + ' recomputation'}"
             f", step {human_seconds(runner_up.step_time)} ({_against(runner_up, est)}).")
@@ -250,14 +250,17 @@ def format_ranking(advice: Advice, top: int = 5) -> str:
     header = ["#", "dp", "tp", "pp", "cp", *(["ep"] if moe else []), "zero", "sched", "mb",
               "accum", "recompute", "memory", "step", "bubble", "MFU"]
     rows = [header]
+    closed_form = False  # a pipelined row priced by the closed form, not simulated
     for i, e in enumerate(advice.ranked[:top], start=1):
         c = e.config
-        sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule}x{c.virtual_stages}"
+        rough = c.pp > 1 and "simulated_micro_batches" not in e.time
+        closed_form |= rough
         rows.append([str(i), str(c.dp), str(c.tp), str(c.pp), str(c.cp),
-                     *([str(c.ep)] if moe else []), str(c.zero), sched,
+                     *([str(c.ep)] if moe else []), str(c.zero), c.schedule_label,
                      str(c.micro_batch_size), str(c.micro_batches),
                      c.recompute.label,
-                     human_bytes(e.memory["peak_total"]), human_seconds(e.step_time),
+                     human_bytes(e.memory["peak_total"]),
+                     ("~" if rough else "") + human_seconds(e.step_time),
                      f"{e.time['bubble_fraction']:.1%}", f"{e.mfu:.1%}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
@@ -265,6 +268,9 @@ def format_ranking(advice: Advice, top: int = 5) -> str:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    if closed_form:
+        lines.append("(~: the pipeline's closed form, within about 1% of its simulated "
+                     "schedule, which `minipar plan` of that layout runs)")
     if advice.ranked and advice.ranked[0].config.fp8_format is not None:
         lines.append(f"(FP8 GEMMs, {advice.ranked[0].config.fp8_format}: MFU of the bf16 "
                      "peak; of the FP8 peak it is half)")

@@ -170,9 +170,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         help="lr tuned for the reference global batch (lint)")
     output = plan.add_argument_group("output")
     output.add_argument("--top", type=int, default=5,
-                        help="layouts to list when searching (the first 10 priced by "
+                        help="layouts to list when searching (the first 5 priced by "
                              "simulating their pipeline schedules, as a plan of one "
-                             "prices it)")
+                             "prices it; the others by its closed form, marked ~)")
     output.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write JSON to PATH (stdout without PATH) instead of tables")
     output.add_argument("--export", metavar="DIR",

@@ -133,7 +133,9 @@ def layer_weight_kernels(shape: ModelShape, b: int, tp: int = 1,
     def add_linear(*args, **kwargs) -> None:
         kernels = linear(*args, **kwargs)
         add(kernels)
-        weight.append(kernels[1][-1])  # dW = x^T dy, after dx (and any cast of dy)
+        # dW = x^T dy, after dx (and any cast of dy; under FP8 TE sums a bias's
+        # gradient in that cast, which is B's)
+        weight.append(kernels[1][-1])
 
     if bias:  # the row-parallel biases' gradients, summed in the residual's backward
         weight.append(Kernel(2 * stream * h, 0.0))

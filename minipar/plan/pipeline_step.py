@@ -149,19 +149,19 @@ def _last_compute_end(timeline) -> float:
 
 def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                             rank: int, run) -> dict:
-    """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) with the
-    starts of its chunks' last backwards from the schedule's simulation `run`, and
-    ZeRO-1's parameter all-gathers after the step."""
+    """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) from
+    when its chunks' last backwards make their gradients in the schedule's simulation
+    `run`, and ZeRO-1's parameter all-gathers after the step."""
     spec = check_schedule_name(config.schedule)
     p, v = config.pp, config.virtual_stages
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
-    # Untimed modules (overlap_needs_times: one bucket) make their gradients all at
-    # once, so the bucket is complete when the chunk's last backward ends, not begins.
+    # Timed modules make their gradients through the last backward, from its start;
+    # untimed ones (overlap_needs_times: one bucket) all at once, at its end.
     timed = overlap_needs_times(config)
-    last_start = {}
+    gradients_from = {}  # chunk -> when its modules' gradients start to be made
     for action, start, end in run.timelines[rank]:
         if isinstance(action, (Backward, BackwardWeight)):
-            last_start[action.chunk] = start if timed else end
+            gradients_from[action.chunk] = start if timed else end
     chunks = []
     for c in range(v):
         stage = spec.virtual_stage(p, rank, c)
@@ -169,7 +169,7 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                          last=stage == p * v - 1, in_flight=1,
                          tied_copy=shape.tie_embeddings and stage == p * v - 1
                          and spec.virtual_stage(p, rank, 0) != 0)
-        chunks.append((last_start.get(c, 0.0), stage_modules(shape, config, cluster, plan)))
+        chunks.append((gradients_from.get(c, 0.0), stage_modules(shape, config, cluster, plan)))
     collective = dp_collective(config, cluster)
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,

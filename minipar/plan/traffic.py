@@ -65,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from minipar.distributed.mesh import DeviceMesh
+from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.zero.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, quantized_nbytes
 from minipar.plan.cluster import (
     all_gather_sent,
@@ -378,8 +379,13 @@ def _pipeline(shape, config, stage) -> list[Transfer]:
     if config.sequence_parallel:
         tokens //= config.tp
     message = tokens * shape.d_model * nbytes.activation
-    forward_sends = v - (1 if stage.last else 0)
-    backward_sends = v - (1 if stage.first else 0)
+    # a chunk sends its activation forward and its input's gradient back unless the
+    # neighbouring virtual stage is on this rank too (the tip of a V: handed over in
+    # memory, minipar/parallel/pipeline/split_backward.py)
+    spec = SCHEDULES[config.schedule]
+    mine = {spec.virtual_stage(p, stage.rank, c) for c in range(v)}
+    forward_sends = sum(1 for s in mine if s != p * v - 1 and s + 1 not in mine)
+    backward_sends = sum(1 for s in mine if s != 0 and s - 1 not in mine)
     transfers = []
     if forward_sends:
         transfers.append(Transfer("send", "pp", 2, message, forward_sends * m, message,
@@ -395,7 +401,10 @@ def _pipeline(shape, config, stage) -> list[Transfer]:
         transfers.append(Transfer("all_reduce", "pp", 2, rows * nbytes.grad, 1,
                                   all_reduce_sent(rows, nbytes.grad, 2, position), "step",
                                   "tied embedding gradient all-reduce"))
-    position = (stage.rank - (p - 1)) % p  # along the chain from the last rank
+    # along the chain from the rank that holds the last stage (rank 0 in a V)
+    loss_rank = next(r for r in range(p) for c in range(v)
+                     if spec.virtual_stage(p, r, c) == p * v - 1)
+    position = (stage.rank - loss_rank) % p
     transfers.append(Transfer("broadcast", "pp", p, NORM_BYTES, 1,
                               broadcast_sent(NORM_BYTES, p, position), "step", "loss broadcast"))
     # Gradient clipping sums the stages' squared norms (Megatron's clip_grad_norm_fp32

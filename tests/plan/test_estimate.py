@@ -324,6 +324,22 @@ def test_planner_predicts_pipeline_parallelism(pp, schedule, m, v, checkpointing
                         - clipping_s) <= TIME_TOLERANCE
 
 
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v", "interleaved"])
+def test_each_pipeline_rank_sends_what_the_emulator_sends(schedule):
+    """A V holds two neighbouring stages on its turn rank (p - 1) and the first and last
+    on rank 0: those hand over in memory, so those ranks send half what the others do."""
+    config = TrainConfig(**{**TINY, "micro_batch_size": 2, "pp": 4, "n_layer": 8,
+                            "grad_accum_steps": 8, "schedule": schedule,
+                            "virtual_stages": 2})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
+                   all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"]["pp"] == stage.rank]
+        assert measured["comm"]["by_group"]["pp"] == STEPS * stage.traffic["pp"], stage.rank
+
+
 @pytest.mark.parametrize("schedule,m,v,flags", [
     ("gpipe", 4, 1, dict(recompute_granularity="selective")),
     ("gpipe", 4, 1, dict(recompute_granularity="full", recompute_method="block",
