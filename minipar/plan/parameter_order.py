@@ -40,31 +40,36 @@ def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
 
 
 def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
-                comm_share: float = 0.0, recompute_flops: float = 0.0) -> tuple[float, ...]:
+                comm_share: float = 0.0, recompute_flops: float = 0.0,
+                weight: bool = False) -> tuple[float, ...]:
     """Share of a layer's backward run when each tensor of `layer_tensors` is complete.
     Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
     MLP-in GEMM, the TP all-reduce of its input gradient (Megatron's f), norm 2,
     attention output GEMM, the attention core (no parameters), QKV GEMM, the second f,
     norm 1; a GEMM's backward costs 4 T x its weight's elements. comm_share: the part of
     the layer's backward time in those TP collectives (the rest is shared by FLOPs);
-    recompute_flops: the layer's recomputation, which runs first."""
+    recompute_flops: the layer's recomputation, which runs first. weight: the shares of a
+    split backward's W instead, which meets the same ops in the same order but runs only
+    the GEMMs' weight gradients, 2 T x each weight's elements (a norm's gradients, made
+    in B, are complete when W reaches it)."""
     h, s, tokens = shape.d_model, shape.seq_len, b * shape.seq_len
     stream = tokens // tp if sequence_parallel else tokens
     norm = NORM_FLOPS[shape.norm][1] * stream * h
     scores = b * shape.n_head // tp * s * s
     core = 2 * 4 * scores * shape.head_dim + SOFTMAX_FLOPS[1] * scores
+    gemm, other = (2, 0) if weight else (4, 1)  # FLOPs per token and weight; the rest
     steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
-        (recompute_flops, None),
-        (4 * tokens * shape.ffn * h / tp, "mlp out"),
-        (ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
-        (4 * tokens * h * shape.mlp_in_width / tp, "mlp in"),
+        (other * recompute_flops, None),
+        (gemm * tokens * shape.ffn * h / tp, "mlp out"),
+        (other * ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
+        (gemm * tokens * h * shape.mlp_in_width / tp, "mlp in"),
         ("f", None),
-        (norm, "norm 2"),
-        (4 * tokens * h * h / tp, "attention out"),
-        (core, None),
-        (4 * tokens * h * shape.qkv_width / tp, "qkv"),
+        (other * norm, "norm 2"),
+        (gemm * tokens * h * h / tp, "attention out"),
+        (other * core, None),
+        (gemm * tokens * h * shape.qkv_width / tp, "qkv"),
         ("f", None),
-        (norm, "norm 1"),
+        (other * norm, "norm 1"),
     ]
     total = sum(f for f, _ in steps if f != "f")
     done, share = 0.0, {}

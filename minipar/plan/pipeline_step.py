@@ -159,9 +159,11 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     # untimed ones (overlap_needs_times: one bucket) all at once, at its end.
     timed = overlap_needs_times(config)
     gradients_from = {}  # chunk -> when its modules' gradients start to be made
+    split = {}  # chunk -> whether a W (a split backward's second half) makes them
     for action, start, end in run.timelines[rank]:
         if isinstance(action, (Backward, BackwardWeight)):
             gradients_from[action.chunk] = start if timed else end
+            split[action.chunk] = isinstance(action, BackwardWeight)
     chunks = []
     for c in range(v):
         stage = spec.virtual_stage(p, rank, c)
@@ -169,7 +171,8 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                          last=stage == p * v - 1, in_flight=1,
                          tied_copy=shape.tie_embeddings and stage == p * v - 1
                          and spec.virtual_stage(p, rank, 0) != 0)
-        chunks.append((gradients_from.get(c, 0.0), stage_modules(shape, config, cluster, plan)))
+        chunks.append((gradients_from.get(c, 0.0),
+                       stage_modules(shape, config, cluster, plan, split.get(c, False))))
     collective = dp_collective(config, cluster)
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,

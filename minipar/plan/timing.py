@@ -268,12 +268,14 @@ def overlap_needs_times(config: ParallelConfig) -> bool:
 
 
 def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                  stage: StagePlan) -> list[Module]:
+                  stage: StagePlan, weight: bool = False) -> list[Module]:
     """The modules of `stage` in forward order (embedding, layers, head) with one
     micro-batch's forward and backward seconds each (compute, the ring's exposed part and
     the tensor-parallel collectives they wait for) and their parameters: what
     plan/buckets.py lays into gradient buckets and ZeRO-3 units. The seconds are left
-    0 where the reduction does not depend on them (overlap_needs_times)."""
+    0 where the reduction does not depend on them (overlap_needs_times). weight: as a
+    split backward's W meets them, the "backward" its weight gradients only (each
+    gradient then complete at its share of the W: parameter_order.layer_ready)."""
     links, m, t = group_links(config, cluster), config.micro_batches, config.tp
     timed = overlap_needs_times(config)
 
@@ -282,6 +284,8 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         if not timed:
             return 0.0, 0.0, 0.0
         compute = stage_seconds(shape, config, cluster, part)
+        if weight:  # W: the weight gradients' compute, no collective
+            return compute["forward"] * share, compute["weight"] * share, 0.0
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
         backward_comm = 0.0
@@ -316,11 +320,12 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         flops = stage_compute(shape, config, layers)
         recompute = flops["recompute"] / stage.layers
         ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
-                            config.sequence_parallel, comm, recompute)
+                            config.sequence_parallel, comm, 0.0 if weight else recompute,
+                            weight)
         # the forward again, before the backward proper (full recomputation: its FLOPs
-        # are the forward's, a share of the layers' when only some are recomputed)
+        # are the forward's, a share of the layers' when only some are recomputed; B's)
         again = (forward * flops["recompute"] / flops["forward"]
-                 if config.recompute.full and flops["forward"] else 0.0)
+                 if config.recompute.full and flops["forward"] and not weight else 0.0)
         # the layers are alike: one Module, met stage.layers times
         modules += [Module("layer", forward, backward, tensors, (False,) * len(tensors),
                            ready, recompute_s=again)] * stage.layers
@@ -328,6 +333,7 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         tensors, late = head_tensors(shape, t, stage.tied_copy)
         forward, backward, comm = seconds(part((0,), last=True))
         modules.append(Module("head", forward, backward, tensors, late,
+                              None if weight else  # W: the logits' dW, then ln_f's
                               head_ready(shape, config.micro_batch_size, t, tensors, comm)))
     return modules
 
