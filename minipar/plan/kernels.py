@@ -47,7 +47,7 @@ from minipar.autograd.kernels import (
 from minipar.plan.context import busiest_pairs, chunk_tokens, diagonal_share, local_shape
 from minipar.plan.experts import dispatch_rows, recomputed_layers
 from minipar.plan.fp8 import FP8, fp8_linear_kernels, gemm_weights, weight_cast_kernels
-from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.layout import ParallelConfig, StagePlan, checkpointed_layers
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.shapes import (
     ACTIVATION_FLOPS,
@@ -322,7 +322,8 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     fp8 = config.fp8_format is not None
     layer_f, layer_b, layer_w = layer_weight_kernels(shape, b, t, sp, e,
                                                      config.flash_attention, ring, fp8=fp8)
-    weight = [(stage.layers, layer_w)]  # (an MoE layer's W counted as a dense one's)
+    # (an MoE layer's W counted as a dense one's; a checkpointed layer's is in B)
+    weight = [(stage.layers - checkpointed_layers(config, stage), layer_w)]
     recompute = config.recompute
     dense, moe = stage.layers - stage.moe_layers, stage.moe_layers
     forward = [(dense, layer_f)]

@@ -287,6 +287,13 @@ def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePla
     )
 
 
+def checkpointed_layers(config: ParallelConfig, stage: StagePlan) -> int:
+    """Layers of `stage` that full recomputation checkpoints whole."""
+    if not config.recompute.full:
+        return 0
+    return sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
+
+
 def chunk_moe_layers(shape: ModelShape, counts: list[int], stage: int) -> int:
     """MoE layers of virtual stage `stage` (layers in order over the stages)."""
     start = sum(counts[:stage])

@@ -50,6 +50,7 @@ from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import (
     ParallelConfig,
     StagePlan,
+    checkpointed_layers,
     chunk_moe_layers,
     layer_counts,
     stage_plan,
@@ -72,6 +73,8 @@ from minipar.plan.timing import (
 )
 from minipar.plan.traffic import (
     GRADIENT_NORM,
+    INPUT_REGATHER,
+    LOGITS_INPUT_REGATHER,
     PARAMETER_ALL_GATHER,
     SEQUENCE_PARALLEL_GRADIENTS,
     stage_traffic,
@@ -107,15 +110,22 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
             seconds["forward"] += ring[0]
             seconds["backward"] += ring[1]
+            regather = 0.0  # W's own collectives: the inputs gathered again for dW
             for transfer in stage_traffic(shape, config, chunk, cluster.gpus_per_node):
                 if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
                         and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
-                    seconds[transfer.phase] += (transfer.count / m * transfer_time(
-                        transfer, cluster, links[transfer.link]))
+                    spent = transfer.count / m * transfer_time(transfer, cluster,
+                                                               links[transfer.link])
+                    seconds[transfer.phase] += spent
+                    if transfer.label == INPUT_REGATHER:  # (a checkpointed layer's in B)
+                        regather += spent * (1 - checkpointed_layers(config, chunk)
+                                             / chunk.layers) if chunk.layers else 0.0
+                    elif transfer.label == LOGITS_INPUT_REGATHER:
+                        regather += spent
             hidden = tp_overlap_hidden(shape, config, cluster, chunk)  # --tp-comm-overlap
             forward[r][c] = seconds["forward"] - hidden["forward"]
             backward[r][c] = seconds["backward"] - hidden["backward"]
-            weight[r][c] = compute["weight"]
+            weight[r][c] = min(compute["weight"] + regather, backward[r][c])
     return forward, backward, weight
 
 

@@ -66,6 +66,7 @@ from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import (
     ParallelConfig,
     StagePlan,
+    checkpointed_layers,
 )
 from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
@@ -168,8 +169,10 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         recompute_flops = 0.0
     backward += recompute_flops
     # of the backward, the weight gradients, which the zero-bubble schedules split off
-    # as W (an MoE layer's counted as a dense one's)
-    weight = stage.layers * local.layer_weight_flops(b, t, sp)
+    # as W (an MoE layer's counted as a dense one's); a checkpointed layer's recomputed
+    # backward makes them with its input's gradient, in B (autograd/checkpoint.py)
+    weight = (stage.layers - checkpointed_layers(config, stage)) * local.layer_weight_flops(
+        b, t, sp)
     if stage.first:
         f, bw = local.embedding_flops(b, t)
         forward, backward = forward + f, backward + bw

@@ -91,6 +91,10 @@ PARAMETER_ALL_GATHER = "parameter all-gather"  # ZeRO-1/2's, after the optimizer
 # Sequence parallelism's norm and bias gradients, summed over TP once per step at the end
 # of the last backward: on the clock, part of the step's tail (timing.py)
 SEQUENCE_PARALLEL_GRADIENTS = "norm and bias gradient all-reduce (coalesced)"
+# sequence parallelism's all-gathers of a layer's (or the logits') input again for the
+# weight gradient: a split backward runs them in its W (parallel/tensor/sequence.py)
+INPUT_REGATHER = "input re-gather"
+LOGITS_INPUT_REGATHER = "logits input re-gather"
 
 
 @dataclass(frozen=True)
@@ -331,8 +335,13 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             "sequence-parallel all-gather (g)")
         add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
             "sequence-parallel reduce-scatter")
-        add("all_gather", 4 * layers - moe, numel * g, layer_gather, "backward",
-            "input re-gather and gradient all-gather")
+        # backward all-gathers the inputs of QKV and fc1 again for their weight
+        # gradients (Korthikanti et al.'s extra all-gather; an MoE layer's experts take
+        # theirs whole) and the output gradients of the row-parallel layers (g-bar)
+        add("all_gather", 2 * layers - moe, numel * g, layer_gather, "backward",
+            INPUT_REGATHER)
+        add("all_gather", 2 * layers, numel * g, layer_gather, "backward",
+            "output-gradient all-gather")
         add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "backward",
             "input-gradient reduce-scatter")
         vectors = sequence_parallel_vectors(shape, stage)
@@ -354,7 +363,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             add("all_gather", 1, numel * a, gather, "backward", "embedding gradient gather")
         if stage.last:
             add("all_gather", 1, numel * a, gather, "forward", "logits input all-gather")
-            add("all_gather", 1, numel * a, gather, "backward", "logits input re-gather")
+            add("all_gather", 1, numel * a, gather, "backward", LOGITS_INPUT_REGATHER)
             add("reduce_scatter", 1, numel * a, scatter, "backward",
                 "logits input-gradient reduce-scatter")
     if stage.last:  # vocabulary-parallel cross-entropy: max, then (sum exp, target logit)

@@ -47,6 +47,21 @@ def test_fp32_and_bf16_agree_within_their_looser_tolerances(precision, tolerance
     assert check["relative_to"] == ("model" if precision == "bf16-mixed" else "tensor")
 
 
+@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2),
+                                         ("dualpipe-v", 2)])
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_split_backward_with_checkpointed_layers_reduces_every_bucket(schedule, v, zero):
+    """A checkpointed layer's recomputed backward makes its weight gradients in the I,
+    not the W: data parallelism's buckets are reduced during both of the last
+    micro-batch's, small buckets and an untied head included, and the run is one
+    device's."""
+    report = train(TrainConfig(dp=2, pp=2, zero=zero, schedule=schedule, virtual_stages=v,
+                               recompute_granularity="full", bucket_size_mb=0.01,
+                               tie_embeddings=False, grad_accum_steps=4, precision="fp64",
+                               check=True, **{**SMALL, "n_layer": 4, "steps": 2}))
+    assert report.equivalence["passed"], report.equivalence["first_mismatch"]
+
+
 def test_the_reference_sees_the_same_micro_batches():
     config = TrainConfig(dp=4, grad_accum_steps=3, micro_batch_size=2)
     reference = reference_config(config)

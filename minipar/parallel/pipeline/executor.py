@@ -31,13 +31,14 @@ from minipar.parallel.pipeline.stage import StageInput
 def forward_backward(pipe, micro_batches, grad_sync=None) -> float:
     """Run this rank's actions over one step's m (inputs, targets); return the mean loss
     on every rank. grad_sync(enabled), if given, is called before every action that adds
-    into the weight gradients, enabled for each chunk's last (Megatron-LM's
+    into the weight gradients, enabled for each chunk's last micro-batch (Megatron-LM's
     --overlap-grad-reduce: DP reduces the chunk's buckets while the pipeline drains)."""
     step = pipe.runtime(pipe, micro_batches)  # Step below; split_backward.py for I and W
-    last = {a.chunk: i for i, a in enumerate(pipe.actions) if type(a) in step.weight_actions}
-    for i, action in enumerate(pipe.actions):
+    # each chunk's last backward: one action, or a split backward's I and W
+    last = {a.chunk: a.micro_batch for a in pipe.actions if type(a) in step.weight_actions}
+    for action in pipe.actions:
         if grad_sync is not None and type(action) in step.weight_actions:
-            grad_sync(last[action.chunk] == i)
+            grad_sync(action.micro_batch == last[action.chunk])
         step.run(action)
     step.finish_sends()
     pipe.tied.all_reduce_grads()  # the two stages' copies of wte (tied_embedding.py)

@@ -36,7 +36,9 @@ class BackwardWeight(Compute):
 class SplitBackwardStep(Step):
     """executor.Step with I and W, and tensors handed over between my neighbouring stages."""
 
-    weight_actions = (Backward, BackwardWeight)
+    # an I adds into weight gradients too when it holds a checkpointed layer, whose
+    # recomputed backward makes them all at once (autograd/checkpoint.py)
+    weight_actions = (Backward, BackwardInput, BackwardWeight)
 
     def __init__(self, pipe, micro_batches):
         super().__init__(pipe, micro_batches)
