@@ -41,17 +41,18 @@ def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
 
 def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
                 comm_share: float = 0.0, recompute_flops: float = 0.0,
-                weight: bool = False) -> tuple[float, ...]:
+                weight: bool = False, core_again_flops: float = 0.0) -> tuple[float, ...]:
     """Share of a layer's backward run when each tensor of `layer_tensors` is complete.
     Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
     MLP-in GEMM, the TP all-reduce of its input gradient (Megatron's f), norm 2,
     attention output GEMM, the attention core (no parameters), QKV GEMM, the second f,
     norm 1; a GEMM's backward costs 4 T x its weight's elements. comm_share: the part of
     the layer's backward time in those TP collectives (the rest is shared by FLOPs);
-    recompute_flops: the layer's recomputation, which runs first. weight: the shares of a
-    split backward's W instead, which meets the same ops in the same order but runs only
-    the GEMMs' weight gradients, 2 T x each weight's elements (a norm's gradients, made
-    in B, are complete when W reaches it)."""
+    recompute_flops: the layer's recomputation, which runs first (full); core_again_flops:
+    the attention core's, which runs where backward meets the core (selective). weight:
+    the shares of a split backward's W instead, which meets the same ops in the same
+    order but runs only the GEMMs' weight gradients, 2 T x each weight's elements (a
+    norm's gradients, made in B, are complete when W reaches it)."""
     h, s, tokens = shape.d_model, shape.seq_len, b * shape.seq_len
     stream = tokens // tp if sequence_parallel else tokens
     norm = NORM_FLOPS[shape.norm][1] * stream * h
@@ -66,7 +67,7 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
         ("f", None),
         (other * norm, "norm 2"),
         (gemm * tokens * h * h / tp, "attention out"),
-        (other * core, None),
+        (other * (core_again_flops + core), None),
         (gemm * tokens * h * shape.qkv_width / tp, "qkv"),
         ("f", None),
         (other * norm, "norm 1"),

@@ -322,9 +322,11 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         layers = part(stage.chunk_layers)
         flops = stage_compute(shape, config, layers)
         recompute = flops["recompute"] / stage.layers
+        selective = config.recompute.selective  # the core again, where backward meets it
         ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
-                            config.sequence_parallel, comm, 0.0 if weight else recompute,
-                            weight)
+                            config.sequence_parallel, comm,
+                            0.0 if weight or selective else recompute, weight,
+                            recompute if selective else 0.0)
         # the forward again, before the backward proper (full recomputation: its FLOPs
         # are the forward's, a share of the layers' when only some are recomputed; B's)
         again = (forward * flops["recompute"] / flops["forward"]

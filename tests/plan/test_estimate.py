@@ -554,6 +554,13 @@ OVERLAP_GRID = [
                  n_layer=4, grad_accum_steps=4, **SMALL_BUCKETS),
     overlap_case("dp2 zero2 checkpointing buckets overlap", BUCKET_EXPOSED_TOLERANCE, dp=2,
                  zero=2, recompute_granularity="full", **SMALL_BUCKETS),
+    # selective recomputation runs the attention core again where backward meets it,
+    # not before the layer's backward: the buckets after it complete sooner
+    *(overlap_case(f"dp2 pp2 {schedule} selective recomputation buckets overlap",
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
+                   schedule=schedule, virtual_stages=v, recompute_granularity="selective",
+                   **SMALL_BUCKETS)
+      for schedule, v in (("1f1b", 1), ("interleaved", 2))),
     overlap_case("dp2 pp2 1f1b zero1 buckets overlap", BUCKET_EXPOSED_TOLERANCE,
                  STALLED_PIPELINE_STEP_TOLERANCE, dp=2, pp=2, zero=1, n_layer=4,
                  grad_accum_steps=4, **SMALL_BUCKETS),
