@@ -72,6 +72,7 @@ from minipar.plan.timing import (
     transfer_time,
 )
 from minipar.plan.traffic import (
+    EMBEDDING_GRADIENT_GATHER,
     GRADIENT_NORM,
     INPUT_REGATHER,
     LOGITS_INPUT_REGATHER,
@@ -117,10 +118,11 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
                     spent = transfer.count / m * transfer_time(transfer, cluster,
                                                                links[transfer.link])
                     seconds[transfer.phase] += spent
-                    if transfer.label == INPUT_REGATHER:  # (a checkpointed layer's in B)
+                    if transfer.label == INPUT_REGATHER:  # (a checkpointed layer's in B;
+                        # shared by layer count: an MoE layer re-gathers one input, not 2)
                         regather += spent * (1 - checkpointed_layers(config, chunk)
                                              / chunk.layers) if chunk.layers else 0.0
-                    elif transfer.label == LOGITS_INPUT_REGATHER:
+                    elif transfer.label in (LOGITS_INPUT_REGATHER, EMBEDDING_GRADIENT_GATHER):
                         regather += spent
             hidden = tp_overlap_hidden(shape, config, cluster, chunk)  # --tp-comm-overlap
             forward[r][c] = seconds["forward"] - hidden["forward"]

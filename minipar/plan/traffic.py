@@ -95,6 +95,9 @@ SEQUENCE_PARALLEL_GRADIENTS = "norm and bias gradient all-reduce (coalesced)"
 # weight gradient: a split backward runs them in its W (parallel/tensor/sequence.py)
 INPUT_REGATHER = "input re-gather"
 LOGITS_INPUT_REGATHER = "logits input re-gather"
+# the first stage's scatter after the embedding sits below the chunk's input, so a split
+# backward runs its gradient's all-gather in W too (nn/gpt.py's embed)
+EMBEDDING_GRADIENT_GATHER = "embedding gradient gather"
 
 
 @dataclass(frozen=True)
@@ -360,7 +363,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         if stage.first:
             add("all_reduce", 1, numel * a, all_reduce_sent(numel, a, t), "forward",
                 "vocab-parallel embedding")
-            add("all_gather", 1, numel * a, gather, "backward", "embedding gradient gather")
+            add("all_gather", 1, numel * a, gather, "backward", EMBEDDING_GRADIENT_GATHER)
         if stage.last:
             add("all_gather", 1, numel * a, gather, "forward", "logits input all-gather")
             add("all_gather", 1, numel * a, gather, "backward", LOGITS_INPUT_REGATHER)

@@ -518,7 +518,8 @@ OVERLAP_GRID = [
       for schedule, v in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipe-v", 2))),
     # full recomputation under a split backward: a checkpointed layer makes its weight
     # gradients in the I, so its buckets complete there; the planner times every bucket
-    # of a split chunk through its W (the step 8% long, exposed communication 61% high)
+    # of a split chunk through its W (predicted above the emulator: the step by 8%, the
+    # exposed communication by 61% of the prediction)
     pytest.param(dict(dp=2, pp=2, n_layer=4, grad_accum_steps=4, schedule="zb-h1",
                       recompute_granularity="full", **SMALL_BUCKETS),
                  BUCKET_EXPOSED_TOLERANCE, OVERLAP_STEP_TOLERANCE,
