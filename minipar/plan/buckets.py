@@ -21,7 +21,7 @@ the bit (tests/plan/test_overlap.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import NamedTuple
 
@@ -205,3 +205,20 @@ def back_to_back(modules: list[Module], start: float) -> list[float]:
         begins[i] = clock
         clock += modules[i].backward_s
     return begins
+
+
+def split_back_to_back(whole: list[Module], weight: list[Module], in_input,
+                       input_start: float, weight_start: float
+                       ) -> tuple[list[float], list[Module]]:
+    """A split backward's modules as their gradients are made, and when each one's
+    backward begins: module i of `in_input` as the I begun at input_start meets it
+    (`whole[i]`: its whole backward makes its gradients), the others as the W begun at
+    weight_start does (`weight[i]`: its weight gradients only). On the I's clock a
+    module takes its backward less its W."""
+    on_input = [mod if i in in_input else replace(mod, backward_s=mod.backward_s - w.backward_s)
+                for i, (mod, w) in enumerate(zip(whole, weight, strict=True))]
+    input_begins = back_to_back(on_input, input_start)
+    weight_begins = back_to_back(weight, weight_start)
+    return ([input_begins[i] if i in in_input else weight_begins[i]
+             for i in range(len(whole))],
+            [whole[i] if i in in_input else weight[i] for i in range(len(whole))])

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from functools import cache, partial
 
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
-from minipar.plan.buckets import GradientBucket, Module, alike, back_to_back, gradient_buckets
+from minipar.plan.buckets import GradientBucket, Module, alike, gradient_buckets
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.memory import shard
 
@@ -296,17 +296,19 @@ def param_gather_exposed(gathers: list[float], modules: list[Module]) -> float:
     return max(gathers[-1], sum(gathers) - forward)
 
 
-def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: ParallelConfig,
+def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: ParallelConfig,
                        collective, computing: list[tuple[float, float]] | None = None
                        ) -> dict:
     """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
 
-    chunks: (start of the chunk's last micro-batch backward, its modules in forward
-    order), in the rank's registration order. The rank's buckets are built over all its
-    chunks (minipar.parallel.data.buckets.build_buckets over the rank's parameters), so one
-    may straddle two chunks. With overlap each bucket is reduced as soon as the chunk
-    backward that makes its last gradient has (Megatron's --overlap-grad-reduce: sync on
-    in each chunk's last micro-batch), on one stream, the late ones (a tied embedding)
+    chunks: (when each module's backward begins in the chunk's last micro-batch
+    (buckets.back_to_back from that backward's start, or a split backward's I and W
+    apart), its modules in forward order), in the rank's registration order. The rank's
+    buckets are built over all its chunks (minipar.parallel.data.buckets.build_buckets
+    over the rank's parameters), so one may straddle two chunks. With overlap each
+    bucket is reduced as soon as the chunk backward that makes its last gradient has
+    (Megatron's --overlap-grad-reduce: sync on in each chunk's last micro-batch), on one
+    stream, the late ones (a tied embedding)
     after the flush; without overlap, all of them after the flush. Returns
       overlapped_end_s  when the reductions started during the last backwards end
       after_flush_s     seconds of reduction left for after the flush
@@ -323,14 +325,15 @@ def pipeline_reduction(chunks: list[tuple[float, list[Module]]], config: Paralle
     # in whichever chunk's last backward that is (one straddling two chunks waits for
     # the later one); on one clock through the chunks' last backwards.
     every = [mod for _, modules in chunks for mod in modules]
-    begins = [b for start, modules in chunks for b in back_to_back(modules, start)]
+    begins = [b for starts, _ in chunks for b in starts]
     buckets = sorted(gradient_buckets(every, config, begins), key=lambda b: b.after_s)
     durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
     if not config.overlap_grad_reduce:
         return {"overlapped_end_s": 0.0, "after_flush_s": sum(durations), "stall_s": 0.0,
                 "hidden_s": 0.0}
     stream = Stream()
-    end = max(start + sum(mod.backward_s for mod in modules) for start, modules in chunks)
+    end = max((b + mod.backward_s for b, mod in zip(begins, every, strict=True)),
+              default=0.0)
     computed, _ = reduce_during_backward(end, buckets, durations, True,
                                          None if config.zero == 0 else MAX_IN_FLIGHT, stream)
     stall = computed - end

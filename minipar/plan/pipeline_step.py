@@ -45,7 +45,8 @@ from minipar.parallel.pipeline.actions import (
 )
 from minipar.parallel.pipeline.schedules.registry import check_schedule_name, make_schedule
 from minipar.parallel.pipeline.simulator import simulate_step
-from minipar.parallel.pipeline.split_backward import BackwardWeight
+from minipar.parallel.pipeline.split_backward import BackwardInput, BackwardWeight
+from minipar.plan.buckets import back_to_back, split_back_to_back
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.layout import (
     ParallelConfig,
@@ -170,11 +171,11 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     # Timed modules make their gradients through the last backward, from its start;
     # untimed ones (overlap_needs_times: one bucket) all at once, at its end.
     timed = overlap_needs_times(config)
-    gradients_from = {}  # chunk -> when its modules' gradients start to be made
-    split = {}  # chunk -> whether a W (a split backward's second half) makes them
+    began = {}  # (chunk, whether an I) -> when its last B, I or W starts making gradients
+    split = {}  # chunk -> whether a W (a split backward's second half) ends its backward
     for action, start, end in run.timelines[rank]:
-        if isinstance(action, (Backward, BackwardWeight)):
-            gradients_from[action.chunk] = start if timed else end
+        if isinstance(action, (Backward, BackwardInput, BackwardWeight)):
+            began[action.chunk, isinstance(action, BackwardInput)] = start if timed else end
             split[action.chunk] = isinstance(action, BackwardWeight)
     chunks = []
     for c in range(v):
@@ -183,8 +184,14 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                          last=stage == p * v - 1, in_flight=1,
                          tied_copy=shape.tie_embeddings and stage == p * v - 1
                          and spec.virtual_stage(p, rank, 0) != 0)
-        chunks.append((gradients_from.get(c, 0.0),
-                       stage_modules(shape, config, cluster, plan, split.get(c, False))))
+        modules = stage_modules(shape, config, cluster, plan, split.get(c, False))
+        # a checkpointed layer (a chunk's first) makes its weight gradients in its I
+        checkpointed = range(int(plan.first), int(plan.first) + checkpointed_layers(config, plan))
+        chunks.append(split_back_to_back(stage_modules(shape, config, cluster, plan), modules,
+                                         checkpointed, began.get((c, True), 0.0),
+                                         began.get((c, False), 0.0))
+                      if split.get(c, False) and checkpointed else
+                      (back_to_back(modules, began.get((c, False), 0.0)), modules))
     collective = dp_collective(config, cluster)
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,

@@ -48,6 +48,8 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minipar.autograd.kernels import ring_attention_block_kernels
 from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
@@ -317,23 +319,39 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         modules.append(Module("embedding", forward, backward, tensors,
                               (late_wte,) + (False,) * (len(tensors) - 1)))
     if stage.layers:
-        forward, backward, comm = seconds(part(stage.chunk_layers), 1 / stage.layers)
-        tensors = layer_tensors(shape, t)
         layers = part(stage.chunk_layers)
+        n = stage.layers
+        forward, backward, comm = seconds(layers, 1 / n)
+        tensors = layer_tensors(shape, t)
         flops = stage_compute(shape, config, layers)
-        recompute = flops["recompute"] / stage.layers
+        checkpointed = checkpointed_layers(config, layers)
         selective = config.recompute.selective  # the core again, where backward meets it
-        ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
-                            config.sequence_parallel, comm,
-                            0.0 if weight or selective else recompute, weight,
-                            recompute if selective else 0.0)
-        # the forward again, before the backward proper (full recomputation: its FLOPs
-        # are the forward's, a share of the layers' when only some are recomputed; B's)
-        again = (forward * flops["recompute"] / flops["forward"]
-                 if config.recompute.full and flops["forward"] and not weight else 0.0)
-        # the layers are alike: one Module, met stage.layers times
-        modules += [Module("layer", forward, backward, tensors, (False,) * len(tensors),
-                           ready, recompute_s=again)] * stage.layers
+
+        def layer(backward_s: float, recompute: float = 0.0, again: float = 0.0) -> Module:
+            ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
+                                config.sequence_parallel, comm,
+                                0.0 if weight or selective else recompute, weight,
+                                recompute if selective else 0.0)
+            return Module("layer", forward, backward_s, tensors, (False,) * len(tensors),
+                          ready, recompute_s=again)
+
+        if selective:  # every layer alike: one Module, met n times
+            plain = checkpoint = layer(backward, flops["recompute"] / n)
+        elif weight:  # W: a checkpointed layer made its weight gradients in B
+            # (autograd/checkpoint.py runs a whole inner backward), so its W runs nothing
+            plain = layer(backward * n / (n - checkpointed) if checkpointed < n else 0.0)
+            checkpoint = replace(plain, backward_s=0.0)
+        else:  # full recomputation: a checkpointed layer's forward again, before its
+            # backward proper (backward has it averaged over the layers)
+            again = (forward * flops["recompute"] / checkpointed / (flops["forward"] / n)
+                     if checkpointed and flops["forward"] else 0.0)
+            plain = layer(backward - again * checkpointed / n)
+            checkpoint = (layer(backward - again * checkpointed / n + again,
+                                flops["recompute"] / checkpointed, again)
+                          if checkpointed else plain)
+        for chunk in stage.chunk_layers:  # block: a chunk's first k (nn/recompute.py)
+            again_here = config.recompute.recomputed_layers(chunk)
+            modules += [checkpoint] * again_here + [plain] * (chunk - again_here)
     if stage.last:
         tensors, late = head_tensors(shape, t, stage.tied_copy)
         forward, backward, comm = seconds(part((0,), last=True))

@@ -320,8 +320,10 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             "expert input-gradient all-reduce (f)")
     if not config.sequence_parallel:
         full = all_reduce_sent(numel, a, t)
-        add("all_reduce", 2 * (layers + recomputed) - moe, numel * a, full, "forward",
+        add("all_reduce", 2 * layers - moe, numel * a, full, "forward",
             "layer output all-reduce (g)")
+        add("all_reduce", 2 * recomputed, numel * a, full, "backward",
+            "layer output all-reduce (g), recomputed")
         add("all_reduce", 2 * layers - moe, numel * a, full, "backward",
             "layer input-gradient all-reduce (f)")
         if stage.first:
@@ -334,10 +336,15 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         # of the row-parallel layers' output gradients, 1 byte an element (plan/fp8.py)
         g = 1 if config.fp8_format is not None else a
         layer_gather = all_gather_sent(piece, g, t)
-        add("all_gather", 2 * (layers + recomputed), numel * g, layer_gather, "forward",
+        add("all_gather", 2 * layers, numel * g, layer_gather, "forward",
             "sequence-parallel all-gather (g)")
-        add("reduce_scatter", 2 * (layers + recomputed) - moe, numel * a, scatter, "forward",
+        add("reduce_scatter", 2 * layers - moe, numel * a, scatter, "forward",
             "sequence-parallel reduce-scatter")
+        # the checkpointed layers' forward again, run in backward before their gradients
+        add("all_gather", 2 * recomputed, numel * g, layer_gather, "backward",
+            "sequence-parallel all-gather (g), recomputed")
+        add("reduce_scatter", 2 * recomputed, numel * a, scatter, "backward",
+            "sequence-parallel reduce-scatter, recomputed")
         # backward all-gathers the inputs of QKV and fc1 again for their weight
         # gradients (Korthikanti et al.'s extra all-gather; an MoE layer's experts take
         # theirs whole) and the output gradients of the row-parallel layers (g-bar)

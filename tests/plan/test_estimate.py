@@ -517,15 +517,29 @@ OVERLAP_GRID = [
                    **SMALL_BUCKETS)
       for schedule, v in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipe-v", 2))),
     # full recomputation under a split backward: a checkpointed layer makes its weight
-    # gradients in the I, so its buckets complete there; the planner times every bucket
-    # of a split chunk through its W (predicted above the emulator: the step by 8%, the
-    # exposed communication by 61% of the prediction)
-    pytest.param(dict(dp=2, pp=2, n_layer=4, grad_accum_steps=4, schedule="zb-h1",
-                      recompute_granularity="full", **SMALL_BUCKETS),
-                 BUCKET_EXPOSED_TOLERANCE, OVERLAP_STEP_TOLERANCE,
-                 id="dp2 pp2 zb-h1 full recomputation buckets overlap",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "buckets of checkpointed layers complete in the I, not the W"))),
+    # gradients in the I (its inner backward is whole), so its buckets complete there,
+    # and the rest of the chunk's in the W
+    *(overlap_case(f"dp2 pp2 {schedule} full recomputation buckets overlap",
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=4, grad_accum_steps=4,
+                   schedule=schedule, virtual_stages=v, recompute_granularity="full",
+                   **SMALL_BUCKETS)
+      for schedule, v in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipe-v", 2))),
+    # ... and the recomputed forward's TP collectives run in B, not in F: a V's
+    # schedule (the first and the last stage on one rank) times them where they are
+    *(overlap_case(f"dp2 tp2 sp pp2 {schedule} full recomputation buckets overlap",
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2, sequence_parallel=True, pp=2,
+                   n_layer=4, grad_accum_steps=4, schedule=schedule, virtual_stages=2,
+                   recompute_granularity="full", **SMALL_BUCKETS)
+      for schedule in ("zb-v", "dualpipe-v")),
+    # the block method checkpoints a chunk's first k layers only: those run their
+    # forward again before their backward, the others do not (and under a split
+    # backward make their weight gradients in the W)
+    *(overlap_case(f"dp2 pp2 {schedule} block recomputation buckets overlap",
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=8, grad_accum_steps=4,
+                   schedule=schedule, recompute_granularity="full",
+                   recompute_method="block", recompute_num_layers=1,
+                   tie_embeddings=False, **SMALL_BUCKETS)
+      for schedule in ("1f1b", "zb-h1")),
     # the zero-bubble schedules run each backward as B, then W later: W is the weight
     # gradients' share of it (ModelShape.layer_weight_flops), not half, and a chunk's
     # buckets are complete as its last W makes their gradients (parameter_order's W
