@@ -59,16 +59,22 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
     scores = b * shape.n_head // tp * s * s
     core = 2 * 4 * scores * shape.head_dim + SOFTMAX_FLOPS[1] * scores
     gemm, other = (2, 0) if weight else (4, 1)  # FLOPs per token and weight; the rest
+    # a bias's gradient, the sum of dy over the tokens, comes after its weight's (B and W)
+    bias = 1 if shape.bias else 0
     steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
         (other * recompute_flops, None),
         (gemm * tokens * shape.ffn * h / tp, "mlp out"),
+        (bias * stream * h, "mlp out bias"),
         (other * ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
         (gemm * tokens * h * shape.mlp_in_width / tp, "mlp in"),
+        (bias * tokens * shape.mlp_in_width / tp, "mlp in bias"),
         ("f", None),
         (other * norm, "norm 2"),
         (gemm * tokens * h * h / tp, "attention out"),
+        (bias * stream * h, "attention out bias"),
         (other * (core_again_flops + core), None),
         (gemm * tokens * h * shape.qkv_width / tp, "qkv"),
+        (bias * tokens * shape.qkv_width / tp, "qkv bias"),
         ("f", None),
         (other * norm, "norm 1"),
     ]
@@ -79,9 +85,10 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
         if group is not None:
             share[group] = done
     norms = 2 if shape.norm == "layernorm" else 1
-    biases = 1 if shape.bias else 0
-    groups = (["norm 1"] * norms + ["qkv"] * (1 + biases) + ["attention out"] * (1 + biases)
-              + ["norm 2"] * norms + ["mlp in"] * (1 + biases) + ["mlp out"] * (1 + biases))
+    groups = ["norm 1"] * norms
+    for linear in ("qkv", "attention out", "norm 2", "mlp in", "mlp out"):
+        groups += ([linear] * norms if linear == "norm 2"
+                   else [linear] + [f"{linear} bias"] * bias)
     if len(groups) != len(layer_tensors(shape, tp)):
         return (1.0,) * len(layer_tensors(shape, tp))
     return tuple(share[g] for g in groups)

@@ -184,9 +184,17 @@ def test_parameter_lists_follow_minipars_registration_order():
 
 
 def test_backward_completes_the_last_registered_parameters_first():
-    ready = layer_ready(TINY, b=2)
-    assert list(ready) == sorted(ready, reverse=True)  # ln_1 last, mlp.c_proj first
-    assert ready[0] == pytest.approx(1.0)
+    # ln_1 last, mlp.c_proj first; a linear layer's bias (registered after its weight)
+    # just after its weight, as the emulator's backward sums dy after the dW GEMM
+    for weight in (False, True):
+        ready = layer_ready(TINY, b=2, weight=weight)
+        tensors = layer_tensors(TINY)  # ln_1 (w, b), c_attn (w, b), c_proj (w, b), ...
+        assert len(ready) == len(tensors) == 12
+        assert ready[0] == pytest.approx(1.0)
+        weights = [ready[i] for i in (0, 2, 4, 6, 8, 10)]  # ln_1, c_attn, c_proj, ln_2, ...
+        assert weights == sorted(weights, reverse=True)
+        for linear in (2, 4, 8, 10):  # each bias completes after its weight, not after
+            assert ready[linear] < ready[linear + 1] <= ready[linear - 2]  # the layer below
     with_tp = layer_ready(TINY, b=2, tp=2, comm_share=0.5)
     assert len(with_tp) == len(layer_tensors(TINY, 2))
 
