@@ -46,36 +46,49 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
     Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
     MLP-in GEMM, the TP all-reduce of its input gradient (Megatron's f), norm 2,
     attention output GEMM, the attention core (no parameters), QKV GEMM, the second f,
-    norm 1; a GEMM's backward costs 4 T x its weight's elements. comm_share: the part of
-    the layer's backward time in those TP collectives (the rest is shared by FLOPs);
+    norm 1; a GEMM's backward costs 4 T x its weight's elements, a bias's sum T x its
+    elements after it. comm_share: the part of the layer's backward time in those TP
+    collectives (the rest is shared by FLOPs);
     recompute_flops: the layer's recomputation, which runs first (full); core_again_flops:
     the attention core's, which runs where backward meets the core (selective). weight:
     the shares of a split backward's W instead, which meets the same ops in the same
     order but runs only the GEMMs' weight gradients, 2 T x each weight's elements (a
-    norm's gradients, made in B, are complete when W reaches it)."""
+    norm's gradients, made in B, are complete when W reaches it), and under sequence
+    parallelism gathers QKV's and fc1's inputs again before their dW (comm_share then
+    the W's share in those re-gathers)."""
     h, s, tokens = shape.d_model, shape.seq_len, b * shape.seq_len
     stream = tokens // tp if sequence_parallel else tokens
     norm = NORM_FLOPS[shape.norm][1] * stream * h
     scores = b * shape.n_head // tp * s * s
     core = 2 * 4 * scores * shape.head_dim + SOFTMAX_FLOPS[1] * scores
     gemm, other = (2, 0) if weight else (4, 1)  # FLOPs per token and weight; the rest
-    # a bias's gradient, the sum of dy over the tokens, comes after its weight's (B and W)
+    # a bias's gradient, the sum of dy over the tokens, comes after its weight's (B and
+    # W); a row-parallel layer's under TP before it: it adds its bias after the
+    # reduction, an op of its own that backward meets first (parallel/tensor/layers.py)
     bias = 1 if shape.bias else 0
+
+    def row_parallel(flops: float, group: str) -> list:
+        gemm_step, bias_step = (flops, group), (bias * stream * h, f"{group} bias")
+        return [bias_step, gemm_step] if tp > 1 else [gemm_step, bias_step]
+
+    # the TP collectives: B's all-reduce (f) after the column-parallel GEMMs' dX; W's
+    # re-gathers (sequence parallelism) of their inputs, before their dW
+    before, after = ([("f", None)], []) if weight else ([], [("f", None)])
     steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
         (other * recompute_flops, None),
-        (gemm * tokens * shape.ffn * h / tp, "mlp out"),
-        (bias * stream * h, "mlp out bias"),
+        *row_parallel(gemm * tokens * shape.ffn * h / tp, "mlp out"),
         (other * ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
+        *before,
         (gemm * tokens * h * shape.mlp_in_width / tp, "mlp in"),
         (bias * tokens * shape.mlp_in_width / tp, "mlp in bias"),
-        ("f", None),
+        *after,
         (other * norm, "norm 2"),
-        (gemm * tokens * h * h / tp, "attention out"),
-        (bias * stream * h, "attention out bias"),
+        *row_parallel(gemm * tokens * h * h / tp, "attention out"),
         (other * (core_again_flops + core), None),
+        *before,
         (gemm * tokens * h * shape.qkv_width / tp, "qkv"),
         (bias * tokens * shape.qkv_width / tp, "qkv bias"),
-        ("f", None),
+        *after,
         (other * norm, "norm 1"),
     ]
     total = sum(f for f, _ in steps if f != "f")

@@ -71,12 +71,10 @@ from minipar.plan.timing import (
     stage_seconds,
     tp_overlap_hidden,
     transfer_time,
+    weight_collective_seconds,
 )
 from minipar.plan.traffic import (
-    EMBEDDING_GRADIENT_GATHER,
     GRADIENT_NORM,
-    INPUT_REGATHER,
-    LOGITS_INPUT_REGATHER,
     PARAMETER_ALL_GATHER,
     SEQUENCE_PARALLEL_GRADIENTS,
     stage_traffic,
@@ -112,23 +110,17 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)
             seconds["forward"] += ring[0]
             seconds["backward"] += ring[1]
-            regather = 0.0  # W's own collectives: the inputs gathered again for dW
             for transfer in stage_traffic(shape, config, chunk, cluster.gpus_per_node):
                 if (transfer.phase in seconds and transfer.group not in ("pp", "cp")
                         and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
-                    spent = transfer.count / m * transfer_time(transfer, cluster,
-                                                               links[transfer.link])
-                    seconds[transfer.phase] += spent
-                    if transfer.label == INPUT_REGATHER:  # (a checkpointed layer's in B;
-                        # shared by layer count: an MoE layer re-gathers one input, not 2)
-                        regather += spent * (1 - checkpointed_layers(config, chunk)
-                                             / chunk.layers) if chunk.layers else 0.0
-                    elif transfer.label in (LOGITS_INPUT_REGATHER, EMBEDDING_GRADIENT_GATHER):
-                        regather += spent
+                    seconds[transfer.phase] += transfer.count / m * transfer_time(
+                        transfer, cluster, links[transfer.link])
             hidden = tp_overlap_hidden(shape, config, cluster, chunk)  # --tp-comm-overlap
             forward[r][c] = seconds["forward"] - hidden["forward"]
             backward[r][c] = seconds["backward"] - hidden["backward"]
-            weight[r][c] = min(compute["weight"] + regather, backward[r][c])
+            # W: the weight gradients, and its own collectives (the inputs gathered again)
+            weight[r][c] = min(compute["weight"] + weight_collective_seconds(
+                shape, config, cluster, chunk), backward[r][c])
     return forward, backward, weight
 
 

@@ -82,7 +82,10 @@ from minipar.plan.parameter_order import (
 )
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.traffic import (
+    EMBEDDING_GRADIENT_GATHER,
     GRADIENT_NORM,
+    INPUT_REGATHER,
+    LOGITS_INPUT_REGATHER,
     SEQUENCE_PARALLEL_GRADIENTS,
     Transfer,
     stage_traffic,
@@ -205,6 +208,25 @@ def stage_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             for kind, groups in stage_kernels(shape, config, stage).items()}
 
 
+def weight_collective_seconds(shape: ModelShape, config: ParallelConfig,
+                              cluster: ClusterSpec, stage: StagePlan) -> float:
+    """Seconds of one micro-batch's collectives that a split backward's W runs on
+    `stage` (parallel/tensor/sequence.py, under sequence parallelism): the inputs of
+    QKV and fc1 gathered again for their dW (not a checkpointed layer's, whose weight
+    gradients are made in B: shared by layer count, an MoE layer re-gathers one input,
+    not two), the logits' input, and on the first stage the embedding gradient's
+    all-gather."""
+    links, m = group_links(config, cluster), config.micro_batches
+    seconds = 0.0
+    for transfer in stage_traffic(shape, config, stage, cluster.gpus_per_node):
+        spent = transfer.count / m * transfer_time(transfer, cluster, links[transfer.link])
+        if transfer.label == INPUT_REGATHER and stage.layers:
+            seconds += spent * (1 - checkpointed_layers(config, stage) / stage.layers)
+        elif transfer.label in (LOGITS_INPUT_REGATHER, EMBEDDING_GRADIENT_GATHER):
+            seconds += spent
+    return seconds
+
+
 def tp_overlap_hidden(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                       stage: StagePlan) -> dict[str, float]:
     """Seconds of one micro-batch's tensor-parallel collectives that --tp-comm-overlap
@@ -289,8 +311,10 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         if not timed:
             return 0.0, 0.0, 0.0
         compute = stage_seconds(shape, config, cluster, part)
-        if weight:  # W: the weight gradients' compute, no collective
-            return compute["forward"] * share, compute["weight"] * share, 0.0
+        if weight:  # W: the weight gradients, and under SP the inputs gathered again
+            gathers = weight_collective_seconds(shape, config, cluster, part)
+            w = compute["weight"] + gathers
+            return compute["forward"] * share, w * share, gathers / w if w > 0 else 0.0
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
         backward_comm = 0.0

@@ -516,6 +516,13 @@ OVERLAP_GRID = [
                    schedule=schedule, virtual_stages=v, overlap_grad_reduce=False,
                    **SMALL_BUCKETS)
       for schedule, v in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipe-v", 2))),
+    # ... and with overlapped buckets, W's re-gathers are timed where W runs them,
+    # before the dW of QKV and fc1; a row-parallel layer's bias, added after its
+    # reduction, gets its gradient before its weight's
+    *(overlap_case(f"dp2 tp2 sp pp2 {schedule} buckets overlap", BUCKET_EXPOSED_TOLERANCE,
+                   dp=2, tp=2, sequence_parallel=True, pp=2, n_layer=4, grad_accum_steps=4,
+                   schedule=schedule, virtual_stages=v, **SMALL_BUCKETS)
+      for schedule, v in (("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipe-v", 2))),
     # full recomputation under a split backward: a checkpointed layer makes its weight
     # gradients in the I (its inner backward is whole), so its buckets complete there,
     # and the rest of the chunk's in the W

@@ -195,6 +195,11 @@ def test_backward_completes_the_last_registered_parameters_first():
         assert weights == sorted(weights, reverse=True)
         for linear in (2, 4, 8, 10):  # each bias completes after its weight, not after
             assert ready[linear] < ready[linear + 1] <= ready[linear - 2]  # the layer below
+    # under TP a row-parallel layer (c_proj, mlp.c_proj) adds its bias after the
+    # reduction, an op of its own that backward meets before the GEMM
+    ready = layer_ready(TINY, b=2, tp=2)
+    assert ready[5] < ready[4] and ready[11] < ready[10]  # their biases first
+    assert ready[2] < ready[3] and ready[8] < ready[9]  # column-parallel: weight first
     with_tp = layer_ready(TINY, b=2, tp=2, comm_share=0.5)
     assert len(with_tp) == len(layer_tensors(TINY, 2))
 

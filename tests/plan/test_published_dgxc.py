@@ -340,7 +340,7 @@ def test_the_fp8_gemm_efficiency_is_the_fit_on_v24_11_1s_fp8_runs(compared_fp8):
         return rms_log_error(published_h100.compare(cluster, fitted))
 
     at_kept = rms_log_error([r for r in compared_fp8 if r["fitted"]])
-    assert kept == 0.61 and at_kept == pytest.approx(0.0633, abs=5e-5)
+    assert kept == 0.61 and at_kept == pytest.approx(0.0636, abs=5e-5)
     assert at_kept < rms(kept - 0.01) and at_kept < rms(kept + 0.01)
 
 
