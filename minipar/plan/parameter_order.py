@@ -39,8 +39,11 @@ def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
     return tuple(tensors)
 
 
+COLLECTIVES = "collectives"  # a step of layer_ready's that is TP communication
+
+
 def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool = False,
-                comm_share: float = 0.0, recompute_flops: float = 0.0,
+                comm_share: float = 0.0, recompute_share: float = 0.0,
                 weight: bool = False, core_again_flops: float = 0.0) -> tuple[float, ...]:
     """Share of a layer's backward run when each tensor of `layer_tensors` is complete.
     Backward meets the ops in reverse: MLP-out GEMM (its weight and bias), activation,
@@ -48,9 +51,10 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
     attention output GEMM, the attention core (no parameters), QKV GEMM, the second f,
     norm 1; a GEMM's backward costs 4 T x its weight's elements, a bias's sum T x its
     elements after it. comm_share: the part of the layer's backward time in those TP
-    collectives (the rest is shared by FLOPs);
-    recompute_flops: the layer's recomputation, which runs first (full); core_again_flops:
-    the attention core's, which runs where backward meets the core (selective). weight:
+    collectives (the rest is shared by FLOPs); recompute_share: the part in full
+    recomputation's forward again, its collectives too, which runs first;
+    core_again_flops: selective recomputation's attention core, which runs where
+    backward meets the core. weight:
     the shares of a split backward's W instead, which meets the same ops in the same
     order but runs only the GEMMs' weight gradients, 2 T x each weight's elements (a
     norm's gradients, made in B, are complete when W reaches it), and under sequence
@@ -71,30 +75,45 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
         gemm_step, bias_step = (flops, group), (bias * stream * h, f"{group} bias")
         return [bias_step, gemm_step] if tp > 1 else [gemm_step, bias_step]
 
-    # the TP collectives: B's all-reduce (f) after the column-parallel GEMMs' dX; W's
-    # re-gathers (sequence parallelism) of their inputs, before their dW
-    before, after = ([("f", None)], []) if weight else ([], [("f", None)])
+    # The TP collectives, as shares of comm_share, where backward meets them
+    # (parallel/tensor/): without sequence parallelism, B's all-reduce of a
+    # column-parallel layer's input gradient (f) after its GEMMs; with it, the all-gather
+    # of a row-parallel layer's output gradient before its GEMMs, and a column-parallel
+    # layer's input gathered again and its input gradient reduce-scattered between its
+    # dX and its dW, all alike; W's re-gathers before the dW they feed.
+    if weight:
+        before_row, before_dw, after_column = [], [(COLLECTIVES, 1 / 2)], []
+    elif sequence_parallel:
+        before_row, before_dw, after_column = ([(COLLECTIVES, 1 / 6)], [(COLLECTIVES, 1 / 3)],
+                                               [])
+    else:
+        before_row, before_dw, after_column = [], [], [(COLLECTIVES, 1 / 2)]
+
+    def column_parallel(width: int, group: str) -> list:
+        dgrad = other * 2 * tokens * h * width / tp  # dX, then dW (after its input)
+        return [(dgrad, None), *before_dw, (2 * tokens * h * width / tp, group),
+                (bias * tokens * width / tp, f"{group} bias"), *after_column]
+
     steps = [  # (backward FLOPs, the tensors it completes: layer_tensors' groups)
-        (other * recompute_flops, None),
+        *before_row,
         *row_parallel(gemm * tokens * shape.ffn * h / tp, "mlp out"),
         (other * ACTIVATION_FLOPS[shape.mlp][1] * tokens * shape.ffn / tp, None),
-        *before,
-        (gemm * tokens * h * shape.mlp_in_width / tp, "mlp in"),
-        (bias * tokens * shape.mlp_in_width / tp, "mlp in bias"),
-        *after,
+        *column_parallel(shape.mlp_in_width, "mlp in"),
         (other * norm, "norm 2"),
+        *before_row,
         *row_parallel(gemm * tokens * h * h / tp, "attention out"),
         (other * (core_again_flops + core), None),
-        *before,
-        (gemm * tokens * h * shape.qkv_width / tp, "qkv"),
-        (bias * tokens * shape.qkv_width / tp, "qkv bias"),
-        *after,
+        *column_parallel(shape.qkv_width, "qkv"),
         (other * norm, "norm 1"),
     ]
-    total = sum(f for f, _ in steps if f != "f")
-    done, share = 0.0, {}
+    total = sum(f for f, _ in steps if f is not COLLECTIVES)
+    computing = 1 - comm_share - recompute_share  # the share the FLOPs divide
+    done, share = recompute_share, {}
     for flops, group in steps:
-        done += comm_share / 2 if flops == "f" else (1 - comm_share) * flops / total
+        if flops is COLLECTIVES:  # (group: their fraction of comm_share)
+            done += comm_share * group
+            continue
+        done += computing * flops / total
         if group is not None:
             share[group] = done
     norms = 2 if shape.norm == "layernorm" else 1

@@ -86,6 +86,7 @@ from minipar.plan.traffic import (
     GRADIENT_NORM,
     INPUT_REGATHER,
     LOGITS_INPUT_REGATHER,
+    RECOMPUTED,
     SEQUENCE_PARALLEL_GRADIENTS,
     Transfer,
     stage_traffic,
@@ -317,13 +318,14 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             return compute["forward"] * share, w * share, gathers / w if w > 0 else 0.0
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
-        backward_comm = 0.0
+        backward_comm = 0.0  # (not the recomputed forward's: that runs before any gradient)
         for transfer in stage_traffic(shape, config, part, cluster.gpus_per_node):
             if (transfer.group == "tp" and transfer.phase in out
                     and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                 spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
                 out[transfer.phase] += spent
-                backward_comm += spent if transfer.phase == "backward" else 0.0
+                if transfer.phase == "backward" and not transfer.label.endswith(RECOMPUTED):
+                    backward_comm += spent
         hidden = tp_overlap_hidden(shape, config, cluster, part)
         for phase in out:
             out[phase] -= hidden[phase]
@@ -351,31 +353,41 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         checkpointed = checkpointed_layers(config, layers)
         selective = config.recompute.selective  # the core again, where backward meets it
 
-        def layer(backward_s: float, recompute: float = 0.0, again: float = 0.0) -> Module:
+        collectives = comm * backward  # a layer's own, in its backward proper (B)
+
+        def layer(backward_s: float, again: float = 0.0, core_again: float = 0.0) -> Module:
+            shares = ((comm, 0.0) if weight or backward_s <= 0 else
+                      (collectives / backward_s, again / backward_s))
             ready = layer_ready(local_shape(shape, config.cp), config.micro_batch_size, t,
-                                config.sequence_parallel, comm,
-                                0.0 if weight or selective else recompute, weight,
-                                recompute if selective else 0.0)
+                                config.sequence_parallel, *shares, weight, core_again)
             return Module("layer", forward, backward_s, tensors, (False,) * len(tensors),
                           ready, recompute_s=again)
 
         if selective:  # every layer alike: one Module, met n times
-            plain = checkpoint = layer(backward, flops["recompute"] / n)
+            plain = checkpoint = layer(backward, core_again=flops["recompute"] / n)
         elif weight:  # W: a checkpointed layer made its weight gradients in B
             # (autograd/checkpoint.py runs a whole inner backward), so its W runs nothing
             plain = layer(backward * n / (n - checkpointed) if checkpointed < n else 0.0)
             checkpoint = replace(plain, backward_s=0.0)
-        else:  # full recomputation: a checkpointed layer's forward again, before its
-            # backward proper (backward has it averaged over the layers)
+        else:  # full recomputation: a checkpoint's forward again, its collectives
+            # too, before its backward proper (backward averages it over the layers)
             again = (forward * flops["recompute"] / checkpointed / (flops["forward"] / n)
                      if checkpointed and flops["forward"] else 0.0)
             plain = layer(backward - again * checkpointed / n)
-            checkpoint = (layer(backward - again * checkpointed / n + again,
-                                flops["recompute"] / checkpointed, again)
-                          if checkpointed else plain)
-        for chunk in stage.chunk_layers:  # block: a chunk's first k (nn/recompute.py)
-            again_here = config.recompute.recomputed_layers(chunk)
-            modules += [checkpoint] * again_here + [plain] * (chunk - again_here)
+        checkpoints = {}  # layers of a checkpoint -> its last layer's Module (alike ones
+        # are one object: buckets.gradient_buckets cuts a run of them once)
+        for chunk in stage.chunk_layers:  # each chunk's checkpoints (nn/recompute.py)
+            for start, end, recomputed in config.recompute.segments(chunk):
+                group = end - start  # (uniform: k layers; block: one)
+                if not recomputed or selective:
+                    modules += [plain] * group
+                elif weight:
+                    modules += [checkpoint] * group
+                else:  # the checkpoint's forward again, before its last layer's backward
+                    if group not in checkpoints:
+                        checkpoints[group] = layer(plain.backward_s + group * again,
+                                                   group * again)
+                    modules += [plain] * (group - 1) + [checkpoints[group]]
     if stage.last:
         tensors, late = head_tensors(shape, t, stage.tied_copy)
         forward, backward, comm = seconds(part((0,), last=True))

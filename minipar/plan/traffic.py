@@ -91,6 +91,8 @@ PARAMETER_ALL_GATHER = "parameter all-gather"  # ZeRO-1/2's, after the optimizer
 # Sequence parallelism's norm and bias gradients, summed over TP once per step at the end
 # of the last backward: on the clock, part of the step's tail (timing.py)
 SEQUENCE_PARALLEL_GRADIENTS = "norm and bias gradient all-reduce (coalesced)"
+# what ends the label of a collective full recomputation's forward runs again, in backward
+RECOMPUTED = ", recomputed"
 # sequence parallelism's all-gathers of a layer's (or the logits') input again for the
 # weight gradient: a split backward runs them in its W (parallel/tensor/sequence.py)
 INPUT_REGATHER = "input re-gather"
@@ -323,7 +325,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         add("all_reduce", 2 * layers - moe, numel * a, full, "forward",
             "layer output all-reduce (g)")
         add("all_reduce", 2 * recomputed, numel * a, full, "backward",
-            "layer output all-reduce (g), recomputed")
+            "layer output all-reduce (g)" + RECOMPUTED)
         add("all_reduce", 2 * layers - moe, numel * a, full, "backward",
             "layer input-gradient all-reduce (f)")
         if stage.first:
@@ -342,9 +344,9 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
             "sequence-parallel reduce-scatter")
         # the checkpointed layers' forward again, run in backward before their gradients
         add("all_gather", 2 * recomputed, numel * g, layer_gather, "backward",
-            "sequence-parallel all-gather (g), recomputed")
+            "sequence-parallel all-gather (g)" + RECOMPUTED)
         add("reduce_scatter", 2 * recomputed, numel * a, scatter, "backward",
-            "sequence-parallel reduce-scatter, recomputed")
+            "sequence-parallel reduce-scatter" + RECOMPUTED)
         # backward all-gathers the inputs of QKV and fc1 again for their weight
         # gradients (Korthikanti et al.'s extra all-gather; an MoE layer's experts take
         # theirs whole) and the output gradients of the row-parallel layers (g-bar)

@@ -538,6 +538,22 @@ OVERLAP_GRID = [
                    n_layer=4, grad_accum_steps=4, schedule=schedule, virtual_stages=2,
                    recompute_granularity="full", **SMALL_BUCKETS)
       for schedule in ("zb-v", "dualpipe-v")),
+    # the uniform method checkpoints k layers at a time: the group's forward runs again
+    # before its last layer's backward, once for all k
+    *(overlap_case(f"dp2 pp2 {schedule} uniform 2 recomputation buckets overlap",
+                   BUCKET_EXPOSED_TOLERANCE, dp=2, pp=2, n_layer=8, grad_accum_steps=4,
+                   schedule=schedule, recompute_granularity="full",
+                   recompute_method="uniform", recompute_num_layers=2,
+                   tie_embeddings=False, **SMALL_BUCKETS)
+      for schedule in ("1f1b", "zb-h1")),
+    # under TP the recomputed forward's collectives come first in a checkpointed
+    # layer's backward; under SP a layer's backward all-gathers its row-parallel
+    # layers' output gradients before their GEMMs
+    *(overlap_case(f"dp2 tp2{' sp' if sp else ''} pp4 gpipe full recomputation buckets "
+                   "overlap", BUCKET_EXPOSED_TOLERANCE, dp=2, tp=2, sequence_parallel=sp,
+                   pp=4, n_layer=8, grad_accum_steps=8, schedule="gpipe",
+                   recompute_granularity="full", **SMALL_BUCKETS)
+      for sp in (False, True)),
     # the block method checkpoints a chunk's first k layers only: those run their
     # forward again before their backward, the others do not (and under a split
     # backward make their weight gradients in the W)
