@@ -107,7 +107,7 @@ def layer_ready(shape: ModelShape, b: int, tp: int = 1, sequence_parallel: bool 
         (other * norm, "norm 1"),
     ]
     total = sum(f for f, _ in steps if f is not COLLECTIVES)
-    computing = 1 - comm_share - recompute_share  # the share the FLOPs divide
+    computing = max(0.0, 1 - comm_share - recompute_share)  # the share the FLOPs divide
     done, share = recompute_share, {}
     for flops, group in steps:
         if flops is COLLECTIVES:  # (group: their fraction of comm_share)

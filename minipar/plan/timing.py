@@ -318,18 +318,24 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
             return compute["forward"] * share, w * share, gathers / w if w > 0 else 0.0
         ring = ring_seconds(shape, config, cluster, part.chunk_layers, split=True)
         out = {"forward": compute["forward"] + ring[0], "backward": compute["backward"] + ring[1]}
-        backward_comm = 0.0  # (not the recomputed forward's: that runs before any gradient)
+        # the backward's own collectives, and the recomputed forward's (before any gradient)
+        backward_comm = recomputed_comm = 0.0
         for transfer in stage_traffic(shape, config, part, cluster.gpus_per_node):
             if (transfer.group == "tp" and transfer.phase in out
                     and transfer.label != SEQUENCE_PARALLEL_GRADIENTS):  # (the tail's)
                 spent = transfer.count / m * transfer_time(transfer, cluster, links["tp"])
                 out[transfer.phase] += spent
-                if transfer.phase == "backward" and not transfer.label.endswith(RECOMPUTED):
+                if transfer.phase == "backward" and transfer.label.endswith(RECOMPUTED):
+                    recomputed_comm += spent
+                elif transfer.phase == "backward":
                     backward_comm += spent
         hidden = tp_overlap_hidden(shape, config, cluster, part)
         for phase in out:
             out[phase] -= hidden[phase]
-        backward_comm -= hidden["backward"]
+        # (--tp-comm-overlap hides the backward's collectives alike, the recomputed too)
+        if backward_comm + recomputed_comm > 0:
+            backward_comm -= hidden["backward"] * backward_comm / (backward_comm
+                                                                   + recomputed_comm)
         comm_share = backward_comm / out["backward"] if out["backward"] > 0 else 0.0
         return out["forward"] * share, out["backward"] * share, comm_share
 

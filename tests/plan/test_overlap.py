@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from minipar import GPT, GPTConfig
+from minipar import distributed as dist
 from minipar.plan.buckets import GradientBucket, Module, back_to_back, gradient_buckets
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.overlap import (
@@ -202,6 +203,36 @@ def test_backward_completes_the_last_registered_parameters_first():
     assert ready[2] < ready[3] and ready[8] < ready[9]  # column-parallel: weight first
     with_tp = layer_ready(TINY, b=2, tp=2, comm_share=0.5)
     assert len(with_tp) == len(layer_tensors(TINY, 2))
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full"),
+                                       dict(recompute_granularity="full",
+                                            recompute_method="uniform",
+                                            recompute_num_layers=2)])
+def test_tp_comm_overlap_keeps_every_gradient_inside_its_layers_backward(recompute):
+    # --tp-comm-overlap hides the recomputed forward's collectives with the backward's
+    # own; what is left of the latter is never negative, so no gradient is complete
+    # before its layer's backward begins, nor after it ends
+    from minipar.plan.cluster import ClusterSpec
+    from minipar.plan.layout import stage_plan
+    from minipar.plan.timing import stage_modules
+
+    shape = ModelShape(n_layer=8, d_model=32, n_head=4, vocab_size=64, seq_len=16)
+    config = ParallelConfig(dp=2, tp=2, pp=2, sequence_parallel=True, tp_comm_overlap=True,
+                            micro_batch_size=2, grad_accum_steps=4, bucket_size_mb=0.01,
+                            overlap_grad_reduce=True, **recompute)
+    cluster = ClusterSpec.from_device_profile(
+        dist.DeviceProfile(name="comparable", flops=1e11, intra_node_bandwidth=5e9,
+                           intra_node_latency=1e-6))
+    layers = 0
+    for rank in range(config.pp):
+        for weight in (False, True):
+            for module in stage_modules(shape, config, cluster, stage_plan(shape, config, rank),
+                                        weight):
+                if module.name == "layer" and module.ready is not None:
+                    layers += 1
+                    assert all(0.0 <= share <= 1.0 for share in module.ready), module
+    assert layers
 
 
 def test_hidden_reduction_is_what_ran_beside_a_compute_action():
