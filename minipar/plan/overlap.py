@@ -308,8 +308,8 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
     over the rank's parameters), so one may straddle two chunks. With overlap each
     bucket is reduced as soon as the chunk backward that makes its last gradient has
     (Megatron's --overlap-grad-reduce: sync on in each chunk's last micro-batch), on one
-    stream, the late ones (a tied embedding)
-    after the flush; without overlap, all of them after the flush. Returns
+    stream, the late ones (a tied embedding) after the flush; without overlap, all of
+    them after the flush. Returns
       overlapped_end_s  when the reductions started during the last backwards end
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
