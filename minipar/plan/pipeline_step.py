@@ -157,6 +157,9 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) from
     when its chunks' last backwards make their gradients in the schedule's simulation
     `run`, and ZeRO-1's parameter all-gathers after the step."""
+    if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
+        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
+                "after_step_s": 0.0, "contention_s": 0.0}
     spec = check_schedule_name(config.schedule)
     p, v = config.pp, config.virtual_stages
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
@@ -185,13 +188,10 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                       if split.get(c, False) and checkpointed else
                       (back_to_back(modules, began.get((c, False), 0.0)), modules))
     collective = dp_collective(config, cluster)
-    if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
-        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
-                "after_step_s": 0.0, "contention_s": 0.0}
     whole = stage_plan(shape, config, rank)
     gathers = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
                                  collective)
-    computing = [(began, ended) for action, began, ended in run.timelines[rank]
+    computing = [(start, end) for action, start, end in run.timelines[rank]
                  if not isinstance(action, P2P_ACTIONS)]
     reduction = pipeline_reduction(chunks, config, collective, computing)
     hidden = reduction["hidden_s"] + gathers["hidden_gather_s"]
