@@ -331,11 +331,14 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
         # an offloaded gradient copy is waited for before the norm's all-reduces
         tails.append((tied, broadcast, reduce + offload["gradient_s"], norm,
                       optimizer, gather))
+        # the blocking TP transfers, and the ring attention's hops its blocks do not hide
         tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
                                        and t.phase in ("forward", "backward")
                                        and t.label != SEQUENCE_PARALLEL_GRADIENTS)
                                - config.micro_batches * sum(tp_overlap_hidden(
-                                   shape, config, cluster, plan).values()))
+                                   shape, config, cluster, plan).values())
+                               + config.micro_batches * ring_seconds(
+                                   shape, config, cluster, plan.chunk_layers))
     # Each rank's communication spans; HTA's exposed communication is their union less
     # its compute (timeline.comm_overlap, what the emulator's report measures): the
     # messages it receives (it waits for them), the ones it sends (they move when the
