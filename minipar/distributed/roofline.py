@@ -168,7 +168,7 @@ H100_MEMORY_EFFICIENCY = 0.28
 # Benchmarking v24.11.1 (minipar/plan/published_dgxc.py; benchmarks/fit_time_model.py),
 # held out on those of its later releases.
 H100_FP8_PEAK_FLOPS = 1979e12
-H100_FP8_GEMM_EFFICIENCY = 0.61
+H100_FP8_GEMM_EFFICIENCY = 0.60
 
 A100_SXM_80GB = Roofline(name="A100-SXM4-80GB", peak_flops=312e12, vector_flops=19.5e12,
                          hbm_bandwidth=2039e9, gemm_efficiency=GEMM_EFFICIENCY,

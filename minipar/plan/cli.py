@@ -33,7 +33,13 @@ from minipar.plan.advisor import advise
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
-from minipar.plan.layout import FP8_FORMATS, ParallelConfig
+from minipar.plan.layout import (
+    FP8_FORMATS,
+    MEGATRON_ORDER,
+    MINIPAR_ORDER,
+    RANK_ORDERS,
+    ParallelConfig,
+)
 from minipar.plan.lint import lint
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import ModelSettings, check_learning_rate, moe_setting_without_experts
@@ -68,7 +74,7 @@ MEGATRON_SWITCHES = {
 # ParallelConfig's settings a plan takes beyond the trainer's layout (an example applies
 # those given on top of its own; --layer-split too, parsed apart)
 PLAN_SETTINGS = (*MEGATRON_SWITCHES, "lr", "memory_accounting", "flash_attention",
-                 "fp8_format")
+                 "fp8_format", "rank_order")
 # settings of a plan beyond the trainer's layout, which the published runs fix for themselves
 PUBLISHED_RUN_SETTINGS = (*PLAN_SETTINGS, "layer_split", "reference_global_batch_size",
                           "reference_lr")
@@ -160,6 +166,15 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "GPU's FP8 tensor cores, with TE's casts; attention, embedding "
                              "and output layer stay bf16; needs bf16-mixed, an FP8 GPU "
                              "(h100-80gb) and a dense model. Default: bf16")
+    layout.add_argument("--rank-order", dest="rank_order", default=None,
+                        choices=RANK_ORDERS,
+                        help="how ranks are laid on the nodes, in Megatron-LM's words "
+                             "(initialize_model_parallel's order, fastest first): "
+                             f"{MINIPAR_ORDER} (minipar's mesh, dp slowest; Megatron-LM's "
+                             f"--use-tp-pp-dp-mapping; default) or {MEGATRON_ORDER} "
+                             "(Megatron-LM's and DeepSpeed's default, pp slowest): which of "
+                             "the pipeline's messages and the data-parallel rings cross "
+                             "nodes")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -308,7 +323,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   fp8_param_gather=bool(args.fp8_param_gather),
                   tp_comm_overlap=bool(args.tp_comm_overlap),
                   overlap_param_gather=bool(args.overlap_param_gather),
-                  cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False)
+                  cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
+                  rank_order=args.rank_order or MINIPAR_ORDER)
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         values["layer_split"] = _layer_split(args.layer_split)
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
@@ -491,7 +507,7 @@ def _run(args) -> int:
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"),
-                        shown=args.top)
+                        rank_order=args.rank_order or MINIPAR_ORDER, shown=args.top)
         if args.json:
             payload = advice.to_dict(top=args.top)
             if advice.best is not None:

@@ -318,7 +318,8 @@ def format_estimate(est: Estimate) -> str:
         f"layout: dp={c.dp} tp={c.tp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "")
         + (f" ep={c.ep}" if c.ep > 1 else "")
         + f" ({c.world_size} GPUs on {est.cluster.name}, "
-        f"{est.cluster.gpus_per_node}/node), ZeRO-{c.zero}, {c.schedule_label}"
+        f"{est.cluster.gpus_per_node}/node{c.rank_order_label}), ZeRO-{c.zero}, "
+        f"{c.schedule_label}"
         + f", micro-batch {c.micro_batch_size} x {c.micro_batches} accum x dp {c.dp} = "
           f"global {c.global_batch_size}, {c.precision}"
         + (f" with FP8 GEMMs ({c.fp8_format}"

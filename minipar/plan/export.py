@@ -26,7 +26,7 @@ from pathlib import Path
 
 from minipar.files import atomic_write
 from minipar.plan.cluster import ClusterSpec
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import MINIPAR_ORDER, ParallelConfig
 from minipar.plan.shapes import ModelShape
 
 BETAS = (0.9, 0.95)
@@ -207,6 +207,9 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
             args += ["--fp8-format", config.fp8_format]
             if config.fp8_param_gather:
                 args.append("--fp8-param-gather")
+        if config.rank_order == MINIPAR_ORDER and config.pp > 1 and config.dp > 1:
+            # the plan's placement: dp slowest (Megatron-LM's default puts pp slowest)
+            args.append("--use-tp-pp-dp-mapping")
         if config.layer_split is not None and config.virtual_stages == 1:
             args += ["--decoder-first-pipeline-num-layers", str(config.layer_split[0]),
                      "--decoder-last-pipeline-num-layers", str(config.layer_split[-1])]

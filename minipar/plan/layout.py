@@ -45,6 +45,13 @@ class Precision:
 
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "fp64": 8}
+# How world ranks are laid on the mesh, as Megatron-LM's `initialize_model_parallel(order=)`
+# names it (megatron/core/parallel_state.py; fastest first): minipar's own mesh keeps dp
+# slowest (minipar.distributed.mesh), Megatron-LM's --use-tp-pp-dp-mapping; Megatron-LM's
+# default keeps pp slowest (megatron/training/initialize.py), as DeepSpeed's
+# PipeModelDataParallelTopology does. They differ in which of dp and pp crosses nodes.
+MINIPAR_ORDER, MEGATRON_ORDER = "tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"
+RANK_ORDERS = (MINIPAR_ORDER, MEGATRON_ORDER)
 # Megatron-LM's --fp8-format choices (TransformerConfig.fp8 in
 # megatron/core/transformer/transformer_config.py)
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -90,6 +97,8 @@ class ParallelConfig(Layout):
     # Megatron-LM's --fp8-param-gather: the layers' GEMM weights kept as FP8 parameters
     # (TE's fp8_model_init), cast from the optimizer's fp32 shard once a step
     fp8_param_gather: bool = False
+    # the mesh's rank order (RANK_ORDERS): minipar's, or Megatron-LM's default
+    rank_order: str = MINIPAR_ORDER
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_split, list):
@@ -99,6 +108,10 @@ class ParallelConfig(Layout):
         self.validate_layout()
         check_booleans(self, switches(ParallelConfig))
         check_accounting(self.memory_accounting, self.zero)
+        if self.rank_order not in RANK_ORDERS:
+            raise ConfigError("rank_order", f"{self.rank_order!r} is not one of "
+                              f"{', '.join(RANK_ORDERS)} (Megatron-LM's orders: its "
+                              "--use-tp-pp-dp-mapping, minipar's mesh, or its default)")
         if self.tp_comm_overlap and self.tp > 1 and not self.sequence_parallel:
             raise ConfigError("tp_comm_overlap", "Megatron-LM overlaps tensor-parallel "
                               "communication with GEMMs only under sequence parallelism "
@@ -156,6 +169,28 @@ class ParallelConfig(Layout):
         """The pipeline schedule as a plan names it: "1f1b", "interleaved v=2"."""
         return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1
                                 else "")
+
+    def rank_at(self, dp: int, pp: int, cp: int = 0, tp: int = 0) -> int:
+        """The world rank at mesh coordinates (dp, pp, cp, tp) under `rank_order` (tp
+        fastest, then cp; minipar.distributed.mesh.DeviceMesh.rank_at is minipar's)."""
+        if self.rank_order == MINIPAR_ORDER:
+            outer = dp * self.pp + pp
+        else:
+            outer = pp * self.dp + dp
+        return (outer * self.cp + cp) * self.tp + tp
+
+    @property
+    def strides(self) -> dict[str, int]:
+        """How many world ranks apart the members of a dp and of a pp group sit."""
+        block = self.tp * self.cp
+        if self.rank_order == MINIPAR_ORDER:
+            return {"dp": block * self.pp, "pp": block}
+        return {"dp": block, "pp": block * self.dp}
+
+    @property
+    def rank_order_label(self) -> str:
+        """", ranks <order>" for a plan's layout line, unless the order is minipar's."""
+        return "" if self.rank_order == MINIPAR_ORDER else f", ranks {self.rank_order}"
 
     def to_dict(self) -> dict:
         values = super().to_dict()

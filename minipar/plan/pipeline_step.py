@@ -12,23 +12,23 @@ far as overlap.py says), the gradient norm's all-reduces and the optimizer. The 
 form for uniform stages (timing.step_time) is what this reduces to when stages are
 equal and messages free.
 
-How far it walks. The simulation visits every action, p x m x v forwards and backwards
-and as many messages (~20 us each), and `minipar plan` must answer in seconds for any
-input it takes (--pp 64 --grad-accum-steps 65,536 is 8 million computations, and lint
-times up to five variants of a layout). So a step of at most SIMULATED_ACTIONS
-computations is walked whole. A longer one is walked at three smaller micro-batch counts
-m0, m0 + d and m0 + 2d (m0 >= p fills the pipeline, d ~ m0 / 2; all congruent to m
-modulo the group of micro-batches the schedule takes: p for the interleaved one, else 1)
-and extrapolated: once the pipeline is full, every further d micro-batches add the same
-time to every rank's end, to the pipeline's span and to the busy time. Both are checked
-on the walks: equal increments (to 1e-9), at least the busiest rank's work per
-micro-batch (below it the pipeline is still absorbing work: ZB-V and DualPipe-V defer
-weight gradients for ~4-6p micro-batches), else m0 is doubled. In the tests the
-extrapolated step equals the whole walk to 1e-9 (relative). A rank's exposed communication
-wobbles by a message from one micro-batch to the next, so it is extrapolated from the
-walks' whole span: within 0.5% of the step in the tests. When the walks would
-cost more than EXTRAPOLATED_ACTIONS (p above ~65), simulated_step_time returns None and
-the estimate falls back to the closed form (timing.step_time), which `minipar plan` says.
+How far it walks. The simulation visits every action (~20 us each), and `minipar plan`
+must answer in seconds for any input it takes (--pp 64 --grad-accum-steps 65,536 is 8
+million computations; lint times up to five variants). So a step of at most
+SIMULATED_ACTIONS computations is walked whole. A longer one is walked at three smaller
+micro-batch counts m0, m0 + d and m0 + 2d (m0 >= p fills the pipeline, d ~ m0 / 2; all
+congruent to m modulo the group of micro-batches the schedule takes: p for the
+interleaved one, else 1) and extrapolated: once the pipeline is full, every further d
+micro-batches add the same time to every rank's end, to the pipeline's span and to the
+busy time. Both are checked on the walks: equal increments (to 1e-9), at least the
+busiest rank's work per micro-batch (below it the pipeline is still absorbing work: ZB-V
+and DualPipe-V defer weight gradients for ~4-6p micro-batches), else m0 is doubled. In
+the tests the extrapolated step equals the whole walk to 1e-9 (relative). A rank's
+exposed communication wobbles by a message from one micro-batch to the next, so it is
+extrapolated from the walks' whole span: within 0.5% of the step in the tests. When the
+walks would cost more than EXTRAPOLATED_ACTIONS (p above ~65), simulated_step_time
+returns None and the estimate falls back to the closed form (timing.step_time), which
+`minipar plan` says.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from minipar.plan.timing import (
     overlap_contention_seconds,
     overlap_needs_times,
     overlap_priced,
+    pipeline_hops_crossing,
     ring_seconds,
     stage_modules,
     stage_seconds,
@@ -125,25 +126,27 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
 
 
 def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                        scatter_gather: bool = False) -> float:
-    """Seconds of one pipeline message, a micro-batch's (b, s, h) activation or its
-    gradient, from a rank to its peer on the next stage.
+                        scatter_gather: bool = False):
+    """`seconds(sender, receiver)` of one pipeline message, a micro-batch's (b, s, h)
+    activation or its gradient, between two neighbouring pipeline ranks: over the network
+    on a hop between nodes (timing.pipeline_hops_crossing), else over NVLink.
 
     scatter_gather: Megatron-LM's optimisation of pipeline messages across tensor
     parallelism (Narayanan et al. 2021, section 4.1; megatron/p2p_communication.py): the
     t ranks of a stage hold the same activation, so each sends 1/t of it over the
     (inter-node) pipeline link and the receiving stage all-gathers it over NVLink.
     minipar's pipeline sends the whole tensor from every TP rank (the default)."""
-    links = group_links(config, cluster)
     tokens = config.micro_batch_size * shape.seq_len // config.cp
     if config.sequence_parallel:
         tokens //= config.tp
     nbytes = tokens * shape.d_model * config.bytes.activation
-    alpha, bandwidth = cluster.link(links["pp"])
-    if not scatter_gather or config.tp == 1 or config.sequence_parallel:
-        return alpha + nbytes / bandwidth
-    return (alpha + nbytes / config.tp / bandwidth
-            + cluster.collective_time("all_gather", config.tp, nbytes, links["tp"]))
+    whole = not scatter_gather or config.tp == 1 or config.sequence_parallel
+    gather = 0.0 if whole else cluster.collective_time("all_gather", config.tp, nbytes,
+                                                       group_links(config, cluster)["tp"])
+    hop = [alpha + (nbytes if whole else nbytes / config.tp) / bandwidth + gather
+           for alpha, bandwidth in (cluster.link(False), cluster.link(True))]
+    crossing = pipeline_hops_crossing(config, cluster.gpus_per_node)
+    return lambda sender, receiver: hop[(sender, receiver) in crossing]
 
 
 def _last_compute_end(timeline) -> float:
@@ -345,7 +348,7 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     # receiver is there, while the sender computes on or idles: the last activation a
     # GPipe stage sends goes out while it waits for its first gradient), then the tail's
     # collectives.
-    spans = [[(ended - message, ended) for action, _, ended in run.timelines[r]
+    spans = [[(ended - message(action.peer, r), ended) for action, _, ended in run.timelines[r]
               if isinstance(action, (RecvActivation, RecvGrad))] + run.sent[r]
              for r in range(p)]
     for r in range(p):

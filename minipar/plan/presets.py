@@ -50,7 +50,7 @@ from minipar.distributed.attention_kernels import CUDNN_H100
 from minipar.distributed.clock import A100, H100
 from minipar.distributed.roofline import A100_SXM_80GB, H100_SXM_80GB
 from minipar.plan.cluster import GIB, ClusterSpec
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import MEGATRON_ORDER, ParallelConfig
 from minipar.plan.shapes import ModelShape
 
 
@@ -199,7 +199,8 @@ def cluster(name: str, memory_gib: float | None = None) -> ClusterSpec:
 BLOOM_176B = ParallelConfig(
     dp=8, tp=4, pp=12, zero=1, schedule="1f1b", micro_batch_size=2,
     global_batch_size=2048, precision="bf16-mixed", recompute_granularity="full",
-    layer_split=(5,) + (6,) * 10 + (5,), lr=6e-5, overlap_grad_reduce=False)
+    layer_split=(5,) + (6,) * 10 + (5,), lr=6e-5, overlap_grad_reduce=False,
+    rank_order=MEGATRON_ORDER)
 
 
 # The step BigScience logged at full batch (tr11-176B-ml README, "Important checkpoints":

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import MEGATRON_ORDER, ParallelConfig
 from minipar.plan.shapes import ModelShape
 
 SEQ_LEN, VOCAB = 2048, 51200
@@ -80,7 +80,7 @@ class PublishedRun:
             # torch DDP reduces its 25 MiB buckets (bucket_cap_mb's default) during the
             # last micro-batch's backward; Megatron's local DDP after it (plan/overlap.py)
             bucket_size_mb=TORCH_DDP_BUCKET_MB if self.ddp == "torch" else 0.0,
-            overlap_grad_reduce=self.ddp == "torch")
+            overlap_grad_reduce=self.ddp == "torch", rank_order=MEGATRON_ORDER)
 
 
 TABLE_1 = (

@@ -98,7 +98,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from minipar.plan import presets
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import MEGATRON_ORDER, ParallelConfig
 from minipar.plan.published_h100 import H100Run
 from minipar.plan.shapes import ModelShape
 
@@ -333,7 +333,7 @@ def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
         grad_accum_dtype=recipe.grad_dtype, flash_attention=True,
         recompute_granularity=recipe.recompute, cross_entropy_loss_fusion=recipe.loss_fusion,
         layer_split=recipe.layer_split, fp8_format="hybrid" if recipe.fp8 else None,
-        fp8_param_gather=recipe.fp8)
+        fp8_param_gather=recipe.fp8, rank_order=MEGATRON_ORDER)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import compute_model, estimate
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import MEGATRON_ORDER, ParallelConfig
 from minipar.plan.shapes import ModelShape
 
 TOLERANCE = 0.10
@@ -145,7 +145,7 @@ def _readme(name, heads, hidden, layers, tp, pp, batch, tflops, fitted, micro=2)
         dp=dp, tp=tp, pp=pp, zero=1, micro_batch_size=micro, global_batch_size=batch,
         sequence_parallel=tp > 1, flash_attention=True, tp_comm_overlap=tp > 1,
         overlap_param_gather=True, bucket_size_mb=_megatron_ddp_bucket_mb(dp),
-        cross_entropy_loss_fusion=False)
+        cross_entropy_loss_fusion=False, rank_order=MEGATRON_ORDER)
     row = f"{name}: tp {tp}, pp {pp}, {tp * pp * dp} GPUs, batch {batch}"
     return H100Run(README, "README", row, shape, config, tflops, fitted, megatron_flops)
 

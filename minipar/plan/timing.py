@@ -48,6 +48,8 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import replace
 
 from minipar.autograd.kernels import ring_attention_block_kernels
@@ -66,6 +68,7 @@ from minipar.plan.context import (
 from minipar.plan.experts import moe_flops_delta, recomputed_layers
 from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import (
+    MINIPAR_ORDER,
     ParallelConfig,
     StagePlan,
     checkpointed_layers,
@@ -89,6 +92,8 @@ from minipar.plan.traffic import (
     RECOMPUTED,
     SEQUENCE_PARALLEL_GRADIENTS,
     Transfer,
+    data_parallel_nodes,
+    placed,
     stage_traffic,
 )
 
@@ -97,30 +102,59 @@ DP_GROUPS = ("dp", "dp_shard", "dp_replicate")
 
 
 def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, int]:
-    """How the dp, tp, cp and pp groups cross nodes (minipar.distributed.mesh's rank order
-    dp x pp x cp x tp), and the expert-parallel groups inside DP: ep consecutive dp
-    indices ("ep") and the dp / ep ranks holding the same experts ("edp"). Each value is
-    0 for a group inside one node, else its members per node, the NICs its ring
+    """How the dp, tp, cp and pp groups cross nodes under the config's rank order
+    (minipar's mesh dp x pp x cp x tp, or Megatron-LM's default with pp slowest:
+    `ParallelConfig.strides`), and the expert-parallel groups inside DP: ep consecutive
+    dp indices ("ep") and the dp / ep ranks holding the same experts ("edp"). Each value
+    is 0 for a group inside one node, else its members per node, the NICs its ring
     collectives cross nodes on at once (plan/cluster.group_rails); the gradients' group
     is dp x cp."""
     world, gpn = config.world_size, cluster.gpus_per_node
     tp, cp = config.tp, config.cp
-    dp_stride = tp * cp * config.pp
+    strides = config.strides
     return {**data_parallel_subgroup_links(config, gpn),
-        "ep": group_rails(config.ep, dp_stride, world, gpn),
-        "edp": group_rails(config.expert_data_parallel, config.ep * dp_stride, world, gpn),
+        "ep": group_rails(config.ep, strides["dp"], world, gpn),
+        "edp": group_rails(config.expert_data_parallel, config.ep * strides["dp"], world,
+                           gpn),
         "tp": group_rails(tp, 1, world, gpn),
         "cp": group_rails(cp, tp, world, gpn),
-        "pp": group_rails(config.pp, tp * cp, world, gpn),
-        "dp": group_rails(config.dp, dp_stride, world, gpn, inner=cp, inner_stride=tp),
+        "pp": group_rails(config.pp, strides["pp"], world, gpn),
+        "dp": group_rails(config.dp, strides["dp"], world, gpn, inner=cp, inner_stride=tp),
     }
+
+
+@functools.cache
+def pipeline_hops_crossing(config: ParallelConfig, gpus_per_node: int
+                           ) -> frozenset[tuple[int, int]]:
+    """The (sender, receiver) pipeline ranks whose messages leave a node. In minipar's
+    rank order a stage is tp x cp consecutive ranks in each replica's block of pp x cp x
+    tp, so while tp x cp is below a node, stages share nodes and only some hops cross
+    between them; in Megatron-LM's (pp slowest) a stage is dp x cp x tp consecutive ranks
+    and every hop crosses once that fills a node. A hop counts as crossing if it does on
+    any rank of the stage. Stage s's ranks are stage 0's moved by s pp-strides, and
+    whether a rank's message crosses depends only on its place in its node, so stage 0's
+    places decide (in minipar's order they repeat every lcm(pp x cp x tp, node) ranks)."""
+    p, block, gpn = config.pp, config.tp * config.cp, gpus_per_node
+    step = config.strides["pp"]
+    if config.rank_order == MINIPAR_ORDER:
+        period = min(config.world_size, math.lcm(p * block, gpn))
+        starts, width = range(0, period, p * block), block
+    else:
+        starts, width = (0,), config.dp * block
+    places = {(start + j) % gpn for start in starts for j in range(min(width, gpn))}
+    return frozenset(
+        (sender, receiver) for sender in range(p)
+        for receiver in {(sender - 1) % p, (sender + 1) % p} - {sender}
+        if any(((x + sender * step) % gpn + (receiver - sender) * step) // gpn
+               for x in places))
 
 
 def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
                                   ) -> dict[str, int]:
     """How the data-parallel sub-groups of ZeRO-3 across nodes cross nodes (those the
     layout has: minipar.distributed.mesh's dp_subgroup, rank 0's group of each kind,
-    which the others mirror), as group_links counts it."""
+    which the others mirror, placed by the config's rank order), as group_links counts
+    it."""
     kinds = {"dp_shard": config.hsdp_shard_size, "dp_replicate": config.hsdp_shard_size,
              "dp_secondary": config.secondary_partition}
     if not any(kinds.values()) and not config.zero_quantized_gradients:
@@ -128,11 +162,12 @@ def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
     mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
                       world_size=config.world_size, gpus_per_node=gpus_per_node,
                       dp_shard=config.hsdp_shard_size, dp_secondary=config.secondary_partition)
-    links = {kind: rails(mesh.dp_subgroup(kind, 0).ranks, gpus_per_node)
+    links = {kind: rails(placed(config, mesh, mesh.dp_subgroup(kind, 0).ranks),
+                         gpus_per_node)
              for kind, size in kinds.items() if size}
     if config.zero_quantized_gradients:  # qgZ's levels: by definition
         links |= {"dp_intra_node": 0,
-                  "dp_inter_node": int(len(mesh.data_parallel_ranks_by_node(0)) > 1)}
+                  "dp_inter_node": int(data_parallel_nodes(config, gpus_per_node) > 1)}
     return links
 
 

@@ -156,11 +156,19 @@ def sent_by_group(transfers: list[Transfer]) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------ data parallel
+def placed(config, mesh: DeviceMesh, ranks) -> list[int]:
+    """minipar mesh ranks at the world ranks the config's rank order gives them
+    (ParallelConfig.rank_at)."""
+    return [config.rank_at(**mesh.coords(rank)) for rank in ranks]
+
+
 def data_parallel_nodes(config, gpus_per_node: int) -> int:
-    """Nodes the data-parallel group of rank 0 spans (the mesh's rank order)."""
+    """Nodes the data-parallel group (dp x cp) of rank 0 spans, under the config's rank
+    order."""
     mesh = DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
                       world_size=config.world_size, gpus_per_node=gpus_per_node)
-    return len(mesh.data_parallel_ranks_by_node(0))
+    return len({rank // gpus_per_node
+                for rank in placed(config, mesh, mesh.data_parallel_group(0).ranks)})
 
 
 def _data_parallel(shape, config, stage, gpus_per_node) -> list[Transfer]:

@@ -44,6 +44,28 @@ def test_evaluate_a_layout_lints_it(capsys):
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) >= 4
 
 
+def test_the_rank_order_is_megatrons_names_and_moves_the_pipelines_messages(capsys):
+    # llama2-70b at tp 2 x pp 4 x dp 2 on 8-GPU nodes: in minipar's order a replica's 4
+    # stages share one node and its data-parallel peer is on the other; in Megatron-LM's
+    # default the peers share a node, and the messages between stages 1 and 2 cross
+    argv = ("--model", "llama2-70b", "--cluster", "h100", "--dp", "2", "--tp", "2",
+            "--pp", "4", "--sequence-parallel", "--json", "-")
+    _, minipars, _ = run(capsys, *argv)
+    status, megatrons, _ = run(capsys, *argv, "--rank-order", "tp-cp-ep-dp-pp")
+    assert status == 0
+    minipars, megatrons = json.loads(minipars), json.loads(megatrons)
+    assert minipars["config"]["rank_order"] == "tp-cp-ep-pp-dp"
+    assert megatrons["config"]["rank_order"] == "tp-cp-ep-dp-pp"
+    assert minipars["links_cross_nodes"]["dp"] and not minipars["links_cross_nodes"]["pp"]
+    assert megatrons["links_cross_nodes"]["pp"] and not megatrons["links_cross_nodes"]["dp"]
+    assert megatrons["comm_time"]["pp"] > 5 * minipars["comm_time"]["pp"]
+    _, out, _ = run(capsys, *argv[:-2], "--rank-order", "tp-cp-ep-dp-pp")
+    assert "8/node, ranks tp-cp-ep-dp-pp)" in out
+    with pytest.raises(SystemExit) as info:  # (argparse's own choices)
+        run(capsys, *argv[:-2], "--rank-order", "dp-pp")
+    assert info.value.code == 2 and "--rank-order" in capsys.readouterr().err
+
+
 def test_inconsistent_batch_is_reported_not_crashed(capsys):
     status, out, _ = run(capsys, "--model", "gpt2", "--dp", "4", "--micro-batch-size", "2",
                          "--grad-accum-steps", "4", "--global-batch-size", "64")

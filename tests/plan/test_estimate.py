@@ -619,6 +619,14 @@ OVERLAP_GRID = [
     # a pipeline with context parallelism: the ring's hops that its blocks do not hide
     # are exposed communication inside the chunks (read 2x low when left out)
     overlap_case("pp2 cp2", TIME_TOLERANCE, pp=2, cp=2, n_layer=4, grad_accum_steps=4),
+    # pipelines across nodes: minipar's stages are tp x cp consecutive ranks, so on
+    # 2-GPU nodes (dp 2 x pp 4) or with a stage of 4 ranks on 8-GPU ones (tp 2 x cp 2 x pp 4)
+    # the middle hop crosses between nodes and the others stay inside one (priced all
+    # alike, 15-30% off)
+    overlap_case("dp2 pp4 on 2-GPU nodes", TIME_TOLERANCE, dp=2, pp=4, n_layer=4,
+                 grad_accum_steps=4, gpus_per_node=2),
+    overlap_case("tp2 cp2 pp4 on two nodes", TIME_TOLERANCE, tp=2, cp=2, pp=4, n_layer=4,
+                 grad_accum_steps=4),
 ]
 
 

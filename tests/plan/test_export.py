@@ -235,3 +235,14 @@ def test_the_export_sets_the_overlaps_and_buckets_the_plan_priced():
         bucket_size_mb=0.0), "megatron-lm")
     assert not {"--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
                 "--ddp-bucket-size"} & set(plain)
+
+
+def test_the_megatron_export_keeps_the_plans_rank_order():
+    # minipar's mesh keeps dp slowest: Megatron-LM's --use-tp-pp-dp-mapping; its default
+    # order (pp slowest) needs no flag, and the order only matters with both dp and pp
+    shape, config, _ = LAYOUTS["llama2-70b interleaved"]
+    assert "--use-tp-pp-dp-mapping" in megatron_args(shape, config, "megatron-lm")
+    megatrons = config.replace(rank_order="tp-cp-ep-dp-pp")
+    assert "--use-tp-pp-dp-mapping" not in megatron_args(shape, megatrons, "megatron-lm")
+    assert "--use-tp-pp-dp-mapping" not in megatron_args(
+        shape, config.replace(pp=1, schedule="1f1b", virtual_stages=1, dp=16), "megatron-lm")

@@ -122,3 +122,38 @@ def test_a_layer_split_given_as_a_list_plans_as_the_tuple_does():
     cluster = presets.cluster("a100")
     assert estimate(shape, listed, cluster).time == \
         estimate(shape, tupled, cluster).time
+
+
+# ------------------------------------------------------------------ the rank order
+def test_minipars_rank_order_is_its_meshs():
+    # the planner places ranks as the emulator does (one rule each side, held equal)
+    from minipar.distributed.mesh import DeviceMesh
+
+    config = ParallelConfig(dp=3, pp=2, cp=2, tp=2, grad_accum_steps=2)
+    mesh = DeviceMesh(3, 2, 2, cp=2, world_size=24, gpus_per_node=8)
+    assert [config.rank_at(**mesh.coords(r)) for r in range(24)] == list(range(24))
+
+
+def test_megatrons_default_order_puts_the_pipeline_slowest():
+    # megatron/core/parallel_state.py, generate_masked_orthogonal_rank_groups' docstring,
+    # order tp-dp-pp with (tp, dp, pp) = (2, 3, 4): global_rank = tp_rank + dp_rank x
+    # tp_size + pp_rank x tp_size x dp_size; dp_group[0] = [0, 2, 4], dp_group[7] =
+    # [19, 21, 23]
+    config = ParallelConfig(dp=3, pp=4, tp=2, grad_accum_steps=4,
+                            rank_order="tp-cp-ep-dp-pp")
+    assert [config.rank_at(d, 0, 0, 0) for d in range(3)] == [0, 2, 4]
+    assert [config.rank_at(d, 3, 0, 1) for d in range(3)] == [19, 21, 23]
+    assert config.strides == {"dp": 2, "pp": 6}
+    # and its --use-tp-pp-dp-mapping order tp-pp-dp, (2, 2, 2): dp_group [[0, 4], [1, 5],
+    # [2, 6], [3, 7]], which is minipar's mesh
+    minipars = ParallelConfig(dp=2, pp=2, tp=2, grad_accum_steps=2)
+    assert sorted([minipars.rank_at(d, p, 0, t) for d in range(2)]
+                  for p in range(2) for t in range(2)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert minipars.strides == {"dp": 4, "pp": 2}
+
+
+def test_an_unknown_rank_order_names_the_flag_and_the_orders():
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(rank_order="dp-pp-tp")
+    assert info.value.setting == "rank_order"
+    assert "tp-cp-ep-pp-dp" in str(info.value) and "tp-cp-ep-dp-pp" in str(info.value)

@@ -194,10 +194,15 @@ def test_each_run_has_its_recipes_settings():
         assert shape.vocab_size % (128 * c.tp) == 0
 
 
-def test_every_run_is_within_ten_percent(compared):
-    off = {r["row"]: f"{r['error']:+.1%}" for r in compared
+def test_every_run_is_within_ten_percent_but_gpt3s_on_256_gpus_and_more(compared):
+    # NeMo lays its ranks out in Megatron-LM's default order (pp slowest), so GPT-3's
+    # data-parallel rings (TP 4) have two members a node and cross nodes on two NICs:
+    # planned so, its v24.11.1 columns from 256 GPUs on read +10.2% to +11.8%
+    # (docs/planner.md, "A fourth stack")
+    off = {r["row"].split(",")[0] + f", {r['gpus']}" for r in compared
            if abs(r["error"]) > published_h100.TOLERANCE}
-    assert not off, off
+    assert off == {f"gpt3-175b: tp 4, {gpus}" for gpus in (256, 512, 1024, 2048)}
+    assert all(abs(r["error"]) < 0.12 for r in compared)
     # and the error is the ratio of the step times: the source's count cancels
     for run, row in zip(published_dgxc.RUNS, compared, strict=True):
         published_step = run.flops(run.shape, run.config.global_batch_size) / (
@@ -238,7 +243,7 @@ def test_cli_source_dgxc_prints_the_rows_and_their_summary(capsys):
 
     assert main(["plan", "--compare-published", "--source", "dgxc"]) == 0
     out = capsys.readouterr().out
-    assert "DGXC, held out: 32 runs, 32 within 10%" in out
+    assert "DGXC, held out: 32 runs, 28 within 10%" in out
     assert "README," not in out and "MPT," not in out and "DGXC 25," not in out
     assert main(["plan", "--compare-published", "--source", "dgxc-25"]) == 0
     assert "DGXC 25, held out: 56 runs, 56 within 10%" in capsys.readouterr().out
@@ -340,24 +345,25 @@ def test_the_fp8_gemm_efficiency_is_the_fit_on_v24_11_1s_fp8_runs(compared_fp8):
         return rms_log_error(published_h100.compare(cluster, fitted))
 
     at_kept = rms_log_error([r for r in compared_fp8 if r["fitted"]])
-    assert kept == 0.61 and at_kept == pytest.approx(0.0636, abs=5e-5)
+    assert kept == 0.60 and at_kept == pytest.approx(0.0683, abs=5e-5)
     assert at_kept < rms(kept - 0.01) and at_kept < rms(kept + 0.01)
 
 
 def test_the_fp8_rows_outside_ten_percent_are_the_named_ones(compared_fp8):
     # What the note and docs/planner.md report, held as a specification: of v24.11.1's
-    # 32 fitted rows two are out (the 8B on 8 GPUs, and GPT-3 on 1,024 GPUs, whose 6.72 s
-    # is 13% slower than its own 128-GPU column); of the 56 held out, 17: the later
-    # releases' Llama 3.1 8B (TP 1) and NeMo 2.0's 70B at PP 8, read slow, and
-    # Nemotron-4 15B at TP 2 on 2,048 GPUs
+    # 32 fitted rows five are out (the 8B on 8 to 32 GPUs, read slow, and GPT-3 on 512
+    # and 1,024 GPUs, read fast; the latter's 6.72 s is 13% slower than its own 128-GPU
+    # column); of the 56 held out, 18: the later releases' Llama 3.1 8B (TP 1) and NeMo
+    # 2.0's 70B at PP 8, read slow, and Nemotron-4 15B at TP 2 on 1,024 and 2,048 GPUs
     off = {r["row"].split(":")[0] + f" {r['gpus']}" for r in compared_fp8
            if abs(r["error"]) > published_h100.TOLERANCE}
-    assert off == {"llama3.1-8b 8", "gpt3-175b 1024",
+    assert off == {"llama3.1-8b 8", "llama3.1-8b 16", "llama3.1-8b 32", "gpt3-175b 512",
+                   "gpt3-175b 1024",
                    *(f"llama3.1-8b ({release}) {gpus}" for release in ("v25.02", "v25.04")
                      for gpus in (8, 16, 32, 64, 128)),
                    *(f"llama3.1-70b (v25.04) {gpus}" for gpus in (64, 128, 256, 512, 1024,
                                                                    2048)),
-                   "nemotron4-15b (v25.04) 2048"}
+                   "nemotron4-15b (v25.04) 1024", "nemotron4-15b (v25.04) 2048"}
     assert all(abs(r["error"]) < 0.16 for r in compared_fp8)
 
 
@@ -377,7 +383,7 @@ def test_cli_source_dgxc_fp8_prints_the_fitted_and_the_held_out_rows(capsys):
 
     assert main(["plan", "--compare-published", "--source", "dgxc-fp8"]) == 0
     out = capsys.readouterr().out
-    assert "DGXC FP8, fitted: 32 runs, 30 within 10%" in out and "DGXC," not in out
+    assert "DGXC FP8, fitted: 32 runs, 27 within 10%" in out and "DGXC," not in out
     # the uniform model has no FP8 roof: without --source it leaves the FP8 rows out
     assert main(["plan", "--compare-published", "--efficiency", "0.5"]) == 0
     assert "FP8" not in capsys.readouterr().out.split("sources:")[0]

@@ -72,12 +72,14 @@ def simulate(schedule: Schedule, forward_time: float = 1.0,
 
 
 def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
-                  message: float = 0.0, weight=None) -> SimulatedStep:
+                  message=0.0, weight=None) -> SimulatedStep:
     """Run the schedule on paper, checking every rule, and time it.
 
     forward / backward / weight: seconds of one micro-batch through chunk c on rank r,
     `forward[r][c]` (or one number for every chunk); backward is the full backward, weight
-    its W share (default backward / 2); message: seconds of one transfer.
+    its W share (default backward / 2); message: seconds of one transfer, or
+    `message(sender, receiver)` of one between those two pipeline ranks (a hop between
+    nodes costs more than one inside a node).
     A send posts its message and goes on (the executor posts sends with isend). A receive
     waits for its send; the transfer then takes `message` from max(send posted, receive
     posted), a rendezvous as with NCCL; with message = 0 the receive just waits for the
@@ -214,8 +216,9 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                     posted, sender = sent[key]
                     begin = max(posted, now[rank])
                     idle[rank] += begin - now[rank]
-                    now[rank] = begin + message
-                    comm[rank] += message
+                    took = message(sender, rank) if callable(message) else message
+                    now[rank] = begin + took
+                    comm[rank] += took
                     sent_spans[sender].append((begin, now[rank]))
                     (inputs if isinstance(action, RecvActivation) else grads)[rank].add((i, c))
                     cost = 0.0

@@ -94,6 +94,19 @@ def test_the_simulator_s_time_is_compute_plus_comm_plus_idle_on_every_rank():
         assert run.compute[r] + run.comm[r] + run.idle[r] == pytest.approx(run.finish[r])
 
 
+def test_a_message_can_cost_what_its_hop_costs():
+    """message(sender, receiver): p = 4 GPipe, m = 2, where only the hop between ranks 1
+    and 2 costs (it crosses nodes, say): each rank pays it for the messages it receives
+    over that hop, 2 activations (rank 2) or 2 gradients (rank 1), nothing else."""
+    def message(sender, receiver):
+        return 1.0 if {sender, receiver} == {1, 2} else 0.0
+
+    run = simulate_step(make_schedule("gpipe", 4, 2, 1), 0.0, 0.0, message)
+    assert run.comm == [0.0, 2.0, 2.0, 0.0]
+    same = simulate_step(make_schedule("gpipe", 4, 2, 1), 0.0, 0.0, 1.0)
+    assert same.comm == [2.0, 4.0, 4.0, 2.0]  # (one number: every hop alike)
+
+
 # --------------------------------------------------------------------------- the rules
 def custom(*ranks, m=1):
     return Schedule("custom", len(ranks), m, 1, tuple(tuple(r) for r in ranks))
