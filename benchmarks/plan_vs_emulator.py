@@ -2,7 +2,7 @@
 
     python benchmarks/plan_vs_emulator.py            # 168 layouts, about 25 s
     python benchmarks/plan_vs_emulator.py --only zb-h1
-    python benchmarks/plan_vs_emulator.py --random 150 --seed 2   # about 3 minutes
+    python benchmarks/plan_vs_emulator.py --random 150 --seed 2   # about 4 minutes
 
 Each layout trains the toy GPT (4 layers, d_model 32, seq 16, two steps) on a device where
 compute and communication cost alike (100 GFLOP/s, 5 GB/s links), and `estimate()` prices
@@ -104,8 +104,12 @@ def main() -> None:
                         help="one schedule's layouts")
     parser.add_argument("--random", type=positive_int, metavar="N",
                         help="N layouts drawn from a wider space (module docstring)")
-    parser.add_argument("--seed", type=int, default=0, help="of --random's draws")
+    parser.add_argument("--seed", type=int, default=0, help="of --random's draws (0)")
     args = parser.parse_args()
+    if args.random and args.only:
+        parser.error("--only picks the grid's layouts; --random draws its own")
+    if args.seed and not args.random:
+        parser.error("--seed is --random's")
     warnings.filterwarnings("ignore")
     if args.random:
         outside = 0

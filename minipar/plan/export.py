@@ -207,13 +207,24 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
             args += ["--fp8-format", config.fp8_format]
             if config.fp8_param_gather:
                 args.append("--fp8-param-gather")
-        if config.rank_order == MINIPAR_ORDER and config.pp > 1 and config.dp > 1:
-            # the plan's placement: dp slowest (Megatron-LM's default puts pp slowest)
+        if keeps_minipars_order(shape, config):
             args.append("--use-tp-pp-dp-mapping")
         if config.layer_split is not None and config.virtual_stages == 1:
             args += ["--decoder-first-pipeline-num-layers", str(config.layer_split[0]),
                      "--decoder-last-pipeline-num-layers", str(config.layer_split[-1])]
     return args
+
+
+def keeps_minipars_order(shape: ModelShape, config: ParallelConfig) -> bool:
+    """Whether the Megatron-LM job takes --use-tp-pp-dp-mapping, to lay its ranks out as
+    minipar's mesh and the plan do (dp slowest; its default puts pp slowest). Only when
+    the order matters (dp and pp both over 1), and not for experts with a pipeline unless
+    ep == cp: Megatron-LM then requires the pp-last order (parallel_state.py,
+    initialize_model_parallel: "When not using pp-last rank ordering, the data parallel
+    size of the attention and moe layers must be the same")."""
+    if config.rank_order != MINIPAR_ORDER or config.pp == 1 or config.dp == 1:
+        return False
+    return not shape.is_moe or config.ep == config.cp
 
 
 def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec) -> str:
@@ -230,6 +241,10 @@ def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     if config.cp > 1:  # (Megatron-DeepSpeed's sequence parallelism is Ulysses, not a ring)
         note += ("# Context parallelism (ring attention) is Megatron-LM's "
                  "--context-parallel-size: use LAUNCHER=torchrun.\n")
+    if (config.rank_order == MINIPAR_ORDER and shape.is_moe and config.pp > 1
+            and config.dp > 1 and not keeps_minipars_order(shape, config)):
+        note += ("# Megatron-LM lays experts with a pipeline out in its own order (pp "
+                 "slowest), not the plan's: plan with --rank-order tp-cp-ep-dp-pp.\n")
     if config.fp8_format is not None:  # (DeepSpeed's config has no FP8 setting)
         note += ("# FP8 (Transformer Engine) is Megatron-LM's --fp8-format: with "
                  "LAUNCHER=deepspeed the job runs in bf16.\n")

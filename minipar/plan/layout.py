@@ -18,6 +18,8 @@ GPipe, min(p - r, m) for 1F1B), which the tests check against its action lists.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass, replace
 
 from minipar.errors import ConfigError
@@ -205,6 +207,32 @@ class ParallelConfig(Layout):
         if config.precision == "bf16-mixed":  # the trainer's buffers, named (not ours)
             layout["grad_accum_dtype"] = config.grad_dtype
         return cls(**layout, lr=config.lr)
+
+
+@functools.cache
+def pipeline_hops_crossing(config: ParallelConfig, gpus_per_node: int
+                           ) -> frozenset[tuple[int, int]]:
+    """The (sender, receiver) pipeline ranks whose messages leave a node. In minipar's
+    rank order a stage is tp x cp consecutive ranks in each replica's block of pp x cp x
+    tp, so while tp x cp is below a node, stages share nodes and only some hops cross
+    between them; in Megatron-LM's (pp slowest) a stage is dp x cp x tp consecutive ranks
+    and every hop crosses once that fills a node. A hop counts as crossing if it does on
+    any rank of the stage. Stage s's ranks are stage 0's moved by s pp-strides, and
+    whether a rank's message crosses depends only on its place in its node, so stage 0's
+    places decide (in minipar's order they repeat every lcm(pp x cp x tp, node) ranks)."""
+    p, block, gpn = config.pp, config.tp * config.cp, gpus_per_node
+    step = config.strides["pp"]
+    if config.rank_order == MINIPAR_ORDER:
+        period = min(config.world_size, math.lcm(p * block, gpn))
+        starts, width = range(0, period, p * block), block
+    else:
+        starts, width = (0,), config.dp * block
+    places = {(start + j) % gpn for start in starts for j in range(min(width, gpn))}
+    return frozenset(
+        (sender, receiver) for sender in range(p)
+        for receiver in {(sender - 1) % p, (sender + 1) % p} - {sender}
+        if any(((x + sender * step) % gpn + (receiver - sender) * step) // gpn
+               for x in places))
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:

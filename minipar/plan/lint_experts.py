@@ -8,9 +8,10 @@ Finding: code, severity, message, fix):
     EP_WITHOUT_NEED      ep > 1 across nodes although ep 1 fits: the all-to-alls buy
                          memory that was not short (info)
 
-An expert-parallel group is ep consecutive data-parallel indices, spaced tp x cp x pp
-ranks apart (minipar.distributed.mesh), so it stays inside a node when ep x tp x cp x pp
-divides the GPUs per node.
+An expert-parallel group is ep consecutive data-parallel indices, spaced a data-parallel
+stride apart (ParallelConfig.strides: tp x cp x pp in minipar's mesh, tp x cp in
+Megatron-LM's default order), so it stays inside a node when ep x that stride divides
+the GPUs per node.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def check_expert_parallel(shape: ModelShape, config: ParallelConfig, cluster: Cl
     if not shape.is_moe:
         return []
     findings = []
-    stride = config.tp * config.cp * config.pp
+    stride = config.strides["dp"]
+    spaced = "tp x cp x pp" if stride == config.tp * config.cp * config.pp else "tp x cp"
     if config.ep > 1 and est.links["ep"]:
         across = est.comm_time_by_group()["ep"]
         # the same all-to-alls if every link were the node's (NVLink)
@@ -44,15 +46,15 @@ def check_expert_parallel(shape: ModelShape, config: ParallelConfig, cluster: Cl
         on_nvlink = estimate(shape, config, fast).comm_time_by_group()["ep"]
         fitting = [ep for ep in expert_parallel_sizes(shape, config)
                    if ep * stride <= cluster.gpus_per_node and ep < config.ep]
-        fix = f"keep ep x tp x cp x pp within the {cluster.gpus_per_node} GPUs of a node: "
+        fix = f"keep ep x {spaced} within the {cluster.gpus_per_node} GPUs of a node: "
         if fitting and fitting[-1] > 1:
             held = expert_parameter_bytes(shape, fitting[-1], config.bytes.param, config.tp)
             fix += f"--ep {fitting[-1]} ({human_bytes(held)} of expert parameters per GPU)"
         else:
-            fix += "lower tp x pp, or --ep 1"
+            fix += f"lower {'tp x pp' if 'pp' in spaced else 'tp'}, or --ep 1"
         findings.append((
             "EP_ACROSS_NODES", "warning",
-            f"ep={config.ep} with tp x cp x pp = {stride} and {cluster.gpus_per_node} GPUs "
+            f"ep={config.ep} with {spaced} = {stride} and {cluster.gpus_per_node} GPUs "
             f"per node: the expert-parallel group spans nodes, so its four all-to-alls per "
             f"MoE layer and micro-batch ({human_bytes(est.traffic['ep'])} per GPU per step) "
             f"take {human_seconds(across)}, against {human_seconds(on_nvlink)} inside a node.",

@@ -54,6 +54,7 @@ from minipar.plan.layout import (
     checkpointed_layers,
     chunk_moe_layers,
     layer_counts,
+    pipeline_hops_crossing,
     stage_plan,
 )
 from minipar.plan.offload import offload_time
@@ -66,7 +67,6 @@ from minipar.plan.timing import (
     overlap_contention_seconds,
     overlap_needs_times,
     overlap_priced,
-    pipeline_hops_crossing,
     ring_seconds,
     stage_modules,
     stage_seconds,
@@ -129,7 +129,7 @@ def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: Clus
                         scatter_gather: bool = False):
     """`seconds(sender, receiver)` of one pipeline message, a micro-batch's (b, s, h)
     activation or its gradient, between two neighbouring pipeline ranks: over the network
-    on a hop between nodes (timing.pipeline_hops_crossing), else over NVLink.
+    on a hop between nodes (layout.pipeline_hops_crossing), else over NVLink.
 
     scatter_gather: Megatron-LM's optimisation of pipeline messages across tensor
     parallelism (Narayanan et al. 2021, section 4.1; megatron/p2p_communication.py): the

@@ -48,8 +48,6 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import replace
 
 from minipar.autograd.kernels import ring_attention_block_kernels
@@ -68,7 +66,6 @@ from minipar.plan.context import (
 from minipar.plan.experts import moe_flops_delta, recomputed_layers
 from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import (
-    MINIPAR_ORDER,
     ParallelConfig,
     StagePlan,
     checkpointed_layers,
@@ -123,32 +120,6 @@ def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, int]:
     }
 
 
-@functools.cache
-def pipeline_hops_crossing(config: ParallelConfig, gpus_per_node: int
-                           ) -> frozenset[tuple[int, int]]:
-    """The (sender, receiver) pipeline ranks whose messages leave a node. In minipar's
-    rank order a stage is tp x cp consecutive ranks in each replica's block of pp x cp x
-    tp, so while tp x cp is below a node, stages share nodes and only some hops cross
-    between them; in Megatron-LM's (pp slowest) a stage is dp x cp x tp consecutive ranks
-    and every hop crosses once that fills a node. A hop counts as crossing if it does on
-    any rank of the stage. Stage s's ranks are stage 0's moved by s pp-strides, and
-    whether a rank's message crosses depends only on its place in its node, so stage 0's
-    places decide (in minipar's order they repeat every lcm(pp x cp x tp, node) ranks)."""
-    p, block, gpn = config.pp, config.tp * config.cp, gpus_per_node
-    step = config.strides["pp"]
-    if config.rank_order == MINIPAR_ORDER:
-        period = min(config.world_size, math.lcm(p * block, gpn))
-        starts, width = range(0, period, p * block), block
-    else:
-        starts, width = (0,), config.dp * block
-    places = {(start + j) % gpn for start in starts for j in range(min(width, gpn))}
-    return frozenset(
-        (sender, receiver) for sender in range(p)
-        for receiver in {(sender - 1) % p, (sender + 1) % p} - {sender}
-        if any(((x + sender * step) % gpn + (receiver - sender) * step) // gpn
-               for x in places))
-
-
 def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
                                   ) -> dict[str, int]:
     """How the data-parallel sub-groups of ZeRO-3 across nodes cross nodes (those the
@@ -173,9 +144,11 @@ def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
 
 def transfer_time(transfer: Transfer, cluster: ClusterSpec, crossing: int) -> float:
     """Seconds of one call of `transfer` (alpha-beta; a send is alpha + S/B, on one NIC).
-    crossing: its group's entry of group_links."""
+    crossing: its group's entry of group_links (a pipeline send: its own hop's, when
+    traffic.py knows it)."""
     if transfer.op == "send":
-        alpha, bandwidth = cluster.link(bool(crossing))
+        crosses = bool(crossing) if transfer.crosses_nodes is None else transfer.crosses_nodes
+        alpha, bandwidth = cluster.link(crosses)
         return alpha + transfer.nbytes / bandwidth
     return cluster.collective_time(transfer.op, transfer.group_size, transfer.nbytes,
                                    crossing)

@@ -75,7 +75,7 @@ from minipar.plan.cluster import (
 )
 from minipar.plan.context import local_shape, ring_attention_bytes
 from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
-from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.layout import ParallelConfig, StagePlan, pipeline_hops_crossing
 from minipar.plan.memory import (
     flat_buffers,
     sequence_parallel_gradient_elements,
@@ -112,7 +112,9 @@ class Transfer:
     message); count: calls per optimizer step; sent: bytes this rank sends per call;
     phase: forward | backward (every micro-batch) | step (after the last backward).
     Sends are isends overlapping compute; the rest block the rank. link_group: the group
-    whose link prices it when not `group`'s ("edp": the expert gradients, booked as dp).
+    whose link prices it when not `group`'s ("edp": the expert gradients, booked as dp);
+    crosses_nodes: a pipeline send's own hop (layout.pipeline_hops_crossing), which a
+    pipeline whose stages share nodes prices apart from the pp group's link.
     """
 
     op: str
@@ -124,6 +126,7 @@ class Transfer:
     phase: str
     label: str
     link_group: str | None = None
+    crosses_nodes: bool | None = None
 
     @property
     def link(self) -> str:
@@ -142,7 +145,8 @@ def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     local = local_shape(shape, config.cp)  # activations: my s/cp tokens
     return (_data_parallel(shape, config, stage, gpus_per_node)
             + _tensor_parallel(local, config, stage)
-            + _pipeline(local, config, stage) + _context_parallel(shape, config, stage)
+            + _pipeline(local, config, stage, gpus_per_node)
+            + _context_parallel(shape, config, stage)
             + _expert_parallel(local, config, stage))
 
 
@@ -398,7 +402,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
 
 
 # ------------------------------------------------------------------ pipeline
-def _pipeline(shape, config, stage) -> list[Transfer]:
+def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
     p = config.pp
     if p == 1:
         return []
@@ -412,16 +416,20 @@ def _pipeline(shape, config, stage) -> list[Transfer]:
     # neighbouring virtual stage is on this rank too (the tip of a V: handed over in
     # memory, minipar/parallel/pipeline/split_backward.py)
     spec = SCHEDULES[config.schedule]
-    mine = {spec.virtual_stage(p, stage.rank, c) for c in range(v)}
-    forward_sends = sum(1 for s in mine if s != p * v - 1 and s + 1 not in mine)
-    backward_sends = sum(1 for s in mine if s != 0 and s - 1 not in mine)
+    holder = {spec.virtual_stage(p, r, c): r for r in range(p) for c in range(v)}
+    mine = {s for s, r in holder.items() if r == stage.rank}
+    crossing = pipeline_hops_crossing(config, gpus_per_node)
     transfers = []
-    if forward_sends:
-        transfers.append(Transfer("send", "pp", 2, message, forward_sends * m, message,
-                                  "forward", "activation send"))
-    if backward_sends:
-        transfers.append(Transfer("send", "pp", 2, message, backward_sends * m, message,
-                                  "backward", "gradient send"))
+    for phase, label, step in (("forward", "activation send", 1),
+                               ("backward", "gradient send", -1)):
+        peers = [holder[s + step] for s in sorted(mine)
+                 if 0 <= s + step < p * v and s + step not in mine]
+        for crosses in (False, True):  # each hop priced as its ranks lie (a pipeline
+            # whose stages share nodes crosses between them on some hops only)
+            sends = sum(((stage.rank, peer) in crossing) == crosses for peer in peers)
+            if sends:
+                transfers.append(Transfer("send", "pp", 2, message, sends * m, message,
+                                          phase, label, crosses_nodes=crosses))
     # (a V puts the first and last stage on one rank, whose chunks share one wte)
     if shape.tie_embeddings and (stage.first or stage.last) and not (stage.first
                                                                       and stage.last):

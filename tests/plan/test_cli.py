@@ -58,7 +58,10 @@ def test_the_rank_order_is_megatrons_names_and_moves_the_pipelines_messages(caps
     assert megatrons["config"]["rank_order"] == "tp-cp-ep-dp-pp"
     assert minipars["links_cross_nodes"]["dp"] and not minipars["links_cross_nodes"]["pp"]
     assert megatrons["links_cross_nodes"]["pp"] and not megatrons["links_cross_nodes"]["dp"]
-    assert megatrons["comm_time"]["pp"] > 5 * minipars["comm_time"]["pp"]
+    # one hop in three crosses in Megatron-LM's order (stages 1 and 2), none in minipar's:
+    # the busiest stage's messages take 4.9x as long (each hop priced by its own ranks)
+    assert 4 * minipars["comm_time"]["pp"] < megatrons["comm_time"]["pp"] < 6 * minipars[
+        "comm_time"]["pp"]
     _, out, _ = run(capsys, *argv[:-2], "--rank-order", "tp-cp-ep-dp-pp")
     assert "8/node, ranks tp-cp-ep-dp-pp)" in out
     with pytest.raises(SystemExit) as info:  # (argparse's own choices)

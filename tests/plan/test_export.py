@@ -246,3 +246,15 @@ def test_the_megatron_export_keeps_the_plans_rank_order():
     assert "--use-tp-pp-dp-mapping" not in megatron_args(shape, megatrons, "megatron-lm")
     assert "--use-tp-pp-dp-mapping" not in megatron_args(
         shape, config.replace(pp=1, schedule="1f1b", virtual_stages=1, dp=16), "megatron-lm")
+
+
+def test_experts_with_a_pipeline_keep_megatrons_order_and_the_launcher_says_so(tmp_path):
+    # Megatron-LM refuses --use-tp-pp-dp-mapping when experts and a pipeline make the
+    # expert data-parallel size differ from the dense one (ep != cp; parallel_state.py)
+    shape = presets.model("mixtral-8x7b")
+    config = ParallelConfig(dp=8, tp=2, pp=2, ep=4, zero=1, global_batch_size=64)
+    files = write_export(tmp_path, shape, config, presets.cluster("h100"))
+    assert "--use-tp-pp-dp-mapping" not in files["megatron"].read_text()
+    assert "--rank-order tp-cp-ep-dp-pp" in files["launch"].read_text()
+    assert "--use-tp-pp-dp-mapping" in megatron_args(shape, config.replace(ep=1),
+                                                     "megatron-lm")

@@ -37,6 +37,17 @@ def test_ep_across_nodes_is_warned_with_the_inside_a_node_time():
     assert across.comm_time_by_group()["ep"] > 5 * inside.comm_time_by_group()["ep"]
 
 
+def test_the_ep_groups_spacing_follows_the_rank_order():
+    # tp 2 x pp 2: minipar's order spaces the ep group's members tp x cp x pp = 4 apart
+    # (ep 2 fits a node), Megatron-LM's tp x cp = 2 apart (ep 4 does)
+    config = layout(dp=16, tp=2, pp=2, sequence_parallel=True, ep=8)
+    assert "--ep 2 " in codes(config)["EP_ACROSS_NODES"].fix
+    megatrons = codes(config.replace(rank_order="tp-cp-ep-dp-pp"))["EP_ACROSS_NODES"]
+    assert "--ep 4 " in megatrons.fix and "tp x cp = 2" in megatrons.message
+    assert not estimate(MIXTRAL, config.replace(rank_order="tp-cp-ep-dp-pp", ep=4),
+                        H100).links["ep"]
+
+
 def test_ep_inside_a_node_is_not_warned():
     assert "EP_ACROSS_NODES" not in codes(layout(dp=64, ep=8))
 

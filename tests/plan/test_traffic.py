@@ -108,6 +108,26 @@ def test_pipeline_sends_one_activation_and_one_gradient_per_micro_batch():
     assert sent(UNTIED, interleaved, "pp", rank=1) == 2 * 2 * m * bsh + loss + norm
 
 
+def test_each_pipeline_send_knows_whether_its_hop_leaves_the_node():
+    # dp 2 x tp 2 x pp 4 on 8-GPU nodes. Megatron-LM's order: a stage is 4 ranks, two
+    # stages a node, so stage 1 sends its activations across to stage 2 and its gradients
+    # inside to stage 0; minipar's: a replica's four stages (2 ranks each) fill one node
+    def sends(config, rank):
+        return {(t.label, t.crosses_nodes): t.count for t in traffic(UNTIED, config, rank)
+                if t.op == "send"}
+
+    megatrons = ParallelConfig(dp=2, tp=2, pp=4, grad_accum_steps=8,
+                               rank_order="tp-cp-ep-dp-pp")
+    assert sends(megatrons, 1) == {("activation send", True): 8, ("gradient send", False): 8}
+    minipars = megatrons.replace(rank_order="tp-cp-ep-pp-dp")
+    assert sends(minipars, 1) == {("activation send", False): 8, ("gradient send", False): 8}
+    # interleaved: the last rank's first chunk sends on to rank 0, across; its gradients
+    # go to rank 2, beside it, from both chunks
+    interleaved = megatrons.replace(schedule="interleaved", virtual_stages=2)
+    assert sends(interleaved, 3) == {("activation send", True): 8,
+                                     ("gradient send", False): 16}
+
+
 @pytest.mark.parametrize("rank,norm_bytes", [(0, 16), (1, 16), (2, 8), (3, 8)])
 def test_gradient_norm_is_all_reduced_over_the_pipeline(rank, norm_bytes):
     # One fp64 number in a ring of 4: chunk 0 holds it, rank i skips chunks i+1 and i+2
