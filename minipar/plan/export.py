@@ -222,9 +222,12 @@ def keeps_minipars_order(shape: ModelShape, config: ParallelConfig) -> bool:
     ep == cp: Megatron-LM then requires the pp-last order (parallel_state.py,
     initialize_model_parallel: "When not using pp-last rank ordering, the data parallel
     size of the attention and moe layers must be the same")."""
-    if config.rank_order != MINIPAR_ORDER or config.pp == 1 or config.dp == 1:
-        return False
-    return not shape.is_moe or config.ep == config.cp
+    return _order_matters(config) and (not shape.is_moe or config.ep == config.cp)
+
+
+def _order_matters(config: ParallelConfig) -> bool:
+    """minipar's order, with dp and pp both over 1: where Megatron-LM's would differ."""
+    return config.rank_order == MINIPAR_ORDER and config.pp > 1 and config.dp > 1
 
 
 def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec) -> str:
@@ -241,8 +244,7 @@ def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     if config.cp > 1:  # (Megatron-DeepSpeed's sequence parallelism is Ulysses, not a ring)
         note += ("# Context parallelism (ring attention) is Megatron-LM's "
                  "--context-parallel-size: use LAUNCHER=torchrun.\n")
-    if (config.rank_order == MINIPAR_ORDER and shape.is_moe and config.pp > 1
-            and config.dp > 1 and not keeps_minipars_order(shape, config)):
+    if _order_matters(config) and not keeps_minipars_order(shape, config):
         note += ("# Megatron-LM lays experts with a pipeline out in its own order (pp "
                  "slowest), not the plan's: plan with --rank-order tp-cp-ep-dp-pp.\n")
     if config.fp8_format is not None:  # (DeepSpeed's config has no FP8 setting)

@@ -21,7 +21,7 @@ from dataclasses import replace
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import Estimate, estimate, human_bytes, human_seconds
 from minipar.plan.experts import expert_parameter_bytes
-from minipar.plan.layout import ParallelConfig
+from minipar.plan.layout import MINIPAR_ORDER, ParallelConfig
 from minipar.plan.shapes import ModelShape
 
 
@@ -37,7 +37,8 @@ def check_expert_parallel(shape: ModelShape, config: ParallelConfig, cluster: Cl
         return []
     findings = []
     stride = config.strides["dp"]
-    spaced = "tp x cp x pp" if stride == config.tp * config.cp * config.pp else "tp x cp"
+    minipars = config.rank_order == MINIPAR_ORDER  # (Megatron-LM's: pp does not space it)
+    spaced = "tp x cp x pp" if minipars else "tp x cp"
     if config.ep > 1 and est.links["ep"]:
         across = est.comm_time_by_group()["ep"]
         # the same all-to-alls if every link were the node's (NVLink)
@@ -51,7 +52,7 @@ def check_expert_parallel(shape: ModelShape, config: ParallelConfig, cluster: Cl
             held = expert_parameter_bytes(shape, fitting[-1], config.bytes.param, config.tp)
             fix += f"--ep {fitting[-1]} ({human_bytes(held)} of expert parameters per GPU)"
         else:
-            fix += f"lower {'tp x pp' if 'pp' in spaced else 'tp'}, or --ep 1"
+            fix += f"lower {'tp x pp' if minipars else 'tp'}, or --ep 1"
         findings.append((
             "EP_ACROSS_NODES", "warning",
             f"ep={config.ep} with {spaced} = {stride} and {cluster.gpus_per_node} GPUs "
