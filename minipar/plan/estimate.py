@@ -36,7 +36,7 @@ from minipar.plan.timing import (
     step_time,
     transfer_time,
 )
-from minipar.plan.traffic import GRADIENT_NORM, sent_by_group, stage_traffic
+from minipar.plan.traffic import GRADIENT_NORM, pipeline_receives, sent_by_group, stage_traffic
 
 
 @dataclass
@@ -107,14 +107,15 @@ class Estimate:
         return self.time["mfu"]
 
     def comm_time_by_group(self) -> dict[str, float]:
-        """Seconds per step the slowest rank spends in each group's collectives."""
+        """Seconds per step the slowest rank spends in each group (pp: sends and receives)."""
         groups = self.groups
         totals = dict.fromkeys(groups, 0.0)
         for stage in self.stages:
             per = dict.fromkeys(groups, 0.0)
             # the DP reduction and gathers bucket by bucket, hidden or not (overlap.py)
             per["dp"] = stage.time.get("dp_comm_s", 0.0)
-            for tr in stage.transfers:
+            received = pipeline_receives(self.shape, self.config, stage.rank, self.cluster)
+            for tr in stage.transfers + received:
                 if tr.group == "dp" and tr.label != GRADIENT_NORM:
                     continue
                 seconds = tr.count * transfer_time(tr, self.cluster, self.links[tr.link])

@@ -402,34 +402,65 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
 
 
 # ------------------------------------------------------------------ pipeline
+def _pipeline_message(shape, config) -> int:
+    """Bytes of one pipeline message: a micro-batch's (b, s, h) activation or its
+    gradient (s / tp of it with sequence parallelism)."""
+    tokens = config.micro_batch_size * shape.seq_len
+    if config.sequence_parallel:
+        tokens //= config.tp
+    return tokens * shape.d_model * config.bytes.activation
+
+
+def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False):
+    """(phase, label, whether the hop crosses nodes, messages per micro-batch) of what
+    pipeline rank `rank` sends, or with `received` receives: each chunk sends its
+    activation forward and its input's gradient back unless the neighbouring virtual
+    stage is on this rank too (the tip of a V: handed over in memory,
+    minipar/parallel/pipeline/split_backward.py), and receives what its neighbours send
+    it. Each hop is priced as its ranks lie (a pipeline whose stages share nodes crosses
+    between them on some hops only)."""
+    p, v = config.pp, config.virtual_stages
+    spec = SCHEDULES[config.schedule]
+    holder = {spec.virtual_stage(p, r, c): r for r in range(p) for c in range(v)}
+    mine = {s for s, r in holder.items() if r == rank}
+    crossing = pipeline_hops_crossing(config, gpus_per_node)
+    for phase, label, step in (("forward", "activation", 1), ("backward", "gradient", -1)):
+        if received:  # what the neighbour before me (in this phase's direction) sends
+            step = -step
+        peers = [holder[s + step] for s in sorted(mine)
+                 if 0 <= s + step < p * v and s + step not in mine]
+        hops = [(peer, rank) if received else (rank, peer) for peer in peers]
+        for crosses in (False, True):
+            count = sum((hop in crossing) == crosses for hop in hops)
+            if count:
+                yield phase, label, crosses, count
+
+
+def pipeline_receives(shape, config, rank: int, cluster) -> list[Transfer]:
+    """The pipeline messages rank `rank` receives per step, as its neighbours' sends
+    (sent 0: the ledger books bytes where they leave). A message occupies both ends, so
+    a rank's time in the pp group is its sends and these."""
+    if config.pp == 1:
+        return []
+    message, m = _pipeline_message(shape, config), config.micro_batches
+    return [Transfer("send", "pp", 2, message, count * m, 0, phase, f"{label} receive",
+                     crosses_nodes=crosses)
+            for phase, label, crosses, count in _pipeline_hops(
+                config, rank, cluster.gpus_per_node, received=True)]
+
+
 def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
     p = config.pp
     if p == 1:
         return []
     nbytes = config.bytes
     m, v = config.micro_batches, config.virtual_stages
-    tokens = config.micro_batch_size * shape.seq_len
-    if config.sequence_parallel:
-        tokens //= config.tp
-    message = tokens * shape.d_model * nbytes.activation
-    # a chunk sends its activation forward and its input's gradient back unless the
-    # neighbouring virtual stage is on this rank too (the tip of a V: handed over in
-    # memory, minipar/parallel/pipeline/split_backward.py)
+    message = _pipeline_message(shape, config)
     spec = SCHEDULES[config.schedule]
-    holder = {spec.virtual_stage(p, r, c): r for r in range(p) for c in range(v)}
-    mine = {s for s, r in holder.items() if r == stage.rank}
-    crossing = pipeline_hops_crossing(config, gpus_per_node)
-    transfers = []
-    for phase, label, step in (("forward", "activation send", 1),
-                               ("backward", "gradient send", -1)):
-        peers = [holder[s + step] for s in sorted(mine)
-                 if 0 <= s + step < p * v and s + step not in mine]
-        for crosses in (False, True):  # each hop priced as its ranks lie (a pipeline
-            # whose stages share nodes crosses between them on some hops only)
-            sends = sum(((stage.rank, peer) in crossing) == crosses for peer in peers)
-            if sends:
-                transfers.append(Transfer("send", "pp", 2, message, sends * m, message,
-                                          phase, label, crosses_nodes=crosses))
+    transfers = [Transfer("send", "pp", 2, message, count * m, message, phase,
+                          f"{label} send", crosses_nodes=crosses)
+                 for phase, label, crosses, count in _pipeline_hops(config, stage.rank,
+                                                                    gpus_per_node)]
     # (a V puts the first and last stage on one rank, whose chunks share one wte)
     if shape.tie_embeddings and (stage.first or stage.last) and not (stage.first
                                                                       and stage.last):

@@ -340,6 +340,28 @@ def test_each_pipeline_rank_sends_what_the_emulator_sends(schedule):
         assert measured["comm"]["by_group"]["pp"] == STEPS * stage.traffic["pp"], stage.rank
 
 
+@pytest.mark.parametrize("schedule,v,dp,gpus_per_node", [
+    ("1f1b", 1, 1, 8), ("1f1b", 1, 2, 2), ("interleaved", 2, 1, 8), ("zb-v", 2, 1, 8)],
+    ids=["1f1b", "1f1b on 2-GPU nodes", "interleaved", "zb-v"])
+def test_a_pipeline_ranks_time_in_the_pp_group_is_what_its_transfers_take(
+        schedule, v, dp, gpus_per_node):
+    """A pipeline message occupies its sender and its receiver (the trace draws it on
+    both), so a rank's pp time counts what it receives as well as what it sends; the
+    report's exposed communication is part of it."""
+    config = TrainConfig(**{**TINY, "micro_batch_size": 2, "pp": 4, "n_layer": 8, "dp": dp,
+                            "grad_accum_steps": 8, "schedule": schedule,
+                            "virtual_stages": v, "gpus_per_node": gpus_per_node})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=gpus_per_node),
+                   all_stages=True)
+    measured = max(sum(t["end"] - t["start"] for t in transfers if t["group"] == "pp")
+                   for transfers in report.transfers)
+    assert relative(measured, STEPS * est.comm_time_by_group()["pp"]) <= 1e-9
+    assert est.time["exposed_comm_s"] <= sum(est.comm_time_by_group().values())
+
+
 @pytest.mark.parametrize("schedule,m,v,flags", [
     ("gpipe", 4, 1, dict(recompute_granularity="selective")),
     ("gpipe", 4, 1, dict(recompute_granularity="full", recompute_method="block",
