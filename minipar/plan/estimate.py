@@ -108,14 +108,13 @@ class Estimate:
 
     def comm_time_by_group(self) -> dict[str, float]:
         """Seconds per step the slowest rank spends in each group (pp: sends and receives)."""
-        groups = self.groups
-        totals = dict.fromkeys(groups, 0.0)
+        totals = dict.fromkeys(self.groups, 0.0)
         for stage in self.stages:
-            per = dict.fromkeys(groups, 0.0)
+            per = dict.fromkeys(totals, 0.0)
             # the DP reduction and gathers bucket by bucket, hidden or not (overlap.py)
             per["dp"] = stage.time.get("dp_comm_s", 0.0)
-            received = pipeline_receives(self.shape, self.config, stage.rank, self.cluster)
-            for tr in stage.transfers + received:
+            for tr in stage.transfers + pipeline_receives(self.shape, self.config, stage.rank,
+                                                          self.cluster):
                 if tr.group == "dp" and tr.label != GRADIENT_NORM:
                     continue
                 seconds = tr.count * transfer_time(tr, self.cluster, self.links[tr.link])
