@@ -210,6 +210,7 @@ class ParallelConfig(Layout):
 
 
 @functools.cache
+@functools.lru_cache(maxsize=64)  # (asked by every stage of the layout)
 def pipeline_hops_crossing(config: ParallelConfig, gpus_per_node: int
                            ) -> frozenset[tuple[int, int]]:
     """The (sender, receiver) pipeline ranks whose messages leave a node. In minipar's

@@ -62,6 +62,7 @@ collectives, one section each.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from minipar.distributed.mesh import DeviceMesh
@@ -411,6 +412,16 @@ def _pipeline_message(shape, config) -> int:
     return tokens * shape.d_model * config.bytes.activation
 
 
+@functools.lru_cache(maxsize=32)  # (every stage of a deep pipeline asks: O(p) each)
+def _holders(schedule: str, p: int, v: int) -> tuple[int, ...]:
+    """The pipeline rank that holds each of the p v virtual stages."""
+    spec, holder = SCHEDULES[schedule], [0] * (p * v)
+    for r in range(p):
+        for c in range(v):
+            holder[spec.virtual_stage(p, r, c)] = r
+    return tuple(holder)
+
+
 def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False):
     """(phase, label, whether the hop crosses nodes, messages per micro-batch) of what
     pipeline rank `rank` sends, or with `received` receives: each chunk sends its
@@ -421,8 +432,8 @@ def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False
     between them on some hops only)."""
     p, v = config.pp, config.virtual_stages
     spec = SCHEDULES[config.schedule]
-    holder = {spec.virtual_stage(p, r, c): r for r in range(p) for c in range(v)}
-    mine = {s for s, r in holder.items() if r == rank}
+    holder = _holders(config.schedule, p, v)
+    mine = {spec.virtual_stage(p, rank, c) for c in range(v)}
     crossing = pipeline_hops_crossing(config, gpus_per_node)
     for phase, label, step in (("forward", "activation", 1), ("backward", "gradient", -1)):
         if received:  # what the neighbour before me (in this phase's direction) sends
@@ -456,7 +467,6 @@ def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
     nbytes = config.bytes
     m, v = config.micro_batches, config.virtual_stages
     message = _pipeline_message(shape, config)
-    spec = SCHEDULES[config.schedule]
     transfers = [Transfer("send", "pp", 2, message, count * m, message, phase,
                           f"{label} send", crosses_nodes=crosses)
                  for phase, label, crosses, count in _pipeline_hops(config, stage.rank,
@@ -470,8 +480,7 @@ def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
                                   all_reduce_sent(rows, nbytes.grad, 2, position), "step",
                                   "tied embedding gradient all-reduce"))
     # along the chain from the rank that holds the last stage (rank 0 in a V)
-    loss_rank = next(r for r in range(p) for c in range(v)
-                     if spec.virtual_stage(p, r, c) == p * v - 1)
+    loss_rank = _holders(config.schedule, p, v)[-1]
     position = (stage.rank - loss_rank) % p
     transfers.append(Transfer("broadcast", "pp", p, NORM_BYTES, 1,
                               broadcast_sent(NORM_BYTES, p, position), "step", "loss broadcast"))
