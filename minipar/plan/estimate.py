@@ -26,7 +26,7 @@ from minipar.plan.fp8 import FP8_CALIBRATION, check_fp8_plan
 from minipar.plan.layout import ParallelConfig, check_model_fits_layout, stage_plans
 from minipar.plan.memory import CATEGORIES, stage_memory
 from minipar.plan.offload import tier_memory, tier_transfers
-from minipar.plan.pipeline_step import simulated_step_time
+from minipar.plan.pipeline_extrapolation import simulated_step_time
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     DP_GROUPS,
@@ -206,7 +206,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
             memory_host=tiers["host"], memory_nvme=tiers["nvme"],
             tier_transfers=tier_transfers(shape, config, plan)))
     time = None
-    if exact_pipeline and config.pp > 1:  # (None: too long to walk, pipeline_step.py)
+    if exact_pipeline and config.pp > 1:  # (None: too long to walk)
         time = simulated_step_time(shape, config, cluster, scatter_gather=scatter_gather)
     if time is not None:
         for stage in stages:  # the schedule's p2p waits and the tail, per rank

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, replace
 
 from minipar.errors import ConfigError
@@ -210,30 +209,36 @@ class ParallelConfig(Layout):
 
 
 @functools.cache
-@functools.lru_cache(maxsize=64)  # (asked by every stage of the layout)
+def replica_hops_crossing(config: ParallelConfig, gpus_per_node: int
+                          ) -> tuple[frozenset[tuple[int, int]], ...]:
+    """The (sender, receiver) pipeline ranks whose messages leave a node, one set for each
+    distinct pattern among the replicas (the pipelines of pp x cp x tp ranks, one per dp
+    index). A hop of a replica crosses if it does on any of its tp x cp ranks. In
+    minipar's rank order a stage is tp x cp consecutive ranks in each replica's block, so
+    while tp x cp is below a node, stages share nodes and only some hops cross; in
+    Megatron-LM's (pp slowest) a stage is dp x cp x tp consecutive ranks and every hop
+    crosses once that fills a node. Replicas that straddle nodes (dp 3 x pp 3 on 8-GPU
+    nodes: ranks 6, 7 | 8) cross on different hops. A replica's ranks are replica 0's
+    moved by d times a fixed stride, so only that shift modulo a node tells replicas
+    apart: the first gpus_per_node replicas show every pattern."""
+    p, gpn = config.pp, gpus_per_node
+    patterns: list[frozenset[tuple[int, int]]] = []
+    for d in range(min(config.dp, gpn)):
+        hops = frozenset(
+            (sender, receiver) for sender in range(p)
+            for receiver in {(sender - 1) % p, (sender + 1) % p} - {sender}
+            if any(config.rank_at(d, sender, c, t) // gpn
+                   != config.rank_at(d, receiver, c, t) // gpn
+                   for c in range(config.cp) for t in range(config.tp)))
+        if hops not in patterns:
+            patterns.append(hops)
+    return tuple(patterns)
+
+
 def pipeline_hops_crossing(config: ParallelConfig, gpus_per_node: int
                            ) -> frozenset[tuple[int, int]]:
-    """The (sender, receiver) pipeline ranks whose messages leave a node. In minipar's
-    rank order a stage is tp x cp consecutive ranks in each replica's block of pp x cp x
-    tp, so while tp x cp is below a node, stages share nodes and only some hops cross
-    between them; in Megatron-LM's (pp slowest) a stage is dp x cp x tp consecutive ranks
-    and every hop crosses once that fills a node. A hop counts as crossing if it does on
-    any rank of the stage. Stage s's ranks are stage 0's moved by s pp-strides, and
-    whether a rank's message crosses depends only on its place in its node, so stage 0's
-    places decide (in minipar's order they repeat every lcm(pp x cp x tp, node) ranks)."""
-    p, block, gpn = config.pp, config.tp * config.cp, gpus_per_node
-    step = config.strides["pp"]
-    if config.rank_order == MINIPAR_ORDER:
-        period = min(config.world_size, math.lcm(p * block, gpn))
-        starts, width = range(0, period, p * block), block
-    else:
-        starts, width = (0,), config.dp * block
-    places = {(start + j) % gpn for start in starts for j in range(min(width, gpn))}
-    return frozenset(
-        (sender, receiver) for sender in range(p)
-        for receiver in {(sender - 1) % p, (sender + 1) % p} - {sender}
-        if any(((x + sender * step) % gpn + (receiver - sender) * step) // gpn
-               for x in places))
+    """The hops that leave a node in any replica (replica_hops_crossing)."""
+    return frozenset().union(*replica_hops_crossing(config, gpus_per_node))
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:

@@ -311,6 +311,7 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
     stream, the late ones (a tied embedding) after the flush; without overlap, all of
     them after the flush. Returns
       overlapped_end_s  when the reductions started during the last backwards end
+      busy              the (start, end) of each of them on the group's stream
       after_flush_s     seconds of reduction left for after the flush
       stall_s           how long ZeRO-1's limit of reductions in flight held the compute
                         stream (it delays the rank's end of the schedule)
@@ -329,8 +330,8 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
     buckets = sorted(gradient_buckets(every, config, begins), key=lambda b: b.after_s)
     durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
     if not config.overlap_grad_reduce:
-        return {"overlapped_end_s": 0.0, "after_flush_s": sum(durations), "stall_s": 0.0,
-                "hidden_s": 0.0}
+        return {"overlapped_end_s": 0.0, "busy": [], "after_flush_s": sum(durations),
+                "stall_s": 0.0, "hidden_s": 0.0}
     stream = Stream()
     end = max((b + mod.backward_s for b, mod in zip(begins, every, strict=True)),
               default=0.0)
@@ -342,5 +343,5 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
         hidden = max(0.0, sum(durations) - after - max(0.0, stream.free_at - computed) - stall)
     else:
         hidden = overlap_seconds(stream.busy, computing)
-    return {"overlapped_end_s": stream.free_at, "after_flush_s": after, "stall_s": stall,
-            "hidden_s": hidden}
+    return {"overlapped_end_s": stream.free_at, "busy": stream.busy, "after_flush_s": after,
+            "stall_s": stall, "hidden_s": hidden}

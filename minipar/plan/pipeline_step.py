@@ -6,34 +6,17 @@ pipeline rank (compute on the roofline, the TP collectives and ZeRO-3 gathers it
 for, a ring's exposed hops: timing.py's per-micro-batch model); the schedule registry's
 simulator (minipar.parallel.pipeline.simulator.simulate_step, the one the trainer's
 schedules are validated with) walks the schedule's actions over them with a message
-cost per hop (`p2p_message_seconds`); `simulated_step_time` adds the tail: the tied
+cost per hop (`p2p_message_seconds`); `walked_step_time` adds the tail: the tied
 embedding's and the loss's collectives, each rank's data-parallel reduction (hidden as
 far as overlap.py says), the gradient norm's all-reduces and the optimizer. The closed
 form for uniform stages (timing.step_time) is what this reduces to when stages are
 equal and messages free.
 
-How far it walks. The simulation visits every action (~20 us each), and `minipar plan`
-must answer in seconds for any input it takes (--pp 64 --grad-accum-steps 65,536 is 8
-million computations; lint times up to five variants). So a step of at most
-SIMULATED_ACTIONS computations is walked whole. A longer one is walked at three smaller
-micro-batch counts m0, m0 + d and m0 + 2d (m0 >= p fills the pipeline, d ~ m0 / 2; all
-congruent to m modulo the group of micro-batches the schedule takes: p for the
-interleaved one, else 1) and extrapolated: once the pipeline is full, every further d
-micro-batches add the same time to every rank's end, to the pipeline's span and to the
-busy time. Both are checked on the walks: equal increments (to 1e-9), at least the
-busiest rank's work per micro-batch (below it the pipeline is still absorbing work: ZB-V
-and DualPipe-V defer weight gradients for ~4-6p micro-batches), else m0 is doubled. In
-the tests the extrapolated step equals the whole walk to 1e-9 (relative). A rank's
-exposed communication wobbles by a message from one micro-batch to the next, so it is
-extrapolated from the walks' whole span: within 0.5% of the step in the tests. When the
-walks would cost more than EXTRAPOLATED_ACTIONS (p above ~65), simulated_step_time
-returns None and the estimate falls back to the closed form (timing.step_time), which
-`minipar plan` says.
+How far it walks (a long step is extrapolated from short walks):
+pipeline_extrapolation.py.
 """
 
 from __future__ import annotations
-
-import functools
 
 from minipar.distributed.timeline import comm_overlap
 from minipar.parallel.pipeline.actions import (
@@ -54,7 +37,7 @@ from minipar.plan.layout import (
     checkpointed_layers,
     chunk_moe_layers,
     layer_counts,
-    pipeline_hops_crossing,
+    replica_hops_crossing,
     stage_plan,
 )
 from minipar.plan.offload import offload_time
@@ -82,10 +65,6 @@ from minipar.plan.traffic import (
 )
 
 P2P_ACTIONS = (SendActivation, SendGrad, RecvActivation, RecvGrad)
-# Forward and backward computations walked (module docstring): ~0.4 s for one walk, and
-# for the three walks of an extrapolation, ~0.8 s.
-SIMULATED_ACTIONS = 20_000
-EXTRAPOLATED_ACTIONS = 40_000
 
 
 def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
@@ -95,12 +74,12 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
     the weight gradients' compute (the W a zero-bubble schedule runs apart)."""
     p, v, m = config.pp, config.virtual_stages, config.micro_batches
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
-    links = group_links(config, cluster)
     spec = check_schedule_name(config.schedule)
     forward = [[0.0] * v for _ in range(p)]
     backward = [[0.0] * v for _ in range(p)]
     weight = [[0.0] * v for _ in range(p)]
     for r in range(p):
+        links = group_links(config, cluster, r)  # (a stage's own data-parallel links)
         for c in range(v):
             stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
             chunk = StagePlan(rank=r, chunk_layers=(counts[stage],), first=stage == 0,
@@ -126,10 +105,10 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
 
 
 def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                        scatter_gather: bool = False):
+                        scatter_gather: bool, hops: frozenset):
     """`seconds(sender, receiver)` of one pipeline message, a micro-batch's (b, s, h)
     activation or its gradient, between two neighbouring pipeline ranks: over the network
-    on a hop between nodes (layout.pipeline_hops_crossing), else over NVLink.
+    on a hop between nodes (in `hops`: layout.replica_hops_crossing), else over NVLink.
 
     scatter_gather: Megatron-LM's optimisation of pipeline messages across tensor
     parallelism (Narayanan et al. 2021, section 4.1; megatron/p2p_communication.py): the
@@ -145,8 +124,7 @@ def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: Clus
                                                        group_links(config, cluster)["tp"])
     hop = [alpha + (nbytes if whole else nbytes / config.tp) / bandwidth + gather
            for alpha, bandwidth in (cluster.link(False), cluster.link(True))]
-    crossing = pipeline_hops_crossing(config, cluster.gpus_per_node)
-    return lambda sender, receiver: hop[(sender, receiver) in crossing]
+    return lambda sender, receiver: hop[(sender, receiver) in hops]
 
 
 def _last_compute_end(timeline) -> float:
@@ -156,12 +134,13 @@ def _last_compute_end(timeline) -> float:
 
 
 def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                            rank: int, run) -> dict:
+                            rank: int, run, runs) -> dict:
     """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) from
     when its chunks' last backwards make their gradients in the schedule's simulation
-    `run`, and ZeRO-1's parameter all-gathers after the step."""
+    `run`, and ZeRO-1's parameter all-gathers after the step. A bucket's collective
+    starts with its last member: the latest of the replicas' simulations `runs`."""
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
-        return {"overlapped_end_s": 0.0, "after_flush_s": 0.0, "stall_s": 0.0,
+        return {"overlapped_end_s": 0.0, "busy": [], "after_flush_s": 0.0, "stall_s": 0.0,
                 "after_step_s": 0.0, "contention_s": 0.0}
     spec = check_schedule_name(config.schedule)
     p, v = config.pp, config.virtual_stages
@@ -171,9 +150,10 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
     timed = overlap_needs_times(config)
     began = {}  # (chunk, whether an I) -> when its last B, I or W starts making gradients
     split = {}  # chunk -> whether a W (a split backward's second half) ends its backward
-    for action, start, end in run.timelines[rank]:
+    for action, start, end in (event for each in runs for event in each.timelines[rank]):
         if isinstance(action, (Backward, BackwardInput, BackwardWeight)):
-            began[action.chunk, isinstance(action, BackwardInput)] = start if timed else end
+            key = action.chunk, isinstance(action, BackwardInput)
+            began[key] = max(began.get(key, 0.0), start if timed else end)
             split[action.chunk] = isinstance(action, BackwardWeight)
     chunks = []
     for c in range(v):
@@ -190,7 +170,7 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                                          began.get((c, False), 0.0))
                       if split.get(c, False) and checkpointed else
                       (back_to_back(modules, began.get((c, False), 0.0)), modules))
-    collective = dp_collective(config, cluster)
+    collective = dp_collective(config, cluster, rank)
     whole = stage_plan(shape, config, rank)
     gathers = data_parallel_time(stage_modules(shape, config, cluster, whole), config,
                                  collective)
@@ -202,92 +182,6 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
             "contention_s": overlap_contention_seconds(config, cluster, hidden)}
 
 
-def simulated_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                        scatter_gather: bool = False) -> dict[str, float] | None:
-    """`walked_step_time` of the config, walked whole, or extrapolated from its steady
-    state, or None when neither fits the budget (module docstring). The result has
-    `simulated_micro_batches`: the micro-batch counts walked."""
-    found = _simulated(shape, config, cluster, scatter_gather)
-    return None if found is None else {k: list(v) if isinstance(v, list) else v
-                                       for k, v in found.items()}  # (a copy: callers edit)
-
-
-def compute_actions(config: ParallelConfig, micro_batches: int | None = None) -> int:
-    """Forward and backward computations of one step's schedule: 2 x p x m x v."""
-    m = config.micro_batches if micro_batches is None else micro_batches
-    return 2 * config.pp * m * config.virtual_stages
-
-
-@functools.lru_cache(maxsize=16)  # lint and the table time the same layout
-def _simulated(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-               scatter_gather: bool) -> dict | None:
-    if compute_actions(config) <= SIMULATED_ACTIONS:
-        return {**walked_step_time(shape, config, cluster, scatter_gather),
-                "simulated_micro_batches": [config.micro_batches]}
-    spec = check_schedule_name(config.schedule)
-    p, m = config.pp, config.micro_batches
-    q = p if spec.micro_batches_multiple_of_pp else 1
-    fewest = -(-max(p, spec.min_micro_batches(p)) // q) * q  # the pipeline full, valid
-    forward, backward, _ = chunk_costs(shape, config, cluster)
-    busiest = max(sum(forward[r]) + sum(backward[r]) for r in range(p))
-    for first in (fewest, 2 * fewest, 4 * fewest, 8 * fewest):
-        start = first + (m - first) % q  # congruent to m mod q
-        apart = q * -(-first // (2 * q))  # half the pipeline's fill, a whole number of q
-        counts = [start, start + apart, start + 2 * apart]
-        if counts[-1] >= m or sum(compute_actions(config, c) for c in counts) > \
-                EXTRAPOLATED_ACTIONS:
-            return None
-        walks = [walked_step_time(shape, config.replace(grad_accum_steps=c), cluster,
-                                  scatter_gather) for c in counts]
-        extrapolated = _extrapolate(walks, counts, m, busiest, shape, config, cluster)
-        if extrapolated is not None:
-            return {**extrapolated, "simulated_micro_batches": counts}
-    return None
-
-
-def _extrapolate(walks: list[dict], counts: list[int], m: int, busiest: float,
-                 shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
-                 ) -> dict | None:
-    """walked_step_time at m micro-batches from its walks at counts (equally apart, and
-    congruent to m modulo the schedule's group of micro-batches), or None if the walks
-    are not in the steady state: their increments differ, or the step grows by less than
-    the busiest rank's work per micro-batch (`busiest` seconds: no rank can go faster for
-    ever; below it the pipeline is still absorbing work, as ZB-V and DualPipe-V do while
-    their deferred weight gradients pile up)."""
-    p = config.pp
-    apart = counts[1] - counts[0]
-    steps = (m - counts[-1]) / apart
-    if walks[2]["step_s"] - walks[1]["step_s"] < apart * busiest * (1 - 1e-9):
-        return None
-
-    def busy(walk: dict) -> float:  # compute and communication time, over the p ranks
-        return (1 - walk["bubble_fraction"]) * p * walk["pipeline_s"]
-
-    def ahead(values: list[float], check: bool = True) -> float | None:
-        first, second = values[1] - values[0], values[2] - values[1]
-        if check and abs(second - first) > 1e-9 * max(abs(v) for v in values):
-            return None
-        return values[2] + steps * second
-
-    timed = {key: ahead([w[key] for w in walks]) for key in ("step_s", "pipeline_s")}
-    ends = [ahead(list(column))
-            for column in zip(*(w["rank_end_s"] for w in walks), strict=True)]
-    worked = ahead([busy(w) for w in walks])
-    if None in (*timed.values(), *ends, worked):
-        return None
-    # a rank's exposed communication wobbles from one micro-batch to the next (a message
-    # that overlaps compute or not): its increment is taken over the walks' whole span
-    exposed = [ahead(list(column), check=False)
-               for column in zip(*(w["rank_exposed_comm_s"] for w in walks), strict=True)]
-    step, pipeline = timed["step_s"], timed["pipeline_s"]
-    model_flops = shape.model_flops_per_sequence() * config.global_batch_size
-    return {**walks[-1], "step_s": step, "rank_end_s": ends, "rank_exposed_comm_s": exposed,
-            "pipeline_s": pipeline, "tail_s": step - pipeline,
-            "bubble_fraction": 1 - worked / (p * pipeline), "model_flops": model_flops,
-            "mfu": model_flops / (step * config.world_size * cluster.peak_flops),
-            "tokens_per_s": config.global_batch_size * shape.seq_len / step}
-
-
 def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
                      scatter_gather: bool = False) -> dict[str, float]:
     """Step time of a pipelined config from a simulation of its schedule (simulate_step),
@@ -295,15 +189,29 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     all-reduce (first and last rank), the loss broadcast (all ranks), each rank's
     data-parallel reduction and the gradient norm's all-reduces over DP and TP, the
     norm's all-reduce over PP (all ranks again), then the optimizer and ZeRO-1/2's
-    parameter all-gather. scatter_gather: see p2p_message_seconds."""
-    p = config.pp
+    parameter all-gather. scatter_gather: see p2p_message_seconds. Replicas whose
+    pipelines cross nodes on different hops (layout.replica_hops_crossing) are walked
+    each: the step is the slowest one's, a rank's exposed communication its busiest's."""
     forward, backward, weight = chunk_costs(shape, config, cluster)
-    links = group_links(config, cluster)
-    message = p2p_message_seconds(shape, config, cluster, scatter_gather)
-    schedule = make_schedule(config.schedule, p, config.micro_batches, config.virtual_stages,
-                             validated=False)
+    schedule = make_schedule(config.schedule, config.pp, config.micro_batches,
+                             config.virtual_stages, validated=False)
+    messages = [p2p_message_seconds(shape, config, cluster, scatter_gather, hops)
+                for hops in replica_hops_crossing(config, cluster.gpus_per_node)]
     # (the weight gradients: what a split backward's W runs, the rest is its B)
-    run = simulate_step(schedule, forward, backward, message, weight)  # validates as it times
+    runs = [simulate_step(schedule, forward, backward, message, weight)  # validates as it
+            for message in messages]                                    # times
+    walks = [_walked(shape, config, cluster, run, runs, message)
+             for run, message in zip(runs, messages, strict=True)]
+    exposed = [max(column) for column in zip(*(w["rank_exposed_comm_s"] for w in walks),
+                                             strict=True)]
+    return {**max(walks, key=lambda walk: walk["step_s"]), "rank_exposed_comm_s": exposed}
+
+
+def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run, runs,
+            message) -> dict[str, float]:
+    """walked_step_time of the replicas whose schedule ran as `run` (of the replicas'
+    `runs`), their pipeline messages priced by `message`."""
+    p = config.pp
     clock = list(run.finish)
     pipeline = max(clock)
     tails, data_parallel, tensor_parallel = [], [], []
@@ -311,9 +219,10 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
         plan = stage_plan(shape, config, r)
         transfers = [t for t in stage_traffic(shape, config, plan, cluster.gpus_per_node)
                      if not overlap_priced(t, shape, config)]
-        data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run))
+        data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run, runs))
+        links = group_links(config, cluster, r)
 
-        def seconds(selected) -> float:
+        def seconds(selected, links=links) -> float:
             return sum(t.count * transfer_time(t, cluster, links[t.link]) for t in selected)
 
         step_transfers = [t for t in transfers
@@ -364,8 +273,12 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     # it overlaps) and reduces what is left, and the DP and TP norms
     for r in range(p):
         dp = data_parallel[r]
-        spans[r] += [(start, start + tails[r][1]),
-                     (_last_compute_end(run.timelines[r]), dp["overlapped_end_s"])]
+        # its reductions as its stream ran them (a replica ahead of the others waits for
+        # its group idle: a collective starts with its last member); shifted by ZeRO's
+        # stalls, the stream's clock is not the schedule's, so then what is left of them
+        # after the rank's last compute
+        spans[r] += [(start, start + tails[r][1]), *(dp["busy"] if not dp["stall_s"] else [
+            (_last_compute_end(run.timelines[r]), dp["overlapped_end_s"])])]
         clock[r] = max(start + tails[r][1], dp["overlapped_end_s"])
         spans[r].append((clock[r], clock[r] + dp["after_flush_s"] + tails[r][2]))
         clock[r] += dp["after_flush_s"] + tails[r][2]

@@ -48,13 +48,14 @@ x peak FLOP/s).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from minipar.autograd.kernels import ring_attention_block_kernels
 from minipar.distributed.mesh import DeviceMesh
 from minipar.parallel.pipeline.schedules.registry import uniform_bubble_fraction
 from minipar.plan.buckets import Module
-from minipar.plan.cluster import ClusterSpec, group_rails, rails
+from minipar.plan.cluster import ClusterSpec, Link, group_rails, rails
 from minipar.plan.context import (
     attention_flops_correction,
     chunk_tokens,
@@ -98,18 +99,20 @@ from minipar.plan.traffic import (
 DP_GROUPS = ("dp", "dp_shard", "dp_replicate")
 
 
-def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, int]:
+def group_links(config: ParallelConfig, cluster: ClusterSpec, stage: int | None = None
+                ) -> dict[str, int]:
     """How the dp, tp, cp and pp groups cross nodes under the config's rank order
     (minipar's mesh dp x pp x cp x tp, or Megatron-LM's default with pp slowest:
     `ParallelConfig.strides`), and the expert-parallel groups inside DP: ep consecutive
     dp indices ("ep") and the dp / ep ranks holding the same experts ("edp"). Each value
     is 0 for a group inside one node, else its members per node, the NICs its ring
     collectives cross nodes on at once (plan/cluster.group_rails); the gradients' group
-    is dp x cp."""
+    is dp x cp. The layout's worst group of each kind, or with `stage`, for dp, pipeline
+    stage `stage`'s own (`stage_data_parallel_link`)."""
     world, gpn = config.world_size, cluster.gpus_per_node
     tp, cp = config.tp, config.cp
     strides = config.strides
-    return {**data_parallel_subgroup_links(config, gpn),
+    links = {**data_parallel_subgroup_links(config, gpn),
         "ep": group_rails(config.ep, strides["dp"], world, gpn),
         "edp": group_rails(config.expert_data_parallel, config.ep * strides["dp"], world,
                            gpn),
@@ -118,6 +121,25 @@ def group_links(config: ParallelConfig, cluster: ClusterSpec) -> dict[str, int]:
         "pp": group_rails(config.pp, strides["pp"], world, gpn),
         "dp": group_rails(config.dp, strides["dp"], world, gpn, inner=cp, inner_stride=tp),
     }
+    if stage is not None and links["dp"]:
+        links["dp"] = stage_data_parallel_link(config, gpn, stage)
+    return links
+
+
+@functools.lru_cache(maxsize=256)
+def stage_data_parallel_link(config: ParallelConfig, gpus_per_node: int, stage: int) -> Link:
+    """group_links' "dp" entry over the data-parallel (dp x cp) groups of pipeline stage
+    `stage` only, one per TP rank. When a replica (pp x cp x tp ranks in minipar's order)
+    does not divide a node, replicas straddle nodes and only some stages' groups cross
+    (dp 3 x pp 3 on 8-GPU nodes: stage 2's {2, 5, 8} does, stages 0 and 1 stay inside
+    node 0); each stage reduces its gradients on its own links, and the slow one's
+    reduction can hide in the pipeline's drain where the first stage's cannot."""
+    found = [rails([config.rank_at(d, stage, c, t) for d in range(config.dp)
+                    for c in range(config.cp)], gpus_per_node) for t in range(config.tp)]
+    crossing = [link for link in found if link]
+    if not crossing:
+        return Link(0, 1)
+    return Link(min(crossing), max(link.nodes for link in crossing))
 
 
 def data_parallel_subgroup_links(config: ParallelConfig, gpus_per_node: int
@@ -422,11 +444,12 @@ def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: Cl
                               shape.tie_embeddings)
 
 
-def dp_collective(config: ParallelConfig, cluster: ClusterSpec):
+def dp_collective(config: ParallelConfig, cluster: ClusterSpec, stage: int | None = None):
     """`collective(op, nbytes, group="dp")` -> seconds of a ring collective of nbytes over
     the data-parallel group, or HSDP's shard ("dp_shard") or replicate ("dp_replicate")
-    group, each on the links it crosses: the pricing overlap.py is handed."""
-    links = group_links(config, cluster)
+    group, each on the links it crosses (pipeline stage `stage`'s: group_links): the
+    pricing overlap.py is handed."""
+    links = group_links(config, cluster, stage)
     sizes = {"dp": config.replicas, "dp_shard": config.sharding_group,
              "dp_replicate": config.replicas // config.sharding_group}
 

@@ -66,6 +66,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from minipar.distributed.mesh import DeviceMesh
+from minipar.parallel.pipeline.placements import PLACEMENTS
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.zero.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, quantized_nbytes
 from minipar.plan.cluster import (
@@ -76,7 +77,7 @@ from minipar.plan.cluster import (
 )
 from minipar.plan.context import local_shape, ring_attention_bytes
 from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
-from minipar.plan.layout import ParallelConfig, StagePlan, pipeline_hops_crossing
+from minipar.plan.layout import ParallelConfig, StagePlan, replica_hops_crossing
 from minipar.plan.memory import (
     flat_buffers,
     sequence_parallel_gradient_elements,
@@ -114,7 +115,7 @@ class Transfer:
     phase: forward | backward (every micro-batch) | step (after the last backward).
     Sends are isends overlapping compute; the rest block the rank. link_group: the group
     whose link prices it when not `group`'s ("edp": the expert gradients, booked as dp);
-    crosses_nodes: a pipeline send's own hop (layout.pipeline_hops_crossing), which a
+    crosses_nodes: a pipeline send's own hop (layout.replica_hops_crossing), which a
     pipeline whose stages share nodes prices apart from the pp group's link.
     """
 
@@ -413,12 +414,12 @@ def _pipeline_message(shape, config) -> int:
 
 
 @functools.lru_cache(maxsize=32)  # (every stage of a deep pipeline asks: O(p) each)
-def _holders(schedule: str, p: int, v: int) -> tuple[int, ...]:
+def _holders(placement: str, p: int, v: int) -> tuple[int, ...]:
     """The pipeline rank that holds each of the p v virtual stages."""
-    spec, holder = SCHEDULES[schedule], [0] * (p * v)
+    holder = [0] * (p * v)
     for r in range(p):
         for c in range(v):
-            holder[spec.virtual_stage(p, r, c)] = r
+            holder[PLACEMENTS[placement](p, r, c)] = r
     return tuple(holder)
 
 
@@ -429,12 +430,14 @@ def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False
     stage is on this rank too (the tip of a V: handed over in memory,
     minipar/parallel/pipeline/split_backward.py), and receives what its neighbours send
     it. Each hop is priced as its ranks lie (a pipeline whose stages share nodes crosses
-    between them on some hops only)."""
+    between them on some hops only), in the replica where most of this rank's hops cross
+    (layout.replica_hops_crossing)."""
     p, v = config.pp, config.virtual_stages
     spec = SCHEDULES[config.schedule]
-    holder = _holders(config.schedule, p, v)
+    holder = _holders(spec.placement, p, v)
     mine = {spec.virtual_stage(p, rank, c) for c in range(v)}
-    crossing = pipeline_hops_crossing(config, gpus_per_node)
+    crossing = max(replica_hops_crossing(config, gpus_per_node),
+                   key=lambda hops: sum(rank in hop for hop in hops))
     for phase, label, step in (("forward", "activation", 1), ("backward", "gradient", -1)):
         if received:  # what the neighbour before me (in this phase's direction) sends
             step = -step
@@ -480,7 +483,7 @@ def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
                                   all_reduce_sent(rows, nbytes.grad, 2, position), "step",
                                   "tied embedding gradient all-reduce"))
     # along the chain from the rank that holds the last stage (rank 0 in a V)
-    loss_rank = _holders(config.schedule, p, v)[-1]
+    loss_rank = _holders(SCHEDULES[config.schedule].placement, p, v)[-1]
     position = (stage.rank - loss_rank) % p
     transfers.append(Transfer("broadcast", "pp", p, NORM_BYTES, 1,
                               broadcast_sent(NORM_BYTES, p, position), "step", "loss broadcast"))

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from minipar.nn.recompute import Recompute
-from minipar.plan import pipeline_step, presets
+from minipar.plan import pipeline_extrapolation, pipeline_step, presets
 from minipar.plan.buckets import Module, gradient_buckets
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
@@ -20,11 +20,11 @@ SHAPE = presets.model("gpt2")
 @pytest.fixture
 def small_budget(monkeypatch):
     """Budgets at which a 4-stage pipeline of 64 micro-batches is extrapolated."""
-    monkeypatch.setattr(pipeline_step, "SIMULATED_ACTIONS", 200)
-    monkeypatch.setattr(pipeline_step, "EXTRAPOLATED_ACTIONS", 4_000)
-    pipeline_step._simulated.cache_clear()
+    monkeypatch.setattr(pipeline_extrapolation, "SIMULATED_ACTIONS", 200)
+    monkeypatch.setattr(pipeline_extrapolation, "EXTRAPOLATED_ACTIONS", 4_000)
+    pipeline_extrapolation._simulated.cache_clear()
     yield
-    pipeline_step._simulated.cache_clear()
+    pipeline_extrapolation._simulated.cache_clear()
 
 
 @pytest.mark.parametrize("schedule, v, m", [
@@ -34,7 +34,7 @@ def test_extrapolated_step_equals_the_whole_walk(small_budget, schedule, v, m):
     config = ParallelConfig(pp=4, dp=2, grad_accum_steps=m, schedule=schedule,
                             virtual_stages=v)
     whole = pipeline_step.walked_step_time(SHAPE, config, UNIFORM)
-    fast = pipeline_step.simulated_step_time(SHAPE, config, UNIFORM)
+    fast = pipeline_extrapolation.simulated_step_time(SHAPE, config, UNIFORM)
     assert fast is not None and fast["simulated_micro_batches"] != [m]  # extrapolated
     assert max(fast["simulated_micro_batches"]) < m
     for key in ("step_s", "pipeline_s", "bubble_fraction", "mfu", "tokens_per_s"):
@@ -50,7 +50,7 @@ def test_extrapolated_step_equals_the_whole_walk(small_budget, schedule, v, m):
 def test_a_short_schedule_is_walked_whole():
     config = ParallelConfig(pp=4, grad_accum_steps=8)
     walked = pipeline_step.walked_step_time(SHAPE, config, UNIFORM)
-    found = pipeline_step.simulated_step_time(SHAPE, config, UNIFORM)
+    found = pipeline_extrapolation.simulated_step_time(SHAPE, config, UNIFORM)
     assert found["simulated_micro_batches"] == [8]
     assert {k: v for k, v in found.items() if k != "simulated_micro_batches"} == walked
 
@@ -62,23 +62,23 @@ def test_the_issue_s_long_pipeline_is_walked_within_the_budget(monkeypatch):
     real = pipeline_step.walked_step_time
 
     def counting(shape, config, cluster, scatter_gather=False):
-        walked.append(pipeline_step.compute_actions(config))
+        walked.append(pipeline_extrapolation.compute_actions(config))
         return real(shape, config, cluster, scatter_gather)
 
     monkeypatch.setattr(pipeline_step, "walked_step_time", counting)
-    pipeline_step._simulated.cache_clear()
+    pipeline_extrapolation._simulated.cache_clear()
     config = ParallelConfig(pp=64, grad_accum_steps=65_536)
-    found = pipeline_step.simulated_step_time(SHAPE, config, UNIFORM)
+    found = pipeline_extrapolation.simulated_step_time(SHAPE, config, UNIFORM)
     assert found is not None and len(found["simulated_micro_batches"]) == 3
-    assert 0 < sum(walked) <= pipeline_step.EXTRAPOLATED_ACTIONS
-    pipeline_step._simulated.cache_clear()
+    assert 0 < sum(walked) <= pipeline_extrapolation.EXTRAPOLATED_ACTIONS
+    pipeline_extrapolation._simulated.cache_clear()
 
 
 def test_beyond_the_budget_the_closed_form_is_used(small_budget, monkeypatch):
     """When even the short walks cost too much, the estimate is timing.step_time's."""
-    monkeypatch.setattr(pipeline_step, "EXTRAPOLATED_ACTIONS", 100)
+    monkeypatch.setattr(pipeline_extrapolation, "EXTRAPOLATED_ACTIONS", 100)
     config = ParallelConfig(pp=4, grad_accum_steps=64)
-    assert pipeline_step.simulated_step_time(SHAPE, config, UNIFORM) is None
+    assert pipeline_extrapolation.simulated_step_time(SHAPE, config, UNIFORM) is None
     exact = estimate(SHAPE, config, UNIFORM)
     closed = estimate(SHAPE, config, UNIFORM, exact_pipeline=False)
     assert exact.step_time == closed.step_time
