@@ -113,8 +113,8 @@ class Estimate:
             per = dict.fromkeys(totals, 0.0)
             # the DP reduction and gathers bucket by bucket, hidden or not (overlap.py)
             per["dp"] = stage.time.get("dp_comm_s", 0.0)
-            for tr in stage.transfers + pipeline_receives(self.shape, self.config, stage.rank,
-                                                          self.cluster):
+            received = pipeline_receives(self.shape, self.config, stage.rank, self.cluster)
+            for tr in stage.transfers + received:
                 if tr.group == "dp" and tr.label != GRADIENT_NORM:
                     continue
                 seconds = tr.count * transfer_time(tr, self.cluster, self.links[tr.link])
@@ -184,8 +184,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
              scatter_gather: bool = False) -> Estimate:
     """Predict one optimizer step of `shape` trained with `config` on `cluster`.
 
-    all_stages: estimate every pipeline rank (default: the first, second and last, which
-    bound the others). exact_pipeline: time a pipeline by simulating its schedule
+    all_stages: estimate every pipeline rank (default: layout.stage_plans's, which bound
+    the others). exact_pipeline: time a pipeline by simulating its schedule
     (minipar.parallel.pipeline.simulator.simulate_step; O(p m v)); False uses the closed form
     (Narayanan et al. 2021), which the advisor uses to search fast and which agrees when
     compute dominates.
@@ -194,7 +194,7 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     """
     check_model_fits_layout(shape, config)
     check_fp8_plan(shape, config.fp8_format, cluster)
-    plans = stage_plans(shape, config, all_ranks=all_stages)
+    plans = stage_plans(shape, config, all_stages, cluster.gpus_per_node)
     stages = []
     for plan in plans:
         transfers = stage_traffic(shape, config, plan, cluster.gpus_per_node)
@@ -214,8 +214,8 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
     else:
         time = step_time(config, [s.time for s in stages], shape, cluster,
                          [p.rank for p in plans])
-    # communication not hidden behind compute (HTA's exposed), on the rank that has most
-    time["exposed_comm_s"] = max(s.time["exposed_comm_s"] for s in stages)
+    time["exposed_comm_s"] = max(time.get("rank_exposed_comm_s")  # HTA's, the busiest rank's
+                                 or [s.time["exposed_comm_s"] for s in stages])
     time["dp_comm_s"] = max(s.time["dp_comm_s"] for s in stages)
     if config.fp8_format is not None:  # the MFU NVIDIA's FP8 tables print: of the FP8 peak
         time["mfu_fp8_peak"] = time["mfu"] * cluster.peak_flops / cluster.roofline.fp8_peak_flops

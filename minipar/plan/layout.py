@@ -18,7 +18,6 @@ GPipe, min(p - r, m) for 1F1B), which the tests check against its action lists.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, replace
 
 from minipar.errors import ConfigError
@@ -27,6 +26,7 @@ from minipar.parallel.context.layout import SELECTIVE_WITH_CP
 from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
 from minipar.plan.accounting import check_accounting
+from minipar.plan.placement import busiest_pipeline_rank
 from minipar.plan.shapes import ModelShape
 from minipar.train.config import check_experts_split
 from minipar.train.layout import Layout, check_booleans, switches
@@ -208,39 +208,6 @@ class ParallelConfig(Layout):
         return cls(**layout, lr=config.lr)
 
 
-@functools.cache
-def replica_hops_crossing(config: ParallelConfig, gpus_per_node: int
-                          ) -> tuple[frozenset[tuple[int, int]], ...]:
-    """The (sender, receiver) pipeline ranks whose messages leave a node, one set for each
-    distinct pattern among the replicas (the pipelines of pp x cp x tp ranks, one per dp
-    index). A hop of a replica crosses if it does on any of its tp x cp ranks. In
-    minipar's rank order a stage is tp x cp consecutive ranks in each replica's block, so
-    while tp x cp is below a node, stages share nodes and only some hops cross; in
-    Megatron-LM's (pp slowest) a stage is dp x cp x tp consecutive ranks and every hop
-    crosses once that fills a node. Replicas that straddle nodes (dp 3 x pp 3 on 8-GPU
-    nodes: ranks 6, 7 | 8) cross on different hops. A replica's ranks are replica 0's
-    moved by d times a fixed stride, so only that shift modulo a node tells replicas
-    apart: the first gpus_per_node replicas show every pattern."""
-    p, gpn = config.pp, gpus_per_node
-    patterns: list[frozenset[tuple[int, int]]] = []
-    for d in range(min(config.dp, gpn)):
-        hops = frozenset(
-            (sender, receiver) for sender in range(p)
-            for receiver in {(sender - 1) % p, (sender + 1) % p} - {sender}
-            if any(config.rank_at(d, sender, c, t) // gpn
-                   != config.rank_at(d, receiver, c, t) // gpn
-                   for c in range(config.cp) for t in range(config.tp)))
-        if hops not in patterns:
-            patterns.append(hops)
-    return tuple(patterns)
-
-
-def pipeline_hops_crossing(config: ParallelConfig, gpus_per_node: int
-                           ) -> frozenset[tuple[int, int]]:
-    """The hops that leave a node in any replica (replica_hops_crossing)."""
-    return frozenset().union(*replica_hops_crossing(config, gpus_per_node))
-
-
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:
     """Raise ConfigError if the model does not split the way `config` asks."""
     t = config.tp
@@ -376,10 +343,14 @@ def representative_ranks(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def stage_plans(shape: ModelShape, config: ParallelConfig, all_ranks: bool = False
-                ) -> list[StagePlan]:
+def stage_plans(shape: ModelShape, config: ParallelConfig, all_ranks: bool = False,
+                gpus_per_node: int | None = None) -> list[StagePlan]:
     """Plans of every pipeline rank, or (default) of the representative ranks, which bound
-    the others when the split is the balanced one."""
+    the others when the split is the balanced one, and, on nodes of gpus_per_node, the
+    rank whose pipeline messages cross nodes most, which need not be one of them (pp 8
+    on 4-GPU nodes: ranks 3 and 4)."""
     every = all_ranks or config.layer_split is not None
-    ranks = range(config.pp) if every else representative_ranks(config.pp)
-    return [stage_plan(shape, config, r) for r in ranks]
+    ranks = set(range(config.pp) if every else representative_ranks(config.pp))
+    if gpus_per_node is not None and config.pp > 1:
+        ranks.add(busiest_pipeline_rank(config, gpus_per_node))
+    return [stage_plan(shape, config, r) for r in sorted(ranks)]

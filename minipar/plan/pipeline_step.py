@@ -37,11 +37,11 @@ from minipar.plan.layout import (
     checkpointed_layers,
     chunk_moe_layers,
     layer_counts,
-    replica_hops_crossing,
     stage_plan,
 )
 from minipar.plan.offload import offload_time
 from minipar.plan.overlap import data_parallel_time, pipeline_reduction
+from minipar.plan.placement import replica_hops_crossing
 from minipar.plan.shapes import ModelShape
 from minipar.plan.timing import (
     dp_collective,
@@ -61,6 +61,7 @@ from minipar.plan.traffic import (
     GRADIENT_NORM,
     PARAMETER_ALL_GATHER,
     SEQUENCE_PARALLEL_GRADIENTS,
+    pipeline_message_bytes,
     stage_traffic,
 )
 
@@ -108,17 +109,14 @@ def p2p_message_seconds(shape: ModelShape, config: ParallelConfig, cluster: Clus
                         scatter_gather: bool, hops: frozenset):
     """`seconds(sender, receiver)` of one pipeline message, a micro-batch's (b, s, h)
     activation or its gradient, between two neighbouring pipeline ranks: over the network
-    on a hop between nodes (in `hops`: layout.replica_hops_crossing), else over NVLink.
+    on a hop between nodes (in `hops`: placement.replica_hops_crossing), else over NVLink.
 
     scatter_gather: Megatron-LM's optimisation of pipeline messages across tensor
     parallelism (Narayanan et al. 2021, section 4.1; megatron/p2p_communication.py): the
     t ranks of a stage hold the same activation, so each sends 1/t of it over the
     (inter-node) pipeline link and the receiving stage all-gathers it over NVLink.
     minipar's pipeline sends the whole tensor from every TP rank (the default)."""
-    tokens = config.micro_batch_size * shape.seq_len // config.cp
-    if config.sequence_parallel:
-        tokens //= config.tp
-    nbytes = tokens * shape.d_model * config.bytes.activation
+    nbytes = pipeline_message_bytes(shape, config)
     whole = not scatter_gather or config.tp == 1 or config.sequence_parallel
     gather = 0.0 if whole else cluster.collective_time("all_gather", config.tp, nbytes,
                                                        group_links(config, cluster)["tp"])
@@ -190,7 +188,7 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     data-parallel reduction and the gradient norm's all-reduces over DP and TP, the
     norm's all-reduce over PP (all ranks again), then the optimizer and ZeRO-1/2's
     parameter all-gather. scatter_gather: see p2p_message_seconds. Replicas whose
-    pipelines cross nodes on different hops (layout.replica_hops_crossing) are walked
+    pipelines cross nodes on different hops (placement.replica_hops_crossing) are walked
     each: the step is the slowest one's, a rank's exposed communication its busiest's."""
     forward, backward, weight = chunk_costs(shape, config, cluster)
     schedule = make_schedule(config.schedule, config.pp, config.micro_batches,

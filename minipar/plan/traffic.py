@@ -62,11 +62,9 @@ collectives, one section each.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 from minipar.distributed.mesh import DeviceMesh
-from minipar.parallel.pipeline.placements import PLACEMENTS
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.parallel.zero.quantize import GRADIENT_BLOCK, WEIGHT_BLOCK, quantized_nbytes
 from minipar.plan.cluster import (
@@ -77,7 +75,7 @@ from minipar.plan.cluster import (
 )
 from minipar.plan.context import local_shape, ring_attention_bytes
 from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
-from minipar.plan.layout import ParallelConfig, StagePlan, replica_hops_crossing
+from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import (
     flat_buffers,
     sequence_parallel_gradient_elements,
@@ -85,6 +83,7 @@ from minipar.plan.memory import (
     shard,
     stage_parameters,
 )
+from minipar.plan.placement import replica_hops_crossing, stage_holders
 from minipar.plan.shapes import ModelShape, padded_vocab
 
 NORM_BYTES = 8  # one fp64 number: a squared gradient norm or the loss
@@ -115,7 +114,7 @@ class Transfer:
     phase: forward | backward (every micro-batch) | step (after the last backward).
     Sends are isends overlapping compute; the rest block the rank. link_group: the group
     whose link prices it when not `group`'s ("edp": the expert gradients, booked as dp);
-    crosses_nodes: a pipeline send's own hop (layout.replica_hops_crossing), which a
+    crosses_nodes: a pipeline send's own hop (placement.replica_hops_crossing), which a
     pipeline whose stages share nodes prices apart from the pp group's link.
     """
 
@@ -147,7 +146,7 @@ def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     local = local_shape(shape, config.cp)  # activations: my s/cp tokens
     return (_data_parallel(shape, config, stage, gpus_per_node)
             + _tensor_parallel(local, config, stage)
-            + _pipeline(local, config, stage, gpus_per_node)
+            + _pipeline(shape, config, stage, gpus_per_node)
             + _context_parallel(shape, config, stage)
             + _expert_parallel(local, config, stage))
 
@@ -404,23 +403,13 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
 
 
 # ------------------------------------------------------------------ pipeline
-def _pipeline_message(shape, config) -> int:
-    """Bytes of one pipeline message: a micro-batch's (b, s, h) activation or its
-    gradient (s / tp of it with sequence parallelism)."""
-    tokens = config.micro_batch_size * shape.seq_len
+def pipeline_message_bytes(shape: ModelShape, config: ParallelConfig) -> int:
+    """Bytes of one pipeline message a rank sends: a micro-batch's (b, s, h) activation
+    or its gradient, of its s / cp tokens (s / (cp tp) with sequence parallelism)."""
+    tokens = config.micro_batch_size * local_shape(shape, config.cp).seq_len
     if config.sequence_parallel:
         tokens //= config.tp
     return tokens * shape.d_model * config.bytes.activation
-
-
-@functools.lru_cache(maxsize=32)  # (every stage of a deep pipeline asks: O(p) each)
-def _holders(placement: str, p: int, v: int) -> tuple[int, ...]:
-    """The pipeline rank that holds each of the p v virtual stages."""
-    holder = [0] * (p * v)
-    for r in range(p):
-        for c in range(v):
-            holder[PLACEMENTS[placement](p, r, c)] = r
-    return tuple(holder)
 
 
 def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False):
@@ -431,10 +420,10 @@ def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False
     minipar/parallel/pipeline/split_backward.py), and receives what its neighbours send
     it. Each hop is priced as its ranks lie (a pipeline whose stages share nodes crosses
     between them on some hops only), in the replica where most of this rank's hops cross
-    (layout.replica_hops_crossing)."""
+    (placement.replica_hops_crossing)."""
     p, v = config.pp, config.virtual_stages
     spec = SCHEDULES[config.schedule]
-    holder = _holders(spec.placement, p, v)
+    holder = stage_holders(spec.placement, p, v)
     mine = {spec.virtual_stage(p, rank, c) for c in range(v)}
     crossing = max(replica_hops_crossing(config, gpus_per_node),
                    key=lambda hops: sum(rank in hop for hop in hops))
@@ -456,7 +445,7 @@ def pipeline_receives(shape, config, rank: int, cluster) -> list[Transfer]:
     a rank's time in the pp group is its sends and these."""
     if config.pp == 1:
         return []
-    message, m = _pipeline_message(shape, config), config.micro_batches
+    message, m = pipeline_message_bytes(shape, config), config.micro_batches
     return [Transfer("send", "pp", 2, message, count * m, 0, phase, f"{label} receive",
                      crosses_nodes=crosses)
             for phase, label, crosses, count in _pipeline_hops(
@@ -469,7 +458,7 @@ def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
         return []
     nbytes = config.bytes
     m, v = config.micro_batches, config.virtual_stages
-    message = _pipeline_message(shape, config)
+    message = pipeline_message_bytes(shape, config)
     transfers = [Transfer("send", "pp", 2, message, count * m, message, phase,
                           f"{label} send", crosses_nodes=crosses)
                  for phase, label, crosses, count in _pipeline_hops(config, stage.rank,
@@ -483,7 +472,7 @@ def _pipeline(shape, config, stage, gpus_per_node) -> list[Transfer]:
                                   all_reduce_sent(rows, nbytes.grad, 2, position), "step",
                                   "tied embedding gradient all-reduce"))
     # along the chain from the rank that holds the last stage (rank 0 in a V)
-    loss_rank = _holders(SCHEDULES[config.schedule].placement, p, v)[-1]
+    loss_rank = stage_holders(SCHEDULES[config.schedule].placement, p, v)[-1]
     position = (stage.rank - loss_rank) % p
     transfers.append(Transfer("broadcast", "pp", p, NORM_BYTES, 1,
                               broadcast_sent(NORM_BYTES, p, position), "step", "loss broadcast"))

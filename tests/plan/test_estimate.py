@@ -340,21 +340,23 @@ def test_each_pipeline_rank_sends_what_the_emulator_sends(schedule):
         assert measured["comm"]["by_group"]["pp"] == STEPS * stage.traffic["pp"], stage.rank
 
 
-@pytest.mark.parametrize("schedule,v,dp,gpus_per_node", [
-    ("1f1b", 1, 1, 8), ("1f1b", 1, 2, 2), ("interleaved", 2, 1, 8), ("zb-v", 2, 1, 8)],
-    ids=["1f1b", "1f1b on 2-GPU nodes", "interleaved", "zb-v"])
-def test_a_pipeline_ranks_time_in_the_pp_group_is_what_its_transfers_take(
-        schedule, v, dp, gpus_per_node):
+@pytest.mark.parametrize("settings", [
+    dict(), dict(dp=2, gpus_per_node=2), dict(schedule="interleaved", virtual_stages=2),
+    dict(schedule="zb-v", virtual_stages=2), dict(cp=2, gpus_per_node=2),
+    dict(pp=3, n_layer=6, dp=2, gpus_per_node=2)],
+    ids=["1f1b", "1f1b on 2-GPU nodes", "interleaved", "zb-v", "cp2 on 2-GPU nodes",
+         "replicas crossing on different hops"])
+def test_a_pipeline_ranks_time_in_the_pp_group_is_what_its_transfers_take(settings):
     """A pipeline message occupies its sender and its receiver (the trace draws it on
-    both), so a rank's pp time counts what it receives as well as what it sends; the
-    report's exposed communication is part of it."""
-    config = TrainConfig(**{**TINY, "micro_batch_size": 2, "pp": 4, "n_layer": 8, "dp": dp,
-                            "grad_accum_steps": 8, "schedule": schedule,
-                            "virtual_stages": v, "gpus_per_node": gpus_per_node})
+    both), so a rank's pp time counts what it receives as well as what it sends (its
+    s / cp tokens; in the replica where most of its hops cross nodes); the report's
+    exposed communication is part of it."""
+    config = TrainConfig(**{**TINY, "micro_batch_size": 2, "pp": 4, "n_layer": 8,
+                            "grad_accum_steps": 8, **settings})
     report = train(config)
     shape = from_train_config(config, report.config["vocab_size"])
     est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(gpus_per_node=gpus_per_node),
+                   ClusterSpec.from_device_profile(gpus_per_node=config.gpus_per_node),
                    all_stages=True)
     measured = max(sum(t["end"] - t["start"] for t in transfers if t["group"] == "pp")
                    for transfers in report.transfers)

@@ -10,7 +10,8 @@ import pytest
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
-from minipar.plan.layout import ParallelConfig, pipeline_hops_crossing, stage_plan
+from minipar.plan.layout import ParallelConfig, stage_plan
+from minipar.plan.placement import pipeline_hops_crossing
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.timing import data_parallel_seconds, step_time
 
