@@ -225,11 +225,11 @@ def estimate(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, *,
 
 
 def report_groups(config: ParallelConfig) -> tuple[str, ...]:
-    across = (("dp_shard", "dp_replicate") if config.hsdp_shard_size else ()) + (
-        ("dp_secondary",) if config.secondary_partition else ()) + (
-        ("dp_intra_node", "dp_inter_node") if config.zero_quantized_gradients else ())
-    return (("dp", "tp", "pp") + (("cp",) if config.cp > 1 else ())
-            + (("ep",) if config.ep > 1 else ()) + across)
+    kinds = {"cp": config.cp > 1, "ep": config.ep > 1, "dp_shard": config.hsdp_shard_size,
+             "dp_replicate": config.hsdp_shard_size and config.replicas > config.sharding_group,
+             "dp_secondary": config.secondary_partition,  # (qgZ's two levels:)
+             **dict.fromkeys(("dp_intra_node", "dp_inter_node"), config.zero_quantized_gradients)}
+    return ("dp", "tp", "pp") + tuple(kind for kind, used in kinds.items() if used)
 
 
 # ------------------------------------------------------------------ text

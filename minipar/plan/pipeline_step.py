@@ -238,9 +238,9 @@ def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run
                                       offload) - offload["gradient_s"]
         gather = seconds(t for t in step_transfers if t.label == PARAMETER_ALL_GATHER)
         gather += data_parallel[r]["after_step_s"]
-        # an offloaded gradient copy is waited for before the norm's all-reduces
-        tails.append((tied, broadcast, reduce + offload["gradient_s"], norm,
-                      optimizer, gather))
+        # an offloaded gradient copy (PCIe, not the network) is waited for before the
+        # norm's all-reduces
+        tails.append((tied, broadcast, reduce, norm, optimizer, gather, offload["gradient_s"]))
         # the blocking TP transfers, and the ring attention's hops its blocks do not hide
         tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
                                        and t.phase in ("forward", "backward")
@@ -279,7 +279,7 @@ def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run
             (_last_compute_end(run.timelines[r]), dp["overlapped_end_s"])])]
         clock[r] = max(start + tails[r][1], dp["overlapped_end_s"])
         spans[r].append((clock[r], clock[r] + dp["after_flush_s"] + tails[r][2]))
-        clock[r] += dp["after_flush_s"] + tails[r][2]
+        clock[r] += dp["after_flush_s"] + tails[r][2] + tails[r][6]
     start = max(clock)  # so does the gradient norm's all-reduce over the stages
     clock = [start + tails[r][3] for r in range(p)]
     end = [clock[r] + tails[r][4] + tails[r][5] for r in range(p)]

@@ -69,6 +69,18 @@ def test_the_rank_order_is_megatrons_names_and_moves_the_pipelines_messages(caps
     assert info.value.code == 2 and "--rank-order" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shard,groups", [("8", "dp_shard"), ("4", "dp_shard, dp_replicate")])
+def test_hsdp_reports_the_groups_it_has(capsys, shard, groups):
+    """HSDP's shard group as large as DP leaves no replicas to all-reduce over (FSDP2's
+    HSDP of one replica): no dp_replicate column, where it was a traceback."""
+    status, out, _ = run(capsys, "--model", "llama2-13b", "--dp", "8", "--zero", "3",
+                         "--hsdp-shard-size", shard, "--gpus-per-node", "4")
+    assert status == 0
+    (line,) = [line for line in out.splitlines() if line.startswith("communication per step")]
+    assert [part.split()[0] for part in line.split(": ", 1)[1].split(", ")][3:] == \
+        groups.split(", ")
+
+
 def test_inconsistent_batch_is_reported_not_crashed(capsys):
     status, out, _ = run(capsys, "--model", "gpt2", "--dp", "4", "--micro-batch-size", "2",
                          "--grad-accum-steps", "4", "--global-batch-size", "64")
