@@ -654,6 +654,17 @@ OVERLAP_GRID = [
 ]
 
 
+def run_and_plan(config: TrainConfig):
+    """The emulator's report of `config` on the COMPARABLE device, and the planner's
+    estimate of every pipeline rank on a cluster of that device."""
+    report = train(config, device=COMPARABLE)
+    shape = from_train_config(config, report.config["vocab_size"])
+    return report, estimate(shape, ParallelConfig.from_train_config(config),
+                            ClusterSpec.from_device_profile(
+                                COMPARABLE, gpus_per_node=config.gpus_per_node),
+                            all_stages=True)
+
+
 @pytest.mark.parametrize(("settings", "exposed_tolerance", "step_tolerance"), OVERLAP_GRID)
 def test_planner_predicts_exposed_communication(settings, exposed_tolerance, step_tolerance,
                                                 request):
@@ -662,12 +673,7 @@ def test_planner_predicts_exposed_communication(settings, exposed_tolerance, ste
     name = request.node.callspec.id
     config = TrainConfig(**{**TINY, "micro_batch_size": 2, "grad_accum_steps": 2,
                             **settings})
-    report = train(config, device=COMPARABLE)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(COMPARABLE,
-                                                   gpus_per_node=config.gpus_per_node),
-                   all_stages=True)
+    report, est = run_and_plan(config)
     for stage in est.stages:
         (measured,) = [r for r in report.ranks if r["coords"]["dp"] == 0
                        and r["coords"]["pp"] == stage.rank and r["coords"]["tp"] == 0
@@ -697,12 +703,7 @@ def test_replicas_straddling_nodes_are_walked_each(settings):
     and hop, the step read 2-19% off)."""
     config = TrainConfig(**{**TINY, "n_layer": 6, "micro_batch_size": 2,
                             "grad_accum_steps": 3, **settings})
-    report = train(config, device=COMPARABLE)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(COMPARABLE,
-                                                   gpus_per_node=config.gpus_per_node),
-                   all_stages=True)
+    report, est = run_and_plan(config)
     spent = {r["rank"]: sum(r["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
              for r in report.ranks}
     assert relative(max(spent.values()), STEPS * est.step_time) <= TIME_TOLERANCE
@@ -720,10 +721,7 @@ def test_an_offloaded_gradient_copy_is_not_exposed_communication(dp):
     neither counts it as communication (counted, the exposed figure read 1.3-2.3x)."""
     config = TrainConfig(**{**TINY, "n_layer": 4, "micro_batch_size": 2, "grad_accum_steps": 2,
                             "pp": 2, "dp": dp, "zero": 1, "offload_optimizer": "cpu"})
-    report = train(config, device=COMPARABLE)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(COMPARABLE), all_stages=True)
+    report, est = run_and_plan(config)
     for stage in est.stages:
         busiest = max(r["time"]["exposed_comm_s"] for r in report.ranks
                       if r["coords"]["pp"] == stage.rank)
