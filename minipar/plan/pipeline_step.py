@@ -195,9 +195,9 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
                              config.virtual_stages, validated=False)
     messages = [p2p_message_seconds(shape, config, cluster, scatter_gather, hops)
                 for hops in replica_hops_crossing(config, cluster.gpus_per_node)]
-    # (the weight gradients: what a split backward's W runs, the rest is its B)
-    runs = [simulate_step(schedule, forward, backward, message, weight)  # validates as it
-            for message in messages]                                    # times
+    # each replica's schedule, validated as it is timed (`weight`: what a split backward's
+    # W runs, the rest is its B)
+    runs = [simulate_step(schedule, forward, backward, message, weight) for message in messages]
     walks = [_walked(shape, config, cluster, run, runs, message)
              for run, message in zip(runs, messages, strict=True)]
     exposed = [max(column) for column in zip(*(w["rank_exposed_comm_s"] for w in walks),
