@@ -55,7 +55,9 @@ def worst_ratios(settings: dict, base: dict = TOY) -> tuple[float, float]:
     """(exposed, step): the largest |measured / predicted - 1| over the pipeline ranks,
     each measured on the busiest of its DP, CP and TP ranks (the planner's figures are
     the busiest rank's: replicas straddling nodes cross on some stages only, and ZeRO's
-    shards give DP ranks different shares of the norms' gradients)."""
+    shards give DP ranks different shares of the norms' gradients). A rank's time is its
+    STEPS steps: the step time each, but the last, which ends when that rank ends (its
+    `rank_end_s`; a rank whose tail is short finishes its last step first)."""
     config = TrainConfig(**{**base, **settings})
     report = train(config, device=DEVICE)
     shape = from_train_config(config, report.config["vocab_size"])
@@ -63,6 +65,7 @@ def worst_ratios(settings: dict, base: dict = TOY) -> tuple[float, float]:
                    ClusterSpec.from_device_profile(DEVICE, gpus_per_node=config.gpus_per_node),
                    all_stages=True)
     exposed = step = 0.0
+    ends = est.time.get("rank_end_s") or [est.step_time] * config.pp
     for stage in est.stages:
         times = [r["time"] for r in report.ranks if r["coords"]["pp"] == stage.rank]
         measured = max(time["exposed_comm_s"] for time in times)
@@ -70,7 +73,7 @@ def worst_ratios(settings: dict, base: dict = TOY) -> tuple[float, float]:
         predicted = STEPS * stage.time["exposed_comm_s"]
         exposed = max(exposed, abs(measured / predicted - 1) if predicted
                       else measured / (STEPS * est.step_time))
-        step = max(step, abs(spent / (STEPS * est.step_time) - 1))
+        step = max(step, abs(spent / ((STEPS - 1) * est.step_time + ends[stage.rank]) - 1))
     return exposed, step
 
 
