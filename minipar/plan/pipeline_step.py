@@ -30,7 +30,7 @@ from minipar.parallel.pipeline.schedules.registry import check_schedule_name, ma
 from minipar.parallel.pipeline.simulator import simulate_step
 from minipar.parallel.pipeline.split_backward import BackwardInput, BackwardWeight
 from minipar.plan.buckets import back_to_back, split_back_to_back
-from minipar.plan.cluster import ClusterSpec
+from minipar.plan.cluster import ClusterSpec, Link
 from minipar.plan.layout import (
     ParallelConfig,
     StagePlan,
@@ -66,6 +66,10 @@ from minipar.plan.traffic import (
 )
 
 P2P_ACTIONS = (SendActivation, SendGrad, RecvActivation, RecvGrad)
+# Distinct replica placements walked one by one (placement.replica_hops_crossing); more
+# (pp 31 x dp 32 on 32-GPU nodes has 32) are walked as one, crossing wherever any does:
+# each walk is a whole simulation, and the plan must answer in seconds.
+MAX_REPLICA_WALKS = 4
 
 
 def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
@@ -131,28 +135,36 @@ def _last_compute_end(timeline) -> float:
                 if not isinstance(action, P2P_ACTIONS)), default=0.0)
 
 
+def _gradients_made(config: ParallelConfig, runs, rank: int) -> tuple[dict, dict]:
+    """(began, split) of pipeline rank `rank`: when each chunk's last B, I or W starts
+    making its gradients ((chunk, whether an I) -> seconds), the latest over the
+    replicas' simulations `runs` (a bucket's collective starts with its last member);
+    and whether a W (a split backward's second half) ends each chunk's backward. Timed
+    modules make their gradients through the last backward, from its start; untimed
+    ones (overlap_needs_times: one bucket) all at once, at its end."""
+    timed = overlap_needs_times(config)
+    began, split = {}, {}
+    for action, start, end in (event for run in runs for event in run.timelines[rank]):
+        if isinstance(action, (Backward, BackwardInput, BackwardWeight)):
+            key = action.chunk, isinstance(action, BackwardInput)
+            began[key] = max(began.get(key, 0.0), start if timed else end)
+            split[action.chunk] = isinstance(action, BackwardWeight)
+    return began, split
+
+
 def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                            rank: int, run, runs) -> dict:
+                            rank: int, run, made: tuple[dict, dict]) -> dict:
     """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) from
-    when its chunks' last backwards make their gradients in the schedule's simulation
-    `run`, and ZeRO-1's parameter all-gathers after the step. A bucket's collective
-    starts with its last member: the latest of the replicas' simulations `runs`."""
+    when its chunks' last backwards make their gradients (`made`: _gradients_made) in
+    the schedule's simulation `run`, and ZeRO-1's parameter all-gathers after the
+    step."""
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "busy": [], "after_flush_s": 0.0, "stall_s": 0.0,
                 "after_step_s": 0.0, "contention_s": 0.0}
     spec = check_schedule_name(config.schedule)
     p, v = config.pp, config.virtual_stages
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
-    # Timed modules make their gradients through the last backward, from its start;
-    # untimed ones (overlap_needs_times: one bucket) all at once, at its end.
-    timed = overlap_needs_times(config)
-    began = {}  # (chunk, whether an I) -> when its last B, I or W starts making gradients
-    split = {}  # chunk -> whether a W (a split backward's second half) ends its backward
-    for action, start, end in (event for each in runs for event in each.timelines[rank]):
-        if isinstance(action, (Backward, BackwardInput, BackwardWeight)):
-            key = action.chunk, isinstance(action, BackwardInput)
-            began[key] = max(began.get(key, 0.0), start if timed else end)
-            split[action.chunk] = isinstance(action, BackwardWeight)
+    began, split = made
     chunks = []
     for c in range(v):
         stage = spec.virtual_stage(p, rank, c)
@@ -193,22 +205,28 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     forward, backward, weight = chunk_costs(shape, config, cluster)
     schedule = make_schedule(config.schedule, config.pp, config.micro_batches,
                              config.virtual_stages, validated=False)
+    patterns = replica_hops_crossing(config, cluster.gpus_per_node)
+    if len(patterns) > MAX_REPLICA_WALKS:  # walked as one: every hop that any crosses
+        patterns = (frozenset().union(*patterns),)
     messages = [p2p_message_seconds(shape, config, cluster, scatter_gather, hops)
-                for hops in replica_hops_crossing(config, cluster.gpus_per_node)]
+                for hops in patterns]
     # each replica's schedule, validated as it is timed (`weight`: what a split backward's
     # W runs, the rest is its B)
     runs = [simulate_step(schedule, forward, backward, message, weight) for message in messages]
-    walks = [_walked(shape, config, cluster, run, runs, message)
-             for run, message in zip(runs, messages, strict=True)]
+    made = [_gradients_made(config, runs, r) for r in range(config.pp)]
+    walks = [_walked(shape, config, cluster, run, made, message, hops)
+             for run, message, hops in zip(runs, messages, patterns, strict=True)]
     exposed = [max(column) for column in zip(*(w["rank_exposed_comm_s"] for w in walks),
                                              strict=True)]
     return {**max(walks, key=lambda walk: walk["step_s"]), "rank_exposed_comm_s": exposed}
 
 
-def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run, runs,
-            message) -> dict[str, float]:
-    """walked_step_time of the replicas whose schedule ran as `run` (of the replicas'
-    `runs`), their pipeline messages priced by `message`."""
+def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run, made,
+            message, hops: frozenset) -> dict[str, float]:
+    """walked_step_time of the replicas whose schedule ran as `run` (`made`: when each
+    rank's gradients are made, _gradients_made), their pipeline messages priced by
+    `message`: those that cross nodes on `hops`, and whose pipeline group's collectives
+    stay inside one node when none does."""
     p = config.pp
     clock = list(run.finish)
     pipeline = max(clock)
@@ -217,8 +235,9 @@ def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run
         plan = stage_plan(shape, config, r)
         transfers = [t for t in stage_traffic(shape, config, plan, cluster.gpus_per_node)
                      if not overlap_priced(t, shape, config)]
-        data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run, runs))
-        links = group_links(config, cluster, r)
+        data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run,
+                                                     made[r]))
+        links = {**group_links(config, cluster, r), **({} if hops else {"pp": Link(0, 1)})}
 
         def seconds(selected, links=links) -> float:
             return sum(t.count * transfer_time(t, cluster, links[t.link]) for t in selected)

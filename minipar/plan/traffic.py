@@ -425,8 +425,10 @@ def _pipeline_hops(config, rank: int, gpus_per_node: int, received: bool = False
     spec = SCHEDULES[config.schedule]
     holder = stage_holders(spec.placement, p, v)
     mine = {spec.virtual_stage(p, rank, c) for c in range(v)}
+    mine_hops = {(a, b) for peer in ((rank - 1) % p, (rank + 1) % p)
+                 for a, b in ((rank, peer), (peer, rank))}
     crossing = max(replica_hops_crossing(config, gpus_per_node),
-                   key=lambda hops: sum(rank in hop for hop in hops))
+                   key=lambda hops: len(hops & mine_hops))
     for phase, label, step in (("forward", "activation", 1), ("backward", "gradient", -1)):
         if received:  # what the neighbour before me (in this phase's direction) sends
             step = -step

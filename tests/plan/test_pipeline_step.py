@@ -12,6 +12,7 @@ from minipar.plan import pipeline_extrapolation, pipeline_step, presets
 from minipar.plan.buckets import Module, gradient_buckets
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
+from minipar.plan.placement import replica_hops_crossing
 
 UNIFORM = presets.cluster("a100").uniform()
 SHAPE = presets.model("gpt2")
@@ -143,3 +144,18 @@ def test_the_plan_says_when_its_pipeline_was_extrapolated(capsys):
     assert "were walked at m = " in out and "extrapolated to m = 65,536" in out
     assert main(["plan", "--model", "gpt2", "--pp", "4", "--grad-accum-steps", "8"]) == 0
     assert "walked at" not in capsys.readouterr().out
+
+
+def test_many_replica_placements_are_walked_as_one_crossing_wherever_any_does(monkeypatch):
+    """Of 8 replicas of 7 ranks on 8-GPU nodes two stay inside a node and six cross, each
+    on its own hop: 7 placements, more than MAX_REPLICA_WALKS whole simulations, so they
+    are walked as one that crosses on all of those hops, an upper bound of walking
+    each."""
+    shape = dataclasses.replace(SHAPE, n_layer=14)
+    config = ParallelConfig(pp=7, dp=8, grad_accum_steps=14)
+    cluster = presets.cluster("a100")
+    assert len(replica_hops_crossing(config, cluster.gpus_per_node)) == 7
+    bound = pipeline_step.walked_step_time(shape, config, cluster)["step_s"]
+    monkeypatch.setattr(pipeline_step, "MAX_REPLICA_WALKS", 8)
+    each = pipeline_step.walked_step_time(shape, config, cluster)["step_s"]
+    assert each < bound
