@@ -56,12 +56,6 @@ def stage_holders(placement: str, p: int, v: int) -> tuple[int, ...]:
     return tuple(holder)
 
 
-def pipeline_hops_crossing(config, gpus_per_node: int
-                           ) -> frozenset[tuple[int, int]]:
-    """The hops that leave a node in any replica (replica_hops_crossing)."""
-    return frozenset().union(*replica_hops_crossing(config, gpus_per_node))
-
-
 def busiest_pipeline_rank(config, gpus_per_node: int) -> int:
     """The pipeline rank with the most messages between virtual stages that cross nodes,
     in its busiest replica (the lowest such rank; rank 0 when none cross)."""

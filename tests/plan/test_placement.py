@@ -3,17 +3,15 @@ planner must estimate because its messages cross most."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import MEGATRON_ORDER, ParallelConfig, stage_plans
-from minipar.plan.placement import (
-    busiest_pipeline_rank,
-    pipeline_hops_crossing,
-    replica_hops_crossing,
-)
+from minipar.plan.placement import busiest_pipeline_rank, replica_hops_crossing
 
 
 def both_ways(*pairs) -> frozenset:
@@ -36,17 +34,30 @@ def every_replicas_hops(config: ParallelConfig, gpus_per_node: int) -> set[froze
 
 
 @pytest.mark.parametrize("order", ["tp-cp-ep-pp-dp", MEGATRON_ORDER])
-@pytest.mark.parametrize("dp,pp,tp,gpus_per_node", [
-    (3, 3, 1, 8), (2, 3, 1, 2), (5, 3, 1, 4), (3, 4, 2, 8), (9, 2, 1, 4), (2, 8, 1, 4)])
-def test_every_replicas_pattern_is_found(dp, pp, tp, gpus_per_node, order):
+def test_every_replicas_pattern_is_found(order):
     """Only the first gpus_per_node replicas are looked at: a replica's ranks are the
     first one's shifted by a fixed stride, so its pattern repeats with that shift modulo
     a node."""
-    config = ParallelConfig(dp=dp, pp=pp, tp=tp, rank_order=order, micro_batch_size=1,
-                            global_batch_size=dp * pp)
-    patterns = replica_hops_crossing(config, gpus_per_node)
-    assert set(patterns) == every_replicas_hops(config, gpus_per_node)
-    assert pipeline_hops_crossing(config, gpus_per_node) == frozenset().union(*patterns)
+    some = 0
+    for dp, pp, tp, cp, gpus_per_node in itertools.product(
+            (1, 2, 3, 5, 9), (2, 3, 4, 8), (1, 2, 4), (1, 2), (2, 4, 6, 8, 16)):
+        config = ParallelConfig(dp=dp, pp=pp, tp=tp, cp=cp, rank_order=order,
+                                micro_batch_size=1, global_batch_size=dp * pp)
+        patterns = replica_hops_crossing(config, gpus_per_node)
+        assert set(patterns) == every_replicas_hops(config, gpus_per_node), config
+        some += len(patterns) > 1
+    assert some  # replicas that cross on different hops
+
+
+def test_minipars_stages_share_nodes_where_megatrons_do_not():
+    # tp 2 x pp 4 x dp 2 on 8-GPU nodes: minipar's stages are 2 consecutive ranks, so a
+    # replica's 4 stages fill one node and no message leaves it; Megatron-LM's are 4
+    # (dp x tp), two stages a node, and the hop between stages 1 and 2 crosses
+    minipars = ParallelConfig(dp=2, pp=4, tp=2, grad_accum_steps=4)
+    assert replica_hops_crossing(minipars, 8) == (frozenset(),)
+    megatrons = minipars.replace(rank_order="tp-cp-ep-dp-pp")
+    assert replica_hops_crossing(megatrons, 8) == (both_ways((1, 2), (3, 0)),)
+
 
 
 def test_replicas_that_straddle_nodes_cross_on_their_own_hops():

@@ -3,15 +3,12 @@ them when compute dominates."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from minipar.plan import presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig, stage_plan
-from minipar.plan.placement import pipeline_hops_crossing
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 from minipar.plan.timing import data_parallel_seconds, step_time
 
@@ -200,29 +197,3 @@ def test_a_pipelined_step_pays_the_contention_once_not_per_micro_batch(exact):
     assert 0 < added <= est.time["overlap_contention_s"] * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("order", ["tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"])
-def test_a_pipeline_hop_crosses_nodes_where_some_rank_of_its_stage_does(order):
-    # the shortcut (stage 0's places in its nodes) against every rank of every replica
-    checked = 0
-    for dp, pp, tp, cp, gpus_per_node in itertools.product(
-            (1, 2, 3, 6), (2, 3, 4, 8), (1, 2, 4), (1, 2), (2, 4, 8, 16)):
-        config = ParallelConfig(dp=dp, pp=pp, tp=tp, cp=cp, grad_accum_steps=8,
-                                rank_order=order)
-        hops = {(s, r) for s in range(pp) for r in {(s - 1) % pp, (s + 1) % pp} - {s}}
-        every = {(s, r) for s, r in hops
-                 if any(config.rank_at(d, s, c, t) // gpus_per_node
-                        != config.rank_at(d, r, c, t) // gpus_per_node
-                        for d in range(dp) for c in range(cp) for t in range(tp))}
-        assert pipeline_hops_crossing(config, gpus_per_node) == every, config
-        checked += 0 < len(every) < len(hops)
-    assert checked  # some layouts cross on some hops only
-
-
-def test_minipars_stages_share_nodes_where_megatrons_do_not():
-    # tp 2 x pp 4 x dp 2 on 8-GPU nodes: minipar's stages are 2 consecutive ranks, so a
-    # replica's 4 stages fill one node and no message leaves it; Megatron-LM's are 4
-    # (dp x tp), two stages a node, and the hop between stages 1 and 2 crosses
-    minipars = ParallelConfig(dp=2, pp=4, tp=2, grad_accum_steps=4)
-    assert pipeline_hops_crossing(minipars, 8) == frozenset()
-    megatrons = minipars.replace(rank_order="tp-cp-ep-dp-pp")
-    assert pipeline_hops_crossing(megatrons, 8) == {(1, 2), (2, 1), (3, 0), (0, 3)}
