@@ -154,7 +154,8 @@ def describe(engine) -> dict:
     stage, its buckets, elements with and without padding, and for ZeRO the shard size
     and the offload devices. The expert pair adds both engines' buckets and elements."""
     if isinstance(engine, ExpertDataParallel):
-        dense, experts = (describe(part) for part in engine.engines)
+        dense, *experts = (describe(part) for part in engine.engines)
+        experts = experts[0] if experts else {}  # (none on a stage without MoE layers)
         merged = dict(dense)
         for key in ("buckets", "numel", "padded_numel", "padding_elements"):
             if key in experts:

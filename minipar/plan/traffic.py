@@ -181,10 +181,10 @@ def _data_parallel(shape, config, stage, gpus_per_node) -> list[Transfer]:
     nbytes = config.bytes
     g, p = nbytes.grad, nbytes.param
     params = stage_parameters(shape, config, stage)
-    experts = config.ep > 1 and params.expert_numel > 0
     transfers = []
-    if experts:  # the experts' engine sums its squared norm over its own tp, pp and ep
-        # groups (build.expert_data_parallel_engine), even under DDP
+    if config.ep > 1 and shape.is_moe:  # the experts' engine sums its squared norm over
+        # its own tp, pp and ep groups (train/engines.expert_data_parallel_engine), even
+        # under DDP; a stage without MoE layers adds its 0 to the same all-reduces
         for group, size, position in (("tp", config.tp, 0), ("pp", config.pp, stage.rank),
                                       ("ep", config.ep, 0)):
             if size > 1:

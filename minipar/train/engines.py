@@ -101,13 +101,17 @@ def expert_data_parallel_engine(config: TrainConfig, model, named, mesh, adamw,
     dense = [(n, p) for n, p in named if not is_expert_parameter(n)]
     experts = [(n, p) for n, p in named if is_expert_parameter(n)]
     norm_groups = (mesh.tp_group(), mesh.pp_group())
-    bucket_bytes = config.bucket_size_mb * 2**20
-    engines = [data_parallel_engine(model, params, group, zero_stage=config.zero,
-                                    bucket_bytes=bucket_bytes, adamw=adamw,
+    expert_norm_groups = (*norm_groups, mesh.ep_group())
+
+    def engine(params, group, groups):
+        return data_parallel_engine(model, params, group, zero_stage=config.zero,
+                                    bucket_bytes=config.bucket_size_mb * 2**20, adamw=adamw,
                                     norm_groups=groups, counts_in_norm=counts_in_norm,
                                     overlap_comm=config.overlap_grad_reduce)
-               for params, group, groups in (
-                   (dense, mesh.dp_group(), norm_groups),
-                   (experts, mesh.expert_data_parallel_group(),
-                    (*norm_groups, mesh.ep_group())))]
-    return ExpertDataParallel(*engines)
+
+    # a pipeline stage without MoE layers (--moe-layer-freq > 1) has no experts' engine
+    return ExpertDataParallel(
+        engine(dense, mesh.dp_group(), norm_groups),
+        engine(experts, mesh.expert_data_parallel_group(), expert_norm_groups)
+        if experts else None,
+        expert_norm_groups)

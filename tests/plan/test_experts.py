@@ -90,11 +90,13 @@ def test_planner_predicts_an_expert_parallel_run(settings):
     dict(dp=4, ep=4, tp=2, zero=1),
     dict(dp=2, ep=2, pp=2, n_layer=4),
     dict(dp=2, ep=2, pp=2, n_layer=4, zero=1, schedule="gpipe"),
+    dict(dp=2, ep=2, pp=2, n_layer=4, schedule="interleaved", virtual_stages=2),
 ], ids=lambda s: " ".join(f"{k}{v}" for k, v in s.items()))
 def test_planner_predicts_moe_with_tensor_and_pipeline_parallelism(settings):
     """Every pipeline rank: the experts' TP collectives (an all-reduce per local expert
     each way; with SP the layer's input all-gathered), MoE layers per stage, the experts'
-    engine's norm over tp and pp too. peak_total is the planner's estimate: within 1% with
+    engine's norm over tp and pp too (interleaved, stage 1 holds no MoE layer and adds
+    its 0 to that norm). peak_total is the planner's estimate: within 1% with
     TP; with pp 2 and m = p = 2 an upper bound (the planner's dense formula is as far
     above a dense run there, up to 18%)."""
     report, shape, est = plan_and_run(**settings)

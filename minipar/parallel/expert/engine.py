@@ -9,17 +9,24 @@ from __future__ import annotations
 import math
 
 from minipar.nn.optim import scale_grads_
+from minipar.parallel.data.ddp import sum_over_groups
 
 
 class ExpertDataParallel:
     """Two data-parallel engines as one: `dense` over the DP group (non-expert
     parameters), `experts` over the expert-data-parallel group. The training loop sees
     one engine (a `minipar.parallel.engine.GradientEngine`); the gradient norm is the
-    whole model's (both engines' squares)."""
+    whole model's (both engines' squares).
 
-    def __init__(self, dense, experts) -> None:
-        self.dense, self.experts = dense, experts
-        self.engines = (dense, experts)
+    experts None: this rank's pipeline stage holds no MoE layer (--moe-layer-freq > 1),
+    so it has only the dense engine. The stages that do hold experts sum the experts'
+    squared norm over their pipeline group too, so this rank still joins those
+    all-reduces over `expert_norm_groups`, adding 0 (staying out would leave them
+    waiting)."""
+
+    def __init__(self, dense, experts, expert_norm_groups=()) -> None:
+        self.engines = (dense,) if experts is None else (dense, experts)
+        self.dense, self._expert_norm_groups = dense, tuple(expert_norm_groups)
         self.stage = dense.stage
 
     @property
@@ -58,6 +65,8 @@ class ExpertDataParallel:
         same coefficient, as Megatron's clip_grad_norm_fp32 does over all parameters:
         no second all-reduce."""
         norms = [engine.clip_grad_norm_(0.0) for engine in self.engines]
+        if len(self.engines) == 1:  # no experts here: add 0 to the experts' norm
+            norms.append(math.sqrt(sum_over_groups(0.0, self._expert_norm_groups)))
         norm = math.sqrt(sum(n * n for n in norms))
         if max_norm > 0:
             coefficient = max_norm / (norm + 1e-6)

@@ -54,6 +54,17 @@ def test_expert_parallel_with_tp_pp_and_zero1_equals_one_device(settings):
     assert_equals_one_device(_run(check=True, **settings))
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_pipeline_stage_without_moe_layers_trains_like_one_device(zero):
+    # every other block is MoE and each stage holds two, so stage 1 has no experts: it
+    # still adds its 0 to the experts' gradient norm, which clipping reads
+    report = _run(check=True, dp=2, ep=2, pp=2, n_layer=4, grad_accum_steps=2, zero=zero,
+                  moe_layer_freq=2, schedule="interleaved", virtual_stages=2, grad_clip=0.01)
+    assert_equals_one_device(report)
+    without = {r["coords"]["pp"] for r in report.ranks if r["sharding"]["expert_numel"] == 0}
+    assert without == {1}
+
+
 @pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s not in ("gpipe", "1f1b")])
 def test_every_other_registered_schedule_trains_moe_like_one_device(schedule):
     # interleaving, the split backward (zb-*: B, then W) and the V placements
