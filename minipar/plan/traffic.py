@@ -74,7 +74,12 @@ from minipar.plan.cluster import (
     reduce_scatter_sent,
 )
 from minipar.plan.context import local_shape, ring_attention_bytes
-from minipar.plan.experts import all_to_all_sent_per_call, buffer_bytes, dispatch_rows
+from minipar.plan.experts import (
+    all_to_all_sent_per_call,
+    buffer_bytes,
+    dispatch_rows,
+    recomputed_layers,
+)
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import (
     flat_buffers,
@@ -324,20 +329,24 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
     # tensor_parallel_experts): each local expert all-reduces its (ep x C, d) partial
     # output (g) and its input's gradient (f); with sequence parallelism the layer
     # all-gathers its input first and its output's gradient in backward.
+    # Full recomputation runs an MoE layer's experts (and their g) again too.
     moe = stage.moe_layers
+    dense_again, moe_again = recomputed_layers(layers, moe, recomputed)
     if moe:
         experts = shape.moe_num_experts // config.ep
         rows = dispatch_rows(shape, b) // shape.moe_num_experts * config.ep
         expert = all_reduce_sent(rows * h, a, t)
         add("all_reduce", experts * moe, rows * h * a, expert, "forward",
             "expert output all-reduce (g)")
+        add("all_reduce", experts * moe_again, rows * h * a, expert, "backward",
+            "expert output all-reduce (g)" + RECOMPUTED)
         add("all_reduce", experts * moe, rows * h * a, expert, "backward",
             "expert input-gradient all-reduce (f)")
     if not config.sequence_parallel:
         full = all_reduce_sent(numel, a, t)
         add("all_reduce", 2 * layers - moe, numel * a, full, "forward",
             "layer output all-reduce (g)")
-        add("all_reduce", 2 * recomputed, numel * a, full, "backward",
+        add("all_reduce", 2 * dense_again + moe_again, numel * a, full, "backward",
             "layer output all-reduce (g)" + RECOMPUTED)
         add("all_reduce", 2 * layers - moe, numel * a, full, "backward",
             "layer input-gradient all-reduce (f)")
@@ -358,7 +367,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         # the checkpointed layers' forward again, run in backward before their gradients
         add("all_gather", 2 * recomputed, numel * g, layer_gather, "backward",
             "sequence-parallel all-gather (g)" + RECOMPUTED)
-        add("reduce_scatter", 2 * recomputed, numel * a, scatter, "backward",
+        add("reduce_scatter", 2 * dense_again + moe_again, numel * a, scatter, "backward",
             "sequence-parallel reduce-scatter" + RECOMPUTED)
         # backward all-gathers the inputs of QKV and fc1 again for their weight
         # gradients (Korthikanti et al.'s extra all-gather; an MoE layer's experts take
@@ -517,14 +526,20 @@ DISPATCH, COMBINE = "MoE dispatch all-to-all", "MoE combine all-to-all"
 
 
 def _expert_parallel(shape, config, stage) -> list[Transfer]:
-    """Per MoE layer and micro-batch: dispatch and combine forward, both again backward."""
+    """Per MoE layer and micro-batch: dispatch and combine forward, both again backward,
+    and the forward's pair once more in backward for each layer full recomputation
+    runs again."""
     ep, layers = config.ep, stage.moe_layers
     if ep == 1 or not layers:
         return []
     a, b, m = config.bytes.activation, config.micro_batch_size, config.micro_batches
     full, sent = buffer_bytes(shape, b, a), all_to_all_sent_per_call(shape, b, ep, a)
-    return [Transfer("all_to_all", "ep", ep, full, layers * m, sent, phase, label)
-            for phase in ("forward", "backward") for label in (DISPATCH, COMBINE)]
+    recomputed = sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
+    _, again = recomputed_layers(stage.layers, layers, recomputed)
+    return [Transfer("all_to_all", "ep", ep, full, count * m, sent, phase, label + suffix)
+            for count, phase, suffix in ((layers, "forward", ""), (layers, "backward", ""),
+                                         (again, "backward", RECOMPUTED))
+            if count for label in (DISPATCH, COMBINE)]
 
 
 def _merge(transfers: list[Transfer]) -> list[Transfer]:
