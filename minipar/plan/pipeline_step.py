@@ -260,8 +260,9 @@ def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run
         # an offloaded gradient copy (PCIe, not the network) is waited for before the
         # norm's all-reduces
         tails.append((tied, broadcast, reduce, norm, optimizer, gather, offload["gradient_s"]))
-        # the blocking TP transfers, and the ring attention's hops its blocks do not hide
-        tensor_parallel.append(seconds(t for t in transfers if t.group == "tp"
+        # the blocking TP and EP transfers (an MoE layer's all-to-alls), and the ring
+        # attention's hops its blocks do not hide
+        tensor_parallel.append(seconds(t for t in transfers if t.group in ("tp", "ep")
                                        and t.phase in ("forward", "backward")
                                        and t.label != SEQUENCE_PARALLEL_GRADIENTS)
                                - config.micro_batches * sum(tp_overlap_hidden(
