@@ -3,6 +3,7 @@
     python benchmarks/plan_vs_emulator.py            # 168 layouts, about 25 s
     python benchmarks/plan_vs_emulator.py --only zb-h1
     python benchmarks/plan_vs_emulator.py --random 150 --seed 2   # about 4 minutes
+    python benchmarks/plan_vs_emulator.py --random 40 --seed 1 --moe --nodes 2,4,8
 
 Each layout trains the toy GPT (4 layers, d_model 32, seq 16, two steps) on a device where
 compute and communication cost alike (100 GFLOP/s, 5 GB/s links), and `estimate()` prices
@@ -18,6 +19,10 @@ buckets reduced during backward. tests/plan/test_estimate.py holds rows of it to
 ZeRO 0-3, 4 or 8 layers, every schedule, recomputation, precision, GELU or SwiGLU,
 grouped K/V, bucket sizes, 1-8 micro-batches, overlap on or off; those minipar refuses
 are drawn again): up to 16 ranks, so pipelines and rings that cross 8-GPU nodes.
+`--nodes 2,4,6` draws the GPUs per node from that list too (groups that cross nodes, and
+straddle them where a size does not divide the node); `--moe` draws mixtures of experts
+instead (DP 2 or 4, ep dividing it, 2 or 4 experts, top-1 or 2, capacity 1 or 1.5, every
+layer or every other one MoE, TP 1-2, PP 1-2, ZeRO-0/1).
 """
 
 from __future__ import annotations
@@ -51,6 +56,15 @@ TOLERANCE = 0.01
 RANDOM_TOY = {**TOY, "grad_accum_steps": None, "vocab_size": 32}
 
 
+def node_sizes(text: str) -> tuple[int, ...]:
+    """--nodes: a comma-separated list of GPUs per node."""
+    try:
+        sizes = tuple(positive_int(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: give GPUs per node as 2,4,8") from None
+    return sizes
+
+
 def worst_ratios(settings: dict, base: dict = TOY) -> tuple[float, float]:
     """(exposed, step): the largest |measured / predicted - 1| over the pipeline ranks,
     each measured on the busiest of its DP, CP and TP ranks (the planner's figures are
@@ -77,7 +91,7 @@ def worst_ratios(settings: dict, base: dict = TOY) -> tuple[float, float]:
     return exposed, step
 
 
-def random_layouts(count: int, seed: int):
+def random_layouts(count: int, seed: int, moe: bool = False, nodes: tuple[int, ...] = (8,)):
     """`count` (settings, layout name) drawn from the wider space (module docstring)."""
     rng, drawn = random.Random(seed), 0
     while drawn < count:
@@ -91,6 +105,16 @@ def random_layouts(count: int, seed: int):
                  grad_accum_steps=rng.choice((1, 2, 4, 8)),
                  precision=rng.choice(("fp32", "bf16-mixed")), mlp=rng.choice(("gelu", "swiglu")),
                  n_kv_head=rng.choice((None, 2)), overlap_grad_reduce=rng.random() < 0.7)
+        if nodes != (8,):  # (the default draws stay those of earlier runs)
+            s["gpus_per_node"] = rng.choice(nodes)
+        if moe:  # minipar's experts are GPT-2 MLPs; MoE runs without CP and ZeRO-2/3
+            experts = rng.choice((2, 4))
+            s.update(dp=rng.choice((2, 4)), pp=rng.choice((1, 2)), cp=1,
+                     zero=rng.choice((0, 1)), n_layer=4, mlp="gelu", n_kv_head=None,
+                     moe_num_experts=experts, moe_top_k=rng.choice((1, 2)),
+                     moe_capacity_factor=rng.choice((1.0, 1.5)),
+                     moe_layer_freq=rng.choice((1, 2)))
+            s["ep"] = rng.choice([e for e in (1, 2, 4) if s["dp"] % e == 0 and experts % e == 0])
         if s["pp"] == 1:
             s.update(schedule="1f1b", virtual_stages=1)
         s["sequence_parallel"] = s["tp"] > 1 and rng.random() < 0.6
@@ -109,15 +133,18 @@ def main() -> None:
     parser.add_argument("--random", type=positive_int, metavar="N",
                         help="N layouts drawn from a wider space (module docstring)")
     parser.add_argument("--seed", type=int, default=0, help="of --random's draws (0)")
+    parser.add_argument("--moe", action="store_true", help="--random draws MoE layouts")
+    parser.add_argument("--nodes", type=node_sizes, default=(8,), metavar="G,G,...",
+                        help="--random draws the GPUs per node from these (default 8)")
     args = parser.parse_args()
     if args.random and args.only:
         parser.error("--only picks the grid's layouts; --random draws its own")
-    if args.seed and not args.random:
-        parser.error("--seed is --random's")
+    if (args.seed or args.moe or args.nodes != (8,)) and not args.random:
+        parser.error("--seed, --moe and --nodes are --random's")
     warnings.filterwarnings("ignore")
     if args.random:
         outside = 0
-        for settings, name in random_layouts(args.random, args.seed):
+        for settings, name in random_layouts(args.random, args.seed, args.moe, args.nodes):
             exposed, step = worst_ratios(settings, RANDOM_TOY)
             flag = "  outside 1%" if max(exposed, step) > TOLERANCE else ""
             outside += bool(flag)

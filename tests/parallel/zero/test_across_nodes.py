@@ -253,10 +253,24 @@ def test_the_settings_rules_name_the_fix(settings, message):
     (dict(dp=6, gpus_per_node=4, zero_quantized_gradients=True), "same number of"),
     (dict(hsdp_shard_size=4, zero_quantized_weights=True), r"MiCS and ZeRO\+\+ apart"),
     (dict(zero_hpz_partition_size=4, offload_optimizer="cpu"), "offloading is not built"),
+    # TP replicas rounded differently in blocks shared with TP-sharded weights
+    (dict(dp=4, tp=2, zero_quantized_gradients=True, gpus_per_node=4), "drift apart"),
+    (dict(dp=4, tp=2, zero_quantized_gradients=True, sequence_parallel=True,
+          gpus_per_node=4), "drift apart.*use --tp 1$"),
+    (dict(dp=4, tp=2, zero_quantized_weights=True), "drift apart.*--sequence-parallel"),
 ], ids=str)
 def test_the_mixes_not_built_are_refused_before_training(settings, message):
     with pytest.raises(ConfigError, match=message):
         train(**{**SMALL, **settings})
+
+
+def test_quantized_weights_with_tp_and_sequence_parallelism_keep_the_replicas_equal():
+    # SP all-reduces the replicated parameters' gradients over TP, so the TP ranks'
+    # different rounding of them cannot make their copies drift (the replica check of
+    # every checkpoint and report would stop the run if it did)
+    report = train(**{**BF16, "dp": 4, "tp": 2, "steps": 2}, zero_quantized_weights=True,
+                   sequence_parallel=True)
+    assert report.ranks and not any("drift" in w for w in report.warnings)
 
 
 def test_groups_meant_for_a_node_that_span_two_are_warned_about():
