@@ -334,8 +334,7 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
                                             else 0)))
     core_f: tuple = ()
     if recompute.full:  # the checkpointed layers run their forward again first
-        again = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
-        dense_again, moe_again = recomputed_layers(stage.layers, moe, again)
+        dense_again, moe_again = recomputed_layers(shape, config, stage)
         backward = [(dense_again, layer_f + layer_b), (dense - dense_again, layer_b)]
     elif recompute.selective:  # every layer's attention core again
         core_f, _ = attention_core_kernels(shape, b, t, e, config.flash_attention, ring)

@@ -289,6 +289,7 @@ class StagePlan:
     tied_copy: bool
     in_flight: int
     chunk_moe_layers: tuple[int, ...] = ()  # MoE layers of each chunk (plan/experts.py)
+    chunk_starts: tuple[int, ...] = ()  # the model's index of each chunk's first layer
 
     @property
     def layers(self) -> int:
@@ -313,6 +314,7 @@ def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePla
     first, last = 0 in stages, p * v - 1 in stages
     return StagePlan(
         chunk_moe_layers=tuple(chunk_moe_layers(shape, counts, stage) for stage in stages),
+        chunk_starts=tuple(sum(counts[:stage]) for stage in stages),
         rank=rank,
         chunk_layers=tuple(counts[stage] for stage in stages),
         first=first,

@@ -280,12 +280,14 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     moe = moe_activation_delta(shape, b, t, sp, a) if stage.moe_layers else 0
     for c, n in enumerate(stage.chunk_layers):
         holds_head = stage.last and c == v - 1
+        # where the chunk's MoE layers sit (their layers hold `moe` more), when known
+        start = stage.chunk_starts[c] if stage.chunk_starts and moe else None
         chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
-                                                    head if holds_head else 0)
+                                                    head if holds_head else 0, start, moe)
         moe_layers = stage.chunk_moe_layers[c] if stage.chunk_moe_layers else 0
-        if recompute.full:  # a recomputed MoE layer's working set (an estimate)
-            chunk_extra += moe if moe_layers else 0
-        else:  # selective recomputation leaves the MLP's activations saved
+        if recompute.full and start is None:  # a recomputed MoE layer's working set,
+            chunk_extra += moe if moe_layers else 0  # where it sits unknown: at the peak
+        elif not recompute.full:  # selective recomputation leaves the MLP's saved
             chunk_saved += moe_layers * moe
         saved += chunk_saved
         if holds_head or not head_first:
@@ -328,14 +330,17 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
 
 
 def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, layer: int,
-                     layer_input: int, head: int) -> tuple[int, int]:
+                     layer_input: int, head: int, start: int | None = None,
+                     moe: int = 0) -> tuple[int, int]:
     """(bytes one micro-batch of a chunk of n_layers saves for backward, the most its
     backward adds on top of that while recomputing), head excluded from the first.
 
     Backward frees the head, then the layers from the last one down. A checkpointed
     segment (full) holds the inputs of the segments before it and its own layers'
     working set; a selective layer holds the layers below it, what its attention branch
-    keeps (`attention_branch_bytes`) and the recomputed probabilities.
+    keeps (`attention_branch_bytes`) and the recomputed probabilities. start: the
+    model's index of the chunk's first layer, whose MoE layers hold `moe` bytes more
+    (full recomputation; None: none counted here).
     """
     recompute = config.recompute
     b, t, sp = config.micro_batch_size, config.tp, config.sequence_parallel
@@ -349,13 +354,16 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
         at_core = (n_layers - 1) * selective + branch + core
         return n_layers * selective, max(0, at_core - n_layers * selective - head)
     saved, peak, inputs = 0, 0, 0
-    for start, end, checkpointed in recompute.segments(n_layers):
+    for first, end, checkpointed in recompute.segments(n_layers):
+        held = (end - first) * layer
+        if start is not None:
+            held += moe * shape.moe_layers_in(start + first, start + end)
         if checkpointed:
             inputs += 1
             saved += layer_input
-            peak = max(peak, inputs * layer_input + (end - start) * layer)
+            peak = max(peak, inputs * layer_input + held)
         else:
-            saved += (end - start) * layer
+            saved += held
     return saved, max(0, peak - saved - head)
 
 

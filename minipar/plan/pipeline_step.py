@@ -89,7 +89,8 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
             chunk = StagePlan(rank=r, chunk_layers=(counts[stage],), first=stage == 0,
                               last=stage == p * v - 1, tied_copy=False, in_flight=1,
-                              chunk_moe_layers=(chunk_moe_layers(shape, counts, stage),))
+                              chunk_moe_layers=(chunk_moe_layers(shape, counts, stage),),
+                              chunk_starts=(sum(counts[:stage]),))
             compute = stage_seconds(shape, config, cluster, chunk)
             seconds = {"forward": compute["forward"], "backward": compute["backward"]}
             ring = ring_seconds(shape, config, cluster, chunk.chunk_layers, split=True)

@@ -194,8 +194,7 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         forward, backward = forward + stage.moe_layers * moe_f, backward + stage.moe_layers * moe_b
     recompute = config.recompute
     if recompute.full:  # the checkpointed layers' forward again
-        recomputed = sum(recompute.recomputed_layers(n) for n in stage.chunk_layers)
-        dense_again, moe_again = recomputed_layers(stage.layers, stage.moe_layers, recomputed)
+        dense_again, moe_again = recomputed_layers(shape, config, stage)
         recompute_flops = (dense_again + moe_again) * layer_f
         if moe_again:
             recompute_flops += moe_again * moe_f

@@ -331,7 +331,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
     # all-gathers its input first and its output's gradient in backward.
     # Full recomputation runs an MoE layer's experts (and their g) again too.
     moe = stage.moe_layers
-    dense_again, moe_again = recomputed_layers(layers, moe, recomputed)
+    dense_again, moe_again = recomputed_layers(shape, config, stage)
     if moe:
         experts = shape.moe_num_experts // config.ep
         rows = dispatch_rows(shape, b) // shape.moe_num_experts * config.ep
@@ -534,8 +534,7 @@ def _expert_parallel(shape, config, stage) -> list[Transfer]:
         return []
     a, b, m = config.bytes.activation, config.micro_batch_size, config.micro_batches
     full, sent = buffer_bytes(shape, b, a), all_to_all_sent_per_call(shape, b, ep, a)
-    recomputed = sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
-    _, again = recomputed_layers(stage.layers, layers, recomputed)
+    _, again = recomputed_layers(shape, config, stage)
     return [Transfer("all_to_all", "ep", ep, full, count * m, sent, phase, label + suffix)
             for count, phase, suffix in ((layers, "forward", ""), (layers, "backward", ""),
                                          (again, "backward", RECOMPUTED))

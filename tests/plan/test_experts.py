@@ -93,13 +93,18 @@ def test_planner_predicts_an_expert_parallel_run(settings):
     dict(dp=2, ep=2, pp=2, n_layer=4, schedule="interleaved", virtual_stages=2),
     dict(dp=2, ep=2, tp=2, recompute_granularity="full"),
     dict(dp=2, ep=2, tp=2, sequence_parallel=True, recompute_granularity="full"),
+    dict(dp=2, ep=2, pp=2, n_layer=4, recompute_granularity="full"),
+    dict(dp=2, ep=2, pp=2, n_layer=4, recompute_granularity="full", recompute_method="block",
+         recompute_num_layers=1),
 ], ids=lambda s: " ".join(f"{k}{v}" for k, v in s.items()))
 def test_planner_predicts_moe_with_tensor_and_pipeline_parallelism(settings):
     """Every pipeline rank: the experts' TP collectives (an all-reduce per local expert
     each way; with SP the layer's input all-gathered), MoE layers per stage, the experts'
     engine's norm over tp and pp too (interleaved, stage 1 holds no MoE layer and adds
     its 0 to that norm); full recomputation runs the dispatch and combine all-to-alls
-    and the experts' g again, and an MoE layer's one g, not a dense layer's two.
+    and the experts' g again, and an MoE layer's one g, not a dense layer's two; its
+    peak is where the checkpointed MoE layer sits (each stage here: one MoE layer, then
+    a dense one).
     peak_total is the planner's estimate: within 1% with TP; with pp 2 and m = p = 2 an
     upper bound (the planner's dense formula is as far above a dense run there, up to
     18%)."""
