@@ -15,9 +15,11 @@ Ranks take turns to run (turns.py): one at a time, switching where they wait.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
+from functools import partial
 
 from .clock import DeviceProfile
 from .device import Device
@@ -144,7 +146,11 @@ class Cluster:
         self.failure: BaseException | None = None  # the first error; aborts every rank
         self.failed_rank: int | None = None
         self.lock = threading.Lock()
-        self._wakeup = [threading.Condition(self.lock) for _ in range(world_size)]
+        # A rank sleeps on its own queue and is woken by a token put there: a C-level
+        # SimpleQueue, where a Condition runs a dozen Python calls per wait and notify
+        # (a token put before the rank sleeps wakes it at once; a stale one is a
+        # spurious wake-up, which _wait's loop absorbs).
+        self._wakeup = [queue.SimpleQueue() for _ in range(world_size)]
         self.turns = Turns(world_size)  # who runs now (turns.py)
         self._waiting: list[Wait | None] = [None] * world_size
         self._returned = [False] * world_size
@@ -195,15 +201,17 @@ class Cluster:
                     self._report_deadlock([self._waiting[r] for r in cycle])
                     raise RankAborted
             self.turns.give_back(rank)
-            self._wakeup[rank].wait()
-            if self.failure is not None:  # woken to stop: that needs no turn
-                raise RankAborted
-            # Take the turn back without the lock: the rank running now may need the lock.
+            # Sleep, and take the turn back, without the lock: the ranks running meanwhile
+            # need it.
             self.lock.release()
             try:
-                self.turns.take(rank)
+                self._wakeup[rank].get()
+                if self.failure is None:  # (woken to stop: that needs no turn)
+                    self.turns.take(rank)
             finally:
                 self.lock.acquire()
+            if self.failure is not None:
+                raise RankAborted
 
     def _wake(self, target, ranks, waker: int) -> None:
         """Wake those of `ranks` whose wait was on `target`, done by `waker` (wake_after)."""
@@ -212,14 +220,14 @@ class Cluster:
             if wait is not None and wait.target is target:
                 self._waiting[rank] = None
                 self._running += 1
-                self.turns.wake_after(waker, self._wakeup[rank].notify)
+                self.turns.wake_after(waker, partial(self._wakeup[rank].put, None))
 
     def fail(self, error: BaseException, rank: int | None) -> None:
         """Record the first failure and wake every rank so that it aborts."""
         if self.failure is None:
             self.failure, self.failed_rank = error, rank
-        for condition in self._wakeup:
-            condition.notify_all()
+        for wakeup in self._wakeup:
+            wakeup.put(None)
 
     # --- what the watchdog reads (launch.py) ----------------------------------------------
     def progress(self) -> tuple:
