@@ -19,11 +19,15 @@ bucket and the stream are free:
     exposed = max(0, end_K - T_backward)
 
 so what outlasts the backward is about the last bucket (it is ready only when backward
-ends) plus whatever the reductions exceed the compute left behind them. ZeRO (DeepSpeed's
-double-buffered reduction bucket, minipar.parallel.zero.sharded.MAX_IN_FLIGHT) keeps at most two
+ends) plus whatever the reductions exceed the compute left behind them. DeepSpeed's
+ZeRO-1/2 (its double-buffered IPG bucket under overlap_comm, deepspeed/runtime/zero/
+stage_1_and_2.py; minipar.parallel.zero.sharded.MAX_IN_FLIGHT) keeps at most two
 reductions in flight: launching a third first waits for the oldest, which stalls the
-compute stream too. Without overlap (`--no-overlap-grad-reduce`) every bucket is waited
-for as it starts: exposed = sum_k d_k, the upper bound the planner used to price.
+compute stream too. Megatron-LM's distributed optimizer has no such limit (megatron/core/
+distributed/param_and_grad_buffer.py launches each bucket's reduce-scatter as it is
+ready): ParallelConfig.reductions_in_flight says whose. Without overlap
+(`--no-overlap-grad-reduce`) every bucket is waited for as it starts: exposed =
+sum_k d_k, the upper bound the planner used to price.
 DDP and ZeRO-1 reduce only in the step's last micro-batch (`no_sync`); ZeRO-2 and -3 in
 every micro-batch's backward. Under pipeline parallelism the same recurrence runs in
 each chunk's last micro-batch backward (Megatron's `enable_grad_sync()` before it), and
@@ -261,7 +265,7 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     out["buckets"] = len(buckets)
     op = "all_reduce" if zero == 0 else "reduce_scatter"
     durations = [collective(op, bucket.numel * b.grad) for bucket in buckets]
-    limit = None if zero == 0 else MAX_IN_FLIGHT
+    limit = None if zero == 0 else config.reductions_in_flight
     exposed = max(reduce_during_backward(compute, buckets, durations, overlap, limit)) - compute
     out["late_s"] = sum(d for d, bucket in zip(durations, buckets, strict=True) if bucket.late)
     reductions = m if zero == 2 else 1
@@ -336,7 +340,8 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
     end = max((b + mod.backward_s for b, mod in zip(begins, every, strict=True)),
               default=0.0)
     computed, _ = reduce_during_backward(end, buckets, durations, True,
-                                         None if config.zero == 0 else MAX_IN_FLIGHT, stream)
+                                         None if config.zero == 0
+                                         else config.reductions_in_flight, stream)
     stall = computed - end
     after = sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
     if computing is None:
