@@ -47,6 +47,7 @@ import itertools
 
 from minipar.errors import ConfigError, ScheduleError
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
+from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.accounting import with_deepspeed_buckets
 from minipar.plan.advice import Advice
 from minipar.plan.cluster import ClusterSpec
@@ -153,7 +154,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
            memory_accounting: str = "paper", tp_comm_overlap: bool = False,
            overlap_param_gather: bool = False, cross_entropy_loss_fusion: bool = True,
            fp8_format: str | None = None, fp8_param_gather: bool = False,
-           rank_order: str = MINIPAR_ORDER, shown: int = 5) -> Advice:
+           rank_order: str = MINIPAR_ORDER, reductions_in_flight: int | None = MAX_IN_FLIGHT,
+           shown: int = 5) -> Advice:
     """Rank every candidate layout of `gpus` GPUs that fits by predicted step time: each
     priced with the pipeline's closed form, then the `shown` fastest by simulating their
     schedules, as a plan of that one layout prices it (price_shown_exactly).
@@ -164,7 +166,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
     fp8_format, fp8_param_gather: every candidate's linear GEMMs in FP8, and its GEMM
     weights as FP8 parameters (plan/fp8.py); FP8 candidates are ZeRO-0 and ZeRO-1 only,
     what Megatron-LM runs FP8 with. rank_order: how every candidate's ranks are laid on
-    the nodes (ParallelConfig.rank_order)."""
+    the nodes (ParallelConfig.rank_order); reductions_in_flight: every ZeRO-1/2
+    candidate's limit of gradient reductions in flight (ParallelConfig's)."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("gpus", f"must be a positive integer, got {gpus!r}")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
@@ -187,7 +190,8 @@ def advise(shape: ModelShape, gpus: int, cluster: ClusterSpec, *, global_batch_s
             tp_comm_overlap=tp_comm_overlap and config.sequence_parallel,
             overlap_param_gather=overlap_param_gather and config.zero == 1,
             cross_entropy_loss_fusion=cross_entropy_loss_fusion, fp8_format=fp8_format,
-            fp8_param_gather=fp8_param_gather and config.zero == 1, rank_order=rank_order))
+            fp8_param_gather=fp8_param_gather and config.zero == 1, rank_order=rank_order,
+            reductions_in_flight=reductions_in_flight))
         searched += 1
         est = estimate(shape, config, cluster, exact_pipeline=False)
         (fitting if est.fits else not_fitting).append(est)

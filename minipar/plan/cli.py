@@ -48,6 +48,7 @@ from minipar.train.layout import Layout
 from minipar.train.outputs import check_output_dir, check_output_file
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep")
+UNLIMITED = "unlimited"  # --reductions-in-flight's word for None
 # --compare-published's sources, as --source names them
 TABLE_1 = "Narayanan et al. 2021, Table 1"
 PUBLISHED_SOURCES = {"table1": TABLE_1, "readme": published_h100.README,
@@ -74,7 +75,7 @@ MEGATRON_SWITCHES = {
 # ParallelConfig's settings a plan takes beyond the trainer's layout (an example applies
 # those given on top of its own; --layer-split too, parsed apart)
 PLAN_SETTINGS = (*MEGATRON_SWITCHES, "lr", "memory_accounting", "flash_attention",
-                 "fp8_format", "rank_order")
+                 "fp8_format", "rank_order", "reductions_in_flight")
 # settings of a plan beyond the trainer's layout, which the published runs fix for themselves
 PUBLISHED_RUN_SETTINGS = (*PLAN_SETTINGS, "layer_split", "reference_global_batch_size",
                           "reference_lr")
@@ -175,6 +176,14 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "(Megatron-LM's and DeepSpeed's default, pp slowest): which of "
                              "the pipeline's messages and the data-parallel rings cross "
                              "nodes")
+    layout.add_argument("--reductions-in-flight", dest="reductions_in_flight",
+                        type=_in_flight, default=None, metavar="N|unlimited",
+                        help="ZeRO-1/2's gradient reductions in flight at once under "
+                             "--overlap-grad-reduce; one more first waits for the oldest, "
+                             "stalling backward: 2, DeepSpeed's overlap_comm (two IPG "
+                             "buffers) and minipar's emulator (default), or unlimited, "
+                             "Megatron-LM's distributed optimizer (each bucket's "
+                             "reduce-scatter launched as it is ready)")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -214,6 +223,18 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------ building blocks
+def _in_flight(text: str) -> int | str:
+    """--reductions-in-flight's N or "unlimited" (kept as the word: None is "not given";
+    argparse prints the error after the flag's name)."""
+    if text.lower() == UNLIMITED:
+        return UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of reductions or unlimited, "
+                                         f"got {text!r}") from None
+
+
 def _shape(args) -> ModelShape:
     custom = [n for n in CUSTOM_SHAPE_FLAGS if getattr(args, n) is not None]
     if (args.example or args.model) and custom:  # a preset's shape is the preset's
@@ -315,6 +336,9 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                  if getattr(args, name) is not None}
         if args.layer_split is not None:
             given["layer_split"] = _layer_split(args.layer_split)
+        if args.reductions_in_flight is not None:
+            given["reductions_in_flight"] = _reductions_in_flight(
+                args, given.get("zero", presets.BLOOM_176B.zero))
         return presets.BLOOM_176B.replace(**given)
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
     values.update(flash_attention=args.flash_attention, lr=args.lr,
@@ -324,13 +348,27 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   tp_comm_overlap=bool(args.tp_comm_overlap),
                   overlap_param_gather=bool(args.overlap_param_gather),
                   cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
-                  rank_order=args.rank_order or MINIPAR_ORDER)
+                  rank_order=args.rank_order or MINIPAR_ORDER,
+                  reductions_in_flight=_reductions_in_flight(args, values["zero"]))
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         values["layer_split"] = _layer_split(args.layer_split)
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
         gpus = values["dp"] * values["tp"] * values["pp"] * values["cp"]
         values["global_batch_size"] = _global_batch(args, shape, gpus)
     return values
+
+
+def _reductions_in_flight(args, zero=None) -> int | None:
+    """--reductions-in-flight as ParallelConfig takes it (its default, DeepSpeed's 2, if
+    not given); given for a layout whose ZeRO stage `zero` has no such limit, refused
+    rather than ignored."""
+    value = args.reductions_in_flight
+    if value is None:
+        return ParallelConfig.__dataclass_fields__["reductions_in_flight"].default
+    if zero is not None and zero not in (1, 2):
+        raise ConfigError("reductions_in_flight", "limits ZeRO-1/2's gradient reductions; "
+                          f"ZeRO-{zero}'s are DDP's (no limit) or ZeRO-3's own: drop it")
+    return None if value == UNLIMITED else value
 
 
 def _layer_split(text: str) -> tuple[int, ...]:
@@ -507,7 +545,8 @@ def _run(args) -> int:
                         flash_attention=args.flash_attention, lr=args.lr,
                         overlap_grad_reduce=_setting(args, "overlap_grad_reduce"),
                         zero3_prefetch=_setting(args, "zero3_prefetch"),
-                        rank_order=args.rank_order or MINIPAR_ORDER, shown=args.top)
+                        rank_order=args.rank_order or MINIPAR_ORDER,
+                        reductions_in_flight=_reductions_in_flight(args), shown=args.top)
         if args.json:
             payload = advice.to_dict(top=args.top)
             if advice.best is not None:

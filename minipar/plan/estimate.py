@@ -307,8 +307,7 @@ def accounting_lines(est: Estimate) -> list[str]:
 
 def format_estimate(est: Estimate) -> str:
     """A plain-text table: memory per pipeline rank by category, traffic, time."""
-    c, shape = est.config, est.shape
-    groups = est.groups
+    c, shape, groups = est.config, est.shape, est.groups
     lines = [
         f"{shape.name}: {shape.n_params / 1e9:.2f}B parameters"
         + (f" ({shape.n_active_params / 1e9:.2f}B active)" if shape.is_moe else "")
@@ -385,6 +384,7 @@ def format_estimate(est: Estimate) -> str:
            "gradient buckets reduced during backward" if c.zero == 3 or c.bucket_size_mb > 0
            # complete only when backward ends: nothing to hide it behind
            else "one gradient bucket, reduced after backward (--bucket-size-mb to overlap)")
+        + ("" if shape.is_moe else c.reductions_in_flight_label)
         + (", parameter all-gathers overlapped with the next forward"
            if c.overlap_param_gather and c.bucket_size_mb > 0 else "")
         + (f", ZeRO-3 prefetch {'on' if c.zero3_prefetch else 'off'}" if c.zero == 3 else "")

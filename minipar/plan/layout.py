@@ -25,6 +25,7 @@ from minipar.nn.recompute import Recompute, recompute_problem
 from minipar.parallel.context.layout import SELECTIVE_WITH_CP
 from minipar.parallel.expert.dispatch import expert_layout_problem
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES, check_schedule_settings
+from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.accounting import check_accounting
 from minipar.plan.placement import busiest_pipeline_rank
 from minipar.plan.shapes import ModelShape
@@ -100,6 +101,14 @@ class ParallelConfig(Layout):
     fp8_param_gather: bool = False
     # the mesh's rank order (RANK_ORDERS): minipar's, or Megatron-LM's default
     rank_order: str = MINIPAR_ORDER
+    # ZeRO-1/2's gradient reductions in flight at once under overlap_grad_reduce: a rank
+    # starting one more first waits for the oldest, stalling its backward. 2: DeepSpeed's
+    # two IPG buffers under overlap_comm (deepspeed/runtime/zero/stage_1_and_2.py), as
+    # minipar's emulator (parallel.zero.sharded.MAX_IN_FLIGHT); None: no limit, Megatron-
+    # LM's distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py
+    # launches each bucket's reduce-scatter as it is ready). ZeRO-0 (DDP) has none and
+    # ZeRO-3 its own (plan/overlap.py)
+    reductions_in_flight: int | None = MAX_IN_FLIGHT
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_split, list):
@@ -109,6 +118,7 @@ class ParallelConfig(Layout):
         self.validate_layout()
         check_booleans(self, switches(ParallelConfig))
         check_accounting(self.memory_accounting, self.zero)
+        check_reductions_in_flight(self.reductions_in_flight)
         if self.rank_order not in RANK_ORDERS:
             raise ConfigError("rank_order", f"{self.rank_order!r} is not one of "
                               f"{', '.join(RANK_ORDERS)} (Megatron-LM's orders: its "
@@ -193,6 +203,19 @@ class ParallelConfig(Layout):
         """", ranks <order>" for a plan's layout line, unless the order is minipar's."""
         return "" if self.rank_order == MINIPAR_ORDER else f", ranks {self.rank_order}"
 
+    @property
+    def reductions_in_flight_label(self) -> str:
+        """", <limit>" for a plan's overlap line where ZeRO-1/2 reduces during backward:
+        whose limit of reductions in flight the step assumes."""
+        if (self.zero not in (1, 2) or not self.overlap_grad_reduce or self.replicas == 1
+                or self.bucket_size_mb == 0):  # (one bucket: reduced after backward)
+            return ""
+        if self.reductions_in_flight is None:
+            return ", no limit of reductions in flight (Megatron-LM's distributed optimizer)"
+        return (f", at most {self.reductions_in_flight} reductions in flight"
+                + (" (DeepSpeed's overlap_comm)" if self.reductions_in_flight == MAX_IN_FLIGHT
+                   else ""))
+
     def to_dict(self) -> dict:
         values = super().to_dict()
         if values["layer_split"] is not None:
@@ -206,6 +229,14 @@ class ParallelConfig(Layout):
         if config.precision == "bf16-mixed":  # the trainer's buffers, named (not ours)
             layout["grad_accum_dtype"] = config.grad_dtype
         return cls(**layout, lr=config.lr)
+
+
+def check_reductions_in_flight(limit) -> None:
+    """Raise ConfigError unless `limit` is a positive number of reductions or None."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise ConfigError("reductions_in_flight", f"must be a positive integer (2: "
+                          f"DeepSpeed's) or unlimited (Megatron-LM's), got {limit!r}")
 
 
 def check_model_fits_layout(shape: ModelShape, config: ParallelConfig) -> None:

@@ -19,11 +19,15 @@ bucket and the stream are free:
     exposed = max(0, end_K - T_backward)
 
 so what outlasts the backward is about the last bucket (it is ready only when backward
-ends) plus whatever the reductions exceed the compute left behind them. ZeRO (DeepSpeed's
-double-buffered reduction bucket, minipar.parallel.zero.sharded.MAX_IN_FLIGHT) keeps at most two
+ends) plus whatever the reductions exceed the compute left behind them. DeepSpeed's
+ZeRO-1/2 (its double-buffered IPG bucket under overlap_comm, deepspeed/runtime/zero/
+stage_1_and_2.py; minipar.parallel.zero.sharded.MAX_IN_FLIGHT) keeps at most two
 reductions in flight: launching a third first waits for the oldest, which stalls the
-compute stream too. Without overlap (`--no-overlap-grad-reduce`) every bucket is waited
-for as it starts: exposed = sum_k d_k, the upper bound the planner used to price.
+compute stream too. Megatron-LM's distributed optimizer has no such limit (megatron/core/
+distributed/param_and_grad_buffer.py launches each bucket's reduce-scatter as it is
+ready): ParallelConfig.reductions_in_flight says whose. Without overlap
+(`--no-overlap-grad-reduce`) every bucket is waited for as it starts: exposed =
+sum_k d_k, the upper bound the planner used to price.
 DDP and ZeRO-1 reduce only in the step's last micro-batch (`no_sync`); ZeRO-2 and -3 in
 every micro-batch's backward. Under pipeline parallelism the same recurrence runs in
 each chunk's last micro-batch backward (Megatron's `enable_grad_sync()` before it), and
@@ -89,7 +93,8 @@ def overlap_seconds(spans: list[tuple[float, float]],
 def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
                            durations: list[float], overlap: bool,
                            max_in_flight: int | None, stream: Stream | None = None,
-                           start: float = 0.0) -> tuple[float, float]:
+                           start: float = 0.0, stalls: list | None = None
+                           ) -> tuple[float, float]:
     """(when the compute stream has finished one backward of `backward_s` compute
     seconds begun at `start`, stalls included; when its last reduction ends): the
     recurrence above. The rank waits for both at the end of backward.
@@ -97,7 +102,9 @@ def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
     buckets[k] is complete after buckets[k].after_s of that compute and is reduced in
     durations[k] seconds on `stream`; overlap False: each reduction is waited for as it
     starts; max_in_flight: at most that many reductions pending (ZeRO), None: no limit
-    (DDP). Late buckets are skipped (the caller reduces them after the flush)."""
+    (DDP). Late buckets are skipped (the caller reduces them after the flush). stalls: a
+    list to append each wait of the compute stream to, as (when in its compute, without
+    the waits before it, seconds)."""
     stream = Stream() if stream is None else stream
     clock, done, pending = start, 0.0, []
     for bucket, seconds in zip(buckets, durations, strict=True):
@@ -106,7 +113,10 @@ def reduce_during_backward(backward_s: float, buckets: list[GradientBucket],
         clock += bucket.after_s - done  # compute until the bucket is complete
         done = bucket.after_s
         if max_in_flight is not None and len(pending) == max_in_flight:
-            clock = max(clock, pending.pop(0))  # the compute stream waits too
+            ready = pending.pop(0)  # the compute stream waits too
+            if stalls is not None and ready > clock:
+                stalls.append((start + bucket.after_s, ready - clock))
+            clock = max(clock, ready)
         end = stream.launch(clock, seconds)
         if overlap:
             pending.append(end)
@@ -261,7 +271,7 @@ def data_parallel_time(modules: list[Module], config: ParallelConfig, collective
     out["buckets"] = len(buckets)
     op = "all_reduce" if zero == 0 else "reduce_scatter"
     durations = [collective(op, bucket.numel * b.grad) for bucket in buckets]
-    limit = None if zero == 0 else MAX_IN_FLIGHT
+    limit = None if zero == 0 else config.reductions_in_flight
     exposed = max(reduce_during_backward(compute, buckets, durations, overlap, limit)) - compute
     out["late_s"] = sum(d for d, bucket in zip(durations, buckets, strict=True) if bucket.late)
     reductions = m if zero == 2 else 1
@@ -297,8 +307,8 @@ def param_gather_exposed(gathers: list[float], modules: list[Module]) -> float:
 
 
 def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: ParallelConfig,
-                       collective, computing: list[tuple[float, float]] | None = None
-                       ) -> dict:
+                       collective, computing: list[tuple[float, float]] | None = None,
+                       held: bool = False) -> dict:
     """A pipeline rank's DP reduction (ZeRO-0/1), from the schedule's simulation.
 
     chunks: (when each module's backward begins in the chunk's last micro-batch
@@ -313,8 +323,11 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
       overlapped_end_s  when the reductions started during the last backwards end
       busy              the (start, end) of each of them on the group's stream
       after_flush_s     seconds of reduction left for after the flush
-      stall_s           how long ZeRO-1's limit of reductions in flight held the compute
-                        stream (it delays the rank's end of the schedule)
+      stall_s           how long ZeRO-1's limit of reductions in flight
+                        (config.reductions_in_flight) held the compute stream; 0 when
+                        `held`: the schedule was simulated with those waits in it
+      stalls            each of those waits, as (when, without the waits before it;
+                        seconds)
       hidden_s          seconds of reduction that ran beside compute: beside the rank's
                         compute actions `computing` (the schedule's (start, end) of each,
                         as the simulation ran them), or without them beside anything
@@ -331,12 +344,15 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
     durations = [collective(op, bucket.numel * config.bytes.grad) for bucket in buckets]
     if not config.overlap_grad_reduce:
         return {"overlapped_end_s": 0.0, "busy": [], "after_flush_s": sum(durations),
-                "stall_s": 0.0, "hidden_s": 0.0}
+                "stall_s": 0.0, "stalls": [], "hidden_s": 0.0}
     stream = Stream()
     end = max((b + mod.backward_s for b, mod in zip(begins, every, strict=True)),
               default=0.0)
+    stalls: list[tuple[float, float]] = []
     computed, _ = reduce_during_backward(end, buckets, durations, True,
-                                         None if config.zero == 0 else MAX_IN_FLIGHT, stream)
+                                         None if config.zero == 0 or held
+                                         else config.reductions_in_flight, stream,
+                                         stalls=stalls)
     stall = computed - end
     after = sum(d for d, b in zip(durations, buckets, strict=True) if b.late)
     if computing is None:
@@ -344,4 +360,4 @@ def pipeline_reduction(chunks: list[tuple[list[float], list[Module]]], config: P
     else:
         hidden = overlap_seconds(stream.busy, computing)
     return {"overlapped_end_s": stream.free_at, "busy": stream.busy, "after_flush_s": after,
-            "stall_s": stall, "hidden_s": hidden}
+            "stall_s": stall, "stalls": stalls, "hidden_s": hidden}

@@ -154,14 +154,15 @@ def _gradients_made(config: ParallelConfig, runs, rank: int) -> tuple[dict, dict
 
 
 def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                            rank: int, run, made: tuple[dict, dict]) -> dict:
+                            rank: int, run, made: tuple[dict, dict], held: bool = False
+                            ) -> dict:
     """Pipeline rank `rank`'s DP reduction (plan/overlap.py's pipeline_reduction) from
     when its chunks' last backwards make their gradients (`made`: _gradients_made) in
     the schedule's simulation `run`, and ZeRO-1's parameter all-gathers after the
-    step."""
+    step. held: `run` holds the rank where ZeRO-1's reductions in flight stall it."""
     if config.replicas == 1 or shape.is_moe:  # (MoE: priced by its transfers)
         return {"overlapped_end_s": 0.0, "busy": [], "after_flush_s": 0.0, "stall_s": 0.0,
-                "after_step_s": 0.0, "contention_s": 0.0}
+                "stalls": [], "after_step_s": 0.0, "contention_s": 0.0}
     spec = check_schedule_name(config.schedule)
     p, v = config.pp, config.virtual_stages
     counts = layer_counts(shape.n_layer, p * v, config.layer_split)
@@ -187,7 +188,7 @@ def _pipeline_data_parallel(shape: ModelShape, config: ParallelConfig, cluster: 
                                  collective)
     computing = [(start, end) for action, start, end in run.timelines[rank]
                  if not isinstance(action, P2P_ACTIONS)]
-    reduction = pipeline_reduction(chunks, config, collective, computing)
+    reduction = pipeline_reduction(chunks, config, collective, computing, held)
     hidden = reduction["hidden_s"] + gathers["hidden_gather_s"]
     return {**reduction, "after_step_s": gathers["after_step_s"],
             "contention_s": overlap_contention_seconds(config, cluster, hidden)}
@@ -212,22 +213,48 @@ def walked_step_time(shape: ModelShape, config: ParallelConfig, cluster: Cluster
     messages = [p2p_message_seconds(shape, config, cluster, scatter_gather, hops)
                 for hops in patterns]
     # each replica's schedule, validated as it is timed (`weight`: what a split backward's
-    # W runs, the rest is its B)
+    # W runs, the rest is its B); then again with the waits ZeRO-1's limit of reductions
+    # in flight puts in its backwards, which delay what they send and so the pipeline
     runs = [simulate_step(schedule, forward, backward, message, weight) for message in messages]
     made = [_gradients_made(config, runs, r) for r in range(config.pp)]
-    walks = [_walked(shape, config, cluster, run, made, message, hops)
+    holds = [_stall_holds(shape, config, cluster, run, made) for run in runs]
+    if any(holds):
+        runs = [simulate_step(schedule, forward, backward, message, weight, hold)
+                for message, hold in zip(messages, holds, strict=True)]
+        made = [_gradients_made(config, runs, r) for r in range(config.pp)]
+    walks = [_walked(shape, config, cluster, run, made, message, hops, any(holds))
              for run, message, hops in zip(runs, messages, patterns, strict=True)]
     exposed = [max(column) for column in zip(*(w["rank_exposed_comm_s"] for w in walks),
                                              strict=True)]
     return {**max(walks, key=lambda walk: walk["step_s"]), "rank_exposed_comm_s": exposed}
 
 
+def _stall_holds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run,
+                 made: list) -> dict[tuple[int, int], float]:
+    """{(rank, i): seconds} ZeRO-1's limit of reductions in flight stalls each rank of the
+    simulation `run` after its i-th action (simulate_step's hold): at the nearer end of
+    the compute action running when the wait came (the schedule times an action whole).
+    Empty without a limit (Megatron-LM's distributed optimizer, DDP): nothing to hold."""
+    holds: dict[tuple[int, int], float] = {}
+    if (config.zero == 0 or config.reductions_in_flight is None
+            or not config.overlap_grad_reduce):
+        return holds
+    for r in range(config.pp):
+        for when, seconds in _pipeline_data_parallel(shape, config, cluster, r, run,
+                                                     made[r])["stalls"]:
+            i, start, end = max((i, start, end) for i, (action, start, end)
+                                in enumerate(run.timelines[r])
+                                if not isinstance(action, P2P_ACTIONS) and start <= when)
+            holds[r, i] = holds.get((r, i), 0.0) + seconds
+    return holds
+
+
 def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run, made,
-            message, hops: frozenset) -> dict[str, float]:
+            message, hops: frozenset, held: bool = False) -> dict[str, float]:
     """walked_step_time of the replicas whose schedule ran as `run` (`made`: when each
-    rank's gradients are made, _gradients_made), their pipeline messages priced by
-    `message`: those that cross nodes on `hops`, and whose pipeline group's collectives
-    stay inside one node when none does."""
+    rank's gradients are made, _gradients_made; `held`: where ZeRO-1 stalls them),
+    their pipeline messages priced by `message`: those that cross nodes on `hops`, and
+    whose pipeline group's collectives stay inside one node when none does."""
     p = config.pp
     clock = list(run.finish)
     pipeline = max(clock)
@@ -237,7 +264,7 @@ def _walked(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec, run
         transfers = [t for t in stage_traffic(shape, config, plan, cluster.gpus_per_node)
                      if not overlap_priced(t, shape, config)]
         data_parallel.append(_pipeline_data_parallel(shape, config, cluster, r, run,
-                                                     made[r]))
+                                                     made[r], held))
         links = {**group_links(config, cluster, r), **({} if hops else {"pp": Link(0, 1)})}
 
         def seconds(selected, links=links) -> float:

@@ -36,8 +36,11 @@ DistributedFusedAdam, which shards the gradients too, ZeRO-2; planned as ZeRO-1,
 distributed optimizer whose parameter all-gather `--overlap-param-gather` overlaps: the
 step's traffic is the same reduce-scatter and all-gather, the memory is not) with
 `overlap_grad_sync` and `overlap_param_sync` (the planner's overlapped reduction and
-`--overlap-param-gather`), gradients kept and reduced in bf16 (`grad_sync_dtype: bf16`:
-the planner's `grad_accum_dtype` bf16), its `bucket_cap_mb`; sequence parallelism with
+`--overlap-param-gather`; each bucket's reduce-scatter launched as it fills, with no
+limit in flight, as Megatron-Core's distributed optimizer does: apex/contrib/optimizers/
+distributed_fused_adam.py's `_try_start_bucket_grad_sync`), gradients kept and reduced
+in bf16 (`grad_sync_dtype: bf16`: the planner's `grad_accum_dtype` bf16), its
+`bucket_cap_mb`; sequence parallelism with
 TP; `ub_tp_comm_overlap` (`--tp-comm-overlap`) where TP > 1; no recomputation but
 340B's; the fused cross-entropy (`cross_entropy_loss_fusion: true`) but for GPT-3;
 global batch as the table's column heads give it.
@@ -333,7 +336,7 @@ def recipe_config(recipe: Recipe, gpus: int, batch: int) -> ParallelConfig:
         grad_accum_dtype=recipe.grad_dtype, flash_attention=True,
         recompute_granularity=recipe.recompute, cross_entropy_loss_fusion=recipe.loss_fusion,
         layer_split=recipe.layer_split, fp8_format="hybrid" if recipe.fp8 else None,
-        fp8_param_gather=recipe.fp8, rank_order=MEGATRON_ORDER)
+        fp8_param_gather=recipe.fp8, rank_order=MEGATRON_ORDER, reductions_in_flight=None)
 
 
 @dataclass(frozen=True)

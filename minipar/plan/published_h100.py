@@ -39,12 +39,14 @@ Assumed where the sources are silent (one rule for every row, never tuned per ro
 micro-batch 2 where the planner finds that it fits the GPU and leaves at least pp
 micro-batches per step, else 1 (tests/plan/test_published.py checks the rule); no
 recomputation; bf16 with Megatron's fp32 gradient buffers and distributed optimizer
-(ZeRO-1; Llama 3's FSDP sharding priced the same way); flash attention at cuDNN's
-measured H100 rates (the h100-80gb preset's kernel: Transformer Engine's choice on
-Hopper; neither source names its kernel; minipar.distributed.attention_kernels,
-`--attention-kernel` to price another); sequence parallelism with TP; Megatron's default
-DDP bucket of max(40M, 1M x dp) parameters; the overlaps a source states and no others
-(the README's three switches; the Llama 3 paper names none of them for TP, so no
+(ZeRO-1; Llama 3's FSDP sharding priced the same way), which launches each bucket's
+reduce-scatter as it is ready, with no limit in flight (megatron/core/distributed/
+param_and_grad_buffer.py); flash attention at cuDNN's measured H100 rates (the
+h100-80gb preset's kernel: Transformer Engine's choice on Hopper; neither source names
+its kernel; minipar.distributed.attention_kernels, `--attention-kernel` to price
+another); sequence parallelism with TP; Megatron's default DDP bucket of max(40M, 1M x
+dp) parameters; the overlaps a source states and no others (the README's three
+switches; the Llama 3 paper names none of them for TP, so no
 `--tp-comm-overlap` there, and its FSDP prefetches the parameter gather as
 `--overlap-param-gather` does); for the README rows the 1F1B schedule (119B and 462B's
 23 and 7 layers per stage leave no other interleaving) and Megatron-Core r0.8's default
@@ -145,7 +147,7 @@ def _readme(name, heads, hidden, layers, tp, pp, batch, tflops, fitted, micro=2)
         dp=dp, tp=tp, pp=pp, zero=1, micro_batch_size=micro, global_batch_size=batch,
         sequence_parallel=tp > 1, flash_attention=True, tp_comm_overlap=tp > 1,
         overlap_param_gather=True, bucket_size_mb=_megatron_ddp_bucket_mb(dp),
-        cross_entropy_loss_fusion=False, rank_order=MEGATRON_ORDER)
+        cross_entropy_loss_fusion=False, rank_order=MEGATRON_ORDER, reductions_in_flight=None)
     row = f"{name}: tp {tp}, pp {pp}, {tp * pp * dp} GPUs, batch {batch}"
     return H100Run(README, "README", row, shape, config, tflops, fitted, megatron_flops)
 
@@ -164,7 +166,7 @@ def _llama3(row, gpus, cp, seq, batch_per_dp, tflops, micro) -> H100Run:
         dp=dp, tp=tp, pp=pp, cp=cp, zero=1, schedule="interleaved", virtual_stages=v,
         layer_split=split, micro_batch_size=micro, global_batch_size=batch_per_dp * dp,
         sequence_parallel=True, flash_attention=True, overlap_param_gather=True,
-        bucket_size_mb=_megatron_ddp_bucket_mb(dp))
+        bucket_size_mb=_megatron_ddp_bucket_mb(dp), reductions_in_flight=None)
     return H100Run(LLAMA3, "Llama 3", row, shape, config, tflops, False, palm_flops)
 
 

@@ -69,6 +69,37 @@ def test_the_rank_order_is_megatrons_names_and_moves_the_pipelines_messages(caps
     assert info.value.code == 2 and "--rank-order" in capsys.readouterr().err
 
 
+def test_whose_limit_of_reductions_in_flight_the_plan_assumes_is_said_and_kept(capsys):
+    # gpt2-xl, ZeRO-1 over dp 4 across 2-GPU nodes with a pipeline: DeepSpeed's two
+    # reductions in flight (the default, minipar's emulator) stall a backward where
+    # Megatron-LM's distributed optimizer, which has no limit, does not
+    argv = ("--model", "gpt2-xl", "--cluster", "a100", "--gpus-per-node", "2", "--dp", "4",
+            "--pp", "2", "--zero", "1", "--bucket-size-mb", "1", "--micro-batch-size", "1",
+            "--grad-accum-steps", "4")
+    status, out, _ = run(capsys, *argv)
+    assert status == 0 and "at most 2 reductions in flight (DeepSpeed's overlap_comm)" in out
+    _, out, _ = run(capsys, *argv, "--reductions-in-flight", "unlimited")
+    assert "no limit of reductions in flight (Megatron-LM's distributed optimizer)" in out
+    _, deepspeeds, _ = run(capsys, *argv, "--json", "-")
+    _, megatrons, _ = run(capsys, *argv, "--reductions-in-flight", "unlimited", "--json", "-")
+    deepspeeds, megatrons = json.loads(deepspeeds), json.loads(megatrons)
+    assert deepspeeds["config"]["reductions_in_flight"] == 2
+    assert megatrons["config"]["reductions_in_flight"] is None
+    assert megatrons["time"]["step_s"] < deepspeeds["time"]["step_s"]
+    # a search plans every candidate with it
+    _, advice, _ = run(capsys, "--model", "gpt2-xl", "--gpus", "8", "--top", "2",
+                       "--reductions-in-flight", "unlimited", "--json", "-")
+    assert all(r["config"]["reductions_in_flight"] is None for r in json.loads(advice)["ranked"])
+    # a limit ZeRO-0 (DDP) does not have is refused, not ignored; so is a bad value
+    status, _, err = run(capsys, "--model", "gpt2-xl", "--dp", "4", "--reductions-in-flight", "2")
+    assert status == 2 and "--reductions-in-flight" in err and "ZeRO-0" in err
+    status, _, err = run(capsys, *argv, "--reductions-in-flight", "0")
+    assert status == 2 and "--reductions-in-flight" in err
+    with pytest.raises(SystemExit) as info:
+        run(capsys, *argv, "--reductions-in-flight", "many")
+    assert info.value.code == 2 and "--reductions-in-flight" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("shard,groups", [("8", "dp_shard"), ("4", "dp_shard, dp_replicate")])
 def test_hsdp_reports_the_groups_it_has(capsys, shard, groups):
     """HSDP's shard group as large as DP leaves no replicas to all-reduce over (FSDP2's

@@ -47,12 +47,13 @@ TRANSIENT_TOLERANCE = 0.10
 # activation and attention core before it and the time of the TP collectives between
 # them, leaving out the residual adds (measured <= 0.07% on the exposed part): 1%.
 # ZeRO-1 under pipeline parallelism with many buckets: its limit of two reductions in
-# flight stalls the last stage's last backward, which delays the
-# gradient it sends to the first stage; the planner adds the stall to the stalled rank
-# only (measured 0.65% on the step): 1% there.
+# flight stalls the last stage's last backward, which delays the gradient it sends to
+# the first stage; the planner holds the stall in the schedule's simulation (the step
+# within 0.01%), but a V schedule's ranks end their last step up to 0.13% before the
+# step (rank_end_s), which the test below compares every rank with: 0.2% there.
 BUCKET_EXPOSED_TOLERANCE = 0.01
 OVERLAP_STEP_TOLERANCE = TIME_TOLERANCE
-STALLED_PIPELINE_STEP_TOLERANCE = 0.01
+STALLED_PIPELINE_STEP_TOLERANCE = 0.002
 STEPS = 2
 TINY = dict(n_layer=2, d_model=32, n_head=4, seq_len=16, data="synthetic", steps=STEPS)
 EMULATED = ClusterSpec.from_device_profile(gpus_per_node=8)
@@ -712,6 +713,31 @@ def test_replicas_straddling_nodes_are_walked_each(settings):
                       if r["coords"]["pp"] == stage.rank)
         assert relative(busiest, STEPS * stage.time["exposed_comm_s"]) <= TIME_TOLERANCE, (
             stage.rank)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(dp=2, pp=2, gpus_per_node=2), dict(dp=2, pp=2, gpus_per_node=2, schedule="gpipe"),
+    dict(dp=2, pp=2, gpus_per_node=2, schedule="interleaved", virtual_stages=2),
+    dict(dp=4, pp=2, gpus_per_node=2, recompute_granularity="full"),
+    dict(dp=2, pp=4, n_layer=8, gpus_per_node=4)],
+    ids=["dp2 pp2 on 2-GPU nodes", "the same, gpipe", "the same, interleaved",
+         "dp4 pp2 on 2-GPU nodes, full recomputation", "dp2 pp4 on 4-GPU nodes"])
+def test_zero1_stalls_across_nodes_delay_the_whole_pipeline(settings):
+    """ZeRO-1 with overlapped reduction over data-parallel groups that cross nodes: the
+    slow reductions fill the two in flight (DeepSpeed's two IPG buffers, minipar's
+    emulator), a backward waits for the oldest, and what it sends next waits with it,
+    so the ranks downstream of it wait too. The planner holds each stall in the
+    schedule's simulation: every rank's time is the planner's step (its own end in the
+    last step). Added to the stalled rank's end only, these read 8-21% short."""
+    config = TrainConfig(**{**TINY, "n_layer": 4, "micro_batch_size": 2,
+                            "grad_accum_steps": 4, "zero": 1, **SMALL_BUCKETS, **settings})
+    report, est = run_and_plan(config)
+    assert est.config.reductions_in_flight == 2  # the emulator's (parallel.zero.sharded)
+    ends = est.time["rank_end_s"]
+    for rank in report.ranks:
+        spent = sum(rank["time"][k] for k in ("compute_s", "comm_s", "idle_s"))
+        predicted = (STEPS - 1) * est.step_time + ends[rank["coords"]["pp"]]
+        assert relative(spent, predicted) <= TIME_TOLERANCE, (rank["rank"], spent, predicted)
 
 
 @pytest.mark.parametrize("dp", [1, 2])

@@ -65,6 +65,19 @@ def test_a_third_reduction_in_flight_waits_for_the_oldest():
     assert computed == 6.5 and comm_end == 16
 
 
+def test_each_stall_is_reported_and_no_limit_never_stalls():
+    # the case above: the third bucket, complete at 2.5, waits 3.5 s for the first; the
+    # stalls add up to how much later the compute stream ends. Without a limit (Megatron-
+    # LM's distributed optimizer, DDP) nothing waits, and the reductions end as late
+    stalls, free = [], []
+    computed, comm_end = reduce_during_backward(3.0, buckets(1, 2, 2.5), [5, 5, 5],
+                                                overlap=True, max_in_flight=2, stalls=stalls)
+    assert stalls == [(2.5, 3.5)] and computed == 3.0 + sum(s for _, s in stalls)
+    unlimited = reduce_during_backward(3.0, buckets(1, 2, 2.5), [5, 5, 5], overlap=True,
+                                       max_in_flight=None, stalls=free)
+    assert free == [] and unlimited == (3.0, comm_end)
+
+
 def test_late_buckets_are_left_for_after_the_flush():
     late = [GradientBucket(1, 2.0, False), GradientBucket(1, 10.0, True)]
     stream = Stream()

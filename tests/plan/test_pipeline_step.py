@@ -159,3 +159,24 @@ def test_many_replica_placements_are_walked_as_one_crossing_wherever_any_does(mo
     monkeypatch.setattr(pipeline_step, "MAX_REPLICA_WALKS", 8)
     each = pipeline_step.walked_step_time(shape, config, cluster)["step_s"]
     assert each < bound
+
+
+def test_only_a_limit_of_reductions_in_flight_holds_the_schedule():
+    """ZeRO-1 across nodes (GPT-2, dp 2 x pp 2 on 2-GPU nodes, 1 MiB buckets): DeepSpeed's
+    two reductions in flight (the default, as minipar's emulator) stall backwards, and
+    the stalls are held in the schedule's simulation, so the pipeline takes longer than
+    the schedule alone; Megatron-LM's distributed optimizer (reductions_in_flight=None,
+    param_and_grad_buffer.py) stalls nothing: its pipeline is the schedule as is."""
+    cluster = dataclasses.replace(UNIFORM, gpus_per_node=2)
+    deepspeeds = ParallelConfig(dp=2, pp=2, zero=1, grad_accum_steps=4, bucket_size_mb=1)
+    megatrons = deepspeeds.replace(reductions_in_flight=None)
+    forward, backward, weight = pipeline_step.chunk_costs(SHAPE, deepspeeds, cluster)
+    (hops,) = replica_hops_crossing(deepspeeds, cluster.gpus_per_node)
+    schedule = pipeline_step.simulate_step(
+        pipeline_step.make_schedule("1f1b", 2, 4, 1), forward, backward,
+        pipeline_step.p2p_message_seconds(SHAPE, deepspeeds, cluster, False, hops), weight)
+    held = pipeline_step.walked_step_time(SHAPE, deepspeeds, cluster)
+    free = pipeline_step.walked_step_time(SHAPE, megatrons, cluster)
+    assert free["pipeline_s"] == max(schedule.finish)
+    assert held["pipeline_s"] > 1.2 * max(schedule.finish)
+    assert free["step_s"] < held["step_s"]

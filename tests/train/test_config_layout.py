@@ -23,7 +23,7 @@ SECTIONS = (ModelSettings, Layout, OptimizerSettings, RunSettings)
 # The planner's own settings beside the layout, and the defaults it sets to a real run's.
 PLANNER_ONLY = {"flash_attention", "layer_split", "lr", "memory_accounting", "tp_comm_overlap",
                 "overlap_param_gather", "cross_entropy_loss_fusion", "fp8_format",
-                "fp8_param_gather", "rank_order"}
+                "fp8_param_gather", "rank_order", "reductions_in_flight"}
 PLANNER_DEFAULTS = {"micro_batch_size": 1, "precision": "bf16-mixed", "bucket_size_mb": 0.0}
 
 # A TrainConfig whose every layout setting differs from its default (built, not run:

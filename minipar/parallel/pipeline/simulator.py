@@ -72,14 +72,16 @@ def simulate(schedule: Schedule, forward_time: float = 1.0,
 
 
 def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
-                  message=0.0, weight=None) -> SimulatedStep:
+                  message=0.0, weight=None, hold=None) -> SimulatedStep:
     """Run the schedule on paper, checking every rule, and time it.
 
     forward / backward / weight: seconds of one micro-batch through chunk c on rank r,
     `forward[r][c]` (or one number for every chunk); backward is the full backward, weight
     its W share (default backward / 2); message: seconds of one transfer, or
     `message(sender, receiver)` of one between those two pipeline ranks (a hop between
-    nodes costs more than one inside a node).
+    nodes costs more than one inside a node); hold: {(rank, i): seconds} that rank waits
+    after its i-th action, a wait the schedule does not know of (ZeRO-1's limit of
+    gradient reductions in flight holding a backward), counted as communication.
     A send posts its message and goes on (the executor posts sends with isend). A receive
     waits for its send; the transfer then takes `message` from max(send posted, receive
     posted), a rendezvous as with NCCL; with message = 0 the receive just waits for the
@@ -226,6 +228,9 @@ def simulate_step(schedule: Schedule, forward=1.0, backward=2.0,
                     now[rank] += cost
                     compute[rank] += cost
                 timeline[rank].append((action, start, now[rank]))
+                if hold and (rank, position[rank]) in hold:
+                    now[rank] += hold[rank, position[rank]]
+                    comm[rank] += hold[rank, position[rank]]
                 position[rank] += 1
                 progress = True
 

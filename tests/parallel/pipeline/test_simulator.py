@@ -107,6 +107,22 @@ def test_a_message_can_cost_what_its_hop_costs():
     assert same.comm == [2.0, 4.0, 4.0, 2.0]  # (one number: every hop alike)
 
 
+def test_a_hold_delays_the_rank_and_what_it_sends_next():
+    """hold={(rank, i): seconds}: the rank waits after its i-th action (ZeRO-1's limit
+    of reductions in flight stalling a backward, say), booked as communication. 1F1B,
+    p = m = 2, forward 1 s, backward 2 s: rank 1 held 0.5 s after its first backward
+    sends that gradient 0.5 s later, so rank 0 receives it and ends 0.5 s later too."""
+    schedule = make_schedule("1f1b", 2, 2, 1)
+    free = simulate_step(schedule, 1.0, 2.0, 0.0)
+    held = simulate_step(schedule, 1.0, 2.0, 0.0, hold={(1, 2): 0.5})
+    assert [type(action) for action, _, _ in held.timelines[1][2:4]] == [Backward, SendGrad]
+    assert held.timelines[1][3][1] == free.timelines[1][3][1] + 0.5
+    assert held.finish == [free.finish[0] + 0.5, free.finish[1] + 0.5]
+    assert held.comm == [0.0, 0.5] and held.idle[0] == free.idle[0] + 0.5
+    for r in range(2):
+        assert held.compute[r] + held.comm[r] + held.idle[r] == pytest.approx(held.finish[r])
+
+
 # --------------------------------------------------------------------------- the rules
 def custom(*ranks, m=1):
     return Schedule("custom", len(ranks), m, 1, tuple(tuple(r) for r in ranks))
