@@ -13,7 +13,7 @@ two on the ten rows by least squares on log(predicted / published) TFLOP/s, a co
 then a finer one around its best point, and prints the fit, the residual of every row and
 how much each constant moves the worst row. The A100 constants in roofline.py are the
 ones it prints (rounded to 0.01). The H100's lie in the flat valley its five fitted runs
-leave (rms log error 0.057 there, 0.051 at the grid's best point, 0.69 and 0.325;
+leave (rms log error 0.057 there, 0.0506 at the grid's best point, 0.68 and 0.325;
 docs/planner.md) and are kept, since `minipar train --device h100` shares them. The
 H100's overlap contention (minipar.plan.timing.overlap_contention_seconds,
 presets.H100_OVERLAP_CONTENTION) is then fitted on every fitted H100 row: the README's
