@@ -1,14 +1,15 @@
 """The shared state of one launch: who waits for what, and the rendezvous of collectives.
 
 All of it sits behind one lock (simple beats clever). A rank that must wait records
-*what* it waits for, then sleeps on its own condition variable; whoever completes that
-wait clears the record and wakes it. So at any instant a rank is running, waiting (and
-we know on whom), or returned, and a deadlock is a fact we can check the moment it
-happens: every live rank is waiting, some rank waits on one that has returned, or the
-new wait closes a cycle of waits (rank 0 waits for 1, which waits for 0), whatever the
-ranks outside the cycle are doing. No polling here: what no wait-for graph can show (a
-rank in an infinite loop) is the launch watchdog's job (launch.py), for which the cluster
-keeps each rank's last action and when each wait began.
+*what* it waits for, then sleeps on its own queue (a C-level SimpleQueue: a Condition's
+wait and notify cost a dozen Python calls); whoever completes that wait clears the record
+and wakes it with a token (a stale one is a spurious wake-up: the wait loops). So at any
+instant a rank is running, waiting (and we know on whom), or returned, and a deadlock is
+a fact we can check the moment it happens: every live rank is waiting, some rank waits on
+one that has returned, or the new wait closes a cycle of waits (rank 0 waits for 1, which
+waits for 0), whatever the ranks outside the cycle are doing. No polling here: a rank in
+an infinite loop is the launch watchdog's (launch.py), for which the cluster keeps each
+rank's last action and when each wait began.
 
 Ranks take turns to run (turns.py): one at a time, switching where they wait.
 """
@@ -146,10 +147,6 @@ class Cluster:
         self.failure: BaseException | None = None  # the first error; aborts every rank
         self.failed_rank: int | None = None
         self.lock = threading.Lock()
-        # A rank sleeps on its own queue and is woken by a token put there: a C-level
-        # SimpleQueue, where a Condition runs a dozen Python calls per wait and notify
-        # (a token put before the rank sleeps wakes it at once; a stale one is a
-        # spurious wake-up, which _wait's loop absorbs).
         self._wakeup = [queue.SimpleQueue() for _ in range(world_size)]
         self.turns = Turns(world_size)  # who runs now (turns.py)
         self._waiting: list[Wait | None] = [None] * world_size
@@ -185,15 +182,13 @@ class Cluster:
         """Block `wait.rank` until done() is true; raises RankAborted if the launch fails."""
         rank = wait.rank
         while not done():
-            if self.failure is not None:
-                raise RankAborted
+            self.check_alive()
             if self._waiting[rank] is None:  # (not after a spurious wake-up)
                 self._waiting[rank] = wait
                 self._running -= 1
                 # Only this new wait can have created a deadlock: check it now.
-                if self._running == 0 or (
-                    self._any_returned and any(self._returned[p] for p in wait.peers())
-                ):
+                if self._running == 0 or (self._any_returned and any(
+                        self._returned[p] for p in wait.peers())):
                     self._report_deadlock()
                     raise RankAborted
                 cycle = self._cycle_through(rank)
@@ -201,17 +196,14 @@ class Cluster:
                     self._report_deadlock([self._waiting[r] for r in cycle])
                     raise RankAborted
             self.turns.give_back(rank)
-            # Sleep, and take the turn back, without the lock: the ranks running meanwhile
-            # need it.
-            self.lock.release()
+            self.lock.release()  # sleep and take the turn back without it: others need it
             try:
                 self._wakeup[rank].get()
                 if self.failure is None:  # (woken to stop: that needs no turn)
                     self.turns.take(rank)
             finally:
                 self.lock.acquire()
-            if self.failure is not None:
-                raise RankAborted
+            self.check_alive()
 
     def _wake(self, target, ranks, waker: int) -> None:
         """Wake those of `ranks` whose wait was on `target`, done by `waker` (wake_after)."""
