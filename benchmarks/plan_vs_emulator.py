@@ -147,16 +147,16 @@ def main() -> None:
         for settings, name in random_layouts(args.random, args.seed, args.moe, args.nodes):
             try:
                 exposed, step = worst_ratios(settings, RANDOM_TOY)
-            except Exception as err:  # the emulator stopped: the first line of why
+            except Exception as err:  # the emulator or the planner stopped: say which
                 stopped += 1
-                print(f"stopped: {name}: {str(err).splitlines()[0][:100]}", flush=True)
+                print(f"stopped ({type(err).__name__}): {name}: "
+                      f"{str(err).splitlines()[0][:100]}", flush=True)
                 continue
             flag = "  outside 1%" if max(exposed, step) > TOLERANCE else ""
             outside += bool(flag)
             print(f"{exposed:8.2%} {step:7.2%}  {name}{flag}", flush=True)
         print(f"{args.random - outside - stopped} of {args.random} drawn layouts within 1% "
-              f"(exposed communication and step, worst pipeline rank); {stopped} stopped in "
-              "the emulator")
+              f"(exposed communication and step, worst pipeline rank); {stopped} stopped")
         return
     outside = stopped = total = 0
     print(f"{'schedule':>11} {'tp':>2} {'zero':>4} {'recompute':>9} {'tied':>5} "

@@ -325,8 +325,9 @@ def saved_settings(values: dict) -> dict:
 # ------------------------------------------------------------------ the rules
 def check_sharding_across_nodes(layout: Layout) -> None:
     """HSDP, ZeRO++ and FSDP2's reshard_after_forward: ZeRO-3's, each a divisor of the
-    group it cuts (FSDP2's and DeepSpeed's rules). The mixes the trainer does not build
-    are minipar.train.mixes.check_layout's."""
+    group it cuts (FSDP2's and DeepSpeed's rules); no ZeRO++ quantization where the TP
+    replicas would drift. The mixes the trainer does not build are
+    minipar.train.mixes.check_layout's."""
     hsdp, hpz = layout.hsdp_shard_size, layout.zero_hpz_partition_size
     reshard = layout.reshard_after_forward
     if hsdp is not None:
@@ -343,6 +344,22 @@ def check_sharding_across_nodes(layout: Layout) -> None:
     if hsdp is not None and replicas % hsdp:
         raise ConfigError("hsdp_shard_size", f"{hsdp} must divide the {replicas} "
                           f"data-parallel ranks (dp x cp): one of {divisors(replicas)}")
+    # ZeRO++ quantizes a rank's flat shard in blocks (DeepSpeed's partition_parameters.py
+    # quantizes the torch.cat of a coalesced group's partitions), so a block mixes
+    # TP-replicated parameters with TP-sharded ones and the TP ranks round the same
+    # replicated value differently. qgZ: their reduced gradients differ; qwZ: their
+    # forwards do, and so their gradients, unless sequence parallelism all-reduces
+    # those over TP. Either way the replicas drift apart.
+    drifting = [n for n in asked if n == "zero_quantized_gradients"
+                or (n == "zero_quantized_weights" and not layout.sequence_parallel)]
+    if layout.tp > 1 and drifting:
+        fix = ("--tp 1, or --sequence-parallel, whose TP all-reduce of those gradients "
+               "keeps them equal" if drifting == ["zero_quantized_weights"] else "--tp 1")
+        raise ConfigError(drifting[0], f"{flag(drifting[0])} with --tp {layout.tp} would let "
+                          "the TP ranks' copies of replicated parameters (norms, row-parallel "
+                          "biases, position embeddings) drift apart: ZeRO++ quantizes each "
+                          "rank's shard in blocks that mix them with TP-sharded weights, so "
+                          f"each TP rank rounds them differently; use {fix}")
     sharding = hsdp or replicas  # the group ZeRO-3 shards over
     if hpz > 1:
         if reshard is not True and reshard != hpz:

@@ -97,8 +97,7 @@ def check_layout(config: TrainConfig) -> list[str]:
 
 
 def sharding_across_nodes(config: TrainConfig) -> list[str]:
-    """ZeRO-3 across nodes: the mixes not built (with --ep, offload; HSDP with ZeRO++;
-    ZeRO++'s quantization with TP where it would let TP replicas drift);
+    """ZeRO-3 across nodes: the mixes not built (with --ep, offload; HSDP with ZeRO++);
     qgZ's two levels need the data-parallel group spread evenly over its nodes
     (--gpus-per-node); warnings when a group meant to stay inside a node does not
     (HSDP's shard group, the secondary partition's), or when qgZ has one node and so,
@@ -119,22 +118,6 @@ def sharding_across_nodes(config: TrainConfig) -> list[str]:
         raise ConfigError(zeropp[0], f"{flag(zeropp[0])} with --hsdp-shard-size is not built: "
                           "hybrid sharding already keeps ZeRO-3's gathers inside the shard "
                           "group (DeepSpeed runs MiCS and ZeRO++ apart); use one")
-    # ZeRO++ quantizes a rank's flat shard in blocks (DeepSpeed's partition_parameters.py
-    # quantizes the torch.cat of a coalesced group's partitions), so a block mixes
-    # TP-replicated parameters with TP-sharded ones and the TP ranks round the same
-    # replicated value differently. qgZ: their reduced gradients differ; qwZ: their
-    # forwards do, and so their gradients, unless sequence parallelism all-reduces
-    # those over TP. Either way the replicas drift apart.
-    drifting = [n for n in zeropp if n == "zero_quantized_gradients"
-                or (n == "zero_quantized_weights" and not config.sequence_parallel)]
-    if config.tp > 1 and drifting:
-        fix = ("--tp 1, or --sequence-parallel, whose TP all-reduce of those gradients "
-               "keeps them equal" if drifting == ["zero_quantized_weights"] else "--tp 1")
-        raise ConfigError(drifting[0], f"{flag(drifting[0])} with --tp {config.tp} would let "
-                          "the TP ranks' copies of replicated parameters (norms, row-parallel "
-                          "biases, position embeddings) drift apart: ZeRO++ quantizes each "
-                          "rank's shard in blocks that mix them with TP-sharded weights, so "
-                          f"each TP rank rounds them differently; use {fix}")
     mesh = dist.DeviceMesh(config.dp, config.pp, config.tp, cp=config.cp,
                            world_size=config.world_size, gpus_per_node=config.gpus_per_node)
     by_node = mesh.data_parallel_ranks_by_node(0)

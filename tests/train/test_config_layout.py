@@ -35,7 +35,10 @@ EVERY_LAYOUT_SETTING = dict(
     grad_accum_steps=2, global_batch_size=16, precision="bf16-mixed", grad_accum_dtype="fp32",
     recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
     hsdp_shard_size=4, zero_hpz_partition_size=2, zero_quantized_weights=True,
-    zero_quantized_gradients=True, reshard_after_forward=2, n_layer=4, moe_num_experts=4)
+    reshard_after_forward=2, n_layer=4, moe_num_experts=4)
+# ZeRO++'s qgZ is refused with TP (its blocks would let the TP replicas drift): its own
+# layout, the rest as above
+WITH_QGZ = dict(EVERY_LAYOUT_SETTING, tp=1, zero_quantized_gradients=True)
 
 
 def names(cls) -> list[str]:
@@ -65,28 +68,31 @@ def test_the_trainer_and_the_planner_share_the_layouts_field_definitions():
 def test_every_layout_field_is_a_flag_of_minipar_train_and_of_minipar_plan():
     from minipar.cli import build_parser, config_from_args
 
-    argv = []
-    for name, value in EVERY_LAYOUT_SETTING.items():
-        flag = "--" + name.replace("_", "-")
-        argv += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False
-                 else [flag, str(value)])
-    assert config_from_args(build_parser().parse_args(["train", *argv])) == TrainConfig(
-        **EVERY_LAYOUT_SETTING)
-    planned = build_parser().parse_args(["plan", "--model", "gpt2", *argv])
-    for field in dataclasses.fields(Layout):
-        assert getattr(planned, field.name) == EVERY_LAYOUT_SETTING[field.name]
+    for settings in (EVERY_LAYOUT_SETTING, WITH_QGZ):
+        argv = []
+        for name, value in settings.items():
+            flag = "--" + name.replace("_", "-")
+            argv += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False
+                     else [flag, str(value)])
+        assert config_from_args(build_parser().parse_args(["train", *argv])) == TrainConfig(
+            **settings)
+        planned = build_parser().parse_args(["plan", "--model", "gpt2", *argv])
+        for name, value in settings.items():
+            assert getattr(planned, name) == value
     # and each field carries the one help line both flags show
     for section in SECTIONS:
         assert all(f.metadata.get("help") for f in dataclasses.fields(section))
 
 
 def test_from_train_config_carries_every_layout_setting():
-    config = TrainConfig(**EVERY_LAYOUT_SETTING)
-    planned = ParallelConfig.from_train_config(config)
-    for field in dataclasses.fields(Layout):
-        assert getattr(config, field.name) != field.default, field.name  # a real check
-        assert getattr(planned, field.name) == getattr(config, field.name), field.name
-    assert planned.lr == config.lr
+    configs = [TrainConfig(**EVERY_LAYOUT_SETTING), TrainConfig(**WITH_QGZ)]
+    for field in dataclasses.fields(Layout):  # a real check: each set in one of them
+        assert any(getattr(c, field.name) != field.default for c in configs), field.name
+    for config in configs:
+        planned = ParallelConfig.from_train_config(config)
+        for field in dataclasses.fields(Layout):
+            assert getattr(planned, field.name) == getattr(config, field.name), field.name
+        assert planned.lr == config.lr
 
 
 def test_the_model_section_is_the_models_config_and_shape():

@@ -16,7 +16,7 @@ from minipar.viz.tables import grid_table
 def test_the_grid_covers_every_axis_and_the_required_layouts():
     names = {case.name for case in GRID}
     assert {"dp2 tp2 pp2 zero1 (8 ranks)", "dp3 tp1 pp2 zero1 (odd, 6 ranks)"} <= names
-    configs = [case.config() for case in GRID]
+    configs = [case.config() for case in GRID if not case.refused]  # (some refuse to build)
     assert {c.zero for c in configs} == {0, 1, 2, 3}
     # every registered schedule is trained
     assert {c.schedule for c in configs if c.pp > 1} == set(schedule_names())
