@@ -47,6 +47,10 @@ from dataclasses import dataclass, replace
 from minipar.autograd.kernels import Kernel
 from minipar.distributed.attention_kernels import AttentionKernel
 
+# A kernel list this long is priced by distinct object (Roofline.total_seconds): an op's
+# kernels are a few, and the dict would cost them more than it saves.
+LONG_KERNEL_LIST = 64
+
 
 @dataclass(frozen=True)
 class Roofline:
@@ -137,7 +141,13 @@ class Roofline:
         return max(compute, memory)
 
     def total_seconds(self, kernels) -> float:
-        return sum(self.seconds(k) for k in kernels)
+        """Seconds of the kernels run one after another. A long list (an MoE layer's
+        experts, each the same kernels) prices each distinct object once: the same sum."""
+        if len(kernels) < LONG_KERNEL_LIST:
+            return sum(self.seconds(k) for k in kernels)
+        priced: dict[int, float] = {}
+        return sum(priced[id(k)] if id(k) in priced else priced.setdefault(id(k), self.seconds(k))
+                   for k in kernels)
 
     def replace(self, **changes) -> Roofline:
         return replace(self, **changes)

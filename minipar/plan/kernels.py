@@ -187,13 +187,14 @@ def moe_kernels(shape: ModelShape, b: int, tp: int, ep: int, itemsize: int = 2
                 Kernel(SOFTMAX_FLOPS[1] * softmax + 2 * products + sums + n * k,
                        4 * e * softmax),
                 Kernel(2 * rows * h, 3 * e * rows * h)]  # the two scatter-adds of dispatch
-    for _ in range(local):
-        fc_f, fc_b = linear_kernels(per_expert, mlp_in, h, e, shape.bias)
-        proj_f, proj_b = linear_kernels(per_expert, h, hidden, e, shape.bias)
-        forward += [*fc_f, Kernel(act_f * per_expert * hidden,
-                                  e * per_expert * (mlp_in + hidden)), *proj_f]
-        backward += [*proj_b, Kernel(act_b * per_expert * hidden,
-                                     e * per_expert * (2 * mlp_in + hidden)), *fc_b]
+    # every local expert runs the same kernels: one expert's, met `local` times (the same
+    # objects, which Roofline.total_seconds prices once)
+    fc_f, fc_b = linear_kernels(per_expert, mlp_in, h, e, shape.bias)
+    proj_f, proj_b = linear_kernels(per_expert, h, hidden, e, shape.bias)
+    forward += [*fc_f, Kernel(act_f * per_expert * hidden,
+                              e * per_expert * (mlp_in + hidden)), *proj_f] * local
+    backward += [*proj_b, Kernel(act_b * per_expert * hidden,
+                                 e * per_expert * (2 * mlp_in + hidden)), *fc_b] * local
     # combine: gather (N, k, d), times the gates, summed over k
     forward.append(Kernel(2 * combine, e * (rows * h + combine + n * h)))
     backward.append(Kernel(4 * combine, e * (n * h + 2 * combine + rows * h)))

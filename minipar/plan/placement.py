@@ -19,7 +19,6 @@ from minipar.parallel.pipeline.placements import PLACEMENTS
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 
 
-@functools.cache
 def replica_hops_crossing(config, gpus_per_node: int
                           ) -> tuple[frozenset[tuple[int, int]], ...]:
     """The (sender, receiver) pipeline ranks whose messages leave a node, one set for each
@@ -32,6 +31,19 @@ def replica_hops_crossing(config, gpus_per_node: int
     nodes: ranks 6, 7 | 8) cross on different hops. A replica's ranks are replica 0's
     moved by d times a fixed stride, so only that shift modulo a node tells replicas
     apart: the first gpus_per_node replicas show every pattern."""
+    # A search asks for thousands of layouts that differ in batch, ZeRO or recomputation
+    # only: the answer depends on the sizes and the order, worked out once for each.
+    key = (config.pp, config.dp, config.cp, config.tp, config.rank_order, gpus_per_node)
+    if key not in _HOPS:
+        _HOPS[key] = _replica_hops_crossing(config, gpus_per_node)
+    return _HOPS[key]
+
+
+_HOPS: dict[tuple, tuple[frozenset[tuple[int, int]], ...]] = {}
+
+
+def _replica_hops_crossing(config, gpus_per_node: int
+                           ) -> tuple[frozenset[tuple[int, int]], ...]:
     p, gpn = config.pp, gpus_per_node
     patterns: list[frozenset[tuple[int, int]]] = []
     for d in range(min(config.dp, gpn)):
