@@ -346,8 +346,9 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         moe_f, moe_b = layer_kernels(shape, b, t, sp, e, config.flash_attention, ring,
                                      moe_ep=config.ep)
         forward.append((moe, moe_f))
-        again_f = moe_f if recompute.full and moe_again else []
-        backward.append((moe, list(again_f) + list(core_f) + moe_b))
+        backward.append((moe, list(core_f) + moe_b))
+        if recompute.full and moe_again:  # the checkpointed MoE layers' forward again
+            backward.append((moe_again, moe_f))
     if stage.first:
         f, bw = embedding_kernels(shape, b, t, e)
         forward.insert(0, (1, f))

@@ -170,11 +170,16 @@ def test_moe_layer_kernel_flops_are_the_experts_counts(shape, tp, ep):
         (dense[0] + delta[0], dense[1] + delta[1]), rel=1e-12)
 
 
+@pytest.mark.parametrize("recompute", [
+    {},
+    # layer 0 (MoE) is recomputed, layer 2 (MoE too) is not: one MoE forward again
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+], ids=["no recomputation", "block 1"])
 @pytest.mark.parametrize("profile", [dist.H100], ids=["h100"])
-def test_an_moe_toy_run_on_a_roofline_profile_takes_the_planned_time(profile):
+def test_an_moe_toy_run_on_a_roofline_profile_takes_the_planned_time(profile, recompute):
     config = TrainConfig(**{**TINY, "n_layer": 3}, dp=2, ep=2, moe_num_experts=4,
                          moe_top_k=2, moe_capacity_factor=1.25, moe_layer_freq=2,
-                         micro_batch_size=2, grad_clip=0.0)
+                         micro_batch_size=2, grad_clip=0.0, **recompute)
     report = train(config, device=profile)
     shape = from_train_config(config, report.config["vocab_size"])
     est = estimate(shape, ParallelConfig.from_train_config(config),
