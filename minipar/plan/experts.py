@@ -116,18 +116,14 @@ def recomputed_layers(shape: ModelShape, config, stage) -> tuple[int, int]:
     """(dense, MoE) layers of `stage` (a layout.StagePlan) that full recomputation runs
     again: every layer of a chunk (uniform) or its first k (block; nn/recompute.py), an
     MoE layer where the model's index is a multiple of moe_layer_freq, counted from where
-    each chunk starts (`stage.chunk_starts`). Without those: every MoE layer when every
-    layer runs again, otherwise counted as dense ones (an estimate)."""
+    each chunk starts (`stage.chunk_starts`)."""
     again = [config.recompute.recomputed_layers(n) for n in stage.chunk_layers]
     total = sum(again)
     if not stage.moe_layers:
         return total, 0
-    if stage.chunk_starts:
-        moe = sum(shape.moe_layers_in(start, start + k)
-                  for start, k in zip(stage.chunk_starts, again, strict=True))
-        return total - moe, moe
-    moe = stage.moe_layers if total == stage.layers else 0
-    return min(total - moe, stage.layers - stage.moe_layers), moe
+    moe = sum(shape.moe_layers_in(start, start + k)
+              for start, k in zip(stage.chunk_starts, again, strict=True))
+    return total - moe, moe
 
 
 def _feed_forward_flops(shape: ModelShape, rows: int, output_rows: int, tp: int

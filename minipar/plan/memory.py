@@ -280,15 +280,12 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     moe = moe_activation_delta(shape, b, t, sp, a) if stage.moe_layers else 0
     for c, n in enumerate(stage.chunk_layers):
         holds_head = stage.last and c == v - 1
-        # where the chunk's MoE layers sit (their layers hold `moe` more), when known
-        start = stage.chunk_starts[c] if stage.chunk_starts and moe else None
+        # where the chunk's MoE layers sit (their layers hold `moe` more)
+        start = stage.chunk_starts[c] if moe else None
         chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
                                                     head if holds_head else 0, start, moe)
-        moe_layers = stage.chunk_moe_layers[c] if stage.chunk_moe_layers else 0
-        if recompute.full and start is None:  # a recomputed MoE layer's working set,
-            chunk_extra += moe if moe_layers else 0  # where it sits unknown: at the peak
-        elif not recompute.full:  # selective recomputation leaves the MLP's saved
-            chunk_saved += moe_layers * moe
+        if not recompute.full and moe:  # selective recomputation leaves the MLP's saved
+            chunk_saved += stage.chunk_moe_layers[c] * moe
         saved += chunk_saved
         if holds_head or not head_first:
             extra = chunk_extra if head_first else max(extra, chunk_extra)
