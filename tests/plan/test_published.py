@@ -180,15 +180,34 @@ def test_llama3_8k_rows_within_ten_percent():
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="attention at 131K tokens priced at cuDNN's measured rate still "
-                   "leaves the row +58%: the paper's step implies about a fifth of peak "
-                   "(docs/planner.md, the Llama 3 rows)")
+                   reason="by the paper's full-attention count the row reads +59%; counted "
+                   "causal it reads +14%, as the 8K rows (docs/planner.md, the Llama 3 "
+                   "rows)")
 def test_llama3_long_context_row_within_twenty_percent():
     from minipar.plan import published_h100
 
     row = [r for r in published_h100.compare() if r["source"] == published_h100.LLAMA3][2]
     assert "seq 131,072" in row["row"]
     assert abs(row["error"]) <= 0.20, row
+
+
+def test_llama3_rows_read_alike_when_attention_is_counted_causal():
+    # Table 4 cites PaLM's MFU, whose 12 L H Q T counts attention full; at 131K tokens
+    # that term is 57% of the count, and the row reads +59% against +15-17% at 8K.
+    # Counted causal (half of it: what the kernel computes, and today's Megatron-LM
+    # count), the paper's 131K step is 10.9 s, not 15.3 s, and the three rows read
+    # within 3 points of each other: the 131K row holds no miss of its own
+    from minipar.plan import published_h100
+
+    rows = [r for r in published_h100.compare() if r["source"] == published_h100.LLAMA3]
+    full = [r["error"] for r in rows]
+    causal = [r["other_count"]["error"] for r in rows]
+    assert full[2] > 0.5 and max(full[:2]) < 0.2
+    assert max(causal) - min(causal) < 0.03 and 0.10 < min(causal), causal
+    run = [r for r in published_h100.RUNS if r.source == published_h100.LLAMA3][2]
+    step = published_h100.palm_causal_flops(run.shape, run.config.global_batch_size) / (
+        run.gpus * run.tflops * 1e12)
+    assert step == pytest.approx(10.94, abs=0.01)
 
 
 def test_llama3_8k_to_16k_follows_the_papers_interleaving_depth():
