@@ -26,6 +26,7 @@ from .clock import DeviceProfile
 from .device import Device
 from .errors import CollectiveMismatchError, DeadlockError, RankAborted
 from .groups import ProcessGroup
+from .links import Links
 from .turns import Turns
 
 # The most virtual ranks one launch runs: each is a Python thread with its own stack and
@@ -139,6 +140,7 @@ class Cluster:
         self.world_size = world_size
         self.gpus_per_node = gpus_per_node
         self.profile = profile if profile is not None else DeviceProfile()
+        self.links = Links(gpus_per_node, self.profile)  # what the clock charges a wire
         self.devices = [
             Device(r, world_size, gpus_per_node, self.profile, cluster=self)
             for r in range(world_size)
@@ -159,21 +161,12 @@ class Cluster:
         self._running = world_size  # live ranks not waiting: 0 means deadlock
         self._rendezvous: dict[tuple, Rendezvous] = {}
         self._channels: dict[tuple[int, int, int], deque[Transfer]] = {}
-        self._links: dict[tuple[int, ...], tuple[float, float]] = {}
         # Simulated time at which each group's last collective ends. Collectives of one
         # group run one after another, as on the single NCCL stream of a communicator, so
         # an asynchronous collective (async_op=True) queues behind the previous one.
         self._group_busy_until: dict[tuple[int, ...], float] = {}
 
     # --- placement ---------------------------------------------------------------------------
-    def link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
-        """(alpha, bandwidth) of the slowest link between `ranks`: NVLink if they share a
-        node, else the inter-node network."""
-        if ranks not in self._links:
-            same_node = len({r // self.gpus_per_node for r in ranks}) == 1
-            self._links[ranks] = self.profile.link(same_node)
-        return self._links[ranks]
-
     def create_groups(self, groups) -> None:
         """Nothing to do: a group is a value on threads (engine.py: other engines' do)."""
 
@@ -388,7 +381,7 @@ class Cluster:
                 transfer.recv_time = now
             if transfer.matched:
                 # The transfer starts when both sides are there: alpha + S / B.
-                alpha, bandwidth = self.link((src, dst) if src < dst else (dst, src))
+                alpha, bandwidth = self.links.link((src, dst) if src < dst else (dst, src))
                 transfer.start = max(transfer.send_time, transfer.recv_time)
                 transfer.end = transfer.start + alpha + transfer.array.nbytes / bandwidth
                 self._wake(transfer, (src, dst), poster)

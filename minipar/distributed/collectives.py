@@ -35,11 +35,10 @@ import numpy as np
 
 from minipar.autograd.precision import add
 
-from .clock import collective_time
 from .cluster import Call
 from .comm_log import CommRecord
 from .context import current
-from .groups import ProcessGroup, nodes_spanned
+from .groups import ProcessGroup
 from .memory import check_category
 
 # A sum is precision.add: np.add, bit for bit, but fast on bf16 (a TP all-reduce in bf16-mixed)
@@ -109,10 +108,8 @@ class _Collective:
         """
         shape, dtype = (None, None) if x is None else (x.shape, x.dtype)
         signature = (self.api, shape, dtype, tuple(params.items()), self.group.kind)
-        alpha, bandwidth = self.cluster.link(self.group.ranks)
-        duration = collective_time(self.api, self.n, full_nbytes, alpha, bandwidth,
-                                   nodes_spanned(self.group.ranks, self.cluster.gpus_per_node),
-                                   self.cluster.profile.intra_node_latency)
+        duration = self.cluster.links.collective_seconds(self.api, self.group.ranks,
+                                                         full_nbytes)
         call = Call(signature, self.group, x, self.device.clock.now, duration)
         number = self.device.next_call_number(self.group.ranks)
         rendezvous = self.cluster.collective(self.device.rank, self.group, number, call,

@@ -39,6 +39,7 @@ import torch.distributed as tdist
 
 from .errors import CollectiveMismatchError, LaunchTimeoutError, PeerLostError
 from .groups import ProcessGroup
+from .links import Links
 from .torch_world import COLLECTIVES, DTYPES, TorchWorld, raw
 
 CLOCK_LABEL = "clock exchange (minipar)"
@@ -98,7 +99,7 @@ class TorchCluster:
         self.world = ProcessGroup(tuple(range(world.world_size)), "other")
         self.failure = None  # a peer that fails ends this process from outside
         self.device = None  # the rank's Device (set by the launcher)
-        self._links: dict = {}
+        self.links = Links(gpus_per_node, profile)  # what the clock charges a wire
         self._busy_until: dict[tuple, float] = {}
         self._unresolved: dict[tuple, deque] = {}  # collectives of a group, stamps unread
         self._receiving: dict[tuple, deque] = {}  # messages of a channel, not received yet
@@ -107,12 +108,6 @@ class TorchCluster:
         self.last = "none"
 
     # --- what every engine answers ------------------------------------------------------
-    def link(self, ranks: tuple[int, ...]) -> tuple[float, float]:
-        if ranks not in self._links:
-            same_node = len({r // self.gpus_per_node for r in ranks}) == 1
-            self._links[ranks] = self.profile.link(same_node)
-        return self._links[ranks]
-
     def create_groups(self, groups) -> None:
         self.torch.create(groups())
 
@@ -282,7 +277,7 @@ class TorchCluster:
                 self._receive(queue.popleft(), what)
         self.torch.meter.stop(("clock", id(message)),
                               self.torch.group(self.world).stamp_sockets)
-        alpha, bandwidth = self.link((message.src, message.dst) if message.src < message.dst
+        alpha, bandwidth = self.links.link((message.src, message.dst) if message.src < message.dst
                                      else (message.dst, message.src))
         message.start = max(message.send_time, message.recv_time)
         message.end = message.start + alpha + message.array.nbytes / bandwidth
