@@ -171,12 +171,14 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     # the GPU; so does ZeRO-3's parameter shard. ZeRO-2/3's gradient shard is a GPU array
     # only until the accumulation boundary sends it to the host: one bucket's reduced
     # piece at a time with one micro-batch; with accumulation every bucket's running sum
-    # plus the piece being added to it (exact for ZeRO-2's one bucket; for ZeRO-3 the
+    # plus the piece being added to it (exact for ZeRO-2's buckets; for ZeRO-3 the
     # largest unit's piece, an upper bound within one unit's shard).
     if config.offload_optimizer != "none":
         optimizer_elements = 0
         if zero >= 2:
-            largest = max(shard(u, n) for u in params.units) if zero == 3 else sharded
+            pieces = (params.units if zero == 3 else bucket_elements(params, config)
+                      if config.bucket_size_mb > 0 else (params.numel,))
+            largest = max(shard(piece, n) for piece in pieces)
             grad_elements = largest + (sharded if config.micro_batches > 1 else 0)
     optimizer_bytes = nbytes.optimizer
     if config.offload_param != "none":
@@ -193,11 +195,21 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         # HSDP's all-reduce of a unit's gradient shard returns a new array while the old
         # one lives (minipar/parallel/zero/hybrid.py): one more shard, at most the largest
         grads += max(shard(u, config.sharding_group) for u in params.units) * nbytes.grad
-    recompute = config.recompute
+    recompute, input_grad = config.recompute, 0
     if recompute.full and stage.layers:
-        grads += layer_input  # the recomputed layer's input gradient (see above)
+        input_grad = layer_input  # the recomputed layer's input gradient (see above)
     elif recompute.selective and stage.layers:  # the recomputed attention core's input
-        grads += shape.qkv_bytes(b, t, nbytes.activation)
+        input_grad = shape.qkv_bytes(b, t, nbytes.activation)
+    if (config.offload_optimizer != "none" and zero == 2
+            and not (recompute.full and len(pieces) > 1)):
+        # ZeRO-2's reduced piece on its way to the host meets no input gradient: one
+        # bucket is reduced after the whole backward, and selective recomputation's input
+        # gradient lives only inside the attention core's backward, where no bucket
+        # completes. (A recomputed layer's input gradient outlives its buckets' pieces:
+        # their sum, an upper bound.)
+        grads += max(0, input_grad - largest * nbytes.grad)
+    else:
+        grads += input_grad
 
     activations, forward_buffers, gathered = _activations(shape, config, stage, layer_input)
     # the gradient synchronisation's peak: the DP engines', or after it sequence

@@ -27,12 +27,12 @@ and, in ZeRO-1/2, fp32 parameters (4): twice the PCIe bytes of the paper's desig
 
 Time: every copy is alpha + S/B on its link (ClusterSpec.tier_copy_time). Blocking copies
 add to the rank's time: ZeRO-3's fetches (every gather) and gradient copies, the NVMe
-swaps, the parameter copies after the step. ZeRO-1/2's gradient copy is asynchronous but
-is issued by the last bucket's reduce-scatter, after which nothing is left to compute, so
-with one bucket (bucket_size_mb 0) it is exposed in full; with smaller buckets all but
-the last bucket's copy would hide behind backward (DeepSpeed's overlap), which this
-formula does not credit (an upper bound). CPU Adam costs 14 FLOPs per element at
-`host_flops` and replaces the GPU's optimizer time.
+swaps, the parameter copies after the step. ZeRO-1/2 copy each bucket's piece on its own
+(one latency each), the gradient asynchronously as the bucket's reduce-scatter completes:
+with one bucket (bucket_size_mb 0) nothing is left to hide it, so it is exposed in full;
+with several, the copies run while the later buckets reduce (DeepSpeed's overlap), which
+this formula does not credit: an upper bound, by at most the gradient copies' time.
+CPU Adam costs 14 FLOPs per element at `host_flops` and replaces the GPU's optimizer time.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 from itertools import groupby
 
 from minipar.plan.layout import ParallelConfig, StagePlan
-from minipar.plan.memory import CATEGORIES, shard, stage_parameters
+from minipar.plan.memory import CATEGORIES, bucket_elements, shard, stage_parameters
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 
 DIRECTIONS = ("to_host", "to_device", "nvme_read", "nvme_write")
@@ -56,10 +56,14 @@ def state_itemsize(config: ParallelConfig) -> int:
 
 
 def shards(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> list[int]:
-    """Elements of my shard of each flat buffer: one for ZeRO-1/2, one per ZeRO-3 unit."""
+    """Elements of my shard of each flat buffer: one per gradient bucket for ZeRO-1/2
+    (each bucket is padded and sharded on its own, and its piece copied on its own),
+    one per ZeRO-3 unit."""
     params = stage_parameters(shape, config, stage)
     if config.zero == 3:
         return [shard(u, config.dp) for u in params.units]
+    if config.bucket_size_mb > 0:
+        return [shard(b, config.dp) for b in bucket_elements(params, config)]
     return [shard(params.numel, config.dp)]
 
 
