@@ -45,7 +45,12 @@ SEQUENCE_DIM = 1  # activations are (B, T, ...)
 
 # ---------------------------------------------------------------------------- regions
 def my_sequence_piece(x: np.ndarray, group) -> np.ndarray:
-    """This rank's slice of x along the sequence (a copy, so it owns its memory)."""
+    """This rank's slice of x along the sequence, a copy that owns its memory, so the
+    whole x can be freed: Megatron-LM clones the embedding's scattered output for the
+    same reason (`clone_scatter_output_in_embedding`, language_model_embedding.py: the
+    slice "is a view, which prevents the original tensor from being garbage
+    collected"). np.ascontiguousarray would not copy a slice that is already
+    contiguous, as x[:, a:b] of one sequence (B = 1) is."""
     length, t = x.shape[SEQUENCE_DIM], group.size
     if length % t:
         raise ValueError(
@@ -54,7 +59,7 @@ def my_sequence_piece(x: np.ndarray, group) -> np.ndarray:
             "(--seq-len) or turn --sequence-parallel off")
     piece = length // t
     start = dist.get_rank(group) * piece
-    return np.ascontiguousarray(x[:, start:start + piece])
+    return x[:, start:start + piece].copy()
 
 
 class ScatterToSequenceParallelRegion(Function):
