@@ -59,7 +59,13 @@ from functools import lru_cache
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import Ingredients, account
 from minipar.plan.context import local_shape
-from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
+from minipar.plan.experts import (
+    chunk_moe_layers,
+    dense_layer_params,
+    expert_layer_params,
+    moe_activation_delta,
+    stage_moe_layers,
+)
 from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cache_bytes
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
@@ -100,7 +106,7 @@ def stage_parameters(shape: ModelShape, config: ParallelConfig,
                      stage: StagePlan) -> StageParameters:
     """The parameters one rank of `stage` holds (its TP share; with experts, its 1/ep)."""
     return _stage_parameters(shape, config.tp, config.ep, stage.first, stage.last,
-                             stage.tied_copy, stage.layers, stage.moe_layers)
+                             stage.tied_copy, stage.layers, stage_moe_layers(shape, stage))
 
 
 # A search asks for the same stage's parameters in every layout with this tp and ep, and
@@ -281,7 +287,8 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     head_first = stage.last and with_head > 0
     saved, extra = 0, 0
     held, working = [], []  # per chunk, for a walk of the schedule (below)
-    moe = moe_activation_delta(shape, b, t, sp, a) if stage.moe_layers else 0
+    moe_layers = chunk_moe_layers(shape, stage)
+    moe = moe_activation_delta(shape, b, t, sp, a) if any(moe_layers) else 0
     for c, n in enumerate(stage.chunk_layers):
         holds_head = stage.last and c == v - 1
         # where the chunk's MoE layers sit (their layers hold `moe` more)
@@ -289,7 +296,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
                                                     head if holds_head else 0, start, moe)
         if not recompute.full and moe:  # selective recomputation leaves the MLP's saved
-            chunk_saved += stage.chunk_moe_layers[c] * moe
+            chunk_saved += moe_layers[c] * moe
         saved += chunk_saved
         if holds_head or not head_first:
             extra = chunk_extra if head_first else max(extra, chunk_extra)
@@ -409,7 +416,7 @@ def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:
     on the last stage (an MoE layer's experts keep their row-parallel biases whole)."""
     norms = 2 * (2 if shape.norm == "layernorm" else 1)
     small = norms + (2 if shape.bias else 0)
-    return (small * stage.layers - (stage.moe_layers if shape.bias else 0)
+    return (small * stage.layers - (stage_moe_layers(shape, stage) if shape.bias else 0)
             + (norms // 2 if stage.last else 0))
 
 
