@@ -111,6 +111,21 @@ def all_to_all_seconds(shape: ModelShape, b: int, ep: int, micro_batches: int,
                                    alpha, bandwidth)
 
 
+# ------------------------------------------------------------------ placement
+def chunk_moe_layers(shape: ModelShape, stage) -> tuple[int, ...]:
+    """MoE layers of each chunk of `stage` (a layout.StagePlan): the multiples of
+    moe_layer_freq among the model's layers it holds, from `stage.chunk_starts`."""
+    if not shape.is_moe:
+        return (0,) * len(stage.chunk_layers)
+    return tuple(shape.moe_layers_in(start, start + n)
+                 for start, n in zip(stage.chunk_starts, stage.chunk_layers, strict=True))
+
+
+def stage_moe_layers(shape: ModelShape, stage) -> int:
+    """MoE layers of `stage`, all its chunks'."""
+    return sum(chunk_moe_layers(shape, stage))
+
+
 # ------------------------------------------------------------------ compute
 def recomputed_layers(shape: ModelShape, config, stage) -> tuple[int, int]:
     """(dense, MoE) layers of `stage` (a layout.StagePlan) that full recomputation runs
@@ -119,7 +134,7 @@ def recomputed_layers(shape: ModelShape, config, stage) -> tuple[int, int]:
     each chunk starts (`stage.chunk_starts`)."""
     again = [config.recompute.recomputed_layers(n) for n in stage.chunk_layers]
     total = sum(again)
-    if not stage.moe_layers:
+    if not stage_moe_layers(shape, stage):
         return total, 0
     moe = sum(shape.moe_layers_in(start, start + k)
               for start, k in zip(stage.chunk_starts, again, strict=True))

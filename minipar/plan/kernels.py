@@ -45,7 +45,7 @@ from minipar.autograd.kernels import (
     ring_attention_block_kernels,
 )
 from minipar.plan.context import busiest_pairs, chunk_tokens, diagonal_share, local_shape
-from minipar.plan.experts import dispatch_rows, recomputed_layers
+from minipar.plan.experts import dispatch_rows, recomputed_layers, stage_moe_layers
 from minipar.plan.fp8 import FP8, fp8_linear_kernels, gemm_weights, weight_cast_kernels
 from minipar.plan.layout import ParallelConfig, StagePlan, checkpointed_layers
 from minipar.plan.memory import sharded_numel, stage_parameters
@@ -326,7 +326,8 @@ def stage_kernels(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     # (an MoE layer's W counted as a dense one's; a checkpointed layer's is in B)
     weight = [(stage.layers - checkpointed_layers(config, stage), layer_w)]
     recompute = config.recompute
-    dense, moe = stage.layers - stage.moe_layers, stage.moe_layers
+    moe = stage_moe_layers(shape, stage)
+    dense = stage.layers - moe
     forward = [(dense, layer_f)]
     if fp8:  # the FP8 weights, cast once a step: a micro-batch's share
         forward.append((dense / config.micro_batches,

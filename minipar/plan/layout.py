@@ -319,16 +319,13 @@ class StagePlan:
     last: bool
     tied_copy: bool
     in_flight: int
-    chunk_moe_layers: tuple[int, ...] = ()  # MoE layers of each chunk (plan/experts.py)
-    chunk_starts: tuple[int, ...] = ()  # the model's index of each chunk's first layer
+    # the model's index of each chunk's first layer (where its MoE layers sit:
+    # experts.chunk_moe_layers)
+    chunk_starts: tuple[int, ...] = ()
 
     @property
     def layers(self) -> int:
         return sum(self.chunk_layers)
-
-    @property
-    def moe_layers(self) -> int:
-        return sum(self.chunk_moe_layers)
 
 
 def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, virtual_stages: int) -> int:
@@ -344,7 +341,6 @@ def stage_plan(shape: ModelShape, config: ParallelConfig, rank: int) -> StagePla
     stages = [spec.virtual_stage(p, rank, c) for c in range(v)]
     first, last = 0 in stages, p * v - 1 in stages
     return StagePlan(
-        chunk_moe_layers=tuple(chunk_moe_layers(shape, counts, stage) for stage in stages),
         chunk_starts=tuple(sum(counts[:stage]) for stage in stages),
         rank=rank,
         chunk_layers=tuple(counts[stage] for stage in stages),
@@ -361,12 +357,6 @@ def checkpointed_layers(config: ParallelConfig, stage: StagePlan) -> int:
     if not config.recompute.full:
         return 0
     return sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
-
-
-def chunk_moe_layers(shape: ModelShape, counts: list[int], stage: int) -> int:
-    """MoE layers of virtual stage `stage` (layers in order over the stages)."""
-    start = sum(counts[:stage])
-    return shape.moe_layers_in(start, start + counts[stage])
 
 
 def representative_ranks(pp: int) -> list[int]:

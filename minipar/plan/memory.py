@@ -41,7 +41,9 @@ plan/accounting.py's, applied to the ingredients computed here.
 This module is long because the peak is one sum of many parts, each checked by the emulator.
 
 Predictions for params, grads and optimizer are exact for minipar's layouts; activations
-are exact for one pipeline stage, GPipe and 1F1B; buffers and the total are an estimate:
+are exact for one pipeline stage, GPipe and 1F1B, and for a rank with MoE layers in
+several chunks, walked over its schedule (walked_activations.py: interleaved and
+DualPipe-V); buffers and the total are an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
 across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).
@@ -57,11 +59,18 @@ from functools import lru_cache
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import Ingredients, account
 from minipar.plan.context import local_shape
-from minipar.plan.experts import dense_layer_params, expert_layer_params, moe_activation_delta
+from minipar.plan.experts import (
+    chunk_moe_layers,
+    dense_layer_params,
+    expert_layer_params,
+    moe_activation_delta,
+    stage_moe_layers,
+)
 from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cache_bytes
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
 from minipar.plan.shapes import ModelShape
+from minipar.plan.walked_activations import walked_peak
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -97,7 +106,7 @@ def stage_parameters(shape: ModelShape, config: ParallelConfig,
                      stage: StagePlan) -> StageParameters:
     """The parameters one rank of `stage` holds (its TP share; with experts, its 1/ep)."""
     return _stage_parameters(shape, config.tp, config.ep, stage.first, stage.last,
-                             stage.tied_copy, stage.layers, stage.moe_layers)
+                             stage.tied_copy, stage.layers, stage_moe_layers(shape, stage))
 
 
 # A search asks for the same stage's parameters in every layout with this tp and ep, and
@@ -289,7 +298,9 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     recompute = config.recompute
     head_first = stage.last and with_head > 0
     saved, extra = 0, 0
-    moe = moe_activation_delta(shape, b, t, sp, a) if stage.moe_layers else 0
+    held, working = [], []  # per chunk, for a walk of the schedule (below)
+    moe_layers = chunk_moe_layers(shape, stage)
+    moe = moe_activation_delta(shape, b, t, sp, a) if any(moe_layers) else 0
     for c, n in enumerate(stage.chunk_layers):
         holds_head = stage.last and c == v - 1
         # where the chunk's MoE layers sit (their layers hold `moe` more)
@@ -297,13 +308,28 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         chunk_saved, chunk_extra = _chunk_recompute(shape, config, n, layer, layer_input,
                                                     head if holds_head else 0, start, moe)
         if not recompute.full and moe:  # selective recomputation leaves the MLP's saved
-            chunk_saved += stage.chunk_moe_layers[c] * moe
+            chunk_saved += moe_layers[c] * moe
         saved += chunk_saved
         if holds_head or not head_first:
             extra = chunk_extra if head_first else max(extra, chunk_extra)
-    activations = (k * saved // v + with_embedding * embedding + with_head * head + extra)
-    if recompute.full and stage.layers:
-        activations -= received * layer_input  # a received input is already a buffer
+        # one micro-batch of this chunk until its backward: its input is the embedding's
+        # output on virtual stage 0, else a buffer (received, or handed over by a V's tip)
+        embeds = stage.first and c == 0
+        buffered = layer_input if recompute.full and n and not embeds else 0
+        held.append(chunk_saved + (embedding if embeds else 0) + (head if holds_head else 0)
+                    - buffered)
+        working.append(chunk_extra)
+    if v > 1 and moe:
+        # Chunks that hold their MoE layers differently save differently: which of them
+        # are in flight at the peak, and whose backward runs then, is the schedule's
+        # order, walked (walked_activations.py); a dense rank keeps the closed form.
+        activations = walked_peak(config.schedule, config.pp, config.micro_batches,
+                                  stage.rank, held, working)
+    else:
+        activations = (k * saved // v + with_embedding * embedding + with_head * head
+                       + extra)
+        if recompute.full and stage.layers:
+            activations -= received * layer_input  # a received input is already a buffer
     # Received activations wait for their backward as buffers; during a backward a
     # received output gradient and the input gradient being sent back are buffers too.
     forward_buffers = received * layer_input
@@ -402,7 +428,7 @@ def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:
     on the last stage (an MoE layer's experts keep their row-parallel biases whole)."""
     norms = 2 * (2 if shape.norm == "layernorm" else 1)
     small = norms + (2 if shape.bias else 0)
-    return (small * stage.layers - (stage.moe_layers if shape.bias else 0)
+    return (small * stage.layers - (stage_moe_layers(shape, stage) if shape.bias else 0)
             + (norms // 2 if stage.last else 0))
 
 

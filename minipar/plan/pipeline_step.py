@@ -35,7 +35,6 @@ from minipar.plan.layout import (
     ParallelConfig,
     StagePlan,
     checkpointed_layers,
-    chunk_moe_layers,
     layer_counts,
     stage_plan,
 )
@@ -89,7 +88,6 @@ def chunk_costs(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec
             stage = spec.virtual_stage(p, r, c)  # the schedule's placement (c p + r, or a V)
             chunk = StagePlan(rank=r, chunk_layers=(counts[stage],), first=stage == 0,
                               last=stage == p * v - 1, tied_copy=False, in_flight=1,
-                              chunk_moe_layers=(chunk_moe_layers(shape, counts, stage),),
                               chunk_starts=(sum(counts[:stage]),))
             compute = stage_seconds(shape, config, cluster, chunk)
             seconds = {"forward": compute["forward"], "backward": compute["backward"]}

@@ -64,7 +64,7 @@ from minipar.plan.context import (
     local_shape,
     pair_flops,
 )
-from minipar.plan.experts import moe_flops_delta, recomputed_layers
+from minipar.plan.experts import moe_flops_delta, recomputed_layers, stage_moe_layers
 from minipar.plan.kernels import stage_kernels
 from minipar.plan.layout import (
     ParallelConfig,
@@ -189,9 +189,10 @@ def stage_compute(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     layer_f, layer_b = layer_f + ring_f, layer_b + ring_b
     forward = stage.layers * layer_f
     backward = stage.layers * layer_b
-    if stage.moe_layers:  # an MoE layer's experts and router instead of its MLP
+    moe_layers = stage_moe_layers(shape, stage)
+    if moe_layers:  # an MoE layer's experts and router instead of its MLP
         moe_f, moe_b = moe_flops_delta(local, b, t, sp)
-        forward, backward = forward + stage.moe_layers * moe_f, backward + stage.moe_layers * moe_b
+        forward, backward = forward + moe_layers * moe_f, backward + moe_layers * moe_b
     recompute = config.recompute
     if recompute.full:  # the checkpointed layers' forward again
         dense_again, moe_again = recomputed_layers(shape, config, stage)

@@ -79,6 +79,7 @@ from minipar.plan.experts import (
     buffer_bytes,
     dispatch_rows,
     recomputed_layers,
+    stage_moe_layers,
 )
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.memory import (
@@ -330,7 +331,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
     # output (g) and its input's gradient (f); with sequence parallelism the layer
     # all-gathers its input first and its output's gradient in backward.
     # Full recomputation runs an MoE layer's experts (and their g) again too.
-    moe = stage.moe_layers
+    moe = stage_moe_layers(shape, stage)
     dense_again, moe_again = recomputed_layers(shape, config, stage)
     if moe:
         experts = shape.moe_num_experts // config.ep
@@ -529,7 +530,7 @@ def _expert_parallel(shape, config, stage) -> list[Transfer]:
     """Per MoE layer and micro-batch: dispatch and combine forward, both again backward,
     and the forward's pair once more in backward for each layer full recomputation
     runs again."""
-    ep, layers = config.ep, stage.moe_layers
+    ep, layers = config.ep, stage_moe_layers(shape, stage)
     if ep == 1 or not layers:
         return []
     a, b, m = config.bytes.activation, config.micro_batch_size, config.micro_batches

@@ -136,6 +136,29 @@ def test_planner_predicts_moe_with_tensor_and_pipeline_parallelism(settings):
                             STEPS * stage.time["exposed_comm_s"]) <= TIME_TOLERANCE
 
 
+@pytest.mark.parametrize("settings", [
+    dict(schedule="interleaved", virtual_stages=2, grad_accum_steps=4),
+    dict(schedule="interleaved", virtual_stages=2, recompute_granularity="full"),
+    dict(schedule="zb-v", virtual_stages=2, grad_accum_steps=4, recompute_granularity="full"),
+    dict(schedule="dualpipe-v", virtual_stages=2, grad_accum_steps=4,
+         recompute_granularity="selective"),
+], ids=lambda s: " ".join(f"{k}{v}" for k, v in s.items()))
+def test_activations_of_chunks_that_hold_their_moe_layers_differently(settings):
+    """6 layers over 4 virtual stages (2, 2, 1, 1 layers), MoE at layers 0 and 3: on
+    each rank one chunk holds an MoE layer (rank 0's at its start, rank 1's at its end)
+    and the other none. Which chunks' micro-batches are in flight at the peak, and whose
+    recomputation runs then, is the schedule's order: the planner walks it (interleaved
+    with m = p: rank 1's head chunk runs its backwards first, but the peak is its other
+    chunk's, recomputing the MoE layer)."""
+    report, shape, est = plan_and_run(dp=2, ep=2, pp=2, n_layer=6, moe_layer_freq=3,
+                                      **settings)
+    full = estimate(shape, est.config, est.cluster, all_stages=True)
+    for stage in full.stages:
+        (measured,) = [r for r in report.ranks
+                       if r["coords"] == {"dp": 0, "pp": stage.rank, "tp": 0}]
+        for category in ("params", "grads", "optimizer", "activations"):
+            assert stage.memory[category] == measured["memory"][category], category
+
 @pytest.mark.parametrize("gpus_per_node", [8, 2])
 def test_all_to_all_time_inside_and_across_nodes(gpus_per_node):
     """ep 4 with 8 GPUs a node keeps the all-to-all on NVLink; with 2 a node it crosses."""
