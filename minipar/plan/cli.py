@@ -183,7 +183,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "stalling backward: 2, DeepSpeed's overlap_comm (two IPG "
                              "buffers) and minipar's emulator (default), or unlimited, "
                              "Megatron-LM's distributed optimizer (each bucket's "
-                             "reduce-scatter launched as it is ready)")
+                             "reduce-scatter launched as it is ready). Refused where no "
+                             "limit changes the plan: ZeRO-0/3, one bucket (--bucket-size-mb "
+                             "0), dp x cp = 1, no overlap (--example bloom), an MoE model")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -337,8 +339,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
         if args.layer_split is not None:
             given["layer_split"] = _layer_split(args.layer_split)
         if args.reductions_in_flight is not None:
-            given["reductions_in_flight"] = _reductions_in_flight(
-                args, given.get("zero", presets.BLOOM_176B.zero))
+            given["reductions_in_flight"] = _reductions_in_flight(args)
         return presets.BLOOM_176B.replace(**given)
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
     values.update(flash_attention=args.flash_attention, lr=args.lr,
@@ -349,7 +350,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   overlap_param_gather=bool(args.overlap_param_gather),
                   cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
                   rank_order=args.rank_order or MINIPAR_ORDER,
-                  reductions_in_flight=_reductions_in_flight(args, values["zero"]))
+                  reductions_in_flight=_reductions_in_flight(args))
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         values["layer_split"] = _layer_split(args.layer_split)
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
@@ -358,17 +359,34 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     return values
 
 
-def _reductions_in_flight(args, zero=None) -> int | None:
+def _reductions_in_flight(args) -> int | None:
     """--reductions-in-flight as ParallelConfig takes it (its default, DeepSpeed's 2, if
-    not given); given for a layout whose ZeRO stage `zero` has no such limit, refused
-    rather than ignored."""
+    not given)."""
     value = args.reductions_in_flight
     if value is None:
         return ParallelConfig.__dataclass_fields__["reductions_in_flight"].default
-    if zero is not None and zero not in (1, 2):
-        raise ConfigError("reductions_in_flight", "limits ZeRO-1/2's gradient reductions; "
-                          f"ZeRO-{zero}'s are DDP's (no limit) or ZeRO-3's own: drop it")
     return None if value == UNLIMITED else value
+
+
+def _check_in_flight(args, shape: ModelShape, config: ParallelConfig | None = None) -> None:
+    """--reductions-in-flight given where no limit can change the plan, refused rather
+    than ignored: `config`'s layout (ParallelConfig.reductions_limit_moot), or a search's
+    (None), whose candidates reduce during backward unless --no-overlap-grad-reduce."""
+    if args.reductions_in_flight is None:
+        return
+    if config is not None:
+        why = config.reductions_limit_moot(shape.is_moe)
+        if why is not None and args.example == "bloom" and not config.overlap_grad_reduce:
+            why = ("BLOOM's run reduces them after the pipeline's flush (DeepSpeed's pipeline "
+                   "engine: the example's --no-overlap-grad-reduce)")
+    elif shape.is_moe:
+        why = "an MoE model's reductions are priced as they block"
+    else:
+        why = (None if _setting(args, "overlap_grad_reduce") else
+               "--no-overlap-grad-reduce reduces every layout's after backward")
+    if why is not None:
+        raise ConfigError("reductions_in_flight", "limits ZeRO-1/2's gradient reductions "
+                          f"during backward, and {why}: drop it")
 
 
 def _layer_split(text: str) -> tuple[int, ...]:
@@ -515,6 +533,7 @@ def _run(args) -> int:
                 _print_findings(findings)
             return 2
         config = values if isinstance(values, ParallelConfig) else _consistent(values)
+        _check_in_flight(args, shape, config)
         est = estimate(shape, config, cluster, all_stages=args.all_stages)
         logged = _logged_step(est) if args.example == "bloom" else None
         if args.json:
@@ -532,6 +551,7 @@ def _run(args) -> int:
         if args.gpus is None:
             raise ConfigError("gpus", "give --gpus N to search layouts, or --dp/--tp/--pp to "
                             "evaluate one")
+        _check_in_flight(args, shape)
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
                         precision=_setting(args, "precision"),
