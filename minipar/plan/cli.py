@@ -26,6 +26,7 @@ from dataclasses import fields, replace
 
 from minipar.errors import ConfigError, OutputError
 from minipar.files import atomic_write
+from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan import presets, published, published_dgxc, published_h100, published_mpt
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
@@ -155,7 +156,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "buffers, its estimate's 5%% for temporaries) or deepspeed "
                              "(bf16 gradients + an fp32 partition, reduce_bucket_size "
                              "buckets, ZeRO-3's largest module gathered); the plan names "
-                             "each term it adds (plan/accounting.py)")
+                             "each term it adds (plan/accounting.py). megatron also times "
+                             "its distributed optimizer's reductions (no limit in flight: "
+                             "--reductions-in-flight's default becomes unlimited)")
     for name, text in MEGATRON_SWITCHES.items():
         flag = name.replace("_", "-")
         layout.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, dest=name,
@@ -183,7 +186,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "stalling backward: 2, DeepSpeed's overlap_comm (two IPG "
                              "buffers) and minipar's emulator (default), or unlimited, "
                              "Megatron-LM's distributed optimizer (each bucket's "
-                             "reduce-scatter launched as it is ready). Refused where no "
+                             "reduce-scatter launched as it is ready; the default under "
+                             "--memory-accounting megatron). Refused where no "
                              "limit changes the plan: ZeRO-0/3, one bucket (--bucket-size-mb "
                              "0), dp x cp = 1, no overlap (--example bloom), an MoE model")
     layout.add_argument("--layer-split", dest="layer_split",
@@ -338,7 +342,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                  if getattr(args, name) is not None}
         if args.layer_split is not None:
             given["layer_split"] = _layer_split(args.layer_split)
-        if args.reductions_in_flight is not None:
+        if args.reductions_in_flight is not None or args.memory_accounting is not None:
             given["reductions_in_flight"] = _reductions_in_flight(args)
         return presets.BLOOM_176B.replace(**given)
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
@@ -360,11 +364,13 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
 
 
 def _reductions_in_flight(args) -> int | None:
-    """--reductions-in-flight as ParallelConfig takes it (its default, DeepSpeed's 2, if
-    not given)."""
+    """--reductions-in-flight as ParallelConfig takes it; if not given, that of the system
+    whose bytes the plan counts: Megatron-LM's (no limit) under --memory-accounting
+    megatron, else ParallelConfig's default, DeepSpeed's 2 (as minipar's emulator)."""
     value = args.reductions_in_flight
     if value is None:
-        return ParallelConfig.__dataclass_fields__["reductions_in_flight"].default
+        return (None if args.memory_accounting == "megatron" else
+                ParallelConfig.__dataclass_fields__["reductions_in_flight"].default)
     return None if value == UNLIMITED else value
 
 
@@ -387,6 +393,17 @@ def _check_in_flight(args, shape: ModelShape, config: ParallelConfig | None = No
     if why is not None:
         raise ConfigError("reductions_in_flight", "limits ZeRO-1/2's gradient reductions "
                           f"during backward, and {why}: drop it")
+    # the time of the system whose bytes the plan counts, not another's
+    limit, accounting = _reductions_in_flight(args), args.memory_accounting
+    if accounting == "megatron" and limit is not None:
+        raise ConfigError("reductions_in_flight", f"{limit} is not Megatron-LM's: its "
+                          "distributed optimizer, whose bytes --memory-accounting megatron "
+                          "counts, has no limit: drop it, or count another system's bytes")
+    if accounting == "deepspeed" and limit != MAX_IN_FLIGHT:
+        raise ConfigError("reductions_in_flight", f"{limit or UNLIMITED} is not DeepSpeed's: "
+                          f"its ZeRO, whose bytes --memory-accounting deepspeed counts, keeps "
+                          f"{MAX_IN_FLIGHT} in flight (overlap_comm's two IPG buffers): drop "
+                          "it, or count another system's bytes")
 
 
 def _layer_split(text: str) -> tuple[int, ...]:
@@ -661,8 +678,12 @@ def _logged_step(est) -> dict:
     source = "BigScience's tr11-176B-ml README, iteration 85,376 at full batch"
     shape, ran, cluster = presets.bloom_example()
     planned, published = est.config.to_dict(), ran.to_dict()
+    # a limit of reductions in flight that changes neither step is no difference
+    moot = est.config.reductions_limit_moot(shape.is_moe) and ran.reductions_limit_moot(
+        shape.is_moe)
     changed = [name for name in published
-               if name != "memory_accounting" and planned[name] != published[name]]
+               if name != "memory_accounting" and planned[name] != published[name]
+               and not (name == "reductions_in_flight" and moot)]
     changed += [name for name, same in (("model", est.shape == shape),
                                         ("cluster", est.cluster == cluster)) if not same]
     if changed:

@@ -70,3 +70,63 @@ def test_where_the_limit_counts_the_plan_names_it(capsys):
     assert status == 0 and "no limit of reductions in flight" in out
     status, out, _ = run(capsys, *OVERLAPPED)
     assert status == 0 and "at most 2 reductions in flight (DeepSpeed's overlap_comm)" in out
+
+
+# ZeRO-1 over dp 4 across 2-GPU nodes with a pipeline and 1 MiB buckets: DeepSpeed's two
+# reductions in flight stall a backward, Megatron-LM's distributed optimizer does not
+STALLED = ("--model", "gpt2-xl", "--cluster", "a100", "--gpus-per-node", "2", "--dp", "4",
+           "--pp", "2", "--zero", "1", "--bucket-size-mb", "1", "--micro-batch-size", "1",
+           "--grad-accum-steps", "4")
+
+
+def test_megatrons_bytes_come_with_megatrons_reductions(capsys):
+    # --memory-accounting megatron plans Megatron-LM's job: its bytes and its distributed
+    # optimizer's reductions, none waiting for another; before, the step was DeepSpeed's
+    plans = {}
+    for name, argv in (("deepspeed", ()), ("unlimited", ("--reductions-in-flight", "unlimited")),
+                       ("megatron", ("--memory-accounting", "megatron")),
+                       ("both", ("--memory-accounting", "megatron", "--reductions-in-flight",
+                                 "unlimited"))):
+        status, out, _ = run(capsys, *STALLED, *argv, "--json", "-")
+        assert status == 0
+        plans[name] = json.loads(out)
+    assert plans["megatron"]["config"]["reductions_in_flight"] is None
+    assert plans["megatron"]["time"] == plans["unlimited"]["time"] == plans["both"]["time"]
+    assert plans["megatron"]["time"]["step_s"] < plans["deepspeed"]["time"]["step_s"]
+    _, out, _ = run(capsys, *STALLED, "--memory-accounting", "megatron")
+    assert "no limit of reductions in flight (Megatron-LM's distributed optimizer)" in out
+    # a search prices every candidate so
+    _, advice, _ = run(capsys, "--model", "gpt2-xl", "--gpus", "8", "--top", "2",
+                       "--memory-accounting", "megatron", "--json", "-")
+    assert all(r["config"]["reductions_in_flight"] is None
+               for r in json.loads(advice)["ranked"])
+    # DeepSpeed's bytes keep DeepSpeed's two
+    _, out, _ = run(capsys, *STALLED, "--memory-accounting", "deepspeed", "--json", "-")
+    assert json.loads(out)["config"]["reductions_in_flight"] == 2
+
+
+@pytest.mark.parametrize("accounting,limit,whose", [
+    ("megatron", "2", "2 is not Megatron-LM's"),
+    ("megatron", "1", "1 is not Megatron-LM's"),
+    ("deepspeed", "unlimited", "unlimited is not DeepSpeed's"),
+    ("deepspeed", "3", "3 is not DeepSpeed's"),
+])
+def test_one_systems_bytes_with_anothers_reductions_is_refused(capsys, accounting, limit,
+                                                               whose):
+    # a plan of Megatron-LM's bytes and DeepSpeed's time describes no job either runs
+    for argv in (STALLED, ("--model", "gpt2-xl", "--gpus", "8")):
+        status, out, err = run(capsys, *argv, "--memory-accounting", accounting,
+                               "--reductions-in-flight", limit)
+        assert status == 2 and out == ""
+        error = err.splitlines()[-1]
+        assert f"--reductions-in-flight: {whose}" in error
+        assert f"--memory-accounting {accounting} counts" in error
+
+
+def test_the_bloom_example_counts_megatrons_bytes_and_is_still_compared(capsys):
+    # its reductions follow the flush whoever's optimizer: the limit changes nothing
+    status, out, _ = run(capsys, "--example", "bloom", "--memory-accounting", "megatron",
+                         "--json", "-")
+    plan = json.loads(out)
+    assert status == 0 and plan["config"]["reductions_in_flight"] is None
+    assert plan["published"]["changed"] == [] and plan["published"]["error"] is not None
