@@ -34,6 +34,7 @@ from minipar.plan.advisor import advise
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
+from minipar.plan.launchers import launch_note, plan_command
 from minipar.plan.layout import (
     FP8_FORMATS,
     MEGATRON_ORDER,
@@ -605,13 +606,18 @@ def _run(args) -> int:
             return 1
         chosen = advice.best.config
     if args.export:
+        def command(config):  # the plan of a launcher's job (plan/launchers.py)
+            return plan_command(args, config, shape.is_moe)
         try:
-            files = write_export(args.export, shape, chosen, cluster)
+            files = write_export(args.export, shape, chosen, cluster, command)
         except OSError as err:  # each file whole or not at all: earlier ones kept
             raise OutputError("export", f"{args.export}: the layout's files could not be "
                               f"written ({err.strerror or err})") from None
         if not args.json or args.json != "-":
             print("\nexported: " + ", ".join(str(p) for p in files.values()))
+            # which launcher runs the job priced above, as launch.sh says
+            for line in launch_note(shape, chosen, command).splitlines():
+                print(line.removeprefix("# ").replace("#   ", "  "))
     return 0
 
 
