@@ -617,7 +617,7 @@ def _run(args) -> int:
             print("\nexported: " + ", ".join(str(p) for p in files.values()))
             # which launcher runs the job priced above, as launch.sh says
             for line in launch_note(shape, chosen, command).splitlines():
-                print(line.removeprefix("# ").replace("#   ", "  "))
+                print(line.removeprefix("# "))
     return 0
 
 
