@@ -26,6 +26,7 @@ from dataclasses import fields, replace
 
 from minipar.errors import ConfigError, OutputError
 from minipar.files import atomic_write
+from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan import presets, published, published_dgxc, published_h100, published_mpt
 from minipar.plan.accounting import ACCOUNTINGS
 from minipar.plan.advice import format_ranking
@@ -33,6 +34,7 @@ from minipar.plan.advisor import advise
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.export import write_export
+from minipar.plan.launchers import launch_note, plan_command
 from minipar.plan.layout import (
     FP8_FORMATS,
     MEGATRON_ORDER,
@@ -155,7 +157,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "buffers, its estimate's 5%% for temporaries) or deepspeed "
                              "(bf16 gradients + an fp32 partition, reduce_bucket_size "
                              "buckets, ZeRO-3's largest module gathered); the plan names "
-                             "each term it adds (plan/accounting.py)")
+                             "each term it adds (plan/accounting.py). megatron also times "
+                             "its distributed optimizer's reductions (no limit in flight: "
+                             "--reductions-in-flight's default becomes unlimited)")
     for name, text in MEGATRON_SWITCHES.items():
         flag = name.replace("_", "-")
         layout.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, dest=name,
@@ -183,7 +187,10 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                              "stalling backward: 2, DeepSpeed's overlap_comm (two IPG "
                              "buffers) and minipar's emulator (default), or unlimited, "
                              "Megatron-LM's distributed optimizer (each bucket's "
-                             "reduce-scatter launched as it is ready)")
+                             "reduce-scatter launched as it is ready; the default under "
+                             "--memory-accounting megatron). Refused where no "
+                             "limit changes the plan: ZeRO-0/3, one bucket (--bucket-size-mb "
+                             "0), dp x cp = 1, no overlap (--example bloom), an MoE model")
     layout.add_argument("--layer-split", dest="layer_split",
                         help="layers per pipeline stage, e.g. 5,6,6,5")
     layout.add_argument("--lr", type=float, help="learning rate (for lint and export)")
@@ -336,9 +343,8 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                  if getattr(args, name) is not None}
         if args.layer_split is not None:
             given["layer_split"] = _layer_split(args.layer_split)
-        if args.reductions_in_flight is not None:
-            given["reductions_in_flight"] = _reductions_in_flight(
-                args, given.get("zero", presets.BLOOM_176B.zero))
+        if args.reductions_in_flight is not None or args.memory_accounting is not None:
+            given["reductions_in_flight"] = _reductions_in_flight(args)
         return presets.BLOOM_176B.replace(**given)
     values = {name: _setting(args, name) for name in LAYOUT_SETTINGS}
     values.update(flash_attention=args.flash_attention, lr=args.lr,
@@ -349,7 +355,7 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
                   overlap_param_gather=bool(args.overlap_param_gather),
                   cross_entropy_loss_fusion=args.cross_entropy_loss_fusion is not False,
                   rank_order=args.rank_order or MINIPAR_ORDER,
-                  reductions_in_flight=_reductions_in_flight(args, values["zero"]))
+                  reductions_in_flight=_reductions_in_flight(args))
     if args.layer_split is not None:  # ("" too: refused below, not ignored)
         values["layer_split"] = _layer_split(args.layer_split)
     if values["grad_accum_steps"] is None and values["global_batch_size"] is None:
@@ -358,17 +364,47 @@ def _layout(args, shape: ModelShape) -> ParallelConfig | dict:
     return values
 
 
-def _reductions_in_flight(args, zero=None) -> int | None:
-    """--reductions-in-flight as ParallelConfig takes it (its default, DeepSpeed's 2, if
-    not given); given for a layout whose ZeRO stage `zero` has no such limit, refused
-    rather than ignored."""
+def _reductions_in_flight(args) -> int | None:
+    """--reductions-in-flight as ParallelConfig takes it; if not given, that of the system
+    whose bytes the plan counts: Megatron-LM's (no limit) under --memory-accounting
+    megatron, else ParallelConfig's default, DeepSpeed's 2 (as minipar's emulator)."""
     value = args.reductions_in_flight
     if value is None:
-        return ParallelConfig.__dataclass_fields__["reductions_in_flight"].default
-    if zero is not None and zero not in (1, 2):
-        raise ConfigError("reductions_in_flight", "limits ZeRO-1/2's gradient reductions; "
-                          f"ZeRO-{zero}'s are DDP's (no limit) or ZeRO-3's own: drop it")
+        return (None if args.memory_accounting == "megatron" else
+                ParallelConfig.__dataclass_fields__["reductions_in_flight"].default)
     return None if value == UNLIMITED else value
+
+
+def _check_in_flight(args, shape: ModelShape, config: ParallelConfig | None = None) -> None:
+    """--reductions-in-flight given where no limit can change the plan, refused rather
+    than ignored: `config`'s layout (ParallelConfig.reductions_limit_moot), or a search's
+    (None), whose candidates reduce during backward unless --no-overlap-grad-reduce."""
+    if args.reductions_in_flight is None:
+        return
+    if config is not None:
+        why = config.reductions_limit_moot(shape.is_moe)
+        if why is not None and args.example == "bloom" and not config.overlap_grad_reduce:
+            why = ("BLOOM's run reduces them after the pipeline's flush (DeepSpeed's pipeline "
+                   "engine: the example's --no-overlap-grad-reduce)")
+    elif shape.is_moe:
+        why = "an MoE model's reductions are priced as they block"
+    else:
+        why = (None if _setting(args, "overlap_grad_reduce") else
+               "--no-overlap-grad-reduce reduces every layout's after backward")
+    if why is not None:
+        raise ConfigError("reductions_in_flight", "limits ZeRO-1/2's gradient reductions "
+                          f"during backward, and {why}: drop it")
+    # the time of the system whose bytes the plan counts, not another's
+    limit, accounting = _reductions_in_flight(args), args.memory_accounting
+    if accounting == "megatron" and limit is not None:
+        raise ConfigError("reductions_in_flight", f"{limit} is not Megatron-LM's: its "
+                          "distributed optimizer, whose bytes --memory-accounting megatron "
+                          "counts, has no limit: drop it, or count another system's bytes")
+    if accounting == "deepspeed" and limit != MAX_IN_FLIGHT:
+        raise ConfigError("reductions_in_flight", f"{limit or UNLIMITED} is not DeepSpeed's: "
+                          f"its ZeRO, whose bytes --memory-accounting deepspeed counts, keeps "
+                          f"{MAX_IN_FLIGHT} in flight (overlap_comm's two IPG buffers): drop "
+                          "it, or count another system's bytes")
 
 
 def _layer_split(text: str) -> tuple[int, ...]:
@@ -515,6 +551,7 @@ def _run(args) -> int:
                 _print_findings(findings)
             return 2
         config = values if isinstance(values, ParallelConfig) else _consistent(values)
+        _check_in_flight(args, shape, config)
         est = estimate(shape, config, cluster, all_stages=args.all_stages)
         logged = _logged_step(est) if args.example == "bloom" else None
         if args.json:
@@ -532,6 +569,7 @@ def _run(args) -> int:
         if args.gpus is None:
             raise ConfigError("gpus", "give --gpus N to search layouts, or --dp/--tp/--pp to "
                             "evaluate one")
+        _check_in_flight(args, shape)
         advice = advise(shape, args.gpus, cluster,
                         global_batch_size=_global_batch(args, shape, args.gpus),
                         precision=_setting(args, "precision"),
@@ -568,13 +606,18 @@ def _run(args) -> int:
             return 1
         chosen = advice.best.config
     if args.export:
+        def command(config):  # the plan of a launcher's job (plan/launchers.py)
+            return plan_command(args, config, shape.is_moe)
         try:
-            files = write_export(args.export, shape, chosen, cluster)
+            files = write_export(args.export, shape, chosen, cluster, command)
         except OSError as err:  # each file whole or not at all: earlier ones kept
             raise OutputError("export", f"{args.export}: the layout's files could not be "
                               f"written ({err.strerror or err})") from None
         if not args.json or args.json != "-":
             print("\nexported: " + ", ".join(str(p) for p in files.values()))
+            # which launcher runs the job priced above, as launch.sh says
+            for line in launch_note(shape, chosen, command).splitlines():
+                print(line.removeprefix("# "))
     return 0
 
 
@@ -641,8 +684,12 @@ def _logged_step(est) -> dict:
     source = "BigScience's tr11-176B-ml README, iteration 85,376 at full batch"
     shape, ran, cluster = presets.bloom_example()
     planned, published = est.config.to_dict(), ran.to_dict()
+    # a limit of reductions in flight that changes neither step is no difference
+    moot = est.config.reductions_limit_moot(shape.is_moe) and ran.reductions_limit_moot(
+        shape.is_moe)
     changed = [name for name in published
-               if name != "memory_accounting" and planned[name] != published[name]]
+               if name != "memory_accounting" and planned[name] != published[name]
+               and not (name == "reductions_in_flight" and moot)]
     changed += [name for name, same in (("model", est.shape == shape),
                                         ("cluster", est.cluster == cluster)) if not same]
     if changed:

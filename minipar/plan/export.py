@@ -16,6 +16,9 @@ Flag names are those of Megatron-LM's arguments.py (core_r0.x) and of DeepSpeed'
 JSON (deepspeed.ai/docs/config-json). Megatron-LM's own ZeRO-1 is its distributed
 optimizer; ZeRO-2/3 need DeepSpeed (Megatron-DeepSpeed passes --zero-stage and reads the
 JSON).
+
+launch.sh says which of its two launchers runs the job the plan priced, where they
+differ, and the `minipar plan` command that prices the other's (plan/launchers.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from minipar.files import atomic_write
 from minipar.plan.cluster import ClusterSpec
+from minipar.plan.launchers import launch_note
 from minipar.plan.layout import MINIPAR_ORDER, ParallelConfig
 from minipar.plan.shapes import ModelShape
 
@@ -230,10 +234,11 @@ def _order_matters(config: ParallelConfig) -> bool:
     return config.rank_order == MINIPAR_ORDER and config.pp > 1 and config.dp > 1
 
 
-def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec) -> str:
+def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
+                  command=None) -> str:
     """A shell script that launches the run on every node: torchrun for Megatron-LM, or
     (LAUNCHER=deepspeed) the deepspeed launcher for Megatron-DeepSpeed with
-    ds_config.json."""
+    ds_config.json. command: launch_note's."""
     gpn = cluster.gpus_per_node
     nodes = -(-config.world_size // gpn)
     per_node = min(gpn, config.world_size)
@@ -250,6 +255,7 @@ def launch_script(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
     if config.fp8_format is not None:  # (DeepSpeed's config has no FP8 setting)
         note += ("# FP8 (Transformer Engine) is Megatron-LM's --fp8-format: with "
                  "LAUNCHER=deepspeed the job runs in bf16.\n")
+    note += launch_note(shape, config, command)
     return f"""#!/usr/bin/env bash
 # Written by `minipar plan --export`: {shape.name} on {config.world_size} GPUs
 # ({nodes} node(s) x {per_node}) = dp {config.dp} x tp {config.tp} x pp {config.pp}\
@@ -300,9 +306,9 @@ def _pairs(args: list[str]) -> list[str]:
 
 
 def write_export(directory, shape: ModelShape, config: ParallelConfig,
-                 cluster: ClusterSpec) -> dict[str, Path]:
+                 cluster: ClusterSpec, command=None) -> dict[str, Path]:
     """Write ds_config.json, megatron_args.txt (Megatron-LM), megatron_deepspeed_args.txt
-    and launch.sh into `directory`."""
+    and launch.sh into `directory`. command: launch_note's."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = {
@@ -312,7 +318,7 @@ def write_export(directory, shape: ModelShape, config: ParallelConfig,
         "launch": directory / "launch.sh",
     }
     texts = {"deepspeed": json.dumps(deepspeed_config(shape, config), indent=2) + "\n",
-             "launch": launch_script(shape, config, cluster)}
+             "launch": launch_script(shape, config, cluster, command)}
     for key, flavor in (("megatron", "megatron-lm"),
                         ("megatron_deepspeed", "megatron-deepspeed")):
         texts[key] = "\n".join(_pairs(megatron_args(shape, config, flavor))) + "\n"

@@ -203,12 +203,23 @@ class ParallelConfig(Layout):
         """", ranks <order>" for a plan's layout line, unless the order is minipar's."""
         return "" if self.rank_order == MINIPAR_ORDER else f", ranks {self.rank_order}"
 
+    def reductions_limit_moot(self, moe: bool = False) -> str | None:
+        """Why reductions_in_flight cannot change this layout's step, in a refusal's words,
+        or None where it can (an MoE model's, `moe`, are priced as they block)."""
+        return next((why for moot, why in (
+            (self.zero not in (1, 2), f"ZeRO-{self.zero}'s are DDP's (no limit) or ZeRO-3's own"),
+            (not self.overlap_grad_reduce, "this layout reduces them after backward "
+                                           "(--no-overlap-grad-reduce)"),
+            (self.replicas == 1, "dp x cp = 1 has no data-parallel reduction"),
+            (self.bucket_size_mb == 0, "one gradient bucket (--bucket-size-mb 0, the "
+                                       "default) is reduced alone, after backward"),
+            (moe, "an MoE model's reductions are priced as they block")) if moot), None)
+
     @property
     def reductions_in_flight_label(self) -> str:
         """", <limit>" for a plan's overlap line where ZeRO-1/2 reduces during backward:
         whose limit of reductions in flight the step assumes."""
-        if (self.zero not in (1, 2) or not self.overlap_grad_reduce or self.replicas == 1
-                or self.bucket_size_mb == 0):  # (one bucket: reduced after backward)
+        if self.reductions_limit_moot():
             return ""
         if self.reductions_in_flight is None:
             return ", no limit of reductions in flight (Megatron-LM's distributed optimizer)"
