@@ -41,8 +41,8 @@ plan/accounting.py's, applied to the ingredients computed here.
 This module is long because the peak is one sum of many parts, each checked by the emulator.
 
 Predictions for params, grads and optimizer are exact for minipar's layouts; activations
-are exact for one pipeline stage, GPipe and 1F1B, and for a rank with MoE layers in
-several chunks, walked over its schedule (walked_activations.py: interleaved and
+are exact for one pipeline stage, GPipe and 1F1B, and for a rank of several chunks that
+save differently, walked over its schedule (walked_activations.py: interleaved and
 DualPipe-V); buffers and the total are an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
@@ -70,7 +70,7 @@ from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cach
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
 from minipar.plan.shapes import ModelShape
-from minipar.plan.walked_activations import walked_peak
+from minipar.plan.walked_activations import walkable, walked_peak
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -319,10 +319,12 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         held.append(chunk_saved + (embedding if embeds else 0) + (head if holds_head else 0)
                     - buffered)
         working.append(chunk_extra)
-    if v > 1 and moe:
-        # Chunks that hold their MoE layers differently save differently: which of them
-        # are in flight at the peak, and whose backward runs then, is the schedule's
-        # order, walked (walked_activations.py); a dense rank keeps the closed form.
+    if (v > 1 and (len(set(held)) > 1 or len(set(working)) > 1)
+            and walkable(config.schedule, config.pp, config.micro_batches, v)):
+        # Chunks that save differently (more layers, MoE layers, the embedding or the
+        # head): which of them are in flight at the peak, and whose backward runs then,
+        # is the schedule's order, walked (walked_activations.py). Chunks that save alike
+        # keep the closed form, exact for them; so does a pipeline too long to walk.
         activations = walked_peak(config.schedule, config.pp, config.micro_batches,
                                   stage.rank, held, working)
     else:

@@ -44,6 +44,17 @@ from minipar.parallel.pipeline.split_backward import BackwardInput, BackwardWeig
 _KINDS = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
 
 
+# Actions a walk generates at most (pp ranks x walked micro-batches x chunks x F/B/W):
+# 64 ranks of 4 chunks take a tenth of a second to generate, once per (schedule, pp, m, v);
+# beyond it (pipelines of hundreds of ranks, searched) memory.py keeps its closed form.
+WALK_LIMIT = 2**15
+
+
+def walkable(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> bool:
+    """Whether a rank of this pipeline is walked (WALK_LIMIT)."""
+    return pp * walked_micro_batches(schedule, pp, micro_batches) * virtual_stages <= WALK_LIMIT
+
+
 def walked_micro_batches(schedule: str, pp: int, micro_batches: int) -> int:
     """Micro-batches walked for a step of `micro_batches`: all of them, or 2p once the
     pipeline is full (rounded up to what the schedule accepts)."""

@@ -405,6 +405,26 @@ def test_planner_predicts_recomputation_in_a_pipeline(schedule, m, v, flags):
             assert device.recompute_flops == m * stage.time["flops"]["recompute"], stage.rank
 
 
+@pytest.mark.parametrize("settings", [
+    dict(schedule="interleaved", virtual_stages=2, n_layer=6),  # chunks of 2, 2, 1, 1
+    dict(schedule="interleaved", virtual_stages=2, n_layer=6, recompute_granularity="full"),
+    dict(schedule="dualpipe-v", virtual_stages=2, n_layer=6),
+    dict(schedule="dualpipe-v", virtual_stages=2, n_layer=4, recompute_granularity="full"),
+], ids=["interleaved 6 layers", "interleaved 6 layers full", "dualpipe-v 6 layers",
+        "dualpipe-v 4 layers full"])
+def test_ranks_of_unequal_chunks_are_walked(settings):
+    # which chunks' micro-batches are in flight at the peak, and whose backward runs
+    # then, is the schedule's order: walked, the activations are the emulator's
+    config = TrainConfig(**{**TINY, "pp": 2, "micro_batch_size": 1, "grad_accum_steps": 4,
+                            "tie_embeddings": False, **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED, all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"]["pp"] == stage.rank]
+        assert stage.memory["activations"] == measured["memory"]["activations"], stage.rank
+
+
 # ------------------------------------------------------------------ offload tiers
 OFFLOAD_GRID = [
     case("zero1 cpu accum 2", dp=2, zero=1, offload_optimizer="cpu", micro_batch_size=2,
