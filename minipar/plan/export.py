@@ -42,6 +42,16 @@ DEFAULT_LR = 3e-4
 NVME_PATH = "/local_nvme"  # DeepSpeed's docs' example; set it to the node's NVMe mount
 
 
+def bucket_elements(shape: ModelShape, config: ParallelConfig) -> int:
+    """Parameters a gradient bucket holds, as both launchers count them (DeepSpeed's
+    `reduce_bucket_size`, Megatron-LM's `--ddp-bucket-size`): the plan's bucket_size_mb,
+    or with 0 (one bucket) the whole model, so neither splits what the plan reduced at
+    once (their defaults, 5e8 and max(40M, 1M x dp), would)."""
+    if config.bucket_size_mb > 0:
+        return int(config.bucket_size_mb * 2**20 / config.bytes.param)
+    return shape.n_params
+
+
 def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
     """The DeepSpeed config JSON (as a dict) of `config`."""
     ds = {
@@ -52,10 +62,12 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
         "optimizer": {"type": "AdamW", "params": {
             "lr": config.lr if config.lr is not None else DEFAULT_LR,
             "betas": list(BETAS), "eps": 1e-8, "weight_decay": WEIGHT_DECAY}},
-        # overlap_comm: reduce gradient buckets during backward, as the plan priced it
+        # overlap_comm: reduce gradient buckets during backward, as the plan priced it;
+        # reduce_bucket_size: the plan's buckets, in elements
         "zero_optimization": {"stage": config.zero, "overlap_comm": config.overlap_grad_reduce,
                               "contiguous_gradients": True,
-                              "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+                              "reduce_bucket_size": bucket_elements(shape, config),
+                              "allgather_bucket_size": 5e8},
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
     }
@@ -204,9 +216,8 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
             args.append("--overlap-param-gather")
         if config.tp_comm_overlap and config.tp > 1:
             args.append("--tp-comm-overlap")
-        if config.bucket_size_mb > 0 and config.replicas > 1:
-            bucket = int(config.bucket_size_mb * 2**20 / config.bytes.param)
-            args += ["--ddp-bucket-size", str(bucket)]
+        if config.overlap_grad_reduce and config.replicas > 1:
+            args += ["--ddp-bucket-size", str(bucket_elements(shape, config))]
         if config.fp8_format is not None:  # Transformer Engine's FP8 (plan/fp8.py)
             args += ["--fp8-format", config.fp8_format]
             if config.fp8_param_gather:

@@ -228,8 +228,18 @@ def test_the_export_sets_the_overlaps_and_buckets_the_plan_priced():
     args = megatron_args(shape, config, "megatron-lm")
     for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap"):
         assert flag in args
-    # 80 MiB of bf16 parameters: 40 Mi parameters, Megatron-LM's --ddp-bucket-size unit
+    # 80 MiB of bf16 parameters: 40 Mi parameters, Megatron-LM's --ddp-bucket-size unit,
+    # and DeepSpeed's reduce_bucket_size's
     assert args[args.index("--ddp-bucket-size") + 1] == str(40 * 2**20)
+    assert deepspeed_config(shape, config)["zero_optimization"]["reduce_bucket_size"] == (
+        40 * 2**20)
+    # one bucket (bucket_size_mb 0): the whole model, where each launcher's default
+    # (max(40M, 1M x dp), 5e8) would cut a model of 8B parameters in pieces
+    one = config.replace(bucket_size_mb=0.0)
+    whole = megatron_args(shape, one, "megatron-lm")
+    assert whole[whole.index("--ddp-bucket-size") + 1] == str(shape.n_params)
+    assert deepspeed_config(shape, one)["zero_optimization"]["reduce_bucket_size"] == (
+        shape.n_params)
     plain = megatron_args(shape, config.replace(
         overlap_grad_reduce=False, overlap_param_gather=False, tp_comm_overlap=False,
         bucket_size_mb=0.0), "megatron-lm")
