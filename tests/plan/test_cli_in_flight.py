@@ -7,18 +7,10 @@ import json
 
 import pytest
 
-from minipar.plan.cli import main
-
 # gpt2-xl, ZeRO-1 over dp 4 with 25 MiB buckets reduced during backward: a layout whose
 # step the limit changes
 OVERLAPPED = ("--model", "gpt2-xl", "--cluster", "a100", "--dp", "4", "--zero", "1",
               "--bucket-size-mb", "25", "--micro-batch-size", "1", "--grad-accum-steps", "4")
-
-
-def run(capsys, *argv):
-    status = main(["plan", *argv])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 @pytest.mark.parametrize("argv,why", [
@@ -36,39 +28,39 @@ def run(capsys, *argv):
      "ZeRO-3's own"),
 ])
 @pytest.mark.parametrize("limit", ["unlimited", "2"])
-def test_a_limit_that_cannot_change_the_plan_is_refused_not_ignored(capsys, argv, why, limit):
+def test_a_limit_that_cannot_change_the_plan_is_refused_not_ignored(plan_cli, argv, why, limit):
     # every layout where no reduction waits for another: a limit given there is refused
     # with the reason, as for ZeRO-0 and ZeRO-3, never priced and called a difference
-    status, out, err = run(capsys, *argv, "--reductions-in-flight", limit)
+    status, out, err = plan_cli(*argv, "--reductions-in-flight", limit)
     assert status == 2 and out == ""
     error = err.splitlines()[-1]  # (after "minipar plan: estimating ...", if it was slow)
     assert error.startswith("minipar plan: error: --reductions-in-flight: limits ZeRO-1/2's")
     assert why in error and error.endswith("drop it")
 
 
-def test_the_bloom_example_is_compared_with_its_run_and_takes_no_limit(capsys):
+def test_the_bloom_example_is_compared_with_its_run_and_takes_no_limit(plan_cli):
     # BLOOM's gradients were reduced after the flush: no limit of reductions in flight
     # could change its step, so `--reductions-in-flight unlimited` is refused where it
     # read "this plan changes reductions_in_flight, so it is not compared"
-    status, _, err = run(capsys, "--example", "bloom", "--reductions-in-flight", "unlimited")
+    status, _, err = plan_cli("--example", "bloom", "--reductions-in-flight", "unlimited")
     assert status == 2 and "changes reductions_in_flight" not in err
-    status, out, _ = run(capsys, "--example", "bloom")
+    status, out, _ = plan_cli("--example", "bloom")
     assert status == 0 and "this plan is -6.9%" in out
     # overlapped over buckets, BLOOM's layout is another job, in which the limit counts
     argv = ("--example", "bloom", "--overlap-grad-reduce", "--bucket-size-mb", "500",
             "--json", "-")
-    _, deepspeeds, _ = run(capsys, *argv)
-    status, megatrons, _ = run(capsys, *argv, "--reductions-in-flight", "unlimited")
+    _, deepspeeds, _ = plan_cli(*argv)
+    status, megatrons, _ = plan_cli(*argv, "--reductions-in-flight", "unlimited")
     deepspeeds, megatrons = json.loads(deepspeeds), json.loads(megatrons)
     assert status == 0 and megatrons["config"]["reductions_in_flight"] is None
     assert set(megatrons["published"]["changed"]) == {"overlap_grad_reduce", "bucket_size_mb",
                                                       "reductions_in_flight"}
 
 
-def test_where_the_limit_counts_the_plan_names_it(capsys):
-    status, out, _ = run(capsys, *OVERLAPPED, "--reductions-in-flight", "unlimited")
+def test_where_the_limit_counts_the_plan_names_it(plan_cli):
+    status, out, _ = plan_cli(*OVERLAPPED, "--reductions-in-flight", "unlimited")
     assert status == 0 and "no limit of reductions in flight" in out
-    status, out, _ = run(capsys, *OVERLAPPED)
+    status, out, _ = plan_cli(*OVERLAPPED)
     assert status == 0 and "at most 2 reductions in flight (DeepSpeed's overlap_comm)" in out
 
 
@@ -79,7 +71,7 @@ STALLED = ("--model", "gpt2-xl", "--cluster", "a100", "--gpus-per-node", "2", "-
            "--grad-accum-steps", "4")
 
 
-def test_megatrons_bytes_come_with_megatrons_reductions(capsys):
+def test_megatrons_bytes_come_with_megatrons_reductions(plan_cli):
     # --memory-accounting megatron plans Megatron-LM's job: its bytes and its distributed
     # optimizer's reductions, none waiting for another; before, the step was DeepSpeed's
     plans = {}
@@ -87,21 +79,21 @@ def test_megatrons_bytes_come_with_megatrons_reductions(capsys):
                        ("megatron", ("--memory-accounting", "megatron")),
                        ("both", ("--memory-accounting", "megatron", "--reductions-in-flight",
                                  "unlimited"))):
-        status, out, _ = run(capsys, *STALLED, *argv, "--json", "-")
+        status, out, _ = plan_cli(*STALLED, *argv, "--json", "-")
         assert status == 0
         plans[name] = json.loads(out)
     assert plans["megatron"]["config"]["reductions_in_flight"] is None
     assert plans["megatron"]["time"] == plans["unlimited"]["time"] == plans["both"]["time"]
     assert plans["megatron"]["time"]["step_s"] < plans["deepspeed"]["time"]["step_s"]
-    _, out, _ = run(capsys, *STALLED, "--memory-accounting", "megatron")
+    _, out, _ = plan_cli(*STALLED, "--memory-accounting", "megatron")
     assert "no limit of reductions in flight (Megatron-LM's distributed optimizer)" in out
     # a search prices every candidate so
-    _, advice, _ = run(capsys, "--model", "gpt2-xl", "--gpus", "8", "--top", "2",
+    _, advice, _ = plan_cli("--model", "gpt2-xl", "--gpus", "8", "--top", "2",
                        "--memory-accounting", "megatron", "--json", "-")
     assert all(r["config"]["reductions_in_flight"] is None
                for r in json.loads(advice)["ranked"])
     # DeepSpeed's bytes keep DeepSpeed's two
-    _, out, _ = run(capsys, *STALLED, "--memory-accounting", "deepspeed", "--json", "-")
+    _, out, _ = plan_cli(*STALLED, "--memory-accounting", "deepspeed", "--json", "-")
     assert json.loads(out)["config"]["reductions_in_flight"] == 2
 
 
@@ -111,11 +103,11 @@ def test_megatrons_bytes_come_with_megatrons_reductions(capsys):
     ("deepspeed", "unlimited", "unlimited is not DeepSpeed's"),
     ("deepspeed", "3", "3 is not DeepSpeed's"),
 ])
-def test_one_systems_bytes_with_anothers_reductions_is_refused(capsys, accounting, limit,
+def test_one_systems_bytes_with_anothers_reductions_is_refused(plan_cli, accounting, limit,
                                                                whose):
     # a plan of Megatron-LM's bytes and DeepSpeed's time describes no job either runs
     for argv in (STALLED, ("--model", "gpt2-xl", "--gpus", "8")):
-        status, out, err = run(capsys, *argv, "--memory-accounting", accounting,
+        status, out, err = plan_cli(*argv, "--memory-accounting", accounting,
                                "--reductions-in-flight", limit)
         assert status == 2 and out == ""
         error = err.splitlines()[-1]
@@ -123,9 +115,9 @@ def test_one_systems_bytes_with_anothers_reductions_is_refused(capsys, accountin
         assert f"--memory-accounting {accounting} counts" in error
 
 
-def test_the_bloom_example_counts_megatrons_bytes_and_is_still_compared(capsys):
+def test_the_bloom_example_counts_megatrons_bytes_and_is_still_compared(plan_cli):
     # its reductions follow the flush whoever's optimizer: the limit changes nothing
-    status, out, _ = run(capsys, "--example", "bloom", "--memory-accounting", "megatron",
+    status, out, _ = plan_cli("--example", "bloom", "--memory-accounting", "megatron",
                          "--json", "-")
     plan = json.loads(out)
     assert status == 0 and plan["config"]["reductions_in_flight"] is None
