@@ -50,10 +50,19 @@ from minipar.plan.shapes import ModelShape, padded_vocab
 
 ACCOUNTINGS = ("paper", "megatron", "deepspeed")
 # DeepSpeed's defaults for the reduction buckets (deepspeed/runtime/zero/config.py: 5e8
-# elements), the value the planner's exported ds_config.json sets
+# elements), what the exported ds_config.json sets for a plan of one bucket
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 # compute_activation_memory_without_sp: "buffer for optimizer and miscellaneous temporaries"
 MEGATRON_ACTIVATION_OVERHEAD = 0.05
+
+
+def reduce_bucket_elements(config) -> int:
+    """DeepSpeed's `reduce_bucket_size` of a plan (what its export writes): the plan's
+    buckets in elements, or for a plan of one bucket DeepSpeed's default, since its
+    IPG buffers are allocated at that size (stage_1_and_2.py), two with overlap_comm."""
+    if config.bucket_size_mb > 0:
+        return int(config.bucket_size_mb * 2**20 / config.bytes.param)
+    return DEEPSPEED_REDUCE_BUCKET
 
 
 def with_deepspeed_buckets(config):
@@ -152,8 +161,8 @@ def deepspeed_terms(shape: ModelShape, config, stage, parts: Ingredients, local:
         paper = (local if zero == 1 else shard) * g  # the paper's gradient buffers
         terms.append(Term("bf16 gradients and the fp32 copy of my partition (the "
                           "estimators' 2 + 4 bytes)", "grads", grads - paper))
-    bucket = min(local, DEEPSPEED_REDUCE_BUCKET) * (2 if config.precision == "bf16-mixed"
-                                                    else g)
+    bucket = min(local, reduce_bucket_elements(config)) * (
+        2 if config.precision == "bf16-mixed" else g)
     if zero in (1, 2):
         terms.append(Term("gradients reduced through reduce_bucket_size buckets, two in "
                           "flight", "sync_buffers", 2 * bucket - parts.sync_buffers))

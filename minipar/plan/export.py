@@ -28,6 +28,7 @@ import shlex
 from pathlib import Path
 
 from minipar.files import atomic_write
+from minipar.plan.accounting import reduce_bucket_elements
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.launchers import launch_note
 from minipar.plan.layout import MINIPAR_ORDER, ParallelConfig
@@ -42,11 +43,10 @@ DEFAULT_LR = 3e-4
 NVME_PATH = "/local_nvme"  # DeepSpeed's docs' example; set it to the node's NVMe mount
 
 
-def bucket_elements(shape: ModelShape, config: ParallelConfig) -> int:
-    """Parameters a gradient bucket holds, as both launchers count them (DeepSpeed's
-    `reduce_bucket_size`, Megatron-LM's `--ddp-bucket-size`): the plan's bucket_size_mb,
-    or with 0 (one bucket) the whole model, so neither splits what the plan reduced at
-    once (their defaults, 5e8 and max(40M, 1M x dp), would)."""
+def ddp_bucket_elements(shape: ModelShape, config: ParallelConfig) -> int:
+    """Megatron-LM's `--ddp-bucket-size` (parameters) of a plan: its buckets, or with
+    bucket_size_mb 0 (one bucket) the whole model, which its default, max(40M, 1M x dp),
+    would cut in pieces the plan did not price."""
     if config.bucket_size_mb > 0:
         return int(config.bucket_size_mb * 2**20 / config.bytes.param)
     return shape.n_params
@@ -63,10 +63,10 @@ def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:
             "lr": config.lr if config.lr is not None else DEFAULT_LR,
             "betas": list(BETAS), "eps": 1e-8, "weight_decay": WEIGHT_DECAY}},
         # overlap_comm: reduce gradient buckets during backward, as the plan priced it;
-        # reduce_bucket_size: the plan's buckets, in elements
+        # reduce_bucket_size: the plan's buckets (--memory-accounting deepspeed's)
         "zero_optimization": {"stage": config.zero, "overlap_comm": config.overlap_grad_reduce,
                               "contiguous_gradients": True,
-                              "reduce_bucket_size": bucket_elements(shape, config),
+                              "reduce_bucket_size": reduce_bucket_elements(config),
                               "allgather_bucket_size": 5e8},
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
@@ -217,7 +217,7 @@ def megatron_args(shape: ModelShape, config: ParallelConfig,
         if config.tp_comm_overlap and config.tp > 1:
             args.append("--tp-comm-overlap")
         if config.overlap_grad_reduce and config.replicas > 1:
-            args += ["--ddp-bucket-size", str(bucket_elements(shape, config))]
+            args += ["--ddp-bucket-size", str(ddp_bucket_elements(shape, config))]
         if config.fp8_format is not None:  # Transformer Engine's FP8 (plan/fp8.py)
             args += ["--fp8-format", config.fp8_format]
             if config.fp8_param_gather:

@@ -233,13 +233,14 @@ def test_the_export_sets_the_overlaps_and_buckets_the_plan_priced():
     assert args[args.index("--ddp-bucket-size") + 1] == str(40 * 2**20)
     assert deepspeed_config(shape, config)["zero_optimization"]["reduce_bucket_size"] == (
         40 * 2**20)
-    # one bucket (bucket_size_mb 0): the whole model, where each launcher's default
-    # (max(40M, 1M x dp), 5e8) would cut a model of 8B parameters in pieces
+    # one bucket (bucket_size_mb 0): for Megatron-LM the whole model, where its default
+    # (max(40M, 1M x dp)) would cut a model of 8B parameters in pieces; DeepSpeed keeps
+    # its default 5e8, at which it allocates its reduction buffers (and which
+    # --memory-accounting deepspeed prices)
     one = config.replace(bucket_size_mb=0.0)
     whole = megatron_args(shape, one, "megatron-lm")
     assert whole[whole.index("--ddp-bucket-size") + 1] == str(shape.n_params)
-    assert deepspeed_config(shape, one)["zero_optimization"]["reduce_bucket_size"] == (
-        shape.n_params)
+    assert deepspeed_config(shape, one)["zero_optimization"]["reduce_bucket_size"] == 5e8
     plain = megatron_args(shape, config.replace(
         overlap_grad_reduce=False, overlap_param_gather=False, tp_comm_overlap=False,
         bucket_size_mb=0.0), "megatron-lm")
