@@ -210,7 +210,8 @@ def _coverage(ranges: list[tuple[int, int]], size: int):
 
 def _check_tensors(manifest: dict, config: TrainConfig, path) -> None:
     """Names, kinds, shapes and dtypes from the config; every element held exactly once
-    per data-parallel group (every DP replica under ZeRO-0)."""
+    per sharding group: by every replica (dp x cp) under ZeRO-0, once under ZeRO-1/2/3,
+    once per HSDP shard group (the replicas over it hold one copy each)."""
     from minipar.nn.gpt import parameter_shapes
     from minipar.train.config import gpt_config
 
@@ -247,17 +248,20 @@ def _check_tensors(manifest: dict, config: TrainConfig, path) -> None:
             slot["ranges"].append((entry["start"], entry["stop"]))
             slot["stages"].add(record["coords"]["pp"])
     for (kind, name, index), slot in slots.items():
-        # ZeRO-0: every DP rank saves its replica; of an expert (--ep) only the dp / ep
-        # ranks of its expert-data-parallel group hold one.
-        replicas = 1 if config.zero else config.dp // (config.ep if ".mlp.experts." in name
-                                                       else 1)
+        # ZeRO-0: every replica (dp x cp: context parallelism replicates the parameters)
+        # saves its copy, of an expert (--ep) only the dp / ep ranks of its
+        # expert-data-parallel group; ZeRO: one copy per sharding group (HSDP's replicas
+        # of its shard group each save theirs).
+        replicas = config.replicas // (config.sharding_group if config.zero else 1)
+        if not config.zero and ".mlp.experts." in name:
+            replicas //= config.ep
         # A tied embedding lives on the first and the last pipeline stage: one copy each.
         expected = replicas * len(slot["stages"])
         for start, held in _coverage(slot["ranges"], slot["size"]):
             if held != expected:
                 raise CheckpointError(
                     f"{path}: {kind} of {name} (shard {index}): element {start} is held "
-                    f"{held} time(s), expected {expected} (dp={config.dp}, "
+                    f"{held} time(s), expected {expected} (dp={config.dp}, cp={config.cp}, "
                     f"ZeRO-{config.zero}): a shard's start/stop was changed")
     for kind in kinds:
         missing = sorted(n for n in full if not any(k[:2] == (kind, n) for k in slots))

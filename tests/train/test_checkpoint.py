@@ -61,6 +61,24 @@ def test_a_checkpoint_loads_under_another_layout_and_continues_equivalently(tmp_
             np.testing.assert_allclose(resumed.state_dict[name], value, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("settings", [
+    dict(dp=2, cp=2, zero=0),  # context parallelism replicates the parameters too
+    dict(dp=1, cp=2, tp=2, zero=0),
+    dict(dp=4, zero=3, hsdp_shard_size=2),  # each of HSDP's 2 replicas saves its shards
+], ids=["dp2 cp2", "cp2 tp2", "hsdp 2 of dp4"])
+def test_a_checkpoint_whose_parameters_have_more_replicas_than_dp_resumes(tmp_path,
+                                                                         settings):
+    # every replica of ZeRO-0 (dp x cp of them) and every HSDP replica group saves its
+    # copy: the manifest's check counts them, and the run resumes bit for bit
+    config = TrainConfig(precision="fp64", **{**SMALL, "steps": 2, **settings})
+    full = train(config, save_dir=tmp_path, save_every=1)
+    resumed = train(config, resume_from=tmp_path / "step-000001")
+    assert_same_run(resumed, full, 1)
+    consolidated = ckpt.consolidate(tmp_path / "step-000002")
+    for name, value in full.state_dict.items():
+        assert np.array_equal(consolidated[name], value)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_consolidate_gives_the_single_device_state_dict(tmp_path, zero):
     config = TrainConfig(dp=3, zero=zero, precision="fp64", **{**SMALL, "steps": 2})
