@@ -25,6 +25,12 @@ clipping, precisions, gradient-accumulation dtypes and GPUs per node. Each draw 
 It prints one line of totals; every outcome but "refused cleanly" and "equal" must be 0.
 The same seed draws the same layouts.
 
+`--resume` draws pairs instead: the first layout trains one step and saves; the second, of
+the same model, global batch and precision but its own parallel layout, resumes from
+that checkpoint for a second step, checked against one device resumed from it (a
+checkpoint loads under any layout: minipar/train/checkpoint.py). A resume refused with
+a CheckpointError or a traceback is a finding: finished work the user cannot continue.
+
 `--plan` also holds each trained draw's plan to what the emulator measured on pipeline
 rank r's first DP/TP/CP rank: parameters, gradients, optimizer state and activations
 per rank, bytes sent per group. It prints, per figure, how many draws differ and the
@@ -41,6 +47,7 @@ import collections
 import faulthandler
 import random
 import sys
+import tempfile
 import time
 import warnings
 
@@ -51,6 +58,10 @@ from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import from_train_config
 from minipar.train import TrainConfig, train
 
+# what defines the model and its numbers: a resumed layout keeps them, draws the rest
+MODEL = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "data", "tie_embeddings",
+         "mlp", "n_kv_head", "moe_num_experts", "moe_top_k", "moe_layer_freq",
+         "moe_capacity_factor", "dropout", "grad_clip", "precision")
 HANG_S = 300  # a draw trains two tiny models in well under a second; minutes is a hang
 OUTCOMES = ("refused cleanly", "equal", "traceback", "silent wrong", "planner refuses")
 REFUSED, EQUAL, TRACEBACK, SILENT, PLANNER = OUTCOMES
@@ -175,11 +186,54 @@ def run(settings: dict, plan_errors: dict | None = None) -> tuple[str, str]:
                    f"(tolerance {check['tolerance']:g})")
 
 
+def resumed_pair(rng: random.Random) -> tuple[dict, dict]:
+    """A layout that trains a step and saves, and another of the same model, global
+    batch and precision that resumes: its own dp/tp/pp/cp/ep, ZeRO and schedule."""
+    first, second = draw(rng), draw(rng)
+    for settings in (first, second):
+        settings.pop("grad_accum_dtype", None)
+    for key in MODEL:
+        second.pop(key, None)
+        if key in first:
+            second[key] = first[key]
+    if "moe_num_experts" not in first:
+        second.pop("ep", None)
+    batch = first["micro_batch_size"] * first["grad_accum_steps"] * first["dp"]
+    second["micro_batch_size"] = first["micro_batch_size"]
+    second["grad_accum_steps"] = max(1, batch // (first["micro_batch_size"] * second["dp"]))
+    first["steps"], second["steps"] = 1, 2
+    return first, second
+
+
+def resume(first: dict, second: dict) -> tuple[str, str]:
+    """(outcome, detail) of training `first` a step, then `second` from its checkpoint."""
+    with tempfile.TemporaryDirectory(prefix="minipar-fuzz-") as folder:
+        try:
+            train(TrainConfig(**first), save_dir=folder)
+            config = TrainConfig(**second, check=True)
+        except ConfigError as err:
+            return REFUSED, str(err).splitlines()[0]
+        except Exception as err:  # noqa: BLE001
+            return TRACEBACK, f"first: {type(err).__name__}: {str(err).splitlines()[:1]}"
+        try:
+            report = train(config, resume_from=folder)
+        except ConfigError as err:  # the layout refused for itself (a CheckpointError,
+            return REFUSED, str(err).splitlines()[0]  # not a ConfigError, is a finding)
+        except Exception as err:  # noqa: BLE001
+            return TRACEBACK, f"resume: {type(err).__name__}: {str(err).splitlines()[:1]}"
+    check = report.equivalence
+    if not check or not check.get("passed"):
+        return SILENT, f"resumed, not equal to one device: {check}"
+    return EQUAL, "resumed, equal to one device"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="one line per draw")
+    parser.add_argument("--resume", action="store_true",
+                        help="pairs: save under one layout, resume under another")
     parser.add_argument("--plan", action="store_true",
                         help="also tally where the plan differs from the measured run")
     args = parser.parse_args()
@@ -189,9 +243,14 @@ def main() -> int:
     plan_errors = {} if args.plan else None
     started = time.process_time()
     for index in range(args.draws):
-        settings = draw(rng)
         faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hang: every stack, then exit
-        outcome, detail = run(settings, plan_errors)
+        if args.resume:
+            first, settings = resumed_pair(rng)
+            outcome, detail = resume(first, settings)
+            settings = {**settings, "from": name(first)}
+        else:
+            settings = draw(rng)
+            outcome, detail = run(settings, plan_errors)
         faulthandler.cancel_dump_traceback_later()
         counts[outcome] += 1
         if args.verbose or outcome not in (REFUSED, EQUAL):
