@@ -51,6 +51,8 @@ import tempfile
 import time
 import warnings
 
+from arguments import positive_int
+
 from minipar.errors import ConfigError
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
@@ -229,7 +231,7 @@ def resume(first: dict, second: dict) -> tuple[str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--draws", type=int, default=120)
+    parser.add_argument("--draws", type=positive_int, default=120)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="one line per draw")
     parser.add_argument("--resume", action="store_true",
