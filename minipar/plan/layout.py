@@ -223,9 +223,12 @@ class ParallelConfig(Layout):
             return ""
         if self.reductions_in_flight is None:
             return ", no limit of reductions in flight (Megatron-LM's distributed optimizer)"
-        return (f", at most {self.reductions_in_flight} reductions in flight"
-                + (" (DeepSpeed's overlap_comm)" if self.reductions_in_flight == MAX_IN_FLIGHT
-                   else ""))
+        if self.reductions_in_flight != MAX_IN_FLIGHT:
+            return f", at most {self.reductions_in_flight} reductions in flight"
+        # DeepSpeed's pipeline engine reduces after the flush, whatever overlap_comm says
+        whose = ("DeepSpeed's overlap_comm" if self.pp == 1 else
+                 "minipar's emulator; DeepSpeed's pipeline engine reduces after the flush")
+        return f", at most {MAX_IN_FLIGHT} reductions in flight ({whose})"
 
     def to_dict(self) -> dict:
         values = super().to_dict()
