@@ -25,7 +25,8 @@ clipping, precisions, gradient-accumulation dtypes and GPUs per node. Each draw 
 It prints one line of totals; every outcome but "refused cleanly" and "equal" must be 0.
 The same seed draws the same layouts.
 
-`--resume` draws pairs instead: the first layout trains one step and saves; the second, of
+`--resume` draws pairs instead: the first layout trains one step and saves (and its
+checkpoint, consolidated, must be its state dict); the second, of
 the same model, global batch and precision but its own parallel layout, resumes from
 that checkpoint for a second step, checked against one device resumed from it (a
 checkpoint loads under any layout: minipar/train/checkpoint.py). A resume refused with
@@ -51,6 +52,7 @@ import tempfile
 import time
 import warnings
 
+import numpy as np
 from arguments import positive_int
 
 from minipar.errors import ConfigError
@@ -59,6 +61,7 @@ from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
 from minipar.plan.shapes import from_train_config
 from minipar.train import TrainConfig, train
+from minipar.train.checkpoint import consolidate
 
 # what defines the model and its numbers: a resumed layout keeps them, draws the rest
 MODEL = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "data", "tie_embeddings",
@@ -211,12 +214,16 @@ def resume(first: dict, second: dict) -> tuple[str, str]:
     """(outcome, detail) of training `first` a step, then `second` from its checkpoint."""
     with tempfile.TemporaryDirectory(prefix="minipar-fuzz-") as folder:
         try:
-            train(TrainConfig(**first), save_dir=folder)
+            saved = train(TrainConfig(**first), save_dir=folder)
             config = TrainConfig(**second, check=True)
+            consolidated = consolidate(folder)  # `minipar consolidate` of what it saved
         except ConfigError as err:
             return REFUSED, str(err).splitlines()[0]
         except Exception as err:  # noqa: BLE001
             return TRACEBACK, f"first: {type(err).__name__}: {str(err).splitlines()[:1]}"
+        for tensor, value in saved.state_dict.items():  # (mixed: fp32 masters, rounded)
+            if not np.array_equal(consolidated[tensor].astype(value.dtype), value):
+                return SILENT, f"consolidated {tensor} is not the saving run's"
         try:
             report = train(config, resume_from=folder)
         except ConfigError as err:  # the layout refused for itself (a CheckpointError,
