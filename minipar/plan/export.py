@@ -47,9 +47,7 @@ def ddp_bucket_elements(shape: ModelShape, config: ParallelConfig) -> int:
     """Megatron-LM's `--ddp-bucket-size` (parameters) of a plan: its buckets, or with
     bucket_size_mb 0 (one bucket) the whole model, which its default, max(40M, 1M x dp),
     would cut in pieces the plan did not price."""
-    if config.bucket_size_mb > 0:
-        return int(config.bucket_size_mb * 2**20 / config.bytes.param)
-    return shape.n_params
+    return reduce_bucket_elements(config) if config.bucket_size_mb > 0 else shape.n_params
 
 
 def deepspeed_config(shape: ModelShape, config: ParallelConfig) -> dict:

@@ -185,8 +185,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     if config.offload_optimizer != "none":
         optimizer_elements = 0
         if zero >= 2:
-            pieces = (params.units if zero == 3 else bucket_elements(params, config)
-                      if config.bucket_size_mb > 0 else (params.numel,))
+            pieces = flat_pieces(params, config)
             largest = max(shard(piece, n) for piece in pieces)
             grad_elements = largest + (sharded if config.micro_batches > 1 else 0)
     optimizer_bytes = nbytes.optimizer
@@ -402,6 +401,17 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
         else:
             saved += held
     return saved, max(0, peak - saved - head)
+
+
+def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:
+    """Elements of each flat buffer a ZeRO rank shards, and an offloading one sends to the
+    host piece by piece: one per ZeRO-3 unit, one per gradient bucket under ZeRO-1/2
+    (each padded and sharded on its own), or with one bucket the whole."""
+    if config.zero == 3:
+        return params.units
+    if config.bucket_size_mb > 0:
+        return tuple(bucket_elements(params, config))
+    return (params.numel,)
 
 
 def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from itertools import groupby
 
 from minipar.plan.layout import ParallelConfig, StagePlan
-from minipar.plan.memory import CATEGORIES, bucket_elements, shard, stage_parameters
+from minipar.plan.memory import CATEGORIES, flat_pieces, shard, stage_parameters
 from minipar.plan.shapes import ADAMW_FLOPS_PER_PARAMETER, ModelShape
 
 DIRECTIONS = ("to_host", "to_device", "nvme_read", "nvme_write")
@@ -59,12 +59,8 @@ def shards(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> list[
     """Elements of my shard of each flat buffer: one per gradient bucket for ZeRO-1/2
     (each bucket is padded and sharded on its own, and its piece copied on its own),
     one per ZeRO-3 unit."""
-    params = stage_parameters(shape, config, stage)
-    if config.zero == 3:
-        return [shard(u, config.dp) for u in params.units]
-    if config.bucket_size_mb > 0:
-        return [shard(b, config.dp) for b in bucket_elements(params, config)]
-    return [shard(params.numel, config.dp)]
+    return [shard(piece, config.dp)
+            for piece in flat_pieces(stage_parameters(shape, config, stage), config)]
 
 
 def optimizer_bytes_per_element(config: ParallelConfig) -> int:
