@@ -25,6 +25,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import fields
 
+from minipar.errors import flag as setting_flag
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan import presets
 from minipar.plan.layout import ParallelConfig
@@ -87,24 +88,12 @@ def launch_note(shape: ModelShape, config: ParallelConfig, command=None) -> str:
         other = config.replace(**changes)
         text = command(other) if command is not None else None
         if text is None:
-            text = "this plan with " + " ".join(_change_flags(changes))
+            text = "this plan with " + " ".join(
+                word for name, value in changes.items() for word in _flag(name, value))
         lines.append(f"# LAUNCHER={name} ({LAUNCHERS[name]}) runs this layout with "
                      + ", ".join(DIFFERENCES[item] for item in changes.items())
                      + f"; that job's plan:\n#   {text}")
     return "\n".join(lines) + "\n"
-
-
-def _change_flags(changes: dict) -> list[str]:
-    """The `minipar plan` flags that make a plan's settings `changes`."""
-    words = []
-    for name, value in changes.items():
-        if name == "reductions_in_flight":
-            words.append(f"--reductions-in-flight {'unlimited' if value is None else value}")
-        elif name == "overlap_grad_reduce":
-            words.append("--no-overlap-grad-reduce")
-        else:
-            words.append(f"--{name.replace('_', '-')} {value}")
-    return words
 
 
 # the flags that say the model and the cluster (not the layout: config has it)
@@ -148,7 +137,7 @@ def plan_command(args, config: ParallelConfig, moe: bool = False) -> str | None:
 
 def _flag(name: str, value) -> list[str]:
     """The words that give setting `name` the value `value`."""
-    flag = "--" + name.replace("_", "-")
+    flag = setting_flag(name)
     if name == "reductions_in_flight":
         return [flag, "unlimited" if value is None else str(value)]
     if name == "reshard_after_forward":  # (true, false or K)
