@@ -68,7 +68,12 @@ from minipar.plan.experts import (
 )
 from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cache_bytes
 from minipar.plan.layout import ParallelConfig, StagePlan
-from minipar.plan.parameter_order import embedding_tensors, head_tensors, layer_tensors
+from minipar.plan.parameter_order import (
+    embedding_tensors,
+    head_tensors,
+    layer_tensors,
+    layer_vectors,
+)
 from minipar.plan.shapes import ModelShape
 from minipar.plan.walked_activations import walkable, walked_peak
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
@@ -90,6 +95,9 @@ class StageParameters:
     tied_unit: int  # elements of the tied copy (last rank, pp > 1)
     expert_numel: int = 0  # of numel, the MoE layers' experts (reduced over dp / ep)
     tensors: tuple[int, ...] = ()  # each parameter's elements, in registration order
+    # of `tensors`, which are the (h,) vectors sequence parallelism leaves partial over
+    # TP (None: an MoE layer's parameters are listed as one)
+    vectors: tuple[bool, ...] | None = None
 
 
 def flat_buffers(params: StageParameters, config: ParallelConfig) -> list[tuple[int, int]]:
@@ -132,9 +140,16 @@ def _stage_parameters(shape: ModelShape, t: int, ep: int, first: bool, last: boo
                + ((moe_layer,) * moe_layers)
                + (head_tensors(shape, t, tied_copy)[0] if last else
                   (tied,) if tied else ()))
+    vectors = None
+    if not moe_layers and layer_vectors(shape, t) is not None:
+        head = head_tensors(shape, t, tied_copy)[0] if last else (tied,) if tied else ()
+        norms = (2 if shape.norm == "layernorm" else 1) if last else 0  # ln_f's, first
+        vectors = ((False,) * (len(tensors) - len(head) - layers * len(layer_tensors(shape, t)))
+                   + layer_vectors(shape, t) * layers
+                   + (True,) * norms + (False,) * (len(head) - norms))
     return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
                            tied_unit=tied, expert_numel=moe_layers * expert,
-                           tensors=tensors)
+                           tensors=tensors, vectors=vectors)
 
 
 def shard(numel: int, n: int) -> int:
@@ -422,16 +437,23 @@ def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int
                                  config.bytes.param))
 
 
-@lru_cache(maxsize=64)  # every layout of a search with these stage's tensors: once
 def _bucket_elements(tensors: tuple[int, ...], cap: float, itemsize: int) -> tuple[int, ...]:
-    buckets, size = [0], 0
-    for numel in reversed(tensors):
-        if buckets[-1] and size + numel * itemsize > cap:
-            buckets.append(0)
+    return tuple(sum(tensors[i] for i in bucket)
+                 for bucket in _bucket_tensors(tensors, cap, itemsize))
+
+
+@lru_cache(maxsize=64)  # every layout of a search with these stage's tensors: once
+def _bucket_tensors(tensors: tuple[int, ...], cap: float, itemsize: int
+                    ) -> tuple[tuple[int, ...], ...]:
+    """Which of `tensors` each bucket holds, in the order it lays them end to end."""
+    buckets, size = [[]], 0
+    for i in reversed(range(len(tensors))):
+        if buckets[-1] and size + tensors[i] * itemsize > cap:
+            buckets.append([])
             size = 0
-        buckets[-1] += numel
-        size += numel * itemsize
-    return tuple(buckets)
+        buckets[-1].append(i)
+        size += tensors[i] * itemsize
+    return tuple(map(tuple, buckets))
 
 
 def sequence_parallel_vectors(shape: ModelShape, stage: StagePlan) -> int:
@@ -448,15 +470,64 @@ def sequence_parallel_gradient_elements(shape: ModelShape, config: ParallelConfi
                                         stage: StagePlan) -> int:
     """Elements of the flat buffer sequence parallelism all-reduces over TP once per step
     (minipar/parallel/tensor/sequence_grads.py; Megatron's finalize_model_grads): the
-    vectors' gradients the optimizer reads, under ZeRO my shard's (about 1/N of them: the
-    exact share depends on where the vectors fall in the flat buckets); 0 without it, or
-    with an offloaded optimizer (f all-reduces each in backward)."""
+    vectors' gradients the optimizer reads; under ZeRO the parts of them in my shard of
+    each flat buffer (`first_shard_vectors`; about 1/N of them on an MoE stage, whose
+    layers' tensors are not listed); 0 without it, or with an offloaded optimizer (f
+    all-reduces each in backward)."""
     if not config.sequence_parallel or config.tp == 1 or config.offload_optimizer != "none":
         return 0
     elements = sequence_parallel_vectors(shape, stage) * shape.d_model
     if config.zero and config.replicas > 1:
-        elements = shard(elements, config.replicas)
+        params = stage_parameters(shape, config, stage)
+        if params.vectors is None:
+            return shard(elements, config.replicas)
+        return first_shard_vectors(shape, config, stage, params)
     return elements
+
+
+def first_shard_vectors(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
+                        params: StageParameters) -> int:
+    """Elements of the sequence-parallel vectors in the first ZeRO shard of each flat
+    buffer, the rank at dp 0's (the planner's rank): each buffer is padded to a multiple
+    of its N ranks and cut in N equal pieces (minipar.parallel.data.buckets.Bucket).
+    ZeRO-1/2 lay a bucket's tensors in reverse registration order (build_buckets), ZeRO-3
+    a unit's in registration order (stage3.gpt_units: the embedding's, each layer's, the
+    head's ln_f then an untied LM head, a tied copy apart)."""
+    h = shape.d_model
+    if config.zero == 3:
+        n = config.sharding_group
+        layer = layer_tensors(shape, config.tp)
+        in_layer = _vectors_within(layer, layer_vectors(shape, config.tp), shard(sum(layer), n))
+        head = 0
+        if stage.last:
+            norms = (2 if shape.norm == "layernorm" else 1) * h
+            head = min(norms, shard(norms + (0 if shape.tie_embeddings else
+                                             params.tensors[-1]), n))
+        return stage.layers * in_layer + head
+    tensors, n = params.tensors, config.replicas
+    if config.bucket_size_mb > 0:
+        buckets = _bucket_tensors(tensors, config.bucket_size_mb * 2**20, config.bytes.param)
+    else:
+        buckets = (tuple(reversed(range(len(tensors)))),)
+    total = 0
+    for bucket in buckets:
+        sizes = [tensors[i] for i in bucket]
+        total += _vectors_within(sizes, [params.vectors[i] for i in bucket],
+                                 shard(sum(sizes), n))
+    return total
+
+
+def _vectors_within(sizes, vectors, stop: int) -> int:
+    """Elements of the vectors among tensors of `sizes` laid end to end that fall in
+    the first `stop` elements."""
+    total, at = 0, 0
+    for numel, vector in zip(sizes, vectors, strict=True):
+        if at >= stop:
+            break
+        if vector:
+            total += min(numel, stop - at)
+        at += numel
+    return total
 
 
 def _sync_buffers(config: ParallelConfig, params: StageParameters, stage: StagePlan,

@@ -26,17 +26,31 @@ def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
     """Elements of a transformer layer's parameters on one TP rank, in minipar's (and
     Hugging Face GPT-2's) registration order: ln_1, attn.c_attn, attn.c_proj, ln_2,
     mlp.c_fc (gate and up with SwiGLU), mlp.c_proj; weights before biases."""
+    return tuple(numel for numel, _ in _layer_parameters(shape, tp))
+
+
+def layer_vectors(shape: ModelShape, tp: int = 1) -> tuple[bool, ...] | None:
+    """For each of `layer_tensors`, whether sequence parallelism leaves its gradient
+    partial over TP (the norms' weights and biases, the row-parallel layers' biases:
+    parallel/tensor/sequence.py); None for a layer that list does not know."""
+    parameters = _layer_parameters(shape, tp)
+    return None if len(parameters) == 1 else tuple(vector for _, vector in parameters)
+
+
+def _layer_parameters(shape: ModelShape, tp: int) -> list[tuple[int, bool]]:
+    """(elements, sequence-parallel vector?) of each parameter of a layer, in order."""
     h = shape.d_model
-    norm = (h, h) if shape.norm == "layernorm" else (h,)
-    tensors = [*norm, h * shape.qkv_width // tp]
-    tensors += [shape.qkv_width // tp] if shape.bias else []
-    tensors += [h * h // tp] + ([h] if shape.bias else [])
-    tensors += [*norm, h * shape.mlp_in_width // tp]
-    tensors += [shape.mlp_in_width // tp] if shape.bias else []
-    tensors += [shape.ffn * h // tp] + ([h] if shape.bias else [])
-    if sum(tensors) != sum(shape.layer_params(tp)):  # a layer this list does not know
-        return (sum(shape.layer_params(tp)),)
-    return tuple(tensors)
+    norm = [(h, True)] * (2 if shape.norm == "layernorm" else 1)
+    bias = shape.bias
+    parameters = [*norm, (h * shape.qkv_width // tp, False)]
+    parameters += [(shape.qkv_width // tp, False)] if bias else []
+    parameters += [(h * h // tp, False)] + ([(h, True)] if bias else [])
+    parameters += [*norm, (h * shape.mlp_in_width // tp, False)]
+    parameters += [(shape.mlp_in_width // tp, False)] if bias else []
+    parameters += [(shape.ffn * h // tp, False)] + ([(h, True)] if bias else [])
+    if sum(numel for numel, _ in parameters) != sum(shape.layer_params(tp)):
+        return [(sum(shape.layer_params(tp)), False)]  # a layer this list does not know
+    return parameters
 
 
 COLLECTIVES = "collectives"  # a step of layer_ready's that is TP communication

@@ -222,6 +222,35 @@ def test_planner_puts_the_sequence_parallel_gradient_all_reduce_in_each_stages_t
         assert relative(spent, STEPS * est.step_time) <= TIME_TOLERANCE
 
 
+ZERO_SP = [  # where each ZeRO shard's flat buffers put the norm and bias vectors
+    dict(dp=3, tp=2, zero=1),
+    dict(dp=3, tp=4, zero=1),
+    dict(dp=2, tp=2, zero=2, bucket_size_mb=0.005, tie_embeddings=False),
+    dict(dp=3, tp=2, zero=3, n_layer=3, tie_embeddings=False, d_model=48),
+    dict(dp=4, tp=2, zero=3, hsdp_shard_size=2),
+    dict(dp=2, cp=2, tp=2, zero=1, seq_len=32, mlp="swiglu"),
+    dict(dp=3, tp=2, pp=2, zero=1, n_layer=4, grad_accum_steps=4, schedule="dualpipe-v",
+         virtual_stages=2),
+]
+
+
+@pytest.mark.parametrize("settings", ZERO_SP, ids=lambda s: "-".join(
+    f"{k}{v}" for k, v in s.items() if k in ("dp", "tp", "cp", "pp", "zero")))
+def test_a_zero_shard_all_reduces_the_sequence_parallel_vectors_it_holds(settings):
+    """Under ZeRO the sequence-parallel all-reduce sums the part of the norm and bias
+    gradients in my shard of each flat buffer (tensor/sequence_grads.py), which depends
+    on where the vectors fall in the padded buckets or units: the planner's rank (dp 0)
+    sends exactly what the emulator's does, whatever the buffers, layers and groups."""
+    config = TrainConfig(**{**TINY, **settings}, sequence_parallel=True)
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED, all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"] == {
+            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
+        assert STEPS * stage.traffic["tp"] == measured["comm"]["by_group"]["tp"], stage.rank
+
+
 # ------------------------------------------------------------------ strategies, directly
 def tiny_gpt(**changes) -> GPTConfig:
     return GPTConfig(**{**dict(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32),
