@@ -437,6 +437,7 @@ def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int
                                  config.bytes.param))
 
 
+@lru_cache(maxsize=64)
 def _bucket_elements(tensors: tuple[int, ...], cap: float, itemsize: int) -> tuple[int, ...]:
     return tuple(sum(tensors[i] for i in bucket)
                  for bucket in _bucket_tensors(tensors, cap, itemsize))
@@ -497,31 +498,37 @@ def first_shard_vectors(shape: ModelShape, config: ParallelConfig, stage: StageP
     if config.zero == 3:
         n = config.sharding_group
         layer = layer_tensors(shape, config.tp)
-        in_layer = _vectors_within(layer, layer_vectors(shape, config.tp), shard(sum(layer), n))
+        in_layer = _vectors_within(zip(layer, layer_vectors(shape, config.tp), strict=True),
+                                   shard(sum(layer), n))
         head = 0
         if stage.last:
             norms = (2 if shape.norm == "layernorm" else 1) * h
             head = min(norms, shard(norms + (0 if shape.tie_embeddings else
                                              params.tensors[-1]), n))
         return stage.layers * in_layer + head
-    tensors, n = params.tensors, config.replicas
-    if config.bucket_size_mb > 0:
-        buckets = _bucket_tensors(tensors, config.bucket_size_mb * 2**20, config.bytes.param)
+    cap = config.bucket_size_mb * 2**20 if config.bucket_size_mb > 0 else 0.0
+    return _buckets_first_shard_vectors(params.tensors, params.vectors, cap,
+                                        config.bytes.param, config.replicas)
+
+
+@lru_cache(maxsize=64)  # a search meets the same stage in many layouts
+def _buckets_first_shard_vectors(tensors: tuple[int, ...], vectors: tuple[bool, ...],
+                                 cap: float, itemsize: int, n: int) -> int:
+    """first_shard_vectors over ZeRO-1/2's buckets of at most `cap` bytes (0: one)."""
+    if cap > 0:
+        buckets = _bucket_tensors(tensors, cap, itemsize)
+        totals = _bucket_elements(tensors, cap, itemsize)
     else:
-        buckets = (tuple(reversed(range(len(tensors)))),)
-    total = 0
-    for bucket in buckets:
-        sizes = [tensors[i] for i in bucket]
-        total += _vectors_within(sizes, [params.vectors[i] for i in bucket],
-                                 shard(sum(sizes), n))
-    return total
+        buckets, totals = (range(len(tensors) - 1, -1, -1),), (sum(tensors),)
+    return sum(_vectors_within(((tensors[i], vectors[i]) for i in bucket), shard(total, n))
+               for bucket, total in zip(buckets, totals, strict=True))
 
 
-def _vectors_within(sizes, vectors, stop: int) -> int:
-    """Elements of the vectors among tensors of `sizes` laid end to end that fall in
-    the first `stop` elements."""
+def _vectors_within(tensors, stop: int) -> int:
+    """Elements of the vectors among (elements, vector?) tensors laid end to end that
+    fall in the first `stop` elements."""
     total, at = 0, 0
-    for numel, vector in zip(sizes, vectors, strict=True):
+    for numel, vector in tensors:
         if at >= stop:
             break
         if vector:
