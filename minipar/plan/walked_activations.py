@@ -23,9 +23,17 @@ the rank's compute order (the schedule's generator, the one the trainer runs):
                    checkpointed layer, whose I makes its weight gradients itself)
     W              frees kept[c]
 
-and returns the largest sum (without kept and input_working, an I keeps held[c] and
-adds working[c]). Exact against the emulator for the interleaved schedule and
-DualPipe-V (tests/plan/test_experts.py).
+and returns the largest sum. kept and input_working are plan/split_backward.py's,
+which replays an I op by op as the emulator's ledger sees it (autograd/engine.py's
+WeightGradient). Exact against the emulator for the interleaved schedule and
+DualPipe-V (tests/plan/test_experts.py), and for ZB-H1, ZB-H2 and ZB-V on every layout
+tests/plan/test_walked_activations.py trains (no, selective, full and full block
+recomputation, pp 2-3, 4-9 micro-batches, TP with and without SP, CP, MoE with EP,
+bf16); split_backward.py names what it does not replay. Holding held[c]
+until the W instead reads the zero-bubble schedules' peaks up to 24.5% off in either
+direction (benchmarks/fuzz_layouts.py --plan: high where a W keeps less than the
+forward saved, low where the I's own working set or sequence parallelism's
+all-gathered output gradients, kept for W, set the peak).
 
 How far: a schedule's held micro-batches repeat once its pipeline is full, so the peak
 of m micro-batches is that of min(m, 2p) (the smallest count >= 2p the schedule
