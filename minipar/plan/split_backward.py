@@ -22,17 +22,17 @@ what the I frees net (what W then frees is the chunk's held bytes plus that sum)
 their largest running sum is what the I adds above what was held before it
 (walked_activations.py uses both).
 
-Exact against the emulator's ledger (tests/plan/test_walked_activations.py, and every
-zero-bubble draw of benchmarks/fuzz_layouts.py --plan) for minipar's GPT: GELU or
-SwiGLU, grouped-query attention, tied or untied head, dropout, TP with and without
-sequence parallelism, context parallelism (ring attention's saved log-sum-exp), MoE
-layers with and without expert parallelism, fp64 / fp32 / bf16-mixed, and no,
-selective, full (uniform) and full block recomputation. What the emulator does not run
-is replayed by the same rules, unmeasured: RMSNorm (one weight gradient), linear layers
-without biases (a row-parallel projection under sequence parallelism then keeps only
-the all-gathered gradient), rotary or ALiBi positions (no saved bytes of their own),
-FlashAttention's log-sum-exp in place of the probabilities, and FP8's smaller saved
-inputs (which I does not free: they are W's).
+Exact against the emulator's ledger (tests/plan/test_walked_activations.py, and the 54
+zero-bubble draws of benchmarks/fuzz_layouts.py --draws 300 --seed 3 --plan) for
+minipar's GPT: GELU or SwiGLU, grouped-query attention, tied or untied head, dropout,
+TP with and without sequence parallelism, context parallelism (ring attention's saved
+log-sum-exp), MoE layers with and without expert parallelism, fp64 / fp32 /
+bf16-mixed, and no, selective, full (uniform) and full block recomputation. What the
+emulator does not run is replayed by the same rules, unmeasured: RMSNorm (one weight
+gradient), linear layers without biases (a row-parallel projection under sequence
+parallelism then keeps only the all-gathered gradient), rotary or ALiBi positions (no
+saved bytes of their own), FlashAttention's log-sum-exp in place of the
+probabilities, and FP8's smaller saved inputs (which I does not free: they are W's).
 """
 
 from __future__ import annotations
