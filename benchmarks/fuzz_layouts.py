@@ -36,9 +36,9 @@ a CheckpointError or a traceback is a finding: finished work the user cannot con
 rank r's first DP/TP/CP rank: parameters, gradients, optimizer state and activations
 per rank, bytes sent per group. It prints, per figure, how many draws differ and the
 largest |planned / measured - 1|, with the worst draw. These are not failures: several
-are approximations docs/planner.md states (activations under the zero-bubble schedules,
-ZeRO's share of sequence parallelism's norm gradients, recomputation's input gradient
-with one micro-batch); the tally shows where the planner is exact and where not.
+are approximations docs/planner.md states (ZeRO's share of sequence parallelism's norm
+gradients, recomputation's input gradient with one micro-batch); the tally shows where
+the planner is exact and where not.
 """
 
 from __future__ import annotations

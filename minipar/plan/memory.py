@@ -41,9 +41,10 @@ plan/accounting.py's, applied to the ingredients computed here.
 This module is long because the peak is one sum of many parts, each checked by the emulator.
 
 Predictions for params, grads and optimizer are exact for minipar's layouts; activations
-are exact for one pipeline stage, GPipe and 1F1B, and for a rank of several chunks that
+are exact for one pipeline stage, GPipe and 1F1B, for a rank of several chunks that
 save differently, walked over its schedule (walked_activations.py: interleaved and
-DualPipe-V); buffers and the total are an estimate:
+DualPipe-V), and for the zero-bubble schedules, walked with what a split backward's I
+keeps for its W (split_backward.py); buffers and the total are an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
 across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).
@@ -75,7 +76,8 @@ from minipar.plan.parameter_order import (
     layer_vectors,
 )
 from minipar.plan.shapes import ModelShape
-from minipar.plan.walked_activations import walkable, walked_peak
+from minipar.plan.split_backward import input_backward
+from minipar.plan.walked_activations import splits_backward, walkable, walked_peak
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -313,6 +315,9 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     head_first = stage.last and with_head > 0
     saved, extra = 0, 0
     held, working = [], []  # per chunk, for a walk of the schedule (below)
+    walk = walkable(config.schedule, config.pp, config.micro_batches, v)
+    split = walk and splits_backward(config.schedule, config.pp, config.micro_batches, v)
+    kept, input_working = [], []  # a split backward's, per chunk (split_backward.py)
     moe_layers = chunk_moe_layers(shape, stage)
     moe = moe_activation_delta(shape, b, t, sp, a) if any(moe_layers) else 0
     for c, n in enumerate(stage.chunk_layers):
@@ -333,14 +338,22 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         held.append(chunk_saved + (embedding if embeds else 0) + (head if holds_head else 0)
                     - buffered)
         working.append(chunk_extra)
-    if (v > 1 and (len(set(held)) > 1 or len(set(working)) > 1)
-            and walkable(config.schedule, config.pp, config.micro_batches, v)):
+        if split:
+            first = stage.chunk_starts[c]
+            freed, during = input_backward(shape, config, range(first, first + n), layer,
+                                           head=holds_head, embeds=embeds, moe=moe)
+            kept.append(held[-1] + freed)
+            input_working.append(during)
+    if split or (walk and v > 1 and (len(set(held)) > 1 or len(set(working)) > 1)):
         # Chunks that save differently (more layers, MoE layers, the embedding or the
-        # head): which of them are in flight at the peak, and whose backward runs then,
-        # is the schedule's order, walked (walked_activations.py). Chunks that save alike
-        # keep the closed form, exact for them; so does a pipeline too long to walk.
+        # head), or a split backward's I and W: which micro-batches are in flight at
+        # the peak, what each holds then, and whose backward runs, is the schedule's
+        # order, walked (walked_activations.py). Chunks that save alike under an unsplit
+        # backward keep the closed form, exact for them; so does a pipeline too long to
+        # walk.
         activations = walked_peak(config.schedule, config.pp, config.micro_batches,
-                                  stage.rank, held, working)
+                                  stage.rank, held, working, kept or None,
+                                  input_working or None)
     else:
         activations = (k * saved // v + with_embedding * embedding + with_head * head
                        + extra)

@@ -5,31 +5,41 @@ as k/v of each of the rank's v chunks, the head's and the embedding's by their o
 counts, and one chunk's recomputation working set on top: exact when the chunks save
 alike. When they do not (chunks that hold their MoE layers differently: an MoE layer
 saves several times a dense one), which chunks' micro-batches are held at the peak, and
-which chunk's backward runs then, decide it. This walks the rank's compute order (the
-schedule's generator, the one the trainer runs):
+which chunk's backward runs then, decide it; so does, under a split backward (the
+zero-bubble schedules), what a micro-batch holds between its I and its W. This walks
+the rank's compute order (the schedule's generator, the one the trainer runs):
 
     F of chunk c   adds what one micro-batch of c holds until its backward (`held[c]`:
                    its layers' saved bytes, the embedding's ids on virtual stage 0, the
                    head's on the last; under full recomputation not its input, which
                    arrived as a buffer or was handed over by the chunk before it)
-    B (or I)       while it runs, c's working set on top (`working[c]`: a checkpointed
-                   segment recomputing, or one attention core's probabilities); a B
-                   then frees held[c]
-    W              frees held[c] (a split backward's micro-batch counts until its W,
-                   as the schedules' in_flight counts it)
+    B              while it runs, c's working set on top (`working[c]`: a checkpointed
+                   segment recomputing, or one attention core's probabilities); then
+                   frees held[c]
+    I              a split backward's first half: while it runs, its own working set
+                   on top (`input_working[c]`), then it frees held[c] but leaves
+                   `kept[c]`, what its W will need (the linear layers' saved inputs and
+                   output gradients, the norms' weight gradients; nothing of a
+                   checkpointed layer, whose I makes its weight gradients itself)
+    W              frees kept[c]
 
-and returns the largest sum. Exact against the emulator for the interleaved schedule
-and DualPipe-V (tests/plan/test_experts.py). What a split backward keeps between an I
-and its W is what the I leaves (the saved inputs of the layers W calls again and their
-output gradients, autograd/engine.py), not held[c]: where ZB-V's peak falls there it
-reads low (of the toy MoE layouts measured: within 0.2% without recomputation, 1.6%
-with selective, up to 8% low with full and 18% with full's block method).
+and returns the largest sum. kept and input_working are plan/split_backward.py's,
+which replays an I op by op as the emulator's ledger sees it (autograd/engine.py's
+WeightGradient). Exact against the emulator for the interleaved schedule and
+DualPipe-V (tests/plan/test_experts.py), and for ZB-H1, ZB-H2 and ZB-V on every layout
+tests/plan/test_walked_activations.py trains (no, selective, full and full block
+recomputation, pp 2-3, 4-9 micro-batches, TP with and without SP, CP, MoE with EP,
+bf16); split_backward.py names what it does not replay. Holding held[c]
+until the W instead reads the zero-bubble schedules' peaks up to 24.5% off in either
+direction (benchmarks/fuzz_layouts.py --plan: high where a W keeps less than the
+forward saved, low where the I's own working set or sequence parallelism's
+all-gathered output gradients, kept for W, set the peak).
 
 How far: a schedule's held micro-batches repeat once its pipeline is full, so the peak
 of m micro-batches is that of min(m, 2p) (the smallest count >= 2p the schedule
 accepts): tests/plan/test_walked_activations.py checks it against whole walks up to 6p
-for every registered schedule with several chunks, so a plan of 65,536 micro-batches
-walks 2p.
+for every registered schedule that is walked (several chunks, or a split backward), so
+a plan of 65,536 micro-batches walks 2p.
 """
 
 from __future__ import annotations
@@ -75,25 +85,42 @@ def compute_orders(schedule: str, pp: int, micro_batches: int, virtual_stages: i
 
 
 def peak_of(order: Sequence[tuple[str, int]], held: Sequence[int],
-            working: Sequence[int]) -> int:
-    """The largest bytes held along `order` (module docstring)."""
+            working: Sequence[int], kept: Sequence[int] | None = None,
+            input_working: Sequence[int] | None = None) -> int:
+    """The largest bytes held along `order` (module docstring). Without `kept` a split
+    backward's I keeps held[c] and adds working[c] while it runs."""
+    kept = held if kept is None else kept
+    input_working = working if input_working is None else input_working
     now = peak = 0
     for kind, c in order:
         if kind == "F":
             now += held[c]
             peak = max(peak, now)
-        elif kind == "W":
-            now -= held[c]
-        else:  # B or I
+        elif kind == "B":
             peak = max(peak, now + working[c])
-            if kind == "B":
-                now -= held[c]
+            now -= held[c]
+        elif kind == "I":
+            peak = max(peak, now + input_working[c])
+            now += kept[c] - held[c]
+        else:  # W
+            now -= kept[c]
     return peak
 
 
 def walked_peak(schedule: str, pp: int, micro_batches: int, rank: int,
-                held: Sequence[int], working: Sequence[int]) -> int:
+                held: Sequence[int], working: Sequence[int],
+                kept: Sequence[int] | None = None,
+                input_working: Sequence[int] | None = None) -> int:
     """Peak activation bytes of pipeline rank `rank` whose chunk c holds held[c] per
-    micro-batch in flight and adds working[c] while its backward runs."""
+    micro-batch in flight and adds working[c] while its backward runs; a split
+    backward's I adds input_working[c] while it runs and leaves kept[c] until the W."""
     m = walked_micro_batches(schedule, pp, micro_batches)
-    return peak_of(compute_orders(schedule, pp, m, len(held))[rank], held, working)
+    return peak_of(compute_orders(schedule, pp, m, len(held))[rank], held, working, kept,
+                   input_working)
+
+
+def splits_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> bool:
+    """Whether the schedule's ranks run a backward as I and W (the zero-bubble ones)."""
+    m = walked_micro_batches(schedule, pp, micro_batches)
+    return any(kind == "I" for order in compute_orders(schedule, pp, m, virtual_stages)
+               for kind, _ in order)

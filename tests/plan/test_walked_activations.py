@@ -1,6 +1,9 @@
 """The walk of a pipeline rank's compute order (plan/walked_activations.py): what it
-holds when, and that walking 2p micro-batches finds the peak of any longer step (the
-emulator-backed checks are in test_experts.py)."""
+holds when, and that walking 2p micro-batches finds the peak of any longer step; and
+the zero-bubble schedules' activation peak, which the walk takes from what a split
+backward's I keeps for its W (plan/split_backward.py), against the bytes the emulator's
+ledger measured on every pipeline rank (the other emulator-backed checks of the walk
+are in test_experts.py and test_estimate.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,18 @@ import random
 import pytest
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan.cluster import ClusterSpec
+from minipar.plan.estimate import estimate
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.shapes import from_train_config
 from minipar.plan.walked_activations import (
     compute_orders,
     peak_of,
+    splits_backward,
     walked_micro_batches,
     walked_peak,
 )
+from minipar.train import TrainConfig, train
 
 
 def test_a_later_chunks_working_set_can_set_the_peak():
@@ -34,14 +43,27 @@ def test_a_split_backward_holds_its_micro_batch_until_w():
     assert peak_of(order, (5,), (2,)) == 2 * 5
 
 
-def multi_chunk_schedules():
+def test_between_i_and_w_a_micro_batch_holds_what_its_i_kept():
+    """F adds held (10); I adds its working set on top (4), then leaves kept (3) in
+    place of held; W frees kept. Here the second I runs before the first W."""
+    order = [("F", 0), ("I", 0), ("F", 0), ("I", 0), ("W", 0), ("W", 0)]
+    assert peak_of(order, (10,), (0,), kept=(3,), input_working=(4,)) == 3 + 10 + 4
+    assert peak_of(order, (10,), (0,), kept=(3,), input_working=(0,)) == 3 + 10
+    # a W that keeps more than the forward saved (sequence parallelism's all-gathered
+    # output gradients): the second micro-batch's I is the peak
+    assert peak_of(order, (10,), (0,), kept=(12,), input_working=(2,)) == 12 + 10 + 2
+
+
+def walked_schedules():
+    """(schedule, chunks) of every walked rank: several chunks, or a split backward."""
     for name, spec in SCHEDULES.items():
         fewest, most = spec.virtual_stages
-        for v in range(max(fewest, 2), (most or 3) + 1):
-            yield name, v
+        for v in range(fewest, (most or 3) + 1):
+            if v > 1 or splits_backward(name, 2, spec.min_micro_batches(2), v):
+                yield name, v
 
 
-@pytest.mark.parametrize("name, v", list(multi_chunk_schedules()))
+@pytest.mark.parametrize("name, v", list(walked_schedules()))
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_two_p_micro_batches_find_the_peak_of_any_step(name, v, p):
     spec = SCHEDULES[name]
@@ -53,6 +75,79 @@ def test_two_p_micro_batches_find_the_peak_of_any_step(name, v, p):
         for _ in range(3):
             held = [rng.randint(1, 100) for _ in range(v)]
             working = [rng.randint(0, 150) for _ in range(v)]
+            kept = [rng.randint(0, 150) for _ in range(v)]
+            input_working = [rng.randint(0, 150) for _ in range(v)]
             for rank, order in enumerate(compute_orders(name, p, m, v)):
                 assert walked_peak(name, p, m, rank, held, working) == peak_of(
                     order, held, working), (m, rank)
+                assert walked_peak(name, p, m, rank, held, working, kept,
+                                   input_working) == peak_of(
+                    order, held, working, kept, input_working), (m, rank)
+
+
+# ------------------------------------------------------------------ against the emulator
+TOY = dict(seq_len=8, n_head=2, d_model=16, vocab_size=32, data="synthetic", steps=1,
+           micro_batch_size=2, precision="fp64")
+FULL = dict(recompute_granularity="full")
+BLOCK = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+UNIFORM_2 = dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=2)
+SELECTIVE = dict(recompute_granularity="selective")
+
+
+def zb(schedule: str, pp: int, n_layer: int, m: int, **flags) -> dict:
+    return dict(schedule=schedule, virtual_stages=2 if schedule == "zb-v" else 1, pp=pp,
+                n_layer=n_layer, grad_accum_steps=m, **flags)
+
+
+ZERO_BUBBLE = [
+    # every recomputation, several pp sizes and micro-batch counts
+    ("zb-h1 pp2 m4", zb("zb-h1", 2, 4, 4)),
+    ("zb-h1 pp3 m7 selective", zb("zb-h1", 3, 6, 7, **SELECTIVE)),
+    ("zb-h1 pp2 m5 full", zb("zb-h1", 2, 4, 5, **FULL)),
+    ("zb-h1 pp3 m9 block", zb("zb-h1", 3, 6, 9, **BLOCK)),
+    ("zb-h2 pp2 m4", zb("zb-h2", 2, 4, 4)),
+    ("zb-h2 pp3 m6 selective", zb("zb-h2", 3, 6, 6, **SELECTIVE)),
+    ("zb-h2 pp2 m6 full", zb("zb-h2", 2, 4, 6, **FULL)),
+    ("zb-h2 pp2 m4 block", zb("zb-h2", 2, 4, 4, **BLOCK)),
+    ("zb-v pp2 m4", zb("zb-v", 2, 8, 4)),
+    ("zb-v pp3 m6 selective", zb("zb-v", 3, 12, 6, **SELECTIVE)),
+    ("zb-v pp2 m4 full", zb("zb-v", 2, 4, 4, **FULL)),
+    ("zb-v pp3 m7 block", zb("zb-v", 3, 12, 7, **BLOCK)),
+    ("zb-v pp2 m6 uniform 2", zb("zb-v", 2, 8, 6, **UNIFORM_2)),
+    # the shapes the walk's I replays op by op
+    ("zb-h1 tp2", zb("zb-h1", 2, 4, 4, tp=2)),
+    ("zb-h2 tp2 sp swiglu", zb("zb-h2", 2, 4, 5, tp=2, sequence_parallel=True,
+                               mlp="swiglu")),
+    ("zb-v tp2 sp bf16 selective", zb("zb-v", 2, 8, 6, tp=2, sequence_parallel=True,
+                                      precision="bf16-mixed", **SELECTIVE)),
+    ("zb-h1 gqa fp32 untied", zb("zb-h1", 2, 4, 4, n_kv_head=1, precision="fp32",
+                                 tie_embeddings=False)),
+    ("zb-h2 pp3 dropout swiglu", zb("zb-h2", 3, 6, 7, dropout=0.1, mlp="swiglu")),
+    ("zb-v cp2 tp2 sp", zb("zb-v", 2, 8, 4, cp=2, tp=2, sequence_parallel=True)),
+    ("zb-h1 moe", zb("zb-h1", 2, 4, 4, moe_num_experts=4, moe_top_k=2, micro_batch_size=1)),
+    ("zb-v moe ep2", zb("zb-v", 2, 8, 4, dp=2, ep=2, moe_num_experts=4, moe_top_k=2,
+                        moe_capacity_factor=2.0)),
+    ("zb-h2 moe tp2 sp ep4 block", zb("zb-h2", 2, 4, 5, dp=4, ep=4, tp=2,
+                                      sequence_parallel=True, moe_num_experts=4,
+                                      moe_top_k=2, **BLOCK)),
+]
+
+
+@pytest.mark.parametrize("settings", [s for _, s in ZERO_BUBBLE],
+                         ids=[name for name, _ in ZERO_BUBBLE])
+def test_zero_bubble_activations_are_the_emulators(settings):
+    """Between a micro-batch's I and its W the rank holds what the I kept (linear
+    layers' inputs and output gradients, norms' weight gradients; nothing of a
+    checkpointed layer), not what the forward saved: with it the walked peak is the
+    ledger's, on every pipeline rank."""
+    config = TrainConfig(**{**TOY, **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks
+                       if all(r["coords"].get(axis, 0) == (stage.rank if axis == "pp" else 0)
+                              for axis in r["coords"])]
+        assert stage.memory["activations"] == measured["memory"]["activations"], stage.rank
