@@ -77,7 +77,7 @@ from minipar.plan.parameter_order import (
 )
 from minipar.plan.shapes import ModelShape
 from minipar.plan.split_backward import input_backward
-from minipar.plan.walked_activations import splits_backward, walkable, walked_peak
+from minipar.plan.walked_activations import walkable, walked_peak
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -316,7 +316,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     saved, extra = 0, 0
     held, working = [], []  # per chunk, for a walk of the schedule (below)
     walk = walkable(config.schedule, config.pp, config.micro_batches, v)
-    split = walk and splits_backward(config.schedule, config.pp, config.micro_batches, v)
+    split = walk and SCHEDULES[config.schedule].split_backward
     kept, input_working = [], []  # a split backward's, per chunk (split_backward.py)
     moe_layers = chunk_moe_layers(shape, stage)
     moe = moe_activation_delta(shape, b, t, sp, a) if any(moe_layers) else 0

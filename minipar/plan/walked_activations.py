@@ -117,10 +117,3 @@ def walked_peak(schedule: str, pp: int, micro_batches: int, rank: int,
     m = walked_micro_batches(schedule, pp, micro_batches)
     return peak_of(compute_orders(schedule, pp, m, len(held))[rank], held, working, kept,
                    input_working)
-
-
-def splits_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> bool:
-    """Whether the schedule's ranks run a backward as I and W (the zero-bubble ones)."""
-    m = walked_micro_batches(schedule, pp, micro_batches)
-    return any(kind == "I" for order in compute_orders(schedule, pp, m, virtual_stages)
-               for kind, _ in order)

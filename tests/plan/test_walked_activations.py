@@ -19,7 +19,6 @@ from minipar.plan.shapes import from_train_config
 from minipar.plan.walked_activations import (
     compute_orders,
     peak_of,
-    splits_backward,
     walked_micro_batches,
     walked_peak,
 )
@@ -59,7 +58,7 @@ def walked_schedules():
     for name, spec in SCHEDULES.items():
         fewest, most = spec.virtual_stages
         for v in range(fewest, (most or 3) + 1):
-            if v > 1 or splits_backward(name, 2, spec.min_micro_batches(2), v):
+            if v > 1 or spec.split_backward:
                 yield name, v
 
 

@@ -93,4 +93,5 @@ register_schedule(ScheduleSpec(
     uniform_bubble=v_shape_bubble, bubble_formula="(p-1)/(6m+p-1)",
     # DualPipe's README: PP + 1 chunks of activations (PP = 2p stages)
     in_flight=lambda p, m, v, rank: 2 * p + 1, last_stage_in_flight=lambda p, m, v: 1,
-    virtual_stages=(2, 2), placement="v", min_pp=2, min_micro_batches=lambda p: 2 * p))
+    virtual_stages=(2, 2), placement="v", min_pp=2, min_micro_batches=lambda p: 2 * p,
+    split_backward=True))

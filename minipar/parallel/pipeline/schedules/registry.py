@@ -49,6 +49,9 @@ class ScheduleSpec:
       through one chunk: the papers' bubble columns (ZB paper Table 2, DualPipe's README),
       which assume t_w <= t_f and t_w <= t_b. uniform_bubble is its share of the step at
       t_f = t_b = t_w.
+    split_backward: whether its ranks run a backward as an input-gradient half (I) and a
+      weight-gradient half (W) apart (split_backward.py), so a micro-batch keeps what
+      its W needs after the I (the planner walks that: plan/walked_activations.py).
     """
 
     name: str
@@ -65,6 +68,7 @@ class ScheduleSpec:
     searched_virtual_stages: tuple[int, ...] = ()
     min_micro_batches: Callable[[int], int] = lambda pp: 1
     bubble_time: Callable[[int, int, int, float, float, float], float] | None = None
+    split_backward: bool = False
 
     def accepts_chunks(self, virtual_stages: int) -> bool:
         fewest, most = self.virtual_stages

@@ -86,14 +86,14 @@ register_schedule(ScheduleSpec(
     "cool-down (Qi et al. 2024, ZB-H1)",
     uniform_bubble=_zero_bubble_share(_zb_h1_bubble), bubble_formula="(p-1)/(3m+p-1)",
     bubble_time=_zb_h1_bubble, in_flight=lambda p, m, v, rank: p,
-    min_micro_batches=lambda p: p))
+    min_micro_batches=lambda p: p, split_backward=True))
 
 register_schedule(ScheduleSpec(
     "zb-h2", zb_h2, "more warm-up forwards and W delayed further: a parallelogram, "
     "no bubble inside the step (Qi et al. 2024, ZB-H2)",
     uniform_bubble=_zero_bubble_share(_zb_h2_bubble), bubble_formula="(p-1)/(3m+p-1)",
     bubble_time=_zb_h2_bubble, in_flight=lambda p, m, v, rank: 2 * p - 1,
-    min_micro_batches=lambda p: 2 * p - 1))
+    min_micro_batches=lambda p: 2 * p - 1, split_backward=True))
 
 
 # --------------------------------------------------------------------------- ZB-V
@@ -166,4 +166,5 @@ register_schedule(ScheduleSpec(
     uniform_bubble=v_shape_bubble, bubble_formula="(p-1)/(6m+p-1)",
     # 2p chunk-halves of a stage: 1F1B's p micro-batches of one stage's activations
     in_flight=lambda p, m, v, rank: 2 * p, last_stage_in_flight=lambda p, m, v: 1,
-    virtual_stages=(2, 2), placement="v", min_pp=2, min_micro_batches=lambda p: 2 * p - 1))
+    virtual_stages=(2, 2), placement="v", min_pp=2, min_micro_batches=lambda p: 2 * p - 1,
+    split_backward=True))

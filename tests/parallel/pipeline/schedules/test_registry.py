@@ -54,7 +54,8 @@ def test_every_schedule_s_facts_are_what_its_action_lists_do(name):
     """For every setting its rules accept: the generator makes a schedule the validator
     passes, with the declared chunks and placement; the declared uniform bubble is the
     simulated idle share (for any t_b / t_f); the declared activations in flight are the
-    peaks of its action lists, per rank and on the head's chunk."""
+    peaks of its action lists, per rank and on the head's chunk; it declares a split
+    backward where its lists hold a W."""
     spec = SCHEDULES[name]
     tried = 0
     for p, m, v in SETTINGS:
@@ -67,6 +68,7 @@ def test_every_schedule_s_facts_are_what_its_action_lists_do(name):
         stages = sorted(schedule.virtual_stage(r, c) for r in range(p) for c in range(v))
         assert stages == list(range(p * v))  # every virtual stage on exactly one rank
         split = any(isinstance(a, BackwardWeight) for rank in schedule for a in rank)
+        assert spec.split_backward == split
         if not split:  # a share that does not depend on t_b / t_f
             for backward_time in (1.0, 2.0, 3.5):
                 run = simulate_step(schedule, 1.0, backward_time)
