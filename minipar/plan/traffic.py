@@ -151,7 +151,7 @@ def stage_traffic(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     (gpus_per_node: the cluster's, which places qgZ's two levels)."""
     local = local_shape(shape, config.cp)  # activations: my s/cp tokens
     return (_data_parallel(shape, config, stage, gpus_per_node)
-            + _tensor_parallel(local, config, stage)
+            + _tensor_parallel(local, config, stage, shape)
             + _pipeline(shape, config, stage, gpus_per_node)
             + _context_parallel(shape, config, stage)
             + _expert_parallel(local, config, stage))
@@ -306,7 +306,9 @@ def _zero3_gradient_reduction(config, kind, n, piece, gpus_per_node) -> list[Tra
 
 
 # ------------------------------------------------------------------ tensor parallel
-def _tensor_parallel(shape, config, stage) -> list[Transfer]:
+def _tensor_parallel(shape, config, stage, model) -> list[Transfer]:
+    """shape: my s/cp tokens' (the activations'); model: the whole model's (the
+    parameters', whose flat buffers place the norm and bias gradients)."""
     t = config.tp
     if t == 1:
         return []
@@ -383,7 +385,7 @@ def _tensor_parallel(shape, config, stage) -> list[Transfer]:
         if config.offload_optimizer == "none":
             # one flat all-reduce of them all per step, after the DP sync (Megatron's
             # finalize_model_grads; minipar/parallel/tensor/sequence.py)
-            elements = sequence_parallel_gradient_elements(shape, config, stage)
+            elements = sequence_parallel_gradient_elements(model, config, stage)
             transfers.append(Transfer(
                 "all_reduce", "tp", t, elements * nbytes.grad, 1,
                 all_reduce_sent(elements, nbytes.grad, t), "backward",

@@ -229,6 +229,8 @@ ZERO_SP = [  # where each ZeRO shard's flat buffers put the norm and bias vector
     dict(dp=3, tp=2, zero=3, n_layer=3, tie_embeddings=False, d_model=48),
     dict(dp=4, tp=2, zero=3, hsdp_shard_size=2),
     dict(dp=2, cp=2, tp=2, zero=1, seq_len=32, mlp="swiglu"),
+    dict(dp=1, cp=2, tp=2, zero=1, d_model=16, seq_len=8, bucket_size_mb=0.001,
+         precision="fp64"),  # the whole model's buckets, not those of my s/cp positions
     dict(dp=3, tp=2, pp=2, zero=1, n_layer=4, grad_accum_steps=4, schedule="dualpipe-v",
          virtual_stages=2),
 ]
