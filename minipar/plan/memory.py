@@ -316,7 +316,8 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     saved, extra = 0, 0
     held, working = [], []  # per chunk, for a walk of the schedule (below)
     walk = walkable(config.schedule, config.pp, config.micro_batches, v)
-    split = walk and SCHEDULES[config.schedule].split_backward
+    # (pp = 1 trains one model, no pipeline: its backward is never split)
+    split = walk and config.pp > 1 and SCHEDULES[config.schedule].split_backward
     kept, input_working = [], []  # a split backward's, per chunk (split_backward.py)
     moe_layers = chunk_moe_layers(shape, stage)
     moe = moe_activation_delta(shape, b, t, sp, a) if any(moe_layers) else 0

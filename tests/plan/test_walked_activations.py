@@ -150,3 +150,18 @@ def test_zero_bubble_activations_are_the_emulators(settings):
                        if all(r["coords"].get(axis, 0) == (stage.rank if axis == "pp" else 0)
                               for axis in r["coords"])]
         assert stage.memory["activations"] == measured["memory"]["activations"], stage.rank
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_one_stage_does_not_split_its_backward(schedule):
+    """pp = 1 trains the model without a pipeline (train/build.py): a zero-bubble
+    schedule's name changes nothing, so its activations are 1F1B's, the ledger's."""
+    settings = dict(TOY, pp=1, n_layer=3, grad_accum_steps=4, tp=2, sequence_parallel=True,
+                    recompute_granularity="selective", precision="bf16-mixed")
+    config = TrainConfig(**settings, schedule=schedule)
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    (stage,) = estimate(shape, ParallelConfig.from_train_config(config),
+                        ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True).stages
+    (measured,) = [r for r in report.ranks if all(v == 0 for v in r["coords"].values())]
+    assert stage.memory["activations"] == measured["memory"]["activations"]
