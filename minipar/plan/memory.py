@@ -317,7 +317,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     held, working = [], []  # per chunk, for a walk of the schedule (below)
     walk = walkable(config.schedule, config.pp, config.micro_batches, v)
     # (pp = 1 trains one model, no pipeline: its backward is never split)
-    split = walk and config.pp > 1 and SCHEDULES[config.schedule].split_backward
+    split = config.pp > 1 and SCHEDULES[config.schedule].split_backward
     kept, input_working = [], []  # a split backward's, per chunk (split_backward.py)
     moe_layers = chunk_moe_layers(shape, stage)
     moe = moe_activation_delta(shape, b, t, sp, a) if any(moe_layers) else 0
@@ -345,7 +345,7 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                                            head=holds_head, embeds=embeds, moe=moe)
             kept.append(held[-1] + freed)
             input_working.append(during)
-    if split or (walk and v > 1 and (len(set(held)) > 1 or len(set(working)) > 1)):
+    if walk and (split or (v > 1 and (len(set(held)) > 1 or len(set(working)) > 1))):
         # Chunks that save differently (more layers, MoE layers, the embedding or the
         # head), or a split backward's I and W: which micro-batches are in flight at
         # the peak, what each holds then, and whose backward runs, is the schedule's
@@ -355,6 +355,12 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         activations = walked_peak(config.schedule, config.pp, config.micro_batches,
                                   stage.rank, held, working, kept or None,
                                   input_working or None)
+    elif split:  # too long to walk: an upper bound, each of the k micro-batches in
+        # flight holding the most any chunk holds before its I or after it (an I can
+        # keep more than its forward saved: sequence parallelism's gathered gradients),
+        # and the largest working set on top
+        activations = (k * max(max(held), max(kept))
+                       + max(max(working), max(input_working)))
     else:
         activations = (k * saved // v + with_embedding * embedding + with_head * head
                        + extra)

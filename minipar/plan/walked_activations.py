@@ -39,7 +39,8 @@ How far: a schedule's held micro-batches repeat once its pipeline is full, so th
 of m micro-batches is that of min(m, 2p) (the smallest count >= 2p the schedule
 accepts): tests/plan/test_walked_activations.py checks it against whole walks up to 6p
 for every registered schedule that is walked (several chunks, or a split backward), so
-a plan of 65,536 micro-batches walks 2p.
+a plan of 65,536 micro-batches walks 2p. Beyond WALK_LIMIT memory.py keeps its closed
+form, or for a split backward an upper bound (memory.py `_activations`).
 """
 
 from __future__ import annotations

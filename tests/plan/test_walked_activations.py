@@ -7,11 +7,13 @@ are in test_experts.py and test_estimate.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
+from minipar.plan import memory, presets
 from minipar.plan.cluster import ClusterSpec
 from minipar.plan.estimate import estimate
 from minipar.plan.layout import ParallelConfig
@@ -165,3 +167,23 @@ def test_one_stage_does_not_split_its_backward(schedule):
                         ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True).stages
     (measured,) = [r for r in report.ranks if all(v == 0 for v in r["coords"].values())]
     assert stage.memory["activations"] == measured["memory"]["activations"]
+
+
+@pytest.mark.parametrize("schedule, v, pp", [("zb-v", 2, 96), ("zb-h1", 1, 132)])
+def test_beyond_the_walk_a_split_backward_is_bounded_above(schedule, v, pp, monkeypatch):
+    """A pipeline too long to walk (WALK_LIMIT) holds, under a split backward, at most
+    the schedule's k micro-batches in flight each as the most any chunk holds before or
+    after its I, plus the largest working set: above what the walk finds on every rank
+    (under sequence parallelism an I keeps more than its forward saved, which a closed
+    form of the forward's bytes would miss)."""
+    shape = dataclasses.replace(presets.model("llama2-7b"), n_layer=v * pp)
+    config = ParallelConfig(tp=8, pp=pp, sequence_parallel=True, schedule=schedule,
+                            virtual_stages=v, grad_accum_steps=2 * pp + 4,
+                            flash_attention=True)
+    cluster = presets.cluster("h100-80gb")
+    bounded = estimate(shape, config, cluster, all_stages=True).stages
+    monkeypatch.setattr(memory, "walkable", lambda *_: True)
+    walked = estimate(shape, config, cluster, all_stages=True).stages
+    assert [s.memory["activations"] >= w.memory["activations"]
+            for s, w in zip(bounded, walked, strict=True)] == [True] * pp
+    assert bounded[-1].memory["activations"] <= 1.05 * walked[-1].memory["activations"]
