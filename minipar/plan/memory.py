@@ -160,12 +160,25 @@ def shard(numel: int, n: int) -> int:
 
 
 def sharded_numel(params: StageParameters, config: ParallelConfig) -> int:
-    """Elements of this rank's ZeRO shard (stages 1-2: one flat buffer per engine; 3: per
-    unit)."""
+    """Elements of this rank's ZeRO shard (stages 1-2: its pieces of each engine's
+    buckets; 3: per unit)."""
     if config.zero == 3:  # over HSDP's shard group, when it has one; alike units once
         n = config.sharding_group
         return sum(shard(u, n) * count for u, count in Counter(params.units).items())
-    return sum(shard(numel, ranks) for numel, ranks in flat_buffers(params, config))
+    return sum(piece for piece, _ in shard_pieces(params, config))
+
+
+def shard_pieces(params: StageParameters, config: ParallelConfig) -> list[tuple[int, int]]:
+    """(my shard's elements, ranks) of each flat buffer ZeRO-1/2 shards. Each gradient
+    bucket is padded to a multiple of the ranks on its own (minipar.parallel.data.
+    buckets.Bucket), so my shard of a bucketed buffer is the sum of my pieces of its
+    buckets; with experts each engine's buffer is taken whole (the experts' tensors are
+    not listed apart)."""
+    buffers = flat_buffers(params, config)
+    if len(buffers) == 1 and config.bucket_size_mb > 0:
+        ((_, n),) = buffers
+        return [(sum(shard(bucket, n) for bucket in bucket_elements(params, config)), n)]
+    return [(shard(numel, n), n) for numel, n in buffers]
 
 
 def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) -> dict:
@@ -180,7 +193,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     if zero == 0:
         param_elements, grad_elements, optimizer_elements = local, local, local
     elif zero in (1, 2):
-        padded = sum(shard(numel, ranks) * ranks for numel, ranks in flat_buffers(params, config))
+        padded = sum(piece * ranks for piece, ranks in shard_pieces(params, config))
         param_elements = padded
         grad_elements = local if zero == 1 else sharded
         optimizer_elements = sharded

@@ -87,6 +87,7 @@ from minipar.plan.memory import (
     sequence_parallel_gradient_elements,
     sequence_parallel_vectors,
     shard,
+    shard_pieces,
     stage_parameters,
 )
 from minipar.plan.placement import replica_hops_crossing, stage_holders
@@ -199,7 +200,9 @@ def _data_parallel(shape, config, stage, gpus_per_node) -> list[Transfer]:
                                           "step", GRADIENT_NORM))
     if zero == 3:
         return _zero3(shape, config, stage, params, gpus_per_node)
-    for i, (numel, n) in enumerate(flat_buffers(params, config)):
+    for i, ((numel, n), (piece, _)) in enumerate(zip(flat_buffers(params, config),
+                                                     shard_pieces(params, config),
+                                                     strict=True)):
         if n == 1:
             continue
         link = "edp" if i == 1 else None  # the second buffer: the experts'
@@ -208,7 +211,6 @@ def _data_parallel(shape, config, stage, gpus_per_node) -> list[Transfer]:
                                       all_reduce_sent(numel, g, n), "step",
                                       "gradient all-reduce", link))
             continue
-        piece = shard(numel, n)
         reduce_count, reduce_phase = (1, "step") if zero == 1 else (m, "backward")
         transfers += [
             Transfer("reduce_scatter", "dp", n, piece * n * g, reduce_count,

@@ -253,6 +253,26 @@ def test_a_zero_shard_all_reduces_the_sequence_parallel_vectors_it_holds(setting
         assert STEPS * stage.traffic["tp"] == measured["comm"]["by_group"]["tp"], stage.rank
 
 
+@pytest.mark.parametrize("settings", [
+    dict(dp=3, zero=1, bucket_size_mb=0.0001),
+    dict(dp=3, zero=2, bucket_size_mb=0.001, grad_accum_steps=2),
+    dict(dp=8, tp=2, zero=2, n_layer=1, d_model=8, n_head=2, bucket_size_mb=0.0001),
+], ids=["dp3-zero1", "dp3-zero2-accum2", "dp8-tp2-zero2"])
+def test_each_zero_bucket_is_padded_to_its_ranks_on_its_own(settings):
+    """ZeRO-1/2 pad every gradient bucket to a multiple of the DP size before they cut
+    it (minipar.parallel.data.buckets.Bucket): with small buckets and a DP size that
+    does not divide the tensors, the parameters, the shards and the bytes reduced and
+    gathered each carry every bucket's padding, not the whole buffer's once."""
+    config = TrainConfig(**{**TINY, "d_model": 16, **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    (stage,) = estimate(shape, ParallelConfig.from_train_config(config), EMULATED).stages
+    (measured,) = [r for r in report.ranks if r["coords"] == dict.fromkeys(r["coords"], 0)]
+    for category in ("params", "grads", "optimizer"):
+        assert stage.memory[category] == measured["memory"][category], category
+    assert STEPS * stage.traffic["dp"] == measured["comm"]["by_group"]["dp"]
+
+
 # ------------------------------------------------------------------ strategies, directly
 def tiny_gpt(**changes) -> GPTConfig:
     return GPTConfig(**{**dict(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32),
