@@ -49,6 +49,11 @@ from .measured import MeasuredDevice
 from .p2p import finish_pending
 
 GRACE = 2.0  # seconds a stopped rank, or a status reply, gets
+# The host waits for its ranks in slices this long: a Ctrl-C that the kernel hands to
+# one of the host's other threads (TCPStore's, gloo's) sets Python's flag without
+# interrupting the main thread's wait, which would otherwise see it only when a rank
+# next speaks.
+SIGNAL_CHECK = 0.25
 # What gloo runs for each call (facebookincubator/gloo, gloo/*.cc; torch's ProcessGroupGloo).
 GLOO_ALGORITHMS = {
     "all_reduce": "ring: reduce-scatter then all-gather, in segments (gloo/allreduce.cc)",
@@ -252,7 +257,7 @@ class Pool:
         while pending:
             waiting = {self.connections[r]: r for r in pending}
             waiting.update({self.processes[r].sentinel: r for r in pending})
-            for ready in wait_for(list(waiting)):
+            for ready in wait_for(list(waiting), SIGNAL_CHECK):
                 rank = waiting[ready]
                 if rank not in pending:
                     continue

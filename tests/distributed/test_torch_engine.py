@@ -101,6 +101,12 @@ def sleeps(folder: str):
     time.sleep(60)
 
 
+def sleeps_then_marks(folder: str):
+    (open(f"{folder}/{dist.get_rank()}.pid", "w")).write(str(os.getpid()))
+    time.sleep(20)
+    (open(f"{folder}/{dist.get_rank()}.done", "w")).write("slept")
+
+
 # ------------------------------------------------------------------ the same books
 def test_every_call_returns_and_books_what_it_does_on_threads(engine):
     threads = get_engine("threads").launch(every_call, 2, 7)
@@ -262,6 +268,23 @@ def test_ctrl_c_stops_every_rank_process(engine, tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert engine.launch(every_call, 2, 0).results  # a new set of processes
+
+
+def test_ctrl_c_taken_by_another_thread_stops_the_ranks_at_once(engine, tmp_path):
+    """The kernel may hand a process's SIGINT to any thread that does not block it (the
+    host's TCPStore and gloo threads, or this test's): Python then only sets its flag,
+    and the host's wait for its ranks must look at it before they finish."""
+    engine.launch(every_call, 2, 0)  # (processes up)
+
+    def interrupt():
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            time.sleep(0.05)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # this thread's
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.launch(sleeps_then_marks, 2, str(tmp_path))
+    assert not list(tmp_path.glob("*.done"))  # stopped, not slept out
 
 
 # A rank of a job started elsewhere (torchrun's environment), which counts gloo's threads
