@@ -35,6 +35,16 @@ def engine():
         yield started
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt in this process, as in a terminal's foreground
+    job: a shell without job control starts a background job (`cmd &`) with SIGINT
+    ignored, Python keeps it so, and these tests would read no Ctrl-C at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 # ------------------------------------------------------------------ rank programs
 def every_call(seed: int) -> dict:
     """Every collective and message once, from both ranks (results by name)."""
@@ -248,7 +258,7 @@ def test_a_rank_process_that_dies_stops_the_launch():
     assert "rank 1's process" in str(caught.value) and "signal 9" in str(caught.value)
 
 
-def test_ctrl_c_stops_every_rank_process(engine, tmp_path):
+def test_ctrl_c_stops_every_rank_process(engine, tmp_path, ctrl_c_raises):
     started = engine.launch(every_call, 2, 0)  # (processes up)
     assert started.results
     pids = [p.pid for p in engine._pool.processes]
@@ -270,7 +280,8 @@ def test_ctrl_c_stops_every_rank_process(engine, tmp_path):
     assert engine.launch(every_call, 2, 0).results  # a new set of processes
 
 
-def test_ctrl_c_taken_by_another_thread_stops_the_ranks_at_once(engine, tmp_path):
+def test_ctrl_c_taken_by_another_thread_stops_the_ranks_at_once(engine, tmp_path,
+                                                                 ctrl_c_raises):
     """The kernel may hand a process's SIGINT to any thread that does not block it (the
     host's TCPStore and gloo threads, or this test's): Python then only sets its flag,
     and the host's wait for its ranks must look at it before they finish."""
