@@ -137,18 +137,15 @@ def _stage_parameters(shape: ModelShape, t: int, ep: int, first: bool, last: boo
     units += [layer] * (layers - moe_layers) + [moe_layer] * moe_layers
     if last:
         units.append(sum(shape.head_params(t)))
-    tensors = ((embedding_tensors(shape, t) if embedding else ())
-               + layer_tensors(shape, t) * (layers - moe_layers)
-               + ((moe_layer,) * moe_layers)
-               + (head_tensors(shape, t, tied_copy)[0] if last else
-                  (tied,) if tied else ()))
+    front = embedding_tensors(shape, t) if embedding else ()
+    back = head_tensors(shape, t, tied_copy)[0] if last else (tied,) if tied else ()
+    tensors = (front + layer_tensors(shape, t) * (layers - moe_layers)
+               + ((moe_layer,) * moe_layers) + back)
     vectors = None
     if not moe_layers and layer_vectors(shape, t) is not None:
-        head = head_tensors(shape, t, tied_copy)[0] if last else (tied,) if tied else ()
         norms = (2 if shape.norm == "layernorm" else 1) if last else 0  # ln_f's, first
-        vectors = ((False,) * (len(tensors) - len(head) - layers * len(layer_tensors(shape, t)))
-                   + layer_vectors(shape, t) * layers
-                   + (True,) * norms + (False,) * (len(head) - norms))
+        vectors = ((False,) * len(front) + layer_vectors(shape, t) * layers
+                   + (True,) * norms + (False,) * (len(back) - norms))
     return StageParameters(numel=sum(units), units=tuple(units), embedding_unit=embedding,
                            tied_unit=tied, expert_numel=moe_layers * expert,
                            tensors=tensors, vectors=vectors)
@@ -534,10 +531,9 @@ def first_shard_vectors(shape: ModelShape, config: ParallelConfig, stage: StageP
         in_layer = _vectors_within(zip(layer, layer_vectors(shape, config.tp), strict=True),
                                    shard(sum(layer), n))
         head = 0
-        if stage.last:
+        if stage.last:  # the head's unit, the last: ln_f first, then an untied LM head
             norms = (2 if shape.norm == "layernorm" else 1) * h
-            head = min(norms, shard(norms + (0 if shape.tie_embeddings else
-                                             params.tensors[-1]), n))
+            head = min(norms, shard(params.units[-1], n))
         return stage.layers * in_layer + head
     cap = config.bucket_size_mb * 2**20 if config.bucket_size_mb > 0 else 0.0
     return _buckets_first_shard_vectors(params.tensors, params.vectors, cap,
