@@ -31,10 +31,11 @@ ZeRO-1/2 keep the padded flat buffer as their parameters.
 Two minipar specifics are modelled because the emulator measures them, each a property
 of real frameworks too: the gradient of a recomputed layer's input is a leaf gradient
 while that layer's backward runs (torch.utils.checkpoint's reentrant variant), so
-checkpointing adds one layer input to "grads" (exact once all parameter gradients exist,
-i.e. with gradient accumulation; an upper bound for one micro-batch); and a pipeline
-rank's received activation is a buffer, so it is not counted again as the first
-checkpointed layer's input.
+checkpointing adds one layer input to "grads" (on top of every parameter gradient with
+gradient accumulation; with one micro-batch on top of those backward has made by then,
+recomputed_grads.py; ZeRO-3 and an offloaded optimizer keep the sum, an upper bound);
+and a pipeline rank's received activation is a buffer, so it is not counted again as
+the first checkpointed layer's input.
 
 What a real framework counts differently (Megatron-LM's, DeepSpeed's) is
 plan/accounting.py's, applied to the ingredients computed here.
@@ -75,6 +76,7 @@ from minipar.plan.parameter_order import (
     layer_tensors,
     layer_vectors,
 )
+from minipar.plan.recomputed_grads import completion_order, grads_peak, later_tensors
 from minipar.plan.shapes import ModelShape
 from minipar.plan.split_backward import input_backward
 from minipar.plan.walked_activations import walkable, walked_peak
@@ -243,6 +245,8 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
         # completes. (A recomputed layer's input gradient outlives its buckets' pieces:
         # their sum, an upper bound.)
         grads += max(0, input_grad - largest * nbytes.grad)
+    elif input_grad and _one_micro_batch_walkable(config, params):
+        grads = _one_micro_batch_grads(shape, config, stage, params, grads, input_grad)
     else:
         grads += input_grad
 
@@ -448,6 +452,39 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
     return saved, max(0, peak - saved - head)
 
 
+def _one_micro_batch_walkable(config: ParallelConfig, params: StageParameters) -> bool:
+    """Whether recomputed_grads.py knows the order backward makes this rank's gradients
+    in: one micro-batch, one chunk, ZeRO-0 to 2 with the optimizer on the GPU, and under
+    ZeRO-2 no experts (their tensors are not listed one by one)."""
+    return (config.micro_batches == 1 and config.virtual_stages == 1 and config.zero <= 2
+            and config.offload_optimizer == "none"
+            and not (config.zero == 2 and params.expert_numel))
+
+
+def _one_micro_batch_grads(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
+                           params: StageParameters, final: int, input_grad: int) -> int:
+    """The "grads" peak of one micro-batch's backward under recomputation
+    (recomputed_grads.py); final: the bytes the step ends with."""
+    recompute = config.recompute
+    first = 0 if recompute.selective else next(
+        start for start, _, checkpointed in recompute.segments(stage.layers) if checkpointed)
+    front = len(embedding_tensors(shape, config.tp)) if stage.first else 0
+    later = later_tensors(shape, config.tp, front, first, recompute.selective)
+    if later is None or (params.expert_numel and (recompute.selective or first)):
+        return final + input_grad  # (an MoE layer is one tensor: memory.StageParameters)
+    if config.zero < 2:
+        return grads_peak(params.tensors, later, config.bytes.grad, input_grad, final)
+    buckets = bucket_tensors(params, config)
+    back = len(params.tensors) - front - stage.layers * len(layer_tensors(shape, config.tp))
+    order = completion_order(shape, config.micro_batch_size, config.tp,
+                             config.sequence_parallel, front, stage.layers, back)
+    in_flight = None
+    if config.overlap_grad_reduce:
+        in_flight = config.reductions_in_flight or len(buckets)
+    return grads_peak(params.tensors, later, config.bytes.grad, input_grad, final,
+                      buckets, order, config.replicas, in_flight)
+
+
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:
     """Elements of each flat buffer a ZeRO rank shards, and an offloading one sends to the
     host piece by piece: one per ZeRO-3 unit, one per gradient bucket under ZeRO-1/2
@@ -457,6 +494,16 @@ def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, .
     if config.bucket_size_mb > 0:
         return tuple(bucket_elements(params, config))
     return (params.numel,)
+
+
+def bucket_tensors(params: StageParameters, config: ParallelConfig
+                   ) -> tuple[tuple[int, ...], ...]:
+    """Which of `params.tensors` each gradient bucket holds, in the order backward fills
+    them (one bucket of all with bucket_size_mb 0)."""
+    if config.bucket_size_mb > 0:
+        return _bucket_tensors(params.tensors, config.bucket_size_mb * 2**20,
+                               config.bytes.param)
+    return (tuple(reversed(range(len(params.tensors)))),)
 
 
 def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int]:

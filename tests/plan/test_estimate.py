@@ -132,6 +132,23 @@ GRID = [
     case("dp2 zero2 uniform 2", dp=2, zero=2, n_layer=4, recompute_granularity="full",
          recompute_method="uniform", recompute_num_layers=2, micro_batch_size=2,
          grad_accum_steps=2),
+    # One micro-batch under recomputation: the "grads" peak is what backward has made when
+    # the lowest recomputed layer's input gradient is alive, not every gradient plus it
+    # (plan/recomputed_grads.py): the embedding's come later, a tied wte's too; under
+    # ZeRO-2 only the pieces of buckets already reduced (less those still in flight)
+    case("single full one micro-batch", recompute_granularity="full", micro_batch_size=2),
+    case("dp2 zero1 selective one micro-batch untied", dp=2, zero=1, tie_embeddings=False,
+         recompute_granularity="selective", micro_batch_size=2),
+    case("dp2 zero2 full one micro-batch buckets", dp=2, zero=2, bucket_size_mb=0.002,
+         recompute_granularity="full", micro_batch_size=2),
+    case("dp2 zero2 selective one micro-batch buckets waited", dp=2, zero=2,
+         bucket_size_mb=0.002, overlap_grad_reduce=False, recompute_granularity="selective",
+         micro_batch_size=2),
+    case("dp2 zero2 block 1 of 4 one micro-batch", dp=2, zero=2, n_layer=4,
+         bucket_size_mb=0.002, recompute_granularity="full", recompute_method="block",
+         recompute_num_layers=1, micro_batch_size=2),
+    case("pp2 gpipe full one micro-batch", pp=2, n_layer=4, schedule="gpipe",
+         recompute_granularity="full", micro_batch_size=2),
     # fp32 gradient buffers under bf16 (Megatron's main_grad): 4-byte grads, reductions
     # in fp32, the parameter all-gathers still bf16
     case("dp2 zero1 bf16 fp32 grads", dp=2, zero=1, precision="bf16-mixed",
