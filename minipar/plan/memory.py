@@ -33,7 +33,7 @@ of real frameworks too: the gradient of a recomputed layer's input is a leaf gra
 while that layer's backward runs (torch.utils.checkpoint's reentrant variant), so
 checkpointing adds one layer input to "grads" (on top of every parameter gradient with
 gradient accumulation; with one micro-batch on top of those backward has made by then,
-recomputed_grads.py; ZeRO-3 and an offloaded optimizer keep the sum, an upper bound);
+gradient_walk.py; ZeRO-3 and an offloaded optimizer keep the sum, an upper bound);
 and a pipeline rank's received activation is a buffer, so it is not counted again as
 the first checkpointed layer's input.
 
@@ -69,6 +69,15 @@ from minipar.plan.experts import (
     stage_moe_layers,
 )
 from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cache_bytes
+from minipar.plan.gradient_walk import (
+    Launch,
+    backward_sequence,
+    bucket_launches,
+    grads_peak,
+    later_count,
+    reduced_pieces,
+    zero2_buffers,
+)
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import (
     embedding_tensors,
@@ -76,7 +85,6 @@ from minipar.plan.parameter_order import (
     layer_tensors,
     layer_vectors,
 )
-from minipar.plan.recomputed_grads import completion_order, grads_peak, later_tensors
 from minipar.plan.shapes import ModelShape
 from minipar.plan.split_backward import input_backward
 from minipar.plan.walked_activations import walkable, walked_peak
@@ -253,7 +261,7 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     activations, forward_buffers, gathered = _activations(shape, config, stage, layer_input)
     # the gradient synchronisation's peak: the DP engines', or after it sequence
     # parallelism's coalesced all-reduce (its flat input and the summed output)
-    sync_buffers = max(_sync_buffers(config, params, stage, shape.tie_embeddings),
+    sync_buffers = max(_sync_buffers(shape, config, params, stage),
                        2 * sequence_parallel_gradient_elements(shape, config, stage)
                        * nbytes.grad)
     params_bytes = param_elements * nbytes.param
@@ -453,7 +461,7 @@ def _chunk_recompute(shape: ModelShape, config: ParallelConfig, n_layers: int, l
 
 
 def _one_micro_batch_walkable(config: ParallelConfig, params: StageParameters) -> bool:
-    """Whether recomputed_grads.py knows the order backward makes this rank's gradients
+    """Whether gradient_walk.py knows the order backward makes this rank's gradients
     in: one micro-batch, one chunk, ZeRO-0 to 2 with the optimizer on the GPU, and under
     ZeRO-2 no experts (their tensors are not listed one by one)."""
     return (config.micro_batches == 1 and config.virtual_stages == 1 and config.zero <= 2
@@ -464,25 +472,51 @@ def _one_micro_batch_walkable(config: ParallelConfig, params: StageParameters) -
 def _one_micro_batch_grads(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                            params: StageParameters, final: int, input_grad: int) -> int:
     """The "grads" peak of one micro-batch's backward under recomputation
-    (recomputed_grads.py); final: the bytes the step ends with."""
+    (gradient_walk.py); final: the bytes the step ends with."""
     recompute = config.recompute
     first = 0 if recompute.selective else next(
         start for start, _, checkpointed in recompute.segments(stage.layers) if checkpointed)
     front = len(embedding_tensors(shape, config.tp)) if stage.first else 0
-    later = later_tensors(shape, config.tp, front, first, recompute.selective)
+    later = later_count(shape, config.tp, front, first, recompute.selective)
     if later is None or (params.expert_numel and (recompute.selective or first)):
         return final + input_grad  # (an MoE layer is one tensor: memory.StageParameters)
-    if config.zero < 2:
-        return grads_peak(params.tensors, later, config.bytes.grad, input_grad, final)
-    buckets = bucket_tensors(params, config)
-    back = len(params.tensors) - front - stage.layers * len(layer_tensors(shape, config.tp))
-    order = completion_order(shape, config.micro_batch_size, config.tp,
-                             config.sequence_parallel, front, stage.layers, back)
-    in_flight = None
-    if config.overlap_grad_reduce:
-        in_flight = config.reductions_in_flight or len(buckets)
-    return grads_peak(params.tensors, later, config.bytes.grad, input_grad, final,
-                      buckets, order, config.replicas, in_flight)
+    if config.zero < 2:  # the later ones are the first `later` in registration order
+        made = sum(params.tensors[later:])
+    else:
+        launches = _launches(shape, config, stage, params)
+        in_flight = None
+        if config.overlap_grad_reduce:
+            in_flight = config.reductions_in_flight or len(launches)
+        # (the input gradient's place in the backward sequence: the later ones end it)
+        made = reduced_pieces(launches, len(params.tensors) - later, config.replicas,
+                              in_flight)
+    return grads_peak(final, input_grad, config.bytes.grad, made)
+
+
+def _sequence(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
+              count: int) -> tuple[int, ...]:
+    """gradient_walk.backward_sequence of this rank's `count` tensors."""
+    front = len(embedding_tensors(shape, config.tp)) if stage.first else 0
+    back = count - front - stage.layers * len(layer_tensors(shape, config.tp))
+    return _backward_sequence(shape, config.micro_batch_size, config.tp,
+                              config.sequence_parallel, front, stage.layers, back)
+
+
+_backward_sequence = lru_cache(maxsize=64)(backward_sequence)
+
+
+def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
+              params: StageParameters) -> tuple[Launch, ...]:
+    """This rank's gradient buckets as backward launches them (gradient_walk.py)."""
+    return _bucket_launches(params.tensors, bucket_tensors(params, config),
+                            _sequence(shape, config, stage, len(params.tensors)))
+
+
+# A search plans the same stage under many DP sizes: its buckets are launched alike.
+@lru_cache(maxsize=64)
+def _bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ...],
+                     sequence: tuple[int, ...]) -> tuple[Launch, ...]:
+    return bucket_launches(tensors, buckets, sequence)
 
 
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:
@@ -613,8 +647,8 @@ def _vectors_within(tensors, stop: int) -> int:
     return total
 
 
-def _sync_buffers(config: ParallelConfig, params: StageParameters, stage: StagePlan,
-                  tied: bool) -> int:
+def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParameters,
+                  stage: StagePlan) -> int:
     """Peak transient bytes of gradient synchronisation over the DP group.
 
     ZeRO-0: the flat gradient and its averaged copy (DDP with one bucket); ZeRO-1: the
@@ -643,17 +677,28 @@ def _sync_buffers(config: ParallelConfig, params: StageParameters, stage: StageP
                 peaks.append(int(numel * g + min(bucket, numel) * g))
             elif config.zero == 1:
                 peaks.append(numel * g + shard(numel, n) * g)
+            elif (config.zero == 2 and config.bucket_size_mb > 0 and not params.expert_numel
+                  and config.offload_optimizer == "none"):
+                # DeepSpeed's reduce buckets (and minipar's): the gradients made whose
+                # bucket is not complete, the flat copies in flight (gradient_walk.py)
+                peaks.append(g * zero2_buffers(
+                    _launches(shape, config, stage, params), n,
+                    config.reductions_in_flight, config.overlap_grad_reduce,
+                    config.micro_batches > 1))
             elif config.zero == 2 and len(buffers) == 1 and config.bucket_size_mb > 0:
-                # DeepSpeed's reduce buckets (and minipar's): bucket i's gradients, their
-                # flat copy and the previous bucket's still in flight (at most two)
+                # an offloaded optimizer's pieces leave for the host (offload.py), or
+                # experts, whose layers are listed as one tensor: bucket i's gradients,
+                # their flat copy and the previous bucket's still in flight, an estimate
                 sizes = [0, *bucket_elements(params, config)]
-                peaks.append(max(2 * b + a for a, b in zip(sizes[:-1], sizes[1:], strict=True)) * g)
+                peaks.append(max(2 * b + a for a, b in zip(sizes[:-1], sizes[1:],
+                                                            strict=True)) * g)
             elif config.zero == 2:
                 peaks.append(2 * numel * g)
         return max(peaks)
     # An offloaded parameter shard is fetched by the gather itself, not prefetched; an
     # offloaded optimizer books the reduced piece as a gradient on its way to the host.
-    sites = gpt_sites(len(params.units), bool(params.embedding_unit), stage.last, tied)
+    sites = gpt_sites(len(params.units), bool(params.embedding_unit), stage.last,
+                      shape.tie_embeddings)
     return backward_peak(params.units, sites, config.sharding_group, nbytes.param, g,
                          prefetch=config.zero3_prefetch and config.offload_param == "none",
                          overlap=config.overlap_grad_reduce,

@@ -9,7 +9,8 @@ Where they differ, the planner is wrong, not the test. Stated tolerances:
   --no-zero3-prefetch) an upper bound (within 0.1%) when the run hid communication
   behind compute; the overlapped prediction (plan/overlap.py) within the tolerances of
   the overlap tests below;
-- buffers and peak_total (transient, estimated): within 10%.
+- buffers and peak_total (transient, estimated): within 10%; ZeRO-2's bucket buffers
+  exact (walked in backward's order).
 
 Two sources of measurements: `minipar.train` (report.ranks[i]: memory, comm.by_group,
 time) for the layouts the training loop accepts, and the strategy modules launched
@@ -134,7 +135,7 @@ GRID = [
          grad_accum_steps=2),
     # One micro-batch under recomputation: the "grads" peak is what backward has made when
     # the lowest recomputed layer's input gradient is alive, not every gradient plus it
-    # (plan/recomputed_grads.py): the embedding's come later, a tied wte's too; under
+    # (plan/gradient_walk.py): the embedding's come later, a tied wte's too; under
     # ZeRO-2 only the pieces of buckets already reduced (less those still in flight)
     case("single full one micro-batch", recompute_granularity="full", micro_batch_size=2),
     case("dp2 zero1 selective one micro-batch untied", dp=2, zero=1, tie_embeddings=False,
@@ -144,9 +145,9 @@ GRID = [
     case("dp2 zero2 selective one micro-batch buckets waited", dp=2, zero=2,
          bucket_size_mb=0.002, overlap_grad_reduce=False, recompute_granularity="selective",
          micro_batch_size=2),
-    case("dp2 zero2 block 1 of 4 one micro-batch", dp=2, zero=2, n_layer=4,
-         bucket_size_mb=0.002, recompute_granularity="full", recompute_method="block",
-         recompute_num_layers=1, micro_batch_size=2),
+    case("dp4 zero2 block 1 of 4 one micro-batch", dp=4, zero=2, n_layer=4,
+         bucket_size_mb=0.005, recompute_granularity="full", recompute_method="block",
+         recompute_num_layers=1, precision="bf16-mixed", micro_batch_size=2),
     case("pp2 gpipe full one micro-batch", pp=2, n_layer=4, schedule="gpipe",
          recompute_granularity="full", micro_batch_size=2),
     # fp32 gradient buffers under bf16 (Megatron's main_grad): 4-byte grads, reductions
@@ -288,6 +289,40 @@ def test_each_zero_bucket_is_padded_to_its_ranks_on_its_own(settings):
     for category in ("params", "grads", "optimizer"):
         assert stage.memory[category] == measured["memory"][category], category
     assert STEPS * stage.traffic["dp"] == measured["comm"]["by_group"]["dp"]
+
+
+ZERO2_BUCKETS = [  # ZeRO-2's reduce buckets, as backward completes them
+    dict(tp=2, bucket_size_mb=0.005, recompute_granularity="full", tie_embeddings=False,
+         grad_accum_steps=2),
+    dict(dp=2, tp=2, bucket_size_mb=0.002, grad_accum_steps=2),
+    dict(dp=3, bucket_size_mb=0.001, recompute_granularity="selective",
+         tie_embeddings=False, grad_accum_steps=2),
+    dict(dp=4, bucket_size_mb=0.005, recompute_granularity="selective"),
+    dict(dp=3, n_layer=3, bucket_size_mb=0.001, overlap_grad_reduce=False,
+         recompute_granularity="full", precision="bf16-mixed"),
+    dict(dp=2, tp=2, bucket_size_mb=0.0005, overlap_grad_reduce=False,
+         tie_embeddings=False, grad_accum_steps=2),
+    dict(dp=2, tp=2, sequence_parallel=True, bucket_size_mb=0.002, mlp="swiglu"),
+]
+
+
+@pytest.mark.parametrize("settings", ZERO2_BUCKETS, ids=[
+    "tp2-full-accum2", "dp2-tp2-accum2", "dp3-selective-accum2", "dp4-selective",
+    "dp3-full-waited-bf16", "dp2-tp2-waited-accum2", "dp2-tp2-sp-swiglu"])
+def test_zero2_buffers_are_the_gradients_waiting_for_their_bucket_and_the_flat_copies(
+        settings):
+    """A ZeRO-2 gradient is a buffer from its making until its bucket is complete and
+    flattened; each flat copy lives until its reduce-scatter is waited for (at most two
+    in flight), and a later micro-batch's reduced piece while it is added into the shard.
+    Backward completes the tensors out of the buckets' order (a GEMM's weight before its
+    bias, a row-parallel bias first under TP), so which buckets are in flight at once is
+    walked in that order (plan/gradient_walk.py), not taken as neighbours."""
+    config = TrainConfig(**{**TINY, **settings}, zero=2, micro_batch_size=1)
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    (stage,) = estimate(shape, ParallelConfig.from_train_config(config), EMULATED).stages
+    (measured,) = [r for r in report.ranks if r["coords"] == dict.fromkeys(r["coords"], 0)]
+    assert stage.memory["detail"]["sync_buffers"] == measured["memory"]["buffers"]
 
 
 # ------------------------------------------------------------------ strategies, directly

@@ -1,0 +1,152 @@
+"""One backward's gradients, tensor by tensor: the "grads" peak of a step of one
+micro-batch under recomputation, and ZeRO-2's bucket buffers.
+
+Backward completes a rank's parameter gradients in a fixed order (`backward_sequence`):
+the head, the layers from the last, the embedding; inside a module by its share of the
+module's backward (parameter_order.layer_ready / head_ready), ties (a norm's weight and
+bias, one op) in registration order, as the op hands out its gradients. A gradient
+bucket is launched when its last tensor is complete (`bucket_launches`).
+
+Recomputation. A recomputed layer's input gradient is a leaf gradient while its
+backward runs (torch.utils.checkpoint's reentrant variant; selective recomputation's
+attention core likewise for its q, k, v), so it counts under "grads" beside the
+parameters' gradients. With several micro-batches every parameter gradient exists from
+the first backward on, and the peak is all of them plus that input gradient. With one,
+backward meets the lowest recomputed layer of the stage (where the input gradient is
+last alive) while some parameter gradients are still to come: those of the layers below
+it (for selective recomputation, its own norm and QKV, whose backward follows the
+attention core's) and the embedding's, a tied wte's too (the engine sums a leaf's
+contributions, the head's among them, before its gradient exists: minipar.autograd.
+engine). Those are the end of the sequence (`later_count`). So
+
+    peak = max(what the step ends with,  what exists at that moment + the input gradient)
+
+What exists is the parameter gradients made so far under ZeRO-0/1 (they stay until the
+step). Under ZeRO-2 "grads" holds the rank's reduced pieces: those of the buckets
+launched by then, less the last `in_flight` of them when reductions overlap backward
+(DeepSpeed's overlap_comm: the oldest is waited for, and its piece kept, only when a
+further one starts; minipar.parallel.zero.sharded).
+
+ZeRO-2's buffers (`zero2_buffers`). A full gradient is a buffer from its making until its
+bucket is flattened (the flat copy, padded to a multiple of the ranks, is made before the
+gradients are freed); the flat copy lives until its reduce-scatter is waited for. The
+peak comes as a bucket's last gradient is made or as it is flattened.
+
+Shapes: `tensors` are the elements of each parameter of one rank (TP share), in
+registration order (memory.StageParameters); buckets are tuples of their indices
+(memory.bucket_tensors).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import NamedTuple
+
+from minipar.plan.parameter_order import head_ready, layer_ready, layer_tensors
+from minipar.plan.shapes import ModelShape
+
+
+def backward_sequence(shape: ModelShape, b: int, tp: int, sequence_parallel: bool,
+                      front: int, layers: int, back: int) -> tuple[int, ...]:
+    """Indices of a stage's front (embedding) + layers + back (head) tensors, listed in
+    registration order, in the order backward completes their gradients."""
+    ready = layer_ready(shape, b, tp, sequence_parallel)
+    inner = sorted(range(len(ready)), key=lambda j: (ready[j], j))
+    head = head_ready(shape, b, tp, (0,) * back) if back else ()
+    start = front + layers * len(ready)
+    sequence = [start + j for j in sorted(range(back), key=lambda j: (head[j], j))]
+    for layer in reversed(range(layers)):
+        start = front + layer * len(ready)
+        sequence += [start + j for j in inner]
+    return (*sequence, *range(front))
+
+
+def later_count(shape: ModelShape, tp: int, front: int, first_recomputed: int,
+                selective: bool) -> int | None:
+    """How many tensors get their gradients only after the lowest recomputed layer's
+    input gradient is gone: the embedding's, the layers' below it, under selective
+    recomputation its own norm and QKV. They end `backward_sequence` and are the first
+    in registration order. None if a layer's tensors are not listed one by one."""
+    per_layer = layer_tensors(shape, tp)
+    if len(per_layer) == 1 and (selective or first_recomputed):
+        return None
+    later = front + first_recomputed * len(per_layer)
+    if selective:  # the first norms and the QKV weight and bias: layer_tensors' order
+        later += (2 if shape.norm == "layernorm" else 1) + (2 if shape.bias else 1)
+    return later
+
+
+class Launch(NamedTuple):
+    """A bucket as backward launches it: its elements, the elements of every gradient
+    made by then (its own included) and its last tensor's place in the sequence."""
+
+    numel: int
+    made: int
+    position: int
+
+
+def bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ...],
+                    sequence: tuple[int, ...]) -> tuple[Launch, ...]:
+    """The buckets in the order backward completes them."""
+    place = [0] * len(tensors)
+    for position, i in enumerate(sequence):
+        place[i] = position
+    made = list(accumulate(tensors[i] for i in sequence))
+    lasts = sorted((max(place[i] for i in bucket), bucket) for bucket in buckets)
+    return tuple(Launch(sum(tensors[i] for i in bucket), made[last], last)
+                 for last, bucket in lasts)
+
+
+def grads_peak(final: int, input_grad: int, grad_bytes: int, made: int) -> int:
+    """Peak "grads" bytes (module docstring): `made` elements of gradients (ZeRO-0/1)
+    or of reduced pieces (ZeRO-2: `reduced_pieces`) exist beside the input gradient."""
+    return max(final, made * grad_bytes + input_grad)
+
+
+def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
+                   in_flight: int | None) -> int:
+    """Elements of a ZeRO-2 rank's pieces of the buckets launched before sequence place
+    `before` and waited for: all of them, or with `in_flight` reductions outstanding all
+    but the last in_flight."""
+    launched = [launch for launch in launches if launch.position < before]
+    if in_flight is not None:
+        launched = launched[:max(0, len(launched) - in_flight)]
+    return sum(-(-launch.numel // ranks) for launch in launched)
+
+
+def zero2_buffers(launches: tuple[Launch, ...], ranks: int, in_flight: int | None,
+                  overlap: bool, accumulate_pieces: bool) -> int:
+    """Peak elements of ZeRO-2's "buffers" in one backward (module docstring): the
+    gradients made whose bucket is not flattened yet, and the flat copies not waited
+    for. `in_flight`: reductions outstanding at most under overlap (None: no limit);
+    accumulate_pieces: a later micro-batch, whose reduced piece is a buffer while it is
+    added into the shard, before its flat copy is freed."""
+    flattened = flats = peak = 0  # gradient elements freed so far; flat copies held
+    pending: list[int] = []
+
+    def wait(padded: int) -> None:
+        nonlocal flats, peak
+        if accumulate_pieces:
+            peak = max(peak, held + padded // ranks)
+        flats -= padded
+
+    for launch in launches:
+        held = launch.made - flattened + flats  # as the bucket's last gradient is made
+        peak = max(peak, held)
+        if overlap and in_flight is not None and len(pending) == in_flight:
+            wait(pending.pop(0))
+            held = launch.made - flattened + flats
+        padded = -(-launch.numel // ranks) * ranks
+        peak = max(peak, held + padded)
+        flats += padded
+        flattened += launch.numel
+        held = launch.made - flattened + flats
+        if overlap:
+            pending.append(padded)
+        else:
+            wait(padded)
+            held = launch.made - flattened + flats
+    for padded in pending:  # at the end of backward, every gradient flattened
+        held = flats
+        wait(padded)
+    return peak
