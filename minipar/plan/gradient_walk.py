@@ -27,14 +27,17 @@ launched by then, less the last `in_flight` of them when reductions overlap back
 (DeepSpeed's overlap_comm: the oldest is waited for, and its piece kept, only when a
 further one starts; minipar.parallel.zero.sharded).
 
-ZeRO-2's buffers (`zero2_buffers`). A full gradient is a buffer from its making until its
-bucket is flattened (the flat copy, padded to a multiple of the ranks, is made before the
-gradients are freed); the flat copy lives until its reduce-scatter is waited for. The
-peak comes as a bucket's last gradient is made or as it is flattened.
+Reduction buffers (`reduction_buffers`). Each bucket is flattened when complete (the
+flat copy, padded to a multiple of the ranks under ZeRO, is made before ZeRO-2 frees the
+gradients, which are buffers there until then) and its reduction launched; the flat
+copy lives until the reduction is waited for, at once or, overlapping backward, when a
+further one would exceed the limit in flight, or at the end of backward
+(minipar.parallel.data.ddp, minipar.parallel.zero.sharded). The peak comes as a bucket's
+last gradient is made, as it is flattened, or as a reduction returns.
 
 Shapes: `tensors` are the elements of each parameter of one rank (TP share), in
 registration order (memory.StageParameters); buckets are tuples of their indices
-(memory.bucket_tensors).
+(memory._bucket_tensors: one per bucket, in the order backward fills it).
 """
 
 from __future__ import annotations
@@ -114,39 +117,57 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
     return sum(-(-launch.numel // ranks) for launch in launched)
 
 
-def zero2_buffers(launches: tuple[Launch, ...], ranks: int, in_flight: int | None,
-                  overlap: bool, accumulate_pieces: bool) -> int:
-    """Peak elements of ZeRO-2's "buffers" in one backward (module docstring): the
-    gradients made whose bucket is not flattened yet, and the flat copies not waited
-    for. `in_flight`: reductions outstanding at most under overlap (None: no limit);
-    accumulate_pieces: a later micro-batch, whose reduced piece is a buffer while it is
-    added into the shard, before its flat copy is freed."""
-    flattened = flats = peak = 0  # gradient elements freed so far; flat copies held
+def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
+                      in_flight: int | None, overlap: bool, accumulate_pieces: bool,
+                      after: int = 0) -> int:
+    """Peak elements of the "buffers" a data-parallel engine's bucketed reduction holds
+    in one backward and the step after it (module docstring), ZeRO stage `zero` over
+    `ranks`: the gradients made whose bucket is not flattened yet (ZeRO-2, whose full
+    gradients are buffers), each flat copy until its reduction is waited for, and what
+    the wait returns: DDP's averaged copy while it is written back, ZeRO-1's reduced
+    piece, kept until the step (whose all-gather then holds a bucket's parameters), a
+    later micro-batch's piece under ZeRO-2 while it is added into the shard
+    (`accumulate_pieces`). `in_flight`: reductions outstanding at most under overlap
+    (None: no limit; DDP has none); after: elements held once backward is over (sequence
+    parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's pieces."""
+    grads_are_buffers = zero == 2
+    flattened = flats = pieces = peak = 0  # gradients flattened; flat copies, pieces held
     pending: list[int] = []
 
-    def wait(padded: int) -> None:
-        nonlocal flats, peak
-        if accumulate_pieces:
-            peak = max(peak, held + padded // ranks)
-        flats -= padded
+    def wait(flat: int) -> None:  # `held`: what is held as the reduction returns
+        nonlocal flats, pieces, peak
+        if zero == 0:  # the averaged copy is written back into the gradients, then freed
+            peak = max(peak, held + flat)
+        elif zero == 1:
+            pieces += flat // ranks
+            peak = max(peak, held + flat // ranks)
+        elif accumulate_pieces:
+            peak = max(peak, held + flat // ranks)
+        flats -= flat
 
+    def holding(made: int) -> int:
+        return (made - flattened if grads_are_buffers else 0) + flats + pieces
+
+    largest = 0
     for launch in launches:
-        held = launch.made - flattened + flats  # as the bucket's last gradient is made
+        held = holding(launch.made)  # as the bucket's last gradient is made
         peak = max(peak, held)
         if overlap and in_flight is not None and len(pending) == in_flight:
             wait(pending.pop(0))
-            held = launch.made - flattened + flats
-        padded = -(-launch.numel // ranks) * ranks
-        peak = max(peak, held + padded)
-        flats += padded
+            held = holding(launch.made)
+        flat = launch.numel if zero == 0 else -(-launch.numel // ranks) * ranks
+        largest = max(largest, flat)
+        peak = max(peak, held + flat)
+        flats += flat
         flattened += launch.numel
-        held = launch.made - flattened + flats
         if overlap:
-            pending.append(padded)
+            pending.append(flat)
         else:
-            wait(padded)
-            held = launch.made - flattened + flats
-    for padded in pending:  # at the end of backward, every gradient flattened
-        held = flats
-        wait(padded)
-    return peak
+            held = holding(launch.made)
+            wait(flat)
+    for flat in pending:  # at the end of backward, every gradient flattened
+        held = flats + pieces
+        wait(flat)
+    if zero == 1:  # then the step all-gathers each bucket's parameters beside them
+        peak = max(peak, pieces + after, pieces + largest)
+    return max(peak, after)

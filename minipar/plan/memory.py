@@ -45,7 +45,9 @@ Predictions for params, grads and optimizer are exact for minipar's layouts; act
 are exact for one pipeline stage, GPipe and 1F1B, for a rank of several chunks that
 save differently, walked over its schedule (walked_activations.py: interleaved and
 DualPipe-V), and for the zero-bubble schedules, walked with what a split backward's I
-keeps for its W (split_backward.py); buffers and the total are an estimate:
+keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
+DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py); buffers and the total are
+otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
 across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).
@@ -76,7 +78,7 @@ from minipar.plan.gradient_walk import (
     grads_peak,
     later_count,
     reduced_pieces,
-    zero2_buffers,
+    reduction_buffers,
 )
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import (
@@ -261,9 +263,8 @@ def stage_memory(shape: ModelShape, config: ParallelConfig, stage: StagePlan) ->
     activations, forward_buffers, gathered = _activations(shape, config, stage, layer_input)
     # the gradient synchronisation's peak: the DP engines', or after it sequence
     # parallelism's coalesced all-reduce (its flat input and the summed output)
-    sync_buffers = max(_sync_buffers(shape, config, params, stage),
-                       2 * sequence_parallel_gradient_elements(shape, config, stage)
-                       * nbytes.grad)
+    sync_buffers = _sync_buffers(shape, config, params, stage,
+                                 2 * sequence_parallel_gradient_elements(shape, config, stage))
     params_bytes = param_elements * nbytes.param
     if config.fp8_format is not None and not config.fp8_param_gather:
         # TE's cached FP8 weights and transposes beside the bf16 ones (plan/fp8.py)
@@ -483,7 +484,7 @@ def _one_micro_batch_grads(shape: ModelShape, config: ParallelConfig, stage: Sta
     if config.zero < 2:  # the later ones are the first `later` in registration order
         made = sum(params.tensors[later:])
     else:
-        launches = _launches(shape, config, stage, params)
+        launches = _launches(shape, config, stage)
         in_flight = None
         if config.overlap_grad_reduce:
             in_flight = config.reductions_in_flight or len(launches)
@@ -493,29 +494,29 @@ def _one_micro_batch_grads(shape: ModelShape, config: ParallelConfig, stage: Sta
     return grads_peak(final, input_grad, config.bytes.grad, made)
 
 
-def _sequence(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
-              count: int) -> tuple[int, ...]:
-    """gradient_walk.backward_sequence of this rank's `count` tensors."""
-    front = len(embedding_tensors(shape, config.tp)) if stage.first else 0
-    back = count - front - stage.layers * len(layer_tensors(shape, config.tp))
-    return _backward_sequence(shape, config.micro_batch_size, config.tp,
-                              config.sequence_parallel, front, stage.layers, back)
-
-
-_backward_sequence = lru_cache(maxsize=64)(backward_sequence)
-
-
-def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
-              params: StageParameters) -> tuple[Launch, ...]:
+def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
+              ) -> tuple[Launch, ...]:
     """This rank's gradient buckets as backward launches them (gradient_walk.py)."""
-    return _bucket_launches(params.tensors, bucket_tensors(params, config),
-                            _sequence(shape, config, stage, len(params.tensors)))
+    return _stage_launches(shape, config.tp, config.ep, config.sequence_parallel,
+                           stage.first, stage.last, stage.tied_copy, stage.layers,
+                           stage_moe_layers(shape, stage),
+                           config.bucket_size_mb * 2**20, config.bytes.param)
 
 
-# A search plans the same stage under many DP sizes: its buckets are launched alike.
-@lru_cache(maxsize=64)
-def _bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ...],
-                     sequence: tuple[int, ...]) -> tuple[Launch, ...]:
+# A search plans the same stage under many DP sizes and micro-batches: its buckets are
+# launched alike (backward's order does not depend on the micro-batch: every op's FLOPs
+# grow with its tokens).
+@lru_cache(maxsize=256)
+def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
+                    first: bool, last: bool, tied_copy: bool, layers: int, moe_layers: int,
+                    cap: float, itemsize: int) -> tuple[Launch, ...]:
+    params = _stage_parameters(shape, t, ep, first, last, tied_copy, layers, moe_layers)
+    tensors = params.tensors
+    buckets = (_bucket_tensors(tensors, cap, itemsize) if cap > 0
+               else (tuple(reversed(range(len(tensors)))),))
+    front = len(embedding_tensors(shape, t)) if first else 0
+    back = len(tensors) - front - layers * len(layer_tensors(shape, t))
+    sequence = backward_sequence(shape, 1, t, sequence_parallel, front, layers, back)
     return bucket_launches(tensors, buckets, sequence)
 
 
@@ -528,16 +529,6 @@ def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, .
     if config.bucket_size_mb > 0:
         return tuple(bucket_elements(params, config))
     return (params.numel,)
-
-
-def bucket_tensors(params: StageParameters, config: ParallelConfig
-                   ) -> tuple[tuple[int, ...], ...]:
-    """Which of `params.tensors` each gradient bucket holds, in the order backward fills
-    them (one bucket of all with bucket_size_mb 0)."""
-    if config.bucket_size_mb > 0:
-        return _bucket_tensors(params.tensors, config.bucket_size_mb * 2**20,
-                               config.bytes.param)
-    return (tuple(reversed(range(len(params.tensors)))),)
 
 
 def bucket_elements(params: StageParameters, config: ParallelConfig) -> list[int]:
@@ -648,15 +639,18 @@ def _vectors_within(tensors, stop: int) -> int:
 
 
 def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParameters,
-                  stage: StagePlan) -> int:
-    """Peak transient bytes of gradient synchronisation over the DP group.
+                  stage: StagePlan, after: int) -> int:
+    """Peak transient bytes of gradient synchronisation over the DP group, and after it
+    of sequence parallelism's coalesced all-reduce (`after` elements: its flat input and
+    the summed output), beside ZeRO-1's reduced pieces.
 
-    ZeRO-0: the flat gradient and its averaged copy (DDP with one bucket); ZeRO-1: the
-    flat gradient and my reduced piece; ZeRO-2: the full gradients and their flat copy
-    (freed after the reduce-scatter); ZeRO-3: unit by unit (zero3_buffers.py), the
-    gathered parameters, one unit's gradients and at most two flat copies in flight.
-    With expert parallelism the two engines synchronise one after the other: the larger
-    one's peak.
+    ZeRO-0 to 2: the buckets walked as backward launches them (gradient_walk.py): the
+    flat copies in flight and what their reductions return, ZeRO-2's gradients until
+    flattened; with experts or an offloaded optimizer an estimate (one flat buffer, or
+    ZeRO-2's bucket and its neighbour in flight). ZeRO-3: unit by unit
+    (zero3_buffers.py), the gathered parameters, one unit's gradients and at most two
+    flat copies in flight. With expert parallelism the two engines synchronise one after
+    the other: the larger one's peak.
     """
     nbytes = config.bytes
     g = nbytes.grad
@@ -667,24 +661,24 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
         # gradient is in flight), then the experts' while the dense piece waits for the
         # step (ExpertDataParallel's order)
         (dense, n), (experts, edp) = buffers
-        return (max(dense, shard(experts, edp)) + shard(dense, n) + experts) * g
+        return max(max(dense, shard(experts, edp)) + shard(dense, n) + experts, after) * g
     if config.zero in (0, 1, 2):
-        peaks = [0]
+        peaks = [after * g]
         for numel, n in buffers:
-            if config.zero == 0 and n > 1:
+            if (config.zero > 0 or n > 1) and not params.expert_numel and (
+                    config.offload_optimizer == "none"):
+                # DeepSpeed's reduce buckets, DDP's and minipar's: walked in the order
+                # backward launches them (gradient_walk.py)
+                in_flight = None if config.zero == 0 else config.reductions_in_flight
+                peaks.append(g * reduction_buffers(
+                    _launches(shape, config, stage), config.zero, n, in_flight,
+                    config.overlap_grad_reduce, config.micro_batches > 1, after))
+            elif config.zero == 0 and n > 1:
                 bucket = (config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0
                           else numel)
                 peaks.append(int(numel * g + min(bucket, numel) * g))
             elif config.zero == 1:
                 peaks.append(numel * g + shard(numel, n) * g)
-            elif (config.zero == 2 and config.bucket_size_mb > 0 and not params.expert_numel
-                  and config.offload_optimizer == "none"):
-                # DeepSpeed's reduce buckets (and minipar's): the gradients made whose
-                # bucket is not complete, the flat copies in flight (gradient_walk.py)
-                peaks.append(g * zero2_buffers(
-                    _launches(shape, config, stage, params), n,
-                    config.reductions_in_flight, config.overlap_grad_reduce,
-                    config.micro_batches > 1))
             elif config.zero == 2 and len(buffers) == 1 and config.bucket_size_mb > 0:
                 # an offloaded optimizer's pieces leave for the host (offload.py), or
                 # experts, whose layers are listed as one tensor: bucket i's gradients,
@@ -699,9 +693,9 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
     # offloaded optimizer books the reduced piece as a gradient on its way to the host.
     sites = gpt_sites(len(params.units), bool(params.embedding_unit), stage.last,
                       shape.tie_embeddings)
-    return backward_peak(params.units, sites, config.sharding_group, nbytes.param, g,
-                         prefetch=config.zero3_prefetch and config.offload_param == "none",
-                         overlap=config.overlap_grad_reduce,
-                         accumulate=config.micro_batches > 1
-                         and config.offload_optimizer == "none",
-                         kept=config.reshard_after_forward is False)
+    return max(after * g, backward_peak(
+        params.units, sites, config.sharding_group, nbytes.param, g,
+        prefetch=config.zero3_prefetch and config.offload_param == "none",
+        overlap=config.overlap_grad_reduce,
+        accumulate=config.micro_batches > 1 and config.offload_optimizer == "none",
+        kept=config.reshard_after_forward is False))

@@ -9,8 +9,8 @@ Where they differ, the planner is wrong, not the test. Stated tolerances:
   --no-zero3-prefetch) an upper bound (within 0.1%) when the run hid communication
   behind compute; the overlapped prediction (plan/overlap.py) within the tolerances of
   the overlap tests below;
-- buffers and peak_total (transient, estimated): within 10%; ZeRO-2's bucket buffers
-  exact (walked in backward's order).
+- buffers and peak_total (transient, estimated): within 10%; the reduction buffers of
+  DDP and ZeRO-1/2 on one pipeline stage exact (walked in backward's order).
 
 Two sources of measurements: `minipar.train` (report.ranks[i]: memory, comm.by_group,
 time) for the layouts the training loop accepts, and the strategy modules launched
@@ -291,33 +291,44 @@ def test_each_zero_bucket_is_padded_to_its_ranks_on_its_own(settings):
     assert STEPS * stage.traffic["dp"] == measured["comm"]["by_group"]["dp"]
 
 
-ZERO2_BUCKETS = [  # ZeRO-2's reduce buckets, as backward completes them
-    dict(tp=2, bucket_size_mb=0.005, recompute_granularity="full", tie_embeddings=False,
-         grad_accum_steps=2),
-    dict(dp=2, tp=2, bucket_size_mb=0.002, grad_accum_steps=2),
-    dict(dp=3, bucket_size_mb=0.001, recompute_granularity="selective",
+BUCKETED = [  # gradient buckets as backward completes them, for each engine
+    dict(zero=2, tp=2, bucket_size_mb=0.005, recompute_granularity="full",
          tie_embeddings=False, grad_accum_steps=2),
-    dict(dp=4, bucket_size_mb=0.005, recompute_granularity="selective"),
-    dict(dp=3, n_layer=3, bucket_size_mb=0.001, overlap_grad_reduce=False,
+    dict(zero=2, dp=2, tp=2, bucket_size_mb=0.002, grad_accum_steps=2),
+    dict(zero=2, dp=3, bucket_size_mb=0.001, recompute_granularity="selective",
+         tie_embeddings=False, grad_accum_steps=2),
+    dict(zero=2, dp=4, bucket_size_mb=0.005, recompute_granularity="selective"),
+    dict(zero=2, dp=3, n_layer=3, bucket_size_mb=0.001, overlap_grad_reduce=False,
          recompute_granularity="full", precision="bf16-mixed"),
-    dict(dp=2, tp=2, bucket_size_mb=0.0005, overlap_grad_reduce=False,
+    dict(zero=2, dp=2, tp=2, bucket_size_mb=0.0005, overlap_grad_reduce=False,
          tie_embeddings=False, grad_accum_steps=2),
-    dict(dp=2, tp=2, sequence_parallel=True, bucket_size_mb=0.002, mlp="swiglu"),
+    dict(zero=2, dp=2, tp=2, sequence_parallel=True, bucket_size_mb=0.002, mlp="swiglu"),
+    dict(zero=1, dp=2, bucket_size_mb=0.001, tie_embeddings=False),
+    dict(zero=1, dp=4, bucket_size_mb=0.005, overlap_grad_reduce=False, grad_accum_steps=2),
+    dict(zero=1, tp=2, sequence_parallel=True, n_layer=3, bucket_size_mb=0.001),
+    dict(zero=0, dp=2, bucket_size_mb=0.0005, recompute_granularity="full"),
+    dict(zero=0, dp=3, bucket_size_mb=0.001, overlap_grad_reduce=False, mlp="swiglu",
+         precision="bf16-mixed"),
 ]
 
 
-@pytest.mark.parametrize("settings", ZERO2_BUCKETS, ids=[
-    "tp2-full-accum2", "dp2-tp2-accum2", "dp3-selective-accum2", "dp4-selective",
-    "dp3-full-waited-bf16", "dp2-tp2-waited-accum2", "dp2-tp2-sp-swiglu"])
-def test_zero2_buffers_are_the_gradients_waiting_for_their_bucket_and_the_flat_copies(
-        settings):
-    """A ZeRO-2 gradient is a buffer from its making until its bucket is complete and
-    flattened; each flat copy lives until its reduce-scatter is waited for (at most two
-    in flight), and a later micro-batch's reduced piece while it is added into the shard.
-    Backward completes the tensors out of the buckets' order (a GEMM's weight before its
-    bias, a row-parallel bias first under TP), so which buckets are in flight at once is
-    walked in that order (plan/gradient_walk.py), not taken as neighbours."""
-    config = TrainConfig(**{**TINY, **settings}, zero=2, micro_batch_size=1)
+@pytest.mark.parametrize("settings", BUCKETED, ids=[
+    "zero2-tp2-full-accum2", "zero2-dp2-tp2-accum2", "zero2-dp3-selective-accum2",
+    "zero2-dp4-selective", "zero2-dp3-full-waited-bf16", "zero2-dp2-tp2-waited-accum2",
+    "zero2-dp2-tp2-sp-swiglu", "zero1-dp2", "zero1-dp4-waited-accum2", "zero1-tp2-sp",
+    "ddp-dp2-full", "ddp-dp3-waited-swiglu-bf16"])
+def test_reduction_buffers_are_the_flat_copies_in_flight_and_what_they_return(settings):
+    """Each bucket is flattened when backward completes its last tensor, and the flat
+    copy lives until its reduction is waited for (at once, or with at most two in
+    flight under ZeRO, or at the end of backward under DDP); the wait returns DDP's
+    averaged copy (a buffer while it is written back), ZeRO-1's piece (kept until the
+    step, beside sequence parallelism's all-reduce and the step's all-gather), or a
+    later micro-batch's ZeRO-2 piece (while it is added into the shard). ZeRO-2's own
+    gradients are buffers until flattened. Backward completes the tensors out of the
+    buckets' order (a GEMM's weight before its bias, a row-parallel bias first under
+    TP), so the buckets in flight at once are walked in that order
+    (plan/gradient_walk.py), not taken as neighbours or as one flat buffer."""
+    config = TrainConfig(**{**TINY, **settings}, micro_batch_size=1)
     report = train(config)
     shape = from_train_config(config, report.config["vocab_size"])
     (stage,) = estimate(shape, ParallelConfig.from_train_config(config), EMULATED).stages
