@@ -119,8 +119,8 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
 
 def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
                       in_flight: int | None, overlap: bool, accumulate_pieces: bool,
-                      after: int = 0) -> int:
-    """Peak elements of the "buffers" a data-parallel engine's bucketed reduction holds
+                      grad_bytes: int, param_bytes: int, after: int = 0) -> int:
+    """Peak bytes of the "buffers" a data-parallel engine's bucketed reduction holds
     in one backward and the step after it (module docstring), ZeRO stage `zero` over
     `ranks`: the gradients made whose bucket is not flattened yet (ZeRO-2, whose full
     gradients are buffers), each flat copy until its reduction is waited for, and what
@@ -128,8 +128,10 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     piece, kept until the step (whose all-gather then holds a bucket's parameters), a
     later micro-batch's piece under ZeRO-2 while it is added into the shard
     (`accumulate_pieces`). `in_flight`: reductions outstanding at most under overlap
-    (None: no limit; DDP has none); after: elements held once backward is over (sequence
-    parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's pieces."""
+    (None: no limit; DDP has none); after: gradient elements held once backward is over
+    (sequence parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's
+    pieces. Gradients, flat copies and pieces are of `grad_bytes` an element, the
+    parameters the step gathers of `param_bytes`."""
     grads_are_buffers = zero == 2
     flattened = flats = pieces = peak = 0  # gradients flattened; flat copies, pieces held
     pending: list[int] = []
@@ -168,6 +170,8 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     for flat in pending:  # at the end of backward, every gradient flattened
         held = flats + pieces
         wait(flat)
+    peak = max(peak, after) * grad_bytes
     if zero == 1:  # then the step all-gathers each bucket's parameters beside them
-        peak = max(peak, pieces + after, pieces + largest)
-    return max(peak, after)
+        peak = max(peak, (pieces + after) * grad_bytes,
+                   pieces * grad_bytes + largest * param_bytes)
+    return peak

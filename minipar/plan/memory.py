@@ -670,9 +670,10 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
                 # DeepSpeed's reduce buckets, DDP's and minipar's: walked in the order
                 # backward launches them (gradient_walk.py)
                 in_flight = None if config.zero == 0 else config.reductions_in_flight
-                peaks.append(g * reduction_buffers(
+                peaks.append(reduction_buffers(
                     _launches(shape, config, stage), config.zero, n, in_flight,
-                    config.overlap_grad_reduce, config.micro_batches > 1, after))
+                    config.overlap_grad_reduce, config.micro_batches > 1, g,
+                    nbytes.param, after))
             elif config.zero == 0 and n > 1:
                 bucket = (config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0
                           else numel)
