@@ -2,9 +2,10 @@
 micro-batch under recomputation, and ZeRO-2's bucket buffers.
 
 Backward completes a rank's parameter gradients in a fixed order (`backward_sequence`):
-the head, the layers from the last, the embedding; inside a module by its share of the
-module's backward (parameter_order.layer_ready / head_ready), ties (a norm's weight and
-bias, one op) in registration order, as the op hands out its gradients. A gradient
+the head, the layers from the last, the embedding (wpe before wte); inside a module by
+its share of the module's backward (parameter_order.layer_ready / head_ready), ties (a
+norm's weight and bias, one op) in registration order, as the op hands out its
+gradients. A gradient
 bucket is launched when its last tensor is complete (`bucket_launches`).
 
 Recomputation. A recomputed layer's input gradient is a leaf gradient while its
@@ -61,7 +62,10 @@ def backward_sequence(shape: ModelShape, b: int, tp: int, sequence_parallel: boo
     for layer in reversed(range(layers)):
         start = front + layer * len(ready)
         sequence += [start + j for j in inner]
-    return (*sequence, *range(front))
+    # the embedding: its norm's weight and bias (BLOOM's, one op), then the positions'
+    # table before the tokens' (the sum's backward hands the positions theirs first)
+    tables = min(front, 2 if shape.position == "learned" else 1)
+    return (*sequence, *range(tables, front), *reversed(range(tables)))
 
 
 def later_count(shape: ModelShape, tp: int, front: int, first_recomputed: int,

@@ -46,8 +46,9 @@ are exact for one pipeline stage, GPipe and 1F1B, for a rank of several chunks t
 save differently, walked over its schedule (walked_activations.py: interleaved and
 DualPipe-V), and for the zero-bubble schedules, walked with what a split backward's I
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
-DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py); buffers and the total are
-otherwise an estimate:
+DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py; with sequence or context
+parallelism the backward's own buffers meet them, and the larger is taken); buffers
+and the total are otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
 across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).

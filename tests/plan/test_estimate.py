@@ -10,7 +10,8 @@ Where they differ, the planner is wrong, not the test. Stated tolerances:
   behind compute; the overlapped prediction (plan/overlap.py) within the tolerances of
   the overlap tests below;
 - buffers and peak_total (transient, estimated): within 10%; the reduction buffers of
-  DDP and ZeRO-1/2 on one pipeline stage exact (walked in backward's order).
+  DDP and ZeRO-1/2 on one pipeline stage exact (walked in backward's order), where no
+  sequence- or context-parallel buffer of backward meets them.
 
 Two sources of measurements: `minipar.train` (report.ranks[i]: memory, comm.by_group,
 time) for the layouts the training loop accepts, and the strategy modules launched
@@ -308,6 +309,9 @@ BUCKETED = [  # gradient buckets as backward completes them, for each engine
     dict(zero=1, tp=2, sequence_parallel=True, n_layer=3, bucket_size_mb=0.001),
     dict(zero=1, dp=2, bucket_size_mb=0.002, precision="bf16-mixed",
          grad_accum_dtype="fp32"),  # fp32 pieces, bf16 parameters gathered
+    # the embedding's backward completes wpe before wte (here the larger bucket)
+    dict(zero=1, dp=2, seq_len=128, bucket_size_mb=0.001),
+    dict(zero=2, dp=2, seq_len=128, bucket_size_mb=0.002),
     dict(zero=0, dp=2, bucket_size_mb=0.0005, recompute_granularity="full"),
     dict(zero=0, dp=3, bucket_size_mb=0.001, overlap_grad_reduce=False, mlp="swiglu",
          precision="bf16-mixed"),
@@ -318,7 +322,7 @@ BUCKETED = [  # gradient buckets as backward completes them, for each engine
     "zero2-tp2-full-accum2", "zero2-dp2-tp2-accum2", "zero2-dp3-selective-accum2",
     "zero2-dp4-selective", "zero2-dp3-full-waited-bf16", "zero2-dp2-tp2-waited-accum2",
     "zero2-dp2-tp2-sp-swiglu", "zero1-dp2", "zero1-dp4-waited-accum2", "zero1-tp2-sp",
-    "zero1-dp2-bf16-fp32-grads",
+    "zero1-dp2-bf16-fp32-grads", "zero1-dp2-seq128-wpe-first", "zero2-dp2-seq128-wpe-first",
     "ddp-dp2-full", "ddp-dp3-waited-swiglu-bf16"])
 def test_reduction_buffers_are_the_flat_copies_in_flight_and_what_they_return(settings):
     """Each bucket is flattened when backward completes its last tensor, and the flat
