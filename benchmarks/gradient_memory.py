@@ -1,0 +1,143 @@
+"""The planner's gradient memory against the emulator's, over two grids of layouts.
+
+    python benchmarks/gradient_memory.py grads      # 1,456 layouts, about 1 minute
+    python benchmarks/gradient_memory.py buffers    # 4,224 layouts, about 4 minutes
+    python benchmarks/gradient_memory.py buffers --zero 2 --quick
+
+`grads`: one micro-batch under recomputation, where the "grads" peak is what backward
+has made when the lowest recomputed layer's input gradient is alive
+(minipar/plan/gradient_walk.py). ZeRO-0/1/2 x full or selective recomputation x tied or
+untied x buckets of 0, 0.001 and 0.25 MiB x overlap on or off x dp 1, 2, 4 x tp 1, 2 x
+GELU or SwiGLU x fp64 or bf16-mixed, on a 3-layer toy GPT (d_model 16, seq 8), and a
+dozen hand-picked extras (pipelines, block and uniform recomputation, SP, CP, GQA, MoE,
+dropout). `buffers`: the gradient reduction's "buffers" (the planner's
+`detail.sync_buffers`) of DDP and ZeRO-1/2 with buckets of 0.0005-0.25 MiB, one and two
+micro-batches, every recomputation, dp 1-4, tp 1-2 with and without SP, on one pipeline
+stage. Each layout trains two steps and is planned; printed: every pipeline rank whose
+figure differs (planned / measured - 1, the two, the settings) and the tally. Run it on
+another tree with PYTHONPATH to see what a change moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import warnings
+
+from minipar.errors import ConfigError
+from minipar.plan.cluster import ClusterSpec
+from minipar.plan.estimate import estimate
+from minipar.plan.layout import ParallelConfig
+from minipar.plan.shapes import from_train_config
+from minipar.train import TrainConfig, train
+
+TOY = dict(d_model=16, n_head=4, seq_len=8, steps=2, data="synthetic", vocab_size=32,
+           micro_batch_size=1)
+
+
+def grads_layouts(zeros, quick: bool):
+    """One micro-batch under recomputation."""
+    for zero, rec, tie, bucket, overlap, dp, tp, mlp, precision in itertools.product(
+            zeros, ("full", "selective"), (True, False), (0, 0.001, 0.25), (True, False),
+            (1, 2, 4), (1, 2), ("gelu", "swiglu"), ("fp64", "bf16-mixed")):
+        if (dp, tp) == (4, 2) or (quick and (mlp, precision) != ("gelu", "fp64")):
+            continue
+        yield dict(zero=zero, recompute_granularity=rec, tie_embeddings=tie,
+                   bucket_size_mb=bucket, overlap_grad_reduce=overlap, dp=dp, tp=tp, mlp=mlp,
+                   precision=precision, n_layer=3, grad_accum_steps=1)
+    full = dict(recompute_granularity="full", grad_accum_steps=1)
+    yield from (
+        dict(full, zero=1, pp=2, dp=2, n_layer=4, bucket_size_mb=0.001),
+        dict(full, zero=1, pp=2, dp=2, n_layer=4, tie_embeddings=False),
+        dict(zero=0, recompute_granularity="selective", pp=3, n_layer=3, grad_accum_steps=1),
+        dict(full, zero=2, recompute_method="uniform", recompute_num_layers=2, dp=2,
+             n_layer=4, bucket_size_mb=0.001),
+        dict(full, zero=2, recompute_method="block", recompute_num_layers=1, dp=2, n_layer=4,
+             bucket_size_mb=0.001),
+        dict(full, zero=1, recompute_method="block", recompute_num_layers=1, dp=2, n_layer=4,
+             bucket_size_mb=0.001, tie_embeddings=False),
+        dict(full, zero=2, dp=2, tp=2, sequence_parallel=True, n_layer=3,
+             bucket_size_mb=0.001),
+        dict(zero=2, recompute_granularity="selective", dp=2, cp=2, n_layer=3,
+             bucket_size_mb=0.001, grad_accum_steps=1),
+        dict(full, zero=1, dp=2, n_layer=3, moe_num_experts=2, moe_top_k=1,
+             moe_layer_freq=1),
+        dict(full, zero=2, dp=2, n_layer=3, bucket_size_mb=0.001, n_kv_head=2),
+        dict(full, zero=2, dp=2, n_layer=3, bucket_size_mb=0.001, dropout=0.1),
+    )
+
+
+def buffers_layouts(zeros, quick: bool):
+    """Bucketed reductions on one pipeline stage."""
+    for zero, rec, tie, bucket, overlap, dp, tp, sp, mlp, accum, precision, layers in (
+            itertools.product(zeros, (None, "full", "selective"), (True, False),
+                              (0.0005, 0.001, 0.002, 0.005, 0.25), (True, False),
+                              (1, 2, 3, 4), (1, 2), (False, True), ("gelu", "swiglu"),
+                              (1, 2), ("fp64", "bf16-mixed"), (2, 3))):
+        if (sp and tp == 1) or (dp, tp) in ((4, 2), (3, 2)):
+            continue
+        if (mlp, precision, layers) != ("gelu", "fp64", 2) and (rec, bucket) != ("full", 0.001):
+            continue
+        if quick and (rec, tie, mlp) != (None, True, "gelu"):
+            continue
+        yield dict(zero=zero, recompute_granularity=rec, tie_embeddings=tie,
+                   bucket_size_mb=bucket, overlap_grad_reduce=overlap, dp=dp, tp=tp,
+                   sequence_parallel=sp, mlp=mlp, grad_accum_steps=accum,
+                   precision=precision, n_layer=layers)
+
+
+def compare(settings: dict, figure: str) -> list[tuple[int, int, int]] | None:
+    """(pipeline rank, measured, planned) of each rank whose figure differs; None if
+    minipar refuses the layout."""
+    try:
+        config = TrainConfig(**{**TOY, **settings})
+        report = train(config)
+    except ConfigError:
+        return None
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
+    differ = []
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"] == {
+            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
+        got = measured["memory"][figure]
+        planned = (stage.memory["grads"] if figure == "grads"
+                   else stage.memory["detail"]["sync_buffers"])
+        if got != planned:
+            differ.append((stage.rank, got, planned))
+    return differ
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("grid", choices=("grads", "buffers"))
+    parser.add_argument("--zero", type=lambda s: tuple(int(z) for z in s.split(",")),
+                        default=(0, 1, 2), help="ZeRO stages, e.g. 1,2 (default 0,1,2)")
+    parser.add_argument("--quick", action="store_true", help="a fraction of the grid")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # a layout's advice is not a finding
+    layouts = (grads_layouts if args.grid == "grads" else buffers_layouts)(args.zero,
+                                                                           args.quick)
+    ranks = exact = refused = 0
+    worst = 0.0
+    for settings in layouts:
+        differ = compare(settings, args.grid)
+        if differ is None:
+            refused += 1
+            continue
+        for rank, got, planned in differ:
+            worst = max(worst, abs(planned / got - 1))
+            print(f"{planned / got - 1:+8.2%}  measured {got:7d}  planned {planned:7d}  "
+                  f"pipeline rank {rank}  {settings}", flush=True)
+        # (every pipeline rank counts once; a refused layout has none)
+        stages = settings.get("pp", 1)
+        ranks += stages
+        exact += stages - len(differ)
+    print(f"{args.grid}: {exact} of {ranks} pipeline ranks exact, worst {worst:.2%} "
+          f"({refused} layouts refused)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
