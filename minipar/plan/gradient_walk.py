@@ -111,13 +111,14 @@ def grads_peak(final: int, input_grad: int, grad_bytes: int, made: int) -> int:
 
 
 def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
-                   in_flight: int | None) -> int:
+                   in_flight: int | None, overlap: bool) -> int:
     """Elements of a ZeRO-2 rank's pieces of the buckets launched before sequence place
-    `before` and waited for: all of them, or with `in_flight` reductions outstanding all
-    but the last in_flight."""
+    `before` and waited for: all of them without overlap; under overlap all but the
+    last `in_flight` (None: no limit, so none is waited for before backward ends)."""
     launched = [launch for launch in launches if launch.position < before]
-    if in_flight is not None:
-        launched = launched[:max(0, len(launched) - in_flight)]
+    if overlap:
+        waited = 0 if in_flight is None else max(0, len(launched) - in_flight)
+        launched = launched[:waited]
     return sum(-(-launch.numel // ranks) for launch in launched)
 
 

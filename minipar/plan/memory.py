@@ -485,13 +485,10 @@ def _one_micro_batch_grads(shape: ModelShape, config: ParallelConfig, stage: Sta
     if config.zero < 2:  # the later ones are the first `later` in registration order
         made = sum(params.tensors[later:])
     else:
-        launches = _launches(shape, config, stage)
-        in_flight = None
-        if config.overlap_grad_reduce:
-            in_flight = config.reductions_in_flight or len(launches)
         # (the input gradient's place in the backward sequence: the later ones end it)
-        made = reduced_pieces(launches, len(params.tensors) - later, config.replicas,
-                              in_flight)
+        made = reduced_pieces(_launches(shape, config, stage), len(params.tensors) - later,
+                              config.replicas, config.reductions_in_flight,
+                              config.overlap_grad_reduce)
     return grads_peak(final, input_grad, config.bytes.grad, made)
 
 
@@ -666,6 +663,7 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
     if config.zero in (0, 1, 2):
         peaks = [after * g]
         for numel, n in buffers:
+            # (DDP over one rank reduces nothing; ZeRO's engines reduce over one too)
             if (config.zero > 0 or n > 1) and not params.expert_numel and (
                     config.offload_optimizer == "none"):
                 # DeepSpeed's reduce buckets, DDP's and minipar's: walked in the order
