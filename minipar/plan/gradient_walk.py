@@ -141,7 +141,7 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     flattened = flats = pieces = peak = 0  # gradients flattened; flat copies, pieces held
     pending: list[int] = []
 
-    def wait(flat: int) -> None:  # `held`: what is held as the reduction returns
+    def wait(flat: int, held: int) -> None:  # held: what is held as the reduction returns
         nonlocal flats, pieces, peak
         if zero == 0:  # the averaged copy is written back into the gradients, then freed
             peak = max(peak, held + flat)
@@ -160,7 +160,7 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
         held = holding(launch.made)  # as the bucket's last gradient is made
         peak = max(peak, held)
         if overlap and in_flight is not None and len(pending) == in_flight:
-            wait(pending.pop(0))
+            wait(pending.pop(0), held)
             held = holding(launch.made)
         flat = launch.numel if zero == 0 else -(-launch.numel // ranks) * ranks
         largest = max(largest, flat)
@@ -170,11 +170,9 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
         if overlap:
             pending.append(flat)
         else:
-            held = holding(launch.made)
-            wait(flat)
+            wait(flat, holding(launch.made))
     for flat in pending:  # at the end of backward, every gradient flattened
-        held = flats + pieces
-        wait(flat)
+        wait(flat, flats + pieces)
     peak = max(peak, after) * grad_bytes
     if zero == 1:  # then the step all-gathers each bucket's parameters beside them
         peak = max(peak, (pieces + after) * grad_bytes,
