@@ -32,6 +32,7 @@ suite until the entry is deleted here. So the lists can only shrink.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from pathlib import Path
@@ -276,6 +277,7 @@ def test_the_architecture_page_lists_every_module_of_each_layer():
 
 
 # ---------------------------------------------------------------- no re-exports
+@functools.cache  # each module is parsed once, not once per import of it
 def defined_names(name: str) -> set[str]:
     """What module `name` defines at its top level (functions, classes, assignments) or
     takes from outside minipar (a library it imports, e.g. behind a clear ImportError)."""
