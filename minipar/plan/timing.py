@@ -325,8 +325,9 @@ def overlap_needs_times(config: ParallelConfig) -> bool:
             or config.overlap_param_gather)
 
 
+@functools.lru_cache(maxsize=256)  # a pipeline's walk asks for each rank's chunks again
 def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
-                  stage: StagePlan, weight: bool = False) -> list[Module]:
+                  stage: StagePlan, weight: bool = False) -> tuple[Module, ...]:
     """The modules of `stage` in forward order (embedding, layers, head) with one
     micro-batch's forward and backward seconds each (compute, the ring's exposed part and
     the tensor-parallel collectives they wait for) and their parameters: what
@@ -430,7 +431,7 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         modules.append(Module("head", forward, backward, tensors, late,
                               None if weight else  # W: the logits' dW, then ln_f's
                               head_ready(shape, config.micro_batch_size, t, tensors, comm)))
-    return modules
+    return tuple(modules)
 
 
 def data_parallel_seconds(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpec,
