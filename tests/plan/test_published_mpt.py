@@ -165,12 +165,13 @@ def test_the_triton_kernel_is_what_brings_the_long_rows_in():
 def test_cli_prints_the_mpt_rows_and_a_summary_per_source(capsys):
     from minipar.cli import main
 
-    assert main(["plan", "--compare-published", "--json", "-"]) == 0
+    sources = ["--source", "mpt", "--source", "readme", "--source", "llama3"]
+    assert main(["plan", "--compare-published", "--json", "-", *sources]) == 0
     h100 = json.loads(capsys.readouterr().out)["h100"]
     assert published_mpt.MPT in h100["sources"]
     mpt = [r for r in h100["rows"] if r["source"] == published_mpt.MPT]
     assert len(mpt) == 52 and {r["attention_kernel"] for r in mpt} == {"triton"}
-    assert main(["plan", "--compare-published"]) == 0
+    assert main(["plan", "--compare-published", *sources]) == 0
     out = capsys.readouterr().out
     assert "MPT, fitted: 26 runs, 26 within 10%" in out
     assert "MPT, held out: 26 runs, 25 within 10%" in out
@@ -182,7 +183,8 @@ def test_cli_attention_kernel_prices_every_row_the_mpt_ones_too(capsys):
     from minipar.cli import main
 
     def mpt_tflops(*flags):
-        assert main(["plan", "--compare-published", "--json", "-", *flags]) == 0
+        assert main(["plan", "--compare-published", "--json", "-", "--source", "mpt",
+                     *flags]) == 0
         rows = json.loads(capsys.readouterr().out)["h100"]["rows"]
         return [r["tflops"] for r in rows if r["source"] == published_mpt.MPT]
 
