@@ -47,8 +47,9 @@ save differently, walked over its schedule (walked_activations.py: interleaved a
 DualPipe-V), and for the zero-bubble schedules, walked with what a split backward's I
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
 DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py; with sequence or context
-parallelism the backward's own buffers meet them, and the larger is taken); buffers
-and the total are otherwise an estimate:
+parallelism the backward's own buffers meet them, and the larger is taken); so are a
+pipeline rank's message buffers without sequence parallelism (walked_activations.py);
+buffers and the total are otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
 across micro-batches, as Megatron's and DeepSpeed's gradient buffers always do).
@@ -90,7 +91,7 @@ from minipar.plan.parameter_order import (
 )
 from minipar.plan.shapes import ModelShape
 from minipar.plan.split_backward import input_backward
-from minipar.plan.walked_activations import walkable, walked_peak
+from minipar.plan.walked_activations import walkable, walked_messages, walked_peak
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -391,10 +392,18 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         if recompute.full and stage.layers:
             activations -= received * layer_input  # a received input is already a buffer
     # Received activations wait for their backward as buffers; during a backward a
-    # received output gradient and the input gradient being sent back are buffers too.
-    forward_buffers = received * layer_input
-    if config.pp > 1:
-        forward_buffers += layer_input * ((not stage.last) + (not stage.first))
+    # received output gradient and the input gradient being sent back are buffers too:
+    # k in flight and one of each on one chunk under an unsplit backward (GPipe, 1F1B),
+    # else walked over the schedule (walked_activations.py; a split backward's I of a
+    # checkpointed last layer makes its weight gradients, and frees the gradient)
+    if walk and config.pp > 1 and (split or v > 1):
+        kept_for_w = tuple(not (n and recompute.segments(n)[-1][2])
+                           for n in stage.chunk_layers)
+        messages = walked_messages(config.schedule, config.pp, config.micro_batches,
+                                   stage.rank, v, kept_for_w)
+    else:
+        messages = received + ((not stage.last) + (not stage.first)) * (config.pp > 1)
+    forward_buffers = messages * layer_input
     if sp and (stage.layers or stage.last):
         # Sequence parallelism's extra all-gather in backward (Korthikanti et al. 2022,
         # section 4.2.2): a column-parallel layer (or the head) re-gathers its full

@@ -1,4 +1,5 @@
-"""A pipeline rank's activation peak, walked over the order its schedule computes in.
+"""A pipeline rank's activation peak, walked over the order its schedule computes in
+(and, by the same walk, the peak of its pipeline messages: walked_messages).
 
 memory.py's closed form holds the schedule's k micro-batches in flight (its `in_flight`)
 as k/v of each of the rank's v chunks, the head's and the embedding's by their own
@@ -118,3 +119,50 @@ def walked_peak(schedule: str, pp: int, micro_batches: int, rank: int,
     m = walked_micro_batches(schedule, pp, micro_batches)
     return peak_of(compute_orders(schedule, pp, m, len(held))[rank], held, working, kept,
                    input_working)
+
+
+@lru_cache(maxsize=256)  # every layout of a search with this pipeline and rank
+def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
+                    virtual_stages: int, kept_for_w: tuple[bool, ...] | None = None
+                    ) -> int:
+    """Peak of pipeline rank `rank`'s message buffers, in micro-batch activations (one
+    stage's (b, s, h) output, or its gradient), walked over its compute order as the
+    emulator's ledger holds them (parallel/pipeline/executor.py):
+
+        F     of a chunk that is not virtual stage 0: its received input, until its
+              gradient is sent back (an input handed over in memory by the chunk
+              before it on this rank, DualPipe-V's V tip, is that chunk's output)
+        B, I  the received output gradient (but on the last virtual stage); at its end
+              the input gradient (but on stage 0), which is sent, and the input with
+              it, or handed over to the chunk before on this rank as its output
+              gradient
+        B, W  free the output gradient (an I keeps it for its W, where the chunk's
+              last layer makes its weight gradients then: kept_for_w[c], default
+              True; a checkpointed last layer's I makes them itself)
+
+    Walked over min(m, 2p) micro-batches, as walked_peak (the module docstring), so not
+    for GPipe, whose forwards all run first: memory.py's closed form, exact for one
+    chunk under an unsplit backward, is used there."""
+    spec = SCHEDULES[schedule]
+    last = pp * virtual_stages - 1
+    stages = [spec.virtual_stage(pp, rank, c) for c in range(virtual_stages)]
+    here = set(stages)
+    kept = [True] * virtual_stages if kept_for_w is None else kept_for_w
+    m = walked_micro_batches(schedule, pp, micro_batches)
+    now = peak = 0
+    for kind, c in compute_orders(schedule, pp, m, virtual_stages)[rank]:
+        s = stages[c]
+        received = s > 0 and s - 1 not in here  # (else handed over: no buffer of its own)
+        gradient = s < last
+        if kind == "F":
+            now += received
+        elif kind in ("B", "I"):
+            now += gradient and s + 1 not in here  # received (else handed over: held)
+            now += s > 0  # the input gradient it makes
+            peak = max(peak, now)
+            now -= 2 * received  # sent, and the input with it
+            now -= gradient and (kind == "B" or not kept[c])
+        elif kept[c]:  # W
+            now -= gradient
+        peak = max(peak, now)
+    return peak

@@ -154,6 +154,53 @@ def test_zero_bubble_activations_are_the_emulators(settings):
         assert stage.memory["activations"] == measured["memory"]["activations"], stage.rank
 
 
+def pipeline(schedule: str, pp: int, m: int, v: int = 1, **flags) -> dict:
+    return dict(schedule=schedule, virtual_stages=v, pp=pp, n_layer=2 * pp * v,
+                grad_accum_steps=m, **flags)
+
+
+MESSAGES = [
+    # interleaved: a rank's middle chunk both receives gradients and sends them back
+    ("interleaved pp2 m2", pipeline("interleaved", 2, 2, 2)),
+    ("interleaved pp2 m4 full", pipeline("interleaved", 2, 4, 2, **FULL)),
+    ("interleaved pp3 m6 selective", pipeline("interleaved", 3, 6, 2, **SELECTIVE)),
+    ("interleaved pp2 m4 cp2", pipeline("interleaved", 2, 4, 2, cp=2)),
+    # a split backward: the input and its gradient go with the I's send, the output
+    # gradient stays for the W, unless the chunk's last layer is checkpointed
+    ("zb-h1 pp2 m2", pipeline("zb-h1", 2, 2)),
+    ("zb-h1 pp3 m5 full", pipeline("zb-h1", 3, 5, **FULL)),
+    ("zb-h1 pp3 m5 block", pipeline("zb-h1", 3, 5, **BLOCK)),
+    ("zb-h2 pp3 m6 full bf16", pipeline("zb-h2", 3, 6, precision="bf16-mixed", **FULL)),
+    ("zb-v pp2 m4", pipeline("zb-v", 2, 4, 2)),
+    ("zb-v pp3 m6 full tp2", pipeline("zb-v", 3, 6, 2, tp=2, **FULL)),
+    # DualPipe-V's V tip hands its micro-batch over in memory
+    ("dualpipe-v pp2 m4", pipeline("dualpipe-v", 2, 4, 2)),
+    ("dualpipe-v pp3 m6 selective", pipeline("dualpipe-v", 3, 6, 2, **SELECTIVE)),
+    # one chunk, an unsplit backward: the closed form
+    ("gpipe pp3 m7", pipeline("gpipe", 3, 7)),
+    ("1f1b pp4 m9 full", pipeline("1f1b", 4, 9, **FULL)),
+]
+
+
+@pytest.mark.parametrize("settings", [s for _, s in MESSAGES],
+                         ids=[name for name, _ in MESSAGES])
+def test_pipeline_message_buffers_are_the_emulators(settings):
+    """What a rank holds of the pipeline's messages (received inputs until their
+    gradients are sent back, received output gradients until B or W, the input gradient
+    being sent), walked over its schedule: the ledger's "buffers" on every pipeline rank
+    (one replica, no sequence parallelism: nothing else is a buffer)."""
+    config = TrainConfig(**{**TOY, **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks
+                       if all(r["coords"].get(axis, 0) == (stage.rank if axis == "pp" else 0)
+                              for axis in r["coords"])]
+        assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
+
+
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
 def test_one_stage_does_not_split_its_backward(schedule):
     """pp = 1 trains the model without a pipeline (train/build.py): a zero-bubble
