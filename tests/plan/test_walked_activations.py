@@ -96,6 +96,21 @@ UNIFORM_2 = dict(recompute_granularity="full", recompute_method="uniform",
 SELECTIVE = dict(recompute_granularity="selective")
 
 
+def planned_and_measured(settings: dict):
+    """(the planner's stage, the ledger's memory of its rank at dp 0, tp 0) per pipeline
+    rank of the TOY trained one step with `settings`."""
+    config = TrainConfig(**{**TOY, **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config),
+                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks
+                       if all(r["coords"].get(axis, 0) == (stage.rank if axis == "pp" else 0)
+                              for axis in r["coords"])]
+        yield stage, measured["memory"]
+
+
 def zb(schedule: str, pp: int, n_layer: int, m: int, **flags) -> dict:
     return dict(schedule=schedule, virtual_stages=2 if schedule == "zb-v" else 1, pp=pp,
                 n_layer=n_layer, grad_accum_steps=m, **flags)
@@ -142,16 +157,8 @@ def test_zero_bubble_activations_are_the_emulators(settings):
     layers' inputs and output gradients, norms' weight gradients; nothing of a
     checkpointed layer), not what the forward saved: with it the walked peak is the
     ledger's, on every pipeline rank."""
-    config = TrainConfig(**{**TOY, **settings})
-    report = train(config)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
-    for stage in est.stages:
-        (measured,) = [r for r in report.ranks
-                       if all(r["coords"].get(axis, 0) == (stage.rank if axis == "pp" else 0)
-                              for axis in r["coords"])]
-        assert stage.memory["activations"] == measured["memory"]["activations"], stage.rank
+    for stage, measured in planned_and_measured(settings):
+        assert stage.memory["activations"] == measured["activations"], stage.rank
 
 
 def pipeline(schedule: str, pp: int, m: int, v: int = 1, **flags) -> dict:
@@ -189,16 +196,8 @@ def test_pipeline_message_buffers_are_the_emulators(settings):
     gradients are sent back, received output gradients until B or W, the input gradient
     being sent), walked over its schedule: the ledger's "buffers" on every pipeline rank
     (one replica, no sequence parallelism: nothing else is a buffer)."""
-    config = TrainConfig(**{**TOY, **settings})
-    report = train(config)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config),
-                   ClusterSpec.from_device_profile(gpus_per_node=8), all_stages=True)
-    for stage in est.stages:
-        (measured,) = [r for r in report.ranks
-                       if all(r["coords"].get(axis, 0) == (stage.rank if axis == "pp" else 0)
-                              for axis in r["coords"])]
-        assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
+    for stage, measured in planned_and_measured(settings):
+        assert stage.memory["buffers"] == measured["buffers"], stage.rank
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
