@@ -48,7 +48,8 @@ DualPipe-V), and for the zero-bubble schedules, walked with what a split backwar
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
 DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py; with sequence or context
 parallelism the backward's own buffers meet them, and the larger is taken); so are a
-pipeline rank's message buffers without sequence parallelism (walked_activations.py);
+pipeline rank's message buffers and sequence parallelism's re-gather beside them
+(walked_activations.py);
 buffers and the total are otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
@@ -391,24 +392,27 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                        + extra)
         if recompute.full and stage.layers:
             activations -= received * layer_input  # a received input is already a buffer
+    # Sequence parallelism's extra all-gather in backward (Korthikanti et al. 2022,
+    # section 4.2.2): a column-parallel layer (or the head) re-gathers its full (b, s, h)
+    # input to form its weight gradient (in a B, or a split backward's W), a buffer
+    # while it does.
+    inside = (b * shape.seq_len * shape.d_model * a
+              if sp and (stage.layers or stage.last) else 0)
     # Received activations wait for their backward as buffers; during a backward a
-    # received output gradient and the input gradient being sent back are buffers too:
-    # k in flight and one of each on one chunk under an unsplit backward (GPipe, 1F1B),
-    # else walked over the schedule (walked_activations.py; a split backward's I of a
-    # checkpointed last layer makes its weight gradients, and frees the gradient)
+    # received output gradient, and at its end the input gradient being sent back, are
+    # buffers too: k in flight and one of each on one chunk under an unsplit backward
+    # (GPipe, 1F1B), else walked over the schedule (walked_activations.py; a split
+    # backward's I makes a checkpointed layer's weight gradients, and so re-gathers for
+    # them, and frees the output gradient when the chunk's last layer is one)
     if walk and config.pp > 1 and (split or v > 1):
-        kept_for_w = tuple(not (n and recompute.segments(n)[-1][2])
-                           for n in stage.chunk_layers)
-        messages = walked_messages(config.schedule, config.pp, config.micro_batches,
-                                   stage.rank, v, kept_for_w)
+        checkpointed = tuple(tuple(again for start, end, again in recompute.segments(n)
+                                   for _ in range(start, end)) for n in stage.chunk_layers)
+        forward_buffers = walked_messages(config.schedule, config.pp, config.micro_batches,
+                                          stage.rank, v, checkpointed, layer_input, inside)
     else:
-        messages = received + ((not stage.last) + (not stage.first)) * (config.pp > 1)
-    forward_buffers = messages * layer_input
-    if sp and (stage.layers or stage.last):
-        # Sequence parallelism's extra all-gather in backward (Korthikanti et al. 2022,
-        # section 4.2.2): a column-parallel layer (or the head) re-gathers its full
-        # (b, s, h) input to form its weight gradient, a buffer while it does.
-        forward_buffers += b * shape.seq_len * shape.d_model * a
+        piped = config.pp > 1
+        forward_buffers = ((received + (not stage.last) * piped) * layer_input
+                           + max((not stage.first) * piped * layer_input, inside))
     if config.cp > 1 and stage.layers:
         # ring attention's received K/V block (one at a time: used, then released)
         forward_buffers += 2 * b * shape.seq_len * shape.kv_dim // t * a

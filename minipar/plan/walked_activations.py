@@ -123,22 +123,26 @@ def walked_peak(schedule: str, pp: int, micro_batches: int, rank: int,
 
 @lru_cache(maxsize=256)  # every layout of a search with this pipeline and rank
 def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
-                    virtual_stages: int, kept_for_w: tuple[bool, ...] | None = None
-                    ) -> int:
-    """Peak of pipeline rank `rank`'s message buffers, in micro-batch activations (one
-    stage's (b, s, h) output, or its gradient), walked over its compute order as the
-    emulator's ledger holds them (parallel/pipeline/executor.py):
+                    virtual_stages: int,
+                    checkpointed: tuple[tuple[bool, ...], ...] | None = None,
+                    message: int = 1, inside: int = 0) -> int:
+    """Peak bytes of pipeline rank `rank`'s message buffers (each `message` bytes: one
+    stage's (b, s, h) output, or its gradient), and of what a computation that forms
+    weight gradients holds while it runs (`inside` bytes: sequence parallelism's
+    re-gathered (b, s, h) input), walked over its compute order as the emulator's
+    ledger holds them (parallel/pipeline/executor.py). checkpointed[c]: whether each
+    layer of chunk c is recomputed (default none); a split backward's I makes the
+    weight gradients of those, its W those of the others and the head's:
 
         F     of a chunk that is not virtual stage 0: its received input, until its
               gradient is sent back (an input handed over in memory by the chunk
               before it on this rank, DualPipe-V's V tip, is that chunk's output)
-        B, I  the received output gradient (but on the last virtual stage); at its end
-              the input gradient (but on stage 0), which is sent, and the input with
-              it, or handed over to the chunk before on this rank as its output
-              gradient
+        B, I  the received output gradient (but on the last virtual stage); at its end,
+              `inside` freed, the input gradient (but on stage 0), which is sent, and
+              the input with it, or handed over to the chunk before on this rank as its
+              output gradient
         B, W  free the output gradient (an I keeps it for its W, where the chunk's
-              last layer makes its weight gradients then: kept_for_w[c], default
-              True; a checkpointed last layer's I makes them itself)
+              last layer makes its weight gradients, unless that layer is checkpointed)
 
     Walked over min(m, 2p) micro-batches, as walked_peak (the module docstring), so not
     for GPipe, whose forwards all run first: memory.py's closed form, exact for one
@@ -147,9 +151,14 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
     last = pp * virtual_stages - 1
     stages = [spec.virtual_stage(pp, rank, c) for c in range(virtual_stages)]
     here = set(stages)
-    kept = [True] * virtual_stages if kept_for_w is None else kept_for_w
+    recomputed = checkpointed or ((),) * virtual_stages
+    kept = [not (layers and layers[-1]) for layers in recomputed]  # for the W
+    weights = {"F": [False] * virtual_stages, "B": [True] * virtual_stages,
+               "I": [any(layers) for layers in recomputed],
+               "W": [not all(layers) or stage == last
+                     for layers, stage in zip(recomputed, stages, strict=True)]}
     m = walked_micro_batches(schedule, pp, micro_batches)
-    now = peak = 0
+    now = peak = 0  # messages held
     for kind, c in compute_orders(schedule, pp, m, virtual_stages)[rank]:
         s = stages[c]
         received = s > 0 and s - 1 not in here  # (else handed over: no buffer of its own)
@@ -158,11 +167,12 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
             now += received
         elif kind in ("B", "I"):
             now += gradient and s + 1 not in here  # received (else handed over: held)
+        peak = max(peak, now * message + inside * weights[kind][c])  # while it runs
+        if kind in ("B", "I"):
             now += s > 0  # the input gradient it makes
-            peak = max(peak, now)
+            peak = max(peak, now * message)
             now -= 2 * received  # sent, and the input with it
             now -= gradient and (kind == "B" or not kept[c])
-        elif kept[c]:  # W
+        elif kind == "W" and kept[c]:
             now -= gradient
-        peak = max(peak, now)
     return peak

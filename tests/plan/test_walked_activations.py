@@ -186,6 +186,22 @@ MESSAGES = [
     # one chunk, an unsplit backward: the closed form
     ("gpipe pp3 m7", pipeline("gpipe", 3, 7)),
     ("1f1b pp4 m9 full", pipeline("1f1b", 4, 9, **FULL)),
+    # sequence parallelism re-gathers a layer's input where its weight gradients are
+    # formed (a B; a W, or the I of a checkpointed layer), beside the messages then
+    ("1f1b pp4 m5 tp2 sp", pipeline("1f1b", 4, 5, tp=2, sequence_parallel=True)),
+    ("gpipe pp3 m4 tp2 sp selective", pipeline("gpipe", 3, 4, tp=2, sequence_parallel=True,
+                                               **SELECTIVE)),
+    ("interleaved pp2 m4 tp2 sp", pipeline("interleaved", 2, 4, 2, tp=2,
+                                           sequence_parallel=True)),
+    ("zb-h1 pp3 m4 tp2 sp", pipeline("zb-h1", 3, 4, tp=2, sequence_parallel=True)),
+    ("zb-h1 pp3 m4 tp2 sp full", pipeline("zb-h1", 3, 4, tp=2, sequence_parallel=True,
+                                          **FULL)),
+    ("zb-h2 pp2 m4 tp2 sp block", pipeline("zb-h2", 2, 4, tp=2, sequence_parallel=True,
+                                           **BLOCK)),
+    ("zb-v pp3 m5 tp2 sp full bf16", pipeline("zb-v", 3, 5, 2, tp=2, sequence_parallel=True,
+                                              precision="bf16-mixed", **FULL)),
+    ("dualpipe-v pp2 m4 tp2 sp", pipeline("dualpipe-v", 2, 4, 2, tp=2,
+                                          sequence_parallel=True)),
 ]
 
 
@@ -194,8 +210,9 @@ MESSAGES = [
 def test_pipeline_message_buffers_are_the_emulators(settings):
     """What a rank holds of the pipeline's messages (received inputs until their
     gradients are sent back, received output gradients until B or W, the input gradient
-    being sent), walked over its schedule: the ledger's "buffers" on every pipeline rank
-    (one replica, no sequence parallelism: nothing else is a buffer)."""
+    being sent), and sequence parallelism's re-gathered input beside them, walked over
+    its schedule: the ledger's "buffers" on every pipeline rank (one replica: nothing
+    else is a buffer)."""
     for stage, measured in planned_and_measured(settings):
         assert stage.memory["buffers"] == measured["buffers"], stage.rank
 
