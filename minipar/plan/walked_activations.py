@@ -151,7 +151,7 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
     last = pp * virtual_stages - 1
     stages = [spec.virtual_stage(pp, rank, c) for c in range(virtual_stages)]
     here = set(stages)
-    recomputed = checkpointed or ((),) * virtual_stages
+    recomputed = checkpointed or ((False,),) * virtual_stages  # (default: one plain layer)
     kept = [not (layers and layers[-1]) for layers in recomputed]  # for the W
     weights = {"F": [False] * virtual_stages, "B": [True] * virtual_stages,
                "I": [any(layers) for layers in recomputed],

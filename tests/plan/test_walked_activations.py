@@ -21,6 +21,7 @@ from minipar.plan.shapes import from_train_config
 from minipar.plan.walked_activations import (
     compute_orders,
     peak_of,
+    walked_messages,
     walked_micro_batches,
     walked_peak,
 )
@@ -159,6 +160,16 @@ def test_zero_bubble_activations_are_the_emulators(settings):
     ledger's, on every pipeline rank."""
     for stage, measured in planned_and_measured(settings):
         assert stage.memory["activations"] == measured["activations"], stage.rank
+
+
+@pytest.mark.parametrize("name, v", list(walked_schedules()))
+def test_message_walk_by_default_recomputes_no_layer(name, v):
+    """Without `checkpointed`, every chunk is layers that are not recomputed: a split
+    backward's W forms their weight gradients (and re-gathers for them), its I none."""
+    plain = ((False, False),) * v
+    for rank in range(3):
+        assert walked_messages(name, 3, 6, rank, v, None, 10, 25) == walked_messages(
+            name, 3, 6, rank, v, plain, 10, 25)
 
 
 def pipeline(schedule: str, pp: int, m: int, v: int = 1, **flags) -> dict:
