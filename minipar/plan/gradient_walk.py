@@ -93,15 +93,20 @@ class Launch(NamedTuple):
 
 
 def bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ...],
-                    sequence: tuple[int, ...]) -> tuple[Launch, ...]:
-    """The buckets in the order backward completes them."""
+                    sequence: tuple[int, ...], deferred: frozenset[int] = frozenset()
+                    ) -> tuple[Launch, ...]:
+    """The buckets in the order backward completes them; those holding a `deferred`
+    tensor (a pipeline's tied wte, final only once its copies are summed) after the
+    whole backward, in the order they were built (DataParallel.defer_reduction)."""
     place = [0] * len(tensors)
     for position, i in enumerate(sequence):
         place[i] = position
     made = list(accumulate(tensors[i] for i in sequence))
-    lasts = sorted((max(place[i] for i in bucket), bucket) for bucket in buckets)
-    return tuple(Launch(sum(tensors[i] for i in bucket), made[last], last)
-                 for last, bucket in lasts)
+    end = len(sequence) - 1  # (every gradient is made by then)
+    lasts = sorted((end + 1 if deferred.intersection(bucket) else
+                    max(place[i] for i in bucket), k) for k, bucket in enumerate(buckets))
+    return tuple(Launch(sum(tensors[i] for i in buckets[k]), made[min(last, end)], last)
+                 for last, k in lasts)
 
 
 def grads_peak(final: int, input_grad: int, grad_bytes: int, made: int) -> int:

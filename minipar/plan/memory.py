@@ -511,7 +511,8 @@ def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     return _stage_launches(shape, config.tp, config.ep, config.sequence_parallel,
                            stage.first, stage.last, stage.tied_copy, stage.layers,
                            stage_moe_layers(shape, stage),
-                           config.bucket_size_mb * 2**20, config.bytes.param)
+                           config.bucket_size_mb * 2**20, config.bytes.param,
+                           shape.tie_embeddings and config.pp > 1)
 
 
 # A search plans the same stage under many DP sizes and micro-batches: its buckets are
@@ -520,7 +521,7 @@ def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
 @lru_cache(maxsize=256)
 def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
                     first: bool, last: bool, tied_copy: bool, layers: int, moe_layers: int,
-                    cap: float, itemsize: int) -> tuple[Launch, ...]:
+                    cap: float, itemsize: int, tied_pipeline: bool) -> tuple[Launch, ...]:
     params = _stage_parameters(shape, t, ep, first, last, tied_copy, layers, moe_layers)
     tensors = params.tensors
     buckets = (_bucket_tensors(tensors, cap, itemsize) if cap > 0
@@ -528,7 +529,11 @@ def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
     front = len(embedding_tensors(shape, t)) if first else 0
     back = len(tensors) - front - layers * len(layer_tensors(shape, t))
     sequence = backward_sequence(shape, 1, t, sequence_parallel, front, layers, back)
-    return bucket_launches(tensors, buckets, sequence)
+    # a pipeline's tied wte (the first stage's, the last's copy) is reduced after the
+    # flush, once the copies are summed: its bucket is deferred (minipar/train/build.py)
+    deferred = frozenset(((0,) if first else ()) + ((len(tensors) - 1,) if tied_copy else ())
+                         if tied_pipeline else ())
+    return bucket_launches(tensors, buckets, sequence, deferred)
 
 
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:

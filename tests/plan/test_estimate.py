@@ -343,6 +343,33 @@ def test_reduction_buffers_are_the_flat_copies_in_flight_and_what_they_return(se
     assert stage.memory["detail"]["sync_buffers"] == measured["memory"]["buffers"]
 
 
+TIED_PIPELINES = [  # the tied wte's bucket, deferred, beside the others still in flight
+    dict(pp=2, schedule="1f1b", n_layer=4, grad_accum_steps=2),
+    dict(pp=2, schedule="interleaved", virtual_stages=2, n_layer=4, grad_accum_steps=4),
+    dict(pp=2, schedule="zb-h1", n_layer=4, grad_accum_steps=2, precision="bf16-mixed"),
+]
+
+
+@pytest.mark.parametrize("settings", TIED_PIPELINES,
+                         ids=["1f1b", "interleaved", "zb-h1 bf16"])
+def test_a_pipelines_tied_embedding_bucket_is_reduced_after_the_flush(settings):
+    """A tied wte's gradient is final only once the first and last stages have summed
+    their copies, so the DP engine defers its bucket to the end of backward
+    (DataParallel.defer_reduction): launched after every other, whose flat copies DDP
+    still holds, it is not the first to be waited for."""
+    config = TrainConfig(**{**TINY, "d_model": 16, "seq_len": 8, "vocab_size": 32,
+                            "precision": "fp64", **settings}, dp=2, bucket_size_mb=0.001,
+                         micro_batch_size=1)
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
+                   all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"] == {
+            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
+        assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
+
+
 # ------------------------------------------------------------------ strategies, directly
 def tiny_gpt(**changes) -> GPTConfig:
     return GPTConfig(**{**dict(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32),
