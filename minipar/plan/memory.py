@@ -85,6 +85,7 @@ from minipar.plan.gradient_walk import (
 )
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import (
+    embedding_late,
     embedding_tensors,
     head_tensors,
     layer_tensors,
@@ -511,8 +512,7 @@ def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     return _stage_launches(shape, config.tp, config.ep, config.sequence_parallel,
                            stage.first, stage.last, stage.tied_copy, stage.layers,
                            stage_moe_layers(shape, stage),
-                           config.bucket_size_mb * 2**20, config.bytes.param,
-                           shape.tie_embeddings and config.pp > 1)
+                           config.bucket_size_mb * 2**20, config.bytes.param, config.pp)
 
 
 # A search plans the same stage under many DP sizes and micro-batches: its buckets are
@@ -521,7 +521,7 @@ def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
 @lru_cache(maxsize=256)
 def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
                     first: bool, last: bool, tied_copy: bool, layers: int, moe_layers: int,
-                    cap: float, itemsize: int, tied_pipeline: bool) -> tuple[Launch, ...]:
+                    cap: float, itemsize: int, pp: int) -> tuple[Launch, ...]:
     params = _stage_parameters(shape, t, ep, first, last, tied_copy, layers, moe_layers)
     tensors = params.tensors
     buckets = (_bucket_tensors(tensors, cap, itemsize) if cap > 0
@@ -529,11 +529,13 @@ def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
     front = len(embedding_tensors(shape, t)) if first else 0
     back = len(tensors) - front - layers * len(layer_tensors(shape, t))
     sequence = backward_sequence(shape, 1, t, sequence_parallel, front, layers, back)
-    # a pipeline's tied wte (the first stage's, the last's copy) is reduced after the
-    # flush, once the copies are summed: its bucket is deferred (minipar/train/build.py)
-    deferred = frozenset(((0,) if first else ()) + ((len(tensors) - 1,) if tied_copy else ())
-                         if tied_pipeline else ())
-    return bucket_launches(tensors, buckets, sequence, deferred)
+    # what is reduced after the flush (a pipeline's tied wte, the first stage's and the
+    # last's copy): its bucket is deferred (minipar/train/build.py)
+    late = ((embedding_late(shape, t, pp) if first else ())
+            + (False,) * (len(tensors) - front - back)
+            + (head_tensors(shape, t, tied_copy)[1] if last else (False,) * back))
+    return bucket_launches(tensors, buckets, sequence,
+                           frozenset(i for i, deferred in enumerate(late) if deferred))
 
 
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:

@@ -164,6 +164,13 @@ def embedding_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
     return tuple(tensors)
 
 
+def embedding_late(shape: ModelShape, tp: int, pp: int) -> tuple[bool, ...]:
+    """Which of embedding_tensors are reduced only after the flush: a tied wte under
+    pipeline parallelism, whose gradient is final once its copies are summed."""
+    return ((pp > 1 and shape.tie_embeddings),) + (False,) * (
+        len(embedding_tensors(shape, tp)) - 1)
+
+
 def head_tensors(shape: ModelShape, tp: int = 1, tied_copy: bool = False
                  ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """ln_f, then the untied LM head or the last stage's copy of a tied wte (late)."""

@@ -75,6 +75,7 @@ from minipar.plan.memory import sharded_numel, stage_parameters
 from minipar.plan.offload import offload_time
 from minipar.plan.overlap import data_parallel_time
 from minipar.plan.parameter_order import (
+    embedding_late,
     embedding_tensors,
     head_ready,
     head_tensors,
@@ -374,13 +375,12 @@ def stage_modules(shape: ModelShape, config: ParallelConfig, cluster: ClusterSpe
         return StagePlan(rank=stage.rank, chunk_layers=layers, first=first, last=last,
                          tied_copy=False, in_flight=1)
 
-    late_wte = config.pp > 1 and shape.tie_embeddings  # summed over the stages first
     modules = []
     if stage.first:
         tensors = embedding_tensors(shape, t)
         forward, backward, _ = seconds(part((0,), first=True))
         modules.append(Module("embedding", forward, backward, tensors,
-                              (late_wte,) + (False,) * (len(tensors) - 1)))
+                              embedding_late(shape, t, config.pp)))
     if stage.layers:
         layers = part(stage.chunk_layers)
         n = stage.layers
