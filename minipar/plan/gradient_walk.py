@@ -34,7 +34,10 @@ gradients, which are buffers there until then) and its reduction launched; the f
 copy lives until the reduction is waited for, at once or, overlapping backward, when a
 further one would exceed the limit in flight, or at the end of backward
 (minipar.parallel.data.ddp, minipar.parallel.zero.sharded). The peak comes as a bucket's
-last gradient is made, as it is flattened, or as a reduction returns.
+last gradient is made, as it is flattened, or as a reduction returns; or where backward
+holds buffers of its own beside them (`Held`): sequence parallelism's re-gathered input
+while a column-parallel weight's gradient is formed (Korthikanti et al. 2022, section
+4.2.2), ring attention's blocks while the attention core's backward runs.
 
 Shapes: `tensors` are the elements of each parameter of one rank (TP share), in
 registration order (memory.StageParameters); buckets are tuples of their indices
@@ -43,6 +46,7 @@ registration order (memory.StageParameters); buckets are tuples of their indices
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -109,6 +113,26 @@ def bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ..
                  for last, k in lasts)
 
 
+class Held(NamedTuple):
+    """Bytes backward holds as buffers of its own just before the tensor at sequence
+    place `position` is complete, when `made` elements of gradients exist."""
+
+    position: int
+    made: int
+    nbytes: int
+
+
+def made_before(tensors: tuple[int, ...], sequence: tuple[int, ...],
+                groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
+    """(place in `sequence`, elements of the gradients made before it) of the first
+    tensor backward completes of each group of `groups` (indices in registration
+    order), in backward's order."""
+    place = {i: position for position, i in enumerate(sequence)}
+    made = (0, *accumulate(tensors[i] for i in sequence))
+    firsts = (min(place[i] for i in group) for group in groups)
+    return tuple(sorted((first, made[first]) for first in firsts))
+
+
 def grads_peak(final: int, input_grad: int, grad_bytes: int, made: int) -> int:
     """Peak "grads" bytes (module docstring): `made` elements of gradients (ZeRO-0/1)
     or of reduced pieces (ZeRO-2: `reduced_pieces`) exist beside the input gradient."""
@@ -129,7 +153,8 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
 
 def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
                       in_flight: int | None, overlap: bool, accumulate_pieces: bool,
-                      grad_bytes: int, param_bytes: int, after: int = 0) -> int:
+                      grad_bytes: int, param_bytes: int, after: int = 0,
+                      backward_held: tuple[Held, ...] = ()) -> int:
     """Peak bytes of the "buffers" a data-parallel engine's bucketed reduction holds
     in one backward and the step after it (module docstring), ZeRO stage `zero` over
     `ranks`: the gradients made whose bucket is not flattened yet (ZeRO-2, whose full
@@ -140,8 +165,9 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     (`accumulate_pieces`). `in_flight`: reductions outstanding at most under overlap
     (None: no limit; DDP has none); after: gradient elements held once backward is over
     (sequence parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's
-    pieces. Gradients, flat copies and pieces are of `grad_bytes` an element, the
-    parameters the step gathers of `param_bytes`."""
+    pieces; backward_held: backward's own buffers (`Held`), in backward's order. Gradients, flat
+    copies and pieces are of `grad_bytes` an element, the parameters the step gathers of
+    `param_bytes`."""
     grads_are_buffers = zero == 2
     flattened = flats = pieces = peak = 0  # gradients flattened; flat copies, pieces held
     pending: list[int] = []
@@ -160,8 +186,17 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     def holding(made: int) -> int:
         return (made - flattened if grads_are_buffers else 0) + flats + pieces
 
-    largest = 0
+    largest = own = 0  # own: the peak beside backward's own buffers, in bytes
+    waiting = list(backward_held)
+
+    def meet_own(before: float) -> None:  # backward's own buffers up to sequence place
+        nonlocal own
+        while waiting and waiting[0].position <= before:
+            moment = waiting.pop(0)
+            own = max(own, holding(moment.made) * grad_bytes + moment.nbytes)
+
     for launch in launches:
+        meet_own(launch.position)
         held = holding(launch.made)  # as the bucket's last gradient is made
         peak = max(peak, held)
         if overlap and in_flight is not None and len(pending) == in_flight:
@@ -176,9 +211,10 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
             pending.append(flat)
         else:
             wait(flat, holding(launch.made))
+    meet_own(math.inf)
     for flat in pending:  # at the end of backward, every gradient flattened
         wait(flat, flats + pieces)
-    peak = max(peak, after) * grad_bytes
+    peak = max(peak * grad_bytes, own, after * grad_bytes)
     if zero == 1:  # then the step all-gathers each bucket's parameters beside them
         peak = max(peak, (pieces + after) * grad_bytes,
                    pieces * grad_bytes + largest * param_bytes)

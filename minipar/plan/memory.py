@@ -46,10 +46,11 @@ are exact for one pipeline stage, GPipe and 1F1B, for a rank of several chunks t
 save differently, walked over its schedule (walked_activations.py: interleaved and
 DualPipe-V), and for the zero-bubble schedules, walked with what a split backward's I
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
-DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py; with sequence or context
-parallelism the backward's own buffers meet them, and the larger is taken); so are a
+DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py), beside the backward's own
+(sequence parallelism's re-gather, ring attention's blocks: `_backward_held`); so are a
 pipeline rank's message buffers and sequence parallelism's re-gather beside them
-(walked_activations.py);
+(walked_activations.py; with several stages the reduction's buffers and those are
+taken apart, the larger of the two);
 buffers and the total are otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
@@ -75,16 +76,19 @@ from minipar.plan.experts import (
 )
 from minipar.plan.fp8 import gemm_weights, saved_activation_savings, weight_cache_bytes
 from minipar.plan.gradient_walk import (
+    Held,
     Launch,
     backward_sequence,
     bucket_launches,
     grads_peak,
     later_count,
+    made_before,
     reduced_pieces,
     reduction_buffers,
 )
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import (
+    column_parallel_weights,
     embedding_late,
     embedding_tensors,
     head_tensors,
@@ -415,8 +419,11 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         forward_buffers = ((received + (not stage.last) * piped) * layer_input
                            + max((not stage.first) * piped * layer_input, inside))
     if config.cp > 1 and stage.layers:
-        # ring attention's received K/V block (one at a time: used, then released)
-        forward_buffers += 2 * b * shape.seq_len * shape.kv_dim // t * a
+        block, backward = ring_attention_buffers(shape, config)
+        if config.pp == 1:  # one stage: the ring's buffers never meet the re-gather
+            forward_buffers = max(forward_buffers, block, backward)
+        else:  # ring attention's received K/V block beside the pipeline's messages
+            forward_buffers += block
     gathered = 0
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head
@@ -536,6 +543,76 @@ def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
             + (head_tensors(shape, t, tied_copy)[1] if last else (False,) * back))
     return bucket_launches(tensors, buckets, sequence,
                            frozenset(i for i, deferred in enumerate(late) if deferred))
+
+
+def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
+                   ) -> tuple[Held, ...]:
+    """The buffers backward holds of its own while the gradients reduce, and where in
+    backward's order (gradient_walk.Held), on one stage. Sequence parallelism re-gathers
+    a column-parallel layer's (b, s, h) input for its weight gradient (the head's first,
+    then each layer's MLP-in and QKV: parallel/tensor/sequence.py). Ring attention's
+    backward, just before QKV's, holds its blocks (`ring_attention_buffers`); so does a
+    checkpointed segment's forward, run again as the segment's backward starts. A
+    pipeline stage's own messages are not counted here (walked_messages)."""
+    sp, cp = config.sequence_parallel, config.cp
+    if not (sp or cp > 1) or config.pp > 1:
+        return ()
+    b, t = config.micro_batch_size, config.tp
+    local = local_shape(shape, cp)
+    regather = b * local.seq_len * local.d_model * config.bytes.activation if sp else 0
+    block, ring = ring_attention_buffers(shape, config) if cp > 1 else (0, 0)
+    again = tuple(end - 1 for _, end, checkpointed in config.recompute.segments(stage.layers)
+                  if checkpointed)
+    moments = _column_parallel_moments(shape, t, config.ep, sp, stage.first, stage.last,
+                                       stage.tied_copy, stage.layers,
+                                       stage_moe_layers(shape, stage), again)
+    if moments is None:
+        return ()
+    head, qkv, mlp_in, recomputed = moments
+    held = [Held(*head, regather)] if head and regather else []
+    held += [Held(*moment, max(regather, ring)) for moment in qkv]
+    held += [Held(*moment, regather) for moment in mlp_in if regather]
+    held += [Held(*moment, block) for moment in recomputed if block]
+    return tuple(sorted(held))
+
+
+def ring_attention_buffers(shape: ModelShape, config: ParallelConfig) -> tuple[int, int]:
+    """Bytes ring attention holds as buffers on one rank (parallel/context/
+    ring_attention.py): in forward a received K/V block, one at a time (the
+    activations' dtype); in backward a block and a partial sum of its gradients on its
+    way round the ring (the compute dtype), one after the other over two ranks, together
+    over more."""
+    local = local_shape(shape, config.cp)
+    block = 2 * config.micro_batch_size * local.seq_len * local.kv_dim // config.tp
+    forward, partial = block * config.bytes.activation, block * config.bytes.compute
+    return forward, max(forward, partial) if config.cp == 2 else forward + partial
+
+
+@lru_cache(maxsize=256)
+def _column_parallel_moments(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
+                             first: bool, last: bool, tied_copy: bool, layers: int,
+                             moe_layers: int, again: tuple[int, ...]):
+    """(place in backward's order, elements of gradients made before it) of where the
+    head's backward starts, where each layer's QKV and MLP-in weight gradients are
+    formed, and where the backward of each layer of `again` starts (a checkpointed
+    segment's last, whose forward runs again then): (head or None, QKV's, MLP-in's,
+    again's); None if a layer is listed as one tensor."""
+    columns = column_parallel_weights(shape, t)
+    if columns is None:
+        return None
+    tensors = _stage_parameters(shape, t, ep, first, last, tied_copy, layers,
+                                moe_layers).tensors
+    front = len(embedding_tensors(shape, t)) if first else 0
+    per_layer = len(layer_tensors(shape, t))
+    back = len(tensors) - front - layers * per_layer
+    sequence = backward_sequence(shape, 1, t, sequence_parallel, front, layers, back)
+    qkv, mlp_in = (made_before(tensors, sequence, tuple((front + layer * per_layer + column,)
+                                                        for layer in range(layers)))
+                   for column in columns)
+    recomputed = made_before(tensors, sequence, tuple(
+        tuple(range(front + layer * per_layer, front + (layer + 1) * per_layer))
+        for layer in again))
+    return ((0, 0) if last else None), qkv, mlp_in, recomputed
 
 
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:
@@ -692,7 +769,7 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
                 peaks.append(reduction_buffers(
                     _launches(shape, config, stage), config.zero, n, in_flight,
                     config.overlap_grad_reduce, config.micro_batches > 1, g,
-                    nbytes.param, after))
+                    nbytes.param, after, _backward_held(shape, config, stage)))
             elif config.zero == 0 and n > 1:
                 bucket = (config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0
                           else numel)

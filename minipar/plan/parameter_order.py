@@ -37,6 +37,17 @@ def layer_vectors(shape: ModelShape, tp: int = 1) -> tuple[bool, ...] | None:
     return None if len(parameters) == 1 else tuple(vector for _, vector in parameters)
 
 
+def column_parallel_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int] | None:
+    """Places in `layer_tensors` of the column-parallel weights, attn.c_attn's (QKV)
+    and mlp.c_fc's, whose gradients sequence parallelism forms from a re-gathered
+    input; None for a layer that list does not know."""
+    if layer_vectors(shape, tp) is None:
+        return None
+    norms = 2 if shape.norm == "layernorm" else 1
+    gemm = 2 if shape.bias else 1  # a GEMM's weight and its bias
+    return norms, norms + 2 * gemm + norms
+
+
 def _layer_parameters(shape: ModelShape, tp: int) -> list[tuple[int, bool]]:
     """(elements, sequence-parallel vector?) of each parameter of a layer, in order."""
     h = shape.d_model

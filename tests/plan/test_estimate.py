@@ -343,6 +343,43 @@ def test_reduction_buffers_are_the_flat_copies_in_flight_and_what_they_return(se
     assert stage.memory["detail"]["sync_buffers"] == measured["memory"]["buffers"]
 
 
+OWN_BUFFERS = [  # backward's own buffers beside the gradient reduction, on one stage
+    dict(zero=1, dp=2, tp=2, sequence_parallel=True, micro_batch_size=6, seq_len=32),
+    dict(zero=0, dp=2, tp=2, sequence_parallel=True, micro_batch_size=6, seq_len=32,
+         precision="bf16-mixed"),
+    dict(zero=2, tp=2, sequence_parallel=True, micro_batch_size=4,
+         recompute_granularity="full", grad_accum_steps=2),
+    dict(zero=1, dp=2, cp=2, micro_batch_size=6, seq_len=32, overlap_grad_reduce=False),
+    dict(zero=2, cp=2, micro_batch_size=6, seq_len=32, recompute_granularity="full"),
+    dict(zero=0, cp=2, micro_batch_size=6, seq_len=32, precision="bf16-mixed"),
+    dict(zero=1, cp=4, micro_batch_size=3, seq_len=32),
+    dict(zero=0, cp=2, tp=2, sequence_parallel=True, micro_batch_size=3, seq_len=32,
+         overlap_grad_reduce=False),
+]
+
+
+@pytest.mark.parametrize("settings", OWN_BUFFERS, ids=[
+    "zero1-sp", "ddp-sp-bf16", "zero2-sp-full-accum2", "zero1-cp2-waited",
+    "zero2-cp2-full", "ddp-over-cp2-bf16", "zero1-cp4", "ddp-sp-cp2-waited"])
+def test_backward_holds_its_own_buffers_beside_the_reduction(settings):
+    """Backward holds buffers of its own while buckets reduce: sequence parallelism's
+    re-gathered (b, s, h) input while a column-parallel weight's gradient is formed
+    (the head's, each MLP-in's and QKV's), ring attention's K/V block and the partial
+    sum of its gradients (in the compute dtype) in the attention core's backward, and a
+    K/V block where a checkpointed layer's forward runs again. They add to the flat
+    copies and pieces held at that point of backward's order; the ring's and the
+    re-gather never meet each other."""
+    # (a small vocabulary and width, so that activations weigh as much as gradients, and
+    # small buckets, reduced while backward runs)
+    config = TrainConfig(**{**TINY, "d_model": 16, "vocab_size": 32, "bucket_size_mb": 0.001,
+                            **settings})
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    (stage,) = estimate(shape, ParallelConfig.from_train_config(config), EMULATED).stages
+    (measured,) = [r for r in report.ranks if r["coords"] == dict.fromkeys(r["coords"], 0)]
+    assert stage.memory["buffers"] == measured["memory"]["buffers"]
+
+
 TIED_PIPELINES = [  # the tied wte's bucket, deferred, beside the others still in flight
     dict(pp=2, schedule="1f1b", n_layer=4, grad_accum_steps=2),
     dict(pp=2, schedule="interleaved", virtual_stages=2, n_layer=4, grad_accum_steps=4),
