@@ -1,8 +1,10 @@
-"""The planner's gradient memory against the emulator's, over two grids of layouts.
+"""The planner's gradient memory against the emulator's, over four grids of layouts.
 
     python benchmarks/gradient_memory.py grads      # 1,456 layouts, about 1 minute
     python benchmarks/gradient_memory.py buffers    # 4,224 layouts, about 4 minutes
     python benchmarks/gradient_memory.py buffers --zero 2 --quick
+    python benchmarks/gradient_memory.py beside     # 2,160 layouts, about 3 minutes
+    python benchmarks/gradient_memory.py pipelines  # 960 layouts, about 3 minutes
 
 `grads`: one micro-batch under recomputation, where the "grads" peak is what backward
 has made when the lowest recomputed layer's input gradient is alive
@@ -13,9 +15,17 @@ dozen hand-picked extras (pipelines, block and uniform recomputation, SP, CP, GQ
 dropout). `buffers`: the gradient reduction's "buffers" (the planner's
 `detail.sync_buffers`) of DDP and ZeRO-1/2 with buckets of 0.0005-0.25 MiB, one and two
 micro-batches, every recomputation, dp 1-4, tp 1-2 with and without SP, on one pipeline
-stage. Each layout trains two steps and is planned; printed: every pipeline rank whose
-figure differs (planned / measured - 1, the two, the settings) and the tally. Run it on
-another tree with PYTHONPATH to see what a change moved.
+stage. `beside`: the whole "buffers" figure, the reduction's with the backward's own
+beside them (sequence parallelism's re-gather, ring attention's blocks), on one stage
+with SP or CP: DDP and ZeRO-1/2, buckets of 0, 0.001 and 0.25 MiB, overlap on and off,
+dp 1-2, every recomputation, 1 and 2 micro-batches, micro-batches of 1 and 6 sequences
+of 32 tokens, fp64 and bf16, then CP 4, SP with CP 2 and with CP 4. `pipelines`: the
+same figure on pp 2 with SP or CP (GPipe, 1F1B, interleaved, ZB-H1, DualPipe-V; DDP and
+ZeRO-1, buckets of 0.001 and 0.25 MiB, overlap on and off, dp 1-2, no or full
+recomputation, 2 and 4 micro-batches). Each layout trains two steps and is planned;
+printed: every pipeline rank whose figure differs (planned / measured - 1, the two, the
+settings) and the tally. Run it on another tree with PYTHONPATH to see what a change
+moved.
 """
 
 from __future__ import annotations
@@ -86,6 +96,52 @@ def buffers_layouts(zeros, quick: bool):
                    precision=precision, n_layer=layers)
 
 
+def beside_layouts(zeros, quick: bool):
+    """The backward's own buffers beside the reduction's, on one stage."""
+    for zero, rec, bucket, overlap, dp, split, accum, precision, micro in itertools.product(
+            zeros, (None, "full", "selective"), (0, 0.001, 0.25), (True, False), (1, 2),
+            ("sp", "cp"), (1, 2), ("fp64", "bf16-mixed"), (1, 6)):
+        if quick and (precision, rec) != ("fp64", None):
+            continue
+        yield dict(zero=zero, recompute_granularity=rec, bucket_size_mb=bucket,
+                   overlap_grad_reduce=overlap, dp=dp, grad_accum_steps=accum,
+                   precision=precision, n_layer=2, micro_batch_size=micro, seq_len=32,
+                   **(dict(tp=2, sequence_parallel=True) if split == "sp" else dict(cp=2)))
+    for zero, rec, bucket, overlap, dp, precision, split in itertools.product(
+            zeros, (None, "full", "selective"), (0.001, 0.25), (True, False), (1, 2),
+            ("fp64", "bf16-mixed"), ((4, False), (2, True), (4, True))):
+        if quick and (precision, rec) != ("fp64", None):
+            continue
+        cp, sp = split
+        yield dict(zero=zero, recompute_granularity=rec, bucket_size_mb=bucket,
+                   overlap_grad_reduce=overlap, dp=dp, precision=precision, n_layer=2,
+                   micro_batch_size=3, seq_len=32, grad_accum_steps=1, cp=cp,
+                   **(dict(tp=2, sequence_parallel=True) if sp else {}))
+
+
+def pipeline_layouts(zeros, quick: bool):
+    """The backward's own buffers beside the reduction's, on two pipeline stages."""
+    for schedule, zero, rec, bucket, overlap, dp, split, accum in itertools.product(
+            ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe-v"), zeros, (None, "full"),
+            (0.001, 0.25), (True, False), (1, 2), ("sp", "cp"), (2, 4)):
+        if quick and (rec, accum, bucket) != (None, 2, 0.001):
+            continue
+        yield dict(pp=2, schedule=schedule, zero=zero, recompute_granularity=rec,
+                   bucket_size_mb=bucket, overlap_grad_reduce=overlap, dp=dp,
+                   grad_accum_steps=accum, precision="fp64", n_layer=4, micro_batch_size=6,
+                   seq_len=32, virtual_stages=2 if schedule in ("interleaved", "dualpipe-v")
+                   else 1,
+                   **(dict(tp=2, sequence_parallel=True) if split == "sp" else dict(cp=2)))
+
+
+FIGURES = {  # the grid's figure: the report's category, the planner's
+    "grads": ("grads", lambda memory: memory["grads"]),
+    "buffers": ("buffers", lambda memory: memory["detail"]["sync_buffers"]),
+    "beside": ("buffers", lambda memory: memory["buffers"]),
+    "pipelines": ("buffers", lambda memory: memory["buffers"]),
+}
+
+
 def compare(settings: dict, figure: str) -> list[tuple[int, int, int]] | None:
     """(pipeline rank, measured, planned) of each rank whose figure differs; None if
     minipar refuses the layout."""
@@ -101,9 +157,8 @@ def compare(settings: dict, figure: str) -> list[tuple[int, int, int]] | None:
     for stage in est.stages:
         (measured,) = [r for r in report.ranks if r["coords"] == {
             **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
-        got = measured["memory"][figure]
-        planned = (stage.memory["grads"] if figure == "grads"
-                   else stage.memory["detail"]["sync_buffers"])
+        category, planner = FIGURES[figure]
+        got, planned = measured["memory"][category], planner(stage.memory)
         if got != planned:
             differ.append((stage.rank, got, planned))
     return differ
@@ -111,14 +166,14 @@ def compare(settings: dict, figure: str) -> list[tuple[int, int, int]] | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("grid", choices=("grads", "buffers"))
+    parser.add_argument("grid", choices=tuple(FIGURES))
     parser.add_argument("--zero", type=lambda s: tuple(int(z) for z in s.split(",")),
                         default=(0, 1, 2), help="ZeRO stages, e.g. 1,2 (default 0,1,2)")
     parser.add_argument("--quick", action="store_true", help="a fraction of the grid")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # a layout's advice is not a finding
-    layouts = (grads_layouts if args.grid == "grads" else buffers_layouts)(args.zero,
-                                                                           args.quick)
+    layouts = {"grads": grads_layouts, "buffers": buffers_layouts, "beside": beside_layouts,
+               "pipelines": pipeline_layouts}[args.grid](args.zero, args.quick)
     ranks = exact = refused = 0
     worst = 0.0
     for settings in layouts:

@@ -154,7 +154,8 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
 def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
                       in_flight: int | None, overlap: bool, accumulate_pieces: bool,
                       grad_bytes: int, param_bytes: int, after: int = 0,
-                      backward_held: tuple[Held, ...] = ()) -> int:
+                      backward_held: tuple[Held, ...] = (), during: int = 0,
+                      length: float = math.inf) -> int:
     """Peak bytes of the "buffers" a data-parallel engine's bucketed reduction holds
     in one backward and the step after it (module docstring), ZeRO stage `zero` over
     `ranks`: the gradients made whose bucket is not flattened yet (ZeRO-2, whose full
@@ -165,56 +166,66 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     (`accumulate_pieces`). `in_flight`: reductions outstanding at most under overlap
     (None: no limit; DDP has none); after: gradient elements held once backward is over
     (sequence parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's
-    pieces; backward_held: backward's own buffers (`Held`), in backward's order. Gradients, flat
-    copies and pieces are of `grad_bytes` an element, the parameters the step gathers of
-    `param_bytes`."""
+    pieces; backward_held: backward's own buffers (`Held`), in backward's order;
+    during: bytes held throughout backward (a pipeline stage's messages), over the
+    `length` places of its sequence (a launch past them, deferred, comes after it).
+    Gradients, flat copies and pieces are of `grad_bytes` an element, the parameters
+    the step gathers of `param_bytes`."""
     grads_are_buffers = zero == 2
-    flattened = flats = pieces = peak = 0  # gradients flattened; flat copies, pieces held
+    flattened = flats = pieces = 0  # gradients flattened; flat copies, pieces held
+    peak = beside = 0  # bytes; beside: what backward holds of its own meanwhile
     pending: list[int] = []
 
+    def note(elements: int, own: int = 0) -> None:
+        nonlocal peak
+        peak = max(peak, elements * grad_bytes + beside + own)
+
     def wait(flat: int, held: int) -> None:  # held: what is held as the reduction returns
-        nonlocal flats, pieces, peak
+        nonlocal flats, pieces
         if zero == 0:  # the averaged copy is written back into the gradients, then freed
-            peak = max(peak, held + flat)
+            note(held + flat)
         elif zero == 1:
             pieces += flat // ranks
-            peak = max(peak, held + flat // ranks)
+            note(held + flat // ranks)
         elif accumulate_pieces:
-            peak = max(peak, held + flat // ranks)
+            note(held + flat // ranks)
         flats -= flat
 
     def holding(made: int) -> int:
         return (made - flattened if grads_are_buffers else 0) + flats + pieces
 
-    largest = own = 0  # own: the peak beside backward's own buffers, in bytes
+    largest = 0
     waiting = list(backward_held)
 
     def meet_own(before: float) -> None:  # backward's own buffers up to sequence place
-        nonlocal own
         while waiting and waiting[0].position <= before:
             moment = waiting.pop(0)
-            own = max(own, holding(moment.made) * grad_bytes + moment.nbytes)
+            note(holding(moment.made), moment.nbytes)
 
     for launch in launches:
+        beside = during
         meet_own(launch.position)
+        beside = during if launch.position < length else 0
         held = holding(launch.made)  # as the bucket's last gradient is made
-        peak = max(peak, held)
+        note(held)
         if overlap and in_flight is not None and len(pending) == in_flight:
             wait(pending.pop(0), held)
             held = holding(launch.made)
         flat = launch.numel if zero == 0 else -(-launch.numel // ranks) * ranks
         largest = max(largest, flat)
-        peak = max(peak, held + flat)
+        note(held + flat)
         flats += flat
         flattened += launch.numel
         if overlap:
             pending.append(flat)
         else:
             wait(flat, holding(launch.made))
+    beside = during
     meet_own(math.inf)
+    beside = 0
     for flat in pending:  # at the end of backward, every gradient flattened
         wait(flat, flats + pieces)
-    peak = max(peak * grad_bytes, own, after * grad_bytes)
+    note(after)
     if zero == 1:  # then the step all-gathers each bucket's parameters beside them
         peak = max(peak, (pieces + after) * grad_bytes,
                    pieces * grad_bytes + largest * param_bytes)

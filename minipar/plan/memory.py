@@ -47,10 +47,11 @@ save differently, walked over its schedule (walked_activations.py: interleaved a
 DualPipe-V), and for the zero-bubble schedules, walked with what a split backward's I
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
 DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py), beside the backward's own
-(sequence parallelism's re-gather, ring attention's blocks: `_backward_held`); so are a
-pipeline rank's message buffers and sequence parallelism's re-gather beside them
-(walked_activations.py; with several stages the reduction's buffers and those are
-taken apart, the larger of the two);
+(sequence parallelism's re-gather, ring attention's blocks: `_backward_held`), and on a
+GPipe or 1F1B stage beside its last backward's messages too; so are a pipeline rank's
+message buffers, with the re-gather and ring attention's blocks beside them
+(walked_activations.py; with several chunks or a split backward the reduction's
+buffers and those are taken apart, the larger of the two);
 buffers and the total are otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
@@ -409,21 +410,20 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     # (GPipe, 1F1B), else walked over the schedule (walked_activations.py; a split
     # backward's I makes a checkpointed layer's weight gradients, and so re-gathers for
     # them, and frees the output gradient when the chunk's last layer is one)
+    # Ring attention's blocks: a forward's, and more in a backward (or a split
+    # backward's I), which runs the attention core's; never beside the re-gather.
+    ring = (ring_attention_buffers(full, config) if config.cp > 1 and stage.layers
+            else (0, 0))
     if walk and config.pp > 1 and (split or v > 1):
         checkpointed = tuple(tuple(again for start, end, again in recompute.segments(n)
                                    for _ in range(start, end)) for n in stage.chunk_layers)
         forward_buffers = walked_messages(config.schedule, config.pp, config.micro_batches,
-                                          stage.rank, v, checkpointed, layer_input, inside)
-    else:
+                                          stage.rank, v, checkpointed, layer_input, inside,
+                                          ring)
+    else:  # (a forward holds no output gradient, and a block at most the backward's)
         piped = config.pp > 1
         forward_buffers = ((received + (not stage.last) * piped) * layer_input
-                           + max((not stage.first) * piped * layer_input, inside))
-    if config.cp > 1 and stage.layers:
-        block, backward = ring_attention_buffers(shape, config)
-        if config.pp == 1:  # one stage: the ring's buffers never meet the re-gather
-            forward_buffers = max(forward_buffers, block, backward)
-        else:  # ring attention's received K/V block beside the pipeline's messages
-            forward_buffers += block
+                           + max((not stage.first) * piped * layer_input, inside, ring[1]))
     gathered = 0
     if config.zero == 3:
         # gathered full parameters of the running unit (and of a tied embedding the head
@@ -546,34 +546,51 @@ def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
 
 
 def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
-                   ) -> tuple[Held, ...]:
-    """The buffers backward holds of its own while the gradients reduce, and where in
-    backward's order (gradient_walk.Held), on one stage. Sequence parallelism re-gathers
-    a column-parallel layer's (b, s, h) input for its weight gradient (the head's first,
-    then each layer's MLP-in and QKV: parallel/tensor/sequence.py). Ring attention's
-    backward, just before QKV's, holds its blocks (`ring_attention_buffers`); so does a
-    checkpointed segment's forward, run again as the segment's backward starts. A
-    pipeline stage's own messages are not counted here (walked_messages)."""
-    sp, cp = config.sequence_parallel, config.cp
-    if not (sp or cp > 1) or config.pp > 1:
-        return ()
+                   ) -> tuple[tuple[Held, ...], int]:
+    """The buffers backward holds of its own while the gradients reduce: where in
+    backward's order (gradient_walk.Held), and throughout it (bytes). Sequence
+    parallelism re-gathers a column-parallel layer's (b, s, h) input for its weight
+    gradient (the head's first, then each layer's MLP-in and QKV:
+    parallel/tensor/sequence.py). Ring attention's backward, just before QKV's, holds
+    its blocks (`ring_attention_buffers`); so does a checkpointed segment's forward, run
+    again as the segment's backward starts. A pipeline stage reduces during its last
+    backward only with overlap (else after the flush: train/build.py), and then holds
+    its messages throughout it (GPipe, 1F1B: every other micro-batch is done by then):
+    the received input and output gradient. With several chunks or a split backward,
+    whose last backwards interleave, none of this is counted here (walked_messages
+    walks the messages; the larger of the two is taken)."""
+    sp, cp, pp = config.sequence_parallel, config.cp, config.pp
+    recomputed = config.recompute.recomputed_layers(stage.layers)
+    # a split backward's W makes the weight gradients (so launches the buckets), but an
+    # I makes those of a checkpointed layer: all of them, or some (not walked here)
+    split = (pp > 1 and SCHEDULES[config.schedule].split_backward
+             and recomputed < stage.layers)
+    if pp > 1 and (not config.overlap_grad_reduce or config.virtual_stages > 1 or (
+            split and recomputed)):
+        return (), 0
     b, t = config.micro_batch_size, config.tp
     local = local_shape(shape, cp)
+    # a W keeps only the output gradient: its I has sent the input's and freed the input
+    messages = (not stage.last) + (not stage.first and not split)
+    during = (pp > 1) * messages * local.layer_input_bytes(b, t, sp, config.bytes.activation)
     regather = b * local.seq_len * local.d_model * config.bytes.activation if sp else 0
-    block, ring = ring_attention_buffers(shape, config) if cp > 1 else (0, 0)
+    block, ring = (ring_attention_buffers(shape, config) if cp > 1 and stage.layers
+                   and not split else (0, 0))  # (the ring runs in the I, before them)
+    if not (regather or ring):
+        return (), during
     again = tuple(end - 1 for _, end, checkpointed in config.recompute.segments(stage.layers)
                   if checkpointed)
     moments = _column_parallel_moments(shape, t, config.ep, sp, stage.first, stage.last,
                                        stage.tied_copy, stage.layers,
                                        stage_moe_layers(shape, stage), again)
     if moments is None:
-        return ()
+        return (), during
     head, qkv, mlp_in, recomputed = moments
     held = [Held(*head, regather)] if head and regather else []
     held += [Held(*moment, max(regather, ring)) for moment in qkv]
     held += [Held(*moment, regather) for moment in mlp_in if regather]
     held += [Held(*moment, block) for moment in recomputed if block]
-    return tuple(sorted(held))
+    return tuple(sorted(held)), during
 
 
 def ring_attention_buffers(shape: ModelShape, config: ParallelConfig) -> tuple[int, int]:
@@ -769,7 +786,8 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
                 peaks.append(reduction_buffers(
                     _launches(shape, config, stage), config.zero, n, in_flight,
                     config.overlap_grad_reduce, config.micro_batches > 1, g,
-                    nbytes.param, after, _backward_held(shape, config, stage)))
+                    nbytes.param, after, *_backward_held(shape, config, stage),
+                    len(params.tensors)))
             elif config.zero == 0 and n > 1:
                 bucket = (config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0
                           else numel)

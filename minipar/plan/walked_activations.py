@@ -125,12 +125,16 @@ def walked_peak(schedule: str, pp: int, micro_batches: int, rank: int,
 def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
                     virtual_stages: int,
                     checkpointed: tuple[tuple[bool, ...], ...] | None = None,
-                    message: int = 1, inside: int = 0) -> int:
+                    message: int = 1, inside: int = 0, ring: tuple[int, int] = (0, 0)
+                    ) -> int:
     """Peak bytes of pipeline rank `rank`'s message buffers (each `message` bytes: one
-    stage's (b, s, h) output, or its gradient), and of what a computation that forms
-    weight gradients holds while it runs (`inside` bytes: sequence parallelism's
-    re-gathered (b, s, h) input), walked over its compute order as the emulator's
-    ledger holds them (parallel/pipeline/executor.py). checkpointed[c]: whether each
+    stage's (b, s, h) output, or its gradient), and of what a computation holds of its
+    own while it runs: one that forms weight gradients `inside` bytes (sequence
+    parallelism's re-gathered (b, s, h) input), ring attention `ring` (a forward's
+    block, a backward's or I's blocks: memory.ring_attention_buffers), walked over its
+    compute order as the emulator's ledger holds them (parallel/pipeline/executor.py;
+    the re-gather and the ring's blocks are held one after the other). checkpointed[c]:
+    whether each
     layer of chunk c is recomputed (default none); a split backward's I makes the
     weight gradients of those, its W those of the others and the head's:
 
@@ -167,7 +171,8 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
             now += received
         elif kind in ("B", "I"):
             now += gradient and s + 1 not in here  # received (else handed over: held)
-        peak = max(peak, now * message + inside * weights[kind][c])  # while it runs
+        own = max(inside * weights[kind][c], ring[kind in ("B", "I")] * (kind != "W"))
+        peak = max(peak, now * message + own)  # while it runs
         if kind in ("B", "I"):
             now += s > 0  # the input gradient it makes
             peak = max(peak, now * message)

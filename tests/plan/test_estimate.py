@@ -407,6 +407,41 @@ def test_a_pipelines_tied_embedding_bucket_is_reduced_after_the_flush(settings):
         assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
 
 
+PIPELINE_OWN_BUFFERS = [  # a stage's last backward: messages, re-gather, ring, buckets
+    dict(schedule="1f1b", zero=0, dp=2, tp=2, sequence_parallel=True),
+    dict(schedule="gpipe", zero=0, dp=2, cp=2, recompute_granularity="full"),
+    dict(schedule="1f1b", zero=1, dp=2, tp=2, sequence_parallel=True),
+    dict(schedule="1f1b", zero=0, cp=2, overlap_grad_reduce=False),
+    dict(schedule="1f1b", zero=1, dp=2, cp=2, overlap_grad_reduce=False),
+    dict(schedule="zb-h1", zero=0, dp=2, tp=2, sequence_parallel=True),
+    dict(schedule="zb-h1", zero=1, dp=2, cp=2, micro_batch_size=2),
+]
+
+
+@pytest.mark.parametrize("settings", PIPELINE_OWN_BUFFERS, ids=[
+    "1f1b-ddp-sp", "gpipe-ddp-cp2-full", "1f1b-zero1-sp", "1f1b-ddp-cp2-after-flush",
+    "1f1b-zero1-cp2-after-flush", "zb-h1-ddp-sp", "zb-h1-zero1-cp2"])
+def test_a_pipeline_stage_holds_its_messages_beside_the_reduction(settings):
+    """With overlap a pipeline stage reduces its buckets during its last backward
+    (without, after the flush), while it holds that micro-batch's received input and
+    output gradient, and the re-gather or ring attention's blocks as backward reaches
+    them; under a split backward during its last W, which holds only the output
+    gradient and the re-gather (the I ran the ring and sent the input's gradient).
+    Ring attention's blocks, held in forward and backward, are never beside the input
+    gradient being sent back, made after them."""
+    config = TrainConfig(**{**TINY, "d_model": 16, "vocab_size": 32, "seq_len": 32,
+                            "n_layer": 4, "bucket_size_mb": 0.001, "precision": "fp64",
+                            "micro_batch_size": 6, **settings}, pp=2, grad_accum_steps=2)
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
+                   all_stages=True)
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"] == {
+            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
+        assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
+
+
 # ------------------------------------------------------------------ strategies, directly
 def tiny_gpt(**changes) -> GPTConfig:
     return GPTConfig(**{**dict(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32),
