@@ -154,7 +154,8 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
 def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
                       in_flight: int | None, overlap: bool, accumulate_pieces: bool,
                       grad_bytes: int, param_bytes: int, after: int = 0,
-                      backward_held: tuple[Held, ...] = (), during: int = 0,
+                      backward_held: tuple[Held, ...] = (),
+                      during: tuple[tuple[int, int], ...] = (),
                       length: float = math.inf) -> int:
     """Peak bytes of the "buffers" a data-parallel engine's bucketed reduction holds
     in one backward and the step after it (module docstring), ZeRO stage `zero` over
@@ -167,7 +168,8 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     (None: no limit; DDP has none); after: gradient elements held once backward is over
     (sequence parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's
     pieces; backward_held: backward's own buffers (`Held`), in backward's order;
-    during: bytes held throughout backward (a pipeline stage's messages), over the
+    during: (sequence place, bytes) held from as the tensor at that place is made to the
+    end of backward (a pipeline stage's messages, its input gradient), over the
     `length` places of its sequence (a launch past them, deferred, comes after it).
     Gradients, flat copies and pieces are of `grad_bytes` an element, the parameters
     the step gathers of `param_bytes`."""
@@ -194,18 +196,23 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     def holding(made: int) -> int:
         return (made - flattened if grads_are_buffers else 0) + flats + pieces
 
+    def held_from(place: float) -> int:  # backward's own from `during`, at that place
+        return sum(nbytes for start, nbytes in during if start <= place) if (
+            place < length) else 0
+
     largest = 0
     waiting = list(backward_held)
 
     def meet_own(before: float) -> None:  # backward's own buffers up to sequence place
+        nonlocal beside
         while waiting and waiting[0].position <= before:
             moment = waiting.pop(0)
+            beside = held_from(moment.position - 1)  # (before the tensor there is made)
             note(holding(moment.made), moment.nbytes)
 
     for launch in launches:
-        beside = during
         meet_own(launch.position)
-        beside = during if launch.position < length else 0
+        beside = held_from(launch.position)
         held = holding(launch.made)  # as the bucket's last gradient is made
         note(held)
         if overlap and in_flight is not None and len(pending) == in_flight:
@@ -220,7 +227,6 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
             pending.append(flat)
         else:
             wait(flat, holding(launch.made))
-    beside = during
     meet_own(math.inf)
     beside = 0
     for flat in pending:  # at the end of backward, every gradient flattened

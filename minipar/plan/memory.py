@@ -546,46 +546,52 @@ def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
 
 
 def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
-                   ) -> tuple[tuple[Held, ...], int]:
+                   ) -> tuple[tuple[Held, ...], tuple[tuple[int, int], ...]]:
     """The buffers backward holds of its own while the gradients reduce: where in
-    backward's order (gradient_walk.Held), and throughout it (bytes). Sequence
-    parallelism re-gathers a column-parallel layer's (b, s, h) input for its weight
-    gradient (the head's first, then each layer's MLP-in and QKV:
+    backward's order (gradient_walk.Held), and from where to its end ((place, bytes)).
+    Sequence parallelism re-gathers a column-parallel layer's (b, s, h) input for its
+    weight gradient (the head's first, then each layer's MLP-in and QKV:
     parallel/tensor/sequence.py). Ring attention's backward, just before QKV's, holds
     its blocks (`ring_attention_buffers`); so does a checkpointed segment's forward, run
     again as the segment's backward starts. A pipeline stage reduces during its last
     backward only with overlap (else after the flush: train/build.py), and then holds
     its messages throughout it (GPipe, 1F1B: every other micro-batch is done by then):
-    the received input and output gradient. With several chunks or a split backward,
+    the received input and output gradient, and from the first layer's norm on (whose
+    backward hands the input its gradient before its own weights theirs) the input
+    gradient, sent once backward is over. With several chunks or a split backward,
     whose last backwards interleave, none of this is counted here (walked_messages
     walks the messages; the larger of the two is taken)."""
     sp, cp, pp = config.sequence_parallel, config.cp, config.pp
-    recomputed = config.recompute.recomputed_layers(stage.layers)
+    checkpointed = config.recompute.recomputed_layers(stage.layers)
     # a split backward's W makes the weight gradients (so launches the buckets), but an
     # I makes those of a checkpointed layer: all of them, or some (not walked here)
     split = (pp > 1 and SCHEDULES[config.schedule].split_backward
-             and recomputed < stage.layers)
+             and checkpointed < stage.layers)
     if pp > 1 and (not config.overlap_grad_reduce or config.virtual_stages > 1 or (
-            split and recomputed)):
-        return (), 0
+            split and checkpointed)):
+        return (), ()
     b, t = config.micro_batch_size, config.tp
     local = local_shape(shape, cp)
+    message = local.layer_input_bytes(b, t, sp, config.bytes.activation)
     # a W keeps only the output gradient: its I has sent the input's and freed the input
-    messages = (not stage.last) + (not stage.first and not split)
-    during = (pp > 1) * messages * local.layer_input_bytes(b, t, sp, config.bytes.activation)
+    messages = (pp > 1) * ((not stage.last) + (not stage.first and not split))
+    sends = pp > 1 and not stage.first and not split and stage.layers  # an input gradient
     regather = b * local.seq_len * local.d_model * config.bytes.activation if sp else 0
     block, ring = (ring_attention_buffers(shape, config) if cp > 1 and stage.layers
                    and not split else (0, 0))  # (the ring runs in the I, before them)
-    if not (regather or ring):
+    during = ((0, messages * message),) if messages else ()
+    if not (regather or ring or sends):
         return (), during
-    again = tuple(end - 1 for _, end, checkpointed in config.recompute.segments(stage.layers)
-                  if checkpointed)
+    again = tuple(end - 1 for _, end, recomputed in config.recompute.segments(stage.layers)
+                  if recomputed)
     moments = _column_parallel_moments(shape, t, config.ep, sp, stage.first, stage.last,
                                        stage.tied_copy, stage.layers,
                                        stage_moe_layers(shape, stage), again)
     if moments is None:
         return (), during
-    head, qkv, mlp_in, recomputed = moments
+    head, qkv, mlp_in, recomputed, first_norm = moments
+    if sends:
+        during += ((first_norm[0], message),)
     held = [Held(*head, regather)] if head and regather else []
     held += [Held(*moment, max(regather, ring)) for moment in qkv]
     held += [Held(*moment, regather) for moment in mlp_in if regather]
@@ -611,9 +617,10 @@ def _column_parallel_moments(shape: ModelShape, t: int, ep: int, sequence_parall
                              moe_layers: int, again: tuple[int, ...]):
     """(place in backward's order, elements of gradients made before it) of where the
     head's backward starts, where each layer's QKV and MLP-in weight gradients are
-    formed, and where the backward of each layer of `again` starts (a checkpointed
-    segment's last, whose forward runs again then): (head or None, QKV's, MLP-in's,
-    again's); None if a layer is listed as one tensor."""
+    formed, where the backward of each layer of `again` starts (a checkpointed
+    segment's last, whose forward runs again then), and where the first layer's norm
+    weight is made: (head or None, QKV's, MLP-in's, again's, the norm's or None); None
+    if a layer is listed as one tensor."""
     columns = column_parallel_weights(shape, t)
     if columns is None:
         return None
@@ -629,7 +636,8 @@ def _column_parallel_moments(shape: ModelShape, t: int, ep: int, sequence_parall
     recomputed = made_before(tensors, sequence, tuple(
         tuple(range(front + layer * per_layer, front + (layer + 1) * per_layer))
         for layer in again))
-    return ((0, 0) if last else None), qkv, mlp_in, recomputed
+    first_norm = made_before(tensors, sequence, ((front,),))[0] if layers else None
+    return ((0, 0) if last else None), qkv, mlp_in, recomputed, first_norm
 
 
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:
