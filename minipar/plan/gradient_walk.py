@@ -115,11 +115,14 @@ def bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ..
 
 class Held(NamedTuple):
     """Bytes backward holds as buffers of its own just before the tensor at sequence
-    place `position` is complete, when `made` elements of gradients exist."""
+    place `position` is complete, when `made` elements of gradients exist; `alone`:
+    held by a computation that runs between two chunks' last backwards (in place of
+    what those hold throughout)."""
 
     position: int
     made: int
     nbytes: int
+    alone: bool = False
 
 
 def made_before(tensors: tuple[int, ...], sequence: tuple[int, ...],
@@ -168,9 +171,10 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     (None: no limit; DDP has none); after: gradient elements held once backward is over
     (sequence parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's
     pieces; backward_held: backward's own buffers (`Held`), in backward's order;
-    during: (sequence place, bytes) held from as the tensor at that place is made to the
-    end of backward (a pipeline stage's messages, its input gradient), over the
-    `length` places of its sequence (a launch past them, deferred, comes after it).
+    during: (sequence place, bytes) held (or, negative, freed) from the computation
+    that makes the tensor at that place on to the end of backward (a pipeline stage's
+    messages, its input gradient), over the `length` places of its sequence (a launch
+    past them, deferred, comes after it).
     Gradients, flat copies and pieces are of `grad_bytes` an element, the parameters
     the step gathers of `param_bytes`."""
     grads_are_buffers = zero == 2
@@ -207,7 +211,7 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
         nonlocal beside
         while waiting and waiting[0].position <= before:
             moment = waiting.pop(0)
-            beside = held_from(moment.position - 1)  # (before the tensor there is made)
+            beside = 0 if moment.alone else held_from(moment.position)
             note(holding(moment.made), moment.nbytes)
 
     for launch in launches:

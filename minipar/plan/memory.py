@@ -48,10 +48,10 @@ DualPipe-V), and for the zero-bubble schedules, walked with what a split backwar
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
 DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py), beside the backward's own
 (sequence parallelism's re-gather, ring attention's blocks: `_backward_held`), and on a
-GPipe or 1F1B stage beside its last backward's messages too; so are a pipeline rank's
+pipeline stage beside its last backwards' messages too (DualPipe-V's and a checkpointed
+split backward's are taken apart, the larger of the two); so are a pipeline rank's
 message buffers, with the re-gather and ring attention's blocks beside them
-(walked_activations.py; with several chunks or a split backward the reduction's
-buffers and those are taken apart, the larger of the two);
+(walked_activations.py);
 buffers and the total are otherwise an estimate:
 the total adds the persistent state to the larger of the activation peak and the
 gradient-sync peak (gradients count as persistent once gradient accumulation keeps them
@@ -64,6 +64,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import Ingredients, account
@@ -98,7 +99,12 @@ from minipar.plan.parameter_order import (
 )
 from minipar.plan.shapes import ModelShape
 from minipar.plan.split_backward import input_backward
-from minipar.plan.walked_activations import walkable, walked_messages, walked_peak
+from minipar.plan.walked_activations import (
+    last_backwards,
+    walkable,
+    walked_messages,
+    walked_peak,
+)
 from minipar.plan.zero3_buffers import backward_peak, gpt_sites
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -558,17 +564,22 @@ def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     its messages throughout it (GPipe, 1F1B: every other micro-batch is done by then):
     the received input and output gradient, and from the first layer's norm on (whose
     backward hands the input its gradient before its own weights theirs) the input
-    gradient, sent once backward is over. With several chunks or a split backward,
-    whose last backwards interleave, none of this is counted here (walked_messages
-    walks the messages; the larger of the two is taken)."""
+    gradient, sent once backward is over. With several chunks (interleaved) each
+    chunk's buckets reduce in its own last backward, and the backwards between hold
+    their own beside them. A split backward whose layers are all checkpointed makes
+    their weight gradients in its I, walked as an unsplit one (its head's, made in
+    the W after, are walked first: the last stage up to 0.64% high). One over several
+    chunks (DualPipe-V) or with some layers checkpointed, whose Is and Ws interleave,
+    is not walked here: none of this is counted (walked_messages walks the messages;
+    the larger of the two is taken)."""
     sp, cp, pp = config.sequence_parallel, config.cp, config.pp
     checkpointed = config.recompute.recomputed_layers(stage.layers)
     # a split backward's W makes the weight gradients (so launches the buckets), but an
     # I makes those of a checkpointed layer: all of them, or some (not walked here)
     split = (pp > 1 and SCHEDULES[config.schedule].split_backward
              and checkpointed < stage.layers)
-    if pp > 1 and (not config.overlap_grad_reduce or config.virtual_stages > 1 or (
-            split and checkpointed)):
+    v = config.virtual_stages
+    if pp > 1 and (not config.overlap_grad_reduce or (split and (checkpointed or v > 1))):
         return (), ()
     b, t = config.micro_batch_size, config.tp
     local = local_shape(shape, cp)
@@ -579,20 +590,43 @@ def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     regather = b * local.seq_len * local.d_model * config.bytes.activation if sp else 0
     block, ring = (ring_attention_buffers(shape, config) if cp > 1 and stage.layers
                    and not split else (0, 0))  # (the ring runs in the I, before them)
-    during = ((0, messages * message),) if messages else ()
-    if not (regather or ring or sends):
+    during = ((0, messages * message),) if messages and v == 1 else ()
+    if not (regather or ring or sends or v > 1):
         return (), during
-    again = tuple(end - 1 for _, end, recomputed in config.recompute.segments(stage.layers)
-                  if recomputed)
+    again = tuple(start + end - 1  # each chunk's segments (stage.chunk_starts: the model's)
+                  for start, n in zip(accumulate((0, *stage.chunk_layers)),
+                                      stage.chunk_layers, strict=False)
+                  for _, end, recomputed in config.recompute.segments(n) if recomputed)
     moments = _column_parallel_moments(shape, t, config.ep, sp, stage.first, stage.last,
-                                       stage.tied_copy, stage.layers,
+                                       stage.tied_copy, stage.chunk_layers,
                                        stage_moe_layers(shape, stage), again)
     if moments is None:
         return (), during
-    head, qkv, mlp_in, recomputed, first_norm = moments
-    if sends:
-        during += ((first_norm[0], message),)
-    held = [Held(*head, regather)] if head and regather else []
+    head, qkv, mlp_in, recomputed, starts, first_norms = moments
+    held = []
+    if v == 1 and sends:
+        during += ((first_norms[0][0], message),)
+    elif v > 1:
+        # each chunk's buckets reduce during its last backward, beside the messages held
+        # then; the computations between two of those hold theirs beside the buckets
+        # still in flight (walked_activations.last_backwards; too long to walk, or a
+        # chunk without layers: not counted here, the larger of the two is taken)
+        if not walkable(config.schedule, pp, config.micro_batches, v) or None in starts:
+            return (), ()
+        lasts = last_backwards(config.schedule, pp, config.micro_batches, stage.rank, v,
+                               message, regather, (block, ring))
+        before = 0
+        for k, (c, running, between) in enumerate(lasts):
+            if k:
+                held.append(Held(*starts[c], between, alone=True))
+            during += ((starts[c][0], running - before),)
+            before = running
+            if first_norms[c] and SCHEDULES[config.schedule].virtual_stage(pp, stage.rank, c):
+                # the input gradient, made at its first norm, sent as its backward ends
+                during += ((first_norms[c][0], message),)
+                if k + 1 < len(lasts):
+                    during += ((starts[lasts[k + 1][0]][0], -message),)
+    held += [Held(*head, regather)] if head and regather else []
     held += [Held(*moment, max(regather, ring)) for moment in qkv]
     held += [Held(*moment, regather) for moment in mlp_in if regather]
     held += [Held(*moment, block) for moment in recomputed if block]
@@ -613,17 +647,19 @@ def ring_attention_buffers(shape: ModelShape, config: ParallelConfig) -> tuple[i
 
 @lru_cache(maxsize=256)
 def _column_parallel_moments(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
-                             first: bool, last: bool, tied_copy: bool, layers: int,
-                             moe_layers: int, again: tuple[int, ...]):
+                             first: bool, last: bool, tied_copy: bool,
+                             chunks: tuple[int, ...], moe_layers: int, again: tuple[int, ...]):
     """(place in backward's order, elements of gradients made before it) of where the
     head's backward starts, where each layer's QKV and MLP-in weight gradients are
     formed, where the backward of each layer of `again` starts (a checkpointed
     segment's last, whose forward runs again then), and where the first layer's norm
-    weight is made: (head or None, QKV's, MLP-in's, again's, the norm's or None); None
-    if a layer is listed as one tensor."""
+    weight is made, and where each of the `chunks` (layers per chunk) starts: (head or
+    None, QKV's, MLP-in's, again's, each chunk's start, each chunk's first norm's or
+    None); None if a layer is listed as one tensor."""
     columns = column_parallel_weights(shape, t)
     if columns is None:
         return None
+    layers = sum(chunks)
     tensors = _stage_parameters(shape, t, ep, first, last, tied_copy, layers,
                                 moe_layers).tensors
     front = len(embedding_tensors(shape, t)) if first else 0
@@ -636,8 +672,17 @@ def _column_parallel_moments(shape: ModelShape, t: int, ep: int, sequence_parall
     recomputed = made_before(tensors, sequence, tuple(
         tuple(range(front + layer * per_layer, front + (layer + 1) * per_layer))
         for layer in again))
-    first_norm = made_before(tensors, sequence, ((front,),))[0] if layers else None
-    return ((0, 0) if last else None), qkv, mlp_in, recomputed, first_norm
+    # each chunk's layers (the embedding with the first, the head with the last)
+    bounds = [0, *accumulate(chunks)]
+    groups = [range(front + bounds[c] * per_layer, front + bounds[c + 1] * per_layer)
+              for c in range(len(chunks))]
+    groups[0] = range(0, groups[0].stop)
+    groups[-1] = range(groups[-1].start, len(tensors))
+    starts = [made_before(tensors, sequence, (tuple(group),))[0] if group else None
+              for group in groups]
+    first_norms = [made_before(tensors, sequence, ((front + bounds[c] * per_layer,),))[0]
+                   if chunks[c] else None for c in range(len(chunks))]
+    return ((0, 0) if last else None), qkv, mlp_in, recomputed, starts, first_norms
 
 
 def flat_pieces(params: StageParameters, config: ParallelConfig) -> tuple[int, ...]:

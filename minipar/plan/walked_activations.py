@@ -181,3 +181,42 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
         elif kind == "W" and kept[c]:
             now -= gradient
     return peak
+
+
+@lru_cache(maxsize=256)
+def last_backwards(schedule: str, pp: int, micro_batches: int, rank: int,
+                   virtual_stages: int, message: int = 1, inside: int = 0,
+                   ring: tuple[int, int] = (0, 0)) -> tuple[tuple[int, int, int], ...]:
+    """For an unsplit backward over several chunks, where each chunk's buckets reduce
+    during its last backward (parallel/pipeline/executor.py): per chunk, in the order
+    those run, (chunk, bytes of messages held while its last backward runs, the most
+    the computations since the previous chunk's last backward hold: messages, and
+    their own as in `walked_messages`)."""
+    spec = SCHEDULES[schedule]
+    last = pp * virtual_stages - 1
+    stages = [spec.virtual_stage(pp, rank, c) for c in range(virtual_stages)]
+    here = set(stages)
+    m = walked_micro_batches(schedule, pp, micro_batches)
+    order = compute_orders(schedule, pp, m, virtual_stages)[rank]
+    final = {c: i for i, (kind, c) in enumerate(order) if kind == "B"}
+    now = between = 0
+    out = []
+    for i, (kind, c) in enumerate(order):
+        s = stages[c]
+        received = s > 0 and s - 1 not in here
+        gradient = s < last
+        if kind == "F":
+            now += received
+            peak = now * message + ring[0]
+        else:
+            now += gradient and s + 1 not in here
+            running = now * message
+            now += s > 0  # the input gradient it makes (sent, or handed over)
+            peak = max(running + max(inside, ring[1]), now * message)
+            now -= 2 * received + gradient
+        if final.get(c) == i:
+            out.append((c, running, between))
+            between = 0
+        elif out:
+            between = max(between, peak)
+    return tuple(out)

@@ -418,25 +418,34 @@ PIPELINE_OWN_BUFFERS = [  # a stage's last backward: messages, re-gather, ring, 
     # the last stage's input gradient, made before its first norm's weight gradient
     dict(schedule="1f1b", zero=1, dp=2, tie_embeddings=False, precision="bf16-mixed",
          micro_batch_size=1, seq_len=8),
+    # each chunk's last backward, and the backwards between them
+    dict(schedule="interleaved", virtual_stages=2, zero=0, dp=2, cp=2),
+    dict(schedule="interleaved", virtual_stages=2, zero=0, dp=2, tp=2,
+         sequence_parallel=True, recompute_granularity="full"),
+    dict(schedule="interleaved", virtual_stages=2, zero=1, dp=2, tie_embeddings=False,
+         precision="bf16-mixed", micro_batch_size=1, seq_len=8, grad_accum_steps=4),
 ]
 
 
 @pytest.mark.parametrize("settings", PIPELINE_OWN_BUFFERS, ids=[
     "1f1b-ddp-sp", "gpipe-ddp-cp2-full", "1f1b-zero1-sp", "1f1b-ddp-cp2-after-flush",
     "1f1b-zero1-cp2-after-flush", "zb-h1-ddp-sp", "zb-h1-zero1-cp2",
-    "1f1b-zero1-untied-bf16"])
+    "1f1b-zero1-untied-bf16", "interleaved-ddp-cp2", "interleaved-ddp-sp-full",
+    "interleaved-zero1-untied-bf16"])
 def test_a_pipeline_stage_holds_its_messages_beside_the_reduction(settings):
     """With overlap a pipeline stage reduces its buckets during its last backward
     (without, after the flush), while it holds that micro-batch's received input and
     output gradient, and the re-gather or ring attention's blocks as backward reaches
     them, and from its first layer's norm on the input gradient it sends back; under a
     split backward during its last W, which holds only the output gradient and the
-    re-gather (the I ran the ring and sent the input's gradient).
+    re-gather (the I ran the ring and sent the input's gradient). With several chunks
+    each chunk's buckets reduce in its own last backward, and the backwards of other
+    micro-batches run between, beside the buckets still in flight.
     Ring attention's blocks, held in forward and backward, are never beside the input
     gradient being sent back, made after them."""
     config = TrainConfig(**{**TINY, "d_model": 16, "vocab_size": 32, "seq_len": 32,
                             "n_layer": 4, "bucket_size_mb": 0.001, "precision": "fp64",
-                            "micro_batch_size": 6, **settings}, pp=2, grad_accum_steps=2)
+                            "micro_batch_size": 6, "grad_accum_steps": 2, **settings}, pp=2)
     report = train(config)
     shape = from_train_config(config, report.config["vocab_size"])
     est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
