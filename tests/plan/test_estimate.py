@@ -343,6 +343,21 @@ def test_reduction_buffers_are_the_flat_copies_in_flight_and_what_they_return(se
     assert stage.memory["detail"]["sync_buffers"] == measured["memory"]["buffers"]
 
 
+def buffers_planned_and_measured(config: TrainConfig) -> list[tuple[int, int, int]]:
+    """(pipeline rank, planned "buffers", the emulator's) of each pipeline rank of the
+    layout, trained and planned (the DP, TP and CP rank 0 of each)."""
+    report = train(config)
+    shape = from_train_config(config, report.config["vocab_size"])
+    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
+                   all_stages=True)
+    out = []
+    for stage in est.stages:
+        (measured,) = [r for r in report.ranks if r["coords"] == {
+            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
+        out.append((stage.rank, stage.memory["buffers"], measured["memory"]["buffers"]))
+    return out
+
+
 OWN_BUFFERS = [  # backward's own buffers beside the gradient reduction, on one stage
     dict(zero=1, dp=2, tp=2, sequence_parallel=True, micro_batch_size=6, seq_len=32),
     dict(zero=0, dp=2, tp=2, sequence_parallel=True, micro_batch_size=6, seq_len=32,
@@ -373,11 +388,8 @@ def test_backward_holds_its_own_buffers_beside_the_reduction(settings):
     # small buckets, reduced while backward runs)
     config = TrainConfig(**{**TINY, "d_model": 16, "vocab_size": 32, "bucket_size_mb": 0.001,
                             **settings})
-    report = train(config)
-    shape = from_train_config(config, report.config["vocab_size"])
-    (stage,) = estimate(shape, ParallelConfig.from_train_config(config), EMULATED).stages
-    (measured,) = [r for r in report.ranks if r["coords"] == dict.fromkeys(r["coords"], 0)]
-    assert stage.memory["buffers"] == measured["memory"]["buffers"]
+    ((_, planned, measured),) = buffers_planned_and_measured(config)
+    assert planned == measured
 
 
 TIED_PIPELINES = [  # the tied wte's bucket, deferred, beside the others still in flight
@@ -397,14 +409,8 @@ def test_a_pipelines_tied_embedding_bucket_is_reduced_after_the_flush(settings):
     config = TrainConfig(**{**TINY, "d_model": 16, "seq_len": 8, "vocab_size": 32,
                             "precision": "fp64", **settings}, dp=2, bucket_size_mb=0.001,
                          micro_batch_size=1)
-    report = train(config)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
-                   all_stages=True)
-    for stage in est.stages:
-        (measured,) = [r for r in report.ranks if r["coords"] == {
-            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
-        assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
+    for rank, planned, measured in buffers_planned_and_measured(config):
+        assert planned == measured, rank
 
 
 PIPELINE_OWN_BUFFERS = [  # a stage's last backward: messages, re-gather, ring, buckets
@@ -446,14 +452,8 @@ def test_a_pipeline_stage_holds_its_messages_beside_the_reduction(settings):
     config = TrainConfig(**{**TINY, "d_model": 16, "vocab_size": 32, "seq_len": 32,
                             "n_layer": 4, "bucket_size_mb": 0.001, "precision": "fp64",
                             "micro_batch_size": 6, "grad_accum_steps": 2, **settings}, pp=2)
-    report = train(config)
-    shape = from_train_config(config, report.config["vocab_size"])
-    est = estimate(shape, ParallelConfig.from_train_config(config), EMULATED,
-                   all_stages=True)
-    for stage in est.stages:
-        (measured,) = [r for r in report.ranks if r["coords"] == {
-            **dict.fromkeys(r["coords"], 0), "pp": stage.rank}]
-        assert stage.memory["buffers"] == measured["memory"]["buffers"], stage.rank
+    for rank, planned, measured in buffers_planned_and_measured(config):
+        assert planned == measured, rank
 
 
 # ------------------------------------------------------------------ strategies, directly
