@@ -5,6 +5,7 @@
     python benchmarks/gradient_memory.py buffers --zero 2 --quick
     python benchmarks/gradient_memory.py beside     # 2,160 layouts, about 3 minutes
     python benchmarks/gradient_memory.py pipelines  # 960 layouts, about 3 minutes
+    python benchmarks/gradient_memory.py pipelines-dp   # 720 layouts, about 2 minutes
 
 `grads`: one micro-batch under recomputation, where the "grads" peak is what backward
 has made when the lowest recomputed layer's input gradient is alive
@@ -22,7 +23,9 @@ dp 1-2, every recomputation, 1 and 2 micro-batches, micro-batches of 1 and 6 seq
 of 32 tokens, fp64 and bf16, then CP 4, SP with CP 2 and with CP 4. `pipelines`: the
 same figure on pp 2 with SP or CP (GPipe, 1F1B, interleaved, ZB-H1, DualPipe-V; DDP and
 ZeRO-1, buckets of 0.001 and 0.25 MiB, overlap on and off, dp 1-2, no or full
-recomputation, 2 and 4 micro-batches). Each layout trains two steps and is planned;
+recomputation, 2 and 4 micro-batches); `pipelines-dp` without either (the same
+schedules, buckets of 0, 0.001 and 0.25 MiB, tied and untied, fp64 and bf16, 4
+micro-batches). Each layout trains two steps and is planned;
 printed: every pipeline rank whose figure differs (planned / measured - 1, the two, the
 settings) and the tally. Run it on another tree with PYTHONPATH to see what a change
 moved.
@@ -134,11 +137,25 @@ def pipeline_layouts(zeros, quick: bool):
                    **(dict(tp=2, sequence_parallel=True) if split == "sp" else dict(cp=2)))
 
 
+def pipeline_dp_layouts(zeros, quick: bool):
+    """The reduction's buffers beside a pipeline's messages, without SP or CP."""
+    for schedule, zero, bucket, overlap, dp, tie, precision in itertools.product(
+            ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe-v"), zeros, (0, 0.001, 0.25),
+            (True, False), (1, 2), (True, False), ("fp64", "bf16-mixed")):
+        if quick and (bucket, precision) != (0.001, "fp64"):
+            continue
+        yield dict(pp=2, schedule=schedule, zero=zero, bucket_size_mb=bucket,
+                   overlap_grad_reduce=overlap, dp=dp, grad_accum_steps=4,
+                   tie_embeddings=tie, precision=precision, n_layer=4,
+                   virtual_stages=2 if schedule in ("interleaved", "dualpipe-v") else 1)
+
+
 FIGURES = {  # the grid's figure: the report's category, the planner's
     "grads": ("grads", lambda memory: memory["grads"]),
     "buffers": ("buffers", lambda memory: memory["detail"]["sync_buffers"]),
     "beside": ("buffers", lambda memory: memory["buffers"]),
     "pipelines": ("buffers", lambda memory: memory["buffers"]),
+    "pipelines-dp": ("buffers", lambda memory: memory["buffers"]),
 }
 
 
@@ -173,7 +190,8 @@ def main() -> int:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # a layout's advice is not a finding
     layouts = {"grads": grads_layouts, "buffers": buffers_layouts, "beside": beside_layouts,
-               "pipelines": pipeline_layouts}[args.grid](args.zero, args.quick)
+               "pipelines": pipeline_layouts,
+               "pipelines-dp": pipeline_dp_layouts}[args.grid](args.zero, args.quick)
     ranks = exact = refused = 0
     worst = 0.0
     for settings in layouts:

@@ -154,12 +154,11 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
     return sum(-(-launch.numel // ranks) for launch in launched)
 
 
-def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
+def reduction_buffers(launches: tuple[Launch, ...], length: int, zero: int, ranks: int,
                       in_flight: int | None, overlap: bool, accumulate_pieces: bool,
                       grad_bytes: int, param_bytes: int, after: int = 0,
                       backward_held: tuple[Held, ...] = (),
-                      during: tuple[tuple[int, int], ...] = (),
-                      length: float = math.inf) -> int:
+                      during: tuple[tuple[int, int], ...] = ()) -> int:
     """Peak bytes of the "buffers" a data-parallel engine's bucketed reduction holds
     in one backward and the step after it (module docstring), ZeRO stage `zero` over
     `ranks`: the gradients made whose bucket is not flattened yet (ZeRO-2, whose full
@@ -173,8 +172,8 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     pieces; backward_held: backward's own buffers (`Held`), in backward's order;
     during: (sequence place, bytes) held (or, negative, freed) from the computation
     that makes the tensor at that place on to the end of backward (a pipeline stage's
-    messages, its input gradient), over the `length` places of its sequence (a launch
-    past them, deferred, comes after it).
+    messages, its input gradient). `length`: the places of backward's sequence (a launch
+    past them, deferred, comes after backward).
     Gradients, flat copies and pieces are of `grad_bytes` an element, the parameters
     the step gathers of `param_bytes`."""
     grads_are_buffers = zero == 2
@@ -200,16 +199,16 @@ def reduction_buffers(launches: tuple[Launch, ...], zero: int, ranks: int,
     def holding(made: int) -> int:
         return (made - flattened if grads_are_buffers else 0) + flats + pieces
 
-    def held_from(place: float) -> int:  # backward's own from `during`, at that place
+    def held_from(place: int) -> int:  # backward's own from `during`, at that place
         return sum(nbytes for start, nbytes in during if start <= place) if (
             place < length) else 0
 
     largest = 0
     waiting = list(backward_held)
 
-    def meet_own(before: float) -> None:  # backward's own buffers up to sequence place
+    def meet_own(upto: float) -> None:  # backward's own buffers up to sequence place
         nonlocal beside
-        while waiting and waiting[0].position <= before:
+        while waiting and waiting[0].position <= upto:
             moment = waiting.pop(0)
             beside = 0 if moment.alone else held_from(moment.position)
             note(holding(moment.made), moment.nbytes)

@@ -404,12 +404,8 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                        + extra)
         if recompute.full and stage.layers:
             activations -= received * layer_input  # a received input is already a buffer
-    # Sequence parallelism's extra all-gather in backward (Korthikanti et al. 2022,
-    # section 4.2.2): a column-parallel layer (or the head) re-gathers its full (b, s, h)
-    # input to form its weight gradient (in a B, or a split backward's W), a buffer
-    # while it does.
-    inside = (b * shape.seq_len * shape.d_model * a
-              if sp and (stage.layers or stage.last) else 0)
+    # sequence parallelism's re-gather, in a B or a split backward's W
+    inside = regather_bytes(full, config) if stage.layers or stage.last else 0
     # Received activations wait for their backward as buffers; during a backward a
     # received output gradient, and at its end the input gradient being sent back, are
     # buffers too: k in flight and one of each on one chunk under an unsplit backward
@@ -566,34 +562,30 @@ def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     backward hands the input its gradient before its own weights theirs) the input
     gradient, sent once backward is over. With several chunks (interleaved) each
     chunk's buckets reduce in its own last backward, and the backwards between hold
-    their own beside them. A split backward whose layers are all checkpointed makes
-    their weight gradients in its I, walked as an unsplit one (its head's, made in
-    the W after, are walked first: the last stage up to 0.64% high). One over several
-    chunks (DualPipe-V) or with some layers checkpointed, whose Is and Ws interleave,
-    is not walked here: none of this is counted (walked_messages walks the messages;
-    the larger of the two is taken)."""
-    sp, cp, pp = config.sequence_parallel, config.cp, config.pp
-    checkpointed = config.recompute.recomputed_layers(stage.layers)
-    # a split backward's W makes the weight gradients (so launches the buckets), but an
-    # I makes those of a checkpointed layer: all of them, or some (not walked here)
-    split = (pp > 1 and SCHEDULES[config.schedule].split_backward
-             and checkpointed < stage.layers)
-    v = config.virtual_stages
-    if pp > 1 and (not config.overlap_grad_reduce or (split and (checkpointed or v > 1))):
+    their own beside them. A split backward's W makes the weight gradients, holding
+    only the output gradient (its I sent the input's and ran the ring); when every
+    layer is checkpointed its I makes them, walked as an unsplit backward. A split
+    backward over several chunks (ZB-V, DualPipe-V) or with some layers checkpointed,
+    whose Is and Ws interleave, is not walked: none of this is counted here
+    (walked_messages walks the messages; the larger of the two is taken)."""
+    sp, cp, pp, v = config.sequence_parallel, config.cp, config.pp, config.virtual_stages
+    split_schedule = pp > 1 and SCHEDULES[config.schedule].split_backward
+    checkpointed = sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
+    split = split_schedule and not (stage.layers and checkpointed == stage.layers)
+    if pp > 1 and (not config.overlap_grad_reduce or (split_schedule and v > 1)
+                   or (split and checkpointed)):
         return (), ()
     b, t = config.micro_batch_size, config.tp
-    local = local_shape(shape, cp)
-    message = local.layer_input_bytes(b, t, sp, config.bytes.activation)
-    # a W keeps only the output gradient: its I has sent the input's and freed the input
+    message = local_shape(shape, cp).layer_input_bytes(b, t, sp, config.bytes.activation)
     messages = (pp > 1) * ((not stage.last) + (not stage.first and not split))
     sends = pp > 1 and not stage.first and not split and stage.layers  # an input gradient
-    regather = b * local.seq_len * local.d_model * config.bytes.activation if sp else 0
-    block, ring = (ring_attention_buffers(shape, config) if cp > 1 and stage.layers
-                   and not split else (0, 0))  # (the ring runs in the I, before them)
+    regather = regather_bytes(shape, config) if stage.layers or stage.last else 0
+    ring_forward, ring_backward = (ring_attention_buffers(shape, config)
+                                   if cp > 1 and stage.layers and not split else (0, 0))
     during = ((0, messages * message),) if messages and v == 1 else ()
-    if not (regather or ring or sends or v > 1):
+    if not (regather or ring_backward or sends or v > 1):
         return (), during
-    again = tuple(start + end - 1  # each chunk's segments (stage.chunk_starts: the model's)
+    again = tuple(start + end - 1  # the last layer of each checkpointed segment
                   for start, n in zip(accumulate((0, *stage.chunk_layers)),
                                       stage.chunk_layers, strict=False)
                   for _, end, recomputed in config.recompute.segments(n) if recomputed)
@@ -614,23 +606,33 @@ def _backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan
         if not walkable(config.schedule, pp, config.micro_batches, v) or None in starts:
             return (), ()
         lasts = last_backwards(config.schedule, pp, config.micro_batches, stage.rank, v,
-                               message, regather, (block, ring))
-        before = 0
+                               message, regather, (ring_forward, ring_backward))
+        previous = 0  # the messages of the chunk before's last backward
         for k, (c, running, between) in enumerate(lasts):
             if k:
                 held.append(Held(*starts[c], between, alone=True))
-            during += ((starts[c][0], running - before),)
-            before = running
+            during += ((starts[c][0], running - previous),)
+            previous = running
             if first_norms[c] and SCHEDULES[config.schedule].virtual_stage(pp, stage.rank, c):
                 # the input gradient, made at its first norm, sent as its backward ends
                 during += ((first_norms[c][0], message),)
                 if k + 1 < len(lasts):
                     during += ((starts[lasts[k + 1][0]][0], -message),)
     held += [Held(*head, regather)] if head and regather else []
-    held += [Held(*moment, max(regather, ring)) for moment in qkv]
+    held += [Held(*moment, max(regather, ring_backward)) for moment in qkv]
     held += [Held(*moment, regather) for moment in mlp_in if regather]
-    held += [Held(*moment, block) for moment in recomputed if block]
+    held += [Held(*moment, ring_forward) for moment in recomputed if ring_forward]
     return tuple(sorted(held)), during
+
+
+def regather_bytes(shape: ModelShape, config: ParallelConfig) -> int:
+    """Bytes of sequence parallelism's extra all-gather in backward (Korthikanti et al.
+    2022, section 4.2.2): a column-parallel layer (or the head) re-gathers its full
+    (b, s, h) input to form its weight gradient, a buffer while it does (0 without)."""
+    if not config.sequence_parallel:
+        return 0
+    local = local_shape(shape, config.cp)
+    return config.micro_batch_size * local.seq_len * local.d_model * config.bytes.activation
 
 
 def ring_attention_buffers(shape: ModelShape, config: ParallelConfig) -> tuple[int, int]:
@@ -642,22 +644,22 @@ def ring_attention_buffers(shape: ModelShape, config: ParallelConfig) -> tuple[i
     local = local_shape(shape, config.cp)
     block = 2 * config.micro_batch_size * local.seq_len * local.kv_dim // config.tp
     forward, partial = block * config.bytes.activation, block * config.bytes.compute
-    return forward, max(forward, partial) if config.cp == 2 else forward + partial
+    return forward, (max(forward, partial) if config.cp == 2 else forward + partial)
 
 
 @lru_cache(maxsize=256)
 def _column_parallel_moments(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
                              first: bool, last: bool, tied_copy: bool,
                              chunks: tuple[int, ...], moe_layers: int, again: tuple[int, ...]):
-    """(place in backward's order, elements of gradients made before it) of where the
-    head's backward starts, where each layer's QKV and MLP-in weight gradients are
-    formed, where the backward of each layer of `again` starts (a checkpointed
-    segment's last, whose forward runs again then), and where the first layer's norm
-    weight is made, and where each of the `chunks` (layers per chunk) starts: (head or
-    None, QKV's, MLP-in's, again's, each chunk's start, each chunk's first norm's or
-    None); None if a layer is listed as one tensor."""
+    """(place in backward's order, elements of gradients made before it) of: where the
+    head's backward starts (None without a head), where each layer's QKV and MLP-in
+    weight gradients are formed, where the backward of each layer of `again` starts (a
+    checkpointed segment's last, whose forward runs again then), where each of the
+    `chunks` (layers per chunk) starts, and where each chunk's first norm weight is
+    made (None without layers), in that order; None if a layer is listed as one tensor
+    (MoE layers among them)."""
     columns = column_parallel_weights(shape, t)
-    if columns is None:
+    if columns is None or moe_layers:
         return None
     layers = sum(chunks)
     tensors = _stage_parameters(shape, t, ep, first, last, tied_copy, layers,
@@ -837,10 +839,9 @@ def _sync_buffers(shape: ModelShape, config: ParallelConfig, params: StageParame
                 # backward launches them (gradient_walk.py)
                 in_flight = None if config.zero == 0 else config.reductions_in_flight
                 peaks.append(reduction_buffers(
-                    _launches(shape, config, stage), config.zero, n, in_flight,
-                    config.overlap_grad_reduce, config.micro_batches > 1, g,
-                    nbytes.param, after, *_backward_held(shape, config, stage),
-                    len(params.tensors)))
+                    _launches(shape, config, stage), len(params.tensors), config.zero, n,
+                    in_flight, config.overlap_grad_reduce, config.micro_batches > 1, g,
+                    nbytes.param, after, *_backward_held(shape, config, stage)))
             elif config.zero == 0 and n > 1:
                 bucket = (config.bucket_size_mb * 2**20 / g if config.bucket_size_mb > 0
                           else numel)

@@ -133,10 +133,10 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
     parallelism's re-gathered (b, s, h) input), ring attention `ring` (a forward's
     block, a backward's or I's blocks: memory.ring_attention_buffers), walked over its
     compute order as the emulator's ledger holds them (parallel/pipeline/executor.py;
-    the re-gather and the ring's blocks are held one after the other). checkpointed[c]:
-    whether each
-    layer of chunk c is recomputed (default none); a split backward's I makes the
-    weight gradients of those, its W those of the others and the head's:
+    the re-gather and the ring's blocks are held one after the other).
+    checkpointed[c]: whether each layer of chunk c is recomputed (default none); a
+    split backward's I makes the weight gradients of those, its W those of the others
+    and the head's:
 
         F     of a chunk that is not virtual stage 0: its received input, until its
               gradient is sent back (an input handed over in memory by the chunk
