@@ -151,6 +151,20 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
     Walked over min(m, 2p) micro-batches, as walked_peak (the module docstring), so not
     for GPipe, whose forwards all run first: memory.py's closed form, exact for one
     chunk under an unsplit backward, is used there."""
+    peak = 0
+    for _, _, running, own, after in _message_walk(schedule, pp, micro_batches, rank,
+                                                   virtual_stages, checkpointed, message,
+                                                   inside, ring):
+        peak = max(peak, running + own, after)
+    return peak
+
+
+def _message_walk(schedule: str, pp: int, micro_batches: int, rank: int,
+                  virtual_stages: int, checkpointed: tuple[tuple[bool, ...], ...] | None,
+                  message: int, inside: int, ring: tuple[int, int]):
+    """`walked_messages`' walk, one computation at a time: (kind, chunk, bytes of
+    messages held while it runs, its own bytes meanwhile, messages held as it ends with
+    the input gradient it made)."""
     spec = SCHEDULES[schedule]
     last = pp * virtual_stages - 1
     stages = [spec.virtual_stage(pp, rank, c) for c in range(virtual_stages)]
@@ -162,7 +176,7 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
                "W": [not all(layers) or stage == last
                      for layers, stage in zip(recomputed, stages, strict=True)]}
     m = walked_micro_batches(schedule, pp, micro_batches)
-    now = peak = 0  # messages held
+    now = 0  # messages held
     for kind, c in compute_orders(schedule, pp, m, virtual_stages)[rank]:
         s = stages[c]
         received = s > 0 and s - 1 not in here  # (else handed over: no buffer of its own)
@@ -172,15 +186,15 @@ def walked_messages(schedule: str, pp: int, micro_batches: int, rank: int,
         elif kind in ("B", "I"):
             now += gradient and s + 1 not in here  # received (else handed over: held)
         own = max(inside * weights[kind][c], ring[kind in ("B", "I")] * (kind != "W"))
-        peak = max(peak, now * message + own)  # while it runs
+        running = now * message  # while it runs
         if kind in ("B", "I"):
             now += s > 0  # the input gradient it makes
-            peak = max(peak, now * message)
+        yield kind, c, running, own, now * message
+        if kind in ("B", "I"):
             now -= 2 * received  # sent, and the input with it
             now -= gradient and (kind == "B" or not kept[c])
         elif kind == "W" and kept[c]:
             now -= gradient
-    return peak
 
 
 @lru_cache(maxsize=256)
@@ -192,31 +206,14 @@ def last_backwards(schedule: str, pp: int, micro_batches: int, rank: int,
     those run, (chunk, bytes of messages held while its last backward runs, the most
     the computations since the previous chunk's last backward hold: messages, and
     their own as in `walked_messages`)."""
-    spec = SCHEDULES[schedule]
-    last = pp * virtual_stages - 1
-    stages = [spec.virtual_stage(pp, rank, c) for c in range(virtual_stages)]
-    here = set(stages)
-    m = walked_micro_batches(schedule, pp, micro_batches)
-    order = compute_orders(schedule, pp, m, virtual_stages)[rank]
-    final = {c: i for i, (kind, c) in enumerate(order) if kind == "B"}
-    now = between = 0
-    out = []
-    for i, (kind, c) in enumerate(order):
-        s = stages[c]
-        received = s > 0 and s - 1 not in here
-        gradient = s < last
-        if kind == "F":
-            now += received
-            peak = now * message + ring[0]
-        else:
-            now += gradient and s + 1 not in here
-            running = now * message
-            now += s > 0  # the input gradient it makes (sent, or handed over)
-            peak = max(running + max(inside, ring[1]), now * message)
-            now -= 2 * received + gradient
+    walk = list(_message_walk(schedule, pp, micro_batches, rank, virtual_stages, None,
+                              message, inside, ring))
+    final = {c: i for i, (kind, c, *_) in enumerate(walk) if kind == "B"}
+    between, out = 0, []
+    for i, (_, c, running, own, after) in enumerate(walk):
         if final.get(c) == i:
             out.append((c, running, between))
             between = 0
         elif out:
-            between = max(between, peak)
+            between = max(between, running + own, after)
     return tuple(out)
