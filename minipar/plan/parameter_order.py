@@ -26,7 +26,7 @@ def layer_tensors(shape: ModelShape, tp: int = 1) -> tuple[int, ...]:
     """Elements of a transformer layer's parameters on one TP rank, in minipar's (and
     Hugging Face GPT-2's) registration order: ln_1, attn.c_attn, attn.c_proj, ln_2,
     mlp.c_fc (gate and up with SwiGLU), mlp.c_proj; weights before biases."""
-    return tuple(numel for numel, _ in _layer_parameters(shape, tp))
+    return tuple(numel for numel, _, _ in _layer_parameters(shape, tp))
 
 
 def layer_vectors(shape: ModelShape, tp: int = 1) -> tuple[bool, ...] | None:
@@ -34,33 +34,34 @@ def layer_vectors(shape: ModelShape, tp: int = 1) -> tuple[bool, ...] | None:
     partial over TP (the norms' weights and biases, the row-parallel layers' biases:
     parallel/tensor/sequence.py); None for a layer that list does not know."""
     parameters = _layer_parameters(shape, tp)
-    return None if len(parameters) == 1 else tuple(vector for _, vector in parameters)
+    return None if len(parameters) == 1 else tuple(vector for _, vector, _ in parameters)
 
 
 def column_parallel_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int] | None:
     """Places in `layer_tensors` of the column-parallel weights, attn.c_attn's (QKV)
     and mlp.c_fc's, whose gradients sequence parallelism forms from a re-gathered
     input; None for a layer that list does not know."""
-    if layer_vectors(shape, tp) is None:
+    parameters = _layer_parameters(shape, tp)
+    if len(parameters) == 1:
         return None
-    norms = 2 if shape.norm == "layernorm" else 1
-    gemm = 2 if shape.bias else 1  # a GEMM's weight and its bias
-    return norms, norms + 2 * gemm + norms
+    qkv, mlp_in = (j for j, (_, _, column) in enumerate(parameters) if column)
+    return qkv, mlp_in
 
 
-def _layer_parameters(shape: ModelShape, tp: int) -> list[tuple[int, bool]]:
-    """(elements, sequence-parallel vector?) of each parameter of a layer, in order."""
+def _layer_parameters(shape: ModelShape, tp: int) -> list[tuple[int, bool, bool]]:
+    """(elements, sequence-parallel vector?, column-parallel weight?) of each parameter
+    of a layer, in order."""
     h = shape.d_model
-    norm = [(h, True)] * (2 if shape.norm == "layernorm" else 1)
+    norm = [(h, True, False)] * (2 if shape.norm == "layernorm" else 1)
     bias = shape.bias
-    parameters = [*norm, (h * shape.qkv_width // tp, False)]
-    parameters += [(shape.qkv_width // tp, False)] if bias else []
-    parameters += [(h * h // tp, False)] + ([(h, True)] if bias else [])
-    parameters += [*norm, (h * shape.mlp_in_width // tp, False)]
-    parameters += [(shape.mlp_in_width // tp, False)] if bias else []
-    parameters += [(shape.ffn * h // tp, False)] + ([(h, True)] if bias else [])
-    if sum(numel for numel, _ in parameters) != sum(shape.layer_params(tp)):
-        return [(sum(shape.layer_params(tp)), False)]  # a layer this list does not know
+    parameters = [*norm, (h * shape.qkv_width // tp, False, True)]
+    parameters += [(shape.qkv_width // tp, False, False)] if bias else []
+    parameters += [(h * h // tp, False, False)] + ([(h, True, False)] if bias else [])
+    parameters += [*norm, (h * shape.mlp_in_width // tp, False, True)]
+    parameters += [(shape.mlp_in_width // tp, False, False)] if bias else []
+    parameters += [(shape.ffn * h // tp, False, False)] + ([(h, True, False)] if bias else [])
+    if sum(numel for numel, _, _ in parameters) != sum(shape.layer_params(tp)):
+        return [(sum(shape.layer_params(tp)), False, False)]  # a layer this list does not know
     return parameters
 
 
