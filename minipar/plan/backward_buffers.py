@@ -24,7 +24,14 @@ from itertools import accumulate
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.context import local_shape
-from minipar.plan.gradient_walk import Held, backward_sequence, made_before
+from minipar.plan.gradient_walk import (
+    NOTHING_HELD,
+    Held,
+    backward_sequence,
+    held_at,
+    held_together,
+    made_before,
+)
 from minipar.plan.layout import ParallelConfig, StagePlan
 from minipar.plan.parameter_order import (
     column_parallel_weights,
@@ -37,7 +44,7 @@ from minipar.plan.walked_activations import last_backwards, walkable
 
 def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                   tensors: tuple[int, ...], moe_layers: int = 0
-                  ) -> tuple[tuple[Held, ...], tuple[tuple[int, int], ...]]:
+                  ) -> tuple[Held, tuple[tuple[int, int], ...]]:
     """The buffers backward holds of its own while the gradients reduce: where in
     backward's order (gradient_walk.Held), and from where to its end ((place, bytes)).
     Sequence parallelism re-gathers a column-parallel layer's (b, s, h) input for its
@@ -63,7 +70,7 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     split = split_schedule and not (stage.layers and checkpointed == stage.layers)
     if pp > 1 and (not config.overlap_grad_reduce or (split_schedule and v > 1)
                    or (split and checkpointed)):
-        return (), ()
+        return NOTHING_HELD, ()
     b, t = config.micro_batch_size, config.tp
     message = local_shape(shape, cp).layer_input_bytes(b, t, sp, config.bytes.activation)
     messages = (pp > 1) * ((not stage.last) + (not stage.first and not split))
@@ -73,7 +80,7 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                                    if cp > 1 and stage.layers and not split else (0, 0))
     during = ((0, messages * message),) if messages and v == 1 else ()
     if not (regather or ring_backward or sends or v > 1):
-        return (), during
+        return NOTHING_HELD, during
     again = tuple(start + end - 1  # the last layer of each checkpointed segment
                   for start, n in zip(accumulate((0, *stage.chunk_layers)),
                                       stage.chunk_layers, strict=False)
@@ -82,36 +89,41 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                _column_parallel_moments(shape, t, sp, stage.first, stage.last, tensors,
                                         stage.chunk_layers, again))
     if moments is None:
-        return (), during
+        return NOTHING_HELD, during
     head, qkv, mlp_in, recomputed, starts, first_norms = moments
     held = []
     if v == 1 and sends:
-        during += ((first_norms[0][0], message),)
+        during += ((int(first_norms[0][0]), message),)
     elif v > 1:
         # each chunk's buckets reduce during its last backward, beside the messages held
         # then; the computations between two of those hold theirs beside the buckets
         # still in flight (walked_activations.last_backwards; too long to walk, or a
         # chunk without layers: not counted here, the larger of the two is taken)
-        if not walkable(config.schedule, pp, config.micro_batches, v) or None in starts:
-            return (), ()
+        if not walkable(config.schedule, pp, config.micro_batches, v) or any(
+                start is None for start in starts):
+            return NOTHING_HELD, ()
         lasts = last_backwards(config.schedule, pp, config.micro_batches, stage.rank, v,
                                message, regather, (ring_forward, ring_backward))
         previous = 0  # the messages of the chunk before's last backward
         for k, (c, running, between) in enumerate(lasts):
             if k:
-                held.append(Held(*starts[c], between, alone=True))
-            during += ((starts[c][0], running - previous),)
+                held.append(held_at(starts[c], between, alone=True))
+            during += ((int(starts[c][0]), running - previous),)
             previous = running
-            if first_norms[c] and SCHEDULES[config.schedule].virtual_stage(pp, stage.rank, c):
+            if first_norms[c] is not None and SCHEDULES[config.schedule].virtual_stage(
+                    pp, stage.rank, c):
                 # the input gradient, made at its first norm, sent as its backward ends
-                during += ((first_norms[c][0], message),)
+                during += ((int(first_norms[c][0]), message),)
                 if k + 1 < len(lasts):
-                    during += ((starts[lasts[k + 1][0]][0], -message),)
-    held += [Held(*head, regather)] if head and regather else []
-    held += [Held(*moment, max(regather, ring_backward)) for moment in qkv]
-    held += [Held(*moment, regather) for moment in mlp_in if regather]
-    held += [Held(*moment, ring_forward) for moment in recomputed if ring_forward]
-    return tuple(sorted(held)), during
+                    during += ((int(starts[lasts[k + 1][0]][0]), -message),)
+    if head is not None and regather:
+        held.append(held_at(head, regather))
+    held.append(held_at(qkv, max(regather, ring_backward)))
+    if regather:
+        held.append(held_at(mlp_in, regather))
+    if ring_forward:
+        held.append(held_at(recomputed, ring_forward))
+    return held_together(*held), during
 
 
 def regather_bytes(shape: ModelShape, config: ParallelConfig) -> int:
@@ -171,4 +183,7 @@ def _column_parallel_moments(shape: ModelShape, t: int, sequence_parallel: bool,
               for group in groups]
     first_norms = [made_before(tensors, sequence, ((front + bounds[c] * per_layer,),))[0]
                    if chunks[c] else None for c in range(len(chunks))]
+    for rows in (qkv, mlp_in, recomputed, *starts, *first_norms):
+        if rows is not None:
+            rows.setflags(write=False)  # cached: shared by every caller
     return ((0, 0) if last else None), qkv, mlp_in, recomputed, starts, first_norms

@@ -46,9 +46,10 @@ registration order (memory.StageParameters); buckets are tuples of their indices
 
 from __future__ import annotations
 
-import math
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import NamedTuple
+
+import numpy as np
 
 from minipar.plan.parameter_order import head_ready, layer_ready, layer_tensors
 from minipar.plan.shapes import ModelShape
@@ -114,26 +115,54 @@ def bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ..
 
 
 class Held(NamedTuple):
-    """Bytes backward holds as buffers of its own just before the tensor at sequence
-    place `position` is complete, when `made` elements of gradients exist; `alone`:
+    """Bytes backward holds as buffers of its own, one entry per moment (arrays of one
+    length, in backward's order): just before the tensor at sequence place `position`
+    is complete, when `made` elements of gradients exist, it holds `nbytes`; `alone`:
     held by a computation that runs between two chunks' last backwards (in place of
-    what those hold throughout)."""
+    what those hold throughout). Arrays, not a tuple per moment: a 4,096-layer stage
+    has tens of thousands, and a search walks them for every layout it plans."""
 
-    position: int
-    made: int
-    nbytes: int
-    alone: bool = False
+    position: np.ndarray
+    made: np.ndarray
+    nbytes: np.ndarray
+    alone: np.ndarray
+
+
+def held_at(moments: np.ndarray, nbytes: int, alone: bool = False) -> Held:
+    """`nbytes` held at each (place, made) row of `moments` (made_before's rows)."""
+    moments = np.asarray(moments, dtype=np.int64).reshape(-1, 2)
+    count = len(moments)
+    return Held(moments[:, 0], moments[:, 1], np.full(count, nbytes, dtype=np.int64),
+                np.full(count, alone))
+
+
+def held_together(*parts: Held) -> Held:
+    """The moments of every part, in backward's order."""
+    joined = [np.concatenate(column) for column in zip(*parts, strict=True)] if parts else (
+        [np.zeros(0, dtype=np.int64)] * 3 + [np.zeros(0, dtype=bool)])
+    order = np.argsort(joined[0], kind="stable")
+    return Held(*(column[order] for column in joined))
+
+
+NOTHING_HELD = held_together()
 
 
 def made_before(tensors: tuple[int, ...], sequence: tuple[int, ...],
-                groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
-    """(place in `sequence`, elements of the gradients made before it) of the first
+                groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """Rows (place in `sequence`, elements of the gradients made before it) of the first
     tensor backward completes of each group of `groups` (indices in registration
-    order), in backward's order."""
-    place = {i: position for position, i in enumerate(sequence)}
-    made = (0, *accumulate(tensors[i] for i in sequence))
-    firsts = (min(place[i] for i in group) for group in groups)
-    return tuple(sorted((first, made[first]) for first in firsts))
+    order, none empty), in backward's order."""
+    place = np.empty(len(sequence), dtype=np.int64)
+    place[np.asarray(sequence, dtype=np.int64)] = np.arange(len(sequence))
+    made = np.zeros(len(sequence) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(tensors, dtype=np.int64)[list(sequence)], out=made[1:])
+    if not groups:
+        return np.zeros((0, 2), dtype=np.int64)
+    sizes = [len(group) for group in groups]
+    members = np.fromiter(chain.from_iterable(groups), dtype=np.int64, count=sum(sizes))
+    starts = np.concatenate(([0], np.cumsum(sizes[:-1]))).astype(np.int64)
+    firsts = np.sort(np.minimum.reduceat(place[members], starts))
+    return np.stack((firsts, made[firsts]), axis=1)
 
 
 def grads_peak(final: int, input_grad: int, grad_bytes: int, made: int) -> int:
@@ -157,7 +186,7 @@ def reduced_pieces(launches: tuple[Launch, ...], before: int, ranks: int,
 def reduction_buffers(launches: tuple[Launch, ...], length: int, zero: int, ranks: int,
                       in_flight: int | None, overlap: bool, accumulate_pieces: bool,
                       grad_bytes: int, param_bytes: int, after: int = 0,
-                      backward_held: tuple[Held, ...] = (),
+                      backward_held: Held | None = None,
                       during: tuple[tuple[int, int], ...] = ()) -> int:
     """Peak bytes of the "buffers" a data-parallel engine's bucketed reduction holds
     in one backward and the step after it (module docstring), ZeRO stage `zero` over
@@ -204,17 +233,9 @@ def reduction_buffers(launches: tuple[Launch, ...], length: int, zero: int, rank
             place < length) else 0
 
     largest = 0
-    waiting = list(backward_held)
-
-    def meet_own(upto: float) -> None:  # backward's own buffers up to sequence place
-        nonlocal beside
-        while waiting and waiting[0].position <= upto:
-            moment = waiting.pop(0)
-            beside = 0 if moment.alone else held_from(moment.position)
-            note(holding(moment.made), moment.nbytes)
-
+    states = []  # (gradients flattened, flat copies and pieces held) as each launch comes
     for launch in launches:
-        meet_own(launch.position)
+        states.append((flattened, flats + pieces))
         beside = held_from(launch.position)
         held = holding(launch.made)  # as the bucket's last gradient is made
         note(held)
@@ -230,7 +251,10 @@ def reduction_buffers(launches: tuple[Launch, ...], length: int, zero: int, rank
             pending.append(flat)
         else:
             wait(flat, holding(launch.made))
-    meet_own(math.inf)
+    states.append((flattened, flats + pieces))
+    if backward_held is not None and len(backward_held.position):
+        peak = max(peak, _own_moments_peak(backward_held, launches, states, grads_are_buffers,
+                                           grad_bytes, during, length))
     beside = 0
     for flat in pending:  # at the end of backward, every gradient flattened
         wait(flat, flats + pieces)
@@ -239,3 +263,22 @@ def reduction_buffers(launches: tuple[Launch, ...], length: int, zero: int, rank
         peak = max(peak, (pieces + after) * grad_bytes,
                    pieces * grad_bytes + largest * param_bytes)
     return peak
+
+
+def _own_moments_peak(held: Held, launches: tuple[Launch, ...], states: list[tuple[int, int]],
+                      grads_are_buffers: bool, grad_bytes: int,
+                      during: tuple[tuple[int, int], ...], length: int) -> int:
+    """The largest of reduction_buffers' moments where backward holds buffers of its
+    own (`held`): at each, the reduction's state as the first launch at or after it
+    found it (`states[k]`, before launch k; the last, after every launch), what `during`
+    holds there (nothing for a moment `alone`, or past backward), and its own bytes."""
+    reach = np.maximum.accumulate(np.array([launch.position for launch in launches],
+                                           dtype=np.int64)) if launches else np.zeros(0)
+    k = np.searchsorted(reach, held.position, side="left")
+    flattened, buffered = np.array(states, dtype=np.int64).T
+    elements = buffered[k] + (held.made - flattened[k] if grads_are_buffers else 0)
+    beside = np.zeros(len(held.position), dtype=np.int64)
+    for start, nbytes in during:
+        beside += np.where(held.position >= start, nbytes, 0)
+    beside = np.where(held.alone | (held.position >= length), 0, beside)
+    return int((elements * grad_bytes + beside + held.nbytes).max())
