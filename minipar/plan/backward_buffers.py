@@ -27,6 +27,7 @@ from minipar.plan.context import local_shape
 from minipar.plan.gradient_walk import (
     NOTHING_HELD,
     Held,
+    backward_order,
     backward_sequence,
     held_at,
     held_together,
@@ -81,10 +82,12 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     during = ((0, messages * message),) if messages and v == 1 else ()
     if not (regather or ring_backward or sends or v > 1):
         return NOTHING_HELD, during
-    again = tuple(start + end - 1  # the last layer of each checkpointed segment
+    # the last layer of each checkpointed segment, whose forward runs the ring again
+    again = tuple(start + end - 1
                   for start, n in zip(accumulate((0, *stage.chunk_layers)),
                                       stage.chunk_layers, strict=False)
-                  for _, end, recomputed in config.recompute.segments(n) if recomputed)
+                  for _, end, recomputed in config.recompute.segments(n) if recomputed
+                  ) if ring_forward else ()
     moments = (None if moe_layers else
                _column_parallel_moments(shape, t, sp, stage.first, stage.last, tensors,
                                         stage.chunk_layers, again))
@@ -166,22 +169,21 @@ def _column_parallel_moments(shape: ModelShape, t: int, sequence_parallel: bool,
     front = len(embedding_tensors(shape, t)) if first else 0
     per_layer = len(layer_tensors(shape, t))
     back = len(tensors) - front - layers * per_layer
-    sequence = backward_sequence(shape, 1, t, sequence_parallel, front, layers, back)
-    qkv, mlp_in = (made_before(tensors, sequence, tuple((front + layer * per_layer + column,)
-                                                        for layer in range(layers)))
+    order = backward_order(tensors, backward_sequence(shape, 1, t, sequence_parallel, front,
+                                                      layers, back))
+    qkv, mlp_in = (made_before(order, tuple((front + layer * per_layer + column,)
+                                            for layer in range(layers)))
                    for column in columns)
-    recomputed = made_before(tensors, sequence, tuple(
-        tuple(range(front + layer * per_layer, front + (layer + 1) * per_layer))
-        for layer in again))
+    recomputed = made_before(order, tuple(
+        range(front + layer * per_layer, front + (layer + 1) * per_layer) for layer in again))
     # each chunk's layers (the embedding with the first, the head with the last)
     bounds = [0, *accumulate(chunks)]
     groups = [range(front + bounds[c] * per_layer, front + bounds[c + 1] * per_layer)
               for c in range(len(chunks))]
     groups[0] = range(0, groups[0].stop)
     groups[-1] = range(groups[-1].start, len(tensors))
-    starts = [made_before(tensors, sequence, (tuple(group),))[0] if group else None
-              for group in groups]
-    first_norms = [made_before(tensors, sequence, ((front + bounds[c] * per_layer,),))[0]
+    starts = [made_before(order, (group,))[0] if group else None for group in groups]
+    first_norms = [made_before(order, ((front + bounds[c] * per_layer,),))[0]
                    if chunks[c] else None for c in range(len(chunks))]
     for rows in (qkv, mlp_in, recomputed, *starts, *first_norms):
         if rows is not None:

@@ -147,22 +147,43 @@ def held_together(*parts: Held) -> Held:
 NOTHING_HELD = held_together()
 
 
-def made_before(tensors: tuple[int, ...], sequence: tuple[int, ...],
-                groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    """Rows (place in `sequence`, elements of the gradients made before it) of the first
-    tensor backward completes of each group of `groups` (indices in registration
-    order, none empty), in backward's order."""
+class BackwardOrder(NamedTuple):
+    """Where each tensor's gradient is made in backward's order (`place`, by registration
+    index), and the elements of the gradients made before each place (`made`, one more
+    entry: every gradient)."""
+
+    place: np.ndarray
+    made: np.ndarray
+
+
+def backward_order(tensors: tuple[int, ...], sequence: tuple[int, ...]) -> BackwardOrder:
+    """The BackwardOrder of a stage's `tensors` (elements, registration order) completed
+    in `sequence` (backward_sequence)."""
     place = np.empty(len(sequence), dtype=np.int64)
     place[np.asarray(sequence, dtype=np.int64)] = np.arange(len(sequence))
     made = np.zeros(len(sequence) + 1, dtype=np.int64)
     np.cumsum(np.asarray(tensors, dtype=np.int64)[list(sequence)], out=made[1:])
+    return BackwardOrder(place, made)
+
+
+def made_before(order: BackwardOrder, groups: tuple[tuple[int, ...] | range, ...]
+                ) -> np.ndarray:
+    """Rows (place in backward's order, elements of the gradients made before it) of the
+    first tensor backward completes of each group of `groups` (indices in registration
+    order, none empty), in backward's order."""
     if not groups:
         return np.zeros((0, 2), dtype=np.int64)
-    sizes = [len(group) for group in groups]
-    members = np.fromiter(chain.from_iterable(groups), dtype=np.int64, count=sum(sizes))
-    starts = np.concatenate(([0], np.cumsum(sizes[:-1]))).astype(np.int64)
-    firsts = np.sort(np.minimum.reduceat(place[members], starts))
-    return np.stack((firsts, made[firsts]), axis=1)
+    if all(isinstance(group, range) and group.step == 1 for group in groups):
+        firsts = np.array([order.place[group.start:group.stop].min() for group in groups],
+                          dtype=np.int64)
+    else:
+        sizes = [len(group) for group in groups]
+        members = np.fromiter(chain.from_iterable(groups), dtype=np.int64,
+                              count=sum(sizes))
+        starts = np.concatenate(([0], np.cumsum(sizes[:-1]))).astype(np.int64)
+        firsts = np.minimum.reduceat(order.place[members], starts)
+    firsts = np.sort(firsts)
+    return np.stack((firsts, order.made[firsts]), axis=1)
 
 
 def grads_peak(final: int, input_grad: int, grad_bytes: int, made: int) -> int:

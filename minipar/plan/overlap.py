@@ -51,7 +51,7 @@ each module (timing.stage_modules).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache, lru_cache, partial
 
 from minipar.parallel.zero.sharded import MAX_IN_FLIGHT
 from minipar.plan.buckets import GradientBucket, Module, alike, gradient_buckets
@@ -140,7 +140,37 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
     keep_after_forward: FSDP2's reshard_after_forward=False (zero/reshard.py), a unit
     stays gathered from its forward to its backward, which then gathers nothing;
     all_reduce_s: HSDP's last micro-batch (zero/hybrid.py), each unit's gradient shard
-    all-reduced over its replicas as its reduce-scatter is waited for, blocking."""
+    all-reduced over its replicas as its reduce-scatter is waited for, blocking.
+
+    A search prices the same chunk again under other settings, and a chunk is thousands
+    of alike layers: its micro-batch is simulated once per distinct run of modules and
+    times (`_runs`)."""
+    rows = zip(modules, gather_s, reduce_s,
+               [None] * len(modules) if all_reduce_s is None else all_reduce_s, strict=True)
+    return _zero3_simulated(_runs(rows), prefetch, overlap, tied_head, keep_after_forward,
+                            all_reduce_s is not None)
+
+
+def _runs(items) -> tuple[tuple[object, int], ...]:
+    """(item, how many times in a row) of a sequence."""
+    runs: list[list] = []
+    for item in items:
+        if runs and runs[-1][0] == item:
+            runs[-1][1] += 1
+        else:
+            runs.append([item, 1])
+    return tuple((item, count) for item, count in runs)
+
+
+@lru_cache(maxsize=512)
+def _zero3_simulated(runs: tuple[tuple[tuple, int], ...], prefetch: bool, overlap: bool,
+                     tied_head: bool, keep_after_forward: bool, replicas: bool
+                     ) -> tuple[float, float, float]:
+    """zero3_micro_batch of the modules and times that `runs` lists."""
+    modules, gather_s, reduce_s, all_reduce_s = (
+        list(column) for column in zip(*(row for row, count in runs for _ in range(count)),
+                                       strict=True))
+    all_reduce_s = all_reduce_s if replicas else None
     n = len(modules)
     sites = [(j,) for j in range(n)]  # the units each module's call gathers
     if tied_head and n > 1 and modules[0].name == "embedding":
