@@ -6,6 +6,7 @@
     python benchmarks/gradient_memory.py beside     # 2,160 layouts, about 3 minutes
     python benchmarks/gradient_memory.py pipelines  # 960 layouts, about 3 minutes
     python benchmarks/gradient_memory.py pipelines-dp   # 720 layouts, about 2 minutes
+    python benchmarks/gradient_memory.py beside --total # peak_total over a grid
 
 `grads`: one micro-batch under recomputation, where the "grads" peak is what backward
 has made when the lowest recomputed layer's input gradient is alive
@@ -25,7 +26,9 @@ same figure on pp 2 with SP or CP (GPipe, 1F1B, interleaved, ZB-H1, DualPipe-V; 
 ZeRO-1, buckets of 0.001 and 0.25 MiB, overlap on and off, dp 1-2, no or full
 recomputation, 2 and 4 micro-batches); `pipelines-dp` without either (the same
 schedules, buckets of 0, 0.001 and 0.25 MiB, tied and untied, fp64 and bf16, 4
-micro-batches). Each layout trains two steps and is planned;
+micro-batches). `--total` compares `peak_total` (the peak of the sum of every category
+at one instant) over a grid instead of the grid's figure. Each layout trains two steps
+and is planned;
 printed: every pipeline rank whose figure differs (planned / measured - 1, the two, the
 settings) and the tally. Run it on another tree with PYTHONPATH to see what a change
 moved.
@@ -156,6 +159,7 @@ FIGURES = {  # the grid's figure: the report's category, the planner's
     "beside": ("buffers", lambda memory: memory["buffers"]),
     "pipelines": ("buffers", lambda memory: memory["buffers"]),
     "pipelines-dp": ("buffers", lambda memory: memory["buffers"]),
+    "total": ("peak_total", lambda memory: memory["peak_total"]),  # --total, any grid
 }
 
 
@@ -183,32 +187,42 @@ def compare(settings: dict, figure: str) -> list[tuple[int, int, int]] | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("grid", choices=tuple(FIGURES))
+    parser.add_argument("grid", choices=tuple(figure for figure in FIGURES
+                                              if figure != "total"))
     parser.add_argument("--zero", type=lambda s: tuple(int(z) for z in s.split(",")),
                         default=(0, 1, 2), help="ZeRO stages, e.g. 1,2 (default 0,1,2)")
     parser.add_argument("--quick", action="store_true", help="a fraction of the grid")
+    parser.add_argument("--total", action="store_true",
+                        help="compare peak_total, the peak of the sum, over the grid")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # a layout's advice is not a finding
     layouts = {"grads": grads_layouts, "buffers": buffers_layouts, "beside": beside_layouts,
                "pipelines": pipeline_layouts,
                "pipelines-dp": pipeline_dp_layouts}[args.grid](args.zero, args.quick)
-    ranks = exact = refused = 0
+    figure = "total" if args.total else args.grid
+    ranks = exact = refused = low = 0
     worst = 0.0
+    errors = []
     for settings in layouts:
-        differ = compare(settings, args.grid)
+        differ = compare(settings, figure)
         if differ is None:
             refused += 1
             continue
         for rank, got, planned in differ:
             worst = max(worst, abs(planned / got - 1))
+            errors.append(planned / got - 1)
+            low += planned < got
             print(f"{planned / got - 1:+8.2%}  measured {got:7d}  planned {planned:7d}  "
                   f"pipeline rank {rank}  {settings}", flush=True)
         # (every pipeline rank counts once; a refused layout has none)
         stages = settings.get("pp", 1)
         ranks += stages
         exact += stages - len(differ)
-    print(f"{args.grid}: {exact} of {ranks} pipeline ranks exact, worst {worst:.2%} "
-          f"({refused} layouts refused)")
+    print(f"{args.grid}{' (peak_total)' if args.total else ''}: {exact} of {ranks} pipeline "
+          f"ranks exact, worst {worst:.2%} ({refused} layouts refused)")
+    if errors:
+        print(f"  of the others {low} low, {len(errors) - low} high; planned / measured - 1 "
+              f"from {min(errors):+.2%} to {max(errors):+.2%}")
     return 0
 
 
