@@ -4,8 +4,8 @@
     python benchmarks/gradient_memory.py buffers    # 4,224 layouts, about 4 minutes
     python benchmarks/gradient_memory.py buffers --zero 2 --quick
     python benchmarks/gradient_memory.py beside     # 2,160 layouts, about 3 minutes
-    python benchmarks/gradient_memory.py pipelines  # 960 layouts, about 3 minutes
-    python benchmarks/gradient_memory.py pipelines-dp   # 720 layouts, about 2 minutes
+    python benchmarks/gradient_memory.py pipelines  # 1,344 layouts, about 4 minutes
+    python benchmarks/gradient_memory.py pipelines-dp   # 1,260 layouts, about 3 minutes
     python benchmarks/gradient_memory.py beside --total # peak_total over a grid
 
 `grads`: one micro-batch under recomputation, where the "grads" peak is what backward
@@ -22,13 +22,13 @@ beside them (sequence parallelism's re-gather, ring attention's blocks), on one 
 with SP or CP: DDP and ZeRO-1/2, buckets of 0, 0.001 and 0.25 MiB, overlap on and off,
 dp 1-2, every recomputation, 1 and 2 micro-batches, micro-batches of 1 and 6 sequences
 of 32 tokens, fp64 and bf16, then CP 4, SP with CP 2 and with CP 4. `pipelines`: the
-same figure on pp 2 with SP or CP (GPipe, 1F1B, interleaved, ZB-H1, DualPipe-V; DDP and
-ZeRO-1, buckets of 0.001 and 0.25 MiB, overlap on and off, dp 1-2, no or full
-recomputation, 2 and 4 micro-batches); `pipelines-dp` without either (the same
-schedules, buckets of 0, 0.001 and 0.25 MiB, tied and untied, fp64 and bf16, 4
-micro-batches). `--total` compares `peak_total` (the peak of the sum of every category
-at one instant) over a grid instead of the grid's figure. Each layout trains two steps
-and is planned;
+same figure on pp 2 with SP or CP (GPipe, 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V,
+DualPipe-V; DDP and ZeRO-1, buckets of 0.001 and 0.25 MiB, overlap on and off, dp 1-2,
+no or full recomputation, 2 and 4 micro-batches); `pipelines-dp` without either (the
+same schedules, buckets of 0, 0.001 and 0.25 MiB, 4 micro-batches: tied and untied,
+fp64 and bf16 without recomputation, untied fp64 with full recomputation). `--total`
+compares `peak_total` (the peak of the sum of every category at one instant) over a
+grid instead of the grid's figure. Each layout trains two steps and is planned;
 printed: every pipeline rank whose figure differs (planned / measured - 1, the two, the
 settings) and the tally. Run it on another tree with PYTHONPATH to see what a change
 moved.
@@ -125,32 +125,36 @@ def beside_layouts(zeros, quick: bool):
                    **(dict(tp=2, sequence_parallel=True) if sp else {}))
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipe-v")
+TWO_CHUNKS = ("interleaved", "zb-v", "dualpipe-v")
+
+
 def pipeline_layouts(zeros, quick: bool):
     """The backward's own buffers beside the reduction's, on two pipeline stages."""
     for schedule, zero, rec, bucket, overlap, dp, split, accum in itertools.product(
-            ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe-v"), zeros, (None, "full"),
-            (0.001, 0.25), (True, False), (1, 2), ("sp", "cp"), (2, 4)):
+            SCHEDULES, zeros, (None, "full"), (0.001, 0.25), (True, False), (1, 2),
+            ("sp", "cp"), (2, 4)):
         if quick and (rec, accum, bucket) != (None, 2, 0.001):
             continue
         yield dict(pp=2, schedule=schedule, zero=zero, recompute_granularity=rec,
                    bucket_size_mb=bucket, overlap_grad_reduce=overlap, dp=dp,
                    grad_accum_steps=accum, precision="fp64", n_layer=4, micro_batch_size=6,
-                   seq_len=32, virtual_stages=2 if schedule in ("interleaved", "dualpipe-v")
-                   else 1,
+                   seq_len=32, virtual_stages=2 if schedule in TWO_CHUNKS else 1,
                    **(dict(tp=2, sequence_parallel=True) if split == "sp" else dict(cp=2)))
 
 
 def pipeline_dp_layouts(zeros, quick: bool):
     """The reduction's buffers beside a pipeline's messages, without SP or CP."""
-    for schedule, zero, bucket, overlap, dp, tie, precision in itertools.product(
-            ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe-v"), zeros, (0, 0.001, 0.25),
-            (True, False), (1, 2), (True, False), ("fp64", "bf16-mixed")):
-        if quick and (bucket, precision) != (0.001, "fp64"):
+    for schedule, zero, rec, bucket, overlap, dp, tie, precision in itertools.product(
+            SCHEDULES, zeros, (None, "full"), (0, 0.001, 0.25), (True, False), (1, 2),
+            (True, False), ("fp64", "bf16-mixed")):
+        if (quick and (bucket, precision) != (0.001, "fp64")) or (
+                rec and (tie, precision) != (False, "fp64")):
             continue
-        yield dict(pp=2, schedule=schedule, zero=zero, bucket_size_mb=bucket,
-                   overlap_grad_reduce=overlap, dp=dp, grad_accum_steps=4,
-                   tie_embeddings=tie, precision=precision, n_layer=4,
-                   virtual_stages=2 if schedule in ("interleaved", "dualpipe-v") else 1)
+        yield dict(pp=2, schedule=schedule, zero=zero, recompute_granularity=rec,
+                   bucket_size_mb=bucket, overlap_grad_reduce=overlap, dp=dp,
+                   grad_accum_steps=4, tie_embeddings=tie, precision=precision, n_layer=4,
+                   virtual_stages=2 if schedule in TWO_CHUNKS else 1)
 
 
 FIGURES = {  # the grid's figure: the report's category, the planner's

@@ -9,9 +9,10 @@ reduction_buffers adds to the flat copies and pieces it walks.
     ring attention         a received K/V block in forward; in backward a block and a
                            partial sum of the K/V gradients (parallel/context/
                            ring_attention.py), just before QKV's gradient
-    a pipeline stage       through its last backward, which reduces its buckets with
-                           overlap: the micro-batch's messages and its input gradient
-                           (walked_activations.last_backwards for several chunks)
+    a pipeline stage       through its last backward (or W, under a split backward),
+                           which reduces its buckets with overlap: the micro-batch's
+                           messages and its input gradient (walked_activations.
+                           last_backwards for several chunks)
 
 Exact against the emulator's ledger on the grids of benchmarks/gradient_memory.py
 (`beside`, `pipelines`, `pipelines-dp`); docs/planner.md names what is left.
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import accumulate
+
+import numpy as np
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.context import local_shape
@@ -55,30 +58,31 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     again as the segment's backward starts. A pipeline stage reduces during its last
     backward only with overlap (else after the flush: train/build.py), and then holds
     its messages throughout it (GPipe, 1F1B: every other micro-batch is done by then):
-    the received input and output gradient, and from the first layer's norm on (whose
-    backward hands the input its gradient before its own weights theirs) the input
-    gradient, sent once backward is over. With several chunks (interleaved) each
-    chunk's buckets reduce in its own last backward, and the backwards between hold
-    their own beside them. A split backward's W makes the weight gradients, holding
-    only the output gradient (its I sent the input's and ran the ring); when every
-    layer is checkpointed its I makes them, walked as an unsplit backward. A split
-    backward over several chunks (ZB-V, DualPipe-V) or with some layers checkpointed,
-    whose Is and Ws interleave, is not walked: none of this is counted here
-    (walked_messages walks the messages; the larger of the two is taken)."""
+    the received input and output gradient, and the input gradient, sent once backward
+    is over: from the first layer's norm on (whose backward hands the input its
+    gradient before its own weights theirs), or, when that layer is checkpointed, once
+    its segment's backward is over (the checkpoint's backward returns it last). With
+    several chunks each chunk's buckets reduce in its own last backward, and the
+    computations between hold their own beside them. A split backward's W makes the
+    weight gradients, holding only the output gradient (its I sent the input's and ran
+    the ring); when every layer is checkpointed its I makes them, walked as an unsplit
+    backward, and the W after it the embedding's and the head's (`made_by_last_w`). A
+    split backward with only some layers checkpointed, whose Is and Ws both make weight
+    gradients, is not walked: none of this is counted here (walked_messages walks the
+    messages; the larger of the two is taken)."""
     sp, cp, pp, v = config.sequence_parallel, config.cp, config.pp, config.virtual_stages
     split_schedule = pp > 1 and SCHEDULES[config.schedule].split_backward
     checkpointed = sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
     split = split_schedule and not (stage.layers and checkpointed == stage.layers)
-    if pp > 1 and (not config.overlap_grad_reduce or (split_schedule and v > 1)
-                   or (split and checkpointed)):
+    if pp > 1 and (not config.overlap_grad_reduce or (split and checkpointed)):
         return NOTHING_HELD, ()
     b, t = config.micro_batch_size, config.tp
     message = local_shape(shape, cp).layer_input_bytes(b, t, sp, config.bytes.activation)
     messages = (pp > 1) * ((not stage.last) + (not stage.first and not split))
     sends = pp > 1 and not stage.first and not split and stage.layers  # an input gradient
     regather = regather_bytes(shape, config) if stage.layers or stage.last else 0
-    ring_forward, ring_backward = (ring_attention_buffers(shape, config)
-                                   if cp > 1 and stage.layers and not split else (0, 0))
+    ring = ring_attention_buffers(shape, config) if cp > 1 and stage.layers else (0, 0)
+    ring_forward, ring_backward = (0, 0) if split else ring  # (a W runs no attention)
     during = ((0, messages * message),) if messages and v == 1 else ()
     if not (regather or ring_backward or sends or v > 1):
         return NOTHING_HELD, during
@@ -88,15 +92,23 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                                       stage.chunk_layers, strict=False)
                   for _, end, recomputed in config.recompute.segments(n) if recomputed
                   ) if ring_forward else ()
+    # each chunk's first layers, when checkpointed: their segment hands its input its
+    # gradient once the segment's whole backward is over (the checkpoint's backward
+    # returns it), not at the first norm as a plain layer does
+    bottoms = tuple(next((end for start, end, again in config.recompute.segments(n)
+                          if start == 0 and again), 0) for n in stage.chunk_layers)
     moments = (None if moe_layers else
                _column_parallel_moments(shape, t, sp, stage.first, stage.last, tensors,
-                                        stage.chunk_layers, again))
+                                        stage.chunk_layers, again, bottoms))
     if moments is None:
         return NOTHING_HELD, during
-    head, qkv, mlp_in, recomputed, starts, first_norms = moments
+    head, qkv, mlp_in, recomputed, starts, inputs = moments
+    if head is not None and made_by_last_w(config, stage)[1]:  # in the W, after every I
+        head = (len(tensors), sum(tensors))
     held = []
     if v == 1 and sends:
-        during += ((int(first_norms[0][0]), message),)
+        held.append(_input_gradient_made(inputs[0], bottoms[0], during, message))
+        during += ((int(inputs[0][0]), message),)
     elif v > 1:
         # each chunk's buckets reduce during its last backward, beside the messages held
         # then; the computations between two of those hold theirs beside the buckets
@@ -106,17 +118,23 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                 start is None for start in starts):
             return NOTHING_HELD, ()
         lasts = last_backwards(config.schedule, pp, config.micro_batches, stage.rank, v,
-                               message, regather, (ring_forward, ring_backward))
+                               message, regather, ring, tuple(
+                                   tuple(again for start, end, again in
+                                         config.recompute.segments(n)
+                                         for _ in range(start, end))
+                                   for n in stage.chunk_layers) if split_schedule else None)
         previous = 0  # the messages of the chunk before's last backward
-        for k, (c, running, between) in enumerate(lasts):
+        for k, (c, kind, running, between) in enumerate(lasts):
             if k:
                 held.append(held_at(starts[c], between, alone=True))
             during += ((int(starts[c][0]), running - previous),)
             previous = running
-            if first_norms[c] is not None and SCHEDULES[config.schedule].virtual_stage(
-                    pp, stage.rank, c):
-                # the input gradient, made at its first norm, sent as its backward ends
-                during += ((int(first_norms[c][0]), message),)
+            if kind != "W" and inputs[c] is not None and SCHEDULES[
+                    config.schedule].virtual_stage(pp, stage.rank, c):
+                # the input gradient, made at its first norm (or as its checkpointed
+                # first segment's backward ends), sent as its backward ends
+                held.append(_input_gradient_made(inputs[c], bottoms[c], during, message))
+                during += ((int(inputs[c][0]), message),)
                 if k + 1 < len(lasts):
                     during += ((int(starts[lasts[k + 1][0]][0]), -message),)
     if head is not None and regather:
@@ -127,6 +145,33 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     if ring_forward:
         held.append(held_at(recomputed, ring_forward))
     return held_together(*held), during
+
+
+def _input_gradient_made(place: np.ndarray, bottom: int,
+                         during: tuple[tuple[int, int], ...], message: int) -> Held:
+    """The moment a checkpointed first segment's input gradient appears, after the
+    segment's last weight gradient, maybe past every place of backward: what is held
+    then, messages and the gradient, as one moment (nothing for a plain first layer,
+    whose input gradient `during` carries from its first norm on)."""
+    if not bottom:
+        return NOTHING_HELD
+    messages = sum(nbytes for start, nbytes in during if start < place[0])
+    return held_at(place, messages + message, alone=True)
+
+
+def made_by_last_w(config: ParallelConfig, stage: StagePlan) -> tuple[bool, bool]:
+    """Whether (the embedding's, the head's) gradients are made after every layer's:
+    under a split backward whose layers are all checkpointed, the I makes the layers'
+    weight gradients (a checkpointed layer's backward runs whole) and the W after it the
+    embedding's and the head's. The first stage's last W is its last computation, and so
+    is the last stage's under one chunk (ZB-H1, ZB-H2); over two chunks the head's
+    gradient is a B's (DualPipe-V), or a W's between the two chunks' last Is (ZB-V),
+    which is not modelled: the head is taken first there."""
+    if not (config.pp > 1 and stage.layers > 0 and SCHEDULES[config.schedule].split_backward
+            and sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
+            == stage.layers):
+        return False, False
+    return stage.first, stage.last and config.virtual_stages == 1
 
 
 def regather_bytes(shape: ModelShape, config: ParallelConfig) -> int:
@@ -154,14 +199,16 @@ def ring_attention_buffers(shape: ModelShape, config: ParallelConfig) -> tuple[i
 @lru_cache(maxsize=256)
 def _column_parallel_moments(shape: ModelShape, t: int, sequence_parallel: bool,
                              first: bool, last: bool, tensors: tuple[int, ...],
-                             chunks: tuple[int, ...], again: tuple[int, ...]):
+                             chunks: tuple[int, ...], again: tuple[int, ...],
+                             bottoms: tuple[int, ...]):
     """(place in backward's order, elements of gradients made before it) of: where the
     head's backward starts (None without a head), where each layer's QKV and MLP-in
     weight gradients are formed, where the backward of each layer of `again` starts (a
     checkpointed segment's last, whose forward runs again then), where each of the
-    `chunks` (layers per chunk) starts, and where each chunk's first norm weight is
-    made (None without layers), in that order; None if a layer is listed as one
-    tensor."""
+    `chunks` (layers per chunk) starts, and where each chunk's input gradient is made
+    (None without layers): as its first norm's weight is, or with `bottoms[c]` of its
+    first layers checkpointed, just after their last gradient; in that order; None if a
+    layer is listed as one tensor."""
     columns = column_parallel_weights(shape, t)
     if columns is None:
         return None
@@ -183,9 +230,19 @@ def _column_parallel_moments(shape: ModelShape, t: int, sequence_parallel: bool,
     groups[0] = range(0, groups[0].stop)
     groups[-1] = range(groups[-1].start, len(tensors))
     starts = [made_before(order, (group,))[0] if group else None for group in groups]
-    first_norms = [made_before(order, ((front + bounds[c] * per_layer,),))[0]
-                   if chunks[c] else None for c in range(len(chunks))]
-    for rows in (qkv, mlp_in, recomputed, *starts, *first_norms):
+    inputs = [None if not chunks[c] else
+              made_before(order, ((front + bounds[c] * per_layer,),))[0] if not bottoms[c]
+              else _after_last(order, range(front + bounds[c] * per_layer,
+                                            front + (bounds[c] + bottoms[c]) * per_layer))
+              for c in range(len(chunks))]
+    for rows in (qkv, mlp_in, recomputed, *starts, *inputs):
         if rows is not None:
             rows.setflags(write=False)  # cached: shared by every caller
-    return ((0, 0) if last else None), qkv, mlp_in, recomputed, starts, first_norms
+    return ((0, 0) if last else None), qkv, mlp_in, recomputed, starts, inputs
+
+
+def _after_last(order, group: range) -> np.ndarray:
+    """(place just after the last tensor of `group` backward completes, elements made
+    by then)."""
+    place = int(order.place[group.start:group.stop].max()) + 1
+    return np.array((place, order.made[place]), dtype=np.int64)

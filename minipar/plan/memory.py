@@ -67,7 +67,12 @@ from functools import lru_cache
 
 from minipar.parallel.pipeline.schedules.registry import SCHEDULES
 from minipar.plan.accounting import Ingredients, account
-from minipar.plan.backward_buffers import backward_held, regather_bytes, ring_attention_buffers
+from minipar.plan.backward_buffers import (
+    backward_held,
+    made_by_last_w,
+    regather_bytes,
+    ring_attention_buffers,
+)
 from minipar.plan.context import local_shape
 from minipar.plan.experts import (
     chunk_moe_layers,
@@ -513,7 +518,8 @@ def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
     return _stage_launches(shape, config.tp, config.ep, config.sequence_parallel,
                            stage.first, stage.last, stage.tied_copy, stage.layers,
                            stage_moe_layers(shape, stage),
-                           config.bucket_size_mb * 2**20, config.bytes.param, config.pp)
+                           config.bucket_size_mb * 2**20, config.bytes.param, config.pp,
+                           *made_by_last_w(config, stage))
 
 
 # A search plans the same stage under many DP sizes and micro-batches: its buckets are
@@ -522,7 +528,8 @@ def _launches(shape: ModelShape, config: ParallelConfig, stage: StagePlan
 @lru_cache(maxsize=256)
 def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
                     first: bool, last: bool, tied_copy: bool, layers: int, moe_layers: int,
-                    cap: float, itemsize: int, pp: int) -> tuple[Launch, ...]:
+                    cap: float, itemsize: int, pp: int, embedding_after: bool = False,
+                    head_after: bool = False) -> tuple[Launch, ...]:
     params = _stage_parameters(shape, t, ep, first, last, tied_copy, layers, moe_layers)
     tensors = params.tensors
     buckets = (_bucket_tensors(tensors, cap, itemsize) if cap > 0
@@ -531,10 +538,13 @@ def _stage_launches(shape: ModelShape, t: int, ep: int, sequence_parallel: bool,
     back = len(tensors) - front - layers * len(layer_tensors(shape, t))
     sequence = backward_sequence(shape, 1, t, sequence_parallel, front, layers, back)
     # what is reduced after the flush (a pipeline's tied wte, the first stage's and the
-    # last's copy): its bucket is deferred (minipar/train/build.py)
-    late = ((embedding_late(shape, t, pp) if first else ())
+    # last's copy): its bucket is deferred (minipar/train/build.py); so is an embedding or
+    # a head whose gradients are made after the layers' (backward_buffers.made_by_last_w)
+    late = (((True,) * front if embedding_after else
+             embedding_late(shape, t, pp) if first else ())
             + (False,) * (len(tensors) - front - back)
-            + (head_tensors(shape, t, tied_copy)[1] if last else (False,) * back))
+            + ((True,) * back if head_after else
+               head_tensors(shape, t, tied_copy)[1] if last else (False,) * back))
     return bucket_launches(tensors, buckets, sequence,
                            frozenset(i for i, deferred in enumerate(late) if deferred))
 

@@ -200,19 +200,26 @@ def _message_walk(schedule: str, pp: int, micro_batches: int, rank: int,
 @lru_cache(maxsize=256)
 def last_backwards(schedule: str, pp: int, micro_batches: int, rank: int,
                    virtual_stages: int, message: int = 1, inside: int = 0,
-                   ring: tuple[int, int] = (0, 0)) -> tuple[tuple[int, int, int], ...]:
-    """For an unsplit backward over several chunks, where each chunk's buckets reduce
-    during its last backward (parallel/pipeline/executor.py): per chunk, in the order
-    those run, (chunk, bytes of messages held while its last backward runs, the most
-    the computations since the previous chunk's last backward hold: messages, and
-    their own as in `walked_messages`)."""
-    walk = list(_message_walk(schedule, pp, micro_batches, rank, virtual_stages, None,
-                              message, inside, ring))
-    final = {c: i for i, (kind, c, *_) in enumerate(walk) if kind == "B"}
+                   ring: tuple[int, int] = (0, 0),
+                   checkpointed: tuple[tuple[bool, ...], ...] | None = None
+                   ) -> tuple[tuple[int, str, int, int], ...]:
+    """For a backward over several chunks, where each chunk's buckets reduce during the
+    last computation that makes its weight gradients (parallel/pipeline/executor.py): a
+    B, or under a split backward a W, or the I of a chunk whose layers are all
+    checkpointed (`checkpointed` as in `walked_messages`; the head's and the
+    embedding's gradients, made by its W, are counted there too); per chunk, in the
+    order those run, (chunk, its kind, bytes of messages held while it runs, the most
+    the computations since the previous chunk's hold: messages, and their own as in
+    `walked_messages`)."""
+    walk = list(_message_walk(schedule, pp, micro_batches, rank, virtual_stages,
+                              checkpointed, message, inside, ring))
+    recomputed = checkpointed or ((False,),) * virtual_stages
+    makes = [("B", "I") if layers and all(layers) else ("B", "W") for layers in recomputed]
+    final = {c: i for i, (kind, c, *_) in enumerate(walk) if kind in makes[c]}
     between, out = 0, []
-    for i, (_, c, running, own, after) in enumerate(walk):
+    for i, (kind, c, running, own, after) in enumerate(walk):
         if final.get(c) == i:
-            out.append((c, running, between))
+            out.append((c, kind, running, between))
             between = 0
         elif out:
             between = max(between, running + own, after)

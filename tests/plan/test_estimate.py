@@ -430,6 +430,18 @@ PIPELINE_OWN_BUFFERS = [  # a stage's last backward: messages, re-gather, ring, 
          sequence_parallel=True, recompute_granularity="full"),
     dict(schedule="interleaved", virtual_stages=2, zero=1, dp=2, tie_embeddings=False,
          precision="bf16-mixed", micro_batch_size=1, seq_len=8, grad_accum_steps=4),
+    # a split backward over two chunks: each chunk's buckets in its last W (or B)
+    dict(schedule="dualpipe-v", virtual_stages=2, zero=0, dp=2, tp=2,
+         sequence_parallel=True, grad_accum_steps=4),
+    dict(schedule="zb-v", virtual_stages=2, zero=1, tp=2, sequence_parallel=True,
+         grad_accum_steps=4),
+    # ... every layer checkpointed: in its last I, the embedding's in the last W
+    dict(schedule="dualpipe-v", virtual_stages=2, zero=1, cp=2, grad_accum_steps=4,
+         recompute_granularity="full"),
+    dict(schedule="zb-h1", zero=0, dp=2, recompute_granularity="full", grad_accum_steps=4),
+    # a checkpointed first layer hands its input the gradient after its weights theirs
+    dict(schedule="1f1b", zero=1, dp=2, recompute_granularity="full", grad_accum_steps=4),
+    dict(schedule="zb-h1", zero=1, cp=2, recompute_granularity="full"),
 ]
 
 
@@ -437,7 +449,8 @@ PIPELINE_OWN_BUFFERS = [  # a stage's last backward: messages, re-gather, ring, 
     "1f1b-ddp-sp", "gpipe-ddp-cp2-full", "1f1b-zero1-sp", "1f1b-ddp-cp2-after-flush",
     "1f1b-zero1-cp2-after-flush", "zb-h1-ddp-sp", "zb-h1-zero1-cp2",
     "1f1b-zero1-untied-bf16", "interleaved-ddp-cp2", "interleaved-ddp-sp-full",
-    "interleaved-zero1-untied-bf16"])
+    "interleaved-zero1-untied-bf16", "dualpipe-v-ddp-sp", "zb-v-zero1-sp",
+    "dualpipe-v-zero1-cp2-full", "zb-h1-ddp-full", "1f1b-zero1-full", "zb-h1-zero1-cp2-full"])
 def test_a_pipeline_stage_holds_its_messages_beside_the_reduction(settings):
     """With overlap a pipeline stage reduces its buckets during its last backward
     (without, after the flush), while it holds that micro-batch's received input and
@@ -446,7 +459,11 @@ def test_a_pipeline_stage_holds_its_messages_beside_the_reduction(settings):
     split backward during its last W, which holds only the output gradient and the
     re-gather (the I ran the ring and sent the input's gradient). With several chunks
     each chunk's buckets reduce in its own last backward, and the backwards of other
-    micro-batches run between, beside the buckets still in flight.
+    micro-batches run between, beside the buckets still in flight; under a split
+    backward in its last W, or its last I when every layer is checkpointed (the I makes
+    their weight gradients, the first stage's last W the embedding's, and under one
+    chunk the last stage's the head's). A checkpointed first layer's segment hands its
+    input the gradient once its whole backward is over.
     Ring attention's blocks, held in forward and backward, are never beside the input
     gradient being sent back, made after them."""
     config = TrainConfig(**{**TINY, "d_model": 16, "vocab_size": 32, "seq_len": 32,
