@@ -48,8 +48,8 @@ DualPipe-V), and for the zero-bubble schedules, walked with what a split backwar
 keeps for its W (split_backward.py); the gradient reduction's buffers are exact for
 DDP and ZeRO-1/2 on one pipeline stage (gradient_walk.py), beside the backward's own
 (sequence parallelism's re-gather, ring attention's blocks: backward_buffers.py), and on a
-pipeline stage beside its last backwards' messages too (DualPipe-V's and a checkpointed
-split backward's are taken apart, the larger of the two); so are a pipeline rank's
+pipeline stage beside its last backwards' messages too (a split backward with only
+some layers checkpointed is taken apart, the larger of the two); so are a pipeline rank's
 message buffers, with the re-gather and ring attention's blocks beside them
 (walked_activations.py);
 buffers and the total are otherwise an estimate:
