@@ -24,11 +24,12 @@ dp 1-2, every recomputation, 1 and 2 micro-batches, micro-batches of 1 and 6 seq
 of 32 tokens, fp64 and bf16, then CP 4, SP with CP 2 and with CP 4. `pipelines`: the
 same figure on pp 2 with SP or CP (GPipe, 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V,
 DualPipe-V; DDP and ZeRO-1, buckets of 0.001 and 0.25 MiB, overlap on and off, dp 1-2,
-no or full recomputation, 2 and 4 micro-batches); `pipelines-dp` without either (the
-same schedules, buckets of 0, 0.001 and 0.25 MiB, 4 micro-batches: tied and untied,
-fp64 and bf16 without recomputation, untied fp64 with full recomputation). `--total`
-compares `peak_total` (the peak of the sum of every category at one instant) over a
-grid instead of the grid's figure. Each layout trains two steps and is planned;
+no or full recomputation, 2 and 4 micro-batches, ZB-H2, ZB-V and DualPipe-V only 4);
+`pipelines-dp` without either (the same schedules, buckets of 0, 0.001 and 0.25 MiB, 4
+micro-batches: tied and untied, fp64 and bf16 without recomputation, untied fp64 with
+full recomputation). `--total` compares `peak_total` (the peak of the sum of every
+category at one instant) over a grid instead of the grid's figure. Each layout trains
+two steps and is planned;
 printed: every pipeline rank whose figure differs (planned / measured - 1, the two, the
 settings) and the tally. Run it on another tree with PYTHONPATH to see what a change
 moved.

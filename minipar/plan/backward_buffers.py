@@ -95,8 +95,8 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     # each chunk's first layers, when checkpointed: their segment hands its input its
     # gradient once the segment's whole backward is over (the checkpoint's backward
     # returns it), not at the first norm as a plain layer does
-    bottoms = tuple(next((end for start, end, again in config.recompute.segments(n)
-                          if start == 0 and again), 0) for n in stage.chunk_layers)
+    bottoms = tuple(next((end for start, end, redone in config.recompute.segments(n)
+                          if start == 0 and redone), 0) for n in stage.chunk_layers)
     moments = (None if moe_layers else
                _column_parallel_moments(shape, t, sp, stage.first, stage.last, tensors,
                                         stage.chunk_layers, again, bottoms))
@@ -113,13 +113,13 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
         # each chunk's buckets reduce during its last backward, beside the messages held
         # then; the computations between two of those hold theirs beside the buckets
         # still in flight (walked_activations.last_backwards; too long to walk, or a
-        # chunk without layers: not counted here, the larger of the two is taken)
+        # chunk of no parameters: not counted here, the larger of the two is taken)
         if not walkable(config.schedule, pp, config.micro_batches, v) or any(
                 start is None for start in starts):
             return NOTHING_HELD, ()
         lasts = last_backwards(config.schedule, pp, config.micro_batches, stage.rank, v,
                                message, regather, ring, tuple(
-                                   tuple(again for start, end, again in
+                                   tuple(redone for start, end, redone in
                                          config.recompute.segments(n)
                                          for _ in range(start, end))
                                    for n in stage.chunk_layers) if split_schedule else None)

@@ -109,7 +109,8 @@ def bucket_launches(tensors: tuple[int, ...], buckets: tuple[tuple[int, ...], ..
     made = list(accumulate(tensors[i] for i in sequence))
     end = len(sequence) - 1  # (every gradient is made by then)
     lasts = sorted((end + 1 if deferred.intersection(bucket) else
-                    max(place[i] for i in bucket), k) for k, bucket in enumerate(buckets))
+                    max(place[i] for i in bucket), k) for k, bucket in enumerate(buckets)
+                   if bucket)  # (a rank of no parameters has one empty bucket)
     return tuple(Launch(sum(tensors[i] for i in buckets[k]), made[min(last, end)], last)
                  for last, k in lasts)
 
@@ -219,7 +220,7 @@ def reduction_buffers(launches: tuple[Launch, ...], length: int, zero: int, rank
     (`accumulate_pieces`). `in_flight`: reductions outstanding at most under overlap
     (None: no limit; DDP has none); after: gradient elements held once backward is over
     (sequence parallelism's all-reduce of the vectors' gradients), beside ZeRO-1's
-    pieces; backward_held: backward's own buffers (`Held`), in backward's order;
+    pieces; backward_held: backward's own buffers (`Held`);
     during: (sequence place, bytes) held (or, negative, freed) from the computation
     that makes the tensor at that place on to the end of backward (a pipeline stage's
     messages, its input gradient). `length`: the places of backward's sequence (a launch

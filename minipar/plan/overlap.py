@@ -145,6 +145,8 @@ def zero3_micro_batch(modules: list[Module], gather_s: list[float],
     A search prices the same chunk again under other settings, and a chunk is thousands
     of alike layers: its micro-batch is simulated once per distinct run of modules and
     times (`_runs`)."""
+    if not modules:
+        return 0.0, 0.0, 0.0
     rows = zip(modules, gather_s, reduce_s,
                [None] * len(modules) if all_reduce_s is None else all_reduce_s, strict=True)
     return _zero3_simulated(_runs(rows), prefetch, overlap, tied_head, keep_after_forward,

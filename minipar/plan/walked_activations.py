@@ -206,8 +206,9 @@ def last_backwards(schedule: str, pp: int, micro_batches: int, rank: int,
     """For a backward over several chunks, where each chunk's buckets reduce during the
     last computation that makes its weight gradients (parallel/pipeline/executor.py): a
     B, or under a split backward a W, or the I of a chunk whose layers are all
-    checkpointed (`checkpointed` as in `walked_messages`; the head's and the
-    embedding's gradients, made by its W, are counted there too); per chunk, in the
+    checkpointed (`checkpointed` as in `walked_messages`; the first stage's embedding,
+    whose gradient the last W makes, is launched after every bucket then:
+    backward_buffers.made_by_last_w); per chunk, in the
     order those run, (chunk, its kind, bytes of messages held while it runs, the most
     the computations since the previous chunk's hold: messages, and their own as in
     `walked_messages`)."""

@@ -8,6 +8,7 @@ import pytest
 from minipar.plan import presets
 from minipar.plan.layout import ParallelConfig, stage_plans
 from minipar.plan.memory import stage_memory, stage_parameters
+from minipar.plan.shapes import ModelShape
 
 # Rajbhandari et al. 2020, Figure 1: Psi = 7.5B parameters, N = 64 DP ranks, K = 12.
 PSI, N, K = 7.5e9, 64, 12
@@ -103,3 +104,17 @@ def test_planner_defaults_to_megatrons_fp32_gradient_buffers(zero, per_parameter
     paper = config.replace(grad_accum_dtype="bf16")
     assert model_state(stage_memory(shape, paper, plan)) == pytest.approx(
         (per_parameter - 2) * psi, abs=(2 + 4 + K) * N)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_rank_of_no_parameters_holds_no_model_state(zero):
+    """A layer split may leave a pipeline rank no layer, embedding or head (DualPipe-V
+    over three ranks of a two-layer model): it launches no gradient bucket and holds no
+    model state, and its stage is planned like the others."""
+    shape = ModelShape(n_layer=2, d_model=64, n_head=4, vocab_size=65, seq_len=64)
+    config = ParallelConfig(dp=2, pp=3, zero=zero, schedule="dualpipe-v", virtual_stages=2,
+                            layer_split=(0, 0, 0, 1, 0, 1), micro_batch_size=1,
+                            global_batch_size=12, bucket_size_mb=0.001)
+    empty = stage_plans(shape, config, all_ranks=True)[1]
+    assert empty.layers == 0 and not (empty.first or empty.last)
+    assert model_state(stage_memory(shape, config, empty)) == 0
