@@ -36,7 +36,7 @@ from minipar.plan.gradient_walk import (
     held_together,
     made_before,
 )
-from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.layout import ParallelConfig, StagePlan, checkpointed_by_chunk
 from minipar.plan.parameter_order import (
     column_parallel_weights,
     embedding_tensors,
@@ -118,11 +118,8 @@ def backward_held(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
                 start is None for start in starts):
             return NOTHING_HELD, ()
         lasts = last_backwards(config.schedule, pp, config.micro_batches, stage.rank, v,
-                               message, regather, ring, tuple(
-                                   tuple(redone for start, end, redone in
-                                         config.recompute.segments(n)
-                                         for _ in range(start, end))
-                                   for n in stage.chunk_layers) if split_schedule else None)
+                               message, regather, ring,
+                               checkpointed_by_chunk(config, stage) if split_schedule else None)
         previous = 0  # the messages of the chunk before's last backward
         for k, (c, kind, running, between) in enumerate(lasts):
             if k:

@@ -373,6 +373,13 @@ def checkpointed_layers(config: ParallelConfig, stage: StagePlan) -> int:
     return sum(config.recompute.recomputed_layers(n) for n in stage.chunk_layers)
 
 
+def checkpointed_by_chunk(config: ParallelConfig, stage: StagePlan
+                          ) -> tuple[tuple[bool, ...], ...]:
+    """Per chunk of `stage`, per layer: whether full recomputation checkpoints it."""
+    return tuple(tuple(checkpointed for start, end, checkpointed in config.recompute.segments(n)
+                       for _ in range(start, end)) for n in stage.chunk_layers)
+
+
 def representative_ranks(pp: int) -> list[int]:
     """Pipeline ranks whose estimates bound every rank's: the first (embedding, most
     micro-batches in flight), the second (the most of both among the inner ranks: the

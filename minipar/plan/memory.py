@@ -91,7 +91,7 @@ from minipar.plan.gradient_walk import (
     reduced_pieces,
     reduction_buffers,
 )
-from minipar.plan.layout import ParallelConfig, StagePlan
+from minipar.plan.layout import ParallelConfig, StagePlan, checkpointed_by_chunk
 from minipar.plan.parameter_order import (
     embedding_late,
     embedding_tensors,
@@ -414,11 +414,9 @@ def _activations(shape: ModelShape, config: ParallelConfig, stage: StagePlan,
     ring = (ring_attention_buffers(full, config) if config.cp > 1 and stage.layers
             else (0, 0))
     if walk and config.pp > 1 and (split or v > 1):
-        checkpointed = tuple(tuple(again for start, end, again in recompute.segments(n)
-                                   for _ in range(start, end)) for n in stage.chunk_layers)
         forward_buffers = walked_messages(config.schedule, config.pp, config.micro_batches,
-                                          stage.rank, v, checkpointed, layer_input, inside,
-                                          ring)
+                                          stage.rank, v, checkpointed_by_chunk(config, stage),
+                                          layer_input, inside, ring)
     else:  # (a forward holds no output gradient, and a block at most the backward's)
         piped = config.pp > 1
         forward_buffers = ((received + (not stage.last) * piped) * layer_input
